@@ -1,0 +1,31 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both build .venv when it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.reshard-installed
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The machine carries a CPU build of torch 2.13.0; pinning it here keeps pip from pulling a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test,plot]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m reshard.demo
+
+test: $(STAMP)
+	$(BIN)/ruff check reshard tests benchmarks scripts
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run_all
+
+lint: $(STAMP)
+	$(BIN)/ruff check reshard tests benchmarks scripts
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

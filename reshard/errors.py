@@ -1,0 +1,50 @@
+"""Every error reshard raises on bad input. All are ``ValueError`` subclasses, so a caller that
+only knows "the input was wrong" can catch ``ValueError``; a caller that wants to react to one
+kind catches the subclass. Messages name the file, parameter, rank, piece or JSON path at fault.
+"""
+
+from __future__ import annotations
+
+
+class ReshardError(ValueError):
+    """Base class of every error reshard raises for bad input."""
+
+
+class MapFormatError(ReshardError):
+    """A map or plan document (JSON / dict) is malformed. The message starts with the JSON path."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path or '<root>'}: {reason}")
+
+
+class MapError(ReshardError):
+    """A map is well formed but states something impossible: a view outside its tensor, a shard
+    its pieces do not tile, an uncovered element, inexact locations, conflicting scales."""
+
+
+class ShardError(ReshardError):
+    """Shards handed to ``rebuild``/``apply`` disagree with the map: missing rank, wrong size,
+    mixed dtypes."""
+
+
+class ReplicaMismatchError(ReshardError):
+    """Ranks that the map says hold identical data for a block do not (property P2)."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = (), max_abs_diff: float = 0.0) -> None:
+        self.ranks = ranks
+        self.max_abs_diff = max_abs_diff
+        super().__init__(message)
+
+
+class NotAffineError(ReshardError):
+    """``derive`` was given a partition function that computes rather than selects."""
+
+
+class PlanError(ReshardError):
+    """Two maps cannot be composed into a plan (disagreeing valid shapes, inexact scale, ...)."""
+
+
+class CheckpointError(ReshardError):
+    """A checkpoint on disk is missing, truncated, unsafe, or disagrees with its own metadata."""

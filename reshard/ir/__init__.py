@@ -1,0 +1,24 @@
+"""The affine IR: pieces, maps, checks, canonical form, JSON format. No I/O."""
+
+from .canonical import canonicalize
+from .check import check, uncovered
+from .param_map import ParamMap, Shard
+from .piece import Piece, View, piece, prod, row_major_strides
+from .serial import map_from_dict, map_to_dict, maps_from_document, maps_to_document
+
+__all__ = [
+    "ParamMap",
+    "Piece",
+    "Shard",
+    "View",
+    "canonicalize",
+    "check",
+    "map_from_dict",
+    "map_to_dict",
+    "maps_from_document",
+    "maps_to_document",
+    "piece",
+    "prod",
+    "row_major_strides",
+    "uncovered",
+]

@@ -1,0 +1,156 @@
+"""Apply a map to tensors: ``extract`` (F -> one rank's shard) and ``rebuild`` (shards -> F).
+
+Both are one loop of strided copies, the same views read in opposite directions. Offsets in a
+piece are relative to the first element of a flat tensor; a tensor that is itself a view into a
+larger storage is handled by adding its own storage offset, never by reading from the wrong place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import MapError, ReplicaMismatchError, ShardError
+from .param_map import ParamMap
+from .piece import Piece, View, prod
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous tensor over ``t``'s elements (a view when ``t`` is contiguous)."""
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
+def _view(flat: torch.Tensor, shape: tuple[int, ...], view: View) -> torch.Tensor:
+    return torch.as_strided(flat, shape, view.strides, flat.storage_offset() + view.offset)
+
+
+def factor_of(p: Piece, scale_power: int) -> float:
+    return p.scale**scale_power
+
+
+def _require_scalable(dtype: torch.dtype, factor: float, where: str) -> None:
+    if factor != 1.0 and not (dtype.is_floating_point or dtype.is_complex):
+        raise MapError(f"{where}: a scaled piece cannot apply to integer dtype {dtype}")
+
+
+def extract(m: ParamMap, full: torch.Tensor, rank: int, scale_power: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``full``. ``full`` has ``m.logical_shape``, or ``m.valid_shape``
+    for a padded map, in which case the padding the shard holds is zero."""
+    shard_spec = m.shard(rank)
+    full = _as_logical(m, full)
+    src = _flat(full)
+    out = torch.empty(shard_spec.numel, dtype=full.dtype, device=full.device)
+    for i, p in enumerate(shard_spec.pieces):
+        if p.is_empty:
+            continue
+        factor = factor_of(p, scale_power)
+        _require_scalable(full.dtype, factor, f"rank {rank} piece {i}")
+        dst = _view(out, p.shape, p.dest)
+        block = _view(src, p.shape, p.source)
+        dst.copy_(block if factor == 1.0 else block * factor)
+    return out.view(shard_spec.shape)
+
+
+def _as_logical(m: ParamMap, full: torch.Tensor) -> torch.Tensor:
+    shape = tuple(full.shape)
+    if shape == m.logical_shape:
+        return full
+    if shape == m.valid_shape and prod(shape) == full.numel():
+        padded = full.new_zeros(m.logical_shape)
+        padded[tuple(slice(0, n) for n in m.valid_shape)] = full
+        return padded
+    raise ShardError(
+        f"full tensor has shape {list(shape)}; the map expects {list(m.logical_shape)}"
+        + (f" or valid shape {list(m.valid_shape)}" if m.is_padded else "")
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret as integers so equality is bitwise (NaN == NaN, -0 != +0)."""
+    if t.dtype.is_floating_point:
+        width = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[t.element_size()]
+        return t.contiguous().view(width)
+    return t
+
+
+def _check_shards(m: ParamMap, shards: Mapping[int, torch.Tensor]) -> tuple[torch.dtype, torch.device]:
+    if not shards:
+        raise ShardError("no shards supplied")
+    dtype = device = None
+    for rank, t in shards.items():
+        if rank not in m.shards:
+            raise ShardError(f"rank {rank}: supplied a shard, but the map has no rank {rank}")
+        want = m.shards[rank].numel
+        if t.numel() != want:
+            raise ShardError(
+                f"rank {rank}: shard has {t.numel()} elements {list(t.shape)}, the map says "
+                f"{want} {list(m.shards[rank].shape)}"
+            )
+        if dtype is None:
+            dtype, device = t.dtype, t.device
+        elif t.dtype != dtype:
+            raise ShardError(f"rank {rank}: shard dtype {t.dtype} differs from {dtype} of the other shards")
+    return dtype, device
+
+
+def rebuild(
+    m: ParamMap,
+    shards: Mapping[int, torch.Tensor],
+    scale_power: int = 1,
+    *,
+    verify: bool = True,
+    valid_only: bool = False,
+) -> torch.Tensor:
+    """F from shards. Every block is written from its lowest supplied holder; with ``verify``,
+    every other supplied holder is compared bitwise (P2) and a difference raises
+    :class:`ReplicaMismatchError` naming the ranks, the block and the largest difference.
+    ``shards`` may omit ranks as long as every block keeps a holder."""
+    dtype, device = _check_shards(m, shards)
+    have = set(shards)
+    full = torch.empty(m.numel, dtype=dtype, device=device)
+    flats = {r: _flat(t) for r, t in shards.items()}
+    pending: list[tuple[int, int, Piece]] = []
+    for rank, i, p in m.pieces():
+        if p.is_empty:
+            continue
+        holders = p.locations & have
+        if not holders:
+            raise ShardError(
+                f"rank {rank} piece {i} ({p.describe()}): no supplied shard holds this block "
+                f"(holders {sorted(p.locations)}, supplied {sorted(have)})"
+            )
+        if rank != min(holders):
+            if verify and rank in have:
+                pending.append((rank, i, p))
+            continue
+        factor = factor_of(p, scale_power)
+        _require_scalable(dtype, factor, f"rank {rank} piece {i}")
+        dst = _view(full, p.shape, p.source)
+        block = _view(flats[rank], p.shape, p.dest)
+        dst.copy_(block if factor == 1.0 else block / factor)
+    for rank, i, p in pending:
+        _verify_replica(full, flats[rank], rank, i, p, scale_power, min(p.locations & have))
+    out = full.view(m.logical_shape)
+    if valid_only and m.is_padded:
+        out = out[tuple(slice(0, n) for n in m.valid_shape)].contiguous()
+    return out
+
+
+def _verify_replica(
+    full: torch.Tensor, flat: torch.Tensor, rank: int, i: int, p: Piece, scale_power: int, writer: int
+) -> None:
+    factor = factor_of(p, scale_power)
+    block = _view(flat, p.shape, p.dest)
+    mine = block if factor == 1.0 else block / factor
+    written = _view(full, p.shape, p.source)
+    if torch.equal(_bits(mine), _bits(written)):
+        return
+    diff = (mine.double() - written.double()).abs() if mine.dtype.is_floating_point else None
+    worst = float(diff.nan_to_num(nan=float("inf")).max()) if diff is not None else float("nan")
+    raise ReplicaMismatchError(
+        f"ranks {writer} and {rank} hold different data for the block {p.describe()} "
+        f"(rank {rank} piece {i}); largest difference {worst:g}",
+        ranks=(writer, rank),
+        max_abs_diff=worst,
+    )

@@ -1,0 +1,185 @@
+"""Canonical form: the unique, smallest description of a layout that the rules below allow.
+
+1. Each piece is normalised: empty pieces dropped, extent-1 dims dropped, dims ordered by source
+   stride (then dest stride) descending, dims contiguous on both sides merged. A single element
+   is shape ``(1,)`` with strides ``(1,)``.
+2. Within one shard (grouping by rank comes first, seed §8.2) and within one (locations, scale)
+   class (homogeneity), repeat to a fixpoint:
+   - *concat*: two pieces adjacent along one dim on both sides become one;
+   - *fold*: pieces of one shape whose offsets advance by a constant on both sides become one
+     piece with a new outer dim, provided the result is one box of F (so a column split's rows
+     fold into one piece, while Yuan's separate head groups stay separate pieces).
+3. Pieces are ordered by dest offset.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .geometry import _as_one_box, normalized_dims
+from .param_map import ParamMap, Shard
+from .piece import Piece, View, row_major_strides
+
+Dim = tuple[int, int, int]  # (extent, source stride, dest stride)
+
+
+def _dims(p: Piece) -> list[Dim]:
+    return [(n, s, d) for n, s, d in zip(p.shape, p.source.strides, p.dest.strides)]
+
+
+def _make(dims: list[Dim], src: int, dst: int, like: Piece) -> Piece | None:
+    dims = [x for x in dims if x[0] != 1]
+    if any(x[0] == 0 for x in dims):
+        return None
+    dims.sort(key=lambda x: (-x[1], -x[2]))
+    merged: list[Dim] = []
+    for n, s, d in dims:
+        if merged and merged[-1][1] == s * n and merged[-1][2] == d * n:
+            merged[-1] = (merged[-1][0] * n, s, d)
+        else:
+            merged.append((n, s, d))
+    if not merged:
+        merged = [(1, 1, 1)]
+    return Piece(
+        tuple(x[0] for x in merged),
+        View(src, tuple(x[1] for x in merged)),
+        View(dst, tuple(x[2] for x in merged)),
+        like.locations,
+        like.scale,
+    )
+
+
+def normalize_piece(p: Piece) -> Piece | None:
+    """Rule 1; ``None`` for an empty piece."""
+    return _make(_dims(p), p.source.offset, p.dest.offset, p)
+
+
+def _is_scalar(p: Piece) -> bool:
+    return p.shape == (1,)
+
+
+def _dims_of(p: Piece) -> tuple[Dim, ...]:
+    return () if _is_scalar(p) else tuple(_dims(p))
+
+
+def _keys(p: Piece) -> list[tuple]:
+    """Index keys of a piece: as a whole, and per dim with that dim's extent left free."""
+    dims = _dims_of(p)
+    keys: list[tuple] = [("whole", dims, p.source.offset, p.dest.offset)]
+    for k, (_, s, d) in enumerate(dims):
+        keys.append(("along", k, s, d, dims[:k] + dims[k + 1 :], p.source.offset, p.dest.offset))
+    return keys
+
+
+def _concat_pass(pieces: list[Piece]) -> tuple[list[Piece], bool]:
+    """Merge pairs adjacent along one dim on both sides. A piece with one dim fewer (a slice of
+    extent 1 along that dim, scalars included) joins at either end."""
+    alive = dict(enumerate(sorted(pieces, key=_order)))
+    index = {key: i for i, p in alive.items() for key in _keys(p)}
+    changed = False
+    for i in sorted(alive):
+        grew = i in alive
+        while grew:
+            grew = False
+            p = alive[i]
+            dims = _dims_of(p)
+            for k, (n, s, d) in enumerate(dims):
+                rest = dims[:k] + dims[k + 1 :]
+                a_src, a_dst = p.source.offset + n * s, p.dest.offset + n * d
+                for key, kind in (
+                    (("along", k, s, d, rest, a_src, a_dst), "same"),
+                    (("whole", rest, a_src, a_dst), "slice"),
+                    (("whole", rest, p.source.offset - s, p.dest.offset - d), "before"),
+                ):
+                    j = index.get(key)
+                    if j is None or j == i or j not in alive:
+                        continue
+                    q = alive.pop(j)
+                    for old in _keys(q) + _keys(p):
+                        if index.get(old) in (i, j):
+                            del index[old]
+                    grown = list(dims)
+                    grown[k] = (n + (q.shape[k] if kind == "same" else 1), s, d)
+                    origin = q if kind == "before" else p
+                    p = Piece(tuple(x[0] for x in grown), View(origin.source.offset, tuple(x[1] for x in grown)),
+                              View(origin.dest.offset, tuple(x[2] for x in grown)), p.locations, p.scale)
+                    alive[i] = p
+                    index.update((key, i) for key in _keys(p))
+                    grew = changed = True
+                    break
+                if grew:
+                    break
+    out = [normalize_piece(p) for p in alive.values()]
+    return [p for p in out if p is not None], changed
+
+
+def _fold_pass(pieces: list[Piece], space: tuple[int, ...]) -> tuple[list[Piece], bool]:
+    """Stack same-shaped pieces whose offsets advance by a constant into one N-d piece."""
+    groups: dict[tuple, list[Piece]] = defaultdict(list)
+    for p in pieces:
+        groups[(p.shape, p.source.strides, p.dest.strides)].append(p)
+    out: list[Piece] = []
+    changed = False
+    S = row_major_strides(space)
+    for group in groups.values():
+        group.sort(key=lambda p: (p.source.offset, p.dest.offset))
+        i = 0
+        while i < len(group):
+            j = i + 1
+            if j < len(group):
+                ds = group[j].source.offset - group[i].source.offset
+                dd = group[j].dest.offset - group[i].dest.offset
+                while (
+                    j + 1 < len(group)
+                    and group[j + 1].source.offset - group[j].source.offset == ds
+                    and group[j + 1].dest.offset - group[j].dest.offset == dd
+                ):
+                    j += 1
+                if dd > 0:
+                    first = group[i]
+                    folded = _make(_dims(first) + [(j - i + 1, ds, dd)], first.source.offset, first.dest.offset, first)
+                    if folded is not None and _one_box(folded, space, S):
+                        out.append(folded)
+                        changed = True
+                        i = j + 1
+                        continue
+            out.append(group[i])
+            i += 1
+    return out, changed
+
+
+def _one_box(p: Piece, space: tuple[int, ...], S: tuple[int, ...]) -> bool:
+    if not space:
+        return True
+    boxes = _as_one_box(p.source.offset, normalized_dims(p.shape, p.source.strides), space, S)
+    return boxes is not None and len(boxes) == 1
+
+
+def _order(p: Piece) -> tuple:
+    return (p.dest.offset, p.source.offset, p.shape, p.source.strides, p.dest.strides)
+
+
+def canonical_pieces(pieces: tuple[Piece, ...] | list[Piece], space: tuple[int, ...]) -> tuple[Piece, ...]:
+    classes: dict[tuple, list[Piece]] = defaultdict(list)
+    for p in pieces:
+        q = normalize_piece(p)
+        if q is not None:
+            classes[(q.locations, q.scale)].append(q)
+    out: list[Piece] = []
+    for cls in classes.values():
+        changed = True
+        while changed:
+            cls, c1 = _concat_pass(cls)
+            cls, c2 = _fold_pass(cls, space)
+            changed = c1 or c2
+        out.extend(cls)
+    return tuple(sorted(out, key=_order))
+
+
+def canonicalize(m: ParamMap) -> ParamMap:
+    """The canonical form of ``m`` (deterministic, idempotent, never more pieces)."""
+    return ParamMap(
+        m.logical_shape,
+        {r: Shard(s.shape, canonical_pieces(s.pieces, m.logical_shape)) for r, s in m.shards.items()},
+        m.valid_shape,
+    )
