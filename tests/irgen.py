@@ -134,11 +134,18 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
 
 
 @st.composite
-def layouts(draw) -> ParamMap:
+def shapes(draw, max_ndim: int = 4, max_extent: int = 7) -> tuple[int, ...]:
+    ndim = draw(st.integers(1, max_ndim))
+    return tuple(draw(st.lists(st.integers(1, max_extent), min_size=ndim, max_size=ndim)))
+
+
+@st.composite
+def layouts(draw, shape: tuple[int, ...] | None = None, scaled: bool = True) -> ParamMap:
     """Random valid maps: even/uneven/nested splits on any dim, replicated and scaled segments,
     flat ZeRO ranges; shapes up to 4-d."""
-    ndim = draw(st.integers(1, 4))
-    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
+    if shape is None:
+        shape = draw(shapes())
+    ndim = len(shape)
     kind = draw(st.sampled_from(["grid", "segmented", "flat", "replicated"]))
     if kind == "grid":
         dims = draw(st.lists(st.integers(0, ndim - 1), min_size=1, max_size=2, unique=True))
@@ -154,11 +161,19 @@ def layouts(draw) -> ParamMap:
         segs = [(s, r) for s, r in ((cut, False), (shape[d] - cut, True)) if s]
         if draw(st.booleans()):
             segs.reverse()
-        scale = draw(st.sampled_from([1.0, 0.5, 0.25, 2.0]))
+        scale = draw(st.sampled_from([1.0, 0.5, 0.25, 2.0] if scaled else [1.0]))
         return segmented_map(shape, d, segs, ranks, scale)
     if kind == "flat":
         n = prod(shape)
         ranks = draw(st.integers(1, 4))
         inner = sorted(draw(st.lists(st.integers(0, n), min_size=ranks - 1, max_size=ranks - 1)))
         return flat_map(shape, [0, *inner, n])
-    return replicated_map(shape, draw(st.integers(1, 3)), draw(st.sampled_from([1.0, 0.5, 0.125])))
+    return replicated_map(shape, draw(st.integers(1, 3)),
+                          draw(st.sampled_from([1.0, 0.5, 0.125] if scaled else [1.0])))
+
+
+def padded_vocab_map(vocab: int, hidden: int, tp: int) -> ParamMap:
+    """Legacy TP: rows padded up to a multiple of ``tp``, split evenly; valid region the vocab."""
+    rows = -(-vocab // tp) * tp
+    g = grid_map((rows, hidden), {0: [rows // tp] * tp})
+    return ParamMap((rows, hidden), dict(g.shards), valid_shape=(vocab, hidden))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from reshard import ParamMap, canonicalize
 from tests.irgen import DTYPES, fragment, layouts, random_tensor
 
-SETTINGS = settings(max_examples=150, deadline=None)
+SETTINGS = settings(max_examples=int(__import__("os").environ.get("RESHARD_EXAMPLES", "150")), deadline=None)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

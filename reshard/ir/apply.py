@@ -29,6 +29,17 @@ def factor_of(p: Piece, scale_power: int) -> float:
     return p.scale**scale_power
 
 
+def scaled(block: torch.Tensor, factor: float) -> torch.Tensor:
+    """``block * factor``, computed as a division when ``factor`` is ``1/k`` for an integer k, so
+    the result is bit-identical to what frameworks write (``bias / world_size``)."""
+    if factor == 1.0:
+        return block
+    inv = round(1.0 / factor)
+    if inv != 0 and 1.0 / inv == factor:
+        return block / inv
+    return block * factor
+
+
 def _require_scalable(dtype: torch.dtype, factor: float, where: str) -> None:
     if factor != 1.0 and not (dtype.is_floating_point or dtype.is_complex):
         raise MapError(f"{where}: a scaled piece cannot apply to integer dtype {dtype}")
@@ -48,7 +59,7 @@ def extract(m: ParamMap, full: torch.Tensor, rank: int, scale_power: int = 1) ->
         _require_scalable(full.dtype, factor, f"rank {rank} piece {i}")
         dst = _view(out, p.shape, p.dest)
         block = _view(src, p.shape, p.source)
-        dst.copy_(block if factor == 1.0 else block * factor)
+        dst.copy_(scaled(block, factor))
     return out.view(shard_spec.shape)
 
 
@@ -128,7 +139,7 @@ def rebuild(
         _require_scalable(dtype, factor, f"rank {rank} piece {i}")
         dst = _view(full, p.shape, p.source)
         block = _view(flats[rank], p.shape, p.dest)
-        dst.copy_(block if factor == 1.0 else block / factor)
+        dst.copy_(scaled(block, 1.0 / factor))
     for rank, i, p in pending:
         _verify_replica(full, flats[rank], rank, i, p, scale_power, min(p.locations & have))
     out = full.view(m.logical_shape)
@@ -142,7 +153,7 @@ def _verify_replica(
 ) -> None:
     factor = factor_of(p, scale_power)
     block = _view(flat, p.shape, p.dest)
-    mine = block if factor == 1.0 else block / factor
+    mine = scaled(block, 1.0 / factor)
     written = _view(full, p.shape, p.source)
     if torch.equal(_bits(mine), _bits(written)):
         return

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .geometry import _as_one_box, normalized_dims
+from .geometry import one_box, view_boxes
 from .param_map import ParamMap, Shard
 from .piece import Piece, View, row_major_strides
 
@@ -64,8 +64,8 @@ def _dims_of(p: Piece) -> tuple[Dim, ...]:
 
 def _keys(p: Piece) -> list[tuple]:
     """Index keys of a piece: as a whole, and per dim with that dim's extent left free."""
-    dims = _dims_of(p)
-    keys: list[tuple] = [("whole", dims, p.source.offset, p.dest.offset)]
+    keys: list[tuple] = [("whole", _dims_of(p), p.source.offset, p.dest.offset)]
+    dims = tuple(_dims(p))  # a scalar is a unit-stride run of one here: it extends runs
     for k, (_, s, d) in enumerate(dims):
         keys.append(("along", k, s, d, dims[:k] + dims[k + 1 :], p.source.offset, p.dest.offset))
     return keys
@@ -82,7 +82,7 @@ def _concat_pass(pieces: list[Piece]) -> tuple[list[Piece], bool]:
         while grew:
             grew = False
             p = alive[i]
-            dims = _dims_of(p)
+            dims = tuple(_dims(p))
             for k, (n, s, d) in enumerate(dims):
                 rest = dims[:k] + dims[k + 1 :]
                 a_src, a_dst = p.source.offset + n * s, p.dest.offset + n * d
@@ -114,45 +114,45 @@ def _concat_pass(pieces: list[Piece]) -> tuple[list[Piece], bool]:
 
 
 def _fold_pass(pieces: list[Piece], space: tuple[int, ...]) -> tuple[list[Piece], bool]:
-    """Stack same-shaped pieces whose offsets advance by a constant into one N-d piece."""
-    groups: dict[tuple, list[Piece]] = defaultdict(list)
-    for p in pieces:
-        groups[(p.shape, p.source.strides, p.dest.strides)].append(p)
+    """Stack pieces that are one box of F, identical but for their position along one dim d
+    where they have extent 1, and whose offsets advance by a constant on both sides, into one
+    piece with a new outer dim (stepping along d). Inner dims are tried first."""
+    S = row_major_strides(space)
+    buckets: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for i, p in enumerate(pieces):
+        if not space or not one_box(p.source, p.shape, space):
+            continue
+        box = view_boxes(p.source, p.shape, space)[0]
+        for d, (start, _, count) in enumerate(box):
+            if count == 1:
+                key = (-d, box[:d], box[d + 1 :], p.shape, p.source.strides, p.dest.strides)
+                buckets[key].append((start, i))
+    used: set[int] = set()
     out: list[Piece] = []
     changed = False
-    S = row_major_strides(space)
-    for group in groups.values():
-        group.sort(key=lambda p: (p.source.offset, p.dest.offset))
-        i = 0
-        while i < len(group):
-            j = i + 1
-            if j < len(group):
-                ds = group[j].source.offset - group[i].source.offset
-                dd = group[j].dest.offset - group[i].dest.offset
-                while (
-                    j + 1 < len(group)
-                    and group[j + 1].source.offset - group[j].source.offset == ds
-                    and group[j + 1].dest.offset - group[j].dest.offset == dd
-                ):
-                    j += 1
-                if dd > 0:
-                    first = group[i]
-                    folded = _make(_dims(first) + [(j - i + 1, ds, dd)], first.source.offset, first.dest.offset, first)
-                    if folded is not None and _one_box(folded, space, S):
-                        out.append(folded)
-                        changed = True
-                        i = j + 1
-                        continue
-            out.append(group[i])
-            i += 1
+    for key in sorted(buckets):
+        members = [(c, i) for c, i in sorted(buckets[key]) if i not in used]
+        k = 0
+        while k + 1 < len(members):
+            (c0, i0), (c1, i1) = members[k], members[k + 1]
+            dc, dd = c1 - c0, pieces[i1].dest.offset - pieces[i0].dest.offset
+            j = k + 1
+            while (j + 1 < len(members) and members[j + 1][0] - members[j][0] == dc
+                   and pieces[members[j + 1][1]].dest.offset - pieces[members[j][1]].dest.offset == dd):
+                j += 1
+            if dd <= 0:
+                k += 1
+                continue
+            first = pieces[i0]
+            folded = _make(_dims(first) + [(j - k + 1, dc * S[-key[0]], dd)], first.source.offset,
+                           first.dest.offset, first)
+            if folded is not None:
+                out.append(folded)
+                used.update(i for _, i in members[k : j + 1])
+                changed = True
+            k = j + 1
+    out.extend(p for i, p in enumerate(pieces) if i not in used)
     return out, changed
-
-
-def _one_box(p: Piece, space: tuple[int, ...], S: tuple[int, ...]) -> bool:
-    if not space:
-        return True
-    boxes = _as_one_box(p.source.offset, normalized_dims(p.shape, p.source.strides), space, S)
-    return boxes is not None and len(boxes) == 1
 
 
 def _order(p: Piece) -> tuple:

@@ -1,5 +1,8 @@
 """Exact set geometry of views, without enumerating elements.
 
+A *block* is a box plus the shard address of its elements as an affine function of the box
+index: the unit both ``check`` (boxes only) and the planner (boxes and addresses) work on.
+
 A *box* is a product of arithmetic progressions, one per dimension of a row-major space:
 ``((start, step, count), ...)``. Every view decomposes into a union of boxes: a view whose
 strides line up with the space's dimensions is one box; a flat range crossing rows (ZeRO) is at
@@ -9,7 +12,9 @@ one box per run of elements. Checks and the planner work on boxes.
 
 from __future__ import annotations
 
-from .piece import View, prod, row_major_strides
+from dataclasses import dataclass
+
+from .piece import Piece, View, prod, row_major_strides
 
 Axis = tuple[int, int, int]  # (start, step, count); step >= 1, count >= 1
 Box = tuple[Axis, ...]
@@ -79,58 +84,6 @@ def range_boxes(lo: int, hi: int, space: tuple[int, ...]) -> list[Box]:
     return out
 
 
-def view_boxes(view: View, shape: tuple[int, ...], space: tuple[int, ...]) -> list[Box]:
-    """The addresses of ``view`` (in bounds, injective) as disjoint boxes of ``space``."""
-    if any(n == 0 for n in shape):
-        return []
-    return _boxes(view.offset, normalized_dims(shape, view.strides), space, row_major_strides(space))
-
-
-def _boxes(offset: int, dims: list[tuple[int, int]], space: tuple[int, ...], S: tuple[int, ...]) -> list[Box]:
-    box = _as_one_box(offset, dims, space, S)
-    if box is not None:
-        return box
-    # Fallback: peel the outermost dim. Real layouts rarely get here (a stride that is no
-    # multiple of any dimension's stride); the cost is one recursion per peeled index.
-    (s0, n0), rest = dims[0], dims[1:]
-    out: list[Box] = []
-    for i in range(n0):
-        out += _boxes(offset + i * s0, rest, space, S)
-    return out
-
-
-def _as_one_box(
-    offset: int, dims: list[tuple[int, int]], space: tuple[int, ...], S: tuple[int, ...]
-) -> list[Box] | None:
-    """Boxes for the view when its dims map onto distinct space dims (allowing one carry of a
-    unit-step run across rows); ``None`` when it needs the fallback."""
-    ndim = len(space)
-    coords = unravel(offset, space)
-    axes: list[Axis | None] = [None] * ndim
-    carry_dim = None
-    for s, n in dims:
-        d = next(k for k in range(ndim) if S[k] <= s)  # S[-1] == 1 <= s
-        if s % S[d] or axes[d] is not None:
-            return None
-        step = s // S[d]
-        if coords[d] + (n - 1) * step >= space[d]:
-            if step != 1 or carry_dim is not None:
-                return None
-            carry_dim = d
-        axes[d] = (coords[d], step, n)
-    if carry_dim is None:
-        return [tuple(a if a is not None else (coords[k], 1, 1) for k, a in enumerate(axes))]
-    # A unit-step run over dim d that carries into outer dims: the outer dims must be free, and
-    # the run is then a flat range over the prefix space space[:d+1].
-    d = carry_dim
-    if any(axes[k] is not None for k in range(d)):
-        return None
-    prefix = space[: d + 1]
-    lo = offset // S[d]
-    tail = tuple(a if a is not None else (coords[k], 1, 1) for k, a in enumerate(axes) if k > d)
-    return [b + tail for b in range_boxes(lo, lo + axes[d][2], prefix)]
-
-
 def box_numel(box: Box) -> int:
     return prod(tuple(a[2] for a in box))
 
@@ -180,3 +133,147 @@ def box_str(box: Box) -> str:
         stop = s + (n - 1) * t + 1
         parts.append(f"{s}:{stop}" if t == 1 else f"{s}:{stop}:{t}")
     return "[" + ", ".join(parts) + "]"
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    box: Box
+    base: int
+    h: tuple[int, ...]
+
+    def sub(self, box: Box) -> Block:
+        """The block restricted to ``box`` (a sub-lattice of ``self.box`` on every axis)."""
+        base = self.base
+        h = []
+        for (s0, t0, _), (s1, t1, _), hd in zip(self.box, box, self.h):
+            base += (s1 - s0) // t0 * hd
+            h.append(t1 // t0 * hd)
+        return Block(box, base, tuple(h))
+
+
+def _joint_dims(shape, sstrides, dstrides) -> list[tuple[int, int, int]]:
+    """``(source stride, extent, dest stride)``, extent-1 dims dropped, source stride descending,
+    dims contiguous on both sides merged (so the dest stays affine in each merged dim)."""
+    dims = sorted(((s, n, d) for n, s, d in zip(shape, sstrides, dstrides) if n != 1),
+                  key=lambda x: (-x[0], -x[2]))
+    out: list[tuple[int, int, int]] = []
+    for s, n, d in dims:
+        if out and out[-1][0] == s * n and out[-1][2] == d * n:
+            out[-1] = (s, out[-1][1] * n, d)
+        else:
+            out.append((s, n, d))
+    return out
+
+
+def piece_blocks(p: Piece, space: tuple[int, ...]) -> list[Block]:
+    """The piece as disjoint blocks of F (``space``), dest addresses affine in each."""
+    if p.is_empty:
+        return []
+    dims = _joint_dims(p.shape, p.source.strides, p.dest.strides)
+    return _blocks(p.source.offset, p.dest.offset, dims, space, row_major_strides(space))
+
+
+def view_boxes(view: View, shape: tuple[int, ...], space: tuple[int, ...]) -> list[Box]:
+    """The addresses of ``view`` (in bounds, injective) as disjoint boxes of ``space``."""
+    if any(n == 0 for n in shape):
+        return []
+    dims = _joint_dims(shape, view.strides, (0,) * len(shape))
+    return [b.box for b in _blocks(view.offset, 0, dims, space, row_major_strides(space))]
+
+
+def one_box(view: View, shape: tuple[int, ...], space: tuple[int, ...]) -> bool:
+    """Whether the view is exactly one box of ``space``."""
+    if not space:
+        return True
+    dims = _joint_dims(shape, view.strides, (0,) * len(shape))
+    blocks = _one(view.offset, 0, dims, space, row_major_strides(space))
+    return blocks is not None and len(blocks) == 1
+
+
+def _blocks(off: int, base: int, dims, space, S) -> list[Block]:
+    one = _one(off, base, dims, space, S)
+    if one is not None:
+        return one
+    (s0, n0, d0), rest = dims[0], dims[1:]
+    out: list[Block] = []
+    for i in range(n0):
+        out += _blocks(off + i * s0, base + i * d0, rest, space, S)
+    return out
+
+
+def _refine(off: int, dims, space, S):
+    """Split a unit-step run that starts a row and spans whole rows of dim k into (rows, row):
+    the same addresses, now one view dim per space dim."""
+    coords = unravel(off, space)
+    changed = True
+    while changed:
+        changed = False
+        for i, (s, n, d) in enumerate(dims):
+            k = next(j for j in range(len(space)) if S[j] <= s)
+            if k > 0 and s == S[k] and coords[k] == 0 and n > space[k] and n % space[k] == 0:
+                dims = dims[:i] + [(S[k - 1], n // space[k], d * space[k]), (s, space[k], d)] + dims[i + 1 :]
+                changed = True
+                break
+    return dims
+
+
+def _one(off: int, base: int, dims, space, S) -> list[Block] | None:
+    ndim = len(space)
+    coords = unravel(off, space)
+    dims = _refine(off, dims, space, S)
+    axes: list[Axis | None] = [None] * ndim
+    h = [0] * ndim
+    carry = None
+    for s, n, d in dims:
+        k = next(j for j in range(ndim) if S[j] <= s)
+        if s % S[k] or axes[k] is not None:
+            return None
+        step = s // S[k]
+        if coords[k] + (n - 1) * step >= space[k]:
+            if step != 1 or carry is not None:
+                return None
+            carry = k
+        axes[k] = (coords[k], step, n)
+        h[k] = d
+    if carry is None:
+        box = tuple(a if a is not None else (coords[j], 1, 1) for j, a in enumerate(axes))
+        return [Block(box, base, tuple(h))]
+    k = carry
+    if any(axes[j] is not None for j in range(k)):
+        return None
+    prefix = space[: k + 1]
+    pstr = row_major_strides(prefix)
+    lo = off // S[k]
+    tail = tuple(a if a is not None else (coords[j], 1, 1) for j, a in enumerate(axes) if j > k)
+    out = []
+    for b in range_boxes(lo, lo + axes[k][2], prefix):
+        flat = sum(a[0] * ps for a, ps in zip(b, pstr))
+        hk = h[k]
+        out.append(Block(b + tail, base + (flat - lo) * hk, tuple(hk * ps for ps in pstr) + tuple(h[k + 1 :])))
+    return out
+
+
+def clip(b: Block, limit: tuple[int, ...]) -> Block | None:
+    """``b`` restricted to the prefix box ``[0, limit)``; ``None`` when nothing is left."""
+    box = []
+    for (s, t, n), lim in zip(b.box, limit):
+        if s >= lim:
+            return None
+        box.append((s, t, min(n, (lim - 1 - s) // t + 1)))
+    return b.sub(tuple(box))
+
+
+def outside(b: Block, limit: tuple[int, ...]) -> list[Block]:
+    """The parts of ``b`` outside ``[0, limit)``, as disjoint blocks."""
+    out = []
+    rest = list(b.box)
+    for d, ((s, t, n), lim) in enumerate(zip(b.box, limit)):
+        keep = 0 if s >= lim else min(n, (lim - 1 - s) // t + 1)
+        if keep < n:
+            part = rest.copy()
+            part[d] = (s + keep * t, t, n - keep)
+            out.append(b.sub(tuple(part)))
+        if keep == 0:
+            return out
+        rest[d] = (s, t, keep)
+    return out

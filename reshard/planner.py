@@ -1,0 +1,498 @@
+"""The planner: compose a target map with the inverse of a source map into a transfer plan.
+
+Two phases. *Geometry* (cached per pair of maps): cut every piece into blocks of F, clip both
+sides to the common valid region, and intersect each target block with the source blocks that
+overlap it (found through a sorted index, never an all-pairs scan). Each intersection is an exact
+box with affine addresses on both sides. *Choice* (per parameter): for each target block and each
+holder set overlapping it, the cost model picks one holder; the chosen intersections are merged
+per (source rank, target rank) into as few N-d segments as possible.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .errors import PlanError
+from .ir.geometry import Block, Box, _joint_dims, axis_intersect, clip, outside, piece_blocks
+from .ir.param_map import ParamMap
+from .ir.canonical import _concat_pass
+from .ir.piece import Piece, View, prod
+
+
+# -- plan values --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One strided copy: ``target[dst_rank][dst] = source[src_rank][src] * factor ** scale_power``
+    (views into the flattened shards)."""
+
+    src_rank: int
+    src: View
+    dst_rank: int
+    dst: View
+    shape: tuple[int, ...]
+    factor: float = 1.0
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def is_local(self) -> bool:
+        return self.src_rank == self.dst_rank
+
+
+@dataclass(frozen=True, slots=True)
+class Unfilled:
+    """A target region no source can fill: target-side padding, zero-filled by executors."""
+
+    dst_rank: int
+    dst: View
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """How to produce every target shard of one parameter from the source shards."""
+
+    logical_shape: tuple[int, ...]
+    source_shards: Mapping[int, tuple[int, ...]]
+    target_shards: Mapping[int, tuple[int, ...]]
+    segments: tuple[Segment, ...]
+    unfilled: tuple[Unfilled, ...] = ()
+
+    def stats(self, element_size: int = 1) -> PlanStats:
+        return PlanStats.of([self], element_size)
+
+    def apply(self, source_shards, *, scale_power: int = 1, out=None):
+        """Execute in memory (bit-exact); see ``reshard.execute.apply_plan``."""
+        from .execute import apply_plan
+
+        return apply_plan(self, source_shards, scale_power=scale_power, out=out)
+
+    def to_dict(self) -> dict:
+        from .plan_format import plan_to_dict
+
+        return plan_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> TransferPlan:
+        from .plan_format import plan_from_dict
+
+        return plan_from_dict(d)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    """Bytes moved, per rank and in total, and the number of segments."""
+
+    segments: int
+    local_bytes: int
+    remote_bytes: int
+    sent: Mapping[int, int]
+    received: Mapping[int, int]
+    links: Mapping[tuple[int, int], int]
+
+    @staticmethod
+    def of(plans: Sequence[TransferPlan], element_size: int = 1) -> PlanStats:
+        sent: dict[int, int] = defaultdict(int)
+        received: dict[int, int] = defaultdict(int)
+        links: dict[tuple[int, int], int] = defaultdict(int)
+        local = remote = count = 0
+        for p in plans:
+            count += len(p.segments)
+            for s in p.segments:
+                b = s.numel * element_size
+                if s.is_local:
+                    local += b
+                else:
+                    remote += b
+                    sent[s.src_rank] += b
+                    received[s.dst_rank] += b
+                    links[(s.src_rank, s.dst_rank)] += b
+        return PlanStats(count, local, remote, dict(sent), dict(received), dict(links))
+
+    @property
+    def busiest_link(self) -> tuple[tuple[int, int], int] | None:
+        return max(self.links.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]), default=None)
+
+    def send_balance(self) -> float:
+        """max / mean of bytes sent over the ranks that send (1.0 is perfect)."""
+        if not self.sent:
+            return 1.0
+        vals = list(self.sent.values())
+        return max(vals) / (sum(vals) / len(vals))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPlan:
+    """Plans for every parameter of a model, by name."""
+
+    params: Mapping[str, TransferPlan]
+
+    def stats(self, element_size: int | Mapping[str, int] = 1) -> PlanStats:
+        if isinstance(element_size, int):
+            return PlanStats.of(list(self.params.values()), element_size)
+        parts = [PlanStats.of([p], element_size[n]) for n, p in self.params.items()]
+        return _sum_stats(parts)
+
+    def apply(self, source_shards: Mapping[str, Mapping[int, object]], *, scale_power: int = 1):
+        return {n: p.apply(source_shards[n], scale_power=scale_power) for n, p in self.params.items()}
+
+    def to_dict(self) -> dict:
+        from .plan_format import model_plan_to_dict
+
+        return model_plan_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> ModelPlan:
+        from .plan_format import model_plan_from_dict
+
+        return model_plan_from_dict(d)
+
+
+def _sum_stats(parts: Sequence[PlanStats]) -> PlanStats:
+    sent: dict[int, int] = defaultdict(int)
+    received: dict[int, int] = defaultdict(int)
+    links: dict[tuple[int, int], int] = defaultdict(int)
+    for s in parts:
+        for k, v in s.sent.items():
+            sent[k] += v
+        for k, v in s.received.items():
+            received[k] += v
+        for k2, v in s.links.items():
+            links[k2] += v
+    return PlanStats(sum(s.segments for s in parts), sum(s.local_bytes for s in parts),
+                     sum(s.remote_bytes for s in parts), dict(sent), dict(received), dict(links))
+
+
+# -- cost model ---------------------------------------------------------------------------------
+
+
+class CostModel(Protocol):
+    """Chooses which holder of a block sends it to ``dst_rank``. ``sent`` is the number of
+    elements each rank has been assigned to send so far (remote only)."""
+
+    def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int]) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultCost:
+    """Local copy first, then a holder on the same node (``ranks_per_node`` consecutive global
+    ranks per node), then the holder that has sent least so far, then the lowest rank."""
+
+    ranks_per_node: int | None = None
+
+    def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int]) -> int:
+        if dst_rank in holders:
+            return dst_rank
+        pool = list(holders)
+        if self.ranks_per_node:
+            near = [r for r in pool if r // self.ranks_per_node == dst_rank // self.ranks_per_node]
+            pool = near or pool
+        return min(pool, key=lambda r: (sent.get(r, 0), r))
+
+
+# -- phase 1: geometry ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Src:
+    rank: int
+    block: Block
+    locations: frozenset[int]
+    scale: float
+
+
+class _Index:
+    """Source blocks sorted by their start on the most discriminating axis, with a running max
+    of ends, so a query touches the blocks overlapping on that axis and few others."""
+
+    def __init__(self, items: list[_Src]) -> None:
+        ndim = len(items[0].block.box) if items else 0
+        self.axis = max(range(ndim), key=lambda d: len({it.block.box[d][0] for it in items}), default=0)
+        self.items = sorted(items, key=lambda it: _lo(it.block.box, self.axis))
+        self.starts = [_lo(it.block.box, self.axis) for it in self.items]
+        ends, run = [], -1
+        for it in self.items:
+            run = max(run, _hi(it.block.box, self.axis))
+            ends.append(run)
+        self.max_end = ends
+
+    def query(self, box: Box) -> list[_Src]:
+        if not self.items:
+            return []
+        lo, hi = _lo(box, self.axis), _hi(box, self.axis)
+        first = bisect.bisect_right(self.max_end, lo - 1)
+        last = bisect.bisect_left(self.starts, hi + 1)
+        return self.items[first:last]
+
+
+def _lo(box: Box, d: int) -> int:
+    return box[d][0] if box else 0
+
+
+def _hi(box: Box, d: int) -> int:
+    return box[d][0] + (box[d][2] - 1) * box[d][1] if box else 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Raw:
+    """An intersection before merging: a box of F with affine addresses on both sides."""
+
+    box: Box
+    sb: int
+    sh: tuple[int, ...]
+    db: int
+    dh: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Need:
+    """A part of one target block held by one holder set: per holder, the intersections."""
+
+    dst_rank: int
+    numel: int
+    options: tuple[tuple[int, float, tuple[_Raw, ...]], ...]  # (src rank, factor, raws)
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    needs: tuple[_Need, ...]
+    unfilled: tuple[Unfilled, ...]
+
+
+def _box_and(a: Box, b: Box) -> Box | None:
+    out = []
+    for x, y in zip(a, b):
+        z = axis_intersect(x, y)
+        if z is None:
+            return None
+        out.append(z)
+    return tuple(out)
+
+
+def _factor(src_scale: float, dst_scale: float, allow_inexact: bool, where: str) -> float:
+    f = dst_scale / src_scale
+    if f != 1.0 and not allow_inexact and math.frexp(f)[0] != 0.5:
+        raise PlanError(
+            f"{where}: moving a block held at scale {src_scale:g} to scale {dst_scale:g} multiplies by "
+            f"{f:g}, which is not a power of two and would round; pass allow_inexact_scale=True to accept"
+        )
+    return f
+
+
+def _geometry(source: ParamMap, target: ParamMap, allow_inexact: bool) -> _Geometry:
+    if source.valid_shape != target.valid_shape:
+        raise PlanError(
+            f"source valid shape {list(source.valid_shape)} differs from target valid shape "
+            f"{list(target.valid_shape)}: these are not the same parameter"
+        )
+    valid = source.valid_shape
+    srcs: list[_Src] = []
+    for rank, _, p in source.pieces():
+        for b in piece_blocks(p, source.logical_shape):
+            c = clip(b, valid)
+            if c is not None:
+                srcs.append(_Src(rank, c, p.locations, p.scale))
+    index = _Index(srcs)
+    needs: list[_Need] = []
+    unfilled: list[Unfilled] = []
+    for t, j, q in target.pieces():
+        for b in piece_blocks(q, target.logical_shape):
+            for pad in outside(b, valid):
+                unfilled.append(_unfilled(t, pad))
+            c = clip(b, valid)
+            if c is None:
+                continue
+            by_class: dict[frozenset[int], dict[int, list[_Raw]]] = defaultdict(lambda: defaultdict(list))
+            scales: dict[frozenset[int], float] = {}
+            for s in index.query(c.box):
+                x = _box_and(s.block.box, c.box)
+                if x is None:
+                    continue
+                sb, db = s.block.sub(x), c.sub(x)
+                by_class[s.locations][s.rank].append(_Raw(x, sb.base, sb.h, db.base, db.h))
+                scales[s.locations] = s.scale
+            for locs in sorted(by_class, key=sorted):
+                per_rank = by_class[locs]
+                f = _factor(scales[locs], q.scale, allow_inexact, f"target rank {t} piece {j}")
+                numel = sum(prod(tuple(a[2] for a in r.box)) for r in next(iter(per_rank.values())))
+                options = tuple((r, f, tuple(per_rank[r])) for r in sorted(per_rank))
+                needs.append(_Need(t, numel, options))
+    return _Geometry(tuple(needs), tuple(unfilled))
+
+
+def _unfilled(rank: int, b: Block) -> Unfilled:
+    shape = tuple(a[2] for a in b.box)
+    dims = _joint_dims(shape, b.h, b.h)
+    return Unfilled(rank, View(b.base, tuple(d for _, _, d in dims) or (1,)),
+                    tuple(n for _, n, _ in dims) or (1,))
+
+
+# -- phase 2: choice and merging -----------------------------------------------------------------
+
+
+def _merge(raws: list[_Raw]) -> list[_Raw]:
+    """Merge intersections that extend each other along one axis of F (contiguously or as a
+    constant stride) with addresses advancing by constants on both sides, to a fixpoint."""
+    changed = True
+    while changed and len(raws) > 1:
+        changed = False
+        ndim = len(raws[0].box)
+        for d in reversed(range(ndim)):
+            buckets: dict[tuple, list[_Raw]] = defaultdict(list)
+            for r in raws:
+                key = (r.box[:d], r.box[d + 1 :], r.sh[:d], r.sh[d + 1 :], r.dh[:d], r.dh[d + 1 :])
+                buckets[key].append(r)
+            out: list[_Raw] = []
+            for group in buckets.values():
+                group.sort(key=lambda r: r.box[d][0])
+                cur = group[0]
+                for nxt in group[1:]:
+                    m = _join(cur, nxt, d)
+                    if m is None:
+                        out.append(cur)
+                        cur = nxt
+                    else:
+                        cur, changed = m, True
+                out.append(cur)
+            raws = out
+    return raws
+
+
+def _join(a: _Raw, b: _Raw, d: int) -> _Raw | None:
+    (sa, ta, na), (sb_, tb, nb) = a.box[d], b.box[d]
+    if na > 1:
+        step, hs, hd = ta, a.sh[d], a.dh[d]
+    elif nb > 1:
+        step, hs, hd = tb, b.sh[d], b.dh[d]
+    else:
+        step, hs, hd = sb_ - sa, b.sb - a.sb, b.db - a.db
+    if step <= 0 or hs <= 0 or hd <= 0:
+        return None
+    if sb_ != sa + na * step or b.sb != a.sb + na * hs or b.db != a.db + na * hd:
+        return None
+    if nb > 1 and (tb != step or b.sh[d] != hs or b.dh[d] != hd):
+        return None
+    box = a.box[:d] + ((sa, step, na + nb),) + a.box[d + 1 :]
+    sh = a.sh[:d] + (hs,) + a.sh[d + 1 :]
+    dh = a.dh[:d] + (hd,) + a.dh[d + 1 :]
+    return _Raw(box, a.sb, sh, a.db, dh)
+
+
+def _segment(src: int, dst: int, factor: float, r: _Raw) -> Segment:
+    shape = tuple(a[2] for a in r.box)
+    dims = _joint_dims(shape, r.sh, r.dh)
+    if not dims:
+        return Segment(src, View(r.sb, (1,)), dst, View(r.db, (1,)), (1,), factor)
+    return Segment(src, View(r.sb, tuple(s for s, _, _ in dims)), dst, View(r.db, tuple(x for _, _, x in dims)),
+                   tuple(n for _, n, _ in dims), factor)
+
+
+def _concat(segs: list[Segment]) -> list[Segment]:
+    """Join segments contiguous in both shards though not in F (a flat range crossing rows):
+    the canonical form's concat rule, applied with the source shard in place of F."""
+    if len(segs) < 2:
+        return segs
+    first = segs[0]
+    pieces = [Piece(s.shape, s.src, s.dst, frozenset({0}), 1.0) for s in segs]
+    changed = True
+    while changed:
+        pieces, changed = _concat_pass(pieces)
+    return [Segment(first.src_rank, p.source, first.dst_rank, p.dest, p.shape, first.factor) for p in pieces]
+
+
+def _choose(geo: _Geometry, cost: CostModel, sent: dict[int, int]) -> tuple[int, ...]:
+    picks = []
+    for need in geo.needs:
+        holders = [r for r, _, _ in need.options]
+        r = holders[0] if len(holders) == 1 else cost.choose(holders, need.dst_rank, need.numel, sent)
+        if r not in holders:
+            raise PlanError(f"cost model chose rank {r}, which is not among the holders {holders}")
+        if r != need.dst_rank:
+            sent[r] = sent.get(r, 0) + need.numel
+        picks.append(holders.index(r))
+    return tuple(picks)
+
+
+def _assemble(source: ParamMap, target: ParamMap, geo: _Geometry, picks: tuple[int, ...]) -> TransferPlan:
+    groups: dict[tuple[int, int, float], list[_Raw]] = defaultdict(list)
+    for need, k in zip(geo.needs, picks):
+        r, f, raws = need.options[k]
+        groups[(r, need.dst_rank, f)].extend(raws)
+    segments = []
+    for (src, dst, f) in sorted(groups):
+        segs = [_segment(src, dst, f, raw) for raw in _merge(groups[(src, dst, f)])]
+        segments.extend(sorted(_concat(segs), key=lambda x: (x.dst.offset, x.src.offset)))
+    return TransferPlan(
+        target.logical_shape,
+        {r: s.shape for r, s in source.shards.items()},
+        {r: s.shape for r, s in target.shards.items()},
+        tuple(segments),
+        geo.unfilled,
+    )
+
+
+# -- public API ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Planner:
+    """Plans many parameters with one cost model and one running tally of bytes sent, caching
+    the geometry of identical map pairs."""
+
+    cost: CostModel = field(default_factory=DefaultCost)
+    allow_inexact_scale: bool = False
+    check: bool = True
+    sent: dict[int, int] = field(default_factory=dict)
+    _geo: dict = field(default_factory=dict)
+    _plans: dict = field(default_factory=dict)
+    _checked: set = field(default_factory=set)
+
+    def plan(self, source: ParamMap, target: ParamMap) -> TransferPlan:
+        key = (source, target)
+        geo = self._geo.get(key)
+        if geo is None:
+            if self.check:
+                for m in (source, target):
+                    if m not in self._checked:
+                        m.check()
+                        self._checked.add(m)
+            geo = self._geo[key] = _geometry(source, target, self.allow_inexact_scale)
+        picks = _choose(geo, self.cost, self.sent)
+        pkey = (key, picks)
+        plan = self._plans.get(pkey)
+        if plan is None:
+            plan = self._plans[pkey] = _assemble(source, target, geo, picks)
+        return plan
+
+
+def plan(source: ParamMap, target: ParamMap, *, cost: CostModel | None = None,
+         allow_inexact_scale: bool = False, check: bool = True) -> TransferPlan:
+    """Compose ``target ∘ source⁻¹`` into a :class:`TransferPlan` (see module doc)."""
+    return Planner(cost or DefaultCost(), allow_inexact_scale, check).plan(source, target)
+
+
+def plan_model(source_maps: Mapping[str, ParamMap], target_maps: Mapping[str, ParamMap], *,
+               cost: CostModel | None = None, allow_inexact_scale: bool = False,
+               check: bool = True) -> ModelPlan:
+    """Plan every parameter; parameters with identical geometry are planned once."""
+    missing = sorted(set(source_maps) ^ set(target_maps))
+    if missing:
+        raise PlanError(f"source and target name different parameters: {missing[:5]}"
+                        + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    planner = Planner(cost or DefaultCost(), allow_inexact_scale, check)
+    out = {}
+    for name in source_maps:
+        try:
+            out[name] = planner.plan(source_maps[name], target_maps[name])
+        except PlanError as e:
+            raise PlanError(f"parameter {name!r}: {e}") from None
+    return ModelPlan(out)
