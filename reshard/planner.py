@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import PlanError
+from .ir.canonical import _concat_pass
 from .ir.geometry import Block, Box, _joint_dims, axis_intersect, clip, outside, piece_blocks
 from .ir.param_map import ParamMap
-from .ir.canonical import _concat_pass
 from .ir.piece import Piece, View, prod
-
 
 # -- plan values --------------------------------------------------------------------------------
 
