@@ -1,0 +1,21 @@
+"""``make bench``: every benchmark, ours and the peer's in the same run, with ratios."""
+
+from __future__ import annotations
+
+import warnings
+
+from benchmarks import bench_derive, bench_ir, bench_planner
+from benchmarks.common import machine
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    print(f"machine: {machine()}")
+    for mod in (bench_ir, bench_derive, bench_planner):
+        print(f"\n== {mod.__name__} ==")
+        for line in mod.main():
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
