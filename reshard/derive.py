@@ -198,5 +198,5 @@ def _reproduce(m: ParamMap, fn: PartitionFn, dtype: torch.dtype, seed: int) -> N
             pos = int(diff[0]) if diff.numel() else 0
             raise NotAffineError(
                 f"rank {rank}: on random data, shard position {_pos(pos, got.shape)} differs from what "
-                f"the map predicts (the function's choice depends on the data)"
+                f"the map predicts (the function computes, or chooses by the data, rather than selects)"
             )
