@@ -18,6 +18,7 @@ from .piece import Piece, View, prod
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous tensor over ``t``'s elements (a view when ``t`` is contiguous)."""
+    t = t.detach()
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
@@ -112,13 +113,18 @@ def rebuild(
     *,
     verify: bool = True,
     valid_only: bool = False,
+    prefer: int | None = None,
 ) -> torch.Tensor:
-    """F from shards. Every block is written from its lowest supplied holder; with ``verify``,
-    every other supplied holder is compared bitwise (P2) and a difference raises
-    :class:`ReplicaMismatchError` naming the ranks, the block and the largest difference.
-    ``shards`` may omit ranks as long as every block keeps a holder."""
+    """F from shards. Every block is written from its lowest supplied holder (or ``prefer`` where
+    that rank holds it); with ``verify``, every other supplied holder is compared bitwise (P2) and
+    a difference raises :class:`ReplicaMismatchError` naming the ranks, the block and the largest
+    difference. ``shards`` may omit ranks as long as every block keeps a holder."""
     dtype, device = _check_shards(m, shards)
     have = set(shards)
+
+    def writer(holders: frozenset[int]) -> int:
+        return prefer if prefer in holders else min(holders)
+
     full = torch.empty(m.numel, dtype=dtype, device=device)
     flats = {r: _flat(t) for r, t in shards.items()}
     pending: list[tuple[int, int, Piece]] = []
@@ -131,7 +137,7 @@ def rebuild(
                 f"rank {rank} piece {i} ({p.describe()}): no supplied shard holds this block "
                 f"(holders {sorted(p.locations)}, supplied {sorted(have)})"
             )
-        if rank != min(holders):
+        if rank != writer(holders):
             if verify and rank in have:
                 pending.append((rank, i, p))
             continue
@@ -141,7 +147,7 @@ def rebuild(
         block = _view(flats[rank], p.shape, p.dest)
         dst.copy_(scaled(block, 1.0 / factor))
     for rank, i, p in pending:
-        _verify_replica(full, flats[rank], rank, i, p, scale_power, min(p.locations & have))
+        _verify_replica(full, flats[rank], rank, i, p, scale_power, writer(p.locations & have))
     out = full.view(m.logical_shape)
     if valid_only and m.is_padded:
         out = out[tuple(slice(0, n) for n in m.valid_shape)].contiguous()
@@ -165,3 +171,21 @@ def _verify_replica(
         ranks=(writer, rank),
         max_abs_diff=worst,
     )
+
+
+def rebuild_mean(m: ParamMap, shards: Mapping[int, torch.Tensor], scale_power: int = 1) -> torch.Tensor:
+    """F with every element the mean of all supplied copies of it (float64 accumulation). An
+    explicit policy for replicas that drifted apart; identical copies give their common value."""
+    dtype, device = _check_shards(m, shards)
+    total = torch.zeros(m.numel, dtype=torch.float64, device=device)
+    count = torch.zeros(m.numel, dtype=torch.float64, device=device)
+    flats = {r: _flat(t) for r, t in shards.items()}
+    for rank, _, p in m.pieces():
+        if p.is_empty or rank not in flats:
+            continue
+        block = scaled(_view(flats[rank], p.shape, p.dest).double(), 1.0 / factor_of(p, scale_power))
+        _view(total, p.shape, p.source).add_(block)
+        _view(count, p.shape, p.source).add_(1.0)
+    if bool((count == 0).any()):
+        raise ShardError("the supplied shards leave part of F without any holder")
+    return (total / count).to(dtype).view(m.logical_shape)

@@ -147,11 +147,12 @@ def _extract(self: ParamMap, full, rank: int, scale_power: int = 1):
     return extract(self, full, rank, scale_power)
 
 
-def _rebuild(self: ParamMap, shards, scale_power: int = 1, *, verify: bool = True, valid_only: bool = False):
+def _rebuild(self: ParamMap, shards, scale_power: int = 1, *, verify: bool = True, valid_only: bool = False,
+             prefer: int | None = None):
     """F from shards (see ``reshard.ir.apply.rebuild``)."""
     from .apply import rebuild
 
-    return rebuild(self, shards, scale_power, verify=verify, valid_only=valid_only)
+    return rebuild(self, shards, scale_power, verify=verify, valid_only=valid_only, prefer=prefer)
 
 
 def _to_dict(self: ParamMap) -> dict:

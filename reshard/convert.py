@@ -1,0 +1,274 @@
+"""Phase 1: a DeepSpeed checkpoint to a universal checkpoint (one full tensor per parameter).
+
+One loop, every parameter through the IR: for each state, each TP rank's shard is rebuilt from its
+ZeRO fragments (the ZeRO map), then F from the TP shards (the TP map), stripped to the valid
+region and written. Files are memory-mapped, so only the bytes of the parameter at hand are read;
+peak memory is about one parameter per worker. Output appears only when complete (see
+``formats.output``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .errors import CheckpointError, ReplicaMismatchError, ReshardError
+from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
+from .formats.output import Staging
+from .formats.pickling import save
+from .formats.safetensors_io import SafetensorsWriter, plan_files
+from .ir.apply import rebuild_mean
+
+POLICIES = ("error", "mean")  # and "rank:N"
+
+
+@dataclass
+class Drift:
+    param: str
+    state: str
+    ranks: tuple[int, ...]
+    max_abs_diff: float
+
+    def __str__(self) -> str:
+        return f"{self.param} ({self.state}): ranks {list(self.ranks)} differ by up to {self.max_abs_diff:g}"
+
+
+@dataclass
+class ConvertReport:
+    out_dir: Path
+    params: int
+    files: int
+    bytes_written: int
+    policy: str
+    drift: list[Drift] = field(default_factory=list)
+
+
+def _policy(value: str) -> tuple[str, int | None]:
+    if value in POLICIES:
+        return value, None
+    if value.startswith("rank:") and value[5:].isdigit():
+        return "rank", int(value[5:])
+    raise ReshardError(f"on_replica_mismatch must be 'error', 'mean' or 'rank:N', got {value!r}")
+
+
+class _Converter:
+    def __init__(self, ck: DeepSpeedCheckpoint, policy: str) -> None:
+        self.ck = ck
+        self.policy, self.prefer = _policy(policy)
+        self.drift: list[Drift] = []
+
+    def full(self, name: str, state: str) -> tuple[torch.Tensor, dict]:
+        """F of one state of one parameter, stripped to its valid region, and the extra keys."""
+        low = self.ck.tp_map(name)
+        m = low.map
+        if state == "fp32" and not self.ck.has_optimizer_state(name):
+            shards = {t: self.ck.module_tensor(name, t) for t in m.ranks}
+            if any(v is None for v in shards.values()):
+                raise CheckpointError(f"{self.ck.tag_dir}: {name}: neither optimizer state nor module weights")
+            shards = {t: v.float() for t, v in shards.items()}
+        else:
+            shards = {t: self.ck.tp_shard(name, t, state, m.shards[t].shape) for t in m.ranks}
+        power = SCALE_POWER[state]
+        try:
+            f = m.rebuild(shards, power, valid_only=True, prefer=self.prefer)
+        except ReplicaMismatchError as e:
+            self.drift.append(Drift(name, state, e.ranks, e.max_abs_diff))
+            if self.policy == "error":
+                raise
+            if self.policy == "mean":
+                f = rebuild_mean(m, shards, power)
+            else:
+                f = m.rebuild(shards, power, valid_only=True, prefer=self.prefer, verify=False)
+            if m.is_padded:
+                f = f[tuple(slice(0, n) for n in m.valid_shape)].contiguous()
+        return f, dict(low.extra)
+
+
+def _check_steps(ck: DeepSpeedCheckpoint) -> None:
+    """Every rank's optimizer must be at the same step (DeepSpeed asserts the same)."""
+    steps = set()
+    for (t, d), path in ck.optim_files.items():
+        osd = ck.osd(t, d)
+        state = osd["optimizer_state_dict"]["state"] if ck.zero_stage == 3 else osd["base_optimizer_state"]["state"]
+        for g, s in state.items():
+            if "step" in s:
+                steps.add(float(s["step"]))
+    if len(steps) > 1:
+        raise CheckpointError(f"{ck.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
+
+
+def _optimizer_state(ck: DeepSpeedCheckpoint) -> dict:
+    osd = ck.osd(0, 0)
+    if ck.zero_stage == 3:
+        out = dict(osd)
+        out["param_groups"] = osd["optimizer_state_dict"]["param_groups"]
+        return out
+    sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+    out = {k: v for k, v in osd.items() if k not in sharded}
+    out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
+    return out
+
+
+def convert(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    fmt: str = "ucp",
+    workers: int = 1,
+    on_replica_mismatch: str = "error",
+    overwrite: bool = False,
+    max_file_bytes: int = 5 * 2**30,
+    progress: Callable[[int, int], None] | bool | None = None,
+) -> ConvertReport:
+    """Convert the checkpoint in ``ckpt_dir`` (a tag folder, or its parent with ``latest``) into
+    ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``)
+    or HF-style safetensors (``fmt="safetensors"``)."""
+    if fmt not in ("ucp", "safetensors"):
+        raise ReshardError(f"format must be 'ucp' or 'safetensors', got {fmt!r}")
+    _policy(on_replica_mismatch)
+    ck = DeepSpeedCheckpoint.open(ckpt_dir)
+    _check_steps(ck)
+    conv = _Converter(ck, on_replica_mismatch)
+    staging = Staging(out_dir, ck.tag_dir.name, overwrite=overwrite)
+    names = ck.names
+    bar = _progress(progress, len(names))
+    try:
+        if fmt == "ucp":
+            _write_ucp(ck, conv, staging, names, workers, bar)
+        else:
+            _write_safetensors(ck, conv, staging, names, max_file_bytes, bar)
+    except BaseException as e:
+        staging.abandon()
+        if isinstance(e, ReplicaMismatchError) and conv.drift:
+            listing = "; ".join(str(d) for d in conv.drift)
+            raise ReplicaMismatchError(
+                f"{ck.tag_dir}: replicated blocks differ between ranks in {len(conv.drift)} parameter state(s): "
+                f"{listing}. Convert anyway with on_replica_mismatch='rank:N' or 'mean' (recorded in the output).",
+                ranks=conv.drift[0].ranks, max_abs_diff=max(d.max_abs_diff for d in conv.drift)) from None
+        raise
+    finally:
+        bar.close()
+    meta = {
+        "reshard_version": __version__,
+        "format": fmt,
+        "source": str(ck.tag_dir),
+        "source_topology": {"tp": ck.tp, "dp": ck.dp, "zero_stage": ck.zero_stage},
+        "on_replica_mismatch": on_replica_mismatch,
+        "replica_drift": [str(d) for d in conv.drift],
+    }
+    final = staging.commit(meta, "latest_universal" if fmt == "ucp" else None)
+    files = [p for p in final.rglob("*") if p.is_file()]
+    return ConvertReport(final, len(names), len(files), sum(p.stat().st_size for p in files), on_replica_mismatch,
+                         conv.drift)
+
+
+def _write_ucp(ck, conv: _Converter, staging: Staging, names: list[str], workers: int, bar) -> None:
+    # DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as bare flat tensors and no
+    # step file; its universal loader expects exactly that, so mirror it.
+    bare = ck.zero_stage == 3 and ck.tp == 1
+
+    def one(name: str) -> None:
+        for state in STATES:
+            f, extra = conv.full(name, state)
+            save(f.reshape(-1) if bare else {**extra, "param": f}, staging.path(f"zero/{name}/{state}.pt"))
+        if ck.has_optimizer_state(name) and not bare:
+            step = ck.step(name)
+            if step is not None:
+                save(step.clone() if isinstance(step, torch.Tensor) else step, staging.path(f"zero/{name}/step.pt"))
+
+    _run(one, names, workers, bar, conv)
+    save(_optimizer_state(ck), staging.path("zero/optimizer_state.pt"))
+    for t in range(ck.tp):
+        src = ck.model_files[t]
+        staging.path(src.name).write_bytes(src.read_bytes())
+    for (t, d), src in sorted(ck.z3_model_files.items()):
+        if t or d:
+            staging.path(src.name).write_bytes(src.read_bytes())
+
+
+def _run(fn, names, workers: int, bar, conv: _Converter) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(name: str) -> None:
+        try:
+            fn(name)
+        except ReplicaMismatchError as e:
+            errors.append(e)  # keep going: every drifted parameter is reported at once
+        bar.update(1)
+
+    if workers <= 1:
+        for n in names:
+            guarded(n)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for fut in [pool.submit(guarded, n) for n in names]:
+                fut.result()
+    if errors:
+        raise errors[0]
+
+
+def _write_safetensors(ck, conv: _Converter, staging: Staging, names: list[str], max_bytes: int, bar) -> None:
+    specs = []
+    for n in names:
+        m = ck.tp_map(n).map
+        specs.append((n, m.valid_shape, torch.float32))
+    groups = plan_files(specs, max_bytes)
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups):
+        fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        w = SafetensorsWriter(staging.path(fname), group)
+        try:
+            for name, shape, dtype in group:
+                f, _ = conv.full(name, "fp32")
+                w.write(name, f.to(dtype))
+                weight_map[name] = fname
+                total += f.numel() * f.element_size()
+                bar.update(1)
+        finally:
+            w.f.close()
+        w.close()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    staging.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(progress, total: int):
+    if progress is False or (progress is None and not sys.stderr.isatty()):
+        return _NoBar()
+    if callable(progress):
+        class _Cb(_NoBar):
+            done = 0
+
+            def update(self, n: int) -> None:
+                self.done += n
+                progress(self.done, total)
+
+        return _Cb()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, unit="param", desc="reshard convert", file=sys.stderr)
+
+
+def summary(report: ConvertReport) -> str:
+    lines = [f"wrote {report.out_dir} ({report.params} parameters, {report.files} files, "
+             f"{report.bytes_written / 2**20:.1f} MiB)"]
+    if report.drift:
+        lines.append(f"replica drift resolved by '{report.policy}' (recorded in the manifest):")
+        lines += [f"  {d}" for d in report.drift]
+    return "\n".join(lines)
+

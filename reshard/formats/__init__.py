@@ -1,0 +1,1 @@
+"""Readers and writers of checkpoint formats (DeepSpeed, universal, safetensors)."""

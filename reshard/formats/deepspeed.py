@@ -1,0 +1,267 @@
+"""Read a DeepSpeed 0.19.8 checkpoint tag folder: which files exist, the topology they imply,
+and per parameter the maps (TP, then ZeRO) and the tensors they describe. Files are opened
+memory-mapped, so a parameter's bytes are read only when it is converted."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, ReshardError
+from ..ir.param_map import ParamMap
+from ..ir.piece import prod
+from ..layouts import zero12_from_slice_mappings, zero3
+from . import lowering
+from .safe_load import load
+
+MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+SCALE_POWER = {"fp32": 1, "exp_avg": -1, "exp_avg_sq": -2}
+
+
+def resolve_tag_dir(path: str | Path) -> Path:
+    """The tag folder itself, or the one a parent's ``latest`` file names."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: not a folder")
+    if any(p.glob("*model_states.pt")):
+        return p
+    latest = p / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if not tag or "/" in tag or tag in (".", ".."):
+            raise CheckpointError(f"{latest}: does not name a tag folder ({tag!r})")
+        if not (p / tag).is_dir():
+            raise CheckpointError(f"{latest}: names tag {tag!r}, but {p / tag} is missing")
+        return resolve_tag_dir(p / tag)
+    raise CheckpointError(f"{p}: no *model_states.pt files and no 'latest' file: not a DeepSpeed checkpoint")
+
+
+def _grid(files: dict[tuple[int, int], Path], what: str, folder: Path) -> tuple[int, int]:
+    tps = sorted({t for t, _ in files})
+    dps = sorted({d for _, d in files})
+    tp, dp = len(tps), len(dps)
+    missing = [(t, d) for t in range(tp) for d in range(dp) if (t, d) not in files]
+    if tps != list(range(tp)) or dps != list(range(dp)) or missing:
+        want = [f"tp {t} dp {d}" for t, d in missing] or ["ranks numbered 0.. without gaps"]
+        raise CheckpointError(f"{folder}: {what} files are missing for {', '.join(want[:4])}")
+    return tp, dp
+
+
+@dataclass
+class Fragment:
+    """Where one parameter's elements sit in one (tp, dp) rank's flat optimizer partition."""
+
+    group: int
+    start: int
+    numel: int
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    tag_dir: Path
+    zero_stage: int
+    tp: int
+    dp: int
+    model_files: dict[int, Path]
+    optim_files: dict[tuple[int, int], Path]
+    z3_model_files: dict[tuple[int, int], Path] = field(default_factory=dict)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    # -- opening ----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path) -> DeepSpeedCheckpoint:
+        tag = resolve_tag_dir(path)
+        names = sorted(f.name for f in tag.iterdir())
+        if any(LAYER_RE.match(n) for n in names):
+            raise CheckpointError(f"{tag}: pipeline-parallel layer files are not supported yet")
+        model = {int(m.group(1)): tag / n for n in names if (m := MODEL_RE.match(n))}
+        optim = {(int(m.group(3)), int(m.group(2))): tag / n for n in names if (m := OPTIM_RE.match(n))}
+        z3 = {(int(m.group(2)), int(m.group(1))): tag / n for n in names if (m := Z3_MODEL_RE.match(n))}
+        if not optim:
+            raise CheckpointError(f"{tag}: no zero_pp_rank_*_optim_states.pt files (optimizer states missing)")
+        tp, dp = _grid(optim, "optimizer state", tag)
+        first = load(optim[(0, 0)])
+        osd = _get(first, "optimizer_state_dict", optim[(0, 0)])
+        stage = int(_get(osd, "zero_stage", optim[(0, 0)]))
+        if stage == 3:
+            if _grid(z3, "ZeRO-3 model state", tag) != (tp, dp):
+                raise CheckpointError(f"{tag}: ZeRO-3 model and optimizer files disagree on the topology")
+            model = {t: z3[(t, 0)] for t in range(tp)}
+        elif sorted(model) != list(range(tp)):
+            raise CheckpointError(
+                f"{tag}: expected mp_rank_00..{tp - 1:02d}_model_states.pt for TP={tp}, found ranks {sorted(model)}"
+            )
+        ck = cls(tag, stage, tp, dp, model, optim, z3)
+        ck._cache[("optim", 0, 0)] = first
+        return ck
+
+    # -- raw files ----------------------------------------------------------------------------
+    def model_state(self, tp: int) -> dict:
+        key = ("model", tp)
+        if key not in self._cache:
+            self._cache[key] = _as_dict(load(self.model_files[tp]), self.model_files[tp])
+        return self._cache[key]
+
+    def optim_state(self, tp: int, dp: int) -> dict:
+        key = ("optim", tp, dp)
+        if key not in self._cache:
+            self._cache[key] = _as_dict(load(self.optim_files[(tp, dp)]), self.optim_files[(tp, dp)])
+        return self._cache[key]
+
+    def osd(self, tp: int, dp: int) -> dict:
+        return _get(self.optim_state(tp, dp), "optimizer_state_dict", self.optim_files[(tp, dp)])
+
+    @cached_property
+    def uc_info(self) -> dict:
+        info = self.model_state(0).get("universal_checkpoint_info")
+        return info if isinstance(info, dict) else {}
+
+    @cached_property
+    def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per TP rank: ``{name: shard shape}`` over all groups, in model order."""
+        out = []
+        for t in range(self.tp):
+            groups = _get(self.model_state(t), "param_shapes", self.model_files[t])
+            groups = groups if isinstance(groups, list) else [groups]
+            out.append({n: tuple(s) for g in groups for n, s in g.items()})
+        return out
+
+    @cached_property
+    def names(self) -> list[str]:
+        """Every parameter, in TP rank 0's order, then any only other ranks hold. A rank holding
+        none of a parameter (an uneven split) lists no shape for it."""
+        seen = dict.fromkeys(self.param_shapes[0])
+        for shapes in self.param_shapes[1:]:
+            seen.update(dict.fromkeys(shapes))
+        return list(seen)
+
+    # -- maps ---------------------------------------------------------------------------------
+    def tp_map(self, name: str) -> lowering.Lowered:
+        shapes = [self.param_shapes[t].get(name) for t in range(self.tp)]
+        try:
+            return lowering.lower(name, shapes, self.uc_info)
+        except ReshardError as e:
+            raise type(e)(f"{self.tag_dir}: parameter {name!r}: {e}") from None
+
+    @cached_property
+    def _zero_index(self) -> dict[int, dict[str, tuple[int, ParamMap]]]:
+        """Per TP rank: name -> (group, map of the TP shard over DP fragments)."""
+        out: dict[int, dict[str, tuple[int, ParamMap]]] = {}
+        for t in range(self.tp):
+            out[t] = {}
+            if self.zero_stage == 3:
+                for g, group in enumerate(self._z3_groups(t)):
+                    for name, shape in group.items():
+                        out[t][name] = (g, zero3(tuple(shape), self.dp, shard="fragment"))
+                continue
+            groups = len(_get(self.osd(t, 0), "param_slice_mappings", self.optim_files[(t, 0)]))
+            for g in range(groups):
+                mappings = [self.osd(t, d)["param_slice_mappings"][g] for d in range(self.dp)]
+                paddings = [self.osd(t, d)["group_paddings"][g] for d in range(self.dp)]
+                try:
+                    maps = zero12_from_slice_mappings(self.param_shapes[t], mappings, paddings, self.dp,
+                                                      shard="fragment")
+                except ReshardError as e:
+                    raise CheckpointError(f"{self.optim_files[(t, 0)]}: group {g}: {e}") from None
+                for name, m in maps.items():
+                    out[t][name] = (g, m)
+        return out
+
+    def has_optimizer_state(self, name: str) -> bool:
+        return any(name in self._zero_index[t] for t in range(self.tp))
+
+    # -- tensors ------------------------------------------------------------------------------
+    def _flat(self, t: int, d: int, group: int, state: str) -> torch.Tensor:
+        osd = self.osd(t, d)
+        path = self.optim_files[(t, d)]
+        if self.zero_stage == 3:
+            if state == "fp32":
+                return _get(osd, "fp32_flat_groups", path)[group]
+            return _get(_get(osd, "optimizer_state_dict", path), "state", path)[group][state]
+        if state == "fp32":
+            return _get(osd, "single_partition_of_fp32_groups", path)[group]
+        base = _get(osd, "base_optimizer_state", path)
+        try:
+            return base["state"][group][state]
+        except (KeyError, IndexError, TypeError):
+            raise CheckpointError(f"{path}: optimizer state has no {state!r} for group {group} "
+                                  "(an unknown optimizer state layout)") from None
+
+    def _z3_offset(self, t: int, name: str) -> int:
+        """Start of ``name``'s partition in its ZeRO-3 flat group: partitions of
+        ``ceil(numel / dp)`` elements laid out in model order."""
+        key = ("z3off", t)
+        if key not in self._cache:
+            out = {}
+            for group in self._z3_groups(t):
+                off = 0
+                for n, shape in group.items():
+                    out[n] = off
+                    off += -(-prod(shape) // self.dp)
+            self._cache[key] = out
+        return self._cache[key][name]
+
+    def _z3_groups(self, t: int) -> list[dict]:
+        groups = _get(self.model_state(t), "param_shapes", self.model_files[t])
+        return groups if isinstance(groups, list) else [groups]
+
+    def tp_shard(self, name: str, t: int, state: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """TP rank ``t``'s shard of ``name`` (of ``shape``) for one state, rebuilt from its DP
+        fragments."""
+        if name not in self._zero_index[t]:
+            if prod(shape) == 0:  # a rank holding none of an unevenly split parameter
+                return torch.empty(shape, dtype=torch.float32)
+            raise CheckpointError(f"{self.optim_files[(t, 0)]}: no optimizer fragments for {name!r}, "
+                                  f"whose TP rank {t} shard has shape {list(shape)}")
+        group, zmap = self._zero_index[t][name]
+        frags = {}
+        for d in zmap.ranks:
+            flat = self._flat(t, d, group, state)
+            start = self._z3_offset(t, name) if self.zero_stage == 3 else self._fragment_start(t, d, group, name)
+            n = zmap.shards[d].numel
+            if flat.numel() < start + n:
+                raise CheckpointError(f"{self.optim_files[(t, d)]}: {name}: fragment [{start}, {start + n}) lies past "
+                                      f"the flat {state} partition of {flat.numel()} elements: truncated or corrupt")
+            frags[d] = flat.narrow(0, start, n)
+        try:
+            return zmap.rebuild(frags).view(shape)
+        except ReshardError as e:
+            raise CheckpointError(f"{self.tag_dir}: {name} (tp rank {t}, {state}): {e}") from None
+
+    def _fragment_start(self, t: int, d: int, group: int, name: str) -> int:
+        return int(self.osd(t, d)["param_slice_mappings"][group][name].start)
+
+    def step(self, name: str) -> Any:
+        t = next(t for t in range(self.tp) if name in self._zero_index[t])
+        group = self._zero_index[t][name][0]
+        osd = self.osd(t, 0)
+        path = self.optim_files[(t, 0)]
+        state = (_get(osd, "optimizer_state_dict", path) if self.zero_stage == 3
+                 else _get(osd, "base_optimizer_state", path))["state"]
+        return state[group].get("step") if group in state else None
+
+    def module_tensor(self, name: str, t: int) -> torch.Tensor | None:
+        module = self.model_state(t).get("module") or {}
+        return module.get(name)
+
+
+def _as_dict(x: Any, path: Path) -> dict:
+    if not isinstance(x, dict):
+        raise CheckpointError(f"{path}: expected a dict at the top level, got {type(x).__name__}")
+    return x
+
+
+def _get(d: Any, key: str, path: Path) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise CheckpointError(f"{path}: missing {key!r} (not a DeepSpeed 0.19.8 checkpoint, or an unknown layout)")
+    return d[key]

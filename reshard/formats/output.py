@@ -1,0 +1,106 @@
+"""Output folders that are never half-written: build in a hidden sibling, checksum, rename.
+
+A conversion writes into ``OUT/.reshard-partial-<tag>``; only when every file is written does a
+manifest of checksums go in and the folder get renamed to ``OUT/<tag>``. A killed run leaves only
+the hidden folder, which the next run removes. ``verify`` re-checks a finished folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+
+MANIFEST = "reshard-manifest.json"
+
+
+class Staging:
+    def __init__(self, out_dir: str | Path, tag: str, *, overwrite: bool = False) -> None:
+        self.out_dir = Path(out_dir)
+        self.tag = tag
+        self.final = self.out_dir / tag
+        self.tmp = self.out_dir / f".reshard-partial-{tag}"
+        if self.final.exists() and not overwrite:
+            raise CheckpointError(f"{self.final}: already exists (pass overwrite to replace it)")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.tmp.exists():  # left by a run that was killed
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        self.overwrite = overwrite
+
+    def path(self, rel: str) -> Path:
+        p = self.tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def commit(self, meta: dict[str, Any], latest_name: str | None) -> Path:
+        files = {}
+        for p in sorted(self.tmp.rglob("*")):
+            if p.is_file():
+                files[p.relative_to(self.tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+        doc = dict(meta, files=files)
+        (self.tmp / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        _fsync_tree(self.tmp)
+        if self.final.exists():
+            old = self.out_dir / f".reshard-old-{self.tag}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(self.final, old)
+            shutil.rmtree(old)
+        os.replace(self.tmp, self.final)
+        if latest_name:
+            _atomic_write(self.out_dir / latest_name, self.tag)
+        return self.final
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def verify(folder: str | Path) -> dict[str, Any]:
+    """Re-check every file against the manifest; raise CheckpointError naming the first fault."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        tags = [p for p in folder.iterdir() if (p / MANIFEST).is_file()] if folder.is_dir() else []
+        if len(tags) != 1:
+            raise CheckpointError(f"{folder}: no {MANIFEST} (not a finished reshard output)")
+        folder = tags[0]
+    try:
+        doc = json.loads((folder / MANIFEST).read_text())
+        files = doc["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder / MANIFEST}: unreadable manifest ({e})") from None
+    for rel, want in files.items():
+        p = folder / rel
+        if not p.is_file():
+            raise CheckpointError(f"{p}: listed in the manifest but missing")
+        if p.stat().st_size != want["size"] or _sha256(p) != want["sha256"]:
+            raise CheckpointError(f"{p}: content differs from the manifest's checksum")
+    extra = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                   if p.is_file() and p.name != MANIFEST and p.relative_to(folder).as_posix() not in files)
+    if extra:
+        raise CheckpointError(f"{folder}: files not in the manifest: {extra[:5]}")
+    return doc

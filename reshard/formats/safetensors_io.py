@@ -1,0 +1,60 @@
+"""A streaming safetensors writer: the header is computed from shapes alone, then each tensor is
+written as it is produced, so a file never has to be held in memory whole."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+
+
+class SafetensorsWriter:
+    def __init__(self, path: Path, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict = {"__metadata__": metadata or {"format": "pt"}}
+        offset = 0
+        for name, shape, dtype in specs:
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
+        self.expected = [(name, tuple(shape), dtype) for name, shape, dtype in specs]
+        self.index = 0
+        self.f = open(path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want = self.expected[self.index]
+        if (name, tuple(tensor.shape), tensor.dtype) != want:
+            raise ValueError(f"safetensors writer expected {want}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        self.index += 1
+        t = tensor.detach().contiguous().cpu()
+        self.f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+    def close(self) -> None:
+        if self.index != len(self.expected):
+            raise ValueError("safetensors file closed before every tensor was written")
+        self.f.close()
+
+
+def plan_files(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], max_bytes: int) -> list[list]:
+    """Split tensors, in order, into files of at most ``max_bytes`` (a larger tensor gets a file
+    of its own)."""
+    files: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        n = torch.Size(spec[1]).numel() * torch.empty((), dtype=spec[2]).element_size()
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(spec)
+        size += n
+    return files
