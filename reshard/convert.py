@@ -93,10 +93,10 @@ class _Converter:
 def _check_steps(ck: DeepSpeedCheckpoint) -> None:
     """Every rank's optimizer must be at the same step (DeepSpeed asserts the same)."""
     steps = set()
-    for (t, d), path in ck.optim_files.items():
+    for t, d in ck.optim_files:
         osd = ck.osd(t, d)
         state = osd["optimizer_state_dict"]["state"] if ck.zero_stage == 3 else osd["base_optimizer_state"]["state"]
-        for g, s in state.items():
+        for s in state.values():
             if "step" in s:
                 steps.add(float(s["step"]))
     if len(steps) > 1:
@@ -224,7 +224,7 @@ def _write_safetensors(ck, conv: _Converter, staging: Staging, names: list[str],
         fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         w = SafetensorsWriter(staging.path(fname), group)
         try:
-            for name, shape, dtype in group:
+            for name, _, dtype in group:
                 f, _ = conv.full(name, "fp32")
                 w.write(name, f.to(dtype))
                 weight_map[name] = fname

@@ -15,7 +15,7 @@ import torch
 from ..errors import CheckpointError, ReshardError
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
-from ..layouts import zero12_from_slice_mappings, zero3
+from ..layouts import zero3, zero12_from_slice_mappings
 from . import lowering
 from .safe_load import load
 
