@@ -59,6 +59,24 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_convert(args) -> int:
+    from .convert import convert, summary
+
+    report = convert(args.ckpt_dir, args.out_dir, fmt=args.format, workers=args.workers,
+                     on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
+                     max_file_bytes=int(args.max_file_gb * 2**30))
+    print(summary(report))
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from .formats.output import verify
+
+    doc = verify(args.out_dir)
+    print(f"{args.out_dir}: {len(doc['files'])} files match the manifest")
+    return 0
+
+
 def _cmd_demo(args) -> int:
     from .demo import main
 
@@ -81,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--element-size", type=int, default=2)
     pl.add_argument("--allow-inexact-scale", action="store_true")
     pl.set_defaults(fn=_cmd_plan)
+    cv = sub.add_parser("convert", help="DeepSpeed checkpoint -> universal checkpoint (or safetensors)")
+    cv.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
+    cv.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest_universal")
+    cv.add_argument("--format", choices=["ucp", "safetensors"], default="ucp")
+    cv.add_argument("--workers", type=int, default=1)
+    cv.add_argument("--on-replica-mismatch", default="error", metavar="{error,rank:N,mean}",
+                    help="what to do when ranks hold different copies of a replicated block (default: fail)")
+    cv.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR/<tag>")
+    cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit")
+    cv.set_defaults(fn=_cmd_convert)
+    vf = sub.add_parser("verify", help="check a reshard output folder against its checksum manifest")
+    vf.add_argument("out_dir")
+    vf.set_defaults(fn=_cmd_verify)
     d = sub.add_parser("demo", help="derive and plan the seed's layouts")
     d.set_defaults(fn=_cmd_demo)
     return p

@@ -1,0 +1,226 @@
+"""reshard convert: replica drift, safety against bad input, crash safety, formats, verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard import CheckpointError, ReplicaMismatchError
+from reshard.cli import main as cli
+from reshard.convert import convert
+from reshard.formats.output import verify
+from reshard.formats.pickling import save
+from reshard.formats.safe_load import load
+from tests.dsconv import FIXTURES, tag_dir
+
+BIGCODE_DRIFTED = [f"transformer.h.{i}.attn.c_attn.{k}" for i in (0, 1) for k in ("weight", "bias")]
+
+
+def _copy(name: str, tmp: Path) -> Path:
+    dst = tmp / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_replica_drift_fails_by_default_naming_every_parameter(tmp_path):
+    with pytest.raises(ReplicaMismatchError) as e:
+        convert(FIXTURES / "gpt_bigcode_tp2", tmp_path)
+    for name in BIGCODE_DRIFTED:
+        assert name in str(e.value)
+    assert "ranks [0, 1]" in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # nothing that looks like output
+    assert cli(["convert", str(FIXTURES / "gpt_bigcode_tp2"), str(tmp_path / "cli")]) == 2
+
+
+def test_replica_drift_resolved_by_explicit_policy(tmp_path):
+    report = convert(FIXTURES / "gpt_bigcode_tp2", tmp_path, on_replica_mismatch="rank:0")
+    assert {d.param for d in report.drift} == set(BIGCODE_DRIFTED)
+    manifest = json.loads((report.out_dir / "reshard-manifest.json").read_text())
+    assert manifest["on_replica_mismatch"] == "rank:0" and len(manifest["replica_drift"]) == 12
+    # the kv rows come from rank 0's copy
+    tag = tag_dir("gpt_bigcode_tp2")
+    name = "transformer.h.0.attn.c_attn.weight"
+    f = load(report.out_dir / "zero" / name / "fp32.pt")["param"]
+    from reshard.formats.deepspeed import DeepSpeedCheckpoint
+
+    ck = DeepSpeedCheckpoint.open(tag)
+    rank0 = ck.tp_shard(name, 0, "fp32", ck.tp_map(name).map.shards[0].shape)
+    assert torch.equal(f[32:], rank0[32:])
+    mean = convert(FIXTURES / "gpt_bigcode_tp2", tmp_path / "mean", on_replica_mismatch="mean")
+    fm = load(mean.out_dir / "zero" / name / "fp32.pt")["param"]
+    rank1 = ck.tp_shard(name, 1, "fp32", ck.tp_map(name).map.shards[1].shape)
+    assert torch.allclose(fm[32:], (rank0[32:].double() + rank1.double()).div(2).float())
+    assert torch.equal(fm[:32], f[:32])
+
+
+def test_bad_policy_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="on_replica_mismatch"):
+        convert(FIXTURES / "llama_tp2", tmp_path, on_replica_mismatch="first")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/reshard-pwned",))
+
+
+def test_planted_code_executing_pickle_is_refused(tmp_path):
+    ck = _copy("llama_tp2", tmp_path)
+    target = tag_dir("llama_tp2").name
+    victim = ck / target / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "evil": _Evil()}, victim)
+    if os.path.exists("/tmp/reshard-pwned"):
+        os.remove("/tmp/reshard-pwned")
+    with pytest.raises(CheckpointError) as e:
+        convert(ck, tmp_path / "out")
+    assert str(victim) in str(e.value) and "system" in str(e.value)
+    assert not os.path.exists("/tmp/reshard-pwned")
+    assert not (tmp_path / "out" / target).exists()
+
+
+def test_plain_pickle_of_unknown_class_is_refused(tmp_path):
+    p = tmp_path / "x.pt"
+    with open(p, "wb") as f:
+        pickle.dump({"a": _Evil()}, f)
+    with pytest.raises(CheckpointError, match=str(p)):
+        load(p)
+
+
+def test_truncated_file(tmp_path):
+    ck = _copy("llama_zero1_dp2", tmp_path)
+    victim = ck / tag_dir("llama_zero1_dp2").name / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"{victim}: cannot be read .*truncated or corrupt"):
+        convert(ck, tmp_path / "out")
+    assert not (tmp_path / "out" / "global_step3").exists()
+
+
+def test_missing_rank_file(tmp_path):
+    ck = _copy("llama_tp2_dp2", tmp_path)
+    (ck / tag_dir("llama_tp2_dp2").name / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"optimizer state files are missing for tp 1 dp 1"):
+        convert(ck, tmp_path / "out")
+
+
+def test_missing_latest_target_and_not_a_checkpoint(tmp_path):
+    (tmp_path / "latest").write_text("global_step9")
+    with pytest.raises(CheckpointError, match="names tag 'global_step9'"):
+        convert(tmp_path, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="not a DeepSpeed checkpoint"):
+        convert(tmp_path / "out", tmp_path / "o2") if (tmp_path / "out").mkdir() is None else None
+
+
+def _rewrite(path: Path, edit) -> None:
+    obj = load(path, mmap=False)
+    edit(obj)
+    save(obj, path)
+
+
+def test_shapes_that_disagree_with_the_map(tmp_path):
+    ck = _copy("llama_tp2", tmp_path)
+    tag = ck / tag_dir("llama_tp2").name
+    key = r"^model\.layers\.0\.self_attn\.q_proj\.weight$"
+
+    def edit(sd):
+        entry = sd["universal_checkpoint_info"]["affine_map"]["params"][key]
+        entry["ranks"][1]["shard_shape"] = [8, 32]
+
+    _rewrite(tag / "mp_rank_00_model_states.pt", edit)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*TP rank 1 shard shape"):
+        convert(ck, tmp_path / "out")
+
+
+def test_unknown_optimizer_state_layout(tmp_path):
+    ck = _copy("llama_zero1_dp2", tmp_path)
+    victim = ck / tag_dir("llama_zero1_dp2").name / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+    def edit(sd):
+        del sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"]
+
+    _rewrite(victim, edit)
+    with pytest.raises(CheckpointError, match=rf"{victim}: optimizer state has no 'exp_avg'"):
+        convert(ck, tmp_path / "out")
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+from reshard.convert import convert
+def progress(done, total):
+    if done == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+convert(sys.argv[1], sys.argv[2], progress=progress)
+"""
+
+
+def test_killed_conversion_leaves_nothing_finished_and_rerun_matches(tmp_path):
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(FIXTURES / "llama_tp2_dp2"), str(out)],
+                         capture_output=True, timeout=300)
+    assert res.returncode == -9
+    assert not (out / "global_step3").exists() and not (out / "latest_universal").exists()
+    assert [p.name for p in out.iterdir()] == [".reshard-partial-global_step3"]
+    convert(FIXTURES / "llama_tp2_dp2", out)
+    clean = convert(FIXTURES / "llama_tp2_dp2", tmp_path / "clean")
+    assert not (out / ".reshard-partial-global_step3").exists()
+    assert _files(out / "global_step3") == _files(clean.out_dir)  # byte-identical
+    verify(out)
+
+
+def test_existing_output_is_not_clobbered(tmp_path):
+    convert(FIXTURES / "llama_zero1_dp2", tmp_path)
+    with pytest.raises(CheckpointError, match="already exists"):
+        convert(FIXTURES / "llama_zero1_dp2", tmp_path)
+    convert(FIXTURES / "llama_zero1_dp2", tmp_path, overwrite=True, workers=2)
+    verify(tmp_path / "global_step3")
+
+
+def test_verify_catches_tampering(tmp_path):
+    r = convert(FIXTURES / "llama_zero1_dp2", tmp_path)
+    assert cli(["verify", str(tmp_path)]) == 0
+    victim = r.out_dir / "zero" / "lm_head.weight" / "fp32.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="differs from the manifest"):
+        verify(r.out_dir)
+    assert cli(["verify", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("name", ["llama_tp2_dp2", "llama_zero3_dp2", "llama_zero1_dp2_bf16"])
+def test_safetensors_output(name, tmp_path):
+    from safetensors.torch import load_file
+
+    ucp = convert(FIXTURES / name, tmp_path / "ucp").out_dir
+    st = convert(FIXTURES / name, tmp_path / "st", fmt="safetensors", max_file_bytes=64 * 1024).out_dir
+    index = json.loads((st / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1  # split by size
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(st / f))
+    assert set(tensors) == set(index["weight_map"])
+    for n, t in tensors.items():
+        ref = load(ucp / "zero" / n / "fp32.pt")
+        ref = ref["param"] if isinstance(ref, dict) else ref
+        assert torch.equal(t.reshape(-1), ref.reshape(-1)), n
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in tensors.values())
+
+
+def test_parent_folder_with_latest_and_tag_folder_give_the_same_output(tmp_path):
+    a = convert(FIXTURES / "llama_tp2", tmp_path / "a").out_dir
+    b = convert(tag_dir("llama_tp2"), tmp_path / "b").out_dir
+    fa, fb = _files(a), _files(b)
+    ma, mb = json.loads(fa.pop("reshard-manifest.json")), json.loads(fb.pop("reshard-manifest.json"))
+    assert fa == fb and ma["files"] == mb["files"]
