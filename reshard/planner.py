@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import PlanError
-from .ir.canonical import _concat_pass
+from .ir.canonical import _concat_pass, _make
 from .ir.geometry import Block, Box, _joint_dims, axis_intersect, clip, outside, piece_blocks
 from .ir.param_map import ParamMap
 from .ir.piece import Piece, View, prod
@@ -176,26 +176,31 @@ def _sum_stats(parts: Sequence[PlanStats]) -> PlanStats:
 
 class CostModel(Protocol):
     """Chooses which holder of a block sends it to ``dst_rank``. ``sent`` is the number of
-    elements each rank has been assigned to send so far (remote only)."""
+    elements each rank has been assigned to send so far (remote only); ``peers`` the ranks
+    already sending to ``dst_rank`` in this parameter."""
 
-    def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int]) -> int: ...
+    def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int],
+               peers: frozenset[int]) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
 class DefaultCost:
-    """Local copy first, then a holder on the same node (``ranks_per_node`` consecutive global
-    ranks per node), then the holder that has sent least so far, then the lowest rank."""
+    """Local copy first; then a holder on the same node (``ranks_per_node`` consecutive global
+    ranks per node); then a holder already sending to this target (fewer, larger messages, and
+    segments that can merge); then the holder that has sent least so far; then the lowest rank."""
 
     ranks_per_node: int | None = None
 
-    def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int]) -> int:
+    def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int],
+               peers: frozenset[int] = frozenset()) -> int:
         if dst_rank in holders:
             return dst_rank
         pool = list(holders)
         if self.ranks_per_node:
             near = [r for r in pool if r // self.ranks_per_node == dst_rank // self.ranks_per_node]
             pool = near or pool
-        return min(pool, key=lambda r: (sent.get(r, 0), r))
+        friends = [r for r in pool if r in peers]
+        return min(friends or pool, key=lambda r: (sent.get(r, 0), r))
 
 
 # -- phase 1: geometry ---------------------------------------------------------------------------
@@ -310,18 +315,18 @@ def _geometry(source: ParamMap, target: ParamMap, allow_inexact: bool) -> _Geome
             c = clip(b, valid)
             if c is None:
                 continue
-            by_class: dict[frozenset[int], dict[int, list[_Raw]]] = defaultdict(lambda: defaultdict(list))
-            scales: dict[frozenset[int], float] = {}
+            # a holder class is a set of ranks with one scale: homogeneity makes them hold the
+            # same elements, so any one of them can fill the intersection
+            by_class: dict[tuple[frozenset[int], float], dict[int, list[_Raw]]] = defaultdict(lambda: defaultdict(list))
             for s in index.query(c.box):
                 x = _box_and(s.block.box, c.box)
                 if x is None:
                     continue
                 sb, db = s.block.sub(x), c.sub(x)
-                by_class[s.locations][s.rank].append(_Raw(x, sb.base, sb.h, db.base, db.h))
-                scales[s.locations] = s.scale
-            for locs in sorted(by_class, key=sorted):
-                per_rank = by_class[locs]
-                f = _factor(scales[locs], q.scale, allow_inexact, f"target rank {t} piece {j}")
+                by_class[(s.locations, s.scale)][s.rank].append(_Raw(x, sb.base, sb.h, db.base, db.h))
+            for locs, scale in sorted(by_class, key=lambda k: (sorted(k[0]), k[1])):
+                per_rank = by_class[(locs, scale)]
+                f = _factor(scale, q.scale, allow_inexact, f"target rank {t} piece {j}")
                 numel = sum(prod(tuple(a[2] for a in r.box)) for r in next(iter(per_rank.values())))
                 options = tuple((r, f, tuple(per_rank[r])) for r in sorted(per_rank))
                 needs.append(_Need(t, numel, options))
@@ -395,24 +400,65 @@ def _segment(src: int, dst: int, factor: float, r: _Raw) -> Segment:
                    tuple(n for _, n, _ in dims), factor)
 
 
-def _concat(segs: list[Segment]) -> list[Segment]:
-    """Join segments contiguous in both shards though not in F (a flat range crossing rows):
-    the canonical form's concat rule, applied with the source shard in place of F."""
+def _compress(segs: list[Segment]) -> list[Segment]:
+    """Merge one (source rank, target rank) pair's segments in shard space, where F's geometry
+    no longer matters: join segments contiguous in both shards (a flat range crossing rows of F),
+    and stack same-shaped segments whose offsets advance by constants into one N-d segment
+    (seed §8.2: group by source rank, then fold in N dimensions)."""
     if len(segs) < 2:
         return segs
     first = segs[0]
     pieces = [Piece(s.shape, s.src, s.dst, frozenset({0}), 1.0) for s in segs]
     changed = True
     while changed:
-        pieces, changed = _concat_pass(pieces)
+        pieces, joined = _concat_pass(pieces)
+        pieces, stacked = _stack(pieces)
+        changed = joined or stacked
     return [Segment(first.src_rank, p.source, first.dst_rank, p.dest, p.shape, first.factor) for p in pieces]
+
+
+def _stack(pieces: list[Piece]) -> tuple[list[Piece], bool]:
+    groups: dict[tuple, list[Piece]] = defaultdict(list)
+    for p in pieces:
+        groups[(p.shape, p.source.strides, p.dest.strides)].append(p)
+    out: list[Piece] = []
+    changed = False
+    for group in groups.values():
+        group.sort(key=lambda p: (p.dest.offset, p.source.offset))
+        i = 0
+        while i < len(group):
+            j = i
+            if i + 1 < len(group):
+                ds = group[i + 1].source.offset - group[i].source.offset
+                dd = group[i + 1].dest.offset - group[i].dest.offset
+                j = i + 1
+                while (j + 1 < len(group) and group[j + 1].source.offset - group[j].source.offset == ds
+                       and group[j + 1].dest.offset - group[j].dest.offset == dd):
+                    j += 1
+                if ds <= 0 or dd <= 0:
+                    j = i
+            if j > i:
+                p = group[i]
+                dims = [(n, a, b) for n, a, b in zip(p.shape, p.source.strides, p.dest.strides)]
+                out.append(_make(dims + [(j - i + 1, ds, dd)], p.source.offset, p.dest.offset, p))
+                changed = True
+            else:
+                out.append(group[i])
+            i = j + 1
+    return out, changed
 
 
 def _choose(geo: _Geometry, cost: CostModel, sent: dict[int, int]) -> tuple[int, ...]:
     picks = []
+    peers: dict[int, set[int]] = defaultdict(set)
+    for need in geo.needs:  # sole holders first, so choices can join their messages
+        if len(need.options) == 1:
+            peers[need.dst_rank].add(need.options[0][0])
     for need in geo.needs:
         holders = [r for r, _, _ in need.options]
-        r = holders[0] if len(holders) == 1 else cost.choose(holders, need.dst_rank, need.numel, sent)
+        r = holders[0] if len(holders) == 1 else cost.choose(
+            holders, need.dst_rank, need.numel, sent, frozenset(peers[need.dst_rank]))
+        peers[need.dst_rank].add(r)
         if r not in holders:
             raise PlanError(f"cost model chose rank {r}, which is not among the holders {holders}")
         if r != need.dst_rank:
@@ -429,7 +475,7 @@ def _assemble(source: ParamMap, target: ParamMap, geo: _Geometry, picks: tuple[i
     segments = []
     for (src, dst, f) in sorted(groups):
         segs = [_segment(src, dst, f, raw) for raw in _merge(groups[(src, dst, f)])]
-        segments.extend(sorted(_concat(segs), key=lambda x: (x.dst.offset, x.src.offset)))
+        segments.extend(sorted(_compress(segs), key=lambda x: (x.dst.offset, x.src.offset)))
     return TransferPlan(
         target.logical_shape,
         {r: s.shape for r, s in source.shards.items()},
