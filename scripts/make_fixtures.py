@@ -1,0 +1,611 @@
+#!/usr/bin/env python
+"""Build the real DeepSpeed checkpoint fixtures under ``tests/fixtures/deepspeed/``.
+
+Each fixture is a tiny ``transformers`` model (built from a config object, random init, fixed
+seed, nothing downloaded) trained for a few steps with DeepSpeed on CPU (``gloo``), then saved
+with ``engine.save_checkpoint(dir, tag="global_step<N>")``.  The fixture folder is the parent
+folder DeepSpeed writes (``latest`` plus the tag folder), next to a ``fixture.json`` that
+records how it was made and what training printed.
+
+Usage::
+
+    python scripts/make_fixtures.py                       # all fixtures
+    python scripts/make_fixtures.py --only llama_tp2 --only qwen2_tp2
+    python scripts/make_fixtures.py --out /tmp/fixtures   # somewhere else
+    python scripts/make_fixtures.py --list
+    python scripts/make_fixtures.py --bench-200m /tmp/bench200m   # ~200M Llama, ZeRO-1, DP=2
+
+Every fixture is generated into a temporary folder first and swapped into place only when the
+launch succeeded and the checkpoint looks complete; a failure leaves the existing fixture alone.
+
+DeepSpeed's CPU all-reduce (the ``deepspeed_shm_comm_op`` extension) leaves one shared-memory
+buffer (~66 MiB) per rank in ``/dev/shm`` named ``deepspeed_allreduce_buffer_*_<port>_*``; this
+script deletes the ones for every port it used after each launch, whether it succeeded or not.
+
+DeepSpeed also copies ``zero_to_fp32.py`` and ``zero_to_torch.py`` next to ``latest``; they are
+dropped from the fixtures (they are generic helper scripts, not checkpoint data, and ``ruff``
+would lint them under ``tests/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import hashlib
+import json
+import os
+import pickletools
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "_fixture_train.py"
+DEFAULT_OUT = REPO / "tests" / "fixtures" / "deepspeed"
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer_"
+HELPER_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+SEED = 1234
+STEPS = 3
+SEQ_LEN = 16
+MICRO_BATCH = 2
+LAUNCH_TIMEOUT_S = 900
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+# Dimensions are tiny (so all fixtures stay well under 10 MB) but pairwise distinct
+# (hidden 32, q 32, kv 16, intermediate 88, vocab 96) so a transposed or swapped axis cannot
+# go unnoticed in tests.
+LLAMA = {
+    "hidden_size": 32,
+    "num_attention_heads": 4,  # head_dim 8
+    "num_key_value_heads": 2,  # GQA: 2 query heads per kv head
+    "num_hidden_layers": 2,
+    "intermediate_size": 88,
+    "vocab_size": 96,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+QWEN2 = {
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # GQA, and q/k/v projections carry a bias
+    "num_hidden_layers": 2,
+    "intermediate_size": 88,
+    "vocab_size": 96,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+GPT_BIGCODE = {
+    "n_embd": 32,
+    "n_head": 4,
+    "n_layer": 2,
+    "n_inner": 88,
+    "n_positions": 64,
+    "vocab_size": 96,
+    "multi_query": True,  # MQA: one fused c_attn = [q (n_embd) | k (head_dim) | v (head_dim)]
+    # Dropout off: with TP every rank must compute the same activations (and losses).
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# ~200M-parameter Llama for the benchmark checkpoint:
+# embed + lm_head 2 * 32000 * 1024 = 65.5M; per layer attn 3.1M + mlp 8.65M; 12 layers -> ~207M.
+LLAMA_200M = {
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 12,
+    "intermediate_size": 2816,
+    "vocab_size": 32000,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+GPT_BIGCODE_NOTE = (
+    "DeepSpeed 0.19.8 AutoTP splits GPT-BigCode's fused c_attn query rows by the kv-head count "
+    "(1 under MQA), so TP rank 0 holds all 32 query rows + the k/v block and TP rank 1 holds only "
+    "the replicated k/v block (c_attn weight [16, 32]) and a 0-column c_proj shard. Unpatched, the "
+    "HF eager attention then fails on rank 1 with 'RuntimeError: The size of tensor a (0) must "
+    "match the size of tensor b (4) at non-singleton dimension 1'. Training runs with the patch "
+    "'gpt_bigcode_empty_query_shard' (scripts/_fixture_train.py): on a rank with no query rows the "
+    "attention output is an empty (batch, seq, 0) tensor fed to the row-parallel c_proj. The "
+    "checkpoint files are written by DeepSpeed unmodified."
+)
+
+
+def ds_config(stage: int, *, bf16: bool = False, autotp: int = 0, micro_batch: int = MICRO_BATCH) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        # torch_adam=True -> plain torch.optim.AdamW (no FusedAdam / CPUAdam extension to compile).
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True},
+        },
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if autotp:
+        cfg["tensor_parallel"] = {"autotp_size": autotp}
+    return cfg
+
+
+@dataclass
+class Fixture:
+    name: str
+    model_type: str
+    model_config: dict
+    ds_config: dict
+    world_size: int
+    tp: int = 1
+    steps: int = STEPS
+    seq_len: int = SEQ_LEN
+    micro_batch: int = MICRO_BATCH
+    seed: int = SEED
+    patches: list = field(default_factory=list)  # names from _fixture_train.PATCHES
+    notes: list = field(default_factory=list)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config["zero_optimization"]["stage"])
+
+    @property
+    def tag(self) -> str:
+        return f"global_step{self.steps}"
+
+
+FIXTURES = [
+    Fixture("llama_zero1_dp2", "llama", LLAMA, ds_config(1), world_size=2),
+    Fixture("llama_zero2_dp2", "llama", LLAMA, ds_config(2), world_size=2),
+    Fixture("llama_zero3_dp2", "llama", LLAMA, ds_config(3), world_size=2),
+    Fixture("llama_zero1_dp2_bf16", "llama", LLAMA, ds_config(1, bf16=True), world_size=2),
+    Fixture("llama_tp2", "llama", LLAMA, ds_config(1, autotp=2), world_size=2, tp=2),
+    Fixture("qwen2_tp2", "qwen2", QWEN2, ds_config(1, autotp=2), world_size=2, tp=2),
+    Fixture("gpt_bigcode_tp2", "gpt_bigcode", GPT_BIGCODE, ds_config(1, autotp=2), world_size=2, tp=2,
+            patches=["gpt_bigcode_empty_query_shard"],
+            notes=[GPT_BIGCODE_NOTE]),
+    Fixture("llama_tp2_dp2", "llama", LLAMA, ds_config(1, autotp=2), world_size=4, tp=2),
+]
+BY_NAME = {f.name: f for f in FIXTURES}
+
+
+def bench_200m_fixture() -> Fixture:
+    return Fixture(
+        "llama_200m_zero1_dp2",
+        "llama",
+        LLAMA_200M,
+        ds_config(1, micro_batch=1),
+        world_size=2,
+        steps=1,
+        seq_len=64,
+        micro_batch=1,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(f"[make_fixtures] {msg}", flush=True)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class PortAllocator:
+    """Hands out a distinct free TCP port per launch, starting from ``base``."""
+
+    def __init__(self, base: int):
+        self.next = base
+
+    def take(self) -> int:
+        while True:
+            port = self.next
+            self.next += 1
+            if port_is_free(port) and not glob.glob(str(SHM_DIR / f"{SHM_PREFIX}*_{port}_*")):
+                return port
+
+
+def cleanup_shm(port: int) -> list[str]:
+    """Delete DeepSpeed's CPU all-reduce shared-memory buffers left for ``port``."""
+    removed = []
+    for path in glob.glob(str(SHM_DIR / f"{SHM_PREFIX}*_{port}_*")):
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def launcher_cmd() -> list[str]:
+    ds = Path(sys.executable).parent / "deepspeed"
+    if ds.exists():
+        return [sys.executable, str(ds)]
+    return [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pickle_globals(path: Path) -> list[str]:
+    """Fully qualified names of every GLOBAL / STACK_GLOBAL in a torch zip checkpoint's pickle."""
+    with zipfile.ZipFile(path) as zf:
+        names = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        data = zf.read(names[0])
+    found: set[str] = set()
+    stack_strings: list[str] = []  # string values pushed so far, for STACK_GLOBAL
+    memo: dict[int, object] = {}
+    last: object = None  # value of the most recent push, for PUT / MEMOIZE
+    for op, arg, _pos in pickletools.genops(data):
+        name = op.name
+        if name == "GLOBAL":
+            mod, qual = arg.split(" ", 1)
+            found.add(f"{mod}.{qual}")
+            last = None
+        elif name == "STACK_GLOBAL":
+            if len(stack_strings) >= 2:
+                found.add(f"{stack_strings[-2]}.{stack_strings[-1]}")
+            last = None
+        elif name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
+            last = arg
+            stack_strings.append(arg)
+        elif name in ("BINGET", "LONG_BINGET", "GET"):
+            last = memo.get(int(arg))
+            if isinstance(last, str):
+                stack_strings.append(last)
+        elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[int(arg)] = last
+        elif name == "MEMOIZE":
+            memo[len(memo)] = last
+        else:
+            last = None
+    return sorted(found)
+
+
+def root_cause(lines: list[str]) -> str:
+    """The most telling exception line of a failed launch (not the peers' 'connection closed')."""
+    errors = [ln.strip() for ln in lines
+              if re.match(r"^(\[rank\d+\]: )?[A-Za-z_.]*(Error|Exception)\b", ln.strip())]
+    primary = [e for e in errors if "Connection closed by peer" not in e and "ProcessGroup" not in e]
+    chosen = primary or errors
+    return chosen[0] if chosen else "(no exception line in the log)"
+
+
+def versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    for mod in ("torch", "deepspeed", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as exc:  # pragma: no cover
+            out[mod] = f"unavailable: {exc}"
+    return out
+
+
+def full_model_config(fx: Fixture) -> dict | None:
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(fx.model_type, **fx.model_config)
+        return json.loads(cfg.to_json_string(use_diff=False))
+    except Exception:  # pragma: no cover - informational only
+        return None
+
+
+def check_checkpoint(ckpt: Path, fx: Fixture) -> list[str]:
+    """Raise if the saved folder is not a complete DeepSpeed checkpoint; return its files."""
+    latest = ckpt / "latest"
+    if not latest.is_file():
+        raise RuntimeError(f"no 'latest' file in {ckpt}")
+    tag = latest.read_text().strip()
+    if tag != fx.tag:
+        raise RuntimeError(f"'latest' says {tag!r}, expected {fx.tag!r}")
+    tag_dir = ckpt / tag
+    files = sorted(p.name for p in tag_dir.iterdir())
+    want_optim = fx.world_size  # one zero_pp_rank_<d>_mp_rank_<t>_optim_states.pt per rank
+    optim = [f for f in files if f.endswith("_optim_states.pt")]
+    model = [f for f in files if f.endswith("_model_states.pt")]
+    if len(optim) != want_optim:
+        raise RuntimeError(f"expected {want_optim} optimizer-state files, found {optim}")
+    if not model:
+        raise RuntimeError(f"no model-state files in {tag_dir}: {files}")
+    return files
+
+
+# --------------------------------------------------------------------------------------------
+# One launch
+# --------------------------------------------------------------------------------------------
+
+
+def run_launch(fx: Fixture, work: Path, port: int, timeout_s: int, log_path: Path) -> dict:
+    """Train + save ``fx`` into ``work/ckpt``; returns {"reports": [...], "seconds": float}."""
+    spec = {
+        "model_type": fx.model_type,
+        "model_config": fx.model_config,
+        "ds_config": fx.ds_config,
+        "steps": fx.steps,
+        "seed": fx.seed,
+        "seq_len": fx.seq_len,
+        "micro_batch": fx.micro_batch,
+        "save_dir": str(work / "ckpt"),
+        "tag": fx.tag,
+        "report_dir": str(work / "report"),
+        "patches": fx.patches,
+    }
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    cmd = launcher_cmd() + [
+        "--num_gpus", str(fx.world_size),
+        "--no_local_rank",
+        "--master_port", str(port),
+        str(TRAIN_SCRIPT),
+        "--spec", str(spec_path),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("PYTHONHASHSEED", "0")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    t0 = time.time()
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            # The launcher and its ranks share the session we created for them.
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            raise RuntimeError(f"launch timed out after {timeout_s}s (log: {log_path})") from None
+        except BaseException:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            raise
+    seconds = time.time() - t0
+    if rc != 0:
+        lines = open(log_path, errors="replace").readlines()
+        raise RuntimeError(f"launch exited with {rc} after {seconds:.1f}s: {root_cause(lines)}\n"
+                           f"log tail ({log_path}):\n{''.join(lines[-40:])}")
+    reports = []
+    for r in range(fx.world_size):
+        p = work / "report" / f"rank_{r}.json"
+        if not p.is_file():
+            raise RuntimeError(f"rank {r} wrote no report ({p})")
+        reports.append(json.loads(p.read_text()))
+    return {"reports": reports, "seconds": seconds}
+
+
+def build_fixture_json(fx: Fixture, ckpt: Path, files: list[str], reports: list[dict]) -> dict:
+    tag_dir = ckpt / fx.tag
+    file_info = {}
+    for name in files:
+        p = tag_dir / name
+        info = {"bytes": p.stat().st_size, "sha256": sha256(p)}
+        if name.endswith(".pt"):
+            try:
+                info["pickle_globals"] = pickle_globals(p)
+            except Exception as exc:  # pragma: no cover
+                info["pickle_globals_error"] = repr(exc)
+        file_info[name] = info
+    r0 = reports[0]
+    return {
+        "name": fx.name,
+        "tag": fx.tag,
+        "checkpoint_dir": ".",  # `latest` and the tag folder sit next to this file
+        "model_type": fx.model_type,
+        "model_config": fx.model_config,
+        "model_config_full": full_model_config(fx),
+        "patches": fx.patches,
+        "model_init": "AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **model_config), "
+                      "attn_implementation='eager', dtype=torch.float32) after torch.manual_seed(seed)",
+        "ds_config": fx.ds_config,
+        "world_size": fx.world_size,
+        "topology": {
+            "tp": fx.tp,
+            "dp": fx.dp,
+            "pp": 1,
+            "zero_stage": fx.zero_stage,
+            "bf16": bool(fx.ds_config.get("bf16", {}).get("enabled", False)),
+            "ranks": [
+                {"rank": r["rank"], "tp_rank": r["tp_rank"], "dp_rank": r["dp_rank"]} for r in reports
+            ],
+        },
+        "steps": fx.steps,
+        "seed": fx.seed,
+        "data": {
+            "kind": "fixed synthetic batch, same at every step",
+            "recipe": "torch.randint(0, vocab_size, (micro_batch * dp, seq_len), "
+                      "generator=torch.Generator().manual_seed(seed + 1)); dp rank d takes rows "
+                      "[d*micro_batch, (d+1)*micro_batch); labels = input_ids",
+            "seq_len": fx.seq_len,
+            "micro_batch": fx.micro_batch,
+        },
+        "losses": r0["losses"],
+        "losses_per_rank": {str(r["rank"]): r["losses"] for r in reports},
+        "global_steps": r0["global_steps"],
+        "param_dtype": r0["param_dtype"],
+        "optimizer_class": r0["optimizer_class"],
+        "basic_optimizer_class": r0["basic_optimizer_class"],
+        "versions": versions(),
+        "files": file_info,
+        "notes": fx.notes,
+    }
+
+
+def make_one(fx: Fixture, out_dir: Path, ports: PortAllocator, timeout_s: int, keep_tmp: bool,
+             write_json: bool = True) -> dict:
+    """Generate one fixture and swap it into ``out_dir / fx.name``.  Returns a summary dict."""
+    work = Path(tempfile.mkdtemp(prefix=f"reshard-fx-{fx.name}-"))
+    port = ports.take()
+    log_path = work / "launch.log"
+    t0 = time.time()
+    try:
+        log(f"{fx.name}: launching {fx.world_size} ranks (tp={fx.tp}, dp={fx.dp}, zero={fx.zero_stage}) "
+            f"on port {port}, work dir {work}")
+        try:
+            res = run_launch(fx, work, port, timeout_s, log_path)
+        finally:
+            removed = cleanup_shm(port)
+            if removed:
+                log(f"{fx.name}: removed {len(removed)} /dev/shm buffer(s) for port {port}")
+        ckpt = work / "ckpt"
+        for helper in HELPER_SCRIPTS:
+            (ckpt / helper).unlink(missing_ok=True)
+        files = check_checkpoint(ckpt, fx)
+        if write_json:
+            meta = build_fixture_json(fx, ckpt, files, res["reports"])
+            (ckpt / "fixture.json").write_text(json.dumps(meta, indent=1, sort_keys=False) + "\n")
+
+        # Swap into place: move next to the destination (a rename when on one filesystem, else a
+        # copy), then rename over the old fixture.
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dest = out_dir / fx.name
+        staging = out_dir / f".{fx.name}.new"
+        old = out_dir / f".{fx.name}.old"
+        for p in (staging, old):
+            if p.exists():
+                shutil.rmtree(p)
+        shutil.move(str(ckpt), str(staging))
+        if dest.exists():
+            dest.rename(old)
+        staging.rename(dest)
+        if old.exists():
+            shutil.rmtree(old)
+        seconds = time.time() - t0
+        losses = res["reports"][0]["losses"]
+        log(f"{fx.name}: OK in {seconds:.1f}s (launch {res['seconds']:.1f}s); rank-0 losses {losses}")
+        return {"name": fx.name, "ok": True, "seconds": seconds, "launch_seconds": res["seconds"],
+                "port": port, "dest": str(dest)}
+    except Exception as exc:
+        seconds = time.time() - t0
+        log(f"{fx.name}: FAILED after {seconds:.1f}s: {exc}")
+        keep_tmp = True
+        return {"name": fx.name, "ok": False, "seconds": seconds, "port": port, "error": str(exc),
+                "log": str(log_path)}
+    finally:
+        cleanup_shm(port)
+        if keep_tmp:
+            log(f"{fx.name}: kept work dir {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="generate only this fixture (repeatable; also accepts a comma-separated list)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"fixture root (default {DEFAULT_OUT})")
+    ap.add_argument("--base-port", type=int, default=29710, help="first master port to try (one per launch)")
+    ap.add_argument("--timeout", type=int, default=LAUNCH_TIMEOUT_S, help="seconds allowed per launch")
+    ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary work folders")
+    ap.add_argument("--list", action="store_true", help="list the fixtures and exit")
+    ap.add_argument("--no-patches", action="store_true",
+                    help="run without the training-side model patches (to reproduce the failures they "
+                         "work around); a fixture whose patch is needed then fails and is left alone")
+    ap.add_argument("--bench-200m", type=Path, metavar="OUT_DIR",
+                    help="instead of the fixtures, write a ~200M-parameter Llama ZeRO-1 DP=2 fp32 "
+                         "checkpoint (1 step) to OUT_DIR/llama_200m_zero1_dp2")
+    args = ap.parse_args(argv)
+
+    if args.list:
+        for fx in FIXTURES:
+            print(f"{fx.name:24s} {fx.model_type:12s} world={fx.world_size} tp={fx.tp} dp={fx.dp} "
+                  f"zero={fx.zero_stage} bf16={'bf16' in fx.ds_config}")
+        return 0
+
+    ports = PortAllocator(args.base_port)
+
+    if args.bench_200m is not None:
+        fx = bench_200m_fixture()
+        res = make_one(fx, args.bench_200m, ports, max(args.timeout, 3600), args.keep_tmp)
+        print(json.dumps(res, indent=1))
+        return 0 if res["ok"] else 1
+
+    names = [n for item in args.only for n in item.split(",") if n]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown fixture(s) {unknown}; known: {sorted(BY_NAME)}")
+    todo = [BY_NAME[n] for n in names] if names else list(FIXTURES)
+
+    results = []
+    for fx in todo:
+        fx = copy.deepcopy(fx)
+        if args.no_patches:
+            fx.patches = []
+        results.append(make_one(fx, args.out, ports, args.timeout, args.keep_tmp))
+
+    print()
+    log("summary:")
+    for r in results:
+        status = "ok    " if r["ok"] else "FAILED"
+        extra = "" if r["ok"] else f"  ({r['error'].splitlines()[0]})"
+        log(f"  {status} {r['name']:24s} {r['seconds']:6.1f}s{extra}")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
