@@ -75,6 +75,9 @@ class _Converter:
         else:
             shards = {t: self.ck.tp_shard(name, t, state, m.shards[t].shape) for t in m.ranks}
         power = SCALE_POWER[state]
+        only = _identity_rank(m)
+        if only is not None:  # one rank holds F as is: its shard is F, no second copy
+            return shards[only].reshape(m.logical_shape), dict(low.extra)
         try:
             f = m.rebuild(shards, power, valid_only=True, prefer=self.prefer)
         except ReplicaMismatchError as e:
@@ -88,6 +91,30 @@ class _Converter:
             if m.is_padded:
                 f = f[tuple(slice(0, n) for n in m.valid_shape)].contiguous()
         return f, dict(low.extra)
+
+
+def _identity_rank(m) -> int | None:
+    """The rank whose shard is F itself, when a map has a single rank holding one unscaled,
+    row-major piece covering all of F."""
+    if len(m.shards) != 1 or m.is_padded:
+        return None
+    (rank, shard), = m.shards.items()
+    live = [p for p in shard.pieces if not p.is_empty]
+    if len(live) != 1 or shard.numel != m.numel:
+        return None
+    p = live[0]
+    dims = [(n, s, d) for n, s, d in zip(p.shape, p.source.strides, p.dest.strides) if n != 1]
+    contiguous = all(s == d for _, s, d in dims) and p.source.offset == 0 == p.dest.offset
+    return rank if contiguous and p.numel == m.numel and p.scale == 1.0 and _dense(dims) else None
+
+
+def _dense(dims) -> bool:
+    expect = 1
+    for n, s, _ in sorted(dims, key=lambda x: x[1]):
+        if s != expect:
+            return False
+        expect *= n
+    return True
 
 
 def _check_steps(ck: DeepSpeedCheckpoint) -> None:
@@ -176,20 +203,22 @@ def _write_ucp(ck, conv: _Converter, staging: Staging, names: list[str], workers
     def one(name: str) -> None:
         for state in STATES:
             f, extra = conv.full(name, state)
-            save(f.reshape(-1) if bare else {**extra, "param": f}, staging.path(f"zero/{name}/{state}.pt"))
+            with staging.open(f"zero/{name}/{state}.pt") as out:
+                save(f.reshape(-1) if bare else {**extra, "param": f}, out)
         if ck.has_optimizer_state(name) and not bare:
             step = ck.step(name)
             if step is not None:
-                save(step.clone() if isinstance(step, torch.Tensor) else step, staging.path(f"zero/{name}/step.pt"))
+                with staging.open(f"zero/{name}/step.pt") as out:
+                    save(step.clone() if isinstance(step, torch.Tensor) else step, out)
 
     _run(one, names, workers, bar, conv)
-    save(_optimizer_state(ck), staging.path("zero/optimizer_state.pt"))
+    with staging.open("zero/optimizer_state.pt") as out:
+        save(_optimizer_state(ck), out)
     for t in range(ck.tp):
-        src = ck.model_files[t]
-        staging.path(src.name).write_bytes(src.read_bytes())
+        staging.copy(ck.model_files[t], ck.model_files[t].name)
     for (t, d), src in sorted(ck.z3_model_files.items()):
         if t or d:
-            staging.path(src.name).write_bytes(src.read_bytes())
+            staging.copy(src, src.name)
 
 
 def _run(fn, names, workers: int, bar, conv: _Converter) -> None:

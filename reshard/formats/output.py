@@ -6,12 +6,15 @@ the hidden folder, which the next run removes. ``verify`` re-checks a finished f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import CheckpointError
 
@@ -31,11 +34,32 @@ class Staging:
             shutil.rmtree(self.tmp)
         self.tmp.mkdir()
         self.overwrite = overwrite
+        self.digests: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
 
     def path(self, rel: str) -> Path:
         p = self.tmp / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
+
+    @contextlib.contextmanager
+    def open(self, rel: str) -> Iterator[BinaryIO]:
+        """A file to write that checksums its bytes on the way out, so the manifest costs no
+        second read."""
+        f = _HashingWriter(open(self.path(rel), "wb"))
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.raw.fileno())
+        finally:
+            f.raw.close()
+        with self._lock:
+            self.digests[rel] = {"size": f.size, "sha256": f.hash.hexdigest()}
+
+    def copy(self, src: Path, rel: str) -> None:
+        with open(src, "rb") as fin, self.open(rel) as fout:
+            while chunk := fin.read(1 << 24):
+                fout.write(chunk)
 
     def abandon(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -44,10 +68,15 @@ class Staging:
         files = {}
         for p in sorted(self.tmp.rglob("*")):
             if p.is_file():
-                files[p.relative_to(self.tmp).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+                rel = p.relative_to(self.tmp).as_posix()
+                known = self.digests.get(rel)
+                if known is None:  # written by path(): checksum it now, and make it durable
+                    _fsync(p)
+                    known = {"size": p.stat().st_size, "sha256": _sha256(p)}
+                files[rel] = known
         doc = dict(meta, files=files)
         (self.tmp / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-        _fsync_tree(self.tmp)
+        _fsync(self.tmp / MANIFEST)
         if self.final.exists():
             old = self.out_dir / f".reshard-old-{self.tag}"
             shutil.rmtree(old, ignore_errors=True)
@@ -67,11 +96,25 @@ def _sha256(p: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+def _fsync(p: Path) -> None:
+    with open(p, "rb") as f:
+        os.fsync(f.fileno())
+
+
+class _HashingWriter:
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        n = self.raw.write(data)
+        self.hash.update(data)
+        self.size += len(data) if not isinstance(data, memoryview) else data.nbytes
+        return n
+
+    def flush(self) -> None:
+        self.raw.flush()
 
 
 def _atomic_write(path: Path, text: str) -> None:

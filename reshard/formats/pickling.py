@@ -9,7 +9,7 @@ from __future__ import annotations
 import pickle
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -30,6 +30,6 @@ class Pickler(pickle._Pickler):  # the pure-Python pickler exposes save_global
 pickle_module = types.SimpleNamespace(Pickler=Pickler, Unpickler=pickle.Unpickler, __name__="reshard_pickle")
 
 
-def save(obj: Any, path: str | Path) -> None:
+def save(obj: Any, path: str | Path | BinaryIO) -> None:
     """``torch.save`` that keeps DeepSpeed's class names for stand-ins."""
     torch.save(obj, path, pickle_module=pickle_module)

@@ -1,0 +1,92 @@
+"""Phase 1 converter on a ~200M-parameter Llama ZeRO-1 DP=2 fp32 checkpoint written by DeepSpeed
+(generated on first use into bench-data/, not committed): reshard vs ``ds_to_universal`` with the
+same worker count, in the same run; wall time, peak RSS, and the I/O floor (reading every input
+byte once plus writing every output byte once)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import row
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "bench-data"
+
+
+def ensure_checkpoint() -> Path:
+    ckpt = DATA / "llama_200m_zero1_dp2"  # make_fixtures.py writes OUT_DIR/<fixture name>/
+    if not (ckpt / "latest").is_file():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fixtures.py"), "--bench-200m", str(DATA)],
+                       check=True, cwd=ROOT)
+    return ckpt
+
+
+def _run(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB) of a child process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    wall = time.perf_counter() - t
+    if res.returncode:
+        raise RuntimeError(f"{cmd} failed:\n{res.stderr[-3000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return wall, max(peak, before) / 1024
+
+
+def _drop_out(p: Path) -> None:
+    shutil.rmtree(p, ignore_errors=True)
+
+
+def _io_floor(inputs: list[Path], out_bytes: int, scratch: Path) -> float:
+    t = time.perf_counter()
+    for p in inputs:
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+    block = b"\0" * (1 << 24)
+    with open(scratch, "wb") as f:
+        left = out_bytes
+        while left > 0:
+            f.write(block[: min(left, len(block))])
+            left -= len(block)
+        f.flush()
+        os.fsync(f.fileno())
+    scratch.unlink()
+    return time.perf_counter() - t
+
+
+def main(workers: int = 2) -> list[str]:
+    ckpt = ensure_checkpoint()
+    tag = ckpt / (ckpt / "latest").read_text().strip()
+    out = DATA / "out"
+    _drop_out(out)
+    ours_cmd = [sys.executable, "-m", "reshard.cli", "convert", str(ckpt), str(out / "reshard"),
+                "--workers", str(workers)]
+    ds_cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
+              "--output_folder", str(out / "ds" / tag.name), "--inject_missing_state",
+              "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
+    # Peak RSS of children is a running maximum, so measure the smaller-footprint tool first.
+    ours, ours_rss = _run(ours_cmd)
+    out_bytes = sum(p.stat().st_size for p in (out / "reshard").rglob("*") if p.is_file())
+    peer, peer_rss = _run(ds_cmd)
+    inputs = [p for p in tag.iterdir() if p.is_file()]
+    in_bytes = sum(p.stat().st_size for p in inputs)
+    floor = _io_floor(inputs, out_bytes, out / "floor.bin")
+    _drop_out(out)
+    return [
+        f"checkpoint: {in_bytes / 2**30:.2f} GiB in, {out_bytes / 2**30:.2f} GiB out, workers={workers}",
+        row("convert: reshard vs ds_to_universal (wall)", ours, peer, note="(goal >= 3x)"),
+        row("  peak RSS reshard vs ds_to_universal", ours_rss, peer_rss, unit="MiB", note="(ratio = peer/ours)"),
+        row("  I/O floor (read inputs once + write outputs once)", floor,
+            note=f"reshard is {ours / floor:.2f}x the floor (goal within 2x)"),
+    ]
+
+
+if __name__ == "__main__":
+    print("\n".join(main()))
