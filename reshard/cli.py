@@ -40,10 +40,23 @@ def _cmd_check(args) -> int:
 def _cmd_plan(args) -> int:
     from .planner import DefaultCost, plan_model
 
+    if args.target is None or args.tp is not None or args.dp is not None:
+        from .inspect import run_plan_topology
+
+        return run_plan_topology(args)
+    if args.png:
+        from .viz import require_matplotlib
+
+        require_matplotlib()
     src, tgt = _load_maps(args.source), _load_maps(args.target)
     if len(src) == 1 and len(tgt) == 1:
         tgt = {next(iter(src)): next(iter(tgt.values()))}
     mp = plan_model(src, tgt, cost=DefaultCost(args.ranks_per_node), allow_inexact_scale=args.allow_inexact_scale)
+    if args.png:
+        from .inspect import write_plan_png
+
+        write_plan_png(mp, src, tgt, args.png, args.element_size, f"plan: {Path(args.source).name} → "
+                       f"{Path(args.target).name}")
     if args.json:
         json.dump(mp.to_dict(), sys.stdout)
         print()
@@ -57,6 +70,12 @@ def _cmd_plan(args) -> int:
         (a, b), n = st.busiest_link
         print(f"busiest link: {a} -> {b}, {n} bytes")
     return 0
+
+
+def _cmd_inspect(args) -> int:
+    from .inspect import run_inspect
+
+    return run_inspect(args)
 
 
 def _cmd_convert(args) -> int:
@@ -91,10 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("maps")
     c.add_argument("-v", "--verbose", action="store_true")
     c.set_defaults(fn=_cmd_check)
-    pl = sub.add_parser("plan", help="plan the move between two map documents")
-    pl.add_argument("source")
-    pl.add_argument("target")
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ins = sub.add_parser("inspect", help="show how every parameter is sharded: table, --json, --png picture")
+    ins.add_argument("target", help="a map document (JSON), a DeepSpeed checkpoint folder or a universal checkpoint "
+                     "folder")
+    ins.add_argument("--param", help="show only this parameter (and draw it with --png; default: the first)")
+    ins.add_argument("--png", metavar="FILE", help="draw the parameter's F, coloured by rank (needs matplotlib)")
+    ins.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ins.add_argument("--element-size", type=int, default=4, help="bytes per element (default 4: fp32)")
+    ins.add_argument("--composed", action="store_true",
+                     help="DeepSpeed: show the TP maps composed with the ZeRO split, over global ranks")
+    ins.set_defaults(fn=_cmd_inspect)
+    pl = sub.add_parser("plan", help="plan the move between two map documents, or from a source to TP=T (--tp)")
+    pl.add_argument("source", help="a map document, or (with --tp) a DeepSpeed checkpoint folder")
+    pl.add_argument("target", nargs="?", help="the target map document (or give --tp)")
+    pl.add_argument("--tp", type=int, default=None, help="target TP degree: the source's layouts rebuilt at TP=T")
+    pl.add_argument("--dp", type=int, default=None, help="target DP degree with --tp (default: the source's)")
+    pl.add_argument("--vocab-divisible-by", type=int, default=None, metavar="N",
+                    help="with --tp: re-pad padded vocabularies to a multiple of N*T rows")
+    pl.add_argument("--png", metavar="FILE", help="draw bytes moved as a source x target rank heat map")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON (with --tp: its figures)")
     pl.add_argument("--ranks-per-node", type=int, default=None)
     pl.add_argument("--element-size", type=int, default=2)
     pl.add_argument("--allow-inexact-scale", action="store_true")

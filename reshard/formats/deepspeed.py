@@ -177,6 +177,11 @@ class DeepSpeedCheckpoint:
                     out[t][name] = (g, m)
         return out
 
+    def zero_map(self, name: str, tp: int) -> tuple[int, ParamMap] | None:
+        """``(group, map)`` of TP rank ``tp``'s shard of ``name`` over its DP fragments, or
+        ``None`` where that rank holds none of it."""
+        return self._zero_index[tp].get(name)
+
     def has_optimizer_state(self, name: str) -> bool:
         return any(name in self._zero_index[t] for t in range(self.tp))
 
