@@ -1,0 +1,1 @@
+"""End-to-end helpers: resume checkpoints in real DeepSpeed jobs (see launch.py)."""

@@ -1,0 +1,269 @@
+"""Launch ``tests/e2e/resume_train.py`` as a real DeepSpeed job (gloo on CPU) and return its report.
+
+Main entry point::
+
+    from tests.e2e.launch import model_spec_from_fixture, resume
+
+    spec = model_spec_from_fixture("tests/fixtures/deepspeed/llama_tp2_dp2")
+    report = resume("/tmp/ucp", model_spec=spec, tp=2, dp=1, zero_stage=1, universal=True)
+    report["losses"], report["digests"]["after_load"]["lm_head.weight"]["exp_avg"]
+
+``load_dir`` is the folder that holds ``latest_universal`` (``universal=True``) or ``latest``
+(``universal=False``, DeepSpeed's native loader) next to the tag folder; pass ``tag=`` to name the
+tag folder instead. Every launch gets its own free master port, and DeepSpeed's CPU all-reduce
+shared-memory buffers for that port (``/dev/shm/deepspeed_allreduce_buffer_*_<port>_*``, ~66 MiB
+per rank, left behind by every run) are deleted afterwards, whether the job succeeded or not.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RESUME_SCRIPT = Path(__file__).resolve().with_name("resume_train.py")
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer_"
+DEFAULT_TIMEOUT_S = 600
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# Specs
+# --------------------------------------------------------------------------------------------
+
+
+def model_spec_from_fixture(fixture_dir: str | Path) -> dict:
+    """The model + data recipe of a committed fixture (``<fixture_dir>/fixture.json``)."""
+    fx = json.loads((Path(fixture_dir) / "fixture.json").read_text())
+    return {
+        "model_type": fx["model_type"],
+        "model_config": fx["model_config"],
+        "patches": fx.get("patches", []),
+        "seed": fx["seed"],
+        "seq_len": fx["data"]["seq_len"],
+        "micro_batch": fx["data"]["micro_batch"],
+        "ds_config": fx["ds_config"],
+    }
+
+
+def target_ds_config(base: dict, *, tp: int, zero_stage: int, universal: bool, micro_batch: int) -> dict:
+    """``base`` adjusted to the target topology: AutoTP size ``tp``, ZeRO ``zero_stage``, and
+    ``checkpoint.load_universal`` set to ``universal``."""
+    cfg = copy.deepcopy(base)
+    cfg.pop("train_batch_size", None)  # DeepSpeed derives it from micro batch * GAS * DP
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    cfg.setdefault("gradient_accumulation_steps", 1)
+    cfg.setdefault("zero_optimization", {})["stage"] = zero_stage
+    cfg["tensor_parallel"] = {**cfg.get("tensor_parallel", {}), "autotp_size": tp}
+    cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": bool(universal)}
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Ports and shared memory
+# --------------------------------------------------------------------------------------------
+
+
+def shm_files(port: int) -> list[str]:
+    return glob.glob(str(SHM_DIR / f"{SHM_PREFIX}*_{port}_*"))
+
+
+def cleanup_shm(port: int) -> list[str]:
+    """Delete DeepSpeed's CPU all-reduce shared-memory buffers left for ``port``."""
+    removed = []
+    for path in shm_files(port):
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(lo: int = 20000, hi: int = 45000) -> int:
+    """A TCP port nobody listens on and no leftover DeepSpeed buffer names (random, so that
+    concurrent test sessions do not walk the same sequence)."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(1000):
+        port = rng.randrange(lo, hi)
+        if _port_is_free(port) and not shm_files(port):
+            return port
+    raise LaunchError("no free port found")
+
+
+# --------------------------------------------------------------------------------------------
+# Launching
+# --------------------------------------------------------------------------------------------
+
+
+def _launcher_cmd() -> list[str]:
+    ds = Path(sys.executable).parent / "deepspeed"
+    if ds.exists():
+        return [sys.executable, str(ds)]
+    return [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def _root_cause(lines: list[str]) -> str:
+    errors = [ln.strip() for ln in lines
+              if re.match(r"^(\[rank\d+\]: )?[A-Za-z_.]*(Error|Exception)\b", ln.strip())]
+    primary = [e for e in errors if "Connection closed by peer" not in e and "ProcessGroup" not in e]
+    chosen = primary or errors
+    return chosen[0] if chosen else "(no exception line in the log)"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - not ours any more
+        return False
+    return True
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Terminate the launcher and every rank (they share the session started for the launcher),
+    and wait until none is left, so nothing recreates shared-memory buffers after the cleanup."""
+    pgid = proc.pid
+    for sig, grace_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+        proc.poll()  # reap the launcher, if it is done, so it does not count as alive
+        if not _group_alive(pgid):
+            break
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()
+            if not _group_alive(pgid):
+                break
+            time.sleep(0.1)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+
+
+def launch(script: str | Path, spec: dict, *, world_size: int, workdir: str | Path, port: int | None = None,
+           timeout_s: int = DEFAULT_TIMEOUT_S) -> dict:
+    """Run ``script --spec <workdir>/spec.json`` on ``world_size`` CPU ranks through the
+    ``deepspeed`` launcher; returns ``{"seconds": wall time, "port": port, "shm_removed": [names of
+    the shared-memory buffers deleted afterwards]}``. Output goes to ``<workdir>/launch.log``.
+    Raises :class:`LaunchError` (with the log tail) on failure or timeout. The launched
+    processes run in their own session, killed as a group on timeout/interrupt, and the port's
+    shared-memory buffers are removed in every case."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    log_path = workdir / "launch.log"
+    cmd = _launcher_cmd() + ["--num_gpus", str(world_size), "--no_local_rank", "--master_port", str(port),
+                             str(script), "--spec", str(spec_path)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("PYTHONHASHSEED", "0")
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    t0 = time.time()
+    result = {"seconds": None, "port": port, "shm_removed": []}
+    try:
+        with open(log_path, "w") as logf:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise LaunchError(f"launch on port {port} timed out after {timeout_s}s; log tail:\n"
+                                  f"{_tail(log_path)}") from None
+            finally:
+                _kill_group(proc)  # no-op when everything exited; never leave a rank behind
+        if rc != 0:
+            lines = log_path.read_text(errors="replace").splitlines()
+            raise LaunchError(f"launch on port {port} exited with {rc} after {time.time() - t0:.1f}s: {_root_cause(lines)}\n"
+                              f"log tail:\n{_tail(log_path)}")
+        result["seconds"] = time.time() - t0
+        return result
+    finally:
+        result["shm_removed"] = cleanup_shm(port)
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def resume(load_dir: str | Path, *, model_spec: dict, tp: int, dp: int, zero_stage: int, universal: bool,
+           steps: int = 2, port: int | None = None, tag: str | None = None, workdir: str | Path | None = None,
+           timeout_s: int = DEFAULT_TIMEOUT_S) -> dict:
+    """Resume the checkpoint in ``load_dir`` at TP=``tp`` x DP=``dp`` (``tp * dp`` ranks), take
+    ``steps`` training steps and return rank 0's report (see ``resume_train.py``): ``losses``
+    (per step, mean over DP ranks), ``losses_per_rank``, ``digests`` (``{"after_load"|"after_steps":
+    {param: {"fp32"|"exp_avg"|"exp_avg_sq"|"module": digest}}}``), ``digest_summary``,
+    ``global_steps_after_load``, ``optimizer_step_after_load``, ``ranks_agree``,
+    ``replica_mismatches``, ... plus ``wall_seconds``, ``port`` and ``shm_removed``.
+
+    ``model_spec``: see :func:`model_spec_from_fixture` (its ``ds_config`` is the base config,
+    adjusted here by :func:`target_ds_config`). ``workdir``: where the spec, log and report go
+    (a temporary folder, removed afterwards, when None)."""
+    port = port or free_port()
+    own = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="reshard-e2e-")) if own else Path(workdir)
+    try:
+        spec = {k: v for k, v in model_spec.items() if k != "ds_config"}
+        spec.update(
+            ds_config=target_ds_config(model_spec["ds_config"], tp=tp, zero_stage=zero_stage, universal=universal,
+                                       micro_batch=int(model_spec["micro_batch"])),
+            load_dir=str(Path(load_dir).resolve()),
+            tag=tag,
+            steps=int(steps),
+            report_path=str(work / "report.json"),
+        )
+        ran = launch(RESUME_SCRIPT, spec, world_size=tp * dp, workdir=work, port=port, timeout_s=timeout_s)
+        report_path = work / "report.json"
+        if not report_path.is_file():
+            raise LaunchError(f"rank 0 wrote no report; log tail:\n{_tail(work / 'launch.log')}")
+        report = json.loads(report_path.read_text())
+        topo = report["topology"]
+        if (topo["tp"], topo["dp"]) != (tp, dp):
+            raise LaunchError(f"asked for TP={tp} x DP={dp}, DeepSpeed ran TP={topo['tp']} x DP={topo['dp']}")
+        report["wall_seconds"] = ran["seconds"]
+        report["port"] = port
+        report["shm_removed"] = ran["shm_removed"]
+        return report
+    finally:
+        cleanup_shm(port)
+        if own:
+            shutil.rmtree(work, ignore_errors=True)

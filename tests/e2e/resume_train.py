@@ -1,0 +1,322 @@
+"""Resume a DeepSpeed checkpoint in a real (gloo, CPU) job and report what was loaded.
+
+Launched (one process per rank) by ``tests/e2e/launch.py``; not meant to be run by hand::
+
+    deepspeed --num_gpus N --no_local_rank --master_port PORT \
+        tests/e2e/resume_train.py --spec SPEC.json
+
+``SPEC.json`` holds::
+
+    {
+      "model_type": "llama", "model_config": {...},   # as in a fixture's fixture.json
+      "patches": [],                                  # names from scripts/_fixture_train.PATCHES
+      "seed": 1234, "seq_len": 16, "micro_batch": 2,  # the fixture's data recipe
+      "ds_config": {...},                             # already adjusted to the target topology
+      "load_dir": "...",                              # parent of the tag folder
+      "tag": null,                                    # null: DeepSpeed reads latest[_universal]
+      "steps": 2,
+      "report_path": ".../report.json"                # written by rank 0
+    }
+
+The model is built exactly as the fixtures were (``AutoModelForCausalLM.from_config`` after
+``torch.manual_seed(seed)``, eager attention, fp32); its weights are then overwritten by
+``engine.load_checkpoint``. The batch follows the fixture recipe for the *target* DP size:
+``micro_batch * dp`` sequences from ``torch.Generator().manual_seed(seed + 1)``, DP rank ``d``
+takes rows ``[d * micro_batch, (d + 1) * micro_batch)``, labels = input ids, same batch each step.
+
+Digests (see ``tests/e2e/digest.py``) are taken right after the load and after the steps, per
+parameter, of: the fp32 master (``safe_get_full_fp32_param``), the Adam moments
+(``safe_get_full_optimizer_state``) and the module weight. Those helpers all-reduce over the
+parameter's ZeRO data-parallel group and return this TP rank's shard; the shards are then
+all-gathered over the TP group and put back into the logical tensor with the parameter's AutoTP
+affine map (``ds_autotp_universal_checkpoint_meta``), so the digest does not depend on the
+topology. Every rank computes every digest; rank 0 checks all ranks agree and writes the report.
+"""
+
+# ruff: noqa: E402  (the clock starts before the heavy imports, to time them)
+import time
+
+T_START = time.time()
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from digest import digest, summary
+
+
+def _seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _patches(names):
+    if not names:
+        return
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+    from _fixture_train import PATCHES  # the fixture generator's model patches
+
+    for name in names:
+        PATCHES[name]()
+
+
+class TPGather:
+    """Rebuilds the logical tensor of a parameter from its tensor-parallel shards."""
+
+    def __init__(self, logical_shapes):
+        from deepspeed.utils import groups
+
+        self.logical_shapes = logical_shapes
+        try:
+            self.tp_world = groups.get_tensor_model_parallel_world_size()
+            self.tp_rank = groups.get_tensor_model_parallel_rank()
+            self.group = groups.get_tensor_model_parallel_group() if self.tp_world > 1 else None
+        except Exception:  # no TP groups at all
+            self.tp_world, self.tp_rank, self.group = 1, 0, None
+        self.layouts = {}  # name -> how it was put together
+        self.replica_mismatches = []  # (name, kind) whose TP replicas differ
+
+    def full(self, name, param, local, kind):
+        from deepspeed.checkpoint.affine import SCALE_POWER_BY_STATE, ParamAffineMap
+        from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+
+        want = self.logical_shapes[name]
+        local = local.detach().cpu().contiguous()
+        if self.tp_world == 1:
+            self.layouts[name] = "whole"
+            out = local
+        else:
+            shards = [None] * self.tp_world
+            torch.distributed.all_gather_object(shards, local, group=self.group)
+            meta = getattr(param, DS_AUTOTP_UC_META, None)
+            amap = (meta or {}).get("conversion", {}).get("affine_map")
+            if amap is not None:
+                power = 1 if kind == "module" else SCALE_POWER_BY_STATE.get(kind, 1)
+                try:
+                    out = ParamAffineMap.from_dict(amap).rebuild(dict(enumerate(shards)), scale_power=power)
+                except ValueError as e:  # replicated block that differs between TP ranks
+                    self.replica_mismatches.append((name, kind, str(e)))
+                    out = shards[0]
+                self.layouts[name] = "affine_map"
+            elif not meta:  # AutoTP left it alone: replicated on every TP rank
+                if not all(torch.equal(shards[0], s) for s in shards[1:]):
+                    self.replica_mismatches.append((name, kind, "replicas differ"))
+                out = shards[0]
+                self.layouts[name] = "replicated"
+            elif meta.get("partition_dim") is not None:
+                out = torch.cat(shards, dim=meta["partition_dim"])
+                self.layouts[name] = f"concat(dim={meta['partition_dim']})"
+            else:
+                raise RuntimeError(f"{name}: AutoTP metadata without an affine map or partition dim: {meta}")
+        if tuple(out.shape) != tuple(want):
+            raise RuntimeError(f"{name} ({kind}): rebuilt shape {tuple(out.shape)} != logical {tuple(want)}")
+        return out
+
+
+def link_optimizer_state_views(engine):
+    """Make ``safe_get_full_optimizer_state`` work right after a *native* ZeRO-1/2 load.
+
+    DeepSpeed 0.19.8's ``load_checkpoint`` (non-universal) re-creates every parameter's
+    ``_hp_mapping`` with ``optim_fragment=None``; the views into the Adam state are only linked
+    lazily at the next ``step()``, so until then ``safe_get_full_optimizer_state`` fails with
+    ``TypeError: argument of type 'NoneType' is not iterable``. Run the same lazy linking now (it
+    only creates views of the existing state tensors). Returns whether anything was linked."""
+    opt = engine.optimizer
+    if not hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        return False
+    stale = any(getattr(p, "_hp_mapping", None) is not None and p._hp_mapping.optim_fragment is None
+                for p in engine.module.parameters())
+    if not stale:
+        return False
+    opt._hp_optimizer_states_linked = False
+    opt._lazy_init_hp_params_optimizer_state()
+    return True
+
+
+def collect(engine, gather):
+    """{param: {kind: digest}} for the fp32 master, Adam moments and module weight."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        entry = {}
+        if hasattr(p, "ds_id"):  # ZeRO-3: the module holds only this rank's partition
+            with deepspeed.zero.GatheredParameters([p]):
+                tensors = {"module": p.data.detach().clone()}
+        else:
+            tensors = {"module": p.data}
+        if p.requires_grad:
+            tensors["fp32"] = safe_get_full_fp32_param(p)
+            for key in ("exp_avg", "exp_avg_sq"):
+                try:
+                    tensors[key] = safe_get_full_optimizer_state(p, key)
+                except (KeyError, ValueError):  # no such state (yet)
+                    tensors[key] = None
+        for kind, t in tensors.items():
+            if t is None:
+                continue
+            entry[kind] = digest(name, gather.full(name, p, t, kind))
+        out[name] = entry
+    return out
+
+
+def optimizer_steps(engine):
+    """Sorted distinct values of the basic optimizer's per-group ``step`` on this rank."""
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    steps = set()
+    for state in getattr(basic, "state", {}).values():
+        s = state.get("step") if isinstance(state, dict) else None
+        if s is not None:
+            steps.add(float(s))
+    return sorted(steps)
+
+
+def main():
+    timings = {"import_torch": round(time.time() - T_START, 3)}
+    mark = [time.time()]
+
+    def lap(name):
+        now = time.time()
+        timings[name] = round(now - mark[0], 3)
+        mark[0] = now
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    args = parser.parse_args()
+    with open(args.spec) as f:
+        spec = json.load(f)
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    import deepspeed
+    from deepspeed.utils import groups
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    lap("import_deepspeed_transformers")
+    deepspeed.init_distributed(dist_backend="gloo")
+    lap("init_distributed")
+    rank = torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
+    _patches(spec.get("patches", []))
+
+    seed = int(spec["seed"])
+    _seed_everything(seed)
+    config = AutoConfig.for_model(spec["model_type"], **spec["model_config"])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model.train()
+    logical_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    lap("build_model")
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=spec["ds_config"])
+    try:
+        dp_rank, dp_world = groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()
+    except Exception:  # pragma: no cover
+        dp_rank, dp_world = rank, world
+    gather = TPGather(logical_shapes)
+    lap("deepspeed_initialize")
+
+    load_path, _client = engine.load_checkpoint(spec["load_dir"], tag=spec.get("tag"))
+    if load_path is None:
+        raise RuntimeError(f"load_checkpoint({spec['load_dir']!r}, tag={spec.get('tag')!r}) loaded nothing")
+    lap("load_checkpoint")
+    linked_views = link_optimizer_state_views(engine)
+    global_steps_after_load = int(engine.global_steps)
+    opt_steps_after_load = optimizer_steps(engine)
+    after_load = collect(engine, gather)
+    lap("digests_after_load")
+
+    micro, seq_len = int(spec["micro_batch"]), int(spec["seq_len"])
+    gen = torch.Generator().manual_seed(seed + 1)
+    global_ids = torch.randint(0, config.vocab_size, (micro * dp_world, seq_len), generator=gen)
+    input_ids = global_ids[dp_rank * micro:(dp_rank + 1) * micro].contiguous().to(engine.device)
+
+    losses = []
+    for step in range(int(spec["steps"])):
+        loss = engine(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float().item()))
+        print(f"[e2e-resume] rank={rank} step={step + 1} loss={losses[-1]!r}", flush=True)
+    lap("train_steps")
+    after_steps = collect(engine, gather)
+    lap("digests_after_steps")
+
+    mine = {
+        "rank": rank,
+        "tp_rank": gather.tp_rank,
+        "dp_rank": dp_rank,
+        "losses": losses,
+        "summary": [summary(after_load), summary(after_steps)],
+        "optimizer_step_after_load": opt_steps_after_load,
+        "optimizer_step_after_steps": optimizer_steps(engine),
+        "replica_mismatches": gather.replica_mismatches,
+    }
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, mine)
+
+    if rank == 0:
+        dp_losses = {}
+        for r in everyone:
+            dp_losses.setdefault(r["dp_rank"], r["losses"])
+        report = {
+            "topology": {"tp": gather.tp_world, "dp": dp_world, "world_size": world,
+                         "zero_stage": int(engine.zero_optimization_stage()),
+                         "universal": bool(engine.load_universal_checkpoint())},
+            "load_dir": spec["load_dir"],
+            "tag": spec.get("tag"),
+            "load_path": load_path,
+            "steps": int(spec["steps"]),
+            "batch_shape": list(input_ids.shape),
+            "losses": [math.fsum(dp_losses[d][s] for d in sorted(dp_losses)) / len(dp_losses)
+                       for s in range(len(losses))],  # mean over DP ranks, per step
+            "losses_per_rank": {str(r["rank"]): r["losses"] for r in everyone},
+            "losses_per_dp_rank": {str(d): v for d, v in sorted(dp_losses.items())},
+            "global_steps_after_load": global_steps_after_load,
+            "linked_optimizer_state_views": linked_views,
+            "global_steps_after_steps": int(engine.global_steps),
+            "optimizer_step_after_load": sorted({s for r in everyone for s in r["optimizer_step_after_load"]}),
+            "optimizer_step_after_steps": sorted({s for r in everyone for s in r["optimizer_step_after_steps"]}),
+            "ranks_agree": all(r["summary"] == mine["summary"] for r in everyone),
+            "tp_peers_same_loss": all(r["losses"] == dp_losses[r["dp_rank"]] for r in everyone),
+            "replica_mismatches": [m for r in everyone for m in r["replica_mismatches"]],
+            "layouts": gather.layouts,
+            "digest_summary": {"after_load": summary(after_load), "after_steps": summary(after_steps)},
+            "digests": {"after_load": after_load, "after_steps": after_steps},
+            "ds_config": spec["ds_config"],
+            "optimizer_class": f"{type(engine.optimizer).__module__}.{type(engine.optimizer).__qualname__}",
+            "timings": timings,
+            "seconds": time.time() - T_START,
+            "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
+        }
+        tmp = spec["report_path"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, spec["report_path"])
+
+    torch.distributed.barrier()
+    try:
+        deepspeed.comm.destroy_process_group()
+    except Exception:
+        pass
+    print(f"[e2e-resume] rank={rank} done after {time.time() - T_START:.2f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    # The report is written and the process group is gone: skip the interpreter teardown of
+    # torch / DeepSpeed / transformers, which takes seconds per rank on a busy machine.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,219 @@
+"""End to end: resume converted checkpoints with DeepSpeed 0.19.8's own ``load_universal``.
+
+The ``llama_tp2_dp2`` fixture (TP=2 x DP=2, ZeRO-1) is converted twice -- by reshard and by
+DeepSpeed's ``ds_to_universal`` -- and each result is resumed in real gloo jobs at TP=2 x DP=1 and
+at TP=1 x DP=2 (``tests/e2e/launch.py``), taking two training steps. Both routes must give the same
+losses (exact float equality) and the same digests of the fp32 master weights, Adam moments and
+module weights, right after the load and after the steps. The digests are per parameter, over the
+logical (unsharded) tensor: a sha256 of its bytes plus an exactly rounded weighted sum
+(``tests/e2e/digest.py``). A negative control perturbs one Adam moment by one ulp and one weight
+by 1e-3 in a copy of reshard's output and shows the digests catch both.
+
+Each job takes ~30-40 s on 2 CPU cores; the module runs 5 of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+from reshard.convert import convert  # noqa: E402
+from reshard.formats.pickling import save  # noqa: E402
+from reshard.formats.safe_load import load  # noqa: E402
+from tests.dsconv import FIXTURES, ds_to_universal  # noqa: E402
+from tests.e2e.digest import differences, digest  # noqa: E402
+from tests.e2e.launch import model_spec_from_fixture, resume  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+FIXTURE = "llama_tp2_dp2"
+TOPOLOGIES = [(2, 1), (1, 2)]  # (tp, dp) targets, 2 processes each
+ROUTES = ("reshard", "ds_to_universal")
+STEPS = 2
+
+# Negative control: (param, state file, logical index, how to change it). Both elements sit in the
+# second TP half of their parameter, so at TP=2 they live on TP rank 1.
+EXP_AVG_PERTURB = ("model.layers.1.mlp.down_proj.weight", "exp_avg", (5, 60), "one float32 ulp up")
+FP32_PERTURB = ("lm_head.weight", "fp32", (70, 3), "+1e-3")
+NEGATIVE_TOPOLOGY = (2, 1)
+
+
+@pytest.fixture(scope="module")
+def fixture_meta() -> dict:
+    return json.loads((FIXTURES / FIXTURE / "fixture.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model_spec() -> dict:
+    return model_spec_from_fixture(FIXTURES / FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def routes(tmp_path_factory) -> dict[str, Path]:
+    """route -> load_dir (the folder holding ``latest_universal`` and the tag folder)."""
+    root = tmp_path_factory.mktemp("e2e_routes")
+    ours = convert(FIXTURES / FIXTURE, root / "reshard").out_dir.parent
+    theirs = ds_to_universal(FIXTURE, root / "ds").parent
+    for load_dir in (ours, theirs):
+        assert (load_dir / "latest_universal").read_text().strip() == "global_step3"
+    return {"reshard": ours, "ds_to_universal": theirs}
+
+
+@pytest.fixture(scope="module")
+def resumed(routes, model_spec):
+    """resumed(route, tp, dp) -> report, each job run once per module."""
+    cache: dict = {}
+
+    def get(route: str, tp: int, dp: int) -> dict:
+        key = (route, tp, dp)
+        if key not in cache:
+            cache[key] = resume(routes[route], model_spec=model_spec, tp=tp, dp=dp, zero_stage=1,
+                                universal=True, steps=STEPS)
+        return cache[key]
+
+    return get
+
+
+def file_digests(load_dir: Path) -> dict:
+    """{param: {state: digest}} straight from a universal checkpoint's ``zero/<param>/<state>.pt``."""
+    tag = (load_dir / "latest_universal").read_text().strip()
+    out = {}
+    for folder in sorted(p for p in (load_dir / tag / "zero").iterdir() if p.is_dir()):
+        out[folder.name] = {state: digest(folder.name, load(folder / f"{state}.pt", mmap=False)["param"])
+                            for state in ("fp32", "exp_avg", "exp_avg_sq")}
+    return out
+
+
+def _sane(report: dict, tp: int, dp: int) -> None:
+    assert report["topology"] == {"tp": tp, "dp": dp, "world_size": tp * dp, "zero_stage": 1, "universal": True}
+    assert report["tag"] is None and report["load_path"].startswith(report["load_dir"] + "/global_step3/"), \
+        "DeepSpeed should have found the tag through latest_universal"
+    assert len(report["losses"]) == STEPS and all(math.isfinite(x) for x in report["losses"])
+    assert report["ranks_agree"], "ranks computed different digests"
+    assert report["tp_peers_same_loss"]
+    assert report["replica_mismatches"] == []
+    assert report["global_steps_after_load"] == 3 and report["global_steps_after_steps"] == 3 + STEPS
+    assert report["optimizer_step_after_load"] == [3.0]
+    assert report["optimizer_step_after_steps"] == [3.0 + STEPS]
+    assert report["shm_removed"], "expected DeepSpeed's shared-memory all-reduce buffers to be cleaned up"
+
+
+@pytest.mark.parametrize("tp,dp", TOPOLOGIES, ids=[f"tp{t}dp{d}" for t, d in TOPOLOGIES])
+def test_reshard_and_ds_to_universal_resume_identically(tp, dp, resumed, fixture_meta):
+    ours, theirs = resumed("reshard", tp, dp), resumed("ds_to_universal", tp, dp)
+    for route, r in (("reshard", ours), ("ds_to_universal", theirs)):
+        print(f"TP={tp} x DP={dp} {route}: losses per DP rank {r['losses_per_dp_rank']}, digests after load "
+              f"{r['digest_summary']['after_load'][:16]}, after steps {r['digest_summary']['after_steps'][:16]}, "
+              f"job {r['wall_seconds']:.1f}s")
+    _sane(ours, tp, dp)
+    _sane(theirs, tp, dp)
+    assert ours["losses_per_rank"] == theirs["losses_per_rank"]  # exact float equality
+    assert ours["losses"] == theirs["losses"]
+    for phase in ("after_load", "after_steps"):
+        diff = differences(theirs["digests"][phase], ours["digests"][phase])
+        assert diff == [], f"{phase}: reshard vs ds_to_universal differ in {diff}"
+        assert ours["digests"][phase] == theirs["digests"][phase]  # wsum too, bit for bit
+    # It resumed (rather than restarted): the first step's loss on each data-parallel slice is below
+    # the last loss the fixture recorded on the same rows.
+    fixture_last = {r["dp_rank"]: fixture_meta["losses_per_rank"][str(r["rank"])][-1]
+                    for r in fixture_meta["topology"]["ranks"]}
+    for d, losses in ours["losses_per_dp_rank"].items():
+        assert losses[0] < fixture_last[int(d)], (d, losses, fixture_last)
+
+
+@pytest.mark.parametrize("tp,dp", TOPOLOGIES, ids=[f"tp{t}dp{d}" for t, d in TOPOLOGIES])
+def test_loaded_state_is_the_converted_state(tp, dp, resumed, routes):
+    """What DeepSpeed holds right after the load is exactly what the universal files say, and the
+    module weights equal the fp32 master (fp32 training)."""
+    for route in ROUTES:
+        loaded = resumed(route, tp, dp)["digests"]["after_load"]
+        on_disk = file_digests(routes[route])
+        assert set(loaded) == set(on_disk)
+        for name, states in on_disk.items():
+            for state, d in states.items():
+                assert loaded[name][state] == d, f"{route} {name} {state}"
+            assert loaded[name]["module"] == loaded[name]["fp32"], f"{route} {name}"
+
+
+def test_digests_do_not_depend_on_the_topology(resumed):
+    """The same state loaded at TP=2 x DP=1 and at TP=1 x DP=2 gives the same digests, so the
+    digest really is over the logical tensor and not the shard layout."""
+    a, b = (resumed("reshard", tp, dp) for tp, dp in TOPOLOGIES)
+    assert a["digests"]["after_load"] == b["digests"]["after_load"]
+    assert a["digest_summary"]["after_load"] == b["digest_summary"]["after_load"]
+
+
+def _perturb(tag_dir: Path, spec: tuple) -> None:
+    name, state, index, _how = spec
+    path = tag_dir / "zero" / name / f"{state}.pt"
+    obj = load(path, mmap=False)
+    t = obj["param"].clone()
+    old = t[index].clone()
+    if state == "fp32":
+        t[index] = old + 1e-3
+    else:
+        t[index] = torch.nextafter(old, torch.tensor(math.inf, dtype=t.dtype))
+    assert t[index] != old
+    obj["param"] = t
+    save(obj, path)
+
+
+def test_negative_control_digests_catch_small_changes(routes, model_spec, resumed, tmp_path):
+    tp, dp = NEGATIVE_TOPOLOGY
+    baseline = resumed("reshard", tp, dp)
+    load_dir = tmp_path / "perturbed"
+    shutil.copytree(routes["reshard"], load_dir)
+    tag_dir = load_dir / (load_dir / "latest_universal").read_text().strip()
+    _perturb(tag_dir, EXP_AVG_PERTURB)
+    _perturb(tag_dir, FP32_PERTURB)
+
+    report = resume(load_dir, model_spec=model_spec, tp=tp, dp=dp, zero_stage=1, universal=True, steps=STEPS)
+    _sane(report, tp, dp)
+
+    # Right after the load exactly the perturbed entries differ, in both sha256 and weighted sum
+    # (module follows fp32), and they hold exactly the perturbed file contents.
+    diff = differences(baseline["digests"]["after_load"], report["digests"]["after_load"])
+    changed = {(n, k) for n, k, _ in diff}
+    assert changed == {(EXP_AVG_PERTURB[0], "exp_avg"), (FP32_PERTURB[0], "fp32"), (FP32_PERTURB[0], "module")}, diff
+    assert all(delta != 0 and math.isfinite(delta) for _, _, delta in diff), diff
+    on_disk = file_digests(load_dir)
+    assert report["digests"]["after_load"][EXP_AVG_PERTURB[0]]["exp_avg"] == on_disk[EXP_AVG_PERTURB[0]]["exp_avg"]
+    assert report["digests"]["after_load"][FP32_PERTURB[0]]["fp32"] == on_disk[FP32_PERTURB[0]]["fp32"]
+    # The weighted sum moved by about weight * 1e-3 for the weight change.
+    (delta,) = [d for n, k, d in diff if (n, k) == (FP32_PERTURB[0], "fp32")]
+    assert 0.99e-3 <= abs(delta) <= 2.01e-3, delta
+
+    # ... and the run that follows differs too.
+    after = differences(baseline["digests"]["after_steps"], report["digests"]["after_steps"])
+    assert (EXP_AVG_PERTURB[0], "exp_avg") in {(n, k) for n, k, _ in after}
+    assert report["digest_summary"]["after_steps"] != baseline["digest_summary"]["after_steps"]
+
+
+@pytest.mark.skipif(not os.environ.get("RESHARD_E2E_NATIVE"),
+                    reason="4-process job (~30-60 s on 2 cores); set RESHARD_E2E_NATIVE=1 to run it")
+def test_native_resume_of_the_source_holds_the_same_state(resumed, model_spec):
+    """Oracle independent of both converters: DeepSpeed's native loader, resuming the *source*
+    checkpoint at its own topology (TP=2 x DP=2), holds exactly the state both converted
+    checkpoints load to."""
+    native = resume(FIXTURES / FIXTURE, model_spec=model_spec, tp=2, dp=2, zero_stage=1, universal=False,
+                    steps=STEPS)
+    assert native["topology"]["universal"] is False and native["load_path"].endswith("mp_rank_00_model_states.pt")
+    assert native["global_steps_after_load"] == 3 and native["optimizer_step_after_load"] == [3.0]
+    assert native["ranks_agree"] and native["replica_mismatches"] == []
+    for tp, dp in TOPOLOGIES:
+        ours = resumed("reshard", tp, dp)
+        assert differences(native["digests"]["after_load"], ours["digests"]["after_load"]) == []
+        assert ours["digests"]["after_load"] == native["digests"]["after_load"]
+    # Same DP size, same rows: the first step (forward on the loaded weights) agrees to rounding.
+    ours = resumed("reshard", 1, 2)
+    for d, losses in native["losses_per_dp_rank"].items():
+        assert abs(losses[0] - ours["losses_per_dp_rank"][d][0]) < 1e-5
