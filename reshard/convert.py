@@ -20,7 +20,7 @@ import torch
 from . import __version__
 from .errors import CheckpointError, ReplicaMismatchError, ReshardError
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
-from .formats.output import Staging
+from .formats.output import MANIFEST, Staging
 from .formats.pickling import save
 from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.apply import rebuild_mean
@@ -190,7 +190,7 @@ def convert(
         "replica_drift": [str(d) for d in conv.drift],
     }
     final = staging.commit(meta, "latest_universal" if fmt == "ucp" else None)
-    files = [p for p in final.rglob("*") if p.is_file()]
+    files = [p for p in final.rglob("*") if p.is_file() and p.name != MANIFEST]
     return ConvertReport(final, len(names), len(files), sum(p.stat().st_size for p in files), on_replica_mismatch,
                          conv.drift)
 
