@@ -1,0 +1,513 @@
+"""``reshard.dist.transfer`` in real gloo jobs: 4 spawned processes, no mocks.
+
+One job runs every case in turn (spawning is the expensive part on a small machine). Each rank
+plans locally, cuts its source shards from a full tensor drawn from a shared seed, calls
+``transfer`` and compares its result bit for bit with ``target.extract(F, rank)``; it writes one
+JSON line per case, and the tests below assert on those lines in the parent. A join timeout and
+``kill`` bound the job, so a hang fails the tests instead of stalling them.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard import ParamMap, PlanError, ShardError
+from reshard import layouts as L
+from reshard.dist import _index_boxes, _Param, _schedule
+from reshard.ir import prod
+from reshard.planner import ModelPlan, plan, plan_model
+from tests.irgen import (
+    flat_map,
+    fragment,
+    grid_map,
+    padded_vocab_map,
+    random_tensor,
+    replicated_map,
+    segmented_map,
+)
+
+WORLD = 4
+JOB_TIMEOUT_S = 120  # the whole job; normally ~10 s
+PG_TIMEOUT_S = 30  # a stuck collective inside a worker errors out after this
+ERROR_WITHIN_S = 10  # a bad shard must be reported this fast on every rank
+
+
+# -- layouts (built identically in every process) ------------------------------------------------
+
+
+def _tp2xdp2(m: ParamMap) -> ParamMap:
+    """A TP=2 map on ranks 0, 1 replicated over DP=2: global rank = dp * 2 + tp."""
+    return L.replicate_over(m, {0: [0, 2], 1: [1, 3]})
+
+
+def llama_maps(tp: int, *, layers: int = 2, hidden: int = 16, kv: int = 8, inter: int = 24,
+               vocab: int = 40) -> dict[str, ParamMap]:
+    """A toy Llama over TP ranks 0..tp-1: fused QKV and gate/up as sub-parameters, o_proj and
+    down split on columns, replicated norms, vocabulary-split embedding and head."""
+    maps = {"embed.weight": L.vocab_parallel((vocab, hidden), L.even_sizes(vocab, tp)),
+            "norm.weight": L.replicated((hidden,), tp),
+            "lm_head.weight": L.split((vocab, hidden), 0, L.even_sizes(vocab, tp)),
+            "token_ids": L.split((vocab,), 0, L.even_sizes(vocab, tp))}
+    qkv = [hidden, kv, kv]
+    for i in range(layers):
+        p = f"layers.{i}."
+        maps[p + "attn.qkv.weight"] = L.sub_params((sum(qkv), hidden), qkv, [L.even_sizes(s, tp) for s in qkv])
+        maps[p + "attn.o_proj.weight"] = L.split((hidden, hidden), 1, L.even_sizes(hidden, tp))
+        maps[p + "mlp.gate_up.weight"] = L.sub_params((2 * inter, hidden), [inter, inter],
+                                                      [L.even_sizes(inter, tp)] * 2)
+        maps[p + "mlp.down.weight"] = L.split((hidden, inter), 1, L.even_sizes(inter, tp))
+        maps[p + "input_norm.weight"] = L.replicated((hidden,), tp)
+    return maps
+
+
+def llama_dtype(name: str) -> torch.dtype:
+    """Mixed element sizes in one call (8, 4, 2 bytes and an integer tensor)."""
+    if name == "token_ids":
+        return torch.int64
+    if name.startswith("embed"):
+        return torch.float64
+    return torch.float32 if "norm" in name else torch.bfloat16
+
+
+def llama_pair() -> tuple[dict[str, ParamMap], dict[str, ParamMap]]:
+    return llama_maps(4), {n: _tp2xdp2(m) for n, m in llama_maps(2).items()}
+
+
+BIGCODE = (48, 16)  # 32 query rows, then one 8-row key and one 8-row value head
+YUAN = (16, 32)  # o_proj: 8 heads of 4 columns
+ZERO_SHAPES = [(10, 6), (7,), (5, 3), (1,)]
+
+
+# -- per-rank helpers --------------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point:
+        return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def _fulls(maps: dict[str, ParamMap], dtype_of, seed: int) -> dict[str, torch.Tensor]:
+    return {n: random_tensor(maps[n].valid_shape, dtype_of(n), seed + i) for i, n in enumerate(sorted(maps))}
+
+
+def _compare(name: str, got, want: torch.Tensor | None) -> list[str]:
+    if want is None:
+        return [] if got is None else [f"{name}: got a shard, expected none"]
+    if got is None:
+        return [f"{name}: got nothing, expected {list(want.shape)}"]
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return [f"{name}: got {got.dtype} {list(got.shape)}, expected {want.dtype} {list(want.shape)}"]
+    if not torch.equal(_bits(got), _bits(want)):
+        return [f"{name}: data differs"]
+    return []
+
+
+def _run_model(rank: int, src: dict[str, ParamMap], tgt: dict[str, ParamMap], dtype_of, *, seed: int,
+               scale_power: int = 1, group=None, **kw) -> dict:
+    """Transfer a ModelPlan; report mismatches and byte counts against the plan's."""
+    mplan = plan_model(src, tgt)
+    fulls = _fulls(src, dtype_of, seed)
+    local = {n: m.extract(fulls[n], rank, scale_power) for n, m in src.items() if rank in m.shards}
+    stats: dict = {}
+    out = dist_transfer(mplan, local, group, scale_power=scale_power, stats=stats, **kw)
+    errors = [] if set(out) == {n for n, m in tgt.items() if rank in m.shards} else [f"keys {sorted(out)}"]
+    for n, m in tgt.items():
+        want = m.extract(fulls[n], rank, scale_power) if rank in m.shards else None
+        errors += _compare(n, out.get(n), want)
+    es = {n: torch.empty((), dtype=dtype_of(n)).element_size() for n in src}
+    ps = mplan.stats(es)
+    return {"errors": errors, "stats": stats, "plan_sent": ps.sent.get(rank, 0),
+            "plan_received": ps.received.get(rank, 0), "plan_remote": ps.remote_bytes}
+
+
+def _run_single(rank: int, src: ParamMap, tgt: ParamMap, dtype: torch.dtype, *, seed: int, **kw) -> dict:
+    p = plan(src, tgt)
+    full = random_tensor(src.valid_shape, dtype, seed)
+    stats: dict = {}
+    out = dist_transfer(p, src.extract(full, rank) if rank in src.shards else None, stats=stats, **kw)
+    want = tgt.extract(full, rank) if rank in tgt.shards else None
+    ps = p.stats(full.element_size())
+    return {"errors": _compare("param", out, want), "stats": stats, "plan_sent": ps.sent.get(rank, 0),
+            "plan_received": ps.received.get(rank, 0), "plan_remote": ps.remote_bytes}
+
+
+def dist_transfer(*args, **kw):
+    from reshard.dist import transfer
+
+    return transfer(*args, **kw)
+
+
+def _expect_error(fn) -> dict:
+    """Run a call that must fail; report the exception type and message."""
+    t = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        return {"raised": type(e).__name__, "message": str(e), "seconds": time.perf_counter() - t}
+    return {"raised": None, "seconds": time.perf_counter() - t}
+
+
+# -- cases ---------------------------------------------------------------------------------------
+
+
+def case_llama(rank: int) -> dict:
+    src, tgt = llama_pair()
+    return _run_model(rank, src, tgt, llama_dtype, seed=1)
+
+
+def case_llama_rounds(rank: int) -> dict:
+    src, tgt = llama_pair()
+    return _run_model(rank, src, tgt, llama_dtype, seed=2, max_inflight_bytes=200)
+
+
+def case_workspace(rank: int) -> dict:
+    """Two calls share one Workspace: the second reuses the first's staging memory."""
+    from reshard.dist import Workspace
+
+    src, tgt = llama_pair()
+    ws = Workspace()
+    first = _run_model(rank, src, tgt, llama_dtype, seed=14, workspace=ws)
+    size = ws.nbytes
+    second = _run_model(rank, src, tgt, llama_dtype, seed=15, workspace=ws)
+    return {**second, "errors": first["errors"] + second["errors"], "ws_after_first": size,
+            "ws_after_second": ws.nbytes}
+
+
+def case_bigcode(rank: int) -> dict:
+    return _run_single(rank, L.bigcode_mqa(BIGCODE, 4, n_embd=32), L.bigcode_mqa(BIGCODE, 2, n_embd=32),
+                       torch.bfloat16, seed=3)
+
+
+def case_yuan(rank: int) -> dict:
+    return _run_single(rank, L.shared_qk_o_proj(YUAN, 2, num_heads=8), L.shared_qk_o_proj(YUAN, 4, num_heads=8),
+                       torch.float32, seed=4)
+
+
+def _zero(dp: int) -> dict[str, ParamMap]:
+    return {f"p{i}": m for i, m in enumerate(L.zero12_group(ZERO_SHAPES, dp, shard="fragment"))}
+
+
+def case_zero(rank: int) -> dict:
+    return _run_model(rank, _zero(2), _zero(4), lambda n: torch.float32, seed=5)
+
+
+def _two_to_four() -> tuple[dict[str, ParamMap], dict[str, ParamMap]]:
+    src = {"grid": L.split((12, 10), 1, [3, 7]), "vocab": L.padded_vocab((30, 8), 2)}
+    tgt = {"grid": grid_map((12, 10), {0: [5, 7], 1: [4, 6]}), "vocab": L.padded_vocab((30, 8), 4)}
+    return src, tgt
+
+
+def case_two_to_four(rank: int) -> dict:
+    src, tgt = _two_to_four()
+    return _run_model(rank, src, tgt, lambda n: torch.float32, seed=6)
+
+
+def _scaled_pair() -> tuple[dict[str, ParamMap], dict[str, ParamMap]]:
+    src = {"o_proj.bias": L.shared_qk_o_proj_bias((24,), 2), "conv.bias": L.prescaled_bias((12,), 4)}
+    tgt = {"o_proj.bias": L.shared_qk_o_proj_bias((24,), 4), "conv.bias": L.split((12,), 0, [3, 3, 3, 3])}
+    return src, tgt
+
+
+def case_scaled(rank: int) -> dict:
+    src, tgt = _scaled_pair()
+    return _run_model(rank, src, tgt, lambda n: torch.float32, seed=7, scale_power=-1)
+
+
+def case_irregular(rank: int) -> dict:
+    """Hand-built maps (tests/irgen): uneven grids, flat ranges across rows, scaled replicated
+    segments, partial replication, fragmented pieces, padded vocabularies."""
+    src = {"a": grid_map((7, 9), {0: [3, 4], 1: [5, 4]}),
+           "b": segmented_map((6, 10), 1, [(4, False), (6, True)], 4, scale_replicated=0.5),
+           "c": replicated_map((5, 3), 3),
+           "d": padded_vocab_map(13, 4, 4)}
+    tgt = {"a": flat_map((7, 9), [0, 10, 40, 41, 63]),
+           "b": grid_map((6, 10), {1: [1, 2, 3, 4]}),
+           "c": fragment(grid_map((5, 3), {0: [2, 3]}), [1]),
+           "d": padded_vocab_map(13, 4, 2)}
+    return _run_model(rank, src, tgt, lambda n: torch.float64, seed=16)
+
+
+def case_group(rank: int) -> dict:
+    """Plan ranks are ranks of the group: plan ranks 0, 1, 2 are global ranks 1, 2, 3."""
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2, 3])  # every rank takes part in creating it
+    if rank == 0:
+        return {"errors": [], "stats": {}, "plan_sent": 0, "plan_received": 0, "plan_remote": 0, "skipped": True}
+    src = {"w": L.split((9, 4), 0, [4, 5])}
+    tgt = {"w": L.split((9, 4), 0, [3, 3, 3])}
+    return _run_model(rank - 1, src, tgt, lambda n: torch.float32, seed=8, group=group)
+
+
+def case_bad_shape(rank: int) -> dict:
+    src, tgt = llama_pair()
+    mplan = plan_model(src, tgt)
+    fulls = _fulls(src, llama_dtype, 9)
+    local = {n: m.extract(fulls[n], rank) for n, m in src.items()}
+    if rank == 2:  # the planted fault: one shard transposed on one rank
+        local["layers.1.attn.o_proj.weight"] = local["layers.1.attn.o_proj.weight"].t().contiguous()
+    return _expect_error(lambda: dist_transfer(mplan, local))
+
+
+def case_bad_dtype(rank: int) -> dict:
+    src, tgt = L.bigcode_mqa(BIGCODE, 4, n_embd=32), L.bigcode_mqa(BIGCODE, 2, n_embd=32)
+    full = random_tensor(BIGCODE, torch.float32, 10)
+    shard = src.extract(full, rank)
+    if rank == 1:
+        shard = shard.double()
+    return _expect_error(lambda: dist_transfer(plan(src, tgt), shard))
+
+
+def case_missing(rank: int) -> dict:
+    src, tgt = L.bigcode_mqa(BIGCODE, 4, n_embd=32), L.bigcode_mqa(BIGCODE, 2, n_embd=32)
+    full = random_tensor(BIGCODE, torch.float32, 11)
+    shard = None if rank == 3 else src.extract(full, rank)
+    return _expect_error(lambda: dist_transfer(plan(src, tgt), shard))
+
+
+def case_plans_differ(rank: int) -> dict:
+    src, tgt = L.bigcode_mqa(BIGCODE, 4, n_embd=32), L.bigcode_mqa(BIGCODE, 2, n_embd=32)
+    full = random_tensor(BIGCODE, torch.float32, 12)
+    limit = 64 if rank == 0 else None
+    return _expect_error(lambda: dist_transfer(plan(src, tgt), src.extract(full, rank), max_inflight_bytes=limit))
+
+
+def case_int_scaled(rank: int) -> dict:
+    src, tgt = L.replicated((6,), 4), L.prescaled_bias((6,), 4)
+    return _expect_error(lambda: dist_transfer(plan(src, tgt), torch.arange(6)))
+
+
+def case_after_errors(rank: int) -> dict:
+    """The group stays usable after every rank raised."""
+    src, tgt = llama_pair()
+    return _run_model(rank, src, tgt, llama_dtype, seed=13, max_inflight_bytes=4096)
+
+
+CASES = [case_llama, case_llama_rounds, case_workspace, case_bigcode, case_yuan, case_zero, case_two_to_four, case_scaled,
+         case_irregular, case_group, case_bad_shape, case_bad_dtype, case_missing, case_plans_differ, case_int_scaled,
+         case_after_errors]
+
+
+def _worker(rank: int, workdir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+    with open(Path(workdir) / f"rank{rank}.jsonl", "w") as log:
+        for case in CASES:
+            try:
+                rec = case(rank)
+            except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
+                rec = {"crashed": traceback.format_exc()}
+            log.write(json.dumps({"case": case.__name__, **rec}) + "\n")
+            log.flush()
+    dist.destroy_process_group()
+
+
+# -- the job and its assertions ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict:
+    workdir = tmp_path_factory.mktemp("dist")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, str(workdir)), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()  # only the processes this fixture started
+        procs[r].join(5)
+    by_case: dict[str, dict[int, dict]] = {}
+    for r in range(WORLD):
+        path = workdir / f"rank{r}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            rec = json.loads(line)
+            by_case.setdefault(rec.pop("case"), {})[r] = rec
+    return {"cases": by_case, "hung": hung, "exitcodes": [p.exitcode for p in procs]}
+
+
+def _records(job: dict, case) -> dict[int, dict]:
+    recs = job["cases"].get(case.__name__, {})
+    missing = [r for r in range(WORLD) if r not in recs]
+    assert not missing, f"ranks {missing} did not finish {case.__name__} (hung: {job['hung']}, exit codes {job['exitcodes']})"
+    crashed = {r: rec["crashed"] for r, rec in recs.items() if "crashed" in rec}
+    assert not crashed, f"{case.__name__} crashed: {crashed}"
+    return recs
+
+
+def _assert_exact(job: dict, case) -> dict[int, dict]:
+    recs = _records(job, case)
+    for r, rec in recs.items():
+        assert rec["errors"] == [], f"rank {r}: {rec['errors']}"
+        st = rec["stats"]
+        if rec.get("skipped"):
+            continue
+        assert st["sent_bytes"] == rec["plan_sent"], f"rank {r} sent {st['sent_bytes']}, plan {rec['plan_sent']}"
+        assert st["received_bytes"] == rec["plan_received"], f"rank {r}"
+    wire = sum(rec["stats"].get("sent_bytes", 0) for rec in recs.values())
+    remote = {rec["plan_remote"] for rec in recs.values() if not rec.get("skipped")}
+    assert remote == {wire}, f"{wire} bytes on the wire, plan remote {remote}"
+    return recs
+
+
+def test_llama_tp4_to_tp2_dp2_model_plan_in_one_call(job):
+    recs = _assert_exact(job, case_llama)
+    assert all(rec["stats"]["rounds"] == 1 for rec in recs.values())
+    # one message per peer: rank 1 (TP2 rank 1) gets TP4 shards 2 and 3, from two peers
+    assert recs[1]["stats"]["messages_received"] == 2
+    assert recs[0]["stats"]["messages_received"] == 1
+
+
+def test_max_inflight_bytes_forces_rounds_and_bounds_staging(job):
+    recs = _assert_exact(job, case_llama_rounds)
+    assert len({rec["stats"]["rounds"] for rec in recs.values()}) == 1
+    assert recs[0]["stats"]["rounds"] > 5
+    assert all(rec["stats"]["peak_staged_bytes"] <= 200 for rec in recs.values())
+
+
+def test_workspace_is_reused_across_calls(job):
+    recs = _assert_exact(job, case_workspace)
+    for rec in recs.values():
+        assert rec["ws_after_first"] == rec["ws_after_second"] >= rec["stats"]["peak_staged_bytes"] > 0
+
+
+def test_bigcode_mqa_tp4_to_tp2(job):
+    _assert_exact(job, case_bigcode)
+
+
+def test_yuan_o_proj_tp2_to_tp4(job):
+    recs = _assert_exact(job, case_yuan)
+    assert recs[2]["stats"]["sent_bytes"] == 0 and recs[2]["stats"]["received_bytes"] > 0
+
+
+def test_zero_flat_dp2_to_dp4(job):
+    _assert_exact(job, case_zero)
+
+
+def test_two_sources_to_four_targets_with_padding(job):
+    recs = _assert_exact(job, case_two_to_four)
+    assert recs[3]["stats"]["sent_bytes"] == 0 and recs[2]["stats"]["sent_bytes"] == 0
+
+
+def test_prescaled_bias_with_scale_power_minus_one(job):
+    _assert_exact(job, case_scaled)
+
+
+def test_irregular_layouts(job):
+    _assert_exact(job, case_irregular)
+
+
+def test_plan_ranks_are_group_ranks(job):
+    recs = _assert_exact(job, case_group)
+    assert recs[0].get("skipped")
+
+
+def _assert_all_raise(job, case, error: type, *needles: str) -> list[str]:
+    recs = _records(job, case)
+    msgs = []
+    for r, rec in recs.items():
+        assert rec["raised"] == error.__name__, f"rank {r}: raised {rec['raised']}: {rec.get('message')}"
+        assert rec["seconds"] < ERROR_WITHIN_S, f"rank {r} took {rec['seconds']:.1f} s to raise"
+        for s in needles:
+            assert s in rec["message"], f"rank {r}: {s!r} not in {rec['message']!r}"
+        msgs.append(rec["message"])
+    assert len(set(msgs)) == 1, "ranks raised different messages"
+    return msgs
+
+
+def test_planted_shape_mismatch_raises_on_every_rank(job):
+    (msg, *_) = _assert_all_raise(job, case_bad_shape, ShardError, "rank 2", "layers.1.attn.o_proj.weight",
+                                  "[4, 16]", "[16, 4]")
+    assert "rank 0" not in msg and "rank 1 " not in msg
+
+
+def test_dtype_disagreement_raises_on_every_rank(job):
+    _assert_all_raise(job, case_bad_dtype, ShardError, "[1] hold torch.float64", "dtype")
+
+
+def test_missing_shard_raises_on_every_rank(job):
+    _assert_all_raise(job, case_missing, ShardError, "rank 3 passed no source shard")
+
+
+def test_different_options_raise_plan_error_on_every_rank(job):
+    _assert_all_raise(job, case_plans_differ, PlanError, "ranks [1, 2, 3] differ from rank 0")
+
+
+def test_scaling_an_integer_dtype_raises_on_every_rank(job):
+    _assert_all_raise(job, case_int_scaled, ShardError, "integer dtype torch.int64")
+
+
+def test_group_still_works_after_errors(job):
+    _assert_exact(job, case_after_errors)
+
+
+def test_job_exited_cleanly(job):
+    assert job["hung"] == [] and job["exitcodes"] == [0] * WORLD
+
+
+# -- the schedule, without processes -------------------------------------------------------------
+
+
+def _coverage(rounds, params) -> dict:
+    got: dict = {}
+    for rnd in rounds:
+        for items in rnd.values():
+            for it in items:
+                got.setdefault((it.param, it.seg), []).append((it.lo, it.hi))
+    return got
+
+
+@pytest.mark.parametrize("limit", [None, 8, 30, 200, 10**6])
+def test_schedule_covers_each_remote_segment_once_within_the_limit(limit):
+    src, tgt = llama_pair()
+    mplan: ModelPlan = plan_model(src, tgt)
+    params = [_Param(n, p, llama_dtype(n), torch.empty((), dtype=llama_dtype(n)).element_size())
+              for n, p in sorted(mplan.params.items())]
+    rounds = _schedule(params, limit)
+    for rnd in rounds:
+        load: dict[int, int] = {}
+        for (s, d), items in rnd.items():
+            sizes = [params[it.param].esize for it in items]
+            assert sizes == sorted(sizes, reverse=True)  # aligned without padding
+            for it in items:
+                assert it.seg.src_rank == s and it.seg.dst_rank == d and not it.seg.is_local
+                load[s] = load.get(s, 0) + it.numel * params[it.param].esize
+                load[d] = load.get(d, 0) + it.numel * params[it.param].esize
+        if limit is not None:
+            assert max(load.values()) <= limit
+    remote = {(k, s) for k, prm in enumerate(params) for s in prm.plan.segments if not s.is_local}
+    cover = _coverage(rounds, params)
+    assert set(cover) == remote
+    for (_, seg), ranges in cover.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == seg.numel
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)])
+def test_index_ranges_decompose_into_ordered_boxes(shape):
+    n = prod(shape)
+    for lo in range(n):
+        for hi in range(lo + 1, n + 1):
+            boxes = _index_boxes(shape, lo, hi)
+            assert len(boxes) <= 2 * len(shape) - 1
+            flat = []
+            for start, ext in boxes:
+                idx = torch.arange(n).view(shape)[tuple(slice(a, a + e) for a, e in zip(start, ext))]
+                flat += idx.reshape(-1).tolist()
+            assert flat == list(range(lo, hi)), (lo, hi, boxes)
+
