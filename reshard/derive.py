@@ -86,7 +86,7 @@ def _decode_unscaled(a: torch.Tensor, n: int) -> tuple[np.ndarray, np.ndarray] |
         return np.zeros(0, dtype=np.int64), np.ones(0)
     if float(a.min()) < n + 1 or float(a.max()) > 2 * n or not bool((a.frac() == 0).all()):
         return None
-    return (a.to(torch.int64) - (n + 1)).numpy(), np.ones(a.numel())
+    return (a.to(torch.int64) - (n + 1)).numpy(), np.broadcast_to(np.float64(1.0), (a.numel(),))
 
 
 def _run(fn: PartitionFn, full: torch.Tensor, rank: int) -> torch.Tensor:
