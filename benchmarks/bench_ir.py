@@ -41,6 +41,17 @@ def _maps_for_apply():
 
 def bench_rebuild_extract() -> list[str]:
     out = []
+    default = torch.get_num_threads()
+    for threads in sorted({default, 1}, reverse=True):
+        torch.set_num_threads(threads)
+        out.append(f"  (torch intra-op threads: {threads})")
+        out += _rebuild_extract_rows()
+    torch.set_num_threads(default)
+    return out
+
+
+def _rebuild_extract_rows() -> list[str]:
+    out = []
     for name, m in _maps_for_apply().items():
         full = torch.randn(m.logical_shape)
         shards = {r: m.extract(full, r) for r in m.ranks}
