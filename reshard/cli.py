@@ -88,6 +88,15 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _cmd_reshard(args) -> int:
+    from .offline import reshard, summary
+
+    report = reshard(args.ckpt_dir, args.out_dir, tp=args.tp, dp=args.dp, pp=args.pp, zero_stage=args.zero_stage,
+                     layout=args.layout, workers=args.workers, overwrite=args.overwrite)
+    print(summary(report))
+    return 0
+
+
 def _cmd_verify(args) -> int:
     from .formats.output import verify
 
@@ -143,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR/<tag>")
     cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit")
     cv.set_defaults(fn=_cmd_convert)
+    rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP topology, "
+                        "loadable by engine.load_checkpoint")
+    rs.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
+    rs.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest")
+    rs.add_argument("--tp", type=int, required=True, help="target TP degree")
+    rs.add_argument("--dp", type=int, default=None, help="target DP degree (default: the source's)")
+    rs.add_argument("--pp", type=int, default=1, help="target pipeline stages (only 1 is supported)")
+    rs.add_argument("--zero-stage", type=int, default=None, help="target ZeRO stage, 1 or 2 (default: the source's)")
+    rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
+                    help="target TP layout when TP changes to a degree other than 1")
+    rs.add_argument("--workers", type=int, default=1)
+    rs.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR/<tag>")
+    rs.set_defaults(fn=_cmd_reshard)
     vf = sub.add_parser("verify", help="check a reshard output folder against its checksum manifest")
     vf.add_argument("out_dir")
     vf.set_defaults(fn=_cmd_verify)
