@@ -6,7 +6,6 @@ byte once plus writing every output byte once)."""
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -27,16 +26,22 @@ def ensure_checkpoint() -> Path:
     return ckpt
 
 
+# A fresh wrapper process per command, so its children's peak RSS is this command's alone
+# (the largest process of the tree: ds_to_universal's worker pool included).
+_WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+         "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+
+
 def _run(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of a child process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Wall seconds and peak RSS (MiB) of a command."""
     t = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    res = subprocess.run([sys.executable, "-c", _WRAP, *cmd], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
     wall = time.perf_counter() - t
     if res.returncode:
         raise RuntimeError(f"{cmd} failed:\n{res.stderr[-3000:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return wall, max(peak, before) / 1024
+    peak = int(res.stdout.rsplit("PEAK_KIB", 1)[1].split()[0])
+    return wall, peak / 1024
 
 
 def _drop_out(p: Path) -> None:
@@ -71,7 +76,6 @@ def main(workers: int = 2) -> list[str]:
     ds_cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
               "--output_folder", str(out / "ds" / tag.name), "--inject_missing_state",
               "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
-    # Peak RSS of children is a running maximum, so measure the smaller-footprint tool first.
     ours, ours_rss = _run(ours_cmd)
     out_bytes = sum(p.stat().st_size for p in (out / "reshard").rglob("*") if p.is_file())
     peer, peer_rss = _run(ds_cmd)
