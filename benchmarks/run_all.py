@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import warnings
 
-from benchmarks import bench_convert, bench_derive, bench_dist, bench_ir, bench_moe, bench_planner
+from benchmarks import (
+    bench_convert,
+    bench_derive,
+    bench_dist,
+    bench_ir,
+    bench_moe,
+    bench_offline,
+    bench_planner,
+)
 from benchmarks.common import machine
 
 
 def main() -> None:
     warnings.filterwarnings("ignore")
     print(f"machine: {machine()}")
-    for mod in (bench_ir, bench_derive, bench_planner, bench_moe, bench_dist, bench_convert):
+    for mod in (bench_ir, bench_derive, bench_planner, bench_moe, bench_dist, bench_convert, bench_offline):
         print(f"\n== {mod.__name__} ==")
         for line in mod.main():
             print(line, flush=True)

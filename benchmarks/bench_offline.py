@@ -1,0 +1,50 @@
+"""Offline resharding (``reshard reshard``) on the ~200M-parameter ZeRO-1 DP=2 checkpoint, to DP=4,
+against the peer route: ``ds_to_universal`` plus reading the universal files back at the target
+topology. The read-back is counted once; DeepSpeed's ``load_universal`` makes every target rank
+read every file, so the real peer cost is higher still."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+
+import torch
+
+from benchmarks.bench_convert import DATA, _run, ensure_checkpoint
+from benchmarks.common import row
+from reshard.formats.safe_load import load
+
+
+def _read_back(ucp: str, dp: int) -> float:
+    t = time.perf_counter()
+    for f in sorted(__import__("pathlib").Path(ucp).rglob("zero/*/*.pt")):
+        obj = load(f, mmap=False)
+        tensor = obj["param"] if isinstance(obj, dict) else obj
+        if isinstance(tensor, torch.Tensor) and tensor.dim():
+            for part in tensor.reshape(-1).chunk(dp):
+                part.clone()
+    return time.perf_counter() - t
+
+
+def main(workers: int = 2, dp: int = 4) -> list[str]:
+    ckpt = ensure_checkpoint()
+    tag = ckpt / (ckpt / "latest").read_text().strip()
+    out = DATA / "out-offline"
+    shutil.rmtree(out, ignore_errors=True)
+    ours, ours_rss = _run([sys.executable, "-m", "reshard.cli", "reshard", str(ckpt), str(out / "reshard"),
+                           "--tp", "1", "--dp", str(dp), "--workers", str(workers)])
+    conv, conv_rss = _run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
+                           "--output_folder", str(out / "ds" / tag.name), "--inject_missing_state",
+                           "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)])
+    back = _read_back(str(out / "ds" / tag.name), dp)
+    shutil.rmtree(out, ignore_errors=True)
+    return [
+        row(f"reshard reshard DP=2 -> DP={dp} vs ds_to_universal + read-back", ours, conv + back,
+            note=f"(peer: convert {conv:.1f} s + read back {back:.1f} s)"),
+        row("  peak RSS reshard vs ds_to_universal", ours_rss, conv_rss, unit="MiB", note="(ratio = peer/ours)"),
+    ]
+
+
+if __name__ == "__main__":
+    print("\n".join(main()))
