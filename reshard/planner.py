@@ -19,7 +19,7 @@ from typing import Protocol
 
 from .errors import PlanError
 from .ir.canonical import _concat_pass, _make
-from .ir.geometry import Block, Box, _joint_dims, axis_intersect, clip, outside, piece_blocks
+from .ir.geometry import Block, Box, _joint_dims, box_intersect, clip, outside, piece_blocks
 from .ir.param_map import ParamMap
 from .ir.piece import Piece, View, prod
 
@@ -272,16 +272,6 @@ class _Geometry:
     unfilled: tuple[Unfilled, ...]
 
 
-def _box_and(a: Box, b: Box) -> Box | None:
-    out = []
-    for x, y in zip(a, b):
-        z = axis_intersect(x, y)
-        if z is None:
-            return None
-        out.append(z)
-    return tuple(out)
-
-
 def _factor(src_scale: float, dst_scale: float, allow_inexact: bool, where: str) -> float:
     f = dst_scale / src_scale
     if f != 1.0 and not allow_inexact and math.frexp(f)[0] != 0.5:
@@ -319,7 +309,7 @@ def _geometry(source: ParamMap, target: ParamMap, allow_inexact: bool) -> _Geome
             # same elements, so any one of them can fill the intersection
             by_class: dict[tuple[frozenset[int], float], dict[int, list[_Raw]]] = defaultdict(lambda: defaultdict(list))
             for s in index.query(c.box):
-                x = _box_and(s.block.box, c.box)
+                x = box_intersect(s.block.box, c.box)
                 if x is None:
                     continue
                 sb, db = s.block.sub(x), c.sub(x)
