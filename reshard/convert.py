@@ -235,9 +235,15 @@ def _run(fn, names, workers: int, bar, conv: _Converter) -> None:
         for n in names:
             guarded(n)
     else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for fut in [pool.submit(guarded, n) for n in names]:
-                fut.result()
+        # Parameters already run in parallel; torch's own intra-op threads would only contend.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for fut in [pool.submit(guarded, n) for n in names]:
+                    fut.result()
+        finally:
+            torch.set_num_threads(threads)
     if errors:
         raise errors[0]
 

@@ -17,7 +17,7 @@ from ..ir.param_map import ParamMap
 from ..ir.piece import prod
 from ..layouts import zero3, zero12_from_slice_mappings
 from . import lowering
-from .safe_load import load
+from .safe_load import load, release
 
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -239,9 +239,12 @@ class DeepSpeedCheckpoint:
                                       f"the flat {state} partition of {flat.numel()} elements: truncated or corrupt")
             frags[d] = flat.narrow(0, start, n)
         try:
-            return zmap.rebuild(frags).view(shape)
+            shard = zmap.rebuild(frags).view(shape)
         except ReshardError as e:
             raise CheckpointError(f"{self.tag_dir}: {name} (tp rank {t}, {state}): {e}") from None
+        for frag in frags.values():  # each fragment is read once: let its pages go
+            release(frag)
+        return shard
 
     def _fragment_start(self, t: int, d: int, group: int, name: str) -> int:
         return int(self.osd(t, d)["param_slice_mappings"][group][name].start)

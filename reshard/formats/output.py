@@ -46,7 +46,7 @@ class Staging:
     def open(self, rel: str) -> Iterator[BinaryIO]:
         """A file to write that checksums its bytes on the way out, so the manifest costs no
         second read."""
-        f = _HashingWriter(open(self.path(rel), "wb"))
+        f = _HashingWriter(open(self.path(rel), "wb", buffering=0))
         try:
             yield f
             f.flush()

@@ -9,8 +9,11 @@ else is refused with an error naming the file and the class.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import mmap
 import pickle
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,3 +103,36 @@ def load(path: str | Path, *, mmap: bool = True) -> Any:
         raise CheckpointError(f"{path}: corrupt pickle ({e})") from None
     except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot be read as a torch checkpoint; truncated or corrupt ({e})") from None
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Tell the kernel the pages under ``tensor`` will not be read again.
+
+    Files are memory-mapped, and pages once read count as resident memory until the kernel
+    needs them back. Dropping a fragment's pages as soon as it is consumed keeps the resident
+    set at about one parameter, not the whole checkpoint. Only whole pages inside the tensor are
+    released (the data stays on disk and would simply be read again); a no-op where madvise is
+    unavailable."""
+    if _MADVISE is None or not tensor.numel():
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    lo = -(-start // _PAGE) * _PAGE
+    hi = end // _PAGE * _PAGE
+    if hi > lo:
+        _MADVISE(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
+def _madvise():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+_MADVISE = _madvise() if sys.platform.startswith("linux") else None
