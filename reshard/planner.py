@@ -11,6 +11,7 @@ per (source rank, target rank) into as few N-d segments as possible.
 from __future__ import annotations
 
 import bisect
+import gc
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -525,9 +526,17 @@ def plan_model(source_maps: Mapping[str, ParamMap], target_maps: Mapping[str, Pa
                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     planner = Planner(cost or DefaultCost(), allow_inexact_scale, check)
     out = {}
-    for name in source_maps:
-        try:
-            out[name] = planner.plan(source_maps[name], target_maps[name])
-        except PlanError as e:
-            raise PlanError(f"parameter {name!r}: {e}") from None
+    # Planning allocates many small acyclic objects; the cyclic collector would repeatedly scan
+    # every map of the model for nothing.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for name in source_maps:
+            try:
+                out[name] = planner.plan(source_maps[name], target_maps[name])
+            except PlanError as e:
+                raise PlanError(f"parameter {name!r}: {e}") from None
+    finally:
+        if collecting:
+            gc.enable()
     return ModelPlan(out)
