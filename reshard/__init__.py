@@ -29,8 +29,42 @@ from .ir import (
 
 __version__ = "0.1.0"
 
+from . import layouts  # noqa: E402
+from .convert import ConvertReport, convert  # noqa: E402
+from .derive import derive  # noqa: E402
+from .formats.output import verify  # noqa: E402
+from .offline import reshard as reshard_checkpoint  # noqa: E402
+from .planner import (  # noqa: E402
+    CostModel,
+    DefaultCost,
+    ModelPlan,
+    PlanStats,
+    Segment,
+    TransferPlan,
+    Unfilled,
+    plan,
+    plan_model,
+)
+from .topology import Topology  # noqa: E402
+
 __all__ = [
     "CheckpointError",
+    "ConvertReport",
+    "CostModel",
+    "DefaultCost",
+    "ModelPlan",
+    "PlanStats",
+    "Segment",
+    "Topology",
+    "TransferPlan",
+    "Unfilled",
+    "convert",
+    "derive",
+    "layouts",
+    "plan",
+    "plan_model",
+    "reshard_checkpoint",
+    "verify",
     "MapError",
     "MapFormatError",
     "NotAffineError",
