@@ -71,7 +71,9 @@ def derive(
                 for rank, (sshape, src, scale) in per_rank.items()
             }
             m = ParamMap(shape, shards)
-            _reproduce(m, partition_fn, dtype, seed)
+            # the random data may reuse the marker's memory when no shard is a view of it
+            spare = None if any(_shares(r, marker_a) for r in runs.values()) else marker_a
+            _reproduce(m, partition_fn, dtype, seed, spare)
             return m
         except NotAffineError:
             if not guessed:  # a one-run reading could be a coincidence of scale: retry with two
@@ -84,9 +86,13 @@ def _decode_unscaled(a: torch.Tensor, n: int) -> tuple[np.ndarray, np.ndarray] |
     a = a.reshape(-1)
     if not a.numel():
         return np.zeros(0, dtype=np.int64), np.ones(0)
-    if float(a.min()) < n + 1 or float(a.max()) > 2 * n or not bool((a.frac() == 0).all()):
+    lo, hi = torch.aminmax(a)
+    if float(lo) < n + 1 or float(hi) > 2 * n:
         return None
-    return (a.to(torch.int64) - (n + 1)).numpy(), np.broadcast_to(np.float64(1.0), (a.numel(),))
+    idx = a.to(torch.int64)
+    if not torch.equal(idx.to(a.dtype), a):  # a fraction somewhere: not an unchanged marker
+        return None
+    return (idx - (n + 1)).numpy(), np.broadcast_to(np.float64(1.0), (a.numel(),))
 
 
 def _run(fn: PartitionFn, full: torch.Tensor, rank: int) -> torch.Tensor:
@@ -211,9 +217,15 @@ def _piece(shape, src, sstr, dst, dstr, mask: int, scale: float) -> Piece:
     return Piece(shape, View(src, sstr), View(dst, dstr), locs, scale)
 
 
-def _reproduce(m: ParamMap, fn: PartitionFn, dtype: torch.dtype, seed: int) -> None:
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _reproduce(m: ParamMap, fn: PartitionFn, dtype: torch.dtype, seed: int,
+               spare: torch.Tensor | None = None) -> None:
     g = torch.Generator().manual_seed(seed)
-    full = torch.empty(m.logical_shape, dtype=dtype).uniform_(-1.0, 1.0, generator=g)
+    full = spare if spare is not None else torch.empty(m.logical_shape, dtype=dtype)
+    full.uniform_(-1.0, 1.0, generator=g)
     for rank in m.ranks:
         want = fn(full, rank)
         got = m.extract(full, rank)
