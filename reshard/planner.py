@@ -386,9 +386,12 @@ def _segment(src: int, dst: int, factor: float, r: _Raw) -> Segment:
     shape = tuple(a[2] for a in r.box)
     dims = _joint_dims(shape, r.sh, r.dh)
     if not dims:
-        return Segment(src, View(r.sb, (1,)), dst, View(r.db, (1,)), (1,), factor)
-    return Segment(src, View(r.sb, tuple(s for s, _, _ in dims)), dst, View(r.db, tuple(x for _, _, x in dims)),
-                   tuple(n for _, n, _ in dims), factor)
+        return Segment(src, View.trusted(r.sb, (1,)), dst, View.trusted(r.db, (1,)), (1,), factor)
+    return Segment(src, View.trusted(r.sb, tuple(s for s, _, _ in dims)), dst,
+                   View.trusted(r.db, tuple(x for _, _, x in dims)), tuple(n for _, n, _ in dims), factor)
+
+
+_ONE = frozenset({0})
 
 
 def _compress(segs: list[Segment]) -> list[Segment]:
@@ -399,7 +402,7 @@ def _compress(segs: list[Segment]) -> list[Segment]:
     if len(segs) < 2:
         return segs
     first = segs[0]
-    pieces = [Piece(s.shape, s.src, s.dst, frozenset({0}), 1.0) for s in segs]
+    pieces = [Piece.trusted(s.shape, s.src, s.dst, _ONE, 1.0) for s in segs]
     changed = True
     while changed:
         pieces, joined = _concat_pass(pieces)

@@ -40,10 +40,10 @@ def _make(dims: list[Dim], src: int, dst: int, like: Piece) -> Piece | None:
             merged.append((n, s, d))
     if not merged:
         merged = [(1, 1, 1)]
-    return Piece(
+    return Piece.trusted(
         tuple(x[0] for x in merged),
-        View(src, tuple(x[1] for x in merged)),
-        View(dst, tuple(x[2] for x in merged)),
+        View.trusted(src, tuple(x[1] for x in merged)),
+        View.trusted(dst, tuple(x[2] for x in merged)),
         like.locations,
         like.scale,
     )
@@ -101,8 +101,10 @@ def _concat_pass(pieces: list[Piece]) -> tuple[list[Piece], bool]:
                     grown = list(dims)
                     grown[k] = (n + (q.shape[k] if kind == "same" else 1), s, d)
                     origin = q if kind == "before" else p
-                    p = Piece(tuple(x[0] for x in grown), View(origin.source.offset, tuple(x[1] for x in grown)),
-                              View(origin.dest.offset, tuple(x[2] for x in grown)), p.locations, p.scale)
+                    p = Piece.trusted(tuple(x[0] for x in grown),
+                                      View.trusted(origin.source.offset, tuple(x[1] for x in grown)),
+                                      View.trusted(origin.dest.offset, tuple(x[2] for x in grown)),
+                                      p.locations, p.scale)
                     alive[i] = p
                     index.update((key, i) for key in _keys(p))
                     grew = changed = True

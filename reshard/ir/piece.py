@@ -46,6 +46,14 @@ class View:
             raise MapError(f"view strides must be non-negative ints, got {self.strides!r}")
         object.__setattr__(self, "strides", strides)
 
+    @classmethod
+    def trusted(cls, offset: int, strides: tuple[int, ...]) -> View:
+        """Construct without validation, for values computed from already valid views."""
+        v = object.__new__(cls)
+        object.__setattr__(v, "offset", offset)
+        object.__setattr__(v, "strides", strides)
+        return v
+
     def span(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """``[lo, hi)``: the smallest and one past the largest address the view touches
         (``(offset, offset)`` when the shape is empty)."""
@@ -90,6 +98,17 @@ class Piece:
         if not math.isfinite(scale) or scale == 0:
             raise MapError(f"piece scale must be finite and non-zero, got {scale!r}")
         object.__setattr__(self, "scale", float(scale))
+
+    @classmethod
+    def trusted(cls, shape: tuple[int, ...], source: View, dest: View, locations: frozenset[int],
+                scale: float) -> Piece:
+        """Construct without validation, for pieces derived from already valid ones (hot paths
+        of canonicalisation and planning)."""
+        p = object.__new__(cls)
+        for name, value in (("shape", shape), ("source", source), ("dest", dest), ("locations", locations),
+                            ("scale", scale)):
+            object.__setattr__(p, name, value)
+        return p
 
     @property
     def numel(self) -> int:
