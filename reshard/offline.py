@@ -46,6 +46,7 @@ from .formats import deepspeed_writer as dsw
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import Staging
 from .formats.pickling import save
+from .formats.safe_load import release
 from .ir.apply import _view, scaled
 from .ir.param_map import ParamMap
 from .ir.piece import prod
@@ -410,6 +411,7 @@ class _Writer:
                         entry = ck.zero_map(name, st)[1]
                         frag = flat.narrow(0, src.start(st, sd, name), entry.shard(sd).numel)
                         _view(dst, s.shape, s.dst).copy_(scaled(_view(frag, s.shape, s.src), s.factor ** power))
+                        release(frag)  # mapped pages: drop them from our resident set (a re-read is a minor fault)
                         read += s.numel
             fp32.append(bufs["fp32"])
             moments.append({k: bufs[k] for k in ("exp_avg", "exp_avg_sq")})
@@ -442,6 +444,7 @@ class _Writer:
                 flat_src = shard.detach().reshape(-1)
                 flat_dst = view.view(-1)
                 _view(flat_dst, s.shape, s.dst).copy_(scaled(_view(flat_src, s.shape, s.src), s.factor))
+                release(flat_src)
         for name in tgt.empty[t]:
             views[name] = torch.empty(tgt.maps[name].shard(t).shape, dtype=src.dtype)
         module = OrderedDict()

@@ -9,6 +9,7 @@ else is refused with an error naming the file and the class.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import enum
 import mmap
@@ -110,17 +111,45 @@ def release(tensor: torch.Tensor) -> None:
 
     Files are memory-mapped, and pages once read count as resident memory until the kernel
     needs them back. Dropping a fragment's pages as soon as it is consumed keeps the resident
-    set at about one parameter, not the whole checkpoint. Only whole pages inside the tensor are
-    released (the data stays on disk and would simply be read again); a no-op where madvise is
-    unavailable."""
+    set at about one parameter, not the whole checkpoint; reading them again is a minor fault
+    from the page cache. Only whole pages inside the tensor are released, and only where they
+    lie in a file-backed mapping: on anonymous memory this would discard data. A no-op where
+    madvise is unavailable."""
     if _MADVISE is None or not tensor.numel():
         return
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     lo = -(-start // _PAGE) * _PAGE
     hi = end // _PAGE * _PAGE
-    if hi > lo:
+    if hi > lo and _file_backed(lo, hi):
         _MADVISE(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
+_MAPS: list[tuple[int, int, bool]] = []  # (start, end, backed by a file), sorted
+
+
+def _file_backed(lo: int, hi: int) -> bool:
+    for refresh in (False, True):
+        if refresh or not _MAPS:
+            _MAPS[:] = _read_maps()
+        i = bisect.bisect_right(_MAPS, (lo, float("inf"), True)) - 1
+        if i >= 0 and _MAPS[i][0] <= lo and hi <= _MAPS[i][1]:
+            return _MAPS[i][2]
+    return False
+
+
+def _read_maps() -> list[tuple[int, int, bool]]:
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                a, b = (int(x, 16) for x in parts[0].split("-"))
+                path = parts[5].strip() if len(parts) > 5 else ""
+                out.append((a, b, path.startswith("/") and "(deleted)" not in path))
+    except OSError:
+        return []
+    return sorted(out)
 
 
 def _madvise():
