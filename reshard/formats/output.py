@@ -119,10 +119,15 @@ class _HashingWriter:
         self.size = 0
 
     def write(self, data) -> int:
-        n = self.raw.write(data)
-        self.hash.update(data)
-        self.size += len(data) if not isinstance(data, memoryview) else data.nbytes
-        return n
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        done = 0
+        while done < len(view):  # an unbuffered write may be short: finish it
+            done += self.raw.write(view[done:])
+        self.hash.update(view)
+        self.size += len(view)
+        return len(view)
 
     def flush(self) -> None:
         self.raw.flush()
