@@ -120,26 +120,34 @@ def _dense(dims) -> bool:
 def _check_steps(ck: DeepSpeedCheckpoint) -> None:
     """Every rank's optimizer must be at the same step (DeepSpeed asserts the same)."""
     steps = set()
-    for t, d in ck.optim_files:
+    for (t, d), path in ck.optim_files.items():
         osd = ck.osd(t, d)
-        state = osd["optimizer_state_dict"]["state"] if ck.zero_stage == 3 else osd["base_optimizer_state"]["state"]
-        for s in state.values():
-            if "step" in s:
-                steps.add(float(s["step"]))
+        try:
+            outer = osd["optimizer_state_dict"] if ck.zero_stage == 3 else osd["base_optimizer_state"]
+            for s in outer["state"].values():
+                if "step" in s:
+                    steps.add(float(s["step"]))
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise CheckpointError(f"{path}: optimizer state has an unknown layout (no per-group 'state')") from None
     if len(steps) > 1:
         raise CheckpointError(f"{ck.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
 
 
 def _optimizer_state(ck: DeepSpeedCheckpoint) -> dict:
+    """What ``ds_to_universal`` keeps of rank 0's optimizer file: the unsharded entries and the
+    parameter groups."""
     osd = ck.osd(0, 0)
-    if ck.zero_stage == 3:
-        out = dict(osd)
-        out["param_groups"] = osd["optimizer_state_dict"]["param_groups"]
+    try:
+        if ck.zero_stage == 3:
+            out = dict(osd)
+            out["param_groups"] = osd["optimizer_state_dict"]["param_groups"]
+            return out
+        sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+        out = {k: v for k, v in osd.items() if k not in sharded}
+        out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
         return out
-    sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
-    out = {k: v for k, v in osd.items() if k not in sharded}
-    out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
-    return out
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{ck.optim_files[(0, 0)]}: optimizer state has no 'param_groups'") from None
 
 
 def convert(
