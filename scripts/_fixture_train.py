@@ -85,6 +85,37 @@ def _patch_gpt_bigcode_empty_query_shard():
 PATCHES = {"gpt_bigcode_empty_query_shard": _patch_gpt_bigcode_empty_query_shard}
 
 
+def setup(spec: dict) -> torch.nn.Module:
+    """Process setup shared by every DeepSpeed job of the fixtures and the end-to-end tests:
+    deterministic single-threaded kernels, the gloo process group, the spec's model patches, and
+    the model built from its ``transformers`` config after seeding (random init, no download)."""
+    # Deterministic CPU kernels where torch offers them; single intra-op thread so that
+    # reductions inside matmuls do not depend on the thread split.
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for patch in spec.get("patches", []):
+        PATCHES[patch]()
+    _seed_everything(int(spec["seed"]))
+    config = AutoConfig.for_model(spec["model_type"], **spec["model_config"])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model.train()
+    return model
+
+
+def fixed_batch(spec: dict, vocab_size: int, dp_rank: int, dp_world: int) -> torch.Tensor:
+    """This DP rank's rows of the fixed synthetic batch: ``micro_batch * dp_world`` sequences
+    drawn from ``Generator().manual_seed(seed + 1)``, DP rank ``d`` taking its own slice."""
+    micro, seq_len = int(spec["micro_batch"]), int(spec["seq_len"])
+    gen = torch.Generator().manual_seed(int(spec["seed"]) + 1)
+    global_ids = torch.randint(0, vocab_size, (micro * dp_world, seq_len), generator=gen)
+    return global_ids[dp_rank * micro:(dp_rank + 1) * micro].contiguous()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
@@ -92,27 +123,12 @@ def main():
     with open(args.spec) as f:
         spec = json.load(f)
 
-    # Deterministic CPU kernels where torch offers them; single intra-op thread so that
-    # reductions inside matmuls do not depend on the thread split.
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-
     import deepspeed
     from deepspeed.utils import groups
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    model = setup(spec)
     rank = torch.distributed.get_rank()
     world_size = torch.distributed.get_world_size()
-
-    for patch in spec.get("patches", []):
-        PATCHES[patch]()
-
-    seed = int(spec["seed"])
-    _seed_everything(seed)
-    config = AutoConfig.for_model(spec["model_type"], **spec["model_config"])
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    model.train()
 
     ds_config = spec["ds_config"]
     t0 = time.time()
@@ -131,11 +147,7 @@ def main():
     except Exception:  # pragma: no cover
         tp_rank, tp_world = 0, 1
 
-    micro = int(spec["micro_batch"])
-    seq_len = int(spec["seq_len"])
-    gen = torch.Generator().manual_seed(seed + 1)
-    global_ids = torch.randint(0, config.vocab_size, (micro * dp_world, seq_len), generator=gen)
-    input_ids = global_ids[dp_rank * micro:(dp_rank + 1) * micro].contiguous().to(engine.device)
+    input_ids = fixed_batch(spec, model.config.vocab_size, dp_rank, dp_world).to(engine.device)
 
     losses = []
     for step in range(int(spec["steps"])):

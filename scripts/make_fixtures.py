@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import glob
 import hashlib
 import json
 import os
 import pickletools
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,11 +45,11 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ds_launch import cleanup_shm, launcher_cmd, port_is_free, root_cause
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "_fixture_train.py"
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "deepspeed"
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "deepspeed_allreduce_buffer_"
 HELPER_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 SEED = 1234
@@ -224,16 +221,6 @@ def log(msg: str) -> None:
     print(f"[make_fixtures] {msg}", flush=True)
 
 
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 class PortAllocator:
     """Hands out a distinct free TCP port per launch, starting from ``base``."""
 
@@ -244,27 +231,8 @@ class PortAllocator:
         while True:
             port = self.next
             self.next += 1
-            if port_is_free(port) and not glob.glob(str(SHM_DIR / f"{SHM_PREFIX}*_{port}_*")):
+            if port_is_free(port):
                 return port
-
-
-def cleanup_shm(port: int) -> list[str]:
-    """Delete DeepSpeed's CPU all-reduce shared-memory buffers left for ``port``."""
-    removed = []
-    for path in glob.glob(str(SHM_DIR / f"{SHM_PREFIX}*_{port}_*")):
-        try:
-            os.unlink(path)
-            removed.append(os.path.basename(path))
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def launcher_cmd() -> list[str]:
-    ds = Path(sys.executable).parent / "deepspeed"
-    if ds.exists():
-        return [sys.executable, str(ds)]
-    return [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
 def sha256(path: Path) -> str:
@@ -308,15 +276,6 @@ def pickle_globals(path: Path) -> list[str]:
         else:
             last = None
     return sorted(found)
-
-
-def root_cause(lines: list[str]) -> str:
-    """The most telling exception line of a failed launch (not the peers' 'connection closed')."""
-    errors = [ln.strip() for ln in lines
-              if re.match(r"^(\[rank\d+\]: )?[A-Za-z_.]*(Error|Exception)\b", ln.strip())]
-    primary = [e for e in errors if "Connection closed by peer" not in e and "ProcessGroup" not in e]
-    chosen = primary or errors
-    return chosen[0] if chosen else "(no exception line in the log)"
 
 
 def versions() -> dict:

@@ -18,14 +18,11 @@ per rank, left behind by every run) are deleted afterwards, whether the job succ
 from __future__ import annotations
 
 import copy
-import glob
 import json
 import os
 import random
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,9 +30,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+from ds_launch import cleanup_shm, launcher_cmd, port_is_free, root_cause  # noqa: E402
+
 RESUME_SCRIPT = Path(__file__).resolve().with_name("resume_train.py")
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "deepspeed_allreduce_buffer_"
 DEFAULT_TIMEOUT_S = 600
 
 
@@ -80,39 +78,13 @@ def target_ds_config(base: dict, *, tp: int, zero_stage: int, universal: bool, m
 # --------------------------------------------------------------------------------------------
 
 
-def shm_files(port: int) -> list[str]:
-    return glob.glob(str(SHM_DIR / f"{SHM_PREFIX}*_{port}_*"))
-
-
-def cleanup_shm(port: int) -> list[str]:
-    """Delete DeepSpeed's CPU all-reduce shared-memory buffers left for ``port``."""
-    removed = []
-    for path in shm_files(port):
-        try:
-            os.unlink(path)
-            removed.append(os.path.basename(path))
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(lo: int = 20000, hi: int = 45000) -> int:
     """A TCP port nobody listens on and no leftover DeepSpeed buffer names (random, so that
     concurrent test sessions do not walk the same sequence)."""
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(1000):
         port = rng.randrange(lo, hi)
-        if _port_is_free(port) and not shm_files(port):
+        if port_is_free(port):
             return port
     raise LaunchError("no free port found")
 
@@ -120,21 +92,6 @@ def free_port(lo: int = 20000, hi: int = 45000) -> int:
 # --------------------------------------------------------------------------------------------
 # Launching
 # --------------------------------------------------------------------------------------------
-
-
-def _launcher_cmd() -> list[str]:
-    ds = Path(sys.executable).parent / "deepspeed"
-    if ds.exists():
-        return [sys.executable, str(ds)]
-    return [sys.executable, "-m", "deepspeed.launcher.runner"]
-
-
-def _root_cause(lines: list[str]) -> str:
-    errors = [ln.strip() for ln in lines
-              if re.match(r"^(\[rank\d+\]: )?[A-Za-z_.]*(Error|Exception)\b", ln.strip())]
-    primary = [e for e in errors if "Connection closed by peer" not in e and "ProcessGroup" not in e]
-    chosen = primary or errors
-    return chosen[0] if chosen else "(no exception line in the log)"
 
 
 def _group_alive(pgid: int) -> bool:
@@ -185,7 +142,7 @@ def launch(script: str | Path, spec: dict, *, world_size: int, workdir: str | Pa
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     log_path = workdir / "launch.log"
-    cmd = _launcher_cmd() + ["--num_gpus", str(world_size), "--no_local_rank", "--master_port", str(port),
+    cmd = launcher_cmd() + ["--num_gpus", str(world_size), "--no_local_rank", "--master_port", str(port),
                              str(script), "--spec", str(spec_path)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -210,7 +167,7 @@ def launch(script: str | Path, spec: dict, *, world_size: int, workdir: str | Pa
                 _kill_group(proc)  # no-op when everything exited; never leave a rank behind
         if rc != 0:
             lines = log_path.read_text(errors="replace").splitlines()
-            raise LaunchError(f"launch on port {port} exited with {rc} after {time.time() - t0:.1f}s: {_root_cause(lines)}\n"
+            raise LaunchError(f"launch on port {port} exited with {rc} after {time.time() - t0:.1f}s: {root_cause(lines)}\n"
                               f"log tail:\n{_tail(log_path)}")
         result["seconds"] = time.time() - t0
         return result

@@ -42,31 +42,15 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+from _fixture_train import fixed_batch, setup
 from digest import digest, summary
-
-
-def _seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _patches(names):
-    if not names:
-        return
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
-    from _fixture_train import PATCHES  # the fixture generator's model patches
-
-    for name in names:
-        PATCHES[name]()
 
 
 class TPGather:
@@ -196,25 +180,12 @@ def main():
     with open(args.spec) as f:
         spec = json.load(f)
 
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-
     import deepspeed
     from deepspeed.utils import groups
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    lap("import_deepspeed_transformers")
-    deepspeed.init_distributed(dist_backend="gloo")
-    lap("init_distributed")
+    model = setup(spec)  # the fixture generator's own setup: same threads, patches, seed, model
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
-    _patches(spec.get("patches", []))
-
-    seed = int(spec["seed"])
-    _seed_everything(seed)
-    config = AutoConfig.for_model(spec["model_type"], **spec["model_config"])
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    model.train()
     logical_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     lap("build_model")
 
@@ -237,10 +208,7 @@ def main():
     after_load = collect(engine, gather)
     lap("digests_after_load")
 
-    micro, seq_len = int(spec["micro_batch"]), int(spec["seq_len"])
-    gen = torch.Generator().manual_seed(seed + 1)
-    global_ids = torch.randint(0, config.vocab_size, (micro * dp_world, seq_len), generator=gen)
-    input_ids = global_ids[dp_rank * micro:(dp_rank + 1) * micro].contiguous().to(engine.device)
+    input_ids = fixed_batch(spec, model.config.vocab_size, dp_rank, dp_world).to(engine.device)
 
     losses = []
     for step in range(int(spec["steps"])):
