@@ -407,7 +407,7 @@ class _Writer:
                     power = SCALE_POWER[state]
                     for s in segs:
                         sd, st = divmod(s.src_rank, ck.tp)
-                        flat = ck._flat(st, sd, src.group_of[name], state)
+                        flat = ck.flat_state(st, sd, src.group_of[name], state)
                         entry = ck.zero_map(name, st)[1]
                         frag = flat.narrow(0, src.start(st, sd, name), entry.shard(sd).numel)
                         _view(dst, s.shape, s.dst).copy_(scaled(_view(frag, s.shape, s.src), s.factor ** power))

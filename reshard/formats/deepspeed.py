@@ -186,7 +186,9 @@ class DeepSpeedCheckpoint:
         return any(name in self._zero_index[t] for t in range(self.tp))
 
     # -- tensors ------------------------------------------------------------------------------
-    def _flat(self, t: int, d: int, group: int, state: str) -> torch.Tensor:
+    def flat_state(self, t: int, d: int, group: int, state: str) -> torch.Tensor:
+        """Rank (tp ``t``, dp ``d``)'s flat partition of one state of one parameter group
+        (memory-mapped)."""
         osd = self.osd(t, d)
         path = self.optim_files[(t, d)]
         if self.zero_stage == 3:
@@ -231,7 +233,7 @@ class DeepSpeedCheckpoint:
         group, zmap = self._zero_index[t][name]
         frags = {}
         for d in zmap.ranks:
-            flat = self._flat(t, d, group, state)
+            flat = self.flat_state(t, d, group, state)
             start = self._z3_offset(t, name) if self.zero_stage == 3 else self._fragment_start(t, d, group, name)
             n = zmap.shards[d].numel
             if flat.numel() < start + n:
