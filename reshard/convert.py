@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from .errors import CheckpointError, ReplicaMismatchError, ReshardError
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import MANIFEST, Staging
 from .formats.pickling import save
+from .formats.safe_load import release
 from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.apply import rebuild_mean
 
@@ -47,6 +49,10 @@ class ConvertReport:
     bytes_written: int
     policy: str
     drift: list[Drift] = field(default_factory=list)
+
+
+def _drift_order(d: Drift) -> tuple[str, int]:
+    return d.param, STATES.index(d.state)
 
 
 def _policy(value: str) -> tuple[str, int | None]:
@@ -75,7 +81,7 @@ class _Converter:
         else:
             shards = {t: self.ck.tp_shard(name, t, state, m.shards[t].shape) for t in m.ranks}
         power = SCALE_POWER[state]
-        only = _identity_rank(m)
+        only = m.identity_rank
         if only is not None:  # one rank holds F as is: its shard is F, no second copy
             return shards[only].reshape(m.logical_shape), dict(low.extra)
         try:
@@ -91,30 +97,6 @@ class _Converter:
             if m.is_padded:
                 f = f[tuple(slice(0, n) for n in m.valid_shape)].contiguous()
         return f, dict(low.extra)
-
-
-def _identity_rank(m) -> int | None:
-    """The rank whose shard is F itself, when a map has a single rank holding one unscaled,
-    row-major piece covering all of F."""
-    if len(m.shards) != 1 or m.is_padded:
-        return None
-    (rank, shard), = m.shards.items()
-    live = [p for p in shard.pieces if not p.is_empty]
-    if len(live) != 1 or shard.numel != m.numel:
-        return None
-    p = live[0]
-    dims = [(n, s, d) for n, s, d in zip(p.shape, p.source.strides, p.dest.strides) if n != 1]
-    contiguous = all(s == d for _, s, d in dims) and p.source.offset == 0 == p.dest.offset
-    return rank if contiguous and p.numel == m.numel and p.scale == 1.0 and _dense(dims) else None
-
-
-def _dense(dims) -> bool:
-    expect = 1
-    for n, s, _ in sorted(dims, key=lambda x: x[1]):
-        if s != expect:
-            return False
-        expect *= n
-    return True
 
 
 def _check_steps(ck: DeepSpeedCheckpoint) -> None:
@@ -180,6 +162,7 @@ def convert(
             _write_safetensors(ck, conv, staging, names, max_file_bytes, bar)
     except BaseException as e:
         staging.abandon()
+        conv.drift.sort(key=_drift_order)
         if isinstance(e, ReplicaMismatchError) and conv.drift:
             listing = "; ".join(str(d) for d in conv.drift)
             raise ReplicaMismatchError(
@@ -189,6 +172,7 @@ def convert(
         raise
     finally:
         bar.close()
+    conv.drift.sort(key=_drift_order)  # workers finish in any order; the manifest must not
     meta = {
         "reshard_version": __version__,
         "format": fmt,
@@ -213,42 +197,47 @@ def _write_ucp(ck, conv: _Converter, staging: Staging, names: list[str], workers
             f, extra = conv.full(name, state)
             with staging.open(f"zero/{name}/{state}.pt") as out:
                 save(f.reshape(-1) if bare else {**extra, "param": f}, out)
+            release(f)  # where f lies in a mapped input file, its pages are done with
         if ck.has_optimizer_state(name) and not bare:
             step = ck.step(name)
             if step is not None:
                 with staging.open(f"zero/{name}/step.pt") as out:
                     save(step.clone() if isinstance(step, torch.Tensor) else step, out)
-
-    _run(one, names, workers, bar, conv)
-    with staging.open("zero/optimizer_state.pt") as out:
-        save(_optimizer_state(ck), out)
-    for t in range(ck.tp):
-        staging.copy(ck.model_files[t], ck.model_files[t].name)
-    for (t, d), src in sorted(ck.z3_model_files.items()):
-        if t or d:
-            staging.copy(src, src.name)
-
-
-def _run(fn, names, workers: int, bar, conv: _Converter) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(name: str) -> None:
-        try:
-            fn(name)
-        except ReplicaMismatchError as e:
-            errors.append(e)  # keep going: every drifted parameter is reported at once
         bar.update(1)
 
+    # The verbatim copies of the model-state files are the largest jobs: run them alongside
+    # the parameters, not after, and everything largest first so no worker idles at the end.
+    copies = [ck.model_files[t] for t in range(ck.tp)]
+    copies += [src for (t, d), src in sorted(ck.z3_model_files.items()) if t or d]
+    jobs = [(src.stat().st_size, partial(staging.copy, src, src.name)) for src in copies]
+    jobs += [(ck.tp_map(n).map.numel * 12, partial(one, n)) for n in names]
+    jobs.sort(key=lambda job: -job[0])
+    _run([job for _, job in jobs], workers)
+    with staging.open("zero/optimizer_state.pt") as out:
+        save(_optimizer_state(ck), out)
+
+
+def _run(jobs: list[Callable[[], None]], workers: int) -> None:
+    """Run every job; a replica mismatch does not stop the others, so every drifted parameter
+    is reported at once."""
+    errors: list[BaseException] = []
+
+    def guarded(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except ReplicaMismatchError as e:
+            errors.append(e)
+
     if workers <= 1:
-        for n in names:
-            guarded(n)
+        for job in jobs:
+            guarded(job)
     else:
-        # Parameters already run in parallel; torch's own intra-op threads would only contend.
+        # Jobs already run in parallel; torch's own intra-op threads would only contend.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                for fut in [pool.submit(guarded, n) for n in names]:
+                for fut in [pool.submit(guarded, job) for job in jobs]:
                     fut.result()
         finally:
             torch.set_num_threads(threads)

@@ -224,3 +224,43 @@ def test_parent_folder_with_latest_and_tag_folder_give_the_same_output(tmp_path)
     fa, fb = _files(a), _files(b)
     ma, mb = json.loads(fa.pop("reshard-manifest.json")), json.loads(fb.pop("reshard-manifest.json"))
     assert fa == fb and ma["files"] == mb["files"]
+
+
+def test_own_bytes_saves_only_the_view_and_shares_memory(tmp_path):
+    from reshard.formats.safe_load import own_bytes
+
+    big = torch.randn(1 << 16)
+    view = big.narrow(0, 1000, 64)
+    own = own_bytes(view)
+    assert own.data_ptr() == view.data_ptr() and torch.equal(own, view)
+    save(own, tmp_path / "own.pt")
+    save(view, tmp_path / "view.pt")
+    assert (tmp_path / "own.pt").stat().st_size < 4096 < (tmp_path / "view.pt").stat().st_size
+    assert torch.equal(load(tmp_path / "own.pt"), view)
+    assert own_bytes(big[:0]).numel() == 0
+    with pytest.raises(ValueError, match="contiguous"):
+        own_bytes(big.view(256, 256).t())
+
+
+def test_whole_fragment_is_handed_on_without_a_copy():
+    """A parameter inside one DP rank's flat partition is written straight from the mapped file."""
+    from reshard.formats.deepspeed import DeepSpeedCheckpoint
+
+    ck = DeepSpeedCheckpoint.open(FIXTURES / "llama_zero1_dp2")
+    whole = [n for n in ck.names if ck.zero_map(n, 0)[1].identity_rank is not None]
+    assert whole
+    name = whole[0]
+    group, zmap = ck.zero_map(name, 0)
+    d = zmap.identity_rank
+    flat = ck.flat_state(0, d, group, "exp_avg")
+    shard = ck.tp_shard(name, 0, "exp_avg", ck.tp_map(name).map.shards[0].shape)
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * 4
+    assert lo <= shard.data_ptr() < hi  # inside the mapped partition: no copy
+    assert shard.untyped_storage().nbytes() == shard.numel() * 4  # and torch.save writes only it
+
+
+def test_parallel_workers_give_the_same_bytes(tmp_path):
+    one = convert(FIXTURES / "gpt_bigcode_tp2", tmp_path / "one", on_replica_mismatch="rank:1")
+    two = convert(FIXTURES / "gpt_bigcode_tp2", tmp_path / "two", on_replica_mismatch="rank:1", workers=3)
+    assert _files(one.out_dir) == _files(two.out_dir)  # the manifest's drift list included
+    assert [str(d) for d in one.drift] == [str(d) for d in two.drift]

@@ -119,3 +119,36 @@ def test_valid_shape_padding():
     assert m.rebuild(shards).shape == (16, 3)
     assert ParamMap.from_dict(m.to_dict()) == m and m.to_dict()["valid_shape"] == [13, 3]
     assert isinstance(m.shards[0], Shard)
+
+
+@SETTINGS
+@given(m=layouts(), seed=st.integers(0, 2**31 - 1))
+def test_identity_rank_means_the_shard_is_f(m: ParamMap, seed):
+    """``identity_rank`` (what lets executors skip a copy) is sound on every layout, and finds
+    every single-rank canonical map whose shard is F element for element."""
+    full = random_tensor(m.logical_shape, torch.float64, 0) + torch.arange(m.numel, dtype=torch.float64).reshape(
+        m.logical_shape) * 1e3  # distinct values, so equality means the same element
+    r = m.identity_rank
+    if r is not None:
+        assert same(m.extract(full, r).reshape(-1), full.reshape(-1))
+    c = canonicalize(m)
+    if len(c.shards) == 1 and not c.is_padded:
+        (rank, shard), = c.shards.items()
+        unscaled = all(p.scale == 1.0 for p in shard.pieces)
+        is_f = shard.numel == m.numel and same(c.extract(full, rank).reshape(-1), full.reshape(-1))
+        assert (c.identity_rank == rank) == (is_f and unscaled)
+
+
+def test_identity_rank_examples():
+    from tests.irgen import grid_map, replicated_map
+
+    assert replicated_map((4, 3), 1).identity_rank == 0
+    assert replicated_map((4, 3), 2).identity_rank is None  # two ranks
+    assert replicated_map((4, 3), 1, scale=0.5).identity_rank is None  # scaled
+    assert grid_map((4, 3), {0: [4]}).identity_rank == 0
+    assert grid_map((4, 3), {0: [2, 2]}).identity_rank is None
+    from reshard import Piece, Shard, View
+
+    t = ParamMap((2, 3), {0: Shard((3, 2), (Piece((2, 3), View(0, (3, 1)), View(0, (1, 2)), frozenset({0})),))})
+    t.check()
+    assert t.identity_rank is None  # a transpose holds every element, in another order

@@ -17,7 +17,7 @@ from ..ir.param_map import ParamMap
 from ..ir.piece import prod
 from ..layouts import zero3, zero12_from_slice_mappings
 from . import lowering
-from .safe_load import load, release
+from .safe_load import load, own_bytes, release
 
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -224,7 +224,8 @@ class DeepSpeedCheckpoint:
 
     def tp_shard(self, name: str, t: int, state: str, shape: tuple[int, ...]) -> torch.Tensor:
         """TP rank ``t``'s shard of ``name`` (of ``shape``) for one state, rebuilt from its DP
-        fragments."""
+        fragments. Where one fragment is the whole shard, it is returned as it lies in the
+        memory-mapped file (a view, not a copy)."""
         if name not in self._zero_index[t]:
             if prod(shape) == 0:  # a rank holding none of an unevenly split parameter
                 return torch.empty(shape, dtype=torch.float32)
@@ -240,6 +241,10 @@ class DeepSpeedCheckpoint:
                 raise CheckpointError(f"{self.optim_files[(t, d)]}: {name}: fragment [{start}, {start + n}) lies past "
                                       f"the flat {state} partition of {flat.numel()} elements: truncated or corrupt")
             frags[d] = flat.narrow(0, start, n)
+        if zmap.identity_rank is not None:
+            # One fragment is the whole shard: hand on the mapped view, no copy. The caller
+            # releases its pages once written (see ``safe_load.release``).
+            return own_bytes(frags[zmap.identity_rank].detach()).view(shape)
         try:
             shard = zmap.rebuild(frags).view(shape)
         except ReshardError as e:

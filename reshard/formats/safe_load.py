@@ -106,6 +106,22 @@ def load(path: str | Path, *, mmap: bool = True) -> Any:
         raise CheckpointError(f"{path}: cannot be read as a torch checkpoint; truncated or corrupt ({e})") from None
 
 
+def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU ``tensor`` as a tensor whose storage is exactly its own bytes, sharing
+    memory (no copy).
+
+    ``torch.save`` writes a view's whole storage, so saving one parameter's fragment of a mapped
+    flat partition would write the entire partition; saving this instead writes only the
+    fragment. The result keeps ``tensor`` (and so its mapping) alive."""
+    if not tensor.numel():
+        return tensor.clone()
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("own_bytes needs a contiguous CPU tensor")
+    raw = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+    raw.owner = tensor  # the address stays valid while this buffer lives
+    return torch.frombuffer(raw, dtype=tensor.dtype).view(tensor.shape)
+
+
 def release(tensor: torch.Tensor) -> None:
     """Tell the kernel the pages under ``tensor`` will not be read again.
 

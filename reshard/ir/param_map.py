@@ -87,6 +87,28 @@ class ParamMap:
     def is_padded(self) -> bool:
         return self.valid_shape != self.logical_shape
 
+    @property
+    def identity_rank(self) -> int | None:
+        """The rank whose shard is F itself, element for element in row-major order (one rank,
+        one unscaled piece covering all of F), or ``None``. Executors use it to hand that shard
+        on without a copy."""
+        if len(self.shards) != 1 or self.is_padded:
+            return None
+        (rank, shard), = self.shards.items()
+        live = [p for p in shard.pieces if not p.is_empty]
+        if len(live) != 1 or shard.numel != self.numel or live[0].numel != self.numel or live[0].scale != 1.0:
+            return None
+        p = live[0]
+        if p.source.offset or p.dest.offset:
+            return None
+        expect = 1  # both views must be the row-major strides of F (unit dims aside)
+        for n, s, d in sorted(((n, s, d) for n, s, d in zip(p.shape, p.source.strides, p.dest.strides) if n != 1),
+                              key=lambda x: x[1]):
+            if s != d or s != expect:
+                return None
+            expect *= n
+        return rank
+
     def shard(self, rank: int) -> Shard:
         try:
             return self.shards[rank]
