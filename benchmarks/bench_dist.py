@@ -16,7 +16,7 @@ from pathlib import Path
 WORLD = 4
 DTYPE = "bfloat16"
 SIZES = {"layers": 6, "hidden": 1024, "kv": 256, "inter": 2816, "vocab": 16000}  # ~100M parameters
-REPEAT = 5
+REPEAT = 9
 BOUND = 16 << 20  # max_inflight_bytes for the bounded run
 # Parameters whose layout DTensor can state: even splits of one dim, and replication. Fused
 # qkv and gate_up are sub-parameters split one by one, which no Shard/Replicate placement says.
@@ -40,17 +40,25 @@ def _dtensor_dim(name: str) -> int | None | bool:
     return False
 
 
-def _timed(fn, dist) -> float:
-    """Wall time of one collective step, all ranks started together and finished together."""
-    from benchmarks.common import best_of
+def _timed(fns: dict, dist) -> dict[str, float]:
+    """Best wall time of each collective step (all ranks started together and finished
+    together), the contenders interleaved round by round so that a noisy spell on this shared
+    machine hits them alike."""
 
-    def step():
+    def step(fn):
         dist.barrier()
+        t = time.perf_counter()
         fn()
         dist.barrier()
+        return time.perf_counter() - t
 
-    step()  # warm-up: first-touch allocations, lazy connections
-    return best_of(step, repeat=REPEAT)
+    for fn in fns.values():
+        step(fn)  # warm-up: lazy connections, first allocations
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(REPEAT):
+        for name, fn in fns.items():
+            best[name] = min(best[name], step(fn))
+    return best
 
 
 def _all_gather_then_slice(src, tgt, local, rank, dist):
@@ -124,30 +132,35 @@ def _worker(rank: int, workdir: str) -> None:
 
     stats: dict = {}
     ours = transfer(mplan, local, stats=stats)
-    res["ours_s"] = _timed(lambda: transfer(mplan, local), dist)
-    ws = Workspace()
-    res["ours_ws_s"] = _timed(lambda: transfer(mplan, local, workspace=ws), dist)
     bounded: dict = {}
-    res["ours_bounded_s"] = _timed(lambda: transfer(mplan, local, max_inflight_bytes=BOUND, stats=bounded), dist)
+    transfer(mplan, local, max_inflight_bytes=BOUND, stats=bounded)
     res["bounded_rounds"] = bounded["rounds"]
     res["peak_staged"] = stats["peak_staged_bytes"]
     res["bounded_peak_staged"] = bounded["peak_staged_bytes"]
     gathered = _all_gather_then_slice(src, tgt, local, rank, dist)
     res["same_as_allgather"] = _same(ours, gathered, list(src))
     del gathered
-    res["allgather_s"] = _timed(lambda: _all_gather_then_slice(src, tgt, local, rank, dist), dist)
+    ws = Workspace()
+    times = _timed({
+        "ours_s": lambda: transfer(mplan, local),
+        "ours_ws_s": lambda: transfer(mplan, local, workspace=ws),
+        "ours_bounded_s": lambda: transfer(mplan, local, max_inflight_bytes=BOUND),
+        "allgather_s": lambda: _all_gather_then_slice(src, tgt, local, rank, dist),
+    }, dist)
+    res.update(times)
 
     names = [n for n in sorted(src) if _dtensor_dim(n) is not False]
     sub = plan_model({n: src[n] for n in names}, {n: tgt[n] for n in names})
     res["dtensor_params"] = len(names)
     res["dtensor_numel"] = sum(src[n].numel for n in names)
-    res["ours_subset_s"] = _timed(lambda: transfer(sub, {n: local[n] for n in names}, workspace=ws), dist)
+    sub_local = {n: local[n] for n in names}
     try:
         run = _dtensor_setup(names, local)
         res["same_as_dtensor"] = _same(ours, run(), names)
-        res["dtensor_s"] = _timed(run, dist)
+        res.update(_timed({"ours_subset_s": lambda: transfer(sub, sub_local, workspace=ws), "dtensor_s": run}, dist))
     except Exception as e:  # noqa: BLE001 - reported, not fatal: DTensor's CPU support varies by version
         res["dtensor_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        res.update(_timed({"ours_subset_s": lambda: transfer(sub, sub_local, workspace=ws)}, dist))
 
     every: list = [None] * WORLD
     dist.all_gather_object(every, {"stats": stats, "res": res})

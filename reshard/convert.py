@@ -23,9 +23,9 @@ from .errors import CheckpointError, ReplicaMismatchError, ReshardError
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import MANIFEST, Staging
 from .formats.pickling import save
-from .formats.safe_load import release
 from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.apply import rebuild_mean
+from .memory import release
 
 POLICIES = ("error", "mean")  # and "rank:N"
 

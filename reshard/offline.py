@@ -46,12 +46,12 @@ from .formats import deepspeed_writer as dsw
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import Staging
 from .formats.pickling import save
-from .formats.safe_load import release
 from .ir.apply import _view, scaled
 from .ir.param_map import ParamMap
 from .ir.piece import prod
 from .ir.serial import maps_from_document
 from .layouts import compose, flat_ranges, replicated
+from .memory import release
 from .planner import Planner, TransferPlan
 
 Layout = str | Path | Mapping[str, Any] | None

@@ -226,22 +226,6 @@ def test_parent_folder_with_latest_and_tag_folder_give_the_same_output(tmp_path)
     assert fa == fb and ma["files"] == mb["files"]
 
 
-def test_own_bytes_saves_only_the_view_and_shares_memory(tmp_path):
-    from reshard.formats.safe_load import own_bytes
-
-    big = torch.randn(1 << 16)
-    view = big.narrow(0, 1000, 64)
-    own = own_bytes(view)
-    assert own.data_ptr() == view.data_ptr() and torch.equal(own, view)
-    save(own, tmp_path / "own.pt")
-    save(view, tmp_path / "view.pt")
-    assert (tmp_path / "own.pt").stat().st_size < 4096 < (tmp_path / "view.pt").stat().st_size
-    assert torch.equal(load(tmp_path / "own.pt"), view)
-    assert own_bytes(big[:0]).numel() == 0
-    with pytest.raises(ValueError, match="contiguous"):
-        own_bytes(big.view(256, 256).t())
-
-
 def test_whole_fragment_is_handed_on_without_a_copy():
     """A parameter inside one DP rank's flat partition is written straight from the mapped file."""
     from reshard.formats.deepspeed import DeepSpeedCheckpoint

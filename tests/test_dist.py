@@ -370,6 +370,12 @@ def test_llama_tp4_to_tp2_dp2_model_plan_in_one_call(job):
     # one message per peer: rank 1 (TP2 rank 1) gets TP4 shards 2 and 3, from two peers
     assert recs[1]["stats"]["messages_received"] == 2
     assert recs[0]["stats"]["messages_received"] == 1
+    # TP4 ranks 1 and 2 send the same bytes to both replicas of their TP2 shard: packed once
+    for r in (1, 2):
+        assert recs[r]["stats"]["messages_sent"] == 2
+        assert 2 * recs[r]["stats"]["packed_bytes"] == recs[r]["stats"]["sent_bytes"] > 0
+    for r in (0, 3):
+        assert recs[r]["stats"]["packed_bytes"] == recs[r]["stats"]["sent_bytes"] > 0
 
 
 def test_max_inflight_bytes_forces_rounds_and_bounds_staging(job):

@@ -16,8 +16,9 @@ from ..errors import CheckpointError, ReshardError
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
 from ..layouts import zero3, zero12_from_slice_mappings
+from ..memory import own_bytes, release
 from . import lowering
-from .safe_load import load, own_bytes, release
+from .safe_load import load
 
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
