@@ -254,17 +254,18 @@ def _write_safetensors(ck, conv: _Converter, staging: Staging, names: list[str],
     weight_map, total = {}, 0
     for i, group in enumerate(groups):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        w = SafetensorsWriter(staging.path(fname), group)
-        try:
-            for name, _, dtype in group:
-                f, _ = conv.full(name, "fp32")
-                w.write(name, f.to(dtype))
-                weight_map[name] = fname
-                total += f.numel() * f.element_size()
-                bar.update(1)
-        finally:
-            w.f.close()
-        w.close()
+        with staging.writing(fname):
+            w = SafetensorsWriter(staging.path(fname), group)
+            try:
+                for name, _, dtype in group:
+                    f, _ = conv.full(name, "fp32")
+                    w.write(name, f.to(dtype))
+                    weight_map[name] = fname
+                    total += f.numel() * f.element_size()
+                    bar.update(1)
+            finally:
+                w.f.close()
+            w.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     staging.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

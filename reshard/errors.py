@@ -48,3 +48,8 @@ class PlanError(ReshardError):
 
 class CheckpointError(ReshardError):
     """A checkpoint on disk is missing, truncated, unsafe, or disagrees with its own metadata."""
+
+
+class OutputError(ReshardError):
+    """The output could not be written (no space left, no permission, a file size limit). Nothing
+    was committed: the partial folder is removed and no finished-looking output is left."""

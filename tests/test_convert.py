@@ -248,3 +248,25 @@ def test_parallel_workers_give_the_same_bytes(tmp_path):
     two = convert(FIXTURES / "gpt_bigcode_tp2", tmp_path / "two", on_replica_mismatch="rank:1", workers=3)
     assert _files(one.out_dir) == _files(two.out_dir)  # the manifest's drift list included
     assert [str(d) for d in one.drift] == [str(d) for d in two.drift]
+
+
+LIMIT_SCRIPT = r"""
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
+from reshard.cli import main
+sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--workers", "2"]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs POSIX resource limits")
+def test_output_that_cannot_be_written_is_a_clear_error_and_leaves_nothing(tmp_path):
+    """A real write failure (the OS refuses a file past RLIMIT_FSIZE, as it would on a full disk):
+    exit status 2, the file named with the OS's reason, and no output left behind."""
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-c", LIMIT_SCRIPT, str(FIXTURES / "llama_tp2_dp2"), str(out), "20000"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "cannot write the output (File too large)" in res.stderr and ".pt" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert list(out.iterdir()) == []  # partial folder removed, no latest_universal

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError, ReshardError
+from reshard import CheckpointError, OutputError, ReshardError
 from reshard.convert import convert
 from reshard.formats import deepspeed_writer as dsw
 from reshard.formats.deepspeed import DeepSpeedCheckpoint
@@ -437,7 +437,7 @@ def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
         real(obj, f)
 
     monkeypatch.setattr(off, "save", flaky)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(OutputError, match=r"optim_states\.pt: cannot write the output \(disk full \(simulated\)\)"):
         reshard(FIXTURES / "llama_tp2_dp2", tmp_path, tp=1, dp=4)
     assert list(tmp_path.iterdir()) == []  # no tag folder, no partial folder, no latest
 

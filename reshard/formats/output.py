@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, OutputError
 
 MANIFEST = "reshard-manifest.json"
 
@@ -30,10 +30,13 @@ class Staging:
         self.tmp = self.out_dir / f".reshard-partial-{tag}"
         if self.final.exists() and not overwrite:
             raise CheckpointError(f"{self.final}: already exists (pass overwrite to replace it)")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        if self.tmp.exists():  # left by a run that was killed
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if self.tmp.exists():  # left by a run that was killed
+                shutil.rmtree(self.tmp)
+            self.tmp.mkdir()
+        except OSError as e:
+            raise OutputError(f"{self.tmp}: cannot create the output folder ({e.strerror or e})") from None
         self.overwrite = overwrite
         self.digests: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
@@ -46,16 +49,31 @@ class Staging:
     @contextlib.contextmanager
     def open(self, rel: str) -> Iterator[BinaryIO]:
         """A file to write that checksums its bytes on the way out, so the manifest costs no
-        second read."""
-        f = _HashingWriter(open(self.path(rel), "wb", buffering=0))
-        try:
-            yield f
-            f.flush()
-            _start_writeback(f.raw.fileno())
-        finally:
-            f.raw.close()
+        second read. A failed write raises :class:`OutputError` naming the file and the reason
+        (torch's writer would otherwise report it as an unrelated zip position error)."""
+        with self.writing(rel):
+            f = _HashingWriter(open(self.path(rel), "wb", buffering=0))
+            try:
+                yield f
+                f.flush()
+                _start_writeback(f.raw.fileno())
+            except RuntimeError:
+                if f.error is None:
+                    raise
+                raise f.error from None
+            finally:
+                f.raw.close()
         with self._lock:
             self.digests[rel] = {"size": f.size, "sha256": f.hash.hexdigest()}
+
+    @contextlib.contextmanager
+    def writing(self, rel: str) -> Iterator[None]:
+        """Turn an OS error while writing ``rel`` (by any writer) into :class:`OutputError`."""
+        try:
+            yield
+        except OSError as e:
+            raise OutputError(f"{self.tmp / rel}: cannot write the output ({e.strerror or e}); "
+                              "nothing was committed") from None
 
     def copy(self, src: Path, rel: str) -> None:
         """A verbatim copy of ``src``: in the kernel where it can (``copy_file_range``, no trip
@@ -65,7 +83,7 @@ class Staging:
                 while chunk := fin.read(1 << 24):
                     fout.write(chunk)
             return
-        with open(src, "rb") as fin, open(self.path(rel), "wb") as fout:
+        with open(src, "rb") as fin, self.writing(rel), open(self.path(rel), "wb") as fout:
             size = os.fstat(fin.fileno()).st_size
             digest = _sha256_fd(fin.fileno(), size)
             done = 0
@@ -84,6 +102,10 @@ class Staging:
     def commit(self, meta: dict[str, Any], latest_name: str | None) -> Path:
         """Checksum, make durable, rename into place. Every file is fsynced before the rename, so
         even a power loss cannot leave a finished-looking folder with missing data."""
+        with self.writing(MANIFEST):
+            return self._commit(meta, latest_name)
+
+    def _commit(self, meta: dict[str, Any], latest_name: str | None) -> Path:
         files = {}
         for p in sorted(self.tmp.rglob("*")):
             if p.is_file():
@@ -149,14 +171,19 @@ class _HashingWriter:
         self.raw = raw
         self.hash = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         done = 0
-        while done < len(view):  # an unbuffered write may be short: finish it
-            done += self.raw.write(view[done:])
+        try:
+            while done < len(view):  # an unbuffered write may be short: finish it
+                done += self.raw.write(view[done:])
+        except OSError as e:
+            self.error = e  # torch's zip writer turns this into a RuntimeError of its own
+            raise
         self.hash.update(view)
         self.size += len(view)
         return len(view)
