@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .errors import ReshardError
+from .formats.output import CHECKSUMS
 
 
 def _load_maps(path: str) -> dict:
@@ -82,7 +83,7 @@ def _cmd_convert(args) -> int:
     from .convert import convert, summary
 
     report = convert(args.ckpt_dir, args.out_dir, fmt=args.format, workers=args.workers,
-                     on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
+                     on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite, checksum=args.checksum,
                      max_file_bytes=int(args.max_file_gb * 2**30))
     print(summary(report))
     return 0
@@ -92,7 +93,8 @@ def _cmd_reshard(args) -> int:
     from .offline import reshard, summary
 
     report = reshard(args.ckpt_dir, args.out_dir, tp=args.tp, dp=args.dp, pp=args.pp, zero_stage=args.zero_stage,
-                     layout=args.layout, workers=args.workers, overwrite=args.overwrite)
+                     layout=args.layout, workers=args.workers, overwrite=args.overwrite,
+                     checksum=args.checksum)
     print(summary(report))
     return 0
 
@@ -151,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what to do when ranks hold different copies of a replicated block (default: fail)")
     cv.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR/<tag>")
     cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit")
+    cv.add_argument("--checksum", choices=CHECKSUMS, default="crc32", help="checksum of each file in the manifest")
     cv.set_defaults(fn=_cmd_convert)
     rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP topology, "
                         "loadable by engine.load_checkpoint")
@@ -164,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="target TP layout when TP changes to a degree other than 1")
     rs.add_argument("--workers", type=int, default=1)
     rs.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR/<tag>")
+    rs.add_argument("--checksum", choices=CHECKSUMS, default="crc32", help="checksum of each file in the manifest")
     rs.set_defaults(fn=_cmd_reshard)
     vf = sub.add_parser("verify", help="check a reshard output folder against its checksum manifest")
     vf.add_argument("out_dir")

@@ -142,17 +142,19 @@ def convert(
     overwrite: bool = False,
     max_file_bytes: int = 5 * 2**30,
     progress: Callable[[int, int], None] | bool | None = None,
+    checksum: str = "crc32",
 ) -> ConvertReport:
     """Convert the checkpoint in ``ckpt_dir`` (a tag folder, or its parent with ``latest``) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``)
-    or HF-style safetensors (``fmt="safetensors"``)."""
+    or HF-style safetensors (``fmt="safetensors"``). Every file's ``checksum`` (``"crc32"`` or
+    ``"sha256"``) goes into the output's manifest, which ``reshard verify`` re-checks."""
     if fmt not in ("ucp", "safetensors"):
         raise ReshardError(f"format must be 'ucp' or 'safetensors', got {fmt!r}")
     _policy(on_replica_mismatch)
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
     _check_steps(ck)
     conv = _Converter(ck, on_replica_mismatch)
-    staging = Staging(out_dir, ck.tag_dir.name, overwrite=overwrite)
+    staging = Staging(out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     names = ck.names
     bar = _progress(progress, len(names))
     try:

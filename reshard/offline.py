@@ -497,12 +497,13 @@ def reshard(
     layout: Layout = None,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    checksum: str = "crc32",
 ) -> ReshardReport:
     """Write the DeepSpeed checkpoint in ``ckpt_dir`` (a tag folder, or its parent with
     ``latest``) into ``out_dir/<tag>`` at TP=``tp`` x DP=``dp`` (default the source's DP) with
     ZeRO ``zero_stage`` (default the source's), plus ``out_dir/latest``, as DeepSpeed 0.19.8 would
     save it there. See the module docstring for ``layout``. Only ZeRO stages 1 and 2 and ``pp=1``
-    are supported."""
+    are supported. ``checksum`` is as for :func:`reshard.convert`."""
     tp, pp = _positive(tp, "tp"), _positive(pp, "pp")
     if dp is not None:
         _positive(dp, "dp")
@@ -523,7 +524,7 @@ def reshard(
     src = _Source(ck)
     maps, uc_info, origin = _target_maps(src, tp, layout)
     tgt = _Target(src, maps, tp, dp)
-    staging = Staging(out_dir, ck.tag_dir.name, overwrite=overwrite)
+    staging = Staging(out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     writer = _Writer(src, tgt, stage, uc_info, staging, Planner(_SameTPRankFirst(ck.tp, tp)))
     jobs: list[Callable[[], None]] = [lambda t=t: writer.model(t) for t in range(tp)]
     jobs += [lambda t=t, d=d: writer.optim(t, d) for t in range(tp) for d in range(dp)]

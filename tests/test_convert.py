@@ -270,3 +270,21 @@ def test_output_that_cannot_be_written_is_a_clear_error_and_leaves_nothing(tmp_p
     assert "cannot write the output (File too large)" in res.stderr and ".pt" in res.stderr
     assert "Traceback" not in res.stderr
     assert list(out.iterdir()) == []  # partial folder removed, no latest_universal
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "sha256"])
+def test_manifest_checksums_are_those_of_the_files(checksum, tmp_path):
+    import hashlib
+    import zlib
+
+    r = convert(FIXTURES / "llama_zero1_dp2", tmp_path, checksum=checksum, workers=2)
+    files = json.loads((r.out_dir / "reshard-manifest.json").read_text())["files"]
+    assert "mp_rank_00_model_states.pt" in files  # the verbatim copy is checksummed too
+    for rel, entry in files.items():
+        data = (r.out_dir / rel).read_bytes()
+        want = f"{zlib.crc32(data):08x}" if checksum == "crc32" else hashlib.sha256(data).hexdigest()
+        assert entry == {"size": len(data), checksum: want}, rel
+    verify(r.out_dir)
+    with pytest.raises(ValueError, match="checksum must be one of"):
+        convert(FIXTURES / "llama_zero1_dp2", tmp_path / "bad", checksum="md5")
+    assert not (tmp_path / "bad").exists()
