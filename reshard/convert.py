@@ -179,7 +179,7 @@ def convert(
         "reshard_version": __version__,
         "format": fmt,
         "source": str(ck.tag_dir),
-        "source_topology": {"tp": ck.tp, "dp": ck.dp, "zero_stage": ck.zero_stage},
+        "source_topology": {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage},
         "on_replica_mismatch": on_replica_mismatch,
         "replica_drift": [str(d) for d in conv.drift],
     }
@@ -209,7 +209,7 @@ def _write_ucp(ck, conv: _Converter, staging: Staging, names: list[str], workers
 
     # The verbatim copies of the model-state files are the largest jobs: run them alongside
     # the parameters, not after, and everything largest first so no worker idles at the end.
-    copies = [ck.model_files[t] for t in range(ck.tp)]
+    copies = [ck.model_files[m] for m in range(ck.mp)]
     copies += [src for (t, d), src in sorted(ck.z3_model_files.items()) if t or d]
     jobs = [(src.stat().st_size, partial(staging.copy, src, src.name)) for src in copies]
     jobs += [(ck.tp_map(n).map.numel * 12, partial(one, n)) for n in names]

@@ -186,7 +186,7 @@ def _open_deepspeed(path: Path) -> Source:
         _checked(low.map, f"{ck.tag_dir}: parameter {name!r}")
         maps[name] = canonicalize(low.map)
         rules[name] = low.rule
-    label = f"DeepSpeed TP={ck.tp} DP={ck.dp} ZeRO-{ck.zero_stage}"
+    label = f"DeepSpeed TP={ck.tp} DP={ck.dp}{f' PP={ck.pp}' if ck.pp > 1 else ''} ZeRO-{ck.zero_stage}"
     return Source(str(path), "deepspeed", maps, label, ck.tp, ck.dp, ck.zero_stage, rules, ck)
 
 

@@ -85,6 +85,9 @@ class _Source:
 
     def __init__(self, ck: DeepSpeedCheckpoint) -> None:
         self.ck = ck
+        if ck.pp > 1 or ck.layer_files:
+            raise CheckpointError(f"{ck.tag_dir}: pipeline-parallel (deepspeed.pipe) sources are not supported by "
+                                  "'reshard reshard' yet; 'reshard convert' reads them")
         ms0 = ck.model_state(0)
         for key in ("num_experts", "ds_autoep_layers"):
             if ms0.get(key):

@@ -49,6 +49,7 @@ from ds_launch import cleanup_shm, launcher_cmd, port_is_free, root_cause
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "_fixture_train.py"
+PIPE_SCRIPT = Path(__file__).resolve().parent / "_fixture_pipe.py"  # deepspeed.pipe.PipelineModule
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "deepspeed"
 HELPER_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
@@ -92,6 +93,8 @@ QWEN2 = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+
+PIPE = {"vocab": 64, "hidden": 32, "layers": 4, "stages": 2}  # see _fixture_pipe.py
 
 GPT_BIGCODE = {
     "n_embd": 32,
@@ -164,6 +167,8 @@ class Fixture:
     ds_config: dict
     world_size: int
     tp: int = 1
+    pp: int = 1
+    train_script: Path = TRAIN_SCRIPT
     steps: int = STEPS
     seq_len: int = SEQ_LEN
     micro_batch: int = MICRO_BATCH
@@ -173,7 +178,7 @@ class Fixture:
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def zero_stage(self) -> int:
@@ -195,6 +200,12 @@ FIXTURES = [
             patches=["gpt_bigcode_empty_query_shard"],
             notes=[GPT_BIGCODE_NOTE]),
     Fixture("llama_tp2_dp2", "llama", LLAMA, ds_config(1, autotp=2), world_size=4, tp=2),
+    Fixture("pipe_pp2_dp2", "pipe", PIPE, dict(ds_config(1), gradient_accumulation_steps=2), world_size=4, pp=2,
+            seq_len=8, train_script=PIPE_SCRIPT),
+    # odd sizes: each stage's flat partition is padded, and parameters straddle the DP split
+    Fixture("pipe_pp2_dp2_bf16_odd", "pipe", dict(PIPE, hidden=15, vocab=37),
+            dict(ds_config(1, bf16=True), gradient_accumulation_steps=2), world_size=4, pp=2, seq_len=8,
+            train_script=PIPE_SCRIPT),
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 
@@ -344,7 +355,7 @@ def run_launch(fx: Fixture, work: Path, port: int, timeout_s: int, log_path: Pat
         "--num_gpus", str(fx.world_size),
         "--no_local_rank",
         "--master_port", str(port),
-        str(TRAIN_SCRIPT),
+        str(fx.train_script),
         "--spec", str(spec_path),
     ]  # fmt: skip
     env = dict(os.environ)
@@ -413,18 +424,21 @@ def build_fixture_json(fx: Fixture, ckpt: Path, files: list[str], reports: list[
         "model_config": fx.model_config,
         "model_config_full": full_model_config(fx),
         "patches": fx.patches,
-        "model_init": "AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **model_config), "
+        "model_init": ("scripts/_fixture_pipe.py build(model_config): a deepspeed.pipe.PipelineModule, "
+                       "after torch.manual_seed(seed)") if fx.model_type == "pipe" else
+                      "AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **model_config), "
                       "attn_implementation='eager', dtype=torch.float32) after torch.manual_seed(seed)",
         "ds_config": fx.ds_config,
         "world_size": fx.world_size,
         "topology": {
             "tp": fx.tp,
             "dp": fx.dp,
-            "pp": 1,
+            "pp": fx.pp,
             "zero_stage": fx.zero_stage,
             "bf16": bool(fx.ds_config.get("bf16", {}).get("enabled", False)),
             "ranks": [
-                {"rank": r["rank"], "tp_rank": r["tp_rank"], "dp_rank": r["dp_rank"]} for r in reports
+                {"rank": r["rank"], "tp_rank": r["tp_rank"], "dp_rank": r["dp_rank"], "pp_rank": r.get("pp_rank", 0)}
+                for r in reports
             ],
         },
         "steps": fx.steps,

@@ -288,3 +288,40 @@ def test_manifest_checksums_are_those_of_the_files(checksum, tmp_path):
     with pytest.raises(ValueError, match="checksum must be one of"):
         convert(FIXTURES / "llama_zero1_dp2", tmp_path / "bad", checksum="md5")
     assert not (tmp_path / "bad").exists()
+
+
+def test_pipeline_checkpoint_reads_stages_and_layer_files(tmp_path):
+    """A deepspeed.pipe checkpoint: two stages, each its own model-parallel rank file, weights in
+    layer files. The layer files' weights are the converted fp32 masters in the model dtype."""
+    from reshard.formats.deepspeed import DeepSpeedCheckpoint
+
+    for name, dtype in (("pipe_pp2_dp2", torch.float32), ("pipe_pp2_dp2_bf16_odd", torch.bfloat16)):
+        ck = DeepSpeedCheckpoint.open(FIXTURES / name)
+        assert (ck.pp, ck.tp, ck.dp, ck.mp) == (2, 1, 2, 2)
+        assert ck.names[0] == "0.pos" and ck.names[-1] == "5.lm_head.weight" and len(ck.names) == 25
+        r = convert(FIXTURES / name, tmp_path / name, workers=2)
+        assert json.loads((r.out_dir / "reshard-manifest.json").read_text())["source_topology"]["pp"] == 2
+        for n in ck.names:
+            weight = ck.module_tensor(n, 0)
+            assert weight is not None and weight.dtype == dtype, n
+            master = load(r.out_dir / "zero" / n / "fp32.pt")["param"]
+            assert torch.equal(master.to(dtype), weight), n
+    safetensors = convert(FIXTURES / "pipe_pp2_dp2", tmp_path / "st", fmt="safetensors")
+    index = json.loads((safetensors.out_dir / "model.safetensors.index.json").read_text())
+    assert len(index["weight_map"]) == 25
+
+
+def test_pipeline_x_tensor_parallel_is_refused_clearly(tmp_path):
+    src = _copy("pipe_pp2_dp2", tmp_path)
+    tag = src / "global_step3"
+    (tag / "layer_01-model_states.pt").rename(tag / "layer_01-model_01-model_states.pt")
+    with pytest.raises(CheckpointError, match="pipeline x tensor parallel"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_offline_reshard_refuses_pipeline_sources(tmp_path):
+    from reshard.offline import reshard
+
+    with pytest.raises(CheckpointError, match=r"pipeline-parallel \(deepspeed.pipe\) sources are not supported"):
+        reshard(FIXTURES / "pipe_pp2_dp2", tmp_path, tp=1, dp=4)

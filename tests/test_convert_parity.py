@@ -15,7 +15,7 @@ from tests.dsconv import FIXTURES, ds_to_universal
 pytest.importorskip("deepspeed")
 
 CONVERTIBLE = ["llama_zero1_dp2", "llama_zero2_dp2", "llama_zero3_dp2", "llama_zero1_dp2_bf16",
-               "llama_tp2", "qwen2_tp2", "llama_tp2_dp2"]
+               "llama_tp2", "qwen2_tp2", "llama_tp2_dp2", "pipe_pp2_dp2", "pipe_pp2_dp2_bf16_odd"]
 
 
 def _same(a, b, where: str) -> None:

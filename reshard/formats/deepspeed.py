@@ -1,6 +1,14 @@
 """Read a DeepSpeed 0.19.8 checkpoint tag folder: which files exist, the topology they imply,
 and per parameter the maps (TP, then ZeRO) and the tensors they describe. Files are opened
-memory-mapped, so a parameter's bytes are read only when it is converted."""
+memory-mapped, so a parameter's bytes are read only when it is converted.
+
+Files are numbered by *model-parallel rank* ``m``: ``mp_rank_MM_model_states.pt`` and
+``zero_pp_rank_D_mp_rank_MM_optim_states.pt``. Without pipeline parallelism ``m`` is the TP
+rank. A pipeline-parallel checkpoint (``deepspeed.pipe``) has one model-parallel rank per stage,
+``m = stage`` (TP=1; pipeline x tensor parallel is refused, for want of a checkpoint to check
+its numbering against), names parameters ``"<layer>.<name>"``, and keeps module weights in
+``layer_LL-model_states.pt`` files. Each parameter lives in one stage; its TP ranks ``t`` are
+the files ``m = stage * tp + t``."""
 
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from .safe_load import load
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+LAYER_RE = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 SCALE_POWER = {"fp32": 1, "exp_avg": -1, "exp_avg_sq": -2}
@@ -76,35 +84,62 @@ class DeepSpeedCheckpoint:
     model_files: dict[int, Path]
     optim_files: dict[tuple[int, int], Path]
     z3_model_files: dict[tuple[int, int], Path] = field(default_factory=dict)
+    pp: int = 1
+    layer_files: dict[int, Path] = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def mp(self) -> int:
+        """Model-parallel ranks (files per DP rank): pipeline stages x TP ranks."""
+        return self.pp * self.tp
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | Path) -> DeepSpeedCheckpoint:
         tag = resolve_tag_dir(path)
         names = sorted(f.name for f in tag.iterdir())
-        if any(LAYER_RE.match(n) for n in names):
-            raise CheckpointError(f"{tag}: pipeline-parallel layer files are not supported yet")
+        layer_matches = [(m, n) for n in names if (m := LAYER_RE.match(n))]
+        if any(m.group(2) is not None for m, _ in layer_matches):
+            raise CheckpointError(f"{tag}: pipeline x tensor parallel layer files (layer_XX-model_YY) are not "
+                                  "supported: only pipeline parallelism without TP")
+        layers = {int(m.group(1)): tag / n for m, n in layer_matches}
         model = {int(m.group(1)): tag / n for n in names if (m := MODEL_RE.match(n))}
         optim = {(int(m.group(3)), int(m.group(2))): tag / n for n in names if (m := OPTIM_RE.match(n))}
         z3 = {(int(m.group(2)), int(m.group(1))): tag / n for n in names if (m := Z3_MODEL_RE.match(n))}
         if not optim:
             raise CheckpointError(f"{tag}: no zero_pp_rank_*_optim_states.pt files (optimizer states missing)")
-        tp, dp = _grid(optim, "optimizer state", tag)
+        mp, dp = _grid(optim, "optimizer state", tag)
         first = load(optim[(0, 0)])
         osd = _get(first, "optimizer_state_dict", optim[(0, 0)])
         stage = int(_get(osd, "zero_stage", optim[(0, 0)]))
         if stage == 3:
-            if _grid(z3, "ZeRO-3 model state", tag) != (tp, dp):
+            if _grid(z3, "ZeRO-3 model state", tag) != (mp, dp):
                 raise CheckpointError(f"{tag}: ZeRO-3 model and optimizer files disagree on the topology")
-            model = {t: z3[(t, 0)] for t in range(tp)}
-        elif sorted(model) != list(range(tp)):
+            model = {t: z3[(t, 0)] for t in range(mp)}
+        elif sorted(model) != list(range(mp)):
             raise CheckpointError(
-                f"{tag}: expected mp_rank_00..{tp - 1:02d}_model_states.pt for TP={tp}, found ranks {sorted(model)}"
+                f"{tag}: expected mp_rank_00..{mp - 1:02d}_model_states.pt for {mp} model-parallel ranks, "
+                f"found ranks {sorted(model)}"
             )
-        ck = cls(tag, stage, tp, dp, model, optim, z3)
+        ck = cls(tag, stage, mp, dp, model, optim, z3, layer_files=layers)
         ck._cache[("optim", 0, 0)] = first
+        pp = ck._pipeline_stages(mp)
+        ck.pp, ck.tp = pp, mp // pp
         return ck
+
+    def _pipeline_stages(self, mp: int) -> int:
+        """Pipeline stages, from ``checkpoint_parallel_dimensions`` (what DeepSpeed records)."""
+        dims = self.model_state(0).get("checkpoint_parallel_dimensions")
+        if not isinstance(dims, dict) or "pp_degree" not in dims:
+            return 1
+        pp, tp = dims.get("pp_degree"), dims.get("tp_degree", 1)
+        if not all(isinstance(x, int) and x >= 1 for x in (pp, tp)) or pp * tp != mp:
+            raise CheckpointError(f"{self.model_files[0]}: checkpoint_parallel_dimensions {dims} disagree with "
+                                  f"the {mp} model-parallel rank files")
+        if pp > 1 and tp > 1:
+            raise CheckpointError(f"{self.tag_dir}: pipeline x tensor parallel checkpoints (PP={pp}, TP={tp}) "
+                                  "are not supported: only pipeline parallelism without TP")
+        return pp
 
     # -- raw files ----------------------------------------------------------------------------
     def model_state(self, tp: int) -> dict:
@@ -129,18 +164,32 @@ class DeepSpeedCheckpoint:
 
     @cached_property
     def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
-        """Per TP rank: ``{name: shard shape}`` over all groups, in model order."""
+        """Per model-parallel rank: ``{name: shard shape}`` over all groups, in model order."""
         out = []
-        for t in range(self.tp):
+        for t in range(self.mp):
             groups = _get(self.model_state(t), "param_shapes", self.model_files[t])
             groups = groups if isinstance(groups, list) else [groups]
             out.append({n: tuple(s) for g in groups for n, s in g.items()})
         return out
 
     @cached_property
+    def _stage(self) -> dict[str, int]:
+        """Pipeline stage of every parameter (all 0 without pipeline parallelism)."""
+        out: dict[str, int] = {}
+        for m, shapes in enumerate(self.param_shapes):
+            for n in shapes:
+                out.setdefault(n, m // self.tp)
+        return out
+
+    def _mp(self, name: str, t: int) -> int:
+        """The model-parallel rank (file index) of TP rank ``t`` of ``name``'s stage."""
+        return self._stage.get(name, 0) * self.tp + t
+
+    @cached_property
     def names(self) -> list[str]:
-        """Every parameter, in TP rank 0's order, then any only other ranks hold. A rank holding
-        none of a parameter (an uneven split) lists no shape for it."""
+        """Every parameter, in model-parallel rank 0's order, then any only other ranks hold
+        (later pipeline stages; a TP rank holding none of an unevenly split parameter lists no
+        shape for it)."""
         seen = dict.fromkeys(self.param_shapes[0])
         for shapes in self.param_shapes[1:]:
             seen.update(dict.fromkeys(shapes))
@@ -148,7 +197,7 @@ class DeepSpeedCheckpoint:
 
     # -- maps ---------------------------------------------------------------------------------
     def tp_map(self, name: str) -> lowering.Lowered:
-        shapes = [self.param_shapes[t].get(name) for t in range(self.tp)]
+        shapes = [self.param_shapes[self._mp(name, t)].get(name) for t in range(self.tp)]
         try:
             return lowering.lower(name, shapes, self.uc_info)
         except ReshardError as e:
@@ -156,9 +205,9 @@ class DeepSpeedCheckpoint:
 
     @cached_property
     def _zero_index(self) -> dict[int, dict[str, tuple[int, ParamMap]]]:
-        """Per TP rank: name -> (group, map of the TP shard over DP fragments)."""
+        """Per model-parallel rank: name -> (group, map of the TP shard over DP fragments)."""
         out: dict[int, dict[str, tuple[int, ParamMap]]] = {}
-        for t in range(self.tp):
+        for t in range(self.mp):
             out[t] = {}
             if self.zero_stage == 3:
                 for g, group in enumerate(self._z3_groups(t)):
@@ -181,15 +230,15 @@ class DeepSpeedCheckpoint:
     def zero_map(self, name: str, tp: int) -> tuple[int, ParamMap] | None:
         """``(group, map)`` of TP rank ``tp``'s shard of ``name`` over its DP fragments, or
         ``None`` where that rank holds none of it."""
-        return self._zero_index[tp].get(name)
+        return self._zero_index[self._mp(name, tp)].get(name)
 
     def has_optimizer_state(self, name: str) -> bool:
-        return any(name in self._zero_index[t] for t in range(self.tp))
+        return any(name in self._zero_index[m] for m in range(self.mp))
 
     # -- tensors ------------------------------------------------------------------------------
     def flat_state(self, t: int, d: int, group: int, state: str) -> torch.Tensor:
-        """Rank (tp ``t``, dp ``d``)'s flat partition of one state of one parameter group
-        (memory-mapped)."""
+        """Rank (model-parallel ``t``, dp ``d``)'s flat partition of one state of one parameter
+        group (memory-mapped)."""
         osd = self.osd(t, d)
         path = self.optim_files[(t, d)]
         if self.zero_stage == 3:
@@ -227,11 +276,12 @@ class DeepSpeedCheckpoint:
         """TP rank ``t``'s shard of ``name`` (of ``shape``) for one state, rebuilt from its DP
         fragments. Where one fragment is the whole shard, it is returned as it lies in the
         memory-mapped file (a view, not a copy)."""
+        tp_rank, t = t, self._mp(name, t)
         if name not in self._zero_index[t]:
             if prod(shape) == 0:  # a rank holding none of an unevenly split parameter
                 return torch.empty(shape, dtype=torch.float32)
             raise CheckpointError(f"{self.optim_files[(t, 0)]}: no optimizer fragments for {name!r}, "
-                                  f"whose TP rank {t} shard has shape {list(shape)}")
+                                  f"whose TP rank {tp_rank} shard has shape {list(shape)}")
         group, zmap = self._zero_index[t][name]
         frags = {}
         for d in zmap.ranks:
@@ -249,7 +299,7 @@ class DeepSpeedCheckpoint:
         try:
             shard = zmap.rebuild(frags).view(shape)
         except ReshardError as e:
-            raise CheckpointError(f"{self.tag_dir}: {name} (tp rank {t}, {state}): {e}") from None
+            raise CheckpointError(f"{self.tag_dir}: {name} (tp rank {tp_rank}, {state}): {e}") from None
         for frag in frags.values():  # each fragment is read once: let its pages go
             release(frag)
         return shard
@@ -258,7 +308,7 @@ class DeepSpeedCheckpoint:
         return int(self.osd(t, d)["param_slice_mappings"][group][name].start)
 
     def step(self, name: str) -> Any:
-        t = next(t for t in range(self.tp) if name in self._zero_index[t])
+        t = next(m for m in range(self.mp) if name in self._zero_index[m])
         group = self._zero_index[t][name][0]
         osd = self.osd(t, 0)
         path = self.optim_files[(t, 0)]
@@ -267,8 +317,19 @@ class DeepSpeedCheckpoint:
         return state[group].get("step") if group in state else None
 
     def module_tensor(self, name: str, t: int) -> torch.Tensor | None:
-        module = self.model_state(t).get("module") or {}
-        return module.get(name)
+        """TP rank ``t``'s module weight of ``name``: from the model-state file, or for a
+        pipeline module (``"<layer>.<name>"``) from that layer's file."""
+        module = self.model_state(self._mp(name, t)).get("module") or {}
+        if name in module or not self.layer_files:
+            return module.get(name)
+        layer, _, key = name.partition(".")
+        path = self.layer_files.get(int(layer)) if layer.isdigit() else None
+        if path is None:
+            return None
+        cache = ("layer", path)
+        if cache not in self._cache:
+            self._cache[cache] = _as_dict(load(path), path)
+        return self._cache[cache].get(key)
 
 
 def _as_dict(x: Any, path: Path) -> dict:
