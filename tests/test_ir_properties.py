@@ -152,3 +152,20 @@ def test_identity_rank_examples():
     t = ParamMap((2, 3), {0: Shard((3, 2), (Piece((2, 3), View(0, (3, 1)), View(0, (1, 2)), frozenset({0})),))})
     t.check()
     assert t.identity_rank is None  # a transpose holds every element, in another order
+
+
+def test_rebuild_into_a_given_buffer():
+    import pytest
+
+    from reshard import ShardError
+    from tests.irgen import grid_map
+
+    m = grid_map((6, 4), {0: [3, 3]})
+    full = torch.randn(6, 4)
+    shards = {r: m.extract(full, r) for r in m.ranks}
+    out = torch.empty(24)
+    got = m.rebuild(shards, out=out)
+    assert torch.equal(got, full) and got.data_ptr() == out.data_ptr()
+    for bad in (torch.empty(23), torch.empty(24, dtype=torch.float64), torch.empty(48)[::2]):
+        with pytest.raises(ShardError, match="out must be"):
+            m.rebuild(shards, out=bad)

@@ -24,7 +24,7 @@ from ..errors import CheckpointError, ReshardError
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
 from ..layouts import zero3, zero12_from_slice_mappings
-from ..memory import own_bytes, release
+from ..memory import empty, own_bytes, release
 from . import lowering
 from .safe_load import load
 
@@ -297,7 +297,7 @@ class DeepSpeedCheckpoint:
             # releases its pages once written (see ``safe_load.release``).
             return own_bytes(frags[zmap.identity_rank].detach()).view(shape)
         try:
-            shard = zmap.rebuild(frags).view(shape)
+            shard = zmap.rebuild(frags, out=empty(zmap.numel, frags[zmap.ranks[0]].dtype)).view(shape)
         except ReshardError as e:
             raise CheckpointError(f"{self.tag_dir}: {name} (tp rank {tp_rank}, {state}): {e}") from None
         for frag in frags.values():  # each fragment is read once: let its pages go

@@ -114,18 +114,21 @@ def rebuild(
     verify: bool = True,
     valid_only: bool = False,
     prefer: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F from shards. Every block is written from its lowest supplied holder (or ``prefer`` where
     that rank holds it); with ``verify``, every other supplied holder is compared bitwise (P2) and
     a difference raises :class:`ReplicaMismatchError` naming the ranks, the block and the largest
-    difference. ``shards`` may omit ranks as long as every block keeps a holder."""
+    difference. ``shards`` may omit ranks as long as every block keeps a holder. ``out``, a
+    contiguous tensor of F's element count, dtype and device, receives F instead of a fresh
+    allocation (a caller can hand in memory it prepared, e.g. huge-page backed)."""
     dtype, device = _check_shards(m, shards)
     have = set(shards)
 
     def writer(holders: frozenset[int]) -> int:
         return prefer if prefer in holders else min(holders)
 
-    full = torch.empty(m.numel, dtype=dtype, device=device)
+    full = _output(out, m.numel, dtype, device)
     flats = {r: _flat(t) for r, t in shards.items()}
     pending: list[tuple[int, int, Piece]] = []
     for rank, i, p in m.pieces():
@@ -152,6 +155,15 @@ def rebuild(
     if valid_only and m.is_padded:
         out = out[tuple(slice(0, n) for n in m.valid_shape)].contiguous()
     return out
+
+
+def _output(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    if out.numel() != numel or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ShardError(f"out must be a contiguous {dtype} tensor of {numel} elements on {device}, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
+    return out.view(-1)
 
 
 def _verify_replica(

@@ -170,11 +170,11 @@ def _extract(self: ParamMap, full, rank: int, scale_power: int = 1):
 
 
 def _rebuild(self: ParamMap, shards, scale_power: int = 1, *, verify: bool = True, valid_only: bool = False,
-             prefer: int | None = None):
+             prefer: int | None = None, out=None):
     """F from shards (see ``reshard.ir.apply.rebuild``)."""
     from .apply import rebuild
 
-    return rebuild(self, shards, scale_power, verify=verify, valid_only=valid_only, prefer=prefer)
+    return rebuild(self, shards, scale_power, verify=verify, valid_only=valid_only, prefer=prefer, out=out)
 
 
 def _to_dict(self: ParamMap) -> dict:
