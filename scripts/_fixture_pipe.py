@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
 
 import numpy as np
 import torch
+from _fixture_train import write_report
 from torch import nn
 
 
@@ -110,27 +110,9 @@ def main() -> None:
     engine.save_checkpoint(spec["save_dir"], tag=spec["tag"])
     torch.distributed.barrier()
 
-    report = {
-        "rank": rank,
-        "world_size": torch.distributed.get_world_size(),
-        "dp_rank": dp_rank,
-        "dp_world_size": dp_world,
-        "tp_rank": 0,
-        "tp_world_size": 1,
-        "pp_rank": int(engine.stage_id),
-        "losses": losses,
-        "global_steps": int(engine.global_steps),
-        "zero_stage": int(engine.zero_optimization_stage()),
-        "param_dtype": str(next(engine.module.parameters()).dtype),
-        "optimizer_class": f"{type(engine.optimizer).__module__}.{type(engine.optimizer).__qualname__}",
-        "basic_optimizer_class": (lambda o: f"{type(o).__module__}.{type(o).__qualname__}")(
-            getattr(engine.optimizer, "optimizer", engine.optimizer)),
-        "train_seconds": time.time() - t0,
-        "batch_shape": list(mine.shape),
-    }
-    os.makedirs(spec["report_dir"], exist_ok=True)
-    with open(os.path.join(spec["report_dir"], f"rank_{rank}.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(spec, engine, rank=rank, world_size=torch.distributed.get_world_size(), dp_rank=dp_rank,
+                 dp_world_size=dp_world, tp_rank=0, tp_world_size=1, pp_rank=int(engine.stage_id), losses=losses,
+                 train_seconds=time.time() - t0, batch_shape=list(mine.shape))
     torch.distributed.barrier()
 
 

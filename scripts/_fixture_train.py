@@ -116,6 +116,23 @@ def fixed_batch(spec: dict, vocab_size: int, dp_rank: int, dp_world: int) -> tor
     return global_ids[dp_rank * micro:(dp_rank + 1) * micro].contiguous()
 
 
+def write_report(spec: dict, engine, **fields) -> None:
+    """``report_dir/rank_<rank>.json``: what the launch did, plus what the engine says about
+    itself (steps, ZeRO stage, dtype, optimizer classes)."""
+    name = lambda o: f"{type(o).__module__}.{type(o).__qualname__}"  # noqa: E731
+    report = dict(
+        fields,
+        global_steps=int(engine.global_steps),
+        zero_stage=int(engine.zero_optimization_stage()),
+        param_dtype=str(next(engine.module.parameters()).dtype),
+        optimizer_class=name(engine.optimizer),
+        basic_optimizer_class=name(getattr(engine.optimizer, "optimizer", engine.optimizer)),
+    )
+    os.makedirs(spec["report_dir"], exist_ok=True)
+    with open(os.path.join(spec["report_dir"], f"rank_{fields['rank']}.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
@@ -162,26 +179,9 @@ def main():
     engine.save_checkpoint(spec["save_dir"], tag=spec["tag"])
     torch.distributed.barrier()
 
-    report = {
-        "rank": rank,
-        "world_size": world_size,
-        "dp_rank": dp_rank,
-        "dp_world_size": dp_world,
-        "tp_rank": tp_rank,
-        "tp_world_size": tp_world,
-        "losses": losses,
-        "global_steps": int(engine.global_steps),
-        "zero_stage": int(engine.zero_optimization_stage()),
-        "param_dtype": str(next(engine.module.parameters()).dtype),
-        "optimizer_class": f"{type(engine.optimizer).__module__}.{type(engine.optimizer).__qualname__}",
-        "basic_optimizer_class": (lambda o: f"{type(o).__module__}.{type(o).__qualname__}")(
-            getattr(engine.optimizer, "optimizer", engine.optimizer)),
-        "train_seconds": time.time() - t0,
-        "batch_shape": list(input_ids.shape),
-    }
-    os.makedirs(spec["report_dir"], exist_ok=True)
-    with open(os.path.join(spec["report_dir"], f"rank_{rank}.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(spec, engine, rank=rank, world_size=world_size, dp_rank=dp_rank, dp_world_size=dp_world,
+                 tp_rank=tp_rank, tp_world_size=tp_world, losses=losses, train_seconds=time.time() - t0,
+                 batch_shape=list(input_ids.shape))
 
     torch.distributed.barrier()
     try:

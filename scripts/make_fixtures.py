@@ -437,7 +437,8 @@ def build_fixture_json(fx: Fixture, ckpt: Path, files: list[str], reports: list[
             "zero_stage": fx.zero_stage,
             "bf16": bool(fx.ds_config.get("bf16", {}).get("enabled", False)),
             "ranks": [
-                {"rank": r["rank"], "tp_rank": r["tp_rank"], "dp_rank": r["dp_rank"], "pp_rank": r.get("pp_rank", 0)}
+                {"rank": r["rank"], "tp_rank": r["tp_rank"], "dp_rank": r["dp_rank"],
+                 **({"pp_rank": r["pp_rank"]} if "pp_rank" in r else {})}
                 for r in reports
             ],
         },
