@@ -155,13 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit")
     cv.add_argument("--checksum", choices=CHECKSUMS, default="crc32", help="checksum of each file in the manifest")
     cv.set_defaults(fn=_cmd_convert)
-    rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP topology, "
-                        "loadable by engine.load_checkpoint")
+    rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP (x PP) "
+                        "topology, loadable by engine.load_checkpoint")
     rs.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
     rs.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest")
     rs.add_argument("--tp", type=int, required=True, help="target TP degree")
     rs.add_argument("--dp", type=int, default=None, help="target DP degree (default: the source's)")
-    rs.add_argument("--pp", type=int, default=1, help="target pipeline stages (only 1 is supported)")
+    rs.add_argument("--pp", type=int, default=1,
+                    help="target pipeline stages of a deepspeed.pipe checkpoint: its own count, or 1 to merge them")
     rs.add_argument("--zero-stage", type=int, default=None, help="target ZeRO stage, 1 or 2 (default: the source's)")
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")

@@ -17,6 +17,12 @@ rank's optimizer partition, or one target TP rank's module), and each source byt
 needs is read once for it. Output is staged and committed atomically like ``reshard convert``
 (``formats.output.Staging``); ``OUT/latest`` is written last.
 
+Pipeline (``deepspeed.pipe``) checkpoints, TP=1: each parameter is whole on its stage's
+model-parallel rank (a "stage map"), so the same machinery re-partitions every stage's flat
+buffers over the target DP ranks. The stages are kept, or merged into one (``pp=1``); layer files
+are copied as they are, since no stage count changes them. Another stage count is refused: which
+layers form a stage depends on the training script's ``partition_method``, not recorded.
+
 Target TP layouts: at the source's TP degree the source maps are kept; at TP=1 every parameter is
 whole on its one rank. Any other TP degree needs the layout DeepSpeed's AutoTP uses there, which a
 checkpoint at another degree does not record (it depends on head counts): pass ``layout=`` a
@@ -47,7 +53,7 @@ from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import Staging
 from .formats.pickling import save
 from .ir.apply import _view, scaled
-from .ir.param_map import ParamMap
+from .ir.param_map import ParamMap, Shard
 from .ir.piece import prod
 from .ir.serial import maps_from_document
 from .layouts import compose, flat_ranges, replicated
@@ -85,26 +91,28 @@ class _Source:
 
     def __init__(self, ck: DeepSpeedCheckpoint) -> None:
         self.ck = ck
-        if ck.pp > 1 or ck.layer_files:
-            raise CheckpointError(f"{ck.tag_dir}: pipeline-parallel (deepspeed.pipe) sources are not supported by "
-                                  "'reshard reshard' yet; 'reshard convert' reads them")
+        # A pipeline checkpoint (TP=1) has one model-parallel rank per stage; each parameter is
+        # whole on its stage's rank, which the "stage map" below states. Everything else treats
+        # model-parallel ranks alike, whether they are TP ranks or stages.
+        self.pipe = bool(ck.layer_files) or ck.pp > 1
+        self.mp = ck.mp
         ms0 = ck.model_state(0)
         for key in ("num_experts", "ds_autoep_layers"):
             if ms0.get(key):
                 raise CheckpointError(f"{ck.model_files[0]}: mixture-of-experts checkpoints are not supported")
         groups = []
-        for t in range(ck.tp):
+        for t in range(self.mp):
             g = ck.model_state(t).get("param_shapes")
             g = g if isinstance(g, list) else [g]
             groups.append([OrderedDict((n, tuple(s)) for n, s in grp.items()) for grp in g])
         if len({len(g) for g in groups}) != 1:
-            raise CheckpointError(f"{ck.tag_dir}: TP ranks record different numbers of parameter groups")
+            raise CheckpointError(f"{ck.tag_dir}: model-parallel ranks record different numbers of parameter groups")
         self.groups = groups  # [tp][group] -> {name: shard shape}
         self.n_groups = len(groups[0])
         self.group_of: dict[str, int] = {}
         self.order: list[list[str]] = []
         for g in range(self.n_groups):
-            names = list(dict.fromkeys(n for t in range(ck.tp) for n in groups[t][g]))
+            names = list(dict.fromkeys(n for t in range(self.mp) for n in groups[t][g]))
             for n in names:
                 if n in self.group_of:
                     raise CheckpointError(f"{ck.tag_dir}: {n!r} is in parameter groups {self.group_of[n]} and {g}")
@@ -118,8 +126,7 @@ class _Source:
                                   "not supported")
         if zo.get("elastic_checkpoint"):
             raise CheckpointError(f"{ck.tag_dir}: elastic ZeRO checkpoints are not supported")
-        module = ms0.get("module") or {}
-        first = next((module[n] for n in self.names if n in module), None)
+        first = next((w for n in self.names if (w := ck.module_tensor(n, 0)) is not None), None)
         if first is None:
             raise CheckpointError(f"{ck.model_files[0]}: the module state holds none of the optimized parameters")
         self.dtype = first.dtype
@@ -128,10 +135,16 @@ class _Source:
         self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
         self._check_layouts()
         self._check_rest(ms0)
+        self.maps = {n: self._stage_map(n) if self.pipe else ck.tp_map(n).map for n in self.names}
+
+    def _stage_map(self, name: str) -> ParamMap:
+        """F whole on its stage's model-parallel rank, nothing on the others."""
+        shape = self.ck.param_shapes[self.ck._mp(name, 0)][name]
+        return _stage_map(shape, self.mp, self.ck._mp(name, 0))
 
     def _check_layouts(self) -> None:
         ck = self.ck
-        for t in range(ck.tp):
+        for t in range(self.mp):
             osds = [ck.osd(t, d) for d in range(ck.dp)]
             for d, osd in enumerate(osds):
                 base = osd.get("base_optimizer_state")
@@ -154,7 +167,7 @@ class _Source:
 
     def _check_rest(self, ms0: dict) -> None:
         ck = self.ck
-        for t in range(ck.tp):
+        for t in range(self.mp):
             frozen = ck.model_state(t).get("frozen_param_shapes") or {}
             real = [n for n, s in frozen.items() if prod(tuple(s))]
             if real:
@@ -162,7 +175,9 @@ class _Source:
                                       "are not supported")
         self.shared = dict(ms0.get("shared_params") or {})
         buffers = set(ms0.get("buffer_names") or [])
-        for t in range(ck.tp):
+        if self.pipe and any(ck.model_state(t).get(k) for t in range(self.mp) for k in ("buffer_names", "shared_params")):
+            raise CheckpointError(f"{ck.tag_dir}: pipeline checkpoints with buffers or tied weights are not supported")
+        for t in range(self.mp):
             module = ck.model_state(t).get("module") or {}
             unknown = [k for k in module if k not in self.group_of and k not in buffers and k not in self.shared]
             if unknown:
@@ -177,7 +192,7 @@ class _Source:
             raise CheckpointError(f"{ck.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
 
     def label(self, t: int, d: int) -> int:
-        return d * self.ck.tp + t
+        return d * self.mp + t
 
     def start(self, t: int, d: int, name: str) -> int:
         g = self.group_of[name]
@@ -186,7 +201,7 @@ class _Source:
     def composite(self, name: str, tp_map: ParamMap) -> ParamMap:
         inner = {}
         for t in tp_map.ranks:
-            entry = self.ck.zero_map(name, t)
+            entry = self.ck.zero_map_at(name, t)
             if entry is None:
                 if tp_map.shard(t).numel:
                     raise CheckpointError(f"{self.ck.optim_files[(t, 0)]}: no optimizer fragments for {name!r}")
@@ -197,6 +212,11 @@ class _Source:
             return compose(tp_map, inner)
         except ReshardError as e:
             raise type(e)(f"{self.ck.tag_dir}: {name}: composing the TP map with the ZeRO split: {e}") from None
+
+
+def _stage_map(shape: tuple[int, ...], ranks: int, stage: int) -> ParamMap:
+    whole = replicated(shape, 1).with_ranks({0: stage}).shards[stage]
+    return ParamMap(shape, {r: whole if r == stage else Shard((0,), ()) for r in range(ranks)})
 
 
 # -- target TP maps ------------------------------------------------------------------------------
@@ -274,6 +294,23 @@ def _target_maps(src: _Source, tp: int, layout: Layout) -> tuple[dict[str, Param
                 if k not in ("sub_param_shard_widths", "affine_map")}
         info["affine_map"] = dsw.affine_map_entry(maps)
     return maps, info, origin
+
+
+def _stage_maps(src: _Source, tp: int, pp: int, layout: Layout, zero_stage: int) -> tuple[dict[str, ParamMap], None, str]:
+    """Target maps of a pipeline checkpoint: every parameter whole on its target stage. Stages
+    are kept, or merged into one; any other stage count depends on the training script's
+    ``partition_method``, which the checkpoint does not record."""
+    ck = src.ck
+    if tp != 1 or layout is not None:
+        raise ReshardError(f"{ck.tag_dir}: a pipeline checkpoint has TP=1 and keeps it (tp=1, no layout)")
+    if zero_stage != 1:
+        raise ReshardError("DeepSpeed's pipeline engine supports ZeRO stage 1 only")
+    if pp not in (1, ck.pp):
+        raise ReshardError(f"{ck.tag_dir}: PP={ck.pp} can be kept or merged into PP=1; which layers form each of "
+                           f"{pp} stages depends on the training script's partition_method, not recorded in the "
+                           "checkpoint")
+    maps = {n: _stage_map(m.logical_shape, pp, ck._stage[n] if pp == ck.pp else 0) for n, m in src.maps.items()}
+    return maps, None, "pipeline stages kept" if pp == ck.pp else "pipeline stages merged into one"
 
 
 def _checked_maps(source: Mapping[str, ParamMap], maps: Mapping[str, ParamMap], tp: int) -> dict[str, ParamMap]:
@@ -370,11 +407,12 @@ class _Writer:
                  planner: Planner) -> None:
         self.src, self.tgt, self.zero_stage, self.uc_info, self.staging = src, tgt, zero_stage, uc_info, staging
         self.planner = planner
-        self.module_planner = Planner(_SameTPRankFirst(src.ck.tp, tgt.tp))
+        self.module_planner = Planner(_SameTPRankFirst(src.mp, tgt.tp))
         self._lock = threading.Lock()
         ms0 = src.ck.model_state(0)
-        self.ds_config = dsw.target_ds_config(ms0.get("ds_config"), tp=tgt.tp, dp=tgt.dp, zero_stage=zero_stage)
-        self.src_maps = {n: src.ck.tp_map(n).map for n in src.names}
+        self.ds_config = dsw.target_ds_config(ms0.get("ds_config"), tp=1 if src.pipe else tgt.tp, dp=tgt.dp,
+                                              zero_stage=zero_stage)
+        self.src_maps = src.maps
         self.opt_plans: dict[str, dict[int, list]] = {}
         self.mod_plans: dict[str, dict[int, list]] = {}
         self.segments = 0
@@ -409,9 +447,9 @@ class _Writer:
                     dst = bufs[state].narrow(0, lo - base, hi - lo)
                     power = SCALE_POWER[state]
                     for s in segs:
-                        sd, st = divmod(s.src_rank, ck.tp)
+                        sd, st = divmod(s.src_rank, src.mp)
                         flat = ck.flat_state(st, sd, src.group_of[name], state)
-                        entry = ck.zero_map(name, st)[1]
+                        entry = ck.zero_map_at(name, st)[1]
                         frag = flat.narrow(0, src.start(st, sd, name), entry.shard(sd).numel)
                         _view(dst, s.shape, s.dst).copy_(scaled(_view(frag, s.shape, s.src), s.factor ** power))
                         release(frag)  # mapped pages: drop them from our resident set (a re-read is a minor fault)
@@ -428,6 +466,8 @@ class _Writer:
 
     # one target TP rank's model states
     def model(self, t: int) -> None:
+        if self.src.pipe:
+            return self._stage_model(t)
         src, tgt, ck = self.src, self.tgt, self.src.ck
         ms0 = ck.model_state(0)
         flats, views = [], {}
@@ -473,6 +513,18 @@ class _Writer:
         with self.staging.open(dsw.model_file(t)) as f:
             save(obj, f)
 
+    def _stage_model(self, t: int) -> None:
+        """One pipeline stage's model-state file: its parameters' shapes and the topology; the
+        weights stay in the layer files, which no stage count changes."""
+        ms0 = self.src.ck.model_state(0)
+        param_shapes = [OrderedDict((n, torch.Size(s)) for n, s in zip(lay.names, lay.shapes))
+                        for lay in self.tgt.layouts[t]]
+        obj = dsw.model_states(ms0, module=None, param_shapes=param_shapes, tp=1, dp=self.tgt.dp, tp_rank=t,
+                               zero_stage=self.zero_stage, shared_params={}, uc_info=None, ds_config=self.ds_config,
+                               pp=self.tgt.tp)
+        with self.staging.open(dsw.model_file(t)) as f:
+            save(obj, f)
+
     def _buffer(self, key: str, value: torch.Tensor, t: int) -> torch.Tensor:
         """A non-parameter module entry (a persistent buffer), copied: at an unchanged TP degree
         from the same TP rank; else AutoTP leaves buffers whole on every TP rank, so every source
@@ -505,14 +557,13 @@ def reshard(
     """Write the DeepSpeed checkpoint in ``ckpt_dir`` (a tag folder, or its parent with
     ``latest``) into ``out_dir/<tag>`` at TP=``tp`` x DP=``dp`` (default the source's DP) with
     ZeRO ``zero_stage`` (default the source's), plus ``out_dir/latest``, as DeepSpeed 0.19.8 would
-    save it there. See the module docstring for ``layout``. Only ZeRO stages 1 and 2 and ``pp=1``
-    are supported. ``checksum`` is as for :func:`reshard.convert`."""
+    save it there. See the module docstring for ``layout``. Only ZeRO stages 1 and 2
+    are supported; a pipeline (``deepspeed.pipe``) checkpoint keeps its stages or merges them into
+    ``pp=1``. ``checksum`` is as for :func:`reshard.convert`."""
     tp, pp = _positive(tp, "tp"), _positive(pp, "pp")
     if dp is not None:
         _positive(dp, "dp")
     workers = _positive(workers, "workers")
-    if pp != 1:
-        raise ReshardError("pipeline parallelism (pp > 1) is not supported by the offline resharder")
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
     dp = ck.dp if dp is None else dp
     if ck.zero_stage not in (1, 2):
@@ -525,12 +576,21 @@ def reshard(
         raise ReshardError(f"{ck.tag_dir}: the output would replace the source it is read from; "
                            "choose another output folder")
     src = _Source(ck)
-    maps, uc_info, origin = _target_maps(src, tp, layout)
-    tgt = _Target(src, maps, tp, dp)
+    if src.pipe:
+        maps, uc_info, origin = _stage_maps(src, tp, pp, layout, stage)
+        mp = pp
+    else:
+        if pp != 1:
+            raise ReshardError(f"{ck.tag_dir}: not a pipeline (deepspeed.pipe) checkpoint; pp={pp} needs one")
+        maps, uc_info, origin = _target_maps(src, tp, layout)
+        mp = tp
+    tgt = _Target(src, maps, mp, dp)
     staging = Staging(out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
-    writer = _Writer(src, tgt, stage, uc_info, staging, Planner(_SameTPRankFirst(ck.tp, tp)))
-    jobs: list[Callable[[], None]] = [lambda t=t: writer.model(t) for t in range(tp)]
-    jobs += [lambda t=t, d=d: writer.optim(t, d) for t in range(tp) for d in range(dp)]
+    writer = _Writer(src, tgt, stage, uc_info, staging, Planner(_SameTPRankFirst(src.mp, mp)))
+    jobs: list[Callable[[], None]] = [lambda t=t: writer.model(t) for t in range(mp)]
+    jobs += [lambda t=t, d=d: writer.optim(t, d) for t in range(mp) for d in range(dp)]
+    # a layer file holds one layer's weights whatever the stage count: copied as it is
+    jobs += [lambda p=p: staging.copy(p, p.name) for _, p in sorted(ck.layer_files.items())]
     try:
         writer.plan_all(src.names)
         done = 0
@@ -554,8 +614,8 @@ def reshard(
         "reshard_version": __version__,
         "format": "deepspeed",
         "source": str(ck.tag_dir),
-        "source_topology": {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage},
-        "target_topology": {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage},
+        "source_topology": {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage},
+        "target_topology": {"tp": tp, "dp": dp, "pp": pp, "zero_stage": stage},
         "target_tp_layout": origin,
     }
     final = staging.commit(meta, latest_name="latest")
@@ -567,6 +627,10 @@ def reshard(
 
 def summary(report: ReshardReport) -> str:
     s, t = report.source, report.target
-    return (f"wrote {report.out_dir}: TP={s['tp']} x DP={s['dp']} ZeRO-{s['zero_stage']} -> TP={t['tp']} x DP={t['dp']} "
+
+    def topo(x: dict) -> str:
+        return f"TP={x['tp']} x DP={x['dp']}" + (f" x PP={x['pp']}" if x.get("pp", 1) > 1 else "")
+
+    return (f"wrote {report.out_dir}: {topo(s)} ZeRO-{s['zero_stage']} -> {topo(t)} "
             f"ZeRO-{t['zero_stage']} ({report.params} parameters, {report.files} files, "
             f"{report.bytes_written / 2**20:.1f} MiB, {report.segments} plan segments)")

@@ -232,6 +232,10 @@ class DeepSpeedCheckpoint:
         ``None`` where that rank holds none of it."""
         return self._zero_index[self._mp(name, tp)].get(name)
 
+    def zero_map_at(self, name: str, m: int) -> tuple[int, ParamMap] | None:
+        """As :meth:`zero_map`, for model-parallel rank (file index) ``m``."""
+        return self._zero_index[m].get(name)
+
     def has_optimizer_state(self, name: str) -> bool:
         return any(name in self._zero_index[m] for m in range(self.mp))
 

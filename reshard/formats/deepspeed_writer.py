@@ -198,9 +198,11 @@ def affine_map_entry(maps: Mapping[str, ParamMap]) -> dict:
 def model_states(source: Mapping[str, Any], *, module: Mapping[str, torch.Tensor],
                  param_shapes: list[OrderedDict], tp: int, dp: int, tp_rank: int, zero_stage: int,
                  shared_params: Mapping[str, str], uc_info: dict | None, ds_config: dict | None,
-                 empty_params: Mapping[str, torch.Tensor] | None = None) -> dict:
+                 empty_params: Mapping[str, torch.Tensor] | None = None, pp: int = 1) -> dict:
     """One ``mp_rank_XX_model_states.pt`` dict: the source's keys in the source's order, the
-    topology-dependent ones replaced."""
+    topology-dependent ones replaced. With ``pp`` stages (a ``deepspeed.pipe`` checkpoint, TP=1)
+    there is one such file per stage, and ``module`` is ``None``: the weights are in the layer
+    files."""
     out: dict[str, Any] = {}
     for key, value in source.items():
         if key == "universal_checkpoint_info":
@@ -215,9 +217,9 @@ def model_states(source: Mapping[str, Any], *, module: Mapping[str, torch.Tensor
     out["frozen_param_shapes"] = OrderedDict((n, t.shape) for n, t in empty.items()) if zero_stage == 2 else None
     out["frozen_param_fragments"] = OrderedDict(empty.items()) if zero_stage == 2 else None
     out["dp_world_size"] = dp
-    out["mp_world_size"] = tp
+    out["mp_world_size"] = tp * pp
     dims = dict(source.get("checkpoint_parallel_dimensions") or {})
-    dims.update(pp_degree=1, tp_degree=tp)
+    dims.update(pp_degree=pp, tp_degree=tp)
     out["checkpoint_parallel_dimensions"] = dims
     if "ds_config" in out:
         out["ds_config"] = ds_config
