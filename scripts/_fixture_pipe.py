@@ -64,6 +64,28 @@ def build(cfg: dict):
     return PipelineModule(layers=layers, num_stages=cfg["stages"], loss_fn=loss_fn, partition_method="uniform")
 
 
+def fixed_batches(spec: dict, engine):
+    """The same batch forever: ``micro_batch * dp`` rows of random token ids (generator seeded
+    with ``seed + 1``), DP rank ``d`` taking rows ``[d * micro_batch, (d + 1) * micro_batch)``,
+    labels the ids shifted by one. Returns the iterator and this rank's ids."""
+    cfg = spec["model_config"]
+    micro, dp_rank = int(spec["micro_batch"]), engine.grid.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(int(spec["seed"]) + 1)
+    ids = torch.randint(0, cfg["vocab"], (micro * engine.grid.get_data_parallel_world_size(), spec["seq_len"]),
+                        generator=gen)
+    mine = ids[dp_rank * micro:(dp_rank + 1) * micro]
+    batch = (mine, mine.roll(-1, dims=1))
+
+    class Forever:
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return batch
+
+    return Forever(), mine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
@@ -88,20 +110,7 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     dp_rank = engine.grid.get_data_parallel_rank()
     dp_world = engine.grid.get_data_parallel_world_size()
-    micro = int(spec["micro_batch"])
-    gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, cfg["vocab"], (micro * dp_world, cfg["seq_len"]), generator=gen)
-    mine = ids[dp_rank * micro:(dp_rank + 1) * micro]
-    batch = (mine, mine.roll(-1, dims=1))
-
-    class Forever:
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return batch
-
-    data = Forever()
+    data, mine = fixed_batches(spec, engine)
     losses = []
     for step in range(int(spec["steps"])):
         value = float(engine.train_batch(data_iter=data))

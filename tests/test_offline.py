@@ -121,6 +121,14 @@ def _universal(ckpt: Path, out: Path) -> dict:
     return {"params": params, "optimizer_state": load(folder / "zero" / "optimizer_state.pt", mmap=False)}
 
 
+def _same_params(ours: dict, theirs: dict) -> None:
+    assert list(ours["params"]) == list(theirs["params"])
+    for name, states in theirs["params"].items():
+        for state, t in states.items():
+            got = ours["params"][name][state]
+            assert got.dtype == t.dtype and torch.equal(got, t), (name, state)
+
+
 @pytest.fixture(scope="module")
 def source_universal(tmp_path_factory):
     cache: dict[str, dict] = {}
@@ -246,11 +254,7 @@ def test_resharded_checkpoint_converts_to_the_same_universal_tensors(source, tp,
         _check_layout_invariants(report.out_dir, tp, dp, torch.bfloat16 if bf16 else torch.float32)
 
     ours, theirs = _universal(report.out_dir, tmp_path / "ucp"), source_universal(source)
-    assert list(ours["params"]) == list(theirs["params"])
-    for name, states in theirs["params"].items():
-        for state, t in states.items():
-            got = ours["params"][name][state]
-            assert got.dtype == t.dtype and torch.equal(got, t), (name, state)
+    _same_params(ours, theirs)
     a, b = ours["optimizer_state"], theirs["optimizer_state"]
     assert list(a) == list(b)
     for k in a:
@@ -556,11 +560,7 @@ def test_pipeline_checkpoint_keeps_or_merges_stages(source, pp, dp, tmp_path, so
     for layer in sorted(src_tag.glob("layer_*")):
         assert (report.out_dir / layer.name).read_bytes() == layer.read_bytes()
     ours, theirs = _universal(report.out_dir, tmp_path / "ucp"), source_universal(source)
-    assert list(ours["params"]) == list(theirs["params"])
-    for name, states in theirs["params"].items():
-        for state, t in states.items():
-            got = ours["params"][name][state]
-            assert got.dtype == t.dtype and torch.equal(got, t), (name, state)
+    _same_params(ours, theirs)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from _fixture_pipe import build  # noqa: E402
+from _fixture_pipe import build, fixed_batches  # noqa: E402
 
 
 def main() -> None:
@@ -46,22 +46,8 @@ def main() -> None:
         raise RuntimeError(f"nothing loaded from {spec['load_dir']}")
     if spec.get("save_dir"):
         engine.save_checkpoint(spec["save_dir"])
-    dp_rank = engine.grid.get_data_parallel_rank()
     dp_world = engine.grid.get_data_parallel_world_size()
-    micro = int(spec["micro_batch"])
-    gen = torch.Generator().manual_seed(int(spec["seed"]) + 1)
-    ids = torch.randint(0, cfg["vocab"], (micro * dp_world, cfg["seq_len"]), generator=gen)
-    mine = ids[dp_rank * micro:(dp_rank + 1) * micro]
-    batch = (mine, mine.roll(-1, dims=1))
-
-    class Forever:
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            return batch
-
-    data = Forever()
+    data, _ = fixed_batches(spec, engine)
     losses = [float(engine.train_batch(data_iter=data)) for _ in range(int(spec["steps"]))]
     if torch.distributed.get_rank() == 0:
         Path(spec["report_path"]).write_text(json.dumps({"losses": losses, "stages": engine.num_stages,
