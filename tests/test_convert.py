@@ -318,10 +318,3 @@ def test_pipeline_x_tensor_parallel_is_refused_clearly(tmp_path):
     with pytest.raises(CheckpointError, match="pipeline x tensor parallel"):
         convert(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-
-
-def test_offline_reshard_refuses_pipeline_sources(tmp_path):
-    from reshard.offline import reshard
-
-    with pytest.raises(CheckpointError, match=r"pipeline-parallel \(deepspeed.pipe\) sources are not supported"):
-        reshard(FIXTURES / "pipe_pp2_dp2", tmp_path, tp=1, dp=4)
