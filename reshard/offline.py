@@ -139,8 +139,8 @@ class _Source:
 
     def _stage_map(self, name: str) -> ParamMap:
         """F whole on its stage's model-parallel rank, nothing on the others."""
-        shape = self.ck.param_shapes[self.ck._mp(name, 0)][name]
-        return _stage_map(shape, self.mp, self.ck._mp(name, 0))
+        shape = self.ck.param_shapes[self.ck.mp_rank(name, 0)][name]
+        return _stage_map(shape, self.mp, self.ck.mp_rank(name, 0))
 
     def _check_layouts(self) -> None:
         ck = self.ck
@@ -309,7 +309,7 @@ def _stage_maps(src: _Source, tp: int, pp: int, layout: Layout, zero_stage: int)
         raise ReshardError(f"{ck.tag_dir}: PP={ck.pp} can be kept or merged into PP=1; which layers form each of "
                            f"{pp} stages depends on the training script's partition_method, not recorded in the "
                            "checkpoint")
-    maps = {n: _stage_map(m.logical_shape, pp, ck._stage[n] if pp == ck.pp else 0) for n, m in src.maps.items()}
+    maps = {n: _stage_map(m.logical_shape, pp, ck.stage_of(n) if pp == ck.pp else 0) for n, m in src.maps.items()}
     return maps, None, "pipeline stages kept" if pp == ck.pp else "pipeline stages merged into one"
 
 

@@ -181,9 +181,13 @@ class DeepSpeedCheckpoint:
                 out.setdefault(n, m // self.tp)
         return out
 
-    def _mp(self, name: str, t: int) -> int:
+    def stage_of(self, name: str) -> int:
+        """The pipeline stage holding ``name`` (0 without pipeline parallelism)."""
+        return self._stage.get(name, 0)
+
+    def mp_rank(self, name: str, t: int) -> int:
         """The model-parallel rank (file index) of TP rank ``t`` of ``name``'s stage."""
-        return self._stage.get(name, 0) * self.tp + t
+        return self.stage_of(name) * self.tp + t
 
     @cached_property
     def names(self) -> list[str]:
@@ -197,7 +201,7 @@ class DeepSpeedCheckpoint:
 
     # -- maps ---------------------------------------------------------------------------------
     def tp_map(self, name: str) -> lowering.Lowered:
-        shapes = [self.param_shapes[self._mp(name, t)].get(name) for t in range(self.tp)]
+        shapes = [self.param_shapes[self.mp_rank(name, t)].get(name) for t in range(self.tp)]
         try:
             return lowering.lower(name, shapes, self.uc_info)
         except ReshardError as e:
@@ -230,7 +234,7 @@ class DeepSpeedCheckpoint:
     def zero_map(self, name: str, tp: int) -> tuple[int, ParamMap] | None:
         """``(group, map)`` of TP rank ``tp``'s shard of ``name`` over its DP fragments, or
         ``None`` where that rank holds none of it."""
-        return self._zero_index[self._mp(name, tp)].get(name)
+        return self._zero_index[self.mp_rank(name, tp)].get(name)
 
     def zero_map_at(self, name: str, m: int) -> tuple[int, ParamMap] | None:
         """As :meth:`zero_map`, for model-parallel rank (file index) ``m``."""
@@ -280,7 +284,7 @@ class DeepSpeedCheckpoint:
         """TP rank ``t``'s shard of ``name`` (of ``shape``) for one state, rebuilt from its DP
         fragments. Where one fragment is the whole shard, it is returned as it lies in the
         memory-mapped file (a view, not a copy)."""
-        tp_rank, t = t, self._mp(name, t)
+        tp_rank, t = t, self.mp_rank(name, t)
         if name not in self._zero_index[t]:
             if prod(shape) == 0:  # a rank holding none of an unevenly split parameter
                 return torch.empty(shape, dtype=torch.float32)
@@ -323,7 +327,7 @@ class DeepSpeedCheckpoint:
     def module_tensor(self, name: str, t: int) -> torch.Tensor | None:
         """TP rank ``t``'s module weight of ``name``: from the model-state file, or for a
         pipeline module (``"<layer>.<name>"``) from that layer's file."""
-        module = self.model_state(self._mp(name, t)).get("module") or {}
+        module = self.model_state(self.mp_rank(name, t)).get("module") or {}
         if name in module or not self.layer_files:
             return module.get(name)
         layer, _, key = name.partition(".")
