@@ -53,12 +53,13 @@ from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import Staging
 from .formats.pickling import save
 from .ir.apply import _view, scaled
-from .ir.param_map import ParamMap, Shard
+from .ir.param_map import ParamMap
 from .ir.piece import prod
 from .ir.serial import maps_from_document
-from .layouts import compose, flat_ranges, replicated
+from .layouts import compose, flat_ranges, pipeline_stage, replicated
 from .memory import release
 from .planner import Planner, TransferPlan
+from .topology import Topology
 
 Layout = str | Path | Mapping[str, Any] | None
 
@@ -135,12 +136,8 @@ class _Source:
         self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
         self._check_layouts()
         self._check_rest(ms0)
-        self.maps = {n: self._stage_map(n) if self.pipe else ck.tp_map(n).map for n in self.names}
-
-    def _stage_map(self, name: str) -> ParamMap:
-        """F whole on its stage's model-parallel rank, nothing on the others."""
-        shape = self.ck.param_shapes[self.ck.mp_rank(name, 0)][name]
-        return _stage_map(shape, self.mp, self.ck.mp_rank(name, 0))
+        self.maps = {n: _stage_map(ck.param_shapes[ck.mp_rank(n, 0)][n], self.mp, ck.stage_of(n)) if self.pipe
+                     else ck.tp_map(n).map for n in self.names}
 
     def _check_layouts(self) -> None:
         ck = self.ck
@@ -214,9 +211,16 @@ class _Source:
             raise type(e)(f"{self.ck.tag_dir}: {name}: composing the TP map with the ZeRO split: {e}") from None
 
 
-def _stage_map(shape: tuple[int, ...], ranks: int, stage: int) -> ParamMap:
-    whole = replicated(shape, 1).with_ranks({0: stage}).shards[stage]
-    return ParamMap(shape, {r: whole if r == stage else Shard((0,), ()) for r in range(ranks)})
+def _stage_map(shape: tuple[int, ...], stages: int, stage: int) -> ParamMap:
+    """F whole on pipeline stage ``stage`` of a TP=1 checkpoint, whose model-parallel ranks are
+    its stages (the ZeRO split inside the stage is composed on later)."""
+    return pipeline_stage(shape, Topology(pp=stages, dp=1, tp=1), stage)
+
+
+def _holds(m: ParamMap, t: int) -> bool:
+    """Whether model-parallel rank ``t`` holds any of the parameter (a TP rank of an uneven
+    split may hold none; a pipeline stage holds only its own parameters)."""
+    return t in m.shards and m.shards[t].numel > 0
 
 
 # -- target TP maps ------------------------------------------------------------------------------
@@ -341,11 +345,11 @@ class _Target:
             per_group = []
             for g in range(src.n_groups):
                 # a zero-element shard is no optimizer parameter (DeepSpeed's is_optimized_parameter)
-                names = [n for n in src.order[g] if maps[n].shard(t).numel]
+                names = [n for n in src.order[g] if _holds(maps[n], t)]
                 shapes = [maps[n].shard(t).shape for n in names]
                 per_group.append(dsw.group_layout(names, shapes, dp, param_align=src.param_align))
             self.layouts.append(per_group)
-        self.empty = [[n for n in src.names if not maps[n].shard(t).numel] for t in range(tp)]
+        self.empty = [[n for n in src.names if not _holds(maps[n], t)] for t in range(tp)]
         self.index = {}  # (t, name) -> (group, position)
         for t, per_group in enumerate(self.layouts):
             for g, lay in enumerate(per_group):
