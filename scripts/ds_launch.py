@@ -10,8 +10,11 @@ from __future__ import annotations
 import glob
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -60,3 +63,65 @@ def root_cause(lines: list[str]) -> str:
     primary = [e for e in errors if "Connection closed by peer" not in e and "ProcessGroup" not in e]
     chosen = primary or errors
     return chosen[0] if chosen else "(no exception line in the log)"
+
+
+def job_env(*pythonpath: str | Path) -> dict[str, str]:
+    """The environment of a launched job: one OpenMP thread per rank, fixed hash seed, nothing
+    fetched from the Hugging Face hub, ``pythonpath`` entries first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([str(p) for p in pythonpath] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("PYTHONHASHSEED", "0")
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    return env
+
+
+def run_job(cmd: list[str], *, cwd: str | Path, env: dict[str, str], log_path: str | Path, timeout_s: float) -> int:
+    """Run a launcher command in its own session, output to ``log_path``; its exit status.
+    Raises :class:`TimeoutError` past ``timeout_s``. Whatever happens, the launcher and every
+    rank are gone when this returns, so nothing recreates shared-memory buffers afterwards."""
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"timed out after {timeout_s}s") from None
+        finally:
+            kill_group(proc)  # a no-op when everything exited
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Terminate the launcher and every rank (they share the session started for the launcher),
+    and wait until none is left."""
+    pgid = proc.pid
+    for sig, grace_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+        proc.poll()  # reap the launcher, if it is done, so it does not count as alive
+        if not _group_alive(pgid):
+            break
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()
+            if not _group_alive(pgid):
+                break
+            time.sleep(0.1)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+

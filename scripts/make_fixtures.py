@@ -33,11 +33,8 @@ import argparse
 import copy
 import hashlib
 import json
-import os
 import pickletools
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +42,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds_launch import cleanup_shm, launcher_cmd, port_is_free, root_cause
+from ds_launch import cleanup_shm, job_env, launcher_cmd, port_is_free, root_cause, run_job
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "_fixture_train.py"
@@ -80,19 +77,7 @@ LLAMA = {
     "pad_token_id": 0,
 }
 
-QWEN2 = {
-    "hidden_size": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,  # GQA, and q/k/v projections carry a bias
-    "num_hidden_layers": 2,
-    "intermediate_size": 88,
-    "vocab_size": 96,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
+QWEN2 = dict(LLAMA)  # the same sizes; Qwen2's q/k/v projections carry a bias
 
 PIPE = {"vocab": 64, "hidden": 32, "layers": 4, "stages": 2}  # see _fixture_pipe.py
 
@@ -358,37 +343,11 @@ def run_launch(fx: Fixture, work: Path, port: int, timeout_s: int, log_path: Pat
         str(fx.train_script),
         "--spec", str(spec_path),
     ]  # fmt: skip
-    env = dict(os.environ)
-    env.setdefault("PYTHONHASHSEED", "0")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
     t0 = time.time()
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            # The launcher and its ranks share the session we created for them.
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-            raise RuntimeError(f"launch timed out after {timeout_s}s (log: {log_path})") from None
-        except BaseException:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            raise
+    try:
+        rc = run_job(cmd, cwd=REPO, env=job_env(), log_path=log_path, timeout_s=timeout_s)
+    except TimeoutError:
+        raise RuntimeError(f"launch timed out after {timeout_s}s (log: {log_path})") from None
     seconds = time.time() - t0
     if rc != 0:
         lines = open(log_path, errors="replace").readlines()

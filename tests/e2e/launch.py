@@ -22,8 +22,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-from ds_launch import cleanup_shm, launcher_cmd, port_is_free, root_cause  # noqa: E402
+from ds_launch import cleanup_shm, job_env, launcher_cmd, port_is_free, root_cause, run_job  # noqa: E402
 
 RESUME_SCRIPT = Path(__file__).resolve().with_name("resume_train.py")
 DEFAULT_TIMEOUT_S = 600
@@ -94,40 +92,6 @@ def free_port(lo: int = 20000, hi: int = 45000) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - not ours any more
-        return False
-    return True
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Terminate the launcher and every rank (they share the session started for the launcher),
-    and wait until none is left, so nothing recreates shared-memory buffers after the cleanup."""
-    pgid = proc.pid
-    for sig, grace_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
-        proc.poll()  # reap the launcher, if it is done, so it does not count as alive
-        if not _group_alive(pgid):
-            break
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            proc.poll()
-            if not _group_alive(pgid):
-                break
-            time.sleep(0.1)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        pass
-
-
 def launch(script: str | Path, spec: dict, *, world_size: int, workdir: str | Path, port: int | None = None,
            timeout_s: int = DEFAULT_TIMEOUT_S) -> dict:
     """Run ``script --spec <workdir>/spec.json`` on ``world_size`` CPU ranks through the
@@ -144,27 +108,14 @@ def launch(script: str | Path, spec: dict, *, world_size: int, workdir: str | Pa
     log_path = workdir / "launch.log"
     cmd = launcher_cmd() + ["--num_gpus", str(world_size), "--no_local_rank", "--master_port", str(port),
                              str(script), "--spec", str(spec_path)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env.setdefault("PYTHONHASHSEED", "0")
-    env["OMP_NUM_THREADS"] = "1"
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
     t0 = time.time()
     result = {"seconds": None, "port": port, "shm_removed": []}
     try:
-        with open(log_path, "w") as logf:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                raise LaunchError(f"launch on port {port} timed out after {timeout_s}s; log tail:\n"
-                                  f"{_tail(log_path)}") from None
-            finally:
-                _kill_group(proc)  # no-op when everything exited; never leave a rank behind
+        try:
+            rc = run_job(cmd, cwd=REPO, env=job_env(REPO), log_path=log_path, timeout_s=timeout_s)
+        except TimeoutError:
+            raise LaunchError(f"launch on port {port} timed out after {timeout_s}s; log tail:\n"
+                              f"{_tail(log_path)}") from None
         if rc != 0:
             lines = log_path.read_text(errors="replace").splitlines()
             raise LaunchError(f"launch on port {port} exited with {rc} after {time.time() - t0:.1f}s: {root_cause(lines)}\n"
