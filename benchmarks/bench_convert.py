@@ -75,6 +75,13 @@ def _io_floor(inputs: list[Path], out_bytes: int, scratch: Path) -> float:
     return time.perf_counter() - t
 
 
+def ds_to_universal_cmd(tag: Path, out: Path, workers: int) -> list[str]:
+    """The peer: DeepSpeed's converter with ``workers`` extract and merge workers."""
+    return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
+            "--output_folder", str(out), "--inject_missing_state",
+            "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
+
+
 def main(workers: int = 2, repeat: int = 2) -> list[str]:
     ckpt = ensure_checkpoint()
     tag = ckpt / (ckpt / "latest").read_text().strip()
@@ -82,9 +89,7 @@ def main(workers: int = 2, repeat: int = 2) -> list[str]:
     _drop_out(out)
     ours_cmd = [sys.executable, "-m", "reshard.cli", "convert", str(ckpt), str(out / "reshard"),
                 "--workers", str(workers)]
-    ds_cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
-              "--output_folder", str(out / "ds" / tag.name), "--inject_missing_state",
-              "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
+    ds_cmd = ds_to_universal_cmd(tag, out / "ds" / tag.name, workers)
     inputs = [p for p in tag.iterdir() if p.is_file()]
     in_bytes = sum(p.stat().st_size for p in inputs)
     ours = peer = floor = float("inf")

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from benchmarks.bench_convert import DATA, _run, ensure_checkpoint
+from benchmarks.bench_convert import DATA, _run, ds_to_universal_cmd, ensure_checkpoint
 from benchmarks.common import row
 from reshard.formats.safe_load import load
 
@@ -34,9 +34,7 @@ def main(workers: int = 2, dp: int = 4) -> list[str]:
     shutil.rmtree(out, ignore_errors=True)
     ours, ours_rss = _run([sys.executable, "-m", "reshard.cli", "reshard", str(ckpt), str(out / "reshard"),
                            "--tp", "1", "--dp", str(dp), "--workers", str(workers)])
-    conv, conv_rss = _run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
-                           "--output_folder", str(out / "ds" / tag.name), "--inject_missing_state",
-                           "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)])
+    conv, conv_rss = _run(ds_to_universal_cmd(tag, out / "ds" / tag.name, workers))
     back = _read_back(str(out / "ds" / tag.name), dp)
     shutil.rmtree(out, ignore_errors=True)
     return [
