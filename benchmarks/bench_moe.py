@@ -11,8 +11,8 @@ import json
 import time
 
 from benchmarks.common import best_of, row
+from reshard import model_plan_to_dict, plan_model
 from reshard.layouts import compose, even_sizes, replicated, split, zero12_group
-from reshard.planner import plan_model
 from reshard.topology import Topology
 
 HIDDEN, INTER, EXPERTS, LAYERS = 8192, 4864, 64, 128
@@ -54,7 +54,7 @@ def main(layers: int = 16) -> list[str]:
     built = time.perf_counter() - t0
     took = best_of(lambda: plan_model(src, tgt, check=False), repeat=3)
     mp = plan_model(src, tgt, check=False)
-    size = len(json.dumps(mp.to_dict(), separators=(",", ":")))
+    size = len(json.dumps(model_plan_to_dict(mp), separators=(",", ":")))
     scale = LAYERS / layers
     st = mp.stats(element_size=2)
     return [

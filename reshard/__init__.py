@@ -33,19 +33,12 @@ __version__ = "0.1.0"
 from . import layouts  # noqa: E402
 from .convert import ConvertReport, convert  # noqa: E402
 from .derive import derive  # noqa: E402
+from .execute import apply_model_plan, apply_plan  # noqa: E402
 from .formats.output import verify  # noqa: E402
 from .offline import reshard as reshard_checkpoint  # noqa: E402
-from .planner import (  # noqa: E402
-    CostModel,
-    DefaultCost,
-    ModelPlan,
-    PlanStats,
-    Segment,
-    TransferPlan,
-    Unfilled,
-    plan,
-    plan_model,
-)
+from .plan import ModelPlan, PlanStats, Segment, TransferPlan, Unfilled  # noqa: E402
+from .plan_format import model_plan_from_dict, model_plan_to_dict, plan_from_dict, plan_to_dict  # noqa: E402
+from .planner import CostModel, DefaultCost, plan, plan_model  # noqa: E402
 from .topology import Topology  # noqa: E402
 
 __all__ = [
@@ -59,6 +52,12 @@ __all__ = [
     "Topology",
     "TransferPlan",
     "Unfilled",
+    "apply_model_plan",
+    "apply_plan",
+    "model_plan_from_dict",
+    "model_plan_to_dict",
+    "plan_from_dict",
+    "plan_to_dict",
     "convert",
     "derive",
     "layouts",

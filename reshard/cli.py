@@ -13,8 +13,7 @@ from .formats.output import CHECKSUMS
 
 
 def _load_maps(path: str) -> dict:
-    from .ir.param_map import ParamMap
-    from .ir.serial import maps_from_document
+    from .ir.param_map import ParamMap, maps_from_document
 
     try:
         doc = json.loads(Path(path).read_text())
@@ -39,6 +38,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    from .plan_format import model_plan_to_dict
     from .planner import DefaultCost, plan_model
 
     if args.target is None or args.tp is not None or args.dp is not None:
@@ -59,7 +59,7 @@ def _cmd_plan(args) -> int:
         write_plan_png(mp, src, tgt, args.png, args.element_size, f"plan: {Path(args.source).name} → "
                        f"{Path(args.target).name}")
     if args.json:
-        json.dump(mp.to_dict(), sys.stdout)
+        json.dump(model_plan_to_dict(mp), sys.stdout)
         print()
         return 0
     st = mp.stats(element_size=args.element_size)

@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 from .errors import NotAffineError
-from .ir.apply import _bits
+from .ir.apply import bits
 from .ir.canonical import canonical_pieces
 from .ir.geometry import one_box
-from .ir.param_map import ParamMap, Shard
+from .ir.param_map import ParamMap
 from .ir.piece import Piece, View, prod
+from .ir.shard import Shard
 
 PartitionFn = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -229,7 +230,7 @@ def _reproduce(m: ParamMap, fn: PartitionFn, dtype: torch.dtype, seed: int,
     for rank in m.ranks:
         want = fn(full, rank)
         got = m.extract(full, rank)
-        w, o = _bits(want.contiguous().reshape(-1)), _bits(got.reshape(-1))
+        w, o = bits(want.contiguous().reshape(-1)), bits(got.reshape(-1))
         if w.shape != o.shape or not torch.equal(w, o):
             diff = (w != o).nonzero()
             pos = int(diff[0]) if diff.numel() else 0

@@ -77,10 +77,10 @@ import torch
 import torch.distributed as dist
 
 from .errors import PlanError, ShardError
-from .ir.apply import _flat, _view, scaled
+from .ir.apply import flatten, scaled, strided_copy, view_of
 from .ir.piece import View, prod
 from .memory import empty
-from .planner import ModelPlan, Segment, TransferPlan
+from .plan import ModelPlan, Segment, TransferPlan
 
 __all__ = ["Workspace", "transfer"]
 
@@ -367,7 +367,7 @@ def _direct(items: list[_Item], flat: torch.Tensor, side: str) -> torch.Tensor |
     boxes = _views(items[0], getattr(items[0].seg, side))
     if len(boxes) != 1:
         return None
-    view = _view(flat, *boxes[0])
+    view = view_of(flat, *boxes[0])
     return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
 
 
@@ -426,7 +426,7 @@ def _pack(buf: torch.Tensor, items: list[_Item], params: list[_Param], flats: Ma
         prm = params[it.param]
         for shape, v in _views(it, it.seg.src):
             nb = prod(shape) * prm.esize
-            buf[at:at + nb].view(prm.dtype).view(shape).copy_(_view(flats[it.param], shape, v))
+            buf[at:at + nb].view(prm.dtype).view(shape).copy_(view_of(flats[it.param], shape, v))
             at += nb
 
 
@@ -438,7 +438,7 @@ def _unpack(buf: torch.Tensor, items: list[_Item], params: list[_Param], outs: M
         f = it.seg.factor ** scale_power
         for shape, v in _views(it, it.seg.dst):
             nb = prod(shape) * prm.esize
-            _view(outs[it.param], shape, v).copy_(scaled(buf[at:at + nb].view(prm.dtype).view(shape), f))
+            view_of(outs[it.param], shape, v).copy_(scaled(buf[at:at + nb].view(prm.dtype).view(shape), f))
             at += nb
 
 
@@ -455,7 +455,7 @@ def _targets(params: list[_Param], me: int, device) -> dict[int, torch.Tensor]:
         if written + sum(prod(u.shape) for u in pads) == numel:
             flat = empty(numel, prm.dtype, device)
             for u in pads:
-                _view(flat, u.shape, u.dst).zero_()
+                view_of(flat, u.shape, u.dst).zero_()
         else:  # the plan does not write every element (a non-tiling map): zero the rest too
             flat = torch.zeros(numel, dtype=prm.dtype, device=device)
         outs[k] = flat
@@ -466,7 +466,7 @@ def _copy_local(params: list[_Param], me: int, flats, outs, scale_power: int, st
     for k, prm in enumerate(params):
         for s in prm.plan.segments:
             if s.src_rank == me and s.dst_rank == me:
-                _view(outs[k], s.shape, s.dst).copy_(scaled(_view(flats[k], s.shape, s.src), s.factor ** scale_power))
+                strided_copy(outs[k], s.dst, flats[k], s.src, s.shape, s.factor ** scale_power)
                 stats.local += s.numel * prm.esize
 
 
@@ -598,7 +598,7 @@ def transfer(
     params = _check(named, local, me, world, group, dev, max_inflight_bytes, scale_power)
     _check_limit(params, max_inflight_bytes)
     rounds = _schedule(params, max_inflight_bytes)
-    flats = {k: _flat(local[prm.name]) for k, prm in enumerate(params) if prm.name in local}
+    flats = {k: flatten(local[prm.name]) for k, prm in enumerate(params) if prm.name in local}
     outs = _targets(params, me, dev)
     peer_of = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
     st = _Stats()

@@ -90,9 +90,9 @@ from pathlib import Path
 from .errors import CheckpointError, MapError, MapFormatError, PlanError, ReshardError
 from .ir.canonical import canonicalize
 from .ir.geometry import view_boxes
-from .ir.param_map import ParamMap, Shard
+from .ir.param_map import ParamMap, map_from_dict, maps_from_document
 from .ir.piece import Piece, View, prod, row_major_strides
-from .ir.serial import map_from_dict, maps_from_document
+from .ir.shard import Shard
 
 JSON_VERSION = 1
 

@@ -52,13 +52,13 @@ from .formats import deepspeed_writer as dsw
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import Staging
 from .formats.pickling import save
-from .ir.apply import _view, scaled
-from .ir.param_map import ParamMap
+from .ir.apply import strided_copy
+from .ir.param_map import ParamMap, maps_from_document
 from .ir.piece import prod
-from .ir.serial import maps_from_document
 from .layouts import compose, flat_ranges, pipeline_stage, replicated
 from .memory import release
-from .planner import Planner, TransferPlan
+from .plan import TransferPlan
+from .planner import Planner
 from .topology import Topology
 
 Layout = str | Path | Mapping[str, Any] | None
@@ -455,7 +455,7 @@ class _Writer:
                         flat = ck.flat_state(st, sd, src.group_of[name], state)
                         entry = ck.zero_map_at(name, st)[1]
                         frag = flat.narrow(0, src.start(st, sd, name), entry.shard(sd).numel)
-                        _view(dst, s.shape, s.dst).copy_(scaled(_view(frag, s.shape, s.src), s.factor ** power))
+                        strided_copy(dst, s.dst, frag, s.src, s.shape, s.factor ** power)
                         release(frag)  # mapped pages: drop them from our resident set (a re-read is a minor fault)
                         read += s.numel
             fp32.append(bufs["fp32"])
@@ -490,7 +490,7 @@ class _Writer:
                                           f"{src.dtype}: mixed training dtypes are not supported")
                 flat_src = shard.detach().reshape(-1)
                 flat_dst = view.view(-1)
-                _view(flat_dst, s.shape, s.dst).copy_(scaled(_view(flat_src, s.shape, s.src), s.factor))
+                strided_copy(flat_dst, s.dst, flat_src, s.src, s.shape, s.factor)
                 release(flat_src)
         for name in tgt.empty[t]:
             views[name] = torch.empty(tgt.maps[name].shard(t).shape, dtype=src.dtype)

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from .errors import MapFormatError
-from .ir.piece import View
-from .ir.serial import _dict, _int, _key, _list, _rank_key, _shape
-from .planner import ModelPlan, Segment, TransferPlan, Unfilled
+from .ir.piece import View, scale_problem
+from .ir.serial import json_dict, json_int, json_key, json_list, json_rank, json_shape
+from .plan import ModelPlan, Segment, TransferPlan, Unfilled
 
 
 def _end(rank: int, v: View) -> list:
@@ -33,42 +32,43 @@ def plan_to_dict(p: TransferPlan) -> dict[str, Any]:
 
 
 def _endpoint(x: Any, path: str, ndim: int) -> tuple[int, View]:
-    e = _list(x, path)
+    e = json_list(x, path)
     if len(e) != 3:
         raise MapFormatError(path, f"expected [rank, offset, [strides]], got {len(e)} items")
-    rank = _int(e[0], f"{path}[0]")
-    offset = _int(e[1], f"{path}[1]")
-    strides = tuple(_int(s, f"{path}[2][{i}]") for i, s in enumerate(_list(e[2], f"{path}[2]")))
+    rank = json_int(e[0], f"{path}[0]")
+    offset = json_int(e[1], f"{path}[1]")
+    strides = tuple(json_int(s, f"{path}[2][{i}]") for i, s in enumerate(json_list(e[2], f"{path}[2]")))
     if len(strides) != ndim:
         raise MapFormatError(f"{path}[2]", f"{len(strides)} strides for a {ndim}-d shape")
     return rank, View(offset, strides)
 
 
 def _shards(x: Any, path: str) -> dict[int, tuple[int, ...]]:
-    return {_rank_key(k, f"{path}.{k}"): _shape(v, f"{path}.{k}") for k, v in _dict(x, path).items()}
+    return {json_rank(k, f"{path}.{k}"): json_shape(v, f"{path}.{k}") for k, v in json_dict(x, path).items()}
 
 
 def plan_from_dict(d: Any, path: str = "") -> TransferPlan:
-    d = _dict(d, path)
+    d = json_dict(d, path)
     j = (lambda k: f"{path}.{k}" if path else k)
-    logical = _shape(_key(d, "logical_shape", path), j("logical_shape"))
+    logical = json_shape(json_key(d, "logical_shape", path), j("logical_shape"))
     segs = []
-    for i, s in enumerate(_list(_key(d, "segments", path), j("segments"))):
+    for i, s in enumerate(json_list(json_key(d, "segments", path), j("segments"))):
         sp = f"{j('segments')}.{i}"
-        s = _dict(s, sp)
-        shape = _shape(_key(s, "shape", sp), f"{sp}.shape")
-        sr, sv = _endpoint(_key(s, "src", sp), f"{sp}.src", len(shape))
-        dr, dv = _endpoint(_key(s, "dst", sp), f"{sp}.dst", len(shape))
+        s = json_dict(s, sp)
+        shape = json_shape(json_key(s, "shape", sp), f"{sp}.shape")
+        sr, sv = _endpoint(json_key(s, "src", sp), f"{sp}.src", len(shape))
+        dr, dv = _endpoint(json_key(s, "dst", sp), f"{sp}.dst", len(shape))
         f = s.get("factor", 1.0)
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f == 0:
-            raise MapFormatError(f"{sp}.factor", f"must be a finite non-zero number, got {f!r}")
+        problem = scale_problem(f)
+        if problem:
+            raise MapFormatError(f"{sp}.factor", problem)
         segs.append(Segment(sr, sv, dr, dv, shape, float(f)))
     unfilled = []
-    for i, u in enumerate(_list(d.get("unfilled", []), j("unfilled"))):
+    for i, u in enumerate(json_list(d.get("unfilled", []), j("unfilled"))):
         up = f"{j('unfilled')}.{i}"
-        u = _dict(u, up)
-        shape = _shape(_key(u, "shape", up), f"{up}.shape")
-        r, v = _endpoint(_key(u, "dst", up), f"{up}.dst", len(shape))
+        u = json_dict(u, up)
+        shape = json_shape(json_key(u, "shape", up), f"{up}.shape")
+        r, v = _endpoint(json_key(u, "dst", up), f"{up}.dst", len(shape))
         unfilled.append(Unfilled(r, v, shape))
     src_sh = _shards(d["source_shards"], j("source_shards")) if "source_shards" in d else _infer(segs, "src")
     dst_sh = _shards(d["target_shards"], j("target_shards")) if "target_shards" in d else _infer(segs, "dst")
@@ -90,9 +90,9 @@ def model_plan_to_dict(mp: ModelPlan) -> dict[str, Any]:
 
 
 def model_plan_from_dict(d: Any) -> ModelPlan:
-    d = _dict(d, "")
-    v = _key(d, "version", "")
+    d = json_dict(d, "")
+    v = json_key(d, "version", "")
     if isinstance(v, bool) or v != 1:
         raise MapFormatError("version", f"unknown plan format version {v!r}")
-    params = _dict(_key(d, "params", ""), "params")
+    params = json_dict(json_key(d, "params", ""), "params")
     return ModelPlan({n: plan_from_dict(p, f"params.{n}") for n, p in params.items()})

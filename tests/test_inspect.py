@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reshard import apply_plan
 from reshard.cli import main as cli
 from reshard.formats.safe_load import load
 from reshard.inspect import layout_of, open_source, plan_topology
@@ -414,7 +415,7 @@ def test_plan_rebuilds_each_family_and_moves_exactly(tmp_path, tp):
         assert tplan.target_maps[name] == (m if len(m.ranks) == tp else at(tp)), name
         full = torch.randn(m.valid_shape, dtype=torch.float64)
         shards = {r: m.extract(full, r) for r in m.ranks}
-        out = tplan.plan.params[name].apply(shards)
+        out = apply_plan(tplan.plan.params[name], shards)
         tgt = tplan.target_maps[name]
         for r in tgt.ranks:
             assert torch.equal(out[r], tgt.extract(full, r)), (name, r)

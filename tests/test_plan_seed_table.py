@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reshard.derive import derive
-from reshard.planner import plan
+from reshard import apply_plan, derive, plan
 
 oracles = pytest.importorskip("tests.oracles")
 
@@ -42,7 +41,7 @@ def test_segment_count_within_seed_table(layout, make, pair, bound):
     p = plan(src, tgt)
     assert len(p.segments) <= bound, [(s.src_rank, s.dst_rank, s.shape) for s in p.segments]
     full = torch.randn(src.logical_shape)
-    out = p.apply({r: src.extract(full, r) for r in src.ranks})
+    out = apply_plan(p, {r: src.extract(full, r) for r in src.ranks})
     for r in tgt.ranks:
         assert torch.equal(out[r], tgt.extract(full, r))
 

@@ -10,8 +10,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard import ParamMap, PlanError
-from reshard.planner import DefaultCost, ModelPlan, TransferPlan, plan, plan_model
+from reshard import (
+    DefaultCost,
+    ParamMap,
+    PlanError,
+    apply_plan,
+    model_plan_from_dict,
+    model_plan_to_dict,
+    plan,
+    plan_from_dict,
+    plan_model,
+    plan_to_dict,
+)
 from tests.irgen import (
     DTYPES,
     grid_map,
@@ -38,7 +48,7 @@ def _nan_like(shape_by_rank, dtype):
 def _assert_exact(p, source: ParamMap, target: ParamMap, full: torch.Tensor, power: int = 1):
     shards = {r: source.extract(full, r, power) for r in source.ranks}
     out = _nan_like(p.target_shards, full.dtype)
-    p.apply(shards, out=out, scale_power=power)
+    apply_plan(p, shards, out=out, scale_power=power)
     for r in target.ranks:
         want = target.extract(full, r, power)
         assert torch.equal(_bits(out[r]), _bits(want)), f"rank {r}"
@@ -72,7 +82,7 @@ def test_plan_apply_is_exact_and_writes_each_element_once(pair, dtype, seed):
     # every segment reads from a rank that holds the block
     for s in p.segments:
         assert s.src_rank in source.ranks
-    back = TransferPlan.from_dict(json.loads(json.dumps(p.to_dict())))
+    back = plan_from_dict(json.loads(json.dumps(plan_to_dict(p))))
     assert back == p
 
 
@@ -89,11 +99,19 @@ def test_padded_vocabulary_sweep(vocab, src_tp, tgt_tp):
     padded = torch.full(source.logical_shape, float("nan"))
     padded[:vocab] = real
     shards = {r: source.extract(padded, r) for r in source.ranks}  # padding rows hold NaN
-    out = p.apply(shards)
+    out = apply_plan(p, shards)
     for r in target.ranks:
         assert torch.equal(out[r], target.extract(real, r))  # target padding zero, never NaN
     pad_rows = target.logical_shape[0] - vocab
-    assert sum(u.shape[0] if len(u.shape) == 2 else u.shape[0] // hidden for u in p.unfilled) * 0 == 0
+    # unfilled regions are exactly the target's padding rows (F rows >= vocab), each element listed once
+    is_pad = torch.zeros(target.logical_shape, dtype=torch.int64)
+    is_pad[vocab:] = 1
+    for r, shape in p.target_shards.items():
+        hits = torch.zeros(_numel(shape), dtype=torch.int64)
+        for u in p.unfilled:
+            if u.dst_rank == r:
+                torch.as_strided(hits, u.shape, u.dst.strides, u.dst.offset).add_(1)
+        assert torch.equal(hits.reshape(shape), target.extract(is_pad, r)), f"rank {r}"
     assert sum(_numel(u.shape) for u in p.unfilled) == pad_rows * hidden
 
 
@@ -192,7 +210,7 @@ def test_plans_are_deterministic_and_identical_geometry_is_planned_once():
     a, b = plan_model(src, tgt), plan_model(src, tgt)
     assert a == b
     assert a.params["l0.w"] is a.params["l2.w"]  # same geometry, same choices: one plan object
-    assert ModelPlan.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+    assert model_plan_from_dict(json.loads(json.dumps(model_plan_to_dict(a)))) == a
 
 
 def test_plan_model_names_must_match():
@@ -207,7 +225,7 @@ def test_plan_is_executable_without_reshard():
     """The JSON plan needs nothing but torch.as_strided."""
     src = grid_map((6, 8), {1: [2, 2, 2, 2]})
     tgt = grid_map((6, 8), {0: [3, 3]})
-    doc = json.loads(json.dumps(plan(src, tgt).to_dict()))
+    doc = json.loads(json.dumps(plan_to_dict(plan(src, tgt))))
     full = torch.randn(6, 8)
     shards = {str(r): src.extract(full, r).reshape(-1) for r in src.ranks}
     out = {r: torch.zeros(torch.Size(s).numel()) for r, s in doc["target_shards"].items()}

@@ -41,9 +41,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..ir.param_map import ParamMap
+from ..ir.param_map import ParamMap, map_to_dict
 from ..ir.piece import prod
-from ..ir.serial import map_to_dict
 from .safe_load import FragmentAddress, ZeroStageEnum
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: "4-byte alignment/sizeof(fp16) = 2"

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, MapFormatError
-from ..ir.param_map import ParamMap
-from ..ir.serial import map_from_dict
+from ..ir.param_map import ParamMap, map_from_dict
 from ..layouts import replicated, split, sub_params
 
 Shapes = list[tuple[int, ...]]

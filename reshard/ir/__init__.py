@@ -2,9 +2,9 @@
 
 from .canonical import canonicalize
 from .check import check, uncovered
-from .param_map import ParamMap, Shard
+from .param_map import ParamMap, map_from_dict, map_to_dict, maps_from_document, maps_to_document
 from .piece import Piece, View, piece, prod, row_major_strides
-from .serial import map_from_dict, map_to_dict, maps_from_document, maps_to_document
+from .shard import Shard
 
 __all__ = [
     "ParamMap",

@@ -12,18 +12,26 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import MapError, ReplicaMismatchError, ShardError
-from .param_map import ParamMap
 from .piece import Piece, View, prod
+from .shard import MapLike
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flatten(t: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous tensor over ``t``'s elements (a view when ``t`` is contiguous)."""
     t = t.detach()
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
-def _view(flat: torch.Tensor, shape: tuple[int, ...], view: View) -> torch.Tensor:
+def view_of(flat: torch.Tensor, shape: tuple[int, ...], view: View) -> torch.Tensor:
+    """``view`` of a flat tensor, counted from the tensor's own first element (not its storage's)."""
     return torch.as_strided(flat, shape, view.strides, flat.storage_offset() + view.offset)
+
+
+def strided_copy(dst: torch.Tensor, dst_view: View, src: torch.Tensor, src_view: View, shape: tuple[int, ...],
+                 factor: float = 1.0) -> None:
+    """``dst[dst_view] = src[src_view] * factor`` on flat tensors: the one copy every executor and
+    the map operations perform (a piece applied, a plan segment run)."""
+    view_of(dst, shape, dst_view).copy_(scaled(view_of(src, shape, src_view), factor))
 
 
 def factor_of(p: Piece, scale_power: int) -> float:
@@ -46,25 +54,23 @@ def _require_scalable(dtype: torch.dtype, factor: float, where: str) -> None:
         raise MapError(f"{where}: a scaled piece cannot apply to integer dtype {dtype}")
 
 
-def extract(m: ParamMap, full: torch.Tensor, rank: int, scale_power: int = 1) -> torch.Tensor:
+def extract(m: MapLike, full: torch.Tensor, rank: int, scale_power: int = 1) -> torch.Tensor:
     """Rank ``rank``'s shard of ``full``. ``full`` has ``m.logical_shape``, or ``m.valid_shape``
     for a padded map, in which case the padding the shard holds is zero."""
     shard_spec = m.shard(rank)
     full = _as_logical(m, full)
-    src = _flat(full)
+    src = flatten(full)
     out = torch.empty(shard_spec.numel, dtype=full.dtype, device=full.device)
     for i, p in enumerate(shard_spec.pieces):
         if p.is_empty:
             continue
         factor = factor_of(p, scale_power)
         _require_scalable(full.dtype, factor, f"rank {rank} piece {i}")
-        dst = _view(out, p.shape, p.dest)
-        block = _view(src, p.shape, p.source)
-        dst.copy_(scaled(block, factor))
+        strided_copy(out, p.dest, src, p.source, p.shape, factor)
     return out.view(shard_spec.shape)
 
 
-def _as_logical(m: ParamMap, full: torch.Tensor) -> torch.Tensor:
+def _as_logical(m: MapLike, full: torch.Tensor) -> torch.Tensor:
     shape = tuple(full.shape)
     if shape == m.logical_shape:
         return full
@@ -78,7 +84,7 @@ def _as_logical(m: ParamMap, full: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
     """Reinterpret as integers so equality is bitwise (NaN == NaN, -0 != +0)."""
     if t.dtype.is_floating_point:
         width = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[t.element_size()]
@@ -86,7 +92,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _check_shards(m: ParamMap, shards: Mapping[int, torch.Tensor]) -> tuple[torch.dtype, torch.device]:
+def _check_shards(m: MapLike, shards: Mapping[int, torch.Tensor]) -> tuple[torch.dtype, torch.device]:
     if not shards:
         raise ShardError("no shards supplied")
     dtype = device = None
@@ -107,7 +113,7 @@ def _check_shards(m: ParamMap, shards: Mapping[int, torch.Tensor]) -> tuple[torc
 
 
 def rebuild(
-    m: ParamMap,
+    m: MapLike,
     shards: Mapping[int, torch.Tensor],
     scale_power: int = 1,
     *,
@@ -129,7 +135,7 @@ def rebuild(
         return prefer if prefer in holders else min(holders)
 
     full = _output(out, m.numel, dtype, device)
-    flats = {r: _flat(t) for r, t in shards.items()}
+    flats = {r: flatten(t) for r, t in shards.items()}
     pending: list[tuple[int, int, Piece]] = []
     for rank, i, p in m.pieces():
         if p.is_empty:
@@ -146,9 +152,7 @@ def rebuild(
             continue
         factor = factor_of(p, scale_power)
         _require_scalable(dtype, factor, f"rank {rank} piece {i}")
-        dst = _view(full, p.shape, p.source)
-        block = _view(flats[rank], p.shape, p.dest)
-        dst.copy_(scaled(block, 1.0 / factor))
+        strided_copy(full, p.source, flats[rank], p.dest, p.shape, 1.0 / factor)
     for rank, i, p in pending:
         _verify_replica(full, flats[rank], rank, i, p, scale_power, writer(p.locations & have))
     out = full.view(m.logical_shape)
@@ -170,10 +174,10 @@ def _verify_replica(
     full: torch.Tensor, flat: torch.Tensor, rank: int, i: int, p: Piece, scale_power: int, writer: int
 ) -> None:
     factor = factor_of(p, scale_power)
-    block = _view(flat, p.shape, p.dest)
+    block = view_of(flat, p.shape, p.dest)
     mine = scaled(block, 1.0 / factor)
-    written = _view(full, p.shape, p.source)
-    if torch.equal(_bits(mine), _bits(written)):
+    written = view_of(full, p.shape, p.source)
+    if torch.equal(bits(mine), bits(written)):
         return
     diff = (mine.double() - written.double()).abs() if mine.dtype.is_floating_point else None
     worst = float(diff.nan_to_num(nan=float("inf")).max()) if diff is not None else float("nan")
@@ -185,19 +189,19 @@ def _verify_replica(
     )
 
 
-def rebuild_mean(m: ParamMap, shards: Mapping[int, torch.Tensor], scale_power: int = 1) -> torch.Tensor:
+def rebuild_mean(m: MapLike, shards: Mapping[int, torch.Tensor], scale_power: int = 1) -> torch.Tensor:
     """F with every element the mean of all supplied copies of it (float64 accumulation). An
     explicit policy for replicas that drifted apart; identical copies give their common value."""
     dtype, device = _check_shards(m, shards)
     total = torch.zeros(m.numel, dtype=torch.float64, device=device)
     count = torch.zeros(m.numel, dtype=torch.float64, device=device)
-    flats = {r: _flat(t) for r, t in shards.items()}
+    flats = {r: flatten(t) for r, t in shards.items()}
     for rank, _, p in m.pieces():
         if p.is_empty or rank not in flats:
             continue
-        block = scaled(_view(flats[rank], p.shape, p.dest).double(), 1.0 / factor_of(p, scale_power))
-        _view(total, p.shape, p.source).add_(block)
-        _view(count, p.shape, p.source).add_(1.0)
+        block = scaled(view_of(flats[rank], p.shape, p.dest).double(), 1.0 / factor_of(p, scale_power))
+        view_of(total, p.shape, p.source).add_(block)
+        view_of(count, p.shape, p.source).add_(1.0)
     if bool((count == 0).any()):
         raise ShardError("the supplied shards leave part of F without any holder")
     return (total / count).to(dtype).view(m.logical_shape)

@@ -15,10 +15,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TypeVar
 
 from .geometry import one_box, view_boxes
-from .param_map import ParamMap, Shard
 from .piece import Piece, View, row_major_strides
+from .shard import MapLike, Shard
+
+MapT = TypeVar("MapT", bound=MapLike)
 
 Dim = tuple[int, int, int]  # (extent, source stride, dest stride)
 
@@ -178,9 +181,9 @@ def canonical_pieces(pieces: tuple[Piece, ...] | list[Piece], space: tuple[int, 
     return tuple(sorted(out, key=_order))
 
 
-def canonicalize(m: ParamMap) -> ParamMap:
+def canonicalize(m: MapT) -> MapT:
     """The canonical form of ``m`` (deterministic, idempotent, never more pieces)."""
-    return ParamMap(
+    return type(m)(
         m.logical_shape,
         {r: Shard(s.shape, canonical_pieces(s.pieces, m.logical_shape)) for r, s in m.shards.items()},
         m.valid_shape,

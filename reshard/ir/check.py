@@ -12,8 +12,8 @@ import numpy as np
 
 from ..errors import MapError
 from .geometry import Box, box_str, is_injective, normalized_dims, unravel, view_boxes
-from .param_map import ParamMap
 from .piece import Piece, prod
+from .shard import MapLike
 
 
 class Grid:
@@ -56,7 +56,7 @@ def _where(rank: int, index: int, p: Piece) -> str:
     return f"rank {rank} piece {index} ({p.describe()})"
 
 
-def _check_pieces(m: ParamMap) -> None:
+def _check_pieces(m: MapLike) -> None:
     ranks = set(m.ranks)
     numel = m.numel
     for rank, i, p in m.pieces():
@@ -80,7 +80,7 @@ def _check_pieces(m: ParamMap) -> None:
                 raise MapError(f"{_where(rank, i, p)}: {side} view touches an address more than once")
 
 
-def _check_shard_tiling(m: ParamMap, rank: int) -> None:
+def _check_shard_tiling(m: MapLike, rank: int) -> None:
     shard = m.shards[rank]
     live = [(i, p) for i, p in enumerate(shard.pieces) if not p.is_empty]
     # Fast path: dest views that are dense intervals (the usual case) are checked by a sweep.
@@ -130,7 +130,7 @@ class _Coverage:
     """Per-cell facts about F: which piece covered it first, its locations id, how many ranks
     cover it, the last rank that did, and its scale."""
 
-    def __init__(self, m: ParamMap) -> None:
+    def __init__(self, m: MapLike) -> None:
         self.m = m
         self.items = [
             (rank, i, p, view_boxes(p.source, p.shape, m.logical_shape))
@@ -204,7 +204,7 @@ def _contains(box: Box, point: tuple[int, ...]) -> bool:
     return all(s <= x <= s + (n - 1) * t and (x - s) % t == 0 for (s, t, n), x in zip(box, point))
 
 
-def check(m: ParamMap) -> None:
+def check(m: MapLike) -> None:
     """Raise :class:`MapError` naming rank, piece and reason unless ``m`` is a valid map."""
     _check_pieces(m)
     for rank in m.ranks:
@@ -236,7 +236,7 @@ def _merge_cells(cov: _Coverage, cells: np.ndarray) -> list[Box]:
     return merged
 
 
-def uncovered(m: ParamMap) -> list[Box]:
+def uncovered(m: MapLike) -> list[Box]:
     """Regions of F no piece covers, as boxes ``((start, step, count), ...)`` per dim. Runs the
     per-piece checks first, since coverage is meaningless for out-of-bounds views."""
     _check_pieces(m)

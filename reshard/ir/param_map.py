@@ -1,51 +1,36 @@
 """ParamMap: how one parameter F is spread over ranks.
 
 ``logical_shape`` is F's shape, padding included; ``valid_shape`` is the real region, a prefix box
-of F (padded vocabularies, seed §8.1). Each rank's entry is a :class:`Shard`: the shape of the
-tensor that rank holds and the pieces that fill it.
+of F (padded vocabularies, docs/spec.md §1 "valid region"). Each rank's entry is a
+:class:`Shard`: the shape of the tensor that rank holds and the pieces that fill it.
+
+The methods are the IR's operations; their algorithms live in ``check``, ``apply`` and
+``serial``, which read a map through ``shard.MapLike`` and so do not import this module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from ..errors import MapError
-from .piece import Piece, _is_int, prod
-
-
-def _shape(value, what: str) -> tuple[int, ...]:
-    shape = tuple(value)
-    if not all(_is_int(n) and n >= 0 for n in shape):
-        raise MapError(f"{what} must be non-negative ints, got {value!r}")
-    return shape
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """One rank's tensor: its shape and the pieces that tile it."""
-
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", _shape(self.shape, "shard shape"))
-        pieces = tuple(self.pieces)
-        if not all(isinstance(p, Piece) for p in pieces):
-            raise MapError("shard pieces must be Piece values")
-        object.__setattr__(self, "pieces", pieces)
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
+from .apply import extract, rebuild
+from .check import check as check_map
+from .check import uncovered as uncovered_boxes
+from .geometry import Box
+from .piece import Piece, is_int, prod
+from .serial import decode_document, decode_map, encode_document, encode_map
+from .shard import Shard, checked_shape
 
 
 @dataclass(frozen=True, slots=True)
 class ParamMap:
     """The map of one parameter: F's shape and, per rank, its shard.
 
-    Immutable and hashable; rank keys are ints. Methods that do real work live in their own
-    modules (``check``, ``apply``, ``canonical``, ``serial``) and are attached below.
+    Immutable and hashable; rank keys are ints.
     """
 
     logical_shape: tuple[int, ...]
@@ -54,15 +39,15 @@ class ParamMap:
     _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
-        logical = _shape(self.logical_shape, "logical_shape")
+        logical = checked_shape(self.logical_shape, "logical_shape")
         object.__setattr__(self, "logical_shape", logical)
-        valid = logical if self.valid_shape is None else _shape(self.valid_shape, "valid_shape")
+        valid = logical if self.valid_shape is None else checked_shape(self.valid_shape, "valid_shape")
         if len(valid) != len(logical) or any(v > n for v, n in zip(valid, logical)):
             raise MapError(f"valid_shape {list(valid)} must fit inside logical_shape {list(logical)}")
         object.__setattr__(self, "valid_shape", valid)
         shards: dict[int, Shard] = {}
         for rank in sorted(self.shards):
-            if not _is_int(rank) or rank < 0:
+            if not is_int(rank) or rank < 0:
                 raise MapError(f"rank keys must be non-negative ints, got {rank!r}")
             shard = self.shards[rank]
             if not isinstance(shard, Shard):
@@ -128,10 +113,8 @@ class ParamMap:
     def with_ranks(self, relabel: Mapping[int, int]) -> ParamMap:
         """The same geometry with ranks renamed (``relabel[old] = new``), e.g. local TP rank to
         global rank."""
-        from .piece import Piece as _P
-
         def move(p: Piece) -> Piece:
-            return _P(p.shape, p.source, p.dest, frozenset(relabel[r] for r in p.locations), p.scale)
+            return Piece(p.shape, p.source, p.dest, frozenset(relabel[r] for r in p.locations), p.scale)
 
         return ParamMap(
             self.logical_shape,
@@ -139,61 +122,53 @@ class ParamMap:
             self.valid_shape,
         )
 
+    # -- the IR's operations -------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise :class:`reshard.MapError` unless the map is valid (docs/spec.md §2)."""
+        check_map(self)
+
+    def uncovered(self) -> list[Box]:
+        """Regions of F that no piece covers, as boxes."""
+        return uncovered_boxes(self)
+
+    def extract(self, full: torch.Tensor, rank: int, scale_power: int = 1) -> torch.Tensor:
+        """Rank ``rank``'s shard of ``full`` (see ``reshard.ir.apply.extract``)."""
+        return extract(self, full, rank, scale_power)
+
+    def rebuild(self, shards: Mapping[int, torch.Tensor], scale_power: int = 1, *, verify: bool = True,
+                valid_only: bool = False, prefer: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """F from shards (see ``reshard.ir.apply.rebuild``)."""
+        return rebuild(self, shards, scale_power, verify=verify, valid_only=valid_only, prefer=prefer, out=out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON format v1 (docs/spec.md §5)."""
+        return encode_map(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "") -> ParamMap:
+        """Strict decoder of JSON format v1; raises :class:`reshard.MapFormatError` with a JSON path.
+        Decodes the format, not the geometry: call ``check()`` for that."""
+        logical, shards, valid = decode_map(d, path)
+        return cls(logical, shards, valid)
+
     def summary(self) -> str:
         counts = {r: len(s.pieces) for r, s in self.shards.items()}
         pad = "" if not self.is_padded else f", valid {list(self.valid_shape)}"
         return f"ParamMap(F {list(self.logical_shape)}{pad}, pieces per rank {counts})"
 
 
-# -- operations, defined in their own modules and exposed as methods ---------------------------
+def map_to_dict(m: ParamMap) -> dict[str, Any]:
+    return m.to_dict()
 
 
-def _check(self: ParamMap) -> None:
-    """Raise :class:`reshard.MapError` unless the map is valid (see ``reshard.ir.check``)."""
-    from .check import check
-
-    check(self)
+def map_from_dict(d: Any, path: str = "") -> ParamMap:
+    return ParamMap.from_dict(d, path)
 
 
-def _uncovered(self: ParamMap):
-    """Regions of F that no piece covers, as boxes."""
-    from .check import uncovered
-
-    return uncovered(self)
+def maps_to_document(maps: Mapping[str, ParamMap]) -> dict[str, Any]:
+    """``{"version": 1, "params": {name: map}}``."""
+    return encode_document(maps)
 
 
-def _extract(self: ParamMap, full, rank: int, scale_power: int = 1):
-    """Rank ``rank``'s shard of ``full`` (see ``reshard.ir.apply.extract``)."""
-    from .apply import extract
-
-    return extract(self, full, rank, scale_power)
-
-
-def _rebuild(self: ParamMap, shards, scale_power: int = 1, *, verify: bool = True, valid_only: bool = False,
-             prefer: int | None = None, out=None):
-    """F from shards (see ``reshard.ir.apply.rebuild``)."""
-    from .apply import rebuild
-
-    return rebuild(self, shards, scale_power, verify=verify, valid_only=valid_only, prefer=prefer, out=out)
-
-
-def _to_dict(self: ParamMap) -> dict:
-    """JSON format v1 (see ``reshard.ir.serial``)."""
-    from .serial import map_to_dict
-
-    return map_to_dict(self)
-
-
-def _from_dict(cls, d) -> ParamMap:
-    """Strict decoder of JSON format v1; raises :class:`reshard.MapFormatError` with a JSON path."""
-    from .serial import map_from_dict
-
-    return map_from_dict(d)
-
-
-ParamMap.check = _check  # type: ignore[attr-defined]
-ParamMap.uncovered = _uncovered  # type: ignore[attr-defined]
-ParamMap.extract = _extract  # type: ignore[attr-defined]
-ParamMap.rebuild = _rebuild  # type: ignore[attr-defined]
-ParamMap.to_dict = _to_dict  # type: ignore[attr-defined]
-ParamMap.from_dict = classmethod(_from_dict)  # type: ignore[attr-defined]
+def maps_from_document(doc: Any) -> dict[str, ParamMap]:
+    return {name: ParamMap(*fields) for name, fields in decode_document(doc).items()}

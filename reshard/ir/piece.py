@@ -27,8 +27,19 @@ def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
+    """An ``int`` that is not a ``bool`` (JSON's ``true`` must not pass as 1)."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def scale_problem(x: object) -> str | None:
+    """Why ``x`` cannot be a piece's scale or a segment's factor (finite, non-zero, a number),
+    or ``None`` when it can. One rule for pieces, map documents and plan documents."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return f"expected a number, got {type(x).__name__} {x!r}"
+    if not math.isfinite(x) or x == 0:
+        return f"must be finite and non-zero, got {x!r}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +50,10 @@ class View:
     strides: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not _is_int(self.offset) or self.offset < 0:
+        if not is_int(self.offset) or self.offset < 0:
             raise MapError(f"view offset must be a non-negative int, got {self.offset!r}")
         strides = tuple(self.strides)
-        if not all(_is_int(s) and s >= 0 for s in strides):
+        if not all(is_int(s) and s >= 0 for s in strides):
             raise MapError(f"view strides must be non-negative ints, got {self.strides!r}")
         object.__setattr__(self, "strides", strides)
 
@@ -78,7 +89,7 @@ class Piece:
 
     def __post_init__(self) -> None:
         shape = tuple(self.shape)
-        if not all(_is_int(n) and n >= 0 for n in shape):
+        if not all(is_int(n) and n >= 0 for n in shape):
             raise MapError(f"piece shape must be non-negative ints, got {self.shape!r}")
         object.__setattr__(self, "shape", shape)
         for side, view in (("source", self.source), ("dest", self.dest)):
@@ -89,15 +100,13 @@ class Piece:
                     f"piece {side} has {len(view.strides)} strides for a {len(shape)}-d shape {shape}"
                 )
         locs = frozenset(self.locations)
-        if not locs or not all(_is_int(r) and r >= 0 for r in locs):
+        if not locs or not all(is_int(r) and r >= 0 for r in locs):
             raise MapError(f"piece locations must be a non-empty set of ranks, got {sorted(locs)!r}")
         object.__setattr__(self, "locations", locs)
-        scale = self.scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise MapError(f"piece scale must be a number, got {scale!r}")
-        if not math.isfinite(scale) or scale == 0:
-            raise MapError(f"piece scale must be finite and non-zero, got {scale!r}")
-        object.__setattr__(self, "scale", float(scale))
+        problem = scale_problem(self.scale)
+        if problem:
+            raise MapError(f"piece scale {problem}")
+        object.__setattr__(self, "scale", float(self.scale))
 
     @classmethod
     def trusted(cls, shape: tuple[int, ...], source: View, dest: View, locations: frozenset[int],

@@ -7,12 +7,12 @@ optional keys that older readers ignore: ``valid_shape`` and ``version``.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import MapFormatError
-from .param_map import ParamMap, Shard
-from .piece import Piece, View
+from .piece import Piece, View, scale_problem
+from .shard import MapLike, Shard
 
 FORMAT_VERSION = 1
 
@@ -29,7 +29,7 @@ def _piece_to_dict(p: Piece) -> dict[str, Any]:
     return d
 
 
-def map_to_dict(m: ParamMap) -> dict[str, Any]:
+def encode_map(m: MapLike) -> dict[str, Any]:
     d: dict[str, Any] = {
         "logical_shape": list(m.logical_shape),
         "ranks": {
@@ -45,7 +45,11 @@ def map_to_dict(m: ParamMap) -> dict[str, Any]:
 # -- strict decoding ------------------------------------------------------------------------
 
 
-def _int(x: Any, path: str, *, minimum: int = 0) -> int:
+# The strict JSON decoders below are shared with the plan format (``reshard.plan_format``): each
+# raises MapFormatError whose path names the offending value.
+
+
+def json_int(x: Any, path: str, *, minimum: int = 0) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise MapFormatError(path, f"expected an integer, got {type(x).__name__} {x!r}")
     if x < minimum:
@@ -53,92 +57,95 @@ def _int(x: Any, path: str, *, minimum: int = 0) -> int:
     return x
 
 
-def _list(x: Any, path: str) -> list:
+def json_list(x: Any, path: str) -> list:
     if not isinstance(x, (list, tuple)):
         raise MapFormatError(path, f"expected a list, got {type(x).__name__}")
     return list(x)
 
 
-def _dict(x: Any, path: str) -> dict:
+def json_dict(x: Any, path: str) -> dict:
     if not isinstance(x, dict):
         raise MapFormatError(path, f"expected an object, got {type(x).__name__}")
     return x
 
 
-def _key(d: dict, key: str, path: str) -> Any:
+def json_key(d: dict, key: str, path: str) -> Any:
     if key not in d:
         raise MapFormatError(f"{path}.{key}" if path else key, "missing required key")
     return d[key]
 
 
-def _shape(x: Any, path: str) -> tuple[int, ...]:
-    return tuple(_int(n, f"{path}[{i}]") for i, n in enumerate(_list(x, path)))
+def json_shape(x: Any, path: str) -> tuple[int, ...]:
+    return tuple(json_int(n, f"{path}[{i}]") for i, n in enumerate(json_list(x, path)))
 
 
 def _view(x: Any, path: str, ndim: int) -> View:
-    pair = _list(x, path)
+    pair = json_list(x, path)
     if len(pair) != 2:
         raise MapFormatError(path, f"expected [offset, [strides]], got {len(pair)} items")
-    offset = _int(pair[0], f"{path}[0]")
-    strides = tuple(_int(s, f"{path}[1][{i}]") for i, s in enumerate(_list(pair[1], f"{path}[1]")))
+    offset = json_int(pair[0], f"{path}[0]")
+    strides = tuple(json_int(s, f"{path}[1][{i}]") for i, s in enumerate(json_list(pair[1], f"{path}[1]")))
     if len(strides) != ndim:
         raise MapFormatError(f"{path}[1]", f"{len(strides)} strides for a {ndim}-d shape")
     return View(offset, strides)
 
 
 def _piece(x: Any, path: str) -> Piece:
-    d = _dict(x, path)
-    shape = _shape(_key(d, "shape", path), f"{path}.shape")
-    source = _view(_key(d, "source", path), f"{path}.source", len(shape))
-    dest = _view(_key(d, "dest", path), f"{path}.dest", len(shape))
-    locs_raw = _list(_key(d, "locations", path), f"{path}.locations")
-    locs = [_int(r, f"{path}.locations[{i}]") for i, r in enumerate(locs_raw)]
+    d = json_dict(x, path)
+    shape = json_shape(json_key(d, "shape", path), f"{path}.shape")
+    source = _view(json_key(d, "source", path), f"{path}.source", len(shape))
+    dest = _view(json_key(d, "dest", path), f"{path}.dest", len(shape))
+    locs_raw = json_list(json_key(d, "locations", path), f"{path}.locations")
+    locs = [json_int(r, f"{path}.locations[{i}]") for i, r in enumerate(locs_raw)]
     if not locs:
         raise MapFormatError(f"{path}.locations", "must name at least one rank")
     if len(set(locs)) != len(locs):
         raise MapFormatError(f"{path}.locations", f"repeats a rank: {locs}")
     scale = d.get("scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise MapFormatError(f"{path}.scale", f"expected a number, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale == 0:
-        raise MapFormatError(f"{path}.scale", f"must be finite and non-zero, got {scale!r}")
+    problem = scale_problem(scale)
+    if problem:
+        raise MapFormatError(f"{path}.scale", problem)
     return Piece(shape, source, dest, frozenset(locs), float(scale))
 
 
-def _rank_key(k: Any, path: str) -> int:
+def json_rank(k: Any, path: str) -> int:
     if isinstance(k, str):
         if not k.isdigit() or (len(k) > 1 and k[0] == "0"):
             raise MapFormatError(path, f"rank key {k!r} is not a non-negative integer")
         return int(k)
-    return _int(k, path)
+    return json_int(k, path)
 
 
-def map_from_dict(d: Any, path: str = "") -> ParamMap:
-    """Decode and validate the *format* (not the geometry: call ``check()`` for that)."""
-    d = _dict(d, path)
+MapFields = tuple[tuple[int, ...], dict[int, Shard], "tuple[int, ...] | None"]
+
+
+def decode_map(d: Any, path: str = "") -> MapFields:
+    """``(logical_shape, shards, valid_shape)`` of one map entry, the *format* validated (not the
+    geometry: ``ParamMap.check()`` does that). ``ParamMap.from_dict`` builds the map."""
+    d = json_dict(d, path)
     version = d.get("version", FORMAT_VERSION)
     if version != FORMAT_VERSION or isinstance(version, bool):
         raise MapFormatError(_join(path, "version"), f"unknown format version {version!r} (know {FORMAT_VERSION})")
-    logical = _shape(_key(d, "logical_shape", path), _join(path, "logical_shape"))
+    logical = json_shape(json_key(d, "logical_shape", path), _join(path, "logical_shape"))
     valid = None
     if "valid_shape" in d:
-        valid = _shape(d["valid_shape"], _join(path, "valid_shape"))
+        valid = json_shape(d["valid_shape"], _join(path, "valid_shape"))
         if len(valid) != len(logical) or any(v > n for v, n in zip(valid, logical)):
             raise MapFormatError(_join(path, "valid_shape"), f"{list(valid)} does not fit in {list(logical)}")
     ranks_path = _join(path, "ranks")
-    ranks = _dict(_key(d, "ranks", path), ranks_path)
+    ranks = json_dict(json_key(d, "ranks", path), ranks_path)
     shards: dict[int, Shard] = {}
     for key, entry in ranks.items():
         rpath = f"{ranks_path}.{key}"
-        rank = _rank_key(key, rpath)
+        rank = json_rank(key, rpath)
         if rank in shards:
             raise MapFormatError(rpath, f"rank {rank} appears twice")
-        entry = _dict(entry, rpath)
-        shape = _shape(_key(entry, "shard_shape", rpath), f"{rpath}.shard_shape")
-        plist = _list(_key(entry, "pieces", rpath), f"{rpath}.pieces")
+        entry = json_dict(entry, rpath)
+        shape = json_shape(json_key(entry, "shard_shape", rpath), f"{rpath}.shard_shape")
+        plist = json_list(json_key(entry, "pieces", rpath), f"{rpath}.pieces")
         pieces = tuple(_piece(p, f"{rpath}.pieces.{i}") for i, p in enumerate(plist))
         shards[rank] = Shard(shape, pieces)
-    return ParamMap(logical, shards, valid)
+    return logical, shards, valid
 
 
 def _join(path: str, key: str) -> str:
@@ -148,20 +155,20 @@ def _join(path: str, key: str) -> str:
 # -- documents holding many maps (the checkpoint's ``affine_map`` entry) ----------------------
 
 
-def maps_to_document(maps: dict[str, ParamMap]) -> dict[str, Any]:
+def encode_document(maps: Mapping[str, MapLike]) -> dict[str, Any]:
     """``{"version": 1, "params": {name: map}}``."""
-    return {"version": FORMAT_VERSION, "params": {name: map_to_dict(m) for name, m in maps.items()}}
+    return {"version": FORMAT_VERSION, "params": {name: encode_map(m) for name, m in maps.items()}}
 
 
-def maps_from_document(doc: Any) -> dict[str, ParamMap]:
-    doc = _dict(doc, "")
-    version = _key(doc, "version", "")
+def decode_document(doc: Any) -> dict[str, MapFields]:
+    doc = json_dict(doc, "")
+    version = json_key(doc, "version", "")
     if isinstance(version, bool) or version != FORMAT_VERSION:
         raise MapFormatError("version", f"unknown format version {version!r} (know {FORMAT_VERSION})")
-    params = _dict(_key(doc, "params", ""), "params")
+    params = json_dict(json_key(doc, "params", ""), "params")
     out = {}
     for name, entry in params.items():
         if not isinstance(name, str):
             raise MapFormatError("params", f"parameter key {name!r} is not a string")
-        out[name] = map_from_dict(entry, f"params.{name}")
+        out[name] = decode_map(entry, f"params.{name}")
     return out

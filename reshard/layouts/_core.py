@@ -11,8 +11,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..errors import MapError
 from ..ir.canonical import canonicalize
-from ..ir.param_map import ParamMap, Shard
+from ..ir.param_map import ParamMap
 from ..ir.piece import Piece, View, prod, row_major_strides
+from ..ir.shard import Shard
 
 Shape = tuple[int, ...]
 

@@ -33,8 +33,9 @@ from itertools import product
 
 from ..errors import PlanError
 from ..ir.canonical import canonicalize
-from ..ir.param_map import ParamMap, Shard
+from ..ir.param_map import ParamMap
 from ..ir.piece import Piece, View, prod, row_major_strides
+from ..ir.shard import Shard
 from .tp import replicated
 
 __all__ = ["compose", "replicate_over"]
