@@ -11,9 +11,11 @@ from .errors import (
     NotAffineError,
     OutputError,
     PlanError,
+    PlotUnavailable,
     ReplicaMismatchError,
     ReshardError,
     ShardError,
+    TopologyError,
 )
 from .ir import (
     ParamMap,
@@ -35,10 +37,12 @@ from .convert import ConvertReport, convert  # noqa: E402
 from .derive import derive  # noqa: E402
 from .execute import apply_model_plan, apply_plan  # noqa: E402
 from .formats.output import verify  # noqa: E402
+from .offline import ReshardReport  # noqa: E402
 from .offline import reshard as reshard_checkpoint  # noqa: E402
 from .plan import ModelPlan, PlanStats, Segment, TransferPlan, Unfilled  # noqa: E402
 from .plan_format import model_plan_from_dict, model_plan_to_dict, plan_from_dict, plan_to_dict  # noqa: E402
 from .planner import CostModel, DefaultCost, plan, plan_model  # noqa: E402
+from .retarget import TopologyPlan, plan_topology  # noqa: E402
 from .topology import Topology  # noqa: E402
 
 __all__ = [
@@ -48,8 +52,10 @@ __all__ = [
     "DefaultCost",
     "ModelPlan",
     "PlanStats",
+    "ReshardReport",
     "Segment",
     "Topology",
+    "TopologyPlan",
     "TransferPlan",
     "Unfilled",
     "apply_model_plan",
@@ -63,6 +69,7 @@ __all__ = [
     "layouts",
     "plan",
     "plan_model",
+    "plan_topology",
     "reshard_checkpoint",
     "verify",
     "MapError",
@@ -71,6 +78,8 @@ __all__ = [
     "OutputError",
     "ParamMap",
     "PlanError",
+    "PlotUnavailable",
+    "TopologyError",
     "Piece",
     "ReplicaMismatchError",
     "ReshardError",

@@ -1,23 +1,48 @@
-"""The ``reshard`` command: a thin shell over the library. Errors reshard raises for bad input
-print as one line naming the fault and exit with status 2."""
+"""The ``reshard`` command: a thin shell over the library. Each handler parses nothing itself and
+decides nothing itself: it opens the input, calls the library and prints what it returns. Errors
+reshard raises for bad input print as one line naming the fault and exit with status 2."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
-from .errors import ReshardError
+from .errors import ReshardError, in_context
 from .formats.output import CHECKSUMS
+
+DESCRIPTION = """\
+Move distributed-training checkpoints between parallel topologies exactly, through an affine map
+of every parameter (docs/spec.md).
+
+  reshard convert CKPT OUT                   DeepSpeed checkpoint -> universal checkpoint or safetensors
+  reshard reshard CKPT OUT --tp T [--dp D]   DeepSpeed checkpoint -> the same at another topology
+  reshard inspect PATH                       how every parameter is sharded (table, --json, --png)
+  reshard plan SOURCE --tp T [--dp D]        plan a move to another topology without moving data
+  reshard plan SOURCE --to TARGET.json       plan the move between two map documents
+  reshard check MAPS.json                    validate a map document
+  reshard verify OUT                         re-check an output folder against its manifest
+"""
+
+ELEMENT_SIZE = 4  # bytes per element in the figures of inspect and plan: fp32, what optimizer state is
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def _load_maps(path: str) -> dict:
+    """The maps of a JSON map document (one map, named after the file, or a document of many)."""
     from .ir.param_map import ParamMap, maps_from_document
 
     try:
         doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ReshardError(f"{path}: cannot read a JSON map document ({e})") from None
     if isinstance(doc, dict) and "params" in doc:
         return maps_from_document(doc)
@@ -30,72 +55,141 @@ def _cmd_check(args) -> int:
         try:
             m.check()
         except ReshardError as e:
-            raise type(e)(f"{args.maps}: parameter {name!r}: {e}") from None
+            raise in_context(e, f"{args.maps}: parameter {name!r}") from None
         if args.verbose:
             print(f"{name}: {m.summary()}")
     print(f"{len(maps)} map(s) valid")
     return 0
 
 
-def _cmd_plan(args) -> int:
-    from .plan_format import model_plan_to_dict
-    from .planner import DefaultCost, plan_model
+def _all_ranks(src, view: str) -> range:
+    """Every rank of the topology, holding some of the shown parameters or not."""
+    if view == "tp":
+        return range(src.tp)
+    if view == "composed":
+        return range(src.tp * src.dp)
+    return range(0)
 
-    if args.target is None or args.tp is not None or args.dp is not None:
-        from .inspect import run_plan_topology
 
-        return run_plan_topology(args)
+def _cmd_inspect(args) -> int:
+    from .describe import format_inspect, inspect_document, summarize
+    from .formats.sources import open_source, select
+
     if args.png:
         from .viz import require_matplotlib
 
         require_matplotlib()
-    src, tgt = _load_maps(args.source), _load_maps(args.target)
-    if len(src) == 1 and len(tgt) == 1:
-        tgt = {next(iter(src)): next(iter(tgt.values()))}
-    mp = plan_model(src, tgt, cost=DefaultCost(args.ranks_per_node), allow_inexact_scale=args.allow_inexact_scale)
-    if args.png:
-        from .inspect import write_plan_png
-
-        write_plan_png(mp, src, tgt, args.png, args.element_size, f"plan: {Path(args.source).name} → "
-                       f"{Path(args.target).name}")
+    src = open_source(args.target)
+    names = select(src, args.param)
+    view = {"maps": "maps", "universal": "universal", "deepspeed": "tp"}[src.kind]
+    if args.composed:
+        if src.kind != "deepspeed":
+            raise ReshardError("--composed needs a DeepSpeed checkpoint (it composes the TP maps with the ZeRO split)")
+        view = "composed"
+    maps = {n: src.composed_map(n) if view == "composed" else src.maps[n] for n in names}
+    summaries = [summarize(n, m) for n, m in maps.items()]
+    ranks = sorted({r for m in maps.values() for r in m.ranks} | set(_all_ranks(src, view)))
+    zero = {n: src.zero_fragments(n) for n in names} if src.kind == "deepspeed" else None
     if args.json:
-        json.dump(model_plan_to_dict(mp), sys.stdout)
+        json.dump(inspect_document(src, view, summaries, ranks, args.element_size, zero), sys.stdout)
         print()
-        return 0
-    st = mp.stats(element_size=args.element_size)
-    print(f"{len(mp.params)} parameter(s), {st.segments} segments")
-    print(f"bytes local {st.local_bytes}, remote {st.remote_bytes} (element size {args.element_size})")
-    for r in sorted(set(st.sent) | set(st.received)):
-        print(f"  rank {r}: sends {st.sent.get(r, 0)}, receives {st.received.get(r, 0)}")
-    if st.busiest_link:
-        (a, b), n = st.busiest_link
-        print(f"busiest link: {a} -> {b}, {n} bytes")
+    else:
+        print("\n".join(format_inspect(src, view, summaries, ranks, args.element_size, zero)))
+    if args.png:
+        from .viz import draw_map
+
+        name = names[0]
+        topology = src.description + {"tp": " · TP map", "composed": " · TP∘ZeRO composed"}.get(view, "")
+        rank_names = None
+        if view == "composed":
+            rank_names = {g: f"rank {g} (dp {g // src.tp}, tp {g % src.tp})" for g in range(src.tp * src.dp)}
+        draw_map(maps[name], args.png, name=name, topology=topology, rank_names=rank_names)
+        if not args.json:
+            print(f"wrote {args.png} ({name})")
     return 0
 
 
-def _cmd_inspect(args) -> int:
-    from .inspect import run_inspect
+def _cmd_plan(args) -> int:
+    if args.png:
+        from .viz import require_matplotlib
 
-    return run_inspect(args)
+        require_matplotlib()
+    if args.to is not None:
+        return _plan_between(args)
+    return _plan_to_topology(args)
+
+
+def _plan_between(args) -> int:
+    """``reshard plan SOURCE --to TARGET``: two map documents."""
+    from .describe import stats_lines, write_plan_png
+    from .plan_format import model_plan_to_dict
+    from .planner import DefaultCost, plan_model
+
+    src, tgt = _load_maps(args.source), _load_maps(args.to)
+    if len(src) == 1 and len(tgt) == 1:  # one map each: the same parameter, whatever the files' names
+        tgt = {next(iter(src)): next(iter(tgt.values()))}
+    mp = plan_model(src, tgt, cost=DefaultCost(args.ranks_per_node), allow_inexact_scale=args.allow_inexact_scale)
+    if args.png:
+        write_plan_png(mp, src, tgt, args.png, args.element_size,
+                       f"plan: {Path(args.source).name} → {Path(args.to).name}")
+    if args.json:
+        json.dump(model_plan_to_dict(mp), sys.stdout)
+        print()
+    else:
+        print("\n".join(stats_lines(mp, args.element_size)))
+    return 0
+
+
+def _plan_to_topology(args) -> int:
+    """``reshard plan SOURCE --tp T [--dp D]``: the source's layouts rebuilt at the target."""
+    from .describe import plan_document, stats_lines, write_plan_png
+    from .errors import PlanError
+    from .formats.sources import open_source
+    from .retarget import plan_topology
+
+    src = open_source(args.source)
+    if src.kind == "universal":
+        raise PlanError(f"{src.path}: a universal checkpoint holds F on one rank, which does not say how "
+                        "parameters split over TP ranks; plan from the DeepSpeed checkpoint or a map document")
+    tplan = plan_topology(src.maps, args.tp, args.dp, source_dp=src.dp if src.kind == "deepspeed" else 1,
+                          vocab_divisible_by=args.vocab_divisible_by, ranks_per_node=args.ranks_per_node,
+                          allow_inexact_scale=args.allow_inexact_scale, where=src.path)
+    if args.json:
+        json.dump(plan_document(src, tplan, args.element_size), sys.stdout)
+        print()
+    else:
+        print(f"source: {src.path} ({src.description})")
+        print(f"target: TP={tplan.tp} DP={tplan.dp}"
+              + (f" (rank = dp_rank * {tplan.tp} + tp_rank)" if tplan.dp > 1 else ""))
+        counts = Counter(fam.text for fam in tplan.families.values())
+        print("layouts: " + "; ".join(f"{v}× {k}" for k, v in counts.most_common()))
+        print("\n".join(stats_lines(tplan.plan, args.element_size)))
+    if args.png:
+        title = (f"plan: {Path(src.path).name} (TP={tplan.source_tp} DP={tplan.source_dp}) → "
+                 f"TP={tplan.tp} DP={tplan.dp}")
+        write_plan_png(tplan.plan, tplan.source_maps, tplan.target_maps, args.png, args.element_size, title)
+        if not args.json:
+            print(f"wrote {args.png}")
+    return 0
 
 
 def _cmd_convert(args) -> int:
-    from .convert import convert, summary
+    from .convert import convert
 
     report = convert(args.ckpt_dir, args.out_dir, fmt=args.format, workers=args.workers,
                      on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite, checksum=args.checksum,
                      max_file_bytes=int(args.max_file_gb * 2**30))
-    print(summary(report))
+    print(report)
     return 0
 
 
 def _cmd_reshard(args) -> int:
-    from .offline import reshard, summary
+    from .offline import reshard
 
     report = reshard(args.ckpt_dir, args.out_dir, tp=args.tp, dp=args.dp, pp=args.pp, zero_stage=args.zero_stage,
                      layout=args.layout, workers=args.workers, overwrite=args.overwrite,
                      checksum=args.checksum)
-    print(summary(report))
+    print(report)
     return 0
 
 
@@ -114,72 +208,97 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _figures(p: argparse.ArgumentParser) -> None:
+    """Options shared by the commands that print figures of maps and plans."""
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON document (docs/spec.md §10)")
+    p.add_argument("--element-size", type=_positive, default=ELEMENT_SIZE, metavar="BYTES",
+                   help=f"bytes per element in byte counts (default {ELEMENT_SIZE}: fp32)")
+
+
+def _output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_positive, default=1, help="files written in parallel (default 1)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output tag folder")
+    p.add_argument("--checksum", choices=CHECKSUMS, default="crc32",
+                   help="checksum of each file in the output manifest (default crc32)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="reshard", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="reshard", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="validate a map document (JSON)")
-    c.add_argument("maps")
-    c.add_argument("-v", "--verbose", action="store_true")
+    c.add_argument("maps", help="a JSON map document: one map, or {\"version\": 1, \"params\": {name: map}}")
+    c.add_argument("-v", "--verbose", action="store_true", help="print a one-line summary of every map")
     c.set_defaults(fn=_cmd_check)
+
     ins = sub.add_parser("inspect", help="show how every parameter is sharded: table, --json, --png picture")
     ins.add_argument("target", help="a map document (JSON), a DeepSpeed checkpoint folder or a universal checkpoint "
                      "folder")
-    ins.add_argument("--param", help="show only this parameter (and draw it with --png; default: the first)")
+    ins.add_argument("--param", help="show only this parameter: its name, a unique suffix or a unique part of it "
+                     "(with --png the drawn one; default the first)")
     ins.add_argument("--png", metavar="FILE", help="draw the parameter's F, coloured by rank (needs matplotlib)")
-    ins.add_argument("--json", action="store_true", help="print the figures as JSON")
-    ins.add_argument("--element-size", type=int, default=4, help="bytes per element (default 4: fp32)")
     ins.add_argument("--composed", action="store_true",
                      help="DeepSpeed: show the TP maps composed with the ZeRO split, over global ranks")
+    _figures(ins)
     ins.set_defaults(fn=_cmd_inspect)
-    pl = sub.add_parser("plan", help="plan the move between two map documents, or from a source to TP=T (--tp)")
-    pl.add_argument("source", help="a map document, or (with --tp) a DeepSpeed checkpoint folder")
-    pl.add_argument("target", nargs="?", help="the target map document (or give --tp)")
-    pl.add_argument("--tp", type=int, default=None, help="target TP degree: the source's layouts rebuilt at TP=T")
-    pl.add_argument("--dp", type=int, default=None, help="target DP degree with --tp (default: the source's)")
-    pl.add_argument("--vocab-divisible-by", type=int, default=None, metavar="N",
+
+    pl = sub.add_parser("plan", help="plan a move without moving data: to a topology (--tp) or a map document (--to)",
+                        description="Plan a move without moving data. Either --tp (the source's layouts rebuilt "
+                        "at TP=T, replicated over --dp ranks) or --to (a target map document).")
+    pl.add_argument("source", help="a map document or (with --tp) a DeepSpeed checkpoint folder")
+    mode = pl.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--tp", type=_positive, help="target TP degree: the source's layouts rebuilt at TP=T")
+    mode.add_argument("--to", metavar="TARGET.json", help="the target map document")
+    pl.add_argument("--dp", type=_positive, default=None, help="with --tp: target DP degree (default: the source's)")
+    pl.add_argument("--vocab-divisible-by", type=_positive, default=None, metavar="N",
                     help="with --tp: re-pad padded vocabularies to a multiple of N*T rows")
     pl.add_argument("--png", metavar="FILE", help="draw bytes moved as a source x target rank heat map")
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON (with --tp: its figures)")
-    pl.add_argument("--ranks-per-node", type=int, default=None)
-    pl.add_argument("--element-size", type=int, default=2)
-    pl.add_argument("--allow-inexact-scale", action="store_true")
+    pl.add_argument("--ranks-per-node", type=_positive, default=None, metavar="K",
+                    help="prefer senders on the receiver's node (K consecutive ranks per node)")
+    pl.add_argument("--allow-inexact-scale", action="store_true",
+                    help="accept rescaling by factors that are not powers of two (they round)")
+    _figures(pl)
     pl.set_defaults(fn=_cmd_plan)
+
     cv = sub.add_parser("convert", help="DeepSpeed checkpoint -> universal checkpoint (or safetensors)")
     cv.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
     cv.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest_universal")
-    cv.add_argument("--format", choices=["ucp", "safetensors"], default="ucp")
-    cv.add_argument("--workers", type=int, default=1)
+    cv.add_argument("--format", choices=["ucp", "safetensors"], default="ucp",
+                    help="DeepSpeed's universal checkpoint (default) or HF-style safetensors weights")
     cv.add_argument("--on-replica-mismatch", default="error", metavar="{error,rank:N,mean}",
                     help="what to do when ranks hold different copies of a replicated block (default: fail)")
-    cv.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR/<tag>")
-    cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit")
-    cv.add_argument("--checksum", choices=CHECKSUMS, default="crc32", help="checksum of each file in the manifest")
+    cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit (default 5)")
+    _output(cv)
     cv.set_defaults(fn=_cmd_convert)
+
     rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP (x PP) "
                         "topology, loadable by engine.load_checkpoint")
     rs.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
     rs.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest")
-    rs.add_argument("--tp", type=int, required=True, help="target TP degree")
-    rs.add_argument("--dp", type=int, default=None, help="target DP degree (default: the source's)")
-    rs.add_argument("--pp", type=int, default=1,
+    rs.add_argument("--tp", type=_positive, required=True, help="target TP degree")
+    rs.add_argument("--dp", type=_positive, default=None, help="target DP degree (default: the source's)")
+    rs.add_argument("--pp", type=_positive, default=1,
                     help="target pipeline stages of a deepspeed.pipe checkpoint: its own count, or 1 to merge them")
-    rs.add_argument("--zero-stage", type=int, default=None, help="target ZeRO stage, 1 or 2 (default: the source's)")
+    rs.add_argument("--zero-stage", type=int, choices=(1, 2), default=None,
+                    help="target ZeRO stage (default: the source's)")
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")
-    rs.add_argument("--workers", type=int, default=1)
-    rs.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR/<tag>")
-    rs.add_argument("--checksum", choices=CHECKSUMS, default="crc32", help="checksum of each file in the manifest")
+    _output(rs)
     rs.set_defaults(fn=_cmd_reshard)
+
     vf = sub.add_parser("verify", help="check a reshard output folder against its checksum manifest")
-    vf.add_argument("out_dir")
+    vf.add_argument("out_dir", help="an output tag folder holding reshard-manifest.json")
     vf.set_defaults(fn=_cmd_verify)
-    d = sub.add_parser("demo", help="derive and plan the seed's layouts")
+    d = sub.add_parser("demo", help="a tour: derive layouts, plan, reshard and convert a committed fixture")
     d.set_defaults(fn=_cmd_demo)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(None if argv is None else [str(a) for a in argv])
+    if args.cmd == "plan" and args.to is not None and (args.dp is not None or args.vocab_divisible_by is not None):
+        parser.error("--dp and --vocab-divisible-by go with --tp, not --to")
     try:
         return args.fn(args)
     except ReshardError as e:

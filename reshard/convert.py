@@ -9,9 +9,7 @@ peak memory is about one parameter per worker. Output appears only when complete
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -26,6 +24,7 @@ from .formats.pickling import save
 from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.apply import rebuild_mean
 from .memory import release
+from .workers import Progress, run_jobs
 
 POLICIES = ("error", "mean")  # and "rank:N"
 
@@ -49,6 +48,14 @@ class ConvertReport:
     bytes_written: int
     policy: str
     drift: list[Drift] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"wrote {self.out_dir} ({self.params} parameters, {self.files} files, "
+                 f"{self.bytes_written / 2**20:.1f} MiB)"]
+        if self.drift:
+            lines.append(f"replica drift resolved by '{self.policy}' (recorded in the manifest):")
+            lines += [f"  {d}" for d in self.drift]
+        return "\n".join(lines)
 
 
 def _drift_order(d: Drift) -> tuple[str, int]:
@@ -99,22 +106,6 @@ class _Converter:
         return f, dict(low.extra)
 
 
-def _check_steps(ck: DeepSpeedCheckpoint) -> None:
-    """Every rank's optimizer must be at the same step (DeepSpeed asserts the same)."""
-    steps = set()
-    for (t, d), path in ck.optim_files.items():
-        osd = ck.osd(t, d)
-        try:
-            outer = osd["optimizer_state_dict"] if ck.zero_stage == 3 else osd["base_optimizer_state"]
-            for s in outer["state"].values():
-                if "step" in s:
-                    steps.add(float(s["step"]))
-        except (KeyError, TypeError, AttributeError, ValueError):
-            raise CheckpointError(f"{path}: optimizer state has an unknown layout (no per-group 'state')") from None
-    if len(steps) > 1:
-        raise CheckpointError(f"{ck.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
-
-
 def _optimizer_state(ck: DeepSpeedCheckpoint) -> dict:
     """What ``ds_to_universal`` keeps of rank 0's optimizer file: the unsharded entries and the
     parameter groups."""
@@ -152,11 +143,11 @@ def convert(
         raise ReshardError(f"format must be 'ucp' or 'safetensors', got {fmt!r}")
     _policy(on_replica_mismatch)
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
-    _check_steps(ck)
+    ck.check_steps()
     conv = _Converter(ck, on_replica_mismatch)
     staging = Staging(out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     names = ck.names
-    bar = _progress(progress, len(names))
+    bar = Progress(progress, len(names), "param", "reshard convert")
     try:
         if fmt == "ucp":
             _write_ucp(ck, conv, staging, names, workers, bar)
@@ -214,37 +205,9 @@ def _write_ucp(ck, conv: _Converter, staging: Staging, names: list[str], workers
     jobs = [(src.stat().st_size, partial(staging.copy, src, src.name)) for src in copies]
     jobs += [(ck.tp_map(n).map.numel * 12, partial(one, n)) for n in names]
     jobs.sort(key=lambda job: -job[0])
-    _run([job for _, job in jobs], workers)
+    run_jobs([job for _, job in jobs], workers, keep_going=(ReplicaMismatchError,))
     with staging.open("zero/optimizer_state.pt") as out:
         save(_optimizer_state(ck), out)
-
-
-def _run(jobs: list[Callable[[], None]], workers: int) -> None:
-    """Run every job; a replica mismatch does not stop the others, so every drifted parameter
-    is reported at once."""
-    errors: list[BaseException] = []
-
-    def guarded(job: Callable[[], None]) -> None:
-        try:
-            job()
-        except ReplicaMismatchError as e:
-            errors.append(e)
-
-    if workers <= 1:
-        for job in jobs:
-            guarded(job)
-    else:
-        # Jobs already run in parallel; torch's own intra-op threads would only contend.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                for fut in [pool.submit(guarded, job) for job in jobs]:
-                    fut.result()
-        finally:
-            torch.set_num_threads(threads)
-    if errors:
-        raise errors[0]
 
 
 def _write_safetensors(ck, conv: _Converter, staging: Staging, names: list[str], max_bytes: int, bar) -> None:
@@ -270,40 +233,3 @@ def _write_safetensors(ck, conv: _Converter, staging: Staging, names: list[str],
             w.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     staging.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(progress, total: int):
-    if progress is False or (progress is None and not sys.stderr.isatty()):
-        return _NoBar()
-    if callable(progress):
-        class _Cb(_NoBar):
-            done = 0
-
-            def update(self, n: int) -> None:
-                self.done += n
-                progress(self.done, total)
-
-        return _Cb()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, unit="param", desc="reshard convert", file=sys.stderr)
-
-
-def summary(report: ConvertReport) -> str:
-    lines = [f"wrote {report.out_dir} ({report.params} parameters, {report.files} files, "
-             f"{report.bytes_written / 2**20:.1f} MiB)"]
-    if report.drift:
-        lines.append(f"replica drift resolved by '{report.policy}' (recorded in the manifest):")
-        lines += [f"  {d}" for d in report.drift]
-    return "\n".join(lines)
-

@@ -1,13 +1,38 @@
-"""``make demo``: derive the seed's hard layouts from plain partition functions, print their maps,
-round-trip random bf16 data bit-exactly, and plan a move between two TP degrees."""
+"""``make demo``: a newcomer's tour of reshard, in two parts.
+
+1. Layouts: derive the seed's hard layouts from plain partition functions, print their maps,
+   round-trip random bf16 data bit-exactly, and plan a move between two TP degrees.
+2. Phase 2 on a checkpoint DeepSpeed itself wrote (Llama, TP=2 x DP=2, ZeRO-1, committed under
+   tests/fixtures/deepspeed/llama_tp2_dp2): reshard it to TP=1 x DP=4, convert both the source and
+   the result to universal checkpoints, and check bit for bit that they hold the same tensors.
+   The plan's picture (bytes moved between source and target ranks) is drawn to a PNG.
+
+Part 2 writes under ./demo-out/ in the current directory (its folders are replaced on every run).
+Any difference raises, so the demo exits non-zero.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from . import ParamMap
-from .derive import derive
-from .planner import plan
+from reshard import ParamMap, apply_plan, convert, derive, plan, plan_topology, reshard_checkpoint, verify
+from reshard.describe import stats_lines, write_plan_png
+from reshard.formats.sources import open_source
+
+ELEMENT_SIZE = 4  # the fixture is fp32
+
+FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspeed" / "llama_tp2_dp2"
+OUT = Path("demo-out")
+STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what a universal checkpoint keeps per parameter
+
+
+class DemoFailed(RuntimeError):
+    """Something the tour shows turned out false."""
+
+
+# -- part 1: layouts ------------------------------------------------------------------------------
 
 
 def gpt_bigcode(tp: int):
@@ -49,31 +74,7 @@ def round_trip(m: ParamMap) -> bool:
     return torch.equal(m.rebuild(shards).view(torch.int16), full.view(torch.int16))
 
 
-def convert_fixture() -> None:
-    """Phase 1 on a real checkpoint DeepSpeed wrote (Llama, TP=2 x DP=2, ZeRO-1)."""
-    import tempfile
-    from pathlib import Path
-
-    from .convert import convert, summary
-    from .formats.output import verify
-
-    fixture = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspeed" / "llama_tp2_dp2"
-    if not fixture.is_dir():
-        print("\n(no committed fixture found next to the package: skipping the conversion demo)")
-        return
-    print(f"\nPhase 1: converting the DeepSpeed checkpoint {fixture.name} (TP=2 x DP=2, ZeRO-1)")
-    with tempfile.TemporaryDirectory() as out:
-        report = convert(fixture, out, progress=False)
-        print("  " + summary(report).replace("\n", "\n  "))
-        doc = verify(report.out_dir)
-        print(f"  verify: {len(doc['files'])} files match their checksums")
-        from .formats.safe_load import load
-
-        f = load(Path(report.out_dir) / "zero" / "model.layers.0.self_attn.q_proj.weight" / "fp32.pt")["param"]
-        print(f"  model.layers.0.self_attn.q_proj.weight: full fp32 {list(f.shape)}, rebuilt from 4 rank files")
-
-
-def main() -> None:
+def layouts_tour() -> None:
     print("reshard demo: layouts derived by running their partition functions on marker tensors")
     cases = {
         "GPT-BigCode MQA fused QKV, TP=4": derive(gpt_bigcode(4), (48, 8), 4),
@@ -93,7 +94,7 @@ def main() -> None:
     ]:
         p = plan(src, tgt)
         full = torch.randn(src.logical_shape)
-        out = p.apply({r: src.extract(full, r) for r in src.ranks})
+        out = apply_plan(p, {r: src.extract(full, r) for r in src.ranks})
         exact = all(torch.equal(out[r], tgt.extract(full, r)) for r in tgt.ranks)
         st = p.stats(element_size=4)
         print(f"  {name}: {len(p.segments)} segments, {st.local_bytes} B local, {st.remote_bytes} B remote, "
@@ -102,7 +103,112 @@ def main() -> None:
             f = f" x{s.factor:g}" if s.factor != 1 else ""
             print(f"    rank {s.src_rank} @{s.src.offset}{list(s.src.strides)} -> rank {s.dst_rank} "
                   f"@{s.dst.offset}{list(s.dst.strides)} shape {list(s.shape)}{f}")
-    convert_fixture()
+
+
+# -- part 2: reshard a real checkpoint, and prove nothing changed ---------------------------------
+
+
+def topology(t: dict[str, int]) -> str:
+    return f"TP={t['tp']} x DP={t['dp']} ZeRO-{t['zero_stage']}"
+
+
+def size(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
+
+
+def draw_plan(source: Path, tp: int, dp: int, png: Path) -> list[str]:
+    """What ``reshard plan SOURCE --tp T --dp D --png FILE`` does, through the library: rebuild the
+    source's layouts at the target, plan the move without moving data, and draw the bytes each
+    source rank sends to each target rank. Returns the plan's figures as text lines."""
+    src = open_source(source)
+    tplan = plan_topology(src.maps, tp, dp, source_dp=src.dp, where=src.path)
+    write_plan_png(tplan.plan, tplan.source_maps, tplan.target_maps, str(png), ELEMENT_SIZE,
+                   f"plan: {source.name} (TP={tplan.source_tp} DP={tplan.source_dp}) → TP={tp} DP={dp}")
+    if not png.is_file():
+        raise DemoFailed(f"the plan picture {png} was not written")
+    return [f"source: {src.description}; target: TP={tp} DP={dp}"] + stats_lines(tplan.plan, ELEMENT_SIZE)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes: torch.equal on these is bit for bit (NaN == NaN, -0.0 != 0.0)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def load_universal(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a universal checkpoint: ``zero/<param>/<state>.pt`` -> {"<param>/<state>": tensor}.
+    A state file is a dict whose ``param`` is the full, unsharded tensor (``step.pt`` is a bare tensor)."""
+    tensors = {}
+    for f in sorted((tag_dir / "zero").glob("*/*.pt")):
+        obj = torch.load(f, map_location="cpu", weights_only=True)
+        # Only the tensor is compared: metadata beside it (``cat_dim``) follows how the source
+        # recorded its TP layout (the TP=2 fixture carries an affine map, a TP=1 checkpoint none).
+        tensors[f"{f.parent.name}/{f.stem}"] = obj["param"] if isinstance(obj, dict) else obj
+    return tensors
+
+
+def compare_universal(a: Path, b: Path) -> list[str]:
+    """Check that two universal checkpoints hold the same logical tensors, bit for bit; return the
+    ``<param>/<state>`` names compared. Raises DemoFailed listing every difference."""
+    ta, tb = load_universal(a), load_universal(b)
+    problems = [f"{k}: only in {a}" for k in sorted(ta.keys() - tb.keys())]
+    problems += [f"{k}: only in {b}" for k in sorted(tb.keys() - ta.keys())]
+    params = {k.split("/")[0] for k in ta}
+    problems += [f"{p}/{s}: missing" for p in sorted(params) for s in STATES if f"{p}/{s}" not in ta]
+    for k in sorted(ta.keys() & tb.keys()):
+        x, y = ta[k], tb[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            problems.append(f"{k}: {x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}")
+        elif not torch.equal(bits(x), bits(y)):
+            diff = (x.double() - y.double()).abs().nan_to_num(nan=float("inf")).max().item()
+            problems.append(f"{k}: values differ (max |diff| {diff:g})")
+    if problems or not ta:
+        raise DemoFailed(f"universal checkpoints {a} and {b} differ:\n  " + "\n  ".join(problems or ["empty"]))
+    return sorted(ta)
+
+
+def reshard_tour(out: Path = OUT) -> None:
+    """Phase 2's main job on a checkpoint DeepSpeed wrote: TP=2 x DP=2 -> TP=1 x DP=4."""
+    if not FIXTURE.is_dir():
+        print(f"\n(no committed fixture at {FIXTURE}: skipping the resharding tour)")
+        return
+    tp, dp = 1, 4
+    print(f"\nResharding a checkpoint DeepSpeed wrote: tests/fixtures/deepspeed/{FIXTURE.name} -> TP={tp} x DP={dp}")
+    print(f"  outputs under {out.resolve()}/")
+
+    # 1. Rewrite the checkpoint at the new topology, as DeepSpeed would have saved it there
+    #    (engine.load_checkpoint loads it natively). TP=1 needs no target layout: every
+    #    parameter is whole on its one TP rank.
+    resharded = reshard_checkpoint(FIXTURE, out / f"tp{tp}_dp{dp}", tp=tp, dp=dp, overwrite=True)
+    verify(resharded.out_dir)  # re-reads every file written against its checksum manifest
+    print(f"  reshard  {topology(resharded.source)} -> {topology(resharded.target)}: "
+          f"{resharded.params} parameters, {resharded.files} files, {size(resharded.bytes_written)} "
+          f"written to {resharded.out_dir}, {resharded.segments} plan segments; checksums verified")
+
+    # 2. Convert both to universal checkpoints: one full, unsharded tensor per parameter and state,
+    #    whatever the topology it came from.
+    ucp_src = convert(FIXTURE, out / "ucp_source", overwrite=True, progress=False)
+    ucp_tgt = convert(resharded.out_dir, out / "ucp_resharded", overwrite=True, progress=False)
+    for label, report in (("source", ucp_src), ("resharded", ucp_tgt)):
+        print(f"  convert  {label:<9} -> {report.out_dir}: {report.files} files, {size(report.bytes_written)}")
+
+    # 3. The same logical tensors, bit for bit: every parameter's fp32 master, exp_avg,
+    #    exp_avg_sq (and step).
+    compared = compare_universal(ucp_src.out_dir, ucp_tgt.out_dir)
+    states = sorted({name.split("/")[1] for name in compared})
+    print(f"  compare  {len(compared)} tensors ({ucp_src.params} parameters x {{{', '.join(states)}}}) "
+          "with torch.equal, bit for bit: all identical")
+
+    # 4. The plan behind step 1, as a picture: bytes each source rank sends to each target rank.
+    src = resharded.source
+    png = out / f"plan_tp{src['tp']}_dp{src['dp']}_to_tp{tp}_dp{dp}.png"
+    lines = draw_plan(FIXTURE, tp, dp, png)
+    print("  plan     " + "\n           ".join(line for line in lines if not line.startswith("wrote ")))
+    print(f"  picture  {png}")
+
+
+def main() -> None:
+    layouts_tour()
+    reshard_tour()
 
 
 if __name__ == "__main__":

@@ -30,13 +30,10 @@ Wire protocol
       parameter. No rank sends data before every rank has passed the check, so a bad shard on
       one rank can never leave the others waiting in a receive.
 
-2. **Schedule** (computed identically on every rank, no communication). The remote segments
-   of all parameters, taken in sorted parameter-name order and plan order within a parameter,
-   are assigned to rounds. Without ``max_inflight_bytes`` there is one round. With it, each
-   segment is placed first-fit from its link's last round, split at element boundaries of its
-   row-major index space where it does not fit, so that in every round each rank sends plus
-   receives at most ``max_inflight_bytes`` bytes (a segment part is an index range
-   ``[lo, hi)``, i.e. at most ``2·ndim − 1`` strided boxes).
+2. **Schedule** (:func:`reshard.schedule.schedule`: identical on every rank, no
+   communication). The remote segments, in sorted parameter-name order, go into rounds; with
+   ``max_inflight_bytes`` they are split at element boundaries so that in every round each
+   rank sends plus receives at most that many bytes.
 
 3. **Rounds.** In each round, each ordered pair of ranks with traffic exchanges exactly one
    message: a contiguous ``uint8`` buffer holding that round's segment parts for the pair,
@@ -55,15 +52,14 @@ Wire protocol
    shard) are packed once; the bytes on the wire are the same.
 
 Staging: one allocation per round, cut into the round's messages at 16-byte boundaries (the
-alignment never travels). With ``max_inflight_bytes`` the message bytes a rank stages per round
-are at most that bound. A :class:`Workspace` keeps the allocation between calls: on a CPU-bound
-host, first-touch page faults on fresh staging memory can cost as much as the copies. Large host
-buffers (staging and target shards) are asked for transparent huge pages before first touch
-(``reshard.memory.empty``), which cuts that cost about threefold where a call gets fresh memory.
+alignment never travels), at most ``max_inflight_bytes`` per round when that is given, and kept
+between calls by a :class:`Workspace`. Large host buffers (staging and target shards) are asked
+for transparent huge pages before first touch (``reshard.memory.empty``), which cuts the cost of
+first-touch page faults about threefold where a call gets fresh memory.
 
 The target shards are allocated on the transfer device with the agreed dtype; target padding
-(``plan.unfilled``) is zero. Results are bit-exact: data is copied, and scaled only by
-:func:`reshard.ir.apply.scaled`, the same operation the in-memory executor uses.
+(``plan.unfilled``) is zero. Results are bit-exact: every copy, local or staged, is
+:func:`reshard.ir.apply.strided_copy`, the operation the in-memory executor uses.
 """
 
 from __future__ import annotations
@@ -71,20 +67,19 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from .errors import PlanError, ShardError
-from .ir.apply import flatten, scaled, strided_copy, view_of
-from .ir.piece import View, prod
+from .ir.apply import flatten, strided_copy, view_of
+from .ir.piece import View, prod, row_major_strides
 from .memory import empty
-from .plan import ModelPlan, Segment, TransferPlan
+from .plan import ModelPlan, TransferPlan
+from .schedule import Item, Round, schedule
 
 __all__ = ["Workspace", "transfer"]
-
-Link = tuple[int, int]  # (source rank, destination rank), plan ranks
 
 # Every dtype torch knows, in a fixed order: a dtype travels as its index here. Same torch
 # version on every rank is assumed (the fingerprint does not cover it).
@@ -110,17 +105,16 @@ def _label(name: str) -> str:
     return "the parameter" if name == _SINGLE else f"parameter {name!r}"
 
 
-def _as_named(plan, local_shards) -> tuple[list[tuple[str, TransferPlan]], dict[str, object], bool]:
-    """(sorted (name, plan) pairs, local shards by name, whether a lone TransferPlan was given)."""
+def _as_named(plan, local_shards) -> tuple[list[tuple[str, TransferPlan]], object, bool]:
+    """(sorted (name, plan) pairs, local shards by name, whether a lone TransferPlan was given).
+    Local shards that are not a mapping are returned as they are, for the check to report."""
     if isinstance(plan, TransferPlan):
         return [(_SINGLE, plan)], ({} if local_shards is None else {_SINGLE: local_shards}), True
     if not isinstance(plan, ModelPlan):
-        raise TypeError(f"transfer needs a TransferPlan or a ModelPlan, got {type(plan).__name__}")
-    if local_shards is not None and not isinstance(local_shards, Mapping):
-        raise TypeError(f"for a ModelPlan, local_shards must map parameter names to tensors, got "
-                        f"{type(local_shards).__name__}")
-    local = {k: v for k, v in (local_shards or {}).items() if v is not None}
-    return sorted(plan.params.items()), local, False
+        raise PlanError(f"transfer needs a TransferPlan or a ModelPlan, got {type(plan).__name__}")
+    if local_shards is None or isinstance(local_shards, Mapping):
+        local_shards = {k: v for k, v in (local_shards or {}).items() if v is not None}
+    return sorted(plan.params.items()), local_shards, False
 
 
 def _transfer_device(group, device) -> torch.device:
@@ -132,11 +126,14 @@ def _transfer_device(group, device) -> torch.device:
     return torch.device("cpu")
 
 
-def _local_problems(named, local: Mapping[str, object], me: int, device: torch.device) -> list[str]:
+def _local_problems(named, local, me: int, device: torch.device) -> list[str]:
     """What is wrong with this rank's own shards (empty when they match the plan)."""
+    if not isinstance(local, Mapping):
+        return [f"rank {me} passed local_shards as a {type(local).__name__}; for a ModelPlan it maps "
+                f"parameter names to tensors"]
     out = []
     known = {n for n, _ in named}
-    extra = sorted(k for k in local if k not in known)
+    extra = sorted((k for k in local if k not in known), key=repr)
     if extra:
         out.append(f"rank {me} passed shards for parameters the plan does not have: {extra[:5]}")
     for name, p in named:
@@ -189,7 +186,8 @@ def _check(named, local, me: int, world: int, group, device, max_inflight_bytes,
     mine = _local_problems(named, local, me, device)
     flagged = _agree_on_plan(named, bool(mine), world, group, device, max_inflight_bytes, scale_power)
     _check_plan_ranks(named, world)  # plans agree now, so every rank raises alike
-    codes_local = [(_DTYPE_CODE[local[n].dtype] if isinstance(local.get(n), torch.Tensor) else -1)
+    held = local if isinstance(local, Mapping) else {}
+    codes_local = [(_DTYPE_CODE[held[n].dtype] if isinstance(held.get(n), torch.Tensor) else -1)
                    for n, _ in named]
     codes = [c.tolist() for c in _gather(torch.tensor(codes_local, dtype=torch.int64, device=device),
                                          group, world)] if named else [[] for _ in range(world)]
@@ -244,134 +242,35 @@ def _check_plan_ranks(named, world: int) -> None:
     for name, p in named:
         bad = sorted(r for r in set(p.source_shards) | set(p.target_shards) if not 0 <= r < world)
         if bad:
-            raise ValueError(f"transfer: {_label(name)} names plan ranks {bad}, outside the group of {world}")
-
-
-def _check_limit(params: list[_Param], max_inflight_bytes) -> None:
-    """Identical on every rank (plans and options agree by now), so raising cannot strand a peer."""
-    if max_inflight_bytes is not None:
-        need = max((prm.esize for prm in params if any(not s.is_local for s in prm.plan.segments)), default=0)
-        if max_inflight_bytes < max(need, 1):
-            raise ValueError(f"transfer: max_inflight_bytes={max_inflight_bytes} cannot hold one element "
-                             f"({need} bytes)")
-
-
-# -- schedule -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Item:
-    """Elements ``[lo, hi)`` (row-major over ``seg.shape``) of one remote segment of a parameter."""
-
-    param: int
-    seg: Segment
-    lo: int
-    hi: int
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-
-Round = dict[Link, list[_Item]]
-
-
-def _schedule(params: list[_Param], limit: int | None) -> list[Round]:
-    """Rounds of remote items (step 2); identical on every rank."""
-    rounds: list[Round] = []
-    loads: list[dict[int, int]] = []  # bytes each rank sends plus receives, per round
-    cursor: dict[Link, int] = {}
-    for k, prm in enumerate(params):
-        for seg in prm.plan.segments:
-            if seg.is_local:
-                continue
-            link, n = (seg.src_rank, seg.dst_rank), seg.numel
-            if limit is None:
-                if not rounds:
-                    rounds.append({})
-                rounds[0].setdefault(link, []).append(_Item(k, seg, 0, n))
-                continue
-            r, lo = cursor.get(link, 0), 0
-            while lo < n:
-                if r == len(rounds):
-                    rounds.append({})
-                    loads.append(defaultdict(int))
-                load = loads[r]
-                room = (limit - max(load[link[0]], load[link[1]])) // prm.esize
-                if room <= 0:
-                    r += 1
-                    continue
-                take = min(room, n - lo)
-                rounds[r].setdefault(link, []).append(_Item(k, seg, lo, lo + take))
-                load[link[0]] += take * prm.esize
-                load[link[1]] += take * prm.esize
-                lo += take
-                if lo < n:
-                    r += 1
-            cursor[link] = r
-    for rnd in rounds:  # largest elements first: every part then starts aligned for its dtype
-        for items in rnd.values():
-            items.sort(key=lambda it: -params[it.param].esize)
-    return rounds
-
-
-def _index_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Row-major index range ``[lo, hi)`` of ``shape`` as ``(start, extent)`` boxes, in order."""
-    if lo >= hi:
-        return []
-    if len(shape) == 1:
-        return [((lo,), (hi - lo,))]
-    inner = prod(shape[1:])
-    a, ra = divmod(lo, inner)
-    b, rb = divmod(hi, inner)
-    if a == b:
-        return [((a, *s), (1, *e)) for s, e in _index_boxes(shape[1:], ra, rb)]
-    out = []
-    if ra:
-        out += [((a, *s), (1, *e)) for s, e in _index_boxes(shape[1:], ra, inner)]
-        a += 1
-    if a < b:
-        out.append(((a,) + (0,) * (len(shape) - 1), (b - a, *shape[1:])))
-    if rb:
-        out += [((b, *s), (1, *e)) for s, e in _index_boxes(shape[1:], 0, rb)]
-    return out
-
-
-def _views(item: _Item, side: View) -> list[tuple[tuple[int, ...], View]]:
-    """The item's boxes as (shape, view) on one side of its segment."""
-    seg = item.seg
-    if item.lo == 0 and item.hi == seg.numel:
-        return [(seg.shape, side)]
-    return [(ext, View(side.offset + sum(i * s for i, s in zip(start, side.strides)), side.strides))
-            for start, ext in _index_boxes(seg.shape, item.lo, item.hi)]
+            raise PlanError(f"transfer: {_label(name)} names plan ranks {bad}, outside the group of {world}")
 
 
 # -- execution ----------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class _Stats:
-    sent: int = 0
-    received: int = 0
-    local: int = 0
+class _Stats:  # field names are the keys of transfer's ``stats``
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    local_bytes: int = 0
     messages_sent: int = 0
     messages_received: int = 0
-    peak_staged: int = 0
-    packed: int = 0
+    peak_staged_bytes: int = 0
+    packed_bytes: int = 0
 
 
-def _direct(items: list[_Item], flat: torch.Tensor, side: str) -> torch.Tensor | None:
+def _direct(items: list[Item], flat: torch.Tensor, side: str) -> torch.Tensor | None:
     """The shard's own storage for a message that is one contiguous part, else ``None``."""
     if len(items) != 1:
         return None
-    boxes = _views(items[0], getattr(items[0].seg, side))
+    boxes = items[0].views(getattr(items[0].seg, side))
     if len(boxes) != 1:
         return None
     view = view_of(flat, *boxes[0])
     return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
 
 
-def _nbytes(items: list[_Item], params: list[_Param]) -> int:
+def _nbytes(items: list[Item], params: list[_Param]) -> int:
     return sum(it.numel * params[it.param].esize for it in items)
 
 
@@ -409,9 +308,8 @@ class Workspace:
 class _Arena:
     """One allocation per round, cut into the round's staging buffers."""
 
-    def __init__(self, sizes: list[int], device: torch.device, workspace: Workspace | None) -> None:
-        total = sum(_aligned(n) for n in sizes)
-        self.buf = workspace.get(total, device) if workspace is not None else empty(total, torch.uint8, device)
+    def __init__(self, sizes: list[int], device: torch.device, workspace: Workspace) -> None:
+        self.buf = workspace.get(sum(_aligned(n) for n in sizes), device)
         self.at = 0
 
     def take(self, n: int) -> torch.Tensor:
@@ -420,26 +318,28 @@ class _Arena:
         return out
 
 
-def _pack(buf: torch.Tensor, items: list[_Item], params: list[_Param], flats: Mapping[int, torch.Tensor]) -> None:
+def _staged(buf: torch.Tensor, items: list[Item], params: list[_Param], side: str):
+    """(item, flat staging slice in the item's dtype, box shape, row-major view into the slice,
+    view on ``side`` of the segment) for each box of the message, in wire order."""
     at = 0
     for it in items:
-        prm = params[it.param]
-        for shape, v in _views(it, it.seg.src):
-            nb = prod(shape) * prm.esize
-            buf[at:at + nb].view(prm.dtype).view(shape).copy_(view_of(flats[it.param], shape, v))
+        esize, dtype = params[it.param].esize, params[it.param].dtype
+        for shape, v in it.views(getattr(it.seg, side)):
+            nb = prod(shape) * esize
+            yield it, buf[at:at + nb].view(dtype), shape, View(0, row_major_strides(shape)), v
             at += nb
 
 
-def _unpack(buf: torch.Tensor, items: list[_Item], params: list[_Param], outs: Mapping[int, torch.Tensor],
+def _pack(buf: torch.Tensor, items: list[Item], params: list[_Param], flats: Mapping[int, torch.Tensor]
+          ) -> None:
+    for it, part, shape, packed, v in _staged(buf, items, params, "src"):
+        strided_copy(part, packed, flats[it.param], v, shape)
+
+
+def _unpack(buf: torch.Tensor, items: list[Item], params: list[_Param], outs: Mapping[int, torch.Tensor],
             scale_power: int) -> None:
-    at = 0
-    for it in items:
-        prm = params[it.param]
-        f = it.seg.factor ** scale_power
-        for shape, v in _views(it, it.seg.dst):
-            nb = prod(shape) * prm.esize
-            view_of(outs[it.param], shape, v).copy_(scaled(buf[at:at + nb].view(prm.dtype).view(shape), f))
-            at += nb
+    for it, part, shape, packed, v in _staged(buf, items, params, "dst"):
+        strided_copy(outs[it.param], v, part, packed, shape, it.seg.factor ** scale_power)
 
 
 def _targets(params: list[_Param], me: int, device) -> dict[int, torch.Tensor]:
@@ -467,13 +367,13 @@ def _copy_local(params: list[_Param], me: int, flats, outs, scale_power: int, st
         for s in prm.plan.segments:
             if s.src_rank == me and s.dst_rank == me:
                 strided_copy(outs[k], s.dst, flats[k], s.src, s.shape, s.factor ** scale_power)
-                stats.local += s.numel * prm.esize
+                stats.local_bytes += s.numel * prm.esize
 
 
 @dataclass(slots=True)
 class _Message:
     peer: int
-    items: list[_Item]
+    items: list[Item]
     buf: torch.Tensor | None  # the shard's own storage when no staging is needed
     nbytes: int
 
@@ -491,25 +391,25 @@ def _messages(rnd: Round, params, me: int, flats, outs, scale_power: int) -> tup
     return sorted(recvs, key=lambda m: m.peer), sorted(sends, key=lambda m: m.peer)
 
 
-def _content(items: list[_Item]) -> tuple:
+def _content(items: list[Item]) -> tuple:
     """What a send carries: messages with equal keys hold the same bytes."""
     return tuple((it.param, it.seg.shape, it.seg.src, it.lo, it.hi) for it in items)
 
 
 def _run_round(rnd: Round, params, me: int, peer_of, group, device, flats, outs, scale_power: int,
-               stats: _Stats, workspace: Workspace | None, before_wait) -> None:
+               stats: _Stats, workspace: Workspace, before_wait) -> None:
     recvs, sends = _messages(rnd, params, me, flats, outs, scale_power)
     staged = [m.nbytes for m in recvs if m.buf is None]
     staged += {_content(m.items): m.nbytes for m in sends if m.buf is None}.values()
     arena = _Arena(staged, device, workspace)
-    stats.peak_staged = max(stats.peak_staged, sum(staged))
+    stats.peak_staged_bytes = max(stats.peak_staged_bytes, sum(staged))
     ops, inbox = [], []
     for m in recvs:
         if m.buf is None:
             m.buf = arena.take(m.nbytes)
             inbox.append((len(ops), m))
         ops.append(dist.P2POp(dist.irecv, m.buf, peer_of(m.peer), group))
-        stats.received += m.nbytes
+        stats.received_bytes += m.nbytes
         stats.messages_received += 1
     # CPU backends (gloo) run every operation on its own, so each send is posted as soon as it is
     # packed and the wire starts before the last message is packed. Coalescing backends (NCCL)
@@ -525,12 +425,12 @@ def _run_round(rnd: Round, params, me: int, peer_of, group, device, flats, outs,
             if m.buf is None:
                 m.buf = packed[key] = arena.take(m.nbytes)
                 _pack(m.buf, m.items, params, flats)
-                stats.packed += m.nbytes
+                stats.packed_bytes += m.nbytes
         ops.append(dist.P2POp(dist.isend, m.buf, peer_of(m.peer), group))
         if pipelined:
             works += dist.batch_isend_irecv(ops[-1:])
             posted += 1
-        stats.sent += m.nbytes
+        stats.sent_bytes += m.nbytes
         stats.messages_sent += 1
     if posted < len(ops):
         works += dist.batch_isend_irecv(ops[posted:])
@@ -587,38 +487,34 @@ def transfer(
     ``peak_staged_bytes`` and ``packed_bytes`` (bytes copied into staging to be sent).
 
     Raises :class:`reshard.ShardError` on every rank when any rank's shards disagree with the
-    plan (shape, presence, dtype), and :class:`reshard.PlanError` when ranks hold different
-    plans; both before any data moves.
+    plan (shape, presence, dtype, ``local_shards`` not a dict for a ``ModelPlan``), and
+    :class:`reshard.PlanError` on every rank when ranks hold different plans or options, when the
+    plan names ranks outside the group, or when ``max_inflight_bytes`` cannot hold one element;
+    all before any data moves. A ``plan`` of the wrong type, or a call from a process outside
+    ``group``, raises :class:`reshard.PlanError` on that process alone.
     """
     named, local, single = _as_named(plan, local_shards)
     me, world = dist.get_rank(group), dist.get_world_size(group)
     if me < 0:
-        raise ValueError("transfer: this process is not a member of the group")
+        raise PlanError("transfer: this process is not a member of the group")
     dev = _transfer_device(group, device)
     params = _check(named, local, me, world, group, dev, max_inflight_bytes, scale_power)
-    _check_limit(params, max_inflight_bytes)
-    rounds = _schedule(params, max_inflight_bytes)
+    # plans and options agree by now, so a bad max_inflight_bytes raises alike on every rank
+    rounds = schedule([(prm.plan, prm.esize) for prm in params], max_inflight_bytes)
     flats = {k: flatten(local[prm.name]) for k, prm in enumerate(params) if prm.name in local}
     outs = _targets(params, me, dev)
     peer_of = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
     st = _Stats()
-    local_done = False
-
-    def copy_local() -> None:  # overlapped with the first round's messages
-        nonlocal local_done
-        if not local_done:
-            _copy_local(params, me, flats, outs, scale_power, st)
-            local_done = True
-
+    copy_local = lambda: _copy_local(params, me, flats, outs, scale_power, st)  # overlapped with round 0
     # Without a caller's workspace, rounds still share one staging buffer within the call.
     ws = workspace if workspace is not None else Workspace()
-    for rnd in rounds:
-        _run_round(rnd, params, me, peer_of, group, dev, flats, outs, scale_power, st, ws, copy_local)
-    copy_local()
+    for i, rnd in enumerate(rounds):
+        _run_round(rnd, params, me, peer_of, group, dev, flats, outs, scale_power, st, ws,
+                   copy_local if i == 0 else lambda: None)
+    if not rounds:
+        copy_local()
     if stats is not None:
-        stats.update(sent_bytes=st.sent, received_bytes=st.received, local_bytes=st.local,
-                     messages_sent=st.messages_sent, messages_received=st.messages_received,
-                     rounds=len(rounds), peak_staged_bytes=st.peak_staged, packed_bytes=st.packed)
+        stats.update(asdict(st), rounds=len(rounds))
     result = {params[k].name: t.view(params[k].plan.target_shards[me]) for k, t in outs.items()}
     if single:
         return result.get(_SINGLE)

@@ -5,6 +5,8 @@ kind catches the subclass. Messages name the file, parameter, rank, piece or JSO
 
 from __future__ import annotations
 
+import copy
+
 
 class ReshardError(ValueError):
     """Base class of every error reshard raises for bad input."""
@@ -53,3 +55,19 @@ class CheckpointError(ReshardError):
 class OutputError(ReshardError):
     """The output could not be written (no space left, no permission, a file size limit). Nothing
     was committed: the partial folder is removed and no finished-looking output is left."""
+
+
+class TopologyError(ReshardError):
+    """A topology (TP x DP x PP x EP sizes, or a rank or index within one) is impossible."""
+
+
+class PlotUnavailable(ReshardError):
+    """A picture was asked for (``--png``) but matplotlib is not installed."""
+
+
+def in_context(error: ReshardError, where: str) -> ReshardError:
+    """``error`` with ``where`` in front of its message: the same type and fields (``ranks``,
+    ``path``, ...), so callers can still catch and inspect it. ``raise in_context(e, f"{file}") from None``."""
+    out = copy.copy(error)
+    out.args = (f"{where}: {error}",)
+    return out

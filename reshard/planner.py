@@ -14,13 +14,13 @@ import bisect
 import gc
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import PlanError
 from .ir.canonical import _concat_pass, _make
-from .ir.geometry import Block, Box, _joint_dims, box_intersect, clip, outside, piece_blocks
+from .ir.geometry import Block, Box, box_intersect, clip, joint_dims, outside, piece_blocks
 from .ir.param_map import ParamMap
 from .ir.piece import Piece, View, prod
 from .plan import ModelPlan, Segment, TransferPlan, Unfilled
@@ -39,17 +39,22 @@ class CostModel(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class DefaultCost:
-    """Local copy first; then a holder on the same node (``ranks_per_node`` consecutive global
-    ranks per node); then a holder already sending to this target (fewer, larger messages, and
-    segments that can merge); then the holder that has sent least so far; then the lowest rank."""
+    """Local copy first; then the holders ``prefer(holder, dst_rank)`` accepts (the offline writer
+    keeps each TP rank's copy of a replicated block on the same TP rank); then a holder on the same
+    node (``ranks_per_node`` consecutive global ranks per node); then a holder already sending to
+    this target (fewer, larger messages, and segments that can merge); then the holder that has
+    sent least so far; then the lowest rank."""
 
     ranks_per_node: int | None = None
+    prefer: Callable[[int, int], bool] | None = None
 
     def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int],
                peers: frozenset[int] = frozenset()) -> int:
         if dst_rank in holders:
             return dst_rank
         pool = list(holders)
+        if self.prefer is not None:
+            pool = [r for r in pool if self.prefer(r, dst_rank)] or pool
         if self.ranks_per_node:
             near = [r for r in pool if r // self.ranks_per_node == dst_rank // self.ranks_per_node]
             pool = near or pool
@@ -102,13 +107,14 @@ def _hi(box: Box, d: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Raw:
-    """An intersection before merging: a box of F with affine addresses on both sides."""
+    """An intersection before merging: a box of F with affine addresses on both sides (a
+    :class:`Block` of each shard)."""
 
     box: Box
-    sb: int
-    sh: tuple[int, ...]
-    db: int
-    dh: tuple[int, ...]
+    src_base: int
+    src_strides: tuple[int, ...]
+    dst_base: int
+    dst_strides: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +173,7 @@ def _geometry(source: ParamMap, target: ParamMap, allow_inexact: bool) -> _Geome
                 if x is None:
                     continue
                 sb, db = s.block.sub(x), c.sub(x)
-                by_class[(s.locations, s.scale)][s.rank].append(_Raw(x, sb.base, sb.h, db.base, db.h))
+                by_class[(s.locations, s.scale)][s.rank].append(_Raw(x, sb.base, sb.strides, db.base, db.strides))
             for locs, scale in sorted(by_class, key=lambda k: (sorted(k[0]), k[1])):
                 per_rank = by_class[(locs, scale)]
                 f = _factor(scale, q.scale, allow_inexact, f"target rank {t} piece {j}")
@@ -179,7 +185,7 @@ def _geometry(source: ParamMap, target: ParamMap, allow_inexact: bool) -> _Geome
 
 def _unfilled(rank: int, b: Block) -> Unfilled:
     shape = tuple(a[2] for a in b.box)
-    dims = _joint_dims(shape, b.h, b.h)
+    dims = joint_dims(shape, b.strides, b.strides)
     return Unfilled(rank, View(b.base, tuple(d for _, _, d in dims) or (1,)),
                     tuple(n for _, n, _ in dims) or (1,))
 
@@ -197,7 +203,7 @@ def _merge(raws: list[_Raw]) -> list[_Raw]:
         for d in reversed(range(ndim)):
             buckets: dict[tuple, list[_Raw]] = defaultdict(list)
             for r in raws:
-                key = (r.box[:d], r.box[d + 1 :], r.sh[:d], r.sh[d + 1 :], r.dh[:d], r.dh[d + 1 :])
+                key = (r.box[:d], r.box[d + 1 :], r.src_strides[:d], r.src_strides[d + 1 :], r.dst_strides[:d], r.dst_strides[d + 1 :])
                 buckets[key].append(r)
             out: list[_Raw] = []
             for group in buckets.values():
@@ -218,30 +224,30 @@ def _merge(raws: list[_Raw]) -> list[_Raw]:
 def _join(a: _Raw, b: _Raw, d: int) -> _Raw | None:
     (sa, ta, na), (sb_, tb, nb) = a.box[d], b.box[d]
     if na > 1:
-        step, hs, hd = ta, a.sh[d], a.dh[d]
+        step, hs, hd = ta, a.src_strides[d], a.dst_strides[d]
     elif nb > 1:
-        step, hs, hd = tb, b.sh[d], b.dh[d]
+        step, hs, hd = tb, b.src_strides[d], b.dst_strides[d]
     else:
-        step, hs, hd = sb_ - sa, b.sb - a.sb, b.db - a.db
+        step, hs, hd = sb_ - sa, b.src_base - a.src_base, b.dst_base - a.dst_base
     if step <= 0 or hs <= 0 or hd <= 0:
         return None
-    if sb_ != sa + na * step or b.sb != a.sb + na * hs or b.db != a.db + na * hd:
+    if sb_ != sa + na * step or b.src_base != a.src_base + na * hs or b.dst_base != a.dst_base + na * hd:
         return None
-    if nb > 1 and (tb != step or b.sh[d] != hs or b.dh[d] != hd):
+    if nb > 1 and (tb != step or b.src_strides[d] != hs or b.dst_strides[d] != hd):
         return None
     box = a.box[:d] + ((sa, step, na + nb),) + a.box[d + 1 :]
-    sh = a.sh[:d] + (hs,) + a.sh[d + 1 :]
-    dh = a.dh[:d] + (hd,) + a.dh[d + 1 :]
-    return _Raw(box, a.sb, sh, a.db, dh)
+    src_strides = a.src_strides[:d] + (hs,) + a.src_strides[d + 1 :]
+    dst_strides = a.dst_strides[:d] + (hd,) + a.dst_strides[d + 1 :]
+    return _Raw(box, a.src_base, src_strides, a.dst_base, dst_strides)
 
 
 def _segment(src: int, dst: int, factor: float, r: _Raw) -> Segment:
     shape = tuple(a[2] for a in r.box)
-    dims = _joint_dims(shape, r.sh, r.dh)
+    dims = joint_dims(shape, r.src_strides, r.dst_strides)
     if not dims:
-        return Segment(src, View.trusted(r.sb, (1,)), dst, View.trusted(r.db, (1,)), (1,), factor)
-    return Segment(src, View.trusted(r.sb, tuple(s for s, _, _ in dims)), dst,
-                   View.trusted(r.db, tuple(x for _, _, x in dims)), tuple(n for _, n, _ in dims), factor)
+        return Segment(src, View.trusted(r.src_base, (1,)), dst, View.trusted(r.dst_base, (1,)), (1,), factor)
+    return Segment(src, View.trusted(r.src_base, tuple(s for s, _, _ in dims)), dst,
+                   View.trusted(r.dst_base, tuple(x for _, _, x in dims)), tuple(n for _, n, _ in dims), factor)
 
 
 _ONE = frozenset({0})
@@ -251,7 +257,7 @@ def _compress(segs: list[Segment]) -> list[Segment]:
     """Merge one (source rank, target rank) pair's segments in shard space, where F's geometry
     no longer matters: join segments contiguous in both shards (a flat range crossing rows of F),
     and stack same-shaped segments whose offsets advance by constants into one N-d segment
-    (seed §8.2: group by source rank, then fold in N dimensions)."""
+    (docs/spec.md §6 rule 5: group by source rank, then fold in N dimensions)."""
     if len(segs) < 2:
         return segs
     first = segs[0]

@@ -16,11 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ReshardError
-
-
-class TopologyError(ReshardError):
-    """A topology or a rank/coordinate outside it."""
+from .errors import TopologyError
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,4 +126,4 @@ class Topology:
         return self._groups(self.expert_dp_group)
 
 
-__all__ = ["Coord", "Topology", "TopologyError"]
+__all__ = ["Coord", "Topology"]

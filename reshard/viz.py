@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ReshardError
+from .errors import OutputError, PlotUnavailable
 from .ir.geometry import Box, view_boxes
 from .ir.param_map import ParamMap
 from .ir.piece import prod
@@ -53,10 +53,6 @@ MAX_LABELS = 200
 PAD_COLOR = "#c8c8c8"
 
 
-class PlotUnavailable(ReshardError):
-    """``--png`` was asked for but matplotlib is not installed."""
-
-
 def require_matplotlib() -> None:
     """Raise :class:`PlotUnavailable` (with the install command) unless matplotlib imports."""
     try:
@@ -80,7 +76,7 @@ def _save(fig, path: str | Path) -> None:
     try:
         fig.savefig(path, dpi=DPI, format="png")
     except OSError as e:
-        raise ReshardError(f"{path}: cannot write the PNG ({e})") from None
+        raise OutputError(f"{path}: cannot write the PNG ({e})") from None
 
 
 # -- colours --------------------------------------------------------------------------------------
@@ -191,7 +187,7 @@ def box_rects(box: Box, shape: tuple[int, ...]) -> tuple[list[Rect], bool]:
 
 
 @dataclass(frozen=True, slots=True)
-class Block:
+class Region:
     """One drawn block: rectangles of the grid held by ``holders`` at ``scale``."""
 
     rects: tuple[Rect, ...]
@@ -200,10 +196,10 @@ class Block:
     approx: bool
 
 
-def map_blocks(m: ParamMap) -> list[Block]:
+def map_regions(m: ParamMap) -> list[Region]:
     """Every piece of ``m`` as drawn blocks, a block shared by several ranks drawn once."""
     seen: set = set()
-    out: list[Block] = []
+    out: list[Region] = []
     for _, _, p in m.pieces():
         if p.is_empty:
             continue
@@ -213,7 +209,7 @@ def map_blocks(m: ParamMap) -> list[Block]:
                 continue
             seen.add(key)
             rects, approx = box_rects(box, m.logical_shape)
-            out.append(Block(tuple(rects), tuple(sorted(p.locations)), p.scale, approx))
+            out.append(Region(tuple(rects), tuple(sorted(p.locations)), p.scale, approx))
     return out
 
 
@@ -276,7 +272,7 @@ def _scale_text(s: float) -> str:
     return f"×{s:g}"
 
 
-def _label(b: Block) -> str:
+def _label(b: Region) -> str:
     text = "r" + ranks_label(b.holders)
     return text + (f" {_scale_text(b.scale)}" if b.scale != 1.0 else "")
 
@@ -302,7 +298,7 @@ def draw_map(m: ParamMap, path: str | Path, *, name: str, topology: str, note: s
     kx = rect[2] * MAP_PNG_SIZE[0] / cols  # pixels per element
     ky = rect[3] * MAP_PNG_SIZE[1] / rows
     colors = rank_colors(m.ranks)
-    blocks = map_blocks(m)
+    blocks = map_regions(m)
 
     fill, fill_c, stripe, stripe_c = [], [], [], []
     for b in blocks:
@@ -339,7 +335,7 @@ def draw_map(m: ParamMap, path: str | Path, *, name: str, topology: str, note: s
     _save(fig, path)
 
 
-def _annotate(ax, blocks: list[Block], kx: float, ky: float) -> bool:
+def _annotate(ax, blocks: list[Region], kx: float, ky: float) -> bool:
     """Label blocks big enough to hold a label with their holders (and scale); mark scaled blocks
     too small for a label with a star. Returns whether any block is scaled."""
     labels = 0
@@ -385,13 +381,13 @@ def _flatten_note(shape: tuple[int, ...]) -> str | None:
     return f"F is {len(shape)}-D {list(shape)}: drawn as {rows} × {cols} (dims 1..{len(shape) - 1} flattened)."
 
 
-def _approx_note(blocks: list[Block]) -> str | None:
+def _approx_note(blocks: list[Region]) -> str | None:
     if any(b.approx for b in blocks):
         return "Some strided blocks are drawn as their envelope (too many runs to draw one by one)."
     return None
 
 
-def _legend(fig, rect: tuple[float, float, float, float], colors: Mapping[int, tuple], blocks: list[Block],
+def _legend(fig, rect: tuple[float, float, float, float], colors: Mapping[int, tuple], blocks: list[Region],
             padded: bool, scaled: bool, names: Mapping[int, str]) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch

@@ -21,9 +21,11 @@ import torch
 
 from reshard import ParamMap, PlanError, ShardError
 from reshard import layouts as L
-from reshard.dist import _index_boxes, _Param, _schedule
-from reshard.ir import prod
+from reshard.ir import View, prod, row_major_strides
+from reshard.ir.apply import view_of
+from reshard.plan import Segment
 from reshard.planner import ModelPlan, plan, plan_model
+from reshard.schedule import Item, schedule
 from tests.irgen import (
     flat_map,
     fragment,
@@ -286,6 +288,26 @@ def case_int_scaled(rank: int) -> dict:
     return _expect_error(lambda: dist_transfer(plan(src, tgt), torch.arange(6)))
 
 
+def case_limit_too_small(rank: int) -> dict:
+    src, tgt = L.bigcode_mqa(BIGCODE, 4, n_embd=32), L.bigcode_mqa(BIGCODE, 2, n_embd=32)
+    full = random_tensor(BIGCODE, torch.float32, 17)
+    return _expect_error(lambda: dist_transfer(plan(src, tgt), src.extract(full, rank), max_inflight_bytes=2))
+
+
+def case_ranks_outside_group(rank: int) -> dict:
+    src, tgt = L.split((12, 4), 0, [2] * 6), L.split((12, 4), 0, [3] * 4)  # source ranks 4, 5 do not exist
+    full = random_tensor((12, 4), torch.float32, 18)
+    return _expect_error(lambda: dist_transfer(plan(src, tgt), src.extract(full, rank)))
+
+
+def case_shards_not_a_dict(rank: int) -> dict:
+    src, tgt = llama_pair()
+    fulls = _fulls(src, llama_dtype, 19)
+    local = {n: m.extract(fulls[n], rank) for n, m in src.items()}
+    passed = list(local.values()) if rank == 1 else local  # the planted fault: a list on one rank
+    return _expect_error(lambda: dist_transfer(plan_model(src, tgt), passed))
+
+
 def case_after_errors(rank: int) -> dict:
     """The group stays usable after every rank raised."""
     src, tgt = llama_pair()
@@ -294,7 +316,7 @@ def case_after_errors(rank: int) -> dict:
 
 CASES = [case_llama, case_llama_rounds, case_workspace, case_bigcode, case_yuan, case_zero, case_two_to_four, case_scaled,
          case_irregular, case_group, case_bad_shape, case_bad_dtype, case_missing, case_plans_differ, case_int_scaled,
-         case_after_errors]
+         case_limit_too_small, case_ranks_outside_group, case_shards_not_a_dict, case_after_errors]
 
 
 def _worker(rank: int, workdir: str) -> None:
@@ -457,6 +479,19 @@ def test_scaling_an_integer_dtype_raises_on_every_rank(job):
     _assert_all_raise(job, case_int_scaled, ShardError, "integer dtype torch.int64")
 
 
+def test_too_small_max_inflight_bytes_raises_plan_error_on_every_rank(job):
+    _assert_all_raise(job, case_limit_too_small, PlanError,
+                      "max_inflight_bytes=2 cannot hold one element (4 bytes)")
+
+
+def test_plan_ranks_outside_the_group_raise_plan_error_on_every_rank(job):
+    _assert_all_raise(job, case_ranks_outside_group, PlanError, "plan ranks [4, 5], outside the group of 4")
+
+
+def test_local_shards_not_a_dict_raise_shard_error_on_every_rank(job):
+    _assert_all_raise(job, case_shards_not_a_dict, ShardError, "rank 1 passed local_shards as a list")
+
+
 def test_group_still_works_after_errors(job):
     _assert_exact(job, case_after_errors)
 
@@ -468,7 +503,7 @@ def test_job_exited_cleanly(job):
 # -- the schedule, without processes -------------------------------------------------------------
 
 
-def _coverage(rounds, params) -> dict:
+def _coverage(rounds) -> dict:
     got: dict = {}
     for rnd in rounds:
         for items in rnd.values():
@@ -481,22 +516,22 @@ def _coverage(rounds, params) -> dict:
 def test_schedule_covers_each_remote_segment_once_within_the_limit(limit):
     src, tgt = llama_pair()
     mplan: ModelPlan = plan_model(src, tgt)
-    params = [_Param(n, p, llama_dtype(n), torch.empty((), dtype=llama_dtype(n)).element_size())
+    params = [(p, torch.empty((), dtype=llama_dtype(n)).element_size())
               for n, p in sorted(mplan.params.items())]
-    rounds = _schedule(params, limit)
+    rounds = schedule(params, limit)
     for rnd in rounds:
         load: dict[int, int] = {}
         for (s, d), items in rnd.items():
-            sizes = [params[it.param].esize for it in items]
+            sizes = [params[it.param][1] for it in items]
             assert sizes == sorted(sizes, reverse=True)  # aligned without padding
             for it in items:
                 assert it.seg.src_rank == s and it.seg.dst_rank == d and not it.seg.is_local
-                load[s] = load.get(s, 0) + it.numel * params[it.param].esize
-                load[d] = load.get(d, 0) + it.numel * params[it.param].esize
+                load[s] = load.get(s, 0) + it.numel * params[it.param][1]
+                load[d] = load.get(d, 0) + it.numel * params[it.param][1]
         if limit is not None:
             assert max(load.values()) <= limit
-    remote = {(k, s) for k, prm in enumerate(params) for s in prm.plan.segments if not s.is_local}
-    cover = _coverage(rounds, params)
+    remote = {(k, s) for k, (p, _) in enumerate(params) for s in p.segments if not s.is_local}
+    cover = _coverage(rounds)
     assert set(cover) == remote
     for (_, seg), ranges in cover.items():
         ranges.sort()
@@ -504,16 +539,34 @@ def test_schedule_covers_each_remote_segment_once_within_the_limit(limit):
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
+@pytest.mark.parametrize("limit", [0, 3, 7.5, "64"])
+def test_schedule_refuses_a_limit_that_cannot_hold_one_element(limit):
+    src, tgt = llama_pair()
+    params = [(p, 8) for _, p in sorted(plan_model(src, tgt).params.items())]
+    with pytest.raises(PlanError, match="max_inflight_bytes"):
+        schedule(params, limit)
+    assert schedule(params, 8)
+
+
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)])
 def test_index_ranges_decompose_into_ordered_boxes(shape):
+    """An item's views are its index range ``[lo, hi)`` as at most ``2·ndim − 1`` boxes, in
+    row-major order, on a row-major side and on a strided one (a transposed, offset layout)."""
     n = prod(shape)
+    row_major = View(0, row_major_strides(shape))
+    space = torch.arange(3 + 2 * n)
+    strided = View(3, tuple(2 * s for s in reversed(row_major_strides(tuple(reversed(shape))))))
+    seg = Segment(0, row_major, 1, strided, shape)
     for lo in range(n):
         for hi in range(lo + 1, n + 1):
-            boxes = _index_boxes(shape, lo, hi)
+            item = Item(0, seg, lo, hi)
+            boxes = item.views(seg.src)
             assert len(boxes) <= 2 * len(shape) - 1
             flat = []
-            for start, ext in boxes:
-                idx = torch.arange(n).view(shape)[tuple(slice(a, a + e) for a, e in zip(start, ext))]
-                flat += idx.reshape(-1).tolist()
+            for ext, v in boxes:
+                flat += view_of(torch.arange(n), ext, v).reshape(-1).tolist()
             assert flat == list(range(lo, hi)), (lo, hi, boxes)
+            on_dst = [x for ext, v in item.views(seg.dst)
+                      for x in view_of(space, ext, v).reshape(-1).tolist()]
+            assert on_dst == view_of(space, shape, strided).reshape(-1)[lo:hi].tolist(), (lo, hi)
 

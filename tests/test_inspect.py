@@ -16,7 +16,9 @@ import torch
 from reshard import apply_plan
 from reshard.cli import main as cli
 from reshard.formats.safe_load import load
-from reshard.inspect import layout_of, open_source, plan_topology
+from reshard import plan_topology
+from reshard.formats.sources import open_source
+from reshard.layouts.recognize import recognize
 from reshard.ir import maps_to_document
 from reshard.layouts import (
     bigcode_mqa,
@@ -344,7 +346,7 @@ def test_png_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatc
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     for argv in (["inspect", path, "--png", tmp_path / "a.png"],
                  ["plan", FIXTURES / "llama_tp2", "--tp", "4", "--png", tmp_path / "b.png"],
-                 ["plan", path, path, "--png", tmp_path / "c.png"]):
+                 ["plan", path, "--to", path, "--png", tmp_path / "c.png"]):
         rc, out, err = _run(capsys, *argv)
         assert rc == 2
         assert "pip install 'reshard[plot]'" in err and err.count("\n") == 1
@@ -373,17 +375,18 @@ def test_plan_llama_tp2_to_tp4_bytes_from_shapes(capsys):
     assert sum(map(sum, mat["bytes"])) == doc["local_bytes"] + doc["remote_bytes"]
     b = doc["busiest_link"]
     assert b["bytes"] == max(mat["bytes"][s][t] for s in range(2) for t in range(4) if s != t)
-    fams = {v["family"] for v in doc["layouts"].values()}
+    fams = {v["family"] for v in doc["families"].values()}
     assert fams == {"split", "replicated"}
     rc, text, _ = _run(capsys, "plan", FIXTURES / "llama_tp2", "--tp", "4")
     assert rc == 0
-    assert f"bytes local {doc['local_bytes']}, remote {doc['remote_bytes']} (element size 2)" in text
-    assert f"busiest link: {b['src']} -> {b['dst']}, {b['bytes']} bytes" in text
+    # the text form counts fp32 bytes by default, as inspect does: twice the 2-byte figures
+    assert f"bytes local {2 * doc['local_bytes']}, remote {2 * doc['remote_bytes']} (element size 4)" in text
+    assert f"busiest link: {b['src']} -> {b['dst']}, {2 * b['bytes']} bytes" in text
 
 
 def test_plan_dp_replicas(capsys):
     shards = _model_shard_shapes("llama_tp2")
-    per_rank = [2 * sum(math.prod(s) for s in shards[t].values()) for t in range(2)]
+    per_rank = [4 * sum(math.prod(s) for s in shards[t].values()) for t in range(2)]  # fp32 bytes
     same = _json(capsys, "plan", FIXTURES / "llama_tp2_dp2", "--tp", "2")
     assert same["target"] == {"tp": 2, "dp": 2} and same["remote_bytes"] == 0
     assert same["local_bytes"] == 2 * sum(per_rank)
@@ -410,7 +413,7 @@ def _families(tp: int):
 def test_plan_rebuilds_each_family_and_moves_exactly(tmp_path, tp):
     fams = _families(tp)
     src = open_source(_doc(tmp_path, {k: m for k, (m, _) in fams.items()}))
-    tplan = plan_topology(src, tp, vocab_divisible_by=1)  # re-pad the vocabulary as padded_vocab does
+    tplan = plan_topology(src.maps, tp, vocab_divisible_by=1)  # re-pad the vocabulary as padded_vocab does
     for name, (m, at) in fams.items():
         assert tplan.target_maps[name] == (m if len(m.ranks) == tp else at(tp)), name
         full = torch.randn(m.valid_shape, dtype=torch.float64)
@@ -422,10 +425,10 @@ def test_plan_rebuilds_each_family_and_moves_exactly(tmp_path, tp):
 
 
 def test_plan_family_names_and_refusals(tmp_path, capsys):
-    assert layout_of(bigcode_mqa((48, 8), 4, n_embd=32)).family == "split+replicated"
-    assert layout_of(shared_qk_o_proj((8, 36), 2, num_heads=6)).family == "shared-qk"
-    assert layout_of(shared_qk_o_proj((8, 32), 2, num_heads=8)).family == "sub-params"
-    assert layout_of(segmented_map((10, 3), 1, [(3, False)], 3)).family == "split"
+    assert recognize(bigcode_mqa((48, 8), 4, n_embd=32)).name == "split+replicated"
+    assert recognize(shared_qk_o_proj((8, 36), 2, num_heads=6)).name == "shared-qk"
+    assert recognize(shared_qk_o_proj((8, 32), 2, num_heads=8)).name == "sub-params"
+    assert recognize(segmented_map((10, 3), 1, [(3, False)], 3)).name == "split"
     vocab = _doc(tmp_path, {"embed": padded_vocab((45, 8), 4)}, "vocab.json")
     rc, _, err = _run(capsys, "plan", vocab, "--tp", "5")
     assert rc == 2 and "--vocab-divisible-by" in err
@@ -436,8 +439,11 @@ def test_plan_family_names_and_refusals(tmp_path, capsys):
     assert rc == 2 and "one rank" in err
     rc, _, err = _run(capsys, "plan", _doc(tmp_path, {"b": prescaled_bias((8,), 2)}, "b.json"), "--tp", "3")
     assert rc == 2 and "power of two" in err
-    rc, _, err = _run(capsys, "plan", vocab, vocab, "--tp", "2")
-    assert rc == 2 and "not both" in err
+    for both in (["--to", vocab, "--tp", "2"], []):  # the two modes are explicit: exactly one of them
+        with pytest.raises(SystemExit) as exit_:
+            _run(capsys, "plan", vocab, *both)
+        assert exit_.value.code == 2
+        assert "--to" in capsys.readouterr().err
 
 
 def test_plan_two_documents_form_still_works_and_draws(tmp_path, capsys):
@@ -446,10 +452,10 @@ def test_plan_two_documents_form_still_works_and_draws(tmp_path, capsys):
 
     src = _doc(tmp_path, {"w": bigcode_mqa((48, 8), 4, n_embd=32)}, "src.json")
     tgt = _doc(tmp_path, {"w": bigcode_mqa((48, 8), 2, n_embd=32)}, "tgt.json")
-    rc, out, _ = _run(capsys, "plan", src, tgt, "--json")
+    rc, out, _ = _run(capsys, "plan", src, "--to", tgt, "--json")
     assert rc == 0 and set(json.loads(out)["params"]) == {"w"}
     png = tmp_path / "heat.png"
-    rc, out, _ = _run(capsys, "plan", src, tgt, "--png", png)
+    rc, out, _ = _run(capsys, "plan", src, "--to", tgt, "--png", png)
     assert rc == 0 and "1 parameter(s)" in out
     assert _png(png).shape[:2] == (PLAN_PNG_SIZE[1], PLAN_PNG_SIZE[0])
     png2 = tmp_path / "heat2.png"

@@ -11,7 +11,7 @@ import torch
 
 from reshard import MapError, ParamMap, canonicalize
 from reshard.layouts import autoep_placement, expert_placement, pipeline_stage, uniform_experts
-from reshard.topology import Topology, TopologyError
+from reshard import Topology, TopologyError
 from tests import oracles
 
 autoep = pytest.importorskip("deepspeed.checkpoint.autoep_affine")

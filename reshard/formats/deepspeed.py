@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ReshardError
+from ..errors import CheckpointError, ReshardError, in_context
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
-from ..layouts import zero3, zero12_from_slice_mappings
+from ..layouts import compose_zero, zero3, zero12_from_slice_mappings
 from ..memory import empty, own_bytes, release
+from ..topology import Topology
 from . import lowering
 from .safe_load import load
 
@@ -205,7 +206,7 @@ class DeepSpeedCheckpoint:
         try:
             return lowering.lower(name, shapes, self.uc_info)
         except ReshardError as e:
-            raise type(e)(f"{self.tag_dir}: parameter {name!r}: {e}") from None
+            raise in_context(e, f"{self.tag_dir}: parameter {name!r}") from None
 
     @cached_property
     def _zero_index(self) -> dict[int, dict[str, tuple[int, ParamMap]]]:
@@ -239,6 +240,38 @@ class DeepSpeedCheckpoint:
     def zero_map_at(self, name: str, m: int) -> tuple[int, ParamMap] | None:
         """As :meth:`zero_map`, for model-parallel rank (file index) ``m``."""
         return self._zero_index[m].get(name)
+
+    def composite_map(self, name: str, model_map: ParamMap, *, stages: bool = False) -> ParamMap:
+        """``model_map`` composed with the ZeRO split of each of its shards, over global ranks
+        ``dp_rank * R + r`` (DeepSpeed's order; R model-parallel ranks). ``model_map``'s ranks
+        are the TP ranks of ``name``'s stage, or with ``stages`` the model-parallel ranks (file
+        indices: stages x TP) of a stage map."""
+        ranks = self.mp if stages else self.tp
+        zero = {}
+        for r in model_map.ranks:
+            entry = self._zero_index[r if stages else self.mp_rank(name, r)].get(name)
+            zero[r] = None if entry is None else entry[1]
+        try:
+            return compose_zero(model_map, zero, Topology(1, self.dp, ranks))
+        except ReshardError as e:
+            raise in_context(e, f"{self.tag_dir}: parameter {name!r}: composing its model-parallel map with the "
+                                "ZeRO split") from None
+
+    def check_steps(self) -> None:
+        """Every rank's optimizer must be at the same step (DeepSpeed asserts the same)."""
+        steps = set()
+        for (t, d), path in self.optim_files.items():
+            osd = self.osd(t, d)
+            try:
+                outer = osd["optimizer_state_dict"] if self.zero_stage == 3 else osd["base_optimizer_state"]
+                for s in outer["state"].values():
+                    if "step" in s:
+                        steps.add(float(s["step"]))
+            except (KeyError, TypeError, AttributeError, ValueError):
+                raise CheckpointError(f"{path}: optimizer state has an unknown layout (no per-group 'state')") \
+                    from None
+        if len(steps) > 1:
+            raise CheckpointError(f"{self.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
 
     def has_optimizer_state(self, name: str) -> bool:
         return any(name in self._zero_index[m] for m in range(self.mp))

@@ -35,14 +35,13 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
 from ..ir.param_map import ParamMap, map_to_dict
-from ..ir.piece import prod
+from ..layouts.zero import FlatGroup, zero12_group_layout
 from .safe_load import FragmentAddress, ZeroStageEnum
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: "4-byte alignment/sizeof(fp16) = 2"
@@ -69,87 +68,37 @@ def param_alignment(dtype: torch.dtype, enabled: bool) -> int:
     return 16 // math.gcd(16, size) if enabled else 1
 
 
-@dataclass(frozen=True)
-class GroupLayout:
-    """One parameter group of one TP rank: where each parameter sits in the flat buffer."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...]
-    padded_numel: int  # end of the last parameter (DeepSpeed's ``padded_group_numel``)
-    total: int  # the aligned flat buffer
-    dp: int
-
-    @property
-    def partition(self) -> int:
-        return self.total // self.dp
-
-    @property
-    def numels(self) -> tuple[int, ...]:
-        return tuple(prod(s) for s in self.shapes)
-
-    def param_paddings(self) -> list[int]:
-        """``param_alignment_paddings``: zeros after each parameter (none after the last)."""
-        ends = [o + n for o, n in zip(self.offsets, self.numels)]
-        return [nxt - end for end, nxt in zip(ends, self.offsets[1:])] + ([0] if self.names else [])
-
-    def group_padding(self, d: int) -> int:
-        left, size = d * self.partition, self.partition
-        if self.padded_numel <= left:
-            return size
-        if self.padded_numel < left + size:
-            return left + size - self.padded_numel
-        return 0
-
-    def fragments(self, d: int) -> list[tuple[int, str, int, int]]:
-        """``(index, name, lo, hi)``: the parameters intersecting partition ``d``, in flat order,
-        with their ``[lo, hi)`` in flat-buffer coordinates."""
-        a, b = d * self.partition, (d + 1) * self.partition
-        out = []
-        for i, (name, off, n) in enumerate(zip(self.names, self.offsets, self.numels)):
-            lo, hi = max(off, a), min(off + n, b)
-            if lo < hi:
-                out.append((i, name, lo, hi))
-        return out
-
-    def slice_mappings(self, d: int) -> OrderedDict:
-        base = d * self.partition
-        return OrderedDict((name, FragmentAddress(numel=hi - lo, start=lo - base))
-                           for _, name, lo, hi in self.fragments(d))
-
-
 def group_layout(names: Sequence[str], shapes: Sequence[Sequence[int]], dp: int, *,
-                 param_align: int = 1) -> GroupLayout:
+                 param_align: int = 1) -> FlatGroup:
     """DeepSpeed 0.19.8's flat layout of one ZeRO-1/2 parameter group over ``dp`` ranks."""
     if dp < 1:
         raise CheckpointError(f"dp must be positive, got {dp}")
-    shapes = [tuple(int(n) for n in s) for s in shapes]
-    offsets, cursor = [], 0
-    for i, s in enumerate(shapes):
-        offsets.append(cursor)
-        cursor += prod(s)
-        if i != len(shapes) - 1:
-            cursor += -cursor % param_align
-    alignment = NCCL_START_ALIGNMENT_FACTOR * dp
-    total = cursor + (-cursor % alignment)
-    return GroupLayout(tuple(names), tuple(shapes), tuple(offsets), cursor, total, dp)
+    return zero12_group_layout(shapes, dp, alignment=NCCL_START_ALIGNMENT_FACTOR * dp, param_alignment=param_align,
+                               names=names)
 
 
-def check_source_layout(layout: GroupLayout, osds: Sequence[Mapping], g: int, where: str) -> None:
+def slice_mappings(group: FlatGroup, d: int) -> OrderedDict:
+    """``param_slice_mappings`` of partition ``d``: each parameter's fragment address in it."""
+    base = d * group.partition
+    return OrderedDict((group.names[i], FragmentAddress(numel=hi - lo, start=lo - base))
+                       for i, lo, hi in group.fragments(d))
+
+
+def check_source_layout(layout: FlatGroup, osds: Sequence[Mapping], g: int, where: str) -> None:
     """Refuse a source whose recorded ZeRO layout is not the one :func:`group_layout` computes
     (round-robin gradients, another DeepSpeed version): every later step relies on it."""
     for d, osd in enumerate(osds):
         got = [(n, int(f.numel), int(f.start)) for n, f in osd["param_slice_mappings"][g].items()]
-        want = [(n, int(f.numel), int(f.start)) for n, f in layout.slice_mappings(d).items()]
+        want = [(n, int(f.numel), int(f.start)) for n, f in slice_mappings(layout, d).items()]
         if got != want:
             diff = next(((a, b) for a, b in zip(got, want) if a != b), (got[len(want):][:1], want[len(got):][:1]))
             raise CheckpointError(
                 f"{where}: dp rank {d} group {g}: param_slice_mappings differ from DeepSpeed 0.19.8's ZeRO-1/2 "
                 f"flat layout (recorded {diff[0]}, expected {diff[1]}); round_robin_gradients or an unknown "
                 "layout is not supported")
-        if int(osd["group_paddings"][g]) != layout.group_padding(d):
+        if int(osd["group_paddings"][g]) != layout.tail_padding(d):
             raise CheckpointError(f"{where}: dp rank {d} group {g}: group_paddings {osd['group_paddings'][g]}, "
-                                  f"expected {layout.group_padding(d)}")
+                                  f"expected {layout.tail_padding(d)}")
         recorded = osd.get("param_alignment_paddings")
         if recorded is not None and [int(x) for x in recorded[g]] != layout.param_paddings():
             raise CheckpointError(f"{where}: dp rank {d} group {g}: param_alignment_paddings differ from the layout "
@@ -227,7 +176,7 @@ def model_states(source: Mapping[str, Any], *, module: Mapping[str, torch.Tensor
     return out
 
 
-def optim_states(source: Mapping[str, Any], *, layouts: Sequence[GroupLayout], d: int,
+def optim_states(source: Mapping[str, Any], *, layouts: Sequence[FlatGroup], d: int,
                  fp32: Sequence[torch.Tensor], moments: Sequence[Mapping[str, torch.Tensor]],
                  zero_stage: int, ds_config: dict | None, uc_info: dict | None) -> dict:
     """One ``zero_pp_rank_D_mp_rank_XX_optim_states.pt`` dict, built on a source optimizer file's
@@ -250,17 +199,17 @@ def optim_states(source: Mapping[str, Any], *, layouts: Sequence[GroupLayout], d
             state[g] = entry
     lean = []  # a view of the padded partition, as DeepSpeed saves it (the file keeps the padding)
     for g, layout in enumerate(layouts):
-        lean.append(fp32[g].detach().requires_grad_(True)[: layout.partition - layout.group_padding(d)])
+        lean.append(fp32[g].detach().requires_grad_(True)[: layout.partition - layout.tail_padding(d)])
     osd: dict[str, Any] = {}
     for key, value in src.items():
         osd[key] = value
     osd["base_optimizer_state"] = {"state": state, "param_groups": copy.deepcopy(base["param_groups"])}
     osd["single_partition_of_fp32_groups"] = lean
     osd["zero_stage"] = ZeroStageEnum(zero_stage)
-    osd["group_paddings"] = [layout.group_padding(d) for layout in layouts]
+    osd["group_paddings"] = [layout.tail_padding(d) for layout in layouts]
     osd["param_alignment_paddings"] = [layout.param_paddings() for layout in layouts]
     osd["partition_count"] = [layout.dp for layout in layouts]
-    osd["param_slice_mappings"] = [layout.slice_mappings(d) for layout in layouts]
+    osd["param_slice_mappings"] = [slice_mappings(layout, d) for layout in layouts]
     if "universal_checkpoint_info" in osd:
         if uc_info is None:
             del osd["universal_checkpoint_info"]

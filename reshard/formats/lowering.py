@@ -1,7 +1,7 @@
 """Lowering: a parameter's TP layout as a map, from what the checkpoint records.
 
 The checkpoint's own ``affine_map`` entry wins when present. Otherwise each legacy
-``universal_checkpoint_info`` key lowers to a map through one small function (seed §4.1). Each
+``universal_checkpoint_info`` key lowers to a map through one small function (docs/spec.md §7). Each
 lowering also returns the extra keys DeepSpeed's converter writes beside ``param`` for that
 category, so universal output has the same dict keys as ``ds_to_universal``'s.
 """
@@ -21,10 +21,10 @@ Shapes = list[tuple[int, ...]]
 
 @dataclass
 class Lowered:
-    """A parameter's TP map, the rule it came from, and DeepSpeed's extra output keys."""
+    """A parameter's TP map, the family it was lowered from (docs/spec.md §7), and DeepSpeed's extra output keys."""
 
     map: ParamMap
-    rule: str
+    family: str
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,7 +100,7 @@ def lower_split(shapes: Shapes, dim: int) -> ParamMap:
 
 def lower_vocabulary(m: ParamMap, vocab: Any) -> ParamMap:
     """``vocabulary_parameter_patterns`` + ``original_vocab_size``: F keeps its padding rows and
-    the valid region is the real vocabulary (seed §8.1)."""
+    the valid region is the real vocabulary (docs/spec.md §1, valid region)."""
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
         raise CheckpointError(f"original_vocab_size must be a positive int, got {vocab!r}")
     if vocab > m.logical_shape[0]:

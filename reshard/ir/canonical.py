@@ -3,7 +3,7 @@
 1. Each piece is normalised: empty pieces dropped, extent-1 dims dropped, dims ordered by source
    stride (then dest stride) descending, dims contiguous on both sides merged. A single element
    is shape ``(1,)`` with strides ``(1,)``.
-2. Within one shard (grouping by rank comes first, seed §8.2) and within one (locations, scale)
+2. Within one shard (grouping by rank comes first, docs/spec.md §4 rule 2) and within one (locations, scale)
    class (homogeneity), repeat to a fixpoint:
    - *concat*: two pieces adjacent along one dim on both sides become one;
    - *fold*: pieces of one shape whose offsets advance by a constant on both sides become one
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TypeVar
 
-from .geometry import one_box, view_boxes
+from .geometry import merge_dims, one_box, view_boxes
 from .piece import Piece, View, row_major_strides
 from .shard import MapLike, Shard
 
@@ -31,22 +31,16 @@ def _dims(p: Piece) -> list[Dim]:
 
 
 def _make(dims: list[Dim], src: int, dst: int, like: Piece) -> Piece | None:
-    dims = [x for x in dims if x[0] != 1]
-    if any(x[0] == 0 for x in dims):
+    """A piece of ``like``'s locations and scale over ``dims``, normalised (rule 1); ``None``
+    when empty."""
+    if any(n == 0 for n, _, _ in dims):
         return None
-    dims.sort(key=lambda x: (-x[1], -x[2]))
-    merged: list[Dim] = []
-    for n, s, d in dims:
-        if merged and merged[-1][1] == s * n and merged[-1][2] == d * n:
-            merged[-1] = (merged[-1][0] * n, s, d)
-        else:
-            merged.append((n, s, d))
-    if not merged:
-        merged = [(1, 1, 1)]
+    merged = merge_dims(tuple(n for n, _, _ in dims), tuple(x[1] for x in dims), tuple(x[2] for x in dims)) or [
+        (1, (1, 1))]
     return Piece.trusted(
-        tuple(x[0] for x in merged),
-        View.trusted(src, tuple(x[1] for x in merged)),
-        View.trusted(dst, tuple(x[2] for x in merged)),
+        tuple(n for n, _ in merged),
+        View.trusted(src, tuple(st[0] for _, st in merged)),
+        View.trusted(dst, tuple(st[1] for _, st in merged)),
         like.locations,
         like.scale,
     )

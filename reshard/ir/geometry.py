@@ -28,17 +28,27 @@ def unravel(offset: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(coords))
 
 
-def normalized_dims(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int]]:
-    """``(stride, extent)`` pairs, extent-1 dims dropped, sorted by stride descending,
-    contiguous neighbours merged. Describes the same set of addresses."""
-    dims = sorted(((s, n) for s, n in zip(strides, shape) if n != 1), key=lambda d: -d[0])
-    merged: list[tuple[int, int]] = []
-    for s, n in dims:
-        if merged and merged[-1][0] == s * n:
-            merged[-1] = (s, merged[-1][1] * n)
+def merge_dims(shape: tuple[int, ...], *strides: tuple[int, ...], key: int = 0) -> list[tuple[int, tuple[int, ...]]]:
+    """A block seen through one or more views at once (one strides tuple per view), as
+    ``(extent, strides per view)`` dims: extent-1 dims dropped, ordered by view ``key``'s stride
+    descending (ties by the views' strides in order), neighbours contiguous in every view merged.
+    The same addresses in every view. The IR's one dimension normalisation: pieces (canonical
+    form), blocks and plan segments, and composition all use it."""
+    dims = [k for k, n in enumerate(shape) if n != 1]
+    dims.sort(key=lambda k: tuple(-st[k] for st in (strides[key], *strides)))
+    merged: list[tuple[int, tuple[int, ...]]] = []
+    for k in dims:
+        n, st = shape[k], tuple(v[k] for v in strides)
+        if merged and all(ps == x * n for ps, x in zip(merged[-1][1], st)):
+            merged[-1] = (merged[-1][0] * n, st)
         else:
-            merged.append((s, n))
+            merged.append((n, st))
     return merged
+
+
+def normalized_dims(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(stride, extent)`` pairs of one view (see :func:`merge_dims`)."""
+    return [(st[0], n) for n, st in merge_dims(shape, strides)]
 
 
 def is_injective(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -137,39 +147,34 @@ def box_str(box: Box) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Block:
+    """A box of F whose elements sit at shard address ``base + sum(i_k * strides[k])`` for the
+    box index ``i`` (the ``i_k``-th element along axis ``k``)."""
+
     box: Box
     base: int
-    h: tuple[int, ...]
+    strides: tuple[int, ...]
 
     def sub(self, box: Box) -> Block:
         """The block restricted to ``box`` (a sub-lattice of ``self.box`` on every axis)."""
         base = self.base
         h = []
-        for (s0, t0, _), (s1, t1, _), hd in zip(self.box, box, self.h):
+        for (s0, t0, _), (s1, t1, _), hd in zip(self.box, box, self.strides):
             base += (s1 - s0) // t0 * hd
             h.append(t1 // t0 * hd)
         return Block(box, base, tuple(h))
 
 
-def _joint_dims(shape, sstrides, dstrides) -> list[tuple[int, int, int]]:
-    """``(source stride, extent, dest stride)``, extent-1 dims dropped, source stride descending,
-    dims contiguous on both sides merged (so the dest stays affine in each merged dim)."""
-    dims = sorted(((s, n, d) for n, s, d in zip(shape, sstrides, dstrides) if n != 1),
-                  key=lambda x: (-x[0], -x[2]))
-    out: list[tuple[int, int, int]] = []
-    for s, n, d in dims:
-        if out and out[-1][0] == s * n and out[-1][2] == d * n:
-            out[-1] = (s, out[-1][1] * n, d)
-        else:
-            out.append((s, n, d))
-    return out
+def joint_dims(shape, sstrides, dstrides) -> list[tuple[int, int, int]]:
+    """``(source stride, extent, dest stride)`` of a block seen through a source and a dest view
+    (see :func:`merge_dims`; the dest stays affine in each merged dim)."""
+    return [(st[0], n, st[1]) for n, st in merge_dims(shape, sstrides, dstrides)]
 
 
 def piece_blocks(p: Piece, space: tuple[int, ...]) -> list[Block]:
     """The piece as disjoint blocks of F (``space``), dest addresses affine in each."""
     if p.is_empty:
         return []
-    dims = _joint_dims(p.shape, p.source.strides, p.dest.strides)
+    dims = joint_dims(p.shape, p.source.strides, p.dest.strides)
     return _blocks(p.source.offset, p.dest.offset, dims, space, row_major_strides(space))
 
 
@@ -177,7 +182,7 @@ def view_boxes(view: View, shape: tuple[int, ...], space: tuple[int, ...]) -> li
     """The addresses of ``view`` (in bounds, injective) as disjoint boxes of ``space``."""
     if any(n == 0 for n in shape):
         return []
-    dims = _joint_dims(shape, view.strides, (0,) * len(shape))
+    dims = joint_dims(shape, view.strides, (0,) * len(shape))
     return [b.box for b in _blocks(view.offset, 0, dims, space, row_major_strides(space))]
 
 
@@ -185,7 +190,7 @@ def one_box(view: View, shape: tuple[int, ...], space: tuple[int, ...]) -> bool:
     """Whether the view is exactly one box of ``space``."""
     if not space:
         return True
-    dims = _joint_dims(shape, view.strides, (0,) * len(shape))
+    dims = joint_dims(shape, view.strides, (0,) * len(shape))
     blocks = _one(view.offset, 0, dims, space, row_major_strides(space))
     return blocks is not None and len(blocks) == 1
 

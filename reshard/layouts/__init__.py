@@ -20,7 +20,7 @@ parameter is omitted from that parameter's map (see :mod:`.zero`).
 """
 
 from ._core import dim_blocks, flat_ranges
-from .compose import compose, replicate_over
+from .compose import compose, compose_zero, replicate_over
 from .fused import (
     FUSED_QKV_KINDS,
     bigcode_mqa,
@@ -51,7 +51,7 @@ from .tp import (
     vocab_parallel,
 )
 from .zero import (
-    ZeroGroupLayout,
+    FlatGroup,
     round_robin_order,
     zero3,
     zero3_partition_numel,
@@ -62,13 +62,14 @@ from .zero import (
 
 __all__ = [
     "FUSED_QKV_KINDS",
-    "ZeroGroupLayout",
+    "FlatGroup",
     "autoep_placement",
     "autotp_shard_sizes",
     "autotp_split",
     "bigcode_mqa",
     "codegen_qkv",
     "compose",
+    "compose_zero",
     "conv2d_bias",
     "conv2d_split_sizes",
     "conv2d_weight",

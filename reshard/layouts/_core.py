@@ -90,8 +90,8 @@ def finish(logical: Shape, shards: Mapping[int, tuple[Shape, list[Piece]]], vali
 # -- holder sets ---------------------------------------------------------------------------------
 
 
-def holder_segments(intervals: Mapping[int, Iterable[tuple[int, int]]]) -> list[tuple[int, int, frozenset[int]]]:
-    """Cut a line into maximal segments ``[a, b)`` held by one constant set of ranks.
+def holder_intervals(intervals: Mapping[int, Iterable[tuple[int, int]]]) -> list[tuple[int, int, frozenset[int]]]:
+    """Cut a line into maximal intervals ``[a, b)`` held by one constant set of ranks.
 
     ``intervals[r]`` are the half-open ranges rank ``r`` holds. Segments nobody holds are left out.
     """
@@ -120,11 +120,11 @@ def holder_segments(intervals: Mapping[int, Iterable[tuple[int, int]]]) -> list[
 
 
 def cut_by_holders(
-    a: int, b: int, segments: list[tuple[int, int, frozenset[int]]]
+    a: int, b: int, intervals: list[tuple[int, int, frozenset[int]]]
 ) -> list[tuple[int, int, frozenset[int]]]:
-    """``[a, b)`` cut where its holder set changes (``segments`` from :func:`holder_segments`)."""
+    """``[a, b)`` cut where its holder set changes (``intervals`` from :func:`holder_intervals`)."""
     out = []
-    for s, e, h in segments:
+    for s, e, h in intervals:
         lo, hi = max(a, s), min(b, e)
         if lo < hi:
             out.append((lo, hi, h))
@@ -151,7 +151,7 @@ def dim_blocks(
         for start, length in blocks:
             if start < 0 or length < 0 or start + length > shape[dim]:
                 raise MapError(f"rank {r}: block [{start}, {start + length}) is outside dim {dim} of {list(shape)}")
-    segments = holder_segments({r: [(s, s + n) for s, n in bl] for r, bl in blocks_by_rank.items()})
+    intervals = holder_intervals({r: [(s, s + n) for s, n in bl] for r, bl in blocks_by_rank.items()})
     shards: dict[int, tuple[Shape, list[Piece]]] = {}
     for r, blocks in blocks_by_rank.items():
         width = sum(n for _, n in blocks)
@@ -159,7 +159,7 @@ def dim_blocks(
         pieces: list[Piece] = []
         cursor = 0
         for start, length in blocks:
-            for lo, hi, holders in cut_by_holders(start, start + length, segments):
+            for lo, hi, holders in cut_by_holders(start, start + length, intervals):
                 starts = [0] * len(shape)
                 starts[dim] = lo
                 extents = list(shape)
@@ -184,12 +184,12 @@ def flat_ranges(
         for src, dst, n in ranges:
             if src < 0 or dst < 0 or n < 0 or src + n > numel or dst + n > size:
                 raise MapError(f"rank {r}: flat range {src}+{n} -> {dst} does not fit F ({numel}) / shard ({size})")
-    segments = holder_segments({r: [(s, s + n) for s, _, n in rg] for r, (_, rg) in ranges_by_rank.items()})
+    intervals = holder_intervals({r: [(s, s + n) for s, _, n in rg] for r, (_, rg) in ranges_by_rank.items()})
     shards: dict[int, tuple[Shape, list[Piece]]] = {}
     for r, (size, ranges) in ranges_by_rank.items():
         pieces = []
         for src, dst, n in ranges:
-            for lo, hi, holders in cut_by_holders(src, src + n, segments):
+            for lo, hi, holders in cut_by_holders(src, src + n, intervals):
                 pieces.append(flat_piece(lo, dst + lo - src, hi - lo, holders))
         shards[r] = ((size,), pieces)
     return finish(shape, shards)

@@ -19,7 +19,7 @@ straight to the sub-shards, exactly:
   cells back into as few pieces as the canonical form allows.
 * **Scale** multiplies.
 
-Refused (:class:`reshard.PlanError`): inner maps whose keys are not the outer ranks, whose F is not
+Refused (:class:`reshard.MapError`): inner maps whose keys are not the outer ranks, whose F is not
 the outer shard, that carry padding of their own, or that put sub-shards of two outer ranks on one
 rank (that rank would hold two different tensors). A composed piece whose F view is neither a box
 nor a flat run of F is cut per element of its outermost dim rather than refused.
@@ -31,20 +31,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import product
 
-from ..errors import PlanError
+from ..errors import MapError
 from ..ir.canonical import canonicalize
+from ..ir.geometry import merge_dims, range_boxes
 from ..ir.param_map import ParamMap
 from ..ir.piece import Piece, View, prod, row_major_strides
 from ..ir.shard import Shard
+from ..topology import Topology
 from .tp import replicated
 
-__all__ = ["compose", "replicate_over"]
+__all__ = ["compose", "compose_zero", "replicate_over"]
 
 ViewT = tuple[int, tuple[int, ...]]  # (offset, strides)
 
 
 @dataclass(frozen=True, slots=True)
-class _MV:
+class MultiView:
     """A block seen through several views at once: one shape, one (offset, strides) per view.
     Index ``i`` of the block is address ``off_v + sum(i * strides_v)`` in view ``v``'s storage."""
 
@@ -52,35 +54,27 @@ class _MV:
     views: tuple[ViewT, ...]
 
 
-def _from_piece(p: Piece) -> _MV:
-    return _MV(p.shape, ((p.source.offset, p.source.strides), (p.dest.offset, p.dest.strides)))
+def _from_piece(p: Piece) -> MultiView:
+    return MultiView(p.shape, ((p.source.offset, p.source.strides), (p.dest.offset, p.dest.strides)))
 
 
-def _normalize(mv: _MV, key: int) -> _MV | None:
-    """Drop extent-1 dims, order dims by view ``key``'s stride descending, merge dims that are
-    contiguous in every view. ``None`` when the block is empty."""
+def _normalize(mv: MultiView, key: int) -> MultiView | None:
+    """``mv`` with its dims merged and ordered by view ``key`` (``geometry.merge_dims``); ``None``
+    when the block is empty."""
     if any(n == 0 for n in mv.shape):
         return None
-    dims = [k for k, n in enumerate(mv.shape) if n != 1]
-    dims.sort(key=lambda k: tuple(-v[1][k] for v in (mv.views[key], *mv.views)))
-    merged: list[tuple[int, list[int]]] = []  # (extent, stride per view)
-    for k in dims:
-        n, st = mv.shape[k], [v[1][k] for v in mv.views]
-        if merged and all(ps == s * n for ps, s in zip(merged[-1][1], st)):
-            merged[-1] = (merged[-1][0] * n, st)
-        else:
-            merged.append((n, st))
+    merged = merge_dims(mv.shape, *(st for _, st in mv.views), key=key)
     shape = tuple(n for n, _ in merged)
     views = tuple((v[0], tuple(st[i] for _, st in merged)) for i, v in enumerate(mv.views))
-    return _MV(shape, views)
+    return MultiView(shape, views)
 
 
-def _restrict(mv: _MV, starts: Sequence[int], extents: Sequence[int]) -> _MV:
+def _restrict(mv: MultiView, starts: Sequence[int], extents: Sequence[int]) -> MultiView:
     views = tuple((off + sum(a * s for a, s in zip(starts, st)), st) for off, st in mv.views)
-    return _MV(tuple(extents), views)
+    return MultiView(tuple(extents), views)
 
 
-def _span(mv: _MV, v: int) -> tuple[int, int]:
+def _span(mv: MultiView, v: int) -> tuple[int, int]:
     off, st = mv.views[v]
     return off, off + sum((n - 1) * s for n, s in zip(mv.shape, st)) + 1
 
@@ -88,7 +82,7 @@ def _span(mv: _MV, v: int) -> tuple[int, int]:
 # -- boxes of a row-major space ------------------------------------------------------------------
 
 
-def _unmerge(mv: _MV, v: int, space: tuple[int, ...]) -> tuple[_MV, tuple[int, ...]] | None:
+def _unmerge(mv: MultiView, v: int, space: tuple[int, ...]) -> tuple[MultiView, tuple[int, ...]] | None:
     """If view ``v`` of ``mv`` is one box of ``space``, re-express ``mv`` with one dim per dim of
     ``space`` (view ``v`` then has the space's row-major strides) and return it with the box's
     start; else ``None``. ``mv`` must be normalized (no extent-1 dims)."""
@@ -129,36 +123,21 @@ def _unmerge(mv: _MV, v: int, space: tuple[int, ...]) -> tuple[_MV, tuple[int, .
         views.append(
             (off_v, tuple(0 if o is None else st[o[0]] * inner_prod[k] for k, o in enumerate(owner)))
         )
-    out = _MV(tuple(ext), tuple(views))
+    out = MultiView(tuple(ext), tuple(views))
     if any(o is not None and out.views[v][1][k] != sigma[k] for k, o in enumerate(owner)):
         return None  # defensive: the regrouping must reproduce the space's strides
     return out, tuple(starts)
 
 
 def _range_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Row-major index range ``[lo, hi)`` of ``shape`` as ``(starts, extents)`` boxes (at most
-    ``2·ndim - 1``), each itself a contiguous run, in order."""
-    if lo >= hi:
-        return []
+    """Row-major index range ``[lo, hi)`` of ``shape`` as ``(starts, extents)`` boxes, in order
+    (``geometry.range_boxes``, whose boxes have unit steps)."""
     if not shape:
-        return [((), ())]
-    inner = prod(shape[1:])
-    ra, ia = divmod(lo, inner)
-    rb, ib = divmod(hi, inner)
-    if ra == rb:
-        return [((ra, *s), (1, *e)) for s, e in _range_boxes(ia, ib, shape[1:])]
-    out = []
-    if ia:
-        out += [((ra, *s), (1, *e)) for s, e in _range_boxes(ia, inner, shape[1:])]
-        ra += 1
-    if ra < rb:
-        out.append(((ra,) + (0,) * (len(shape) - 1), (rb - ra, *shape[1:])))
-    if ib:
-        out += [((rb, *s), (1, *e)) for s, e in _range_boxes(0, ib, shape[1:])]
-    return out
+        return [((), ())] if lo < hi else []
+    return [(tuple(a[0] for a in b), tuple(a[2] for a in b)) for b in range_boxes(lo, hi, shape)]
 
 
-def _box_split(mv: _MV, v: int, space: tuple[int, ...]) -> list[tuple[_MV, tuple[int, ...]]]:
+def _box_split(mv: MultiView, v: int, space: tuple[int, ...]) -> list[tuple[MultiView, tuple[int, ...]]]:
     """Cut ``mv`` into sub-blocks whose view ``v`` is each one box of ``space``."""
     mv = _normalize(mv, v)
     if mv is None:
@@ -167,7 +146,7 @@ def _box_split(mv: _MV, v: int, space: tuple[int, ...]) -> list[tuple[_MV, tuple
     if got is not None:
         return [got]
     off, st = mv.views[v]
-    out: list[tuple[_MV, tuple[int, ...]]] = []
+    out: list[tuple[MultiView, tuple[int, ...]]] = []
     if len(mv.shape) == 1 and st[0] == 1:
         # A flat run across rows of the space: one box per row-major sub-range.
         sigma = row_major_strides(space)
@@ -203,7 +182,7 @@ def _count_below(rem: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> 
     return (c - 1) * inner + _count_below(rem - (c - 1) * s, shape[1:], strides[1:])
 
 
-def _nested(mv: _MV, v: int) -> bool:
+def _nested(mv: MultiView, v: int) -> bool:
     reach = 0
     for n, s in reversed(list(zip(mv.shape, mv.views[v][1]))):
         if s <= reach:
@@ -212,11 +191,11 @@ def _nested(mv: _MV, v: int) -> bool:
     return True
 
 
-def _flat_run(mv: _MV, v: int) -> bool:
+def _flat_run(mv: MultiView, v: int) -> bool:
     return len(mv.shape) == 0 or (len(mv.shape) == 1 and mv.views[v][1][0] == 1)
 
 
-def _lex_meet(x: _MV, xv: int, y: _MV, yv: int) -> list[_MV]:
+def _lex_meet(x: MultiView, xv: int, y: MultiView, yv: int) -> list[MultiView]:
     """``y`` is a flat run in view ``yv``, ``x`` is nested in view ``xv`` (both normalized)."""
     ylo = y.views[yv][0]
     yn = y.shape[0] if y.shape else 1
@@ -231,11 +210,11 @@ def _lex_meet(x: _MV, xv: int, y: _MV, yv: int) -> list[_MV]:
         for off, st in y.views:
             t = st[0] if st else 0
             yviews.append((off + (a0 - ylo) * t, tuple(s * t for s in ast)))
-        out.append(_MV(xs.shape, xs.views + tuple(yviews)))
+        out.append(MultiView(xs.shape, xs.views + tuple(yviews)))
     return out
 
 
-def _meet(x: _MV, xv: int, y: _MV, yv: int, space: tuple[int, ...]) -> list[_MV]:
+def _meet(x: MultiView, xv: int, y: MultiView, yv: int, space: tuple[int, ...]) -> list[MultiView]:
     """The elements where view ``xv`` of ``x`` and view ``yv`` of ``y`` address the same place of
     ``space``, as blocks carrying all of ``x``'s views then all of ``y``'s."""
     nx, ny = _normalize(x, xv), _normalize(y, yv)
@@ -248,7 +227,7 @@ def _meet(x: _MV, xv: int, y: _MV, yv: int, space: tuple[int, ...]) -> list[_MV]
         return _lex_meet(nx, xv, ny, yv)
     if _flat_run(nx, xv) and _nested(ny, yv):
         k = len(ny.views)
-        return [_MV(m.shape, m.views[k:] + m.views[:k]) for m in _lex_meet(ny, yv, nx, xv)]
+        return [MultiView(m.shape, m.views[k:] + m.views[:k]) for m in _lex_meet(ny, yv, nx, xv)]
     out = []
     ys = _box_split(ny, yv, space)
     for xb, xa in _box_split(nx, xv, space):
@@ -262,7 +241,7 @@ def _meet(x: _MV, xv: int, y: _MV, yv: int, space: tuple[int, ...]) -> list[_MV]
             ext = tuple(h - lo_k for lo_k, h in zip(lo, hi))
             xs = _restrict(xb, tuple(p - q for p, q in zip(lo, xa)), ext)
             ysub = _restrict(yb, tuple(p - q for p, q in zip(lo, ya)), ext)
-            out.append(_MV(ext, xs.views + ysub.views))
+            out.append(MultiView(ext, xs.views + ysub.views))
     return out
 
 
@@ -272,18 +251,18 @@ def _meet(x: _MV, xv: int, y: _MV, yv: int, space: tuple[int, ...]) -> list[_MV]
 @dataclass(slots=True)
 class _Item:
     rank: int
-    block: _MV  # views (F, shard), dims aligned with F's dims
+    block: MultiView  # views (F, shard), dims aligned with F's dims
     lo: tuple[int, ...]
     hi: tuple[int, ...]
     scale: float
 
 
-def _piece(mv: _MV, locations: frozenset[int], scale: float) -> Piece | None:
+def _piece(mv: MultiView, locations: frozenset[int], scale: float) -> Piece | None:
     mv = _normalize(mv, 0)
     if mv is None:
         return None
     if not mv.shape:
-        mv = _MV((1,), tuple((off, (1,)) for off, _ in mv.views))
+        mv = MultiView((1,), tuple((off, (1,)) for off, _ in mv.views))
     (so, ss), (do, ds) = mv.views
     return Piece(mv.shape, View(so, ss), View(do, ds), locations, scale)
 
@@ -342,22 +321,22 @@ def compose(outer: ParamMap, inner_by_rank: Mapping[int, ParamMap]) -> ParamMap:
     ``inner_by_rank[r]`` takes ``S_r`` (its F) to sub-shards on its own ranks. See the module
     docstring for what is exact and what is refused."""
     if set(inner_by_rank) != set(outer.ranks):
-        raise PlanError(
+        raise MapError(
             f"compose: inner maps are keyed {sorted(inner_by_rank)}, the outer map's ranks are {list(outer.ranks)}"
         )
     owner_of: dict[int, int] = {}
     for r in outer.ranks:
         inner = inner_by_rank[r]
         if inner.logical_shape != outer.shard(r).shape:
-            raise PlanError(
+            raise MapError(
                 f"compose: inner map of outer rank {r} is for F {list(inner.logical_shape)}, but that rank's "
                 f"shard is {list(outer.shard(r).shape)}"
             )
         if inner.is_padded:
-            raise PlanError(f"compose: inner map of outer rank {r} pads its F; only the outer map may pad")
+            raise MapError(f"compose: inner map of outer rank {r} pads its F; only the outer map may pad")
         for g in inner.ranks:
             if g in owner_of:
-                raise PlanError(
+                raise MapError(
                     f"compose: rank {g} holds sub-shards of both outer rank {owner_of[g]} and outer rank {r}"
                 )
             owner_of[g] = r
@@ -374,7 +353,7 @@ def compose(outer: ParamMap, inner_by_rank: Mapping[int, ParamMap]) -> ParamMap:
                     if q.is_empty:
                         continue
                     for part in _meet(pb, 1, _from_piece(q), 0, shard.shape):
-                        fg = _MV(part.shape, (part.views[0], part.views[3]))
+                        fg = MultiView(part.shape, (part.views[0], part.views[3]))
                         for block, lo in _box_split(fg, 0, space):
                             hi = tuple(a + n for a, n in zip(lo, block.shape))
                             items.append(_Item(g, block, lo, hi, p.scale * q.scale))
@@ -391,3 +370,22 @@ def replicate_over(m: ParamMap, groups: Mapping[int, Sequence[int]]) -> ParamMap
     """``m`` with each rank's shard held identically by every rank of ``groups[rank]`` (TP shards
     replicated over the data-parallel group of each TP rank, say)."""
     return compose(m, {r: replicated(m.shard(r).shape, tuple(groups[r])) for r in m.ranks})
+
+
+def compose_zero(model_map: ParamMap, zero_maps: Mapping[int, ParamMap | None], topology: Topology) -> ParamMap:
+    """A model-parallel map composed with the ZeRO split of every rank's shard, over global ranks.
+
+    ``zero_maps[t]`` splits rank ``t``'s shard (its F) over DP ranks ``0..dp-1`` (``None`` where
+    ``t`` holds none of the parameter); DP rank ``d`` of model-parallel rank ``t`` becomes global
+    rank ``topology.rank(0, d, t)``. The one home of the TP∘ZeRO composite a checkpoint's optimizer
+    state follows (``inspect --composed``, both sides of ``reshard reshard``)."""
+    inner = {}
+    for t in model_map.ranks:
+        shard, split = model_map.shard(t), zero_maps.get(t)
+        if split is None:
+            if shard.numel:
+                raise MapError(f"model-parallel rank {t} holds {shard.numel} elements but no ZeRO split of them")
+            inner[t] = ParamMap(shard.shape, {})
+        else:
+            inner[t] = split.with_ranks({d: topology.rank(0, d, t) for d in split.ranks})
+    return compose(model_map, inner)

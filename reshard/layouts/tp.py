@@ -193,7 +193,7 @@ def padded_vocab(
 ) -> ParamMap:
     """Legacy TP vocabulary: F is the table padded with rows up to a multiple of
     ``divisible_by * tp`` and split evenly on rows; ``valid_shape`` is the real vocabulary
-    (``shape``). The padding rows are part of F, so every piece stays a view (seed §8.1)."""
+    (``shape``). The padding rows are part of F, so every piece stays a view (docs/spec.md §1, valid region)."""
     shape = as_shape(shape)
     if not shape:
         raise MapError("a vocabulary needs at least one dim")

@@ -19,15 +19,16 @@ Conventions, the same in every builder here:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import MapError
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
-from ._core import Shape, as_shape, flat_ranges, positive, rank_labels
+from ._core import as_shape, flat_ranges, positive, rank_labels
 
 __all__ = [
-    "ZeroGroupLayout",
+    "FlatGroup",
     "round_robin_order",
     "zero12_group",
     "zero12_group_layout",
@@ -44,16 +45,66 @@ def round_robin_order(count: int, dp: int) -> list[int]:
     return [i for b in range(min(dp, count)) for i in range(b, count, dp)]
 
 
-class ZeroGroupLayout:
-    """Where each parameter of a ZeRO-1/2 group sits in the flat buffer.
+@dataclass(frozen=True, slots=True)
+class FlatGroup:
+    """A ZeRO-1/2 parameter group's flat buffer: where each parameter sits and how the buffer is
+    cut into equal DP partitions. The one description of that buffer: the builders below, the
+    DeepSpeed writer and the offline resharder all read partitions through it.
 
-    ``offsets[i]`` is the flat offset of parameter ``i`` (model order), ``total`` the padded
-    buffer length, ``partition`` the length each DP rank holds."""
+    ``offsets[i]`` is parameter ``i``'s flat offset (model order), ``data_end`` the end of the last
+    parameter (DeepSpeed's ``padded_group_numel``), ``total`` the aligned buffer length."""
 
-    __slots__ = ("numels", "offsets", "partition", "total")
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    data_end: int
+    total: int
+    dp: int
+    names: tuple[str, ...] = ()
 
-    def __init__(self, numels: list[int], offsets: list[int], total: int, partition: int) -> None:
-        self.numels, self.offsets, self.total, self.partition = numels, offsets, total, partition
+    @property
+    def partition(self) -> int:
+        """Elements each DP rank holds."""
+        return self.total // self.dp
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(prod(s) for s in self.shapes)
+
+    def param_paddings(self) -> list[int]:
+        """Zeros after each parameter (none after the last)."""
+        ends = [o + n for o, n in zip(self.offsets, self.numels)]
+        return [nxt - end for end, nxt in zip(ends, self.offsets[1:])] + ([0] if self.shapes else [])
+
+    def tail_padding(self, d: int) -> int:
+        """Padding inside partition ``d``: all of it past the data, the overhang where the data
+        ends inside it, else 0 (DeepSpeed's ``group_paddings``)."""
+        left, size = d * self.partition, self.partition
+        return size if self.data_end <= left else max(0, left + size - self.data_end)
+
+    def fragments(self, d: int) -> list[tuple[int, int, int]]:
+        """``(index, lo, hi)``: the parameters intersecting partition ``d``, in flat order, with
+        their ``[lo, hi)`` in flat-buffer coordinates."""
+        a, b = d * self.partition, (d + 1) * self.partition
+        out = []
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(off, a), min(off + n, b)
+            if lo < hi:
+                out.append((i, lo, hi))
+        return out
+
+    def param_map(self, i: int, *, ranks: Sequence[int] | None = None, shard: str = "fragment") -> ParamMap:
+        """Parameter ``i``'s map over the DP ranks (``ranks`` relabels them): its fragment of each
+        partition, as the shard itself (``"fragment"``) or inside the whole partition."""
+        fragment = _shard_mode(shard)
+        labels = rank_labels(self.dp, ranks)
+        off, shape = self.offsets[i], self.shapes[i]
+        ranges = {}
+        for d in range(self.dp):
+            lo, hi = max(off, d * self.partition), min(off + prod(shape), (d + 1) * self.partition)
+            if lo < hi:
+                ranges[labels[d]] = ((hi - lo, [(lo - off, 0, hi - lo)]) if fragment
+                                     else (self.partition, [(lo - off, lo - d * self.partition, hi - lo)]))
+        return flat_ranges(shape, ranges)
 
 
 def zero12_group_layout(
@@ -63,7 +114,8 @@ def zero12_group_layout(
     alignment: int | None = None,
     param_alignment: int = 1,
     round_robin: bool = False,
-) -> ZeroGroupLayout:
+    names: Sequence[str] = (),
+) -> FlatGroup:
     """Flat layout of a ZeRO-1/2 group: parameters laid out in order (``round_robin`` reorders
     them), each but the last followed by zeros up to a multiple of ``param_alignment`` elements,
     the whole padded to a multiple of ``alignment`` (DeepSpeed: ``2 * dp``, i.e. 4 bytes of fp16
@@ -71,7 +123,8 @@ def zero12_group_layout(
     positive(dp, "dp")
     positive(param_alignment, "param_alignment")
     alignment = 2 * dp if alignment is None else positive(alignment, "alignment")
-    numels = [prod(as_shape(s)) for s in shapes]
+    shapes_t = tuple(as_shape(s) for s in shapes)
+    numels = [prod(s) for s in shapes_t]
     order = round_robin_order(len(numels), dp) if round_robin else list(range(len(numels)))
     offsets = [0] * len(numels)
     cursor = 0
@@ -83,26 +136,13 @@ def zero12_group_layout(
     total = cursor + (-cursor % alignment)
     if total % dp:
         raise MapError(f"aligned group of {total} elements does not split into {dp} equal partitions")
-    return ZeroGroupLayout(numels, offsets, total, total // dp)
+    return FlatGroup(shapes_t, tuple(offsets), cursor, total, dp, tuple(names))
 
 
 def _shard_mode(shard: str) -> bool:
     if shard not in ("partition", "fragment"):
         raise MapError(f'shard must be "partition" or "fragment", got {shard!r}')
     return shard == "fragment"
-
-
-def _param_map(shape: Shape, offset: int, partition: int, labels: tuple[int, ...], fragment: bool) -> ParamMap:
-    numel = prod(shape)
-    ranges = {}
-    for d, r in enumerate(labels):
-        lo, hi = max(offset, d * partition), min(offset + numel, (d + 1) * partition)
-        if lo < hi:
-            if fragment:
-                ranges[r] = (hi - lo, [(lo - offset, 0, hi - lo)])
-            else:
-                ranges[r] = (partition, [(lo - offset, lo - d * partition, hi - lo)])
-    return flat_ranges(shape, ranges)
 
 
 def zero12_group(
@@ -117,12 +157,9 @@ def zero12_group(
 ) -> list[ParamMap]:
     """One map per parameter (model order) of a ZeRO-1/2 group over ``dp`` ranks (see
     :func:`zero12_group_layout`)."""
-    fragment = _shard_mode(shard)
-    layout = zero12_group_layout(
-        shapes, dp, alignment=alignment, param_alignment=param_alignment, round_robin=round_robin
-    )
-    labels = rank_labels(dp, ranks)
-    return [_param_map(as_shape(s), o, layout.partition, labels, fragment) for s, o in zip(shapes, layout.offsets)]
+    group = zero12_group_layout(shapes, dp, alignment=alignment, param_alignment=param_alignment,
+                                round_robin=round_robin)
+    return [group.param_map(i, ranks=ranks, shard=shard) for i in range(len(group.shapes))]
 
 
 def _fragment(frag: Any, where: str) -> tuple[int, int]:
@@ -208,8 +245,6 @@ def zero3(
 ) -> ParamMap:
     """ZeRO-3: the parameter flattened, padded to ``ceil(numel/dp) * dp`` and split evenly; rank
     ``d`` holds ``[d * p, (d + 1) * p)`` of it, the tail of the last holders being padding."""
-    fragment = _shard_mode(shard)
     shape = as_shape(shape)
     part = zero3_partition_numel(prod(shape), dp)
-    labels = rank_labels(dp, ranks)
-    return _param_map(shape, 0, part, labels, fragment)
+    return FlatGroup((shape,), (0,), prod(shape), part * dp, dp).param_map(0, ranks=ranks, shard=shard)
