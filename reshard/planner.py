@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import PlanError
-from .ir.canonical import _concat_pass, _make
+from .ir.canonical import concat_pass, make_piece
 from .ir.geometry import Block, Box, box_intersect, clip, joint_dims, outside, piece_blocks
 from .ir.param_map import ParamMap
 from .ir.piece import Piece, View, prod
@@ -264,7 +264,7 @@ def _compress(segs: list[Segment]) -> list[Segment]:
     pieces = [Piece.trusted(s.shape, s.src, s.dst, _ONE, 1.0) for s in segs]
     changed = True
     while changed:
-        pieces, joined = _concat_pass(pieces)
+        pieces, joined = concat_pass(pieces)
         pieces, stacked = _stack(pieces)
         changed = joined or stacked
     return [Segment(first.src_rank, p.source, first.dst_rank, p.dest, p.shape, first.factor) for p in pieces]
@@ -293,7 +293,7 @@ def _stack(pieces: list[Piece]) -> tuple[list[Piece], bool]:
             if j > i:
                 p = group[i]
                 dims = [(n, a, b) for n, a, b in zip(p.shape, p.source.strides, p.dest.strides)]
-                out.append(_make(dims + [(j - i + 1, ds, dd)], p.source.offset, p.dest.offset, p))
+                out.append(make_piece(dims + [(j - i + 1, ds, dd)], p.source.offset, p.dest.offset, p))
                 changed = True
             else:
                 out.append(group[i])

@@ -30,7 +30,7 @@ def _dims(p: Piece) -> list[Dim]:
     return [(n, s, d) for n, s, d in zip(p.shape, p.source.strides, p.dest.strides)]
 
 
-def _make(dims: list[Dim], src: int, dst: int, like: Piece) -> Piece | None:
+def make_piece(dims: list[Dim], src: int, dst: int, like: Piece) -> Piece | None:
     """A piece of ``like``'s locations and scale over ``dims``, normalised (rule 1); ``None``
     when empty."""
     if any(n == 0 for n, _, _ in dims):
@@ -48,7 +48,7 @@ def _make(dims: list[Dim], src: int, dst: int, like: Piece) -> Piece | None:
 
 def normalize_piece(p: Piece) -> Piece | None:
     """Rule 1; ``None`` for an empty piece."""
-    return _make(_dims(p), p.source.offset, p.dest.offset, p)
+    return make_piece(_dims(p), p.source.offset, p.dest.offset, p)
 
 
 def _is_scalar(p: Piece) -> bool:
@@ -68,7 +68,7 @@ def _keys(p: Piece) -> list[tuple]:
     return keys
 
 
-def _concat_pass(pieces: list[Piece]) -> tuple[list[Piece], bool]:
+def concat_pass(pieces: list[Piece]) -> tuple[list[Piece], bool]:
     """Merge pairs adjacent along one dim on both sides. A piece with one dim fewer (a slice of
     extent 1 along that dim, scalars included) joins at either end."""
     alive = dict(enumerate(sorted(pieces, key=_order)))
@@ -143,7 +143,7 @@ def _fold_pass(pieces: list[Piece], space: tuple[int, ...]) -> tuple[list[Piece]
                 k += 1
                 continue
             first = pieces[i0]
-            folded = _make(_dims(first) + [(j - k + 1, dc * S[-key[0]], dd)], first.source.offset,
+            folded = make_piece(_dims(first) + [(j - k + 1, dc * S[-key[0]], dd)], first.source.offset,
                            first.dest.offset, first)
             if folded is not None:
                 out.append(folded)
@@ -168,7 +168,7 @@ def canonical_pieces(pieces: tuple[Piece, ...] | list[Piece], space: tuple[int, 
     for cls in classes.values():
         changed = True
         while changed:
-            cls, c1 = _concat_pass(cls)
+            cls, c1 = concat_pass(cls)
             cls, c2 = _fold_pass(cls, space)
             changed = c1 or c2
         out.extend(cls)
