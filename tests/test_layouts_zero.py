@@ -158,7 +158,8 @@ def _load(path):
 def _zero12_fixture(name):
     root = FIXTURES / name / "global_step3"
     if not root.exists():
-        pytest.skip(f"fixture {name} missing")
+        pytest.fail(f"committed fixture {root} is missing: restore it from git, or regenerate it with "
+                    f"python scripts/make_fixtures.py --only {name} (a missing fixture fails, never skips)")
     return root
 
 

@@ -81,30 +81,29 @@ class FlatGroup:
         left, size = d * self.partition, self.partition
         return size if self.data_end <= left else max(0, left + size - self.data_end)
 
+    def overlap(self, i: int, d: int) -> tuple[int, int]:
+        """``[lo, hi)`` of parameter ``i`` inside partition ``d``, in flat-buffer coordinates
+        (``lo >= hi`` when they do not meet): the one partition intersection."""
+        off, n = self.offsets[i], prod(self.shapes[i])
+        return max(off, d * self.partition), min(off + n, (d + 1) * self.partition)
+
     def fragments(self, d: int) -> list[tuple[int, int, int]]:
-        """``(index, lo, hi)``: the parameters intersecting partition ``d``, in flat order, with
-        their ``[lo, hi)`` in flat-buffer coordinates."""
-        a, b = d * self.partition, (d + 1) * self.partition
-        out = []
-        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
-            lo, hi = max(off, a), min(off + n, b)
-            if lo < hi:
-                out.append((i, lo, hi))
-        return out
+        """``(index, lo, hi)``: the parameters intersecting partition ``d``, in flat order."""
+        spans = ((i, *self.overlap(i, d)) for i in sorted(range(len(self.shapes)), key=self.offsets.__getitem__))
+        return [(i, lo, hi) for i, lo, hi in spans if lo < hi]
 
     def param_map(self, i: int, *, ranks: Sequence[int] | None = None, shard: str = "fragment") -> ParamMap:
         """Parameter ``i``'s map over the DP ranks (``ranks`` relabels them): its fragment of each
         partition, as the shard itself (``"fragment"``) or inside the whole partition."""
         fragment = _shard_mode(shard)
         labels = rank_labels(self.dp, ranks)
-        off, shape = self.offsets[i], self.shapes[i]
-        ranges = {}
+        off, ranges = self.offsets[i], {}
         for d in range(self.dp):
-            lo, hi = max(off, d * self.partition), min(off + prod(shape), (d + 1) * self.partition)
+            lo, hi = self.overlap(i, d)
             if lo < hi:
                 ranges[labels[d]] = ((hi - lo, [(lo - off, 0, hi - lo)]) if fragment
                                      else (self.partition, [(lo - off, lo - d * self.partition, hi - lo)]))
-        return flat_ranges(shape, ranges)
+        return flat_ranges(self.shapes[i], ranges)
 
 
 def zero12_group_layout(
