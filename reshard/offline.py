@@ -23,13 +23,9 @@ buffers over the target DP ranks. The stages are kept, or merged into one (``pp=
 are copied as they are, since no stage count changes them. Another stage count is refused: which
 layers form a stage depends on the training script's ``partition_method``, not recorded.
 
-Target TP layouts: at the source's TP degree the source maps are kept; at TP=1 every parameter is
-whole on its one rank. Any other TP degree needs the layout DeepSpeed's AutoTP uses there, which a
-checkpoint at another degree does not record (it depends on head counts): pass ``layout=`` a
-DeepSpeed checkpoint saved at the target TP (its ``universal_checkpoint_info.affine_map``), a map
-document / ``{name: ParamMap}``, or ``"geometry"`` to rebuild each source layout at the new degree
-from its geometry alone (``reshard.inspect.layout_of``: near-even splits, which can differ from
-AutoTP's head-aligned ones).
+The source is read and checked by ``formats.deepspeed_zero12.Zero12Source``; the target's
+model-parallel maps come from ``target_layout`` (``layout=``); both composites are built by
+``layouts.compose_zero``; the files are written in DeepSpeed's format by ``formats.deepspeed_writer``.
 """
 
 from __future__ import annotations
@@ -180,7 +176,7 @@ class _Writer:
     # one target (tp, dp) optimizer partition
     def optim(self, t: int, d: int) -> None:
         src, tgt, ck = self.src, self.tgt, self.src.ck
-        label = tgt.topology.rank(0, d, t)
+        rank = tgt.topology.rank(0, d, t)
         layouts = tgt.layouts[t]
         fp32, moments, read = [], [], 0
         for lay in layouts:
@@ -188,7 +184,7 @@ class _Writer:
             base = d * lay.partition
             for i, lo, hi in lay.fragments(d):
                 name = lay.names[i]
-                segs = self.opt_plans[name].get(label, [])
+                segs = self.opt_plans[name].get(rank, [])
                 if sum(s.numel for s in segs) != hi - lo and not tgt.maps[name].is_padded:
                     raise CheckpointError(f"internal: plan for {name!r} fills {sum(s.numel for s in segs)} of the "
                                           f"{hi - lo} elements of target rank (tp {t}, dp {d})")

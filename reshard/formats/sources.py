@@ -127,8 +127,8 @@ def _open_deepspeed(path: Path) -> Source:
         _checked(low.map, f"{ck.tag_dir}: parameter {name!r}")
         maps[name] = canonicalize(low.map)
         families[name] = low.family
-    label = f"DeepSpeed TP={ck.tp} DP={ck.dp}{f' PP={ck.pp}' if ck.pp > 1 else ''} ZeRO-{ck.zero_stage}"
-    return Source(str(path), "deepspeed", maps, label, ck.tp, ck.dp, ck.zero_stage, families, ck)
+    description = f"DeepSpeed TP={ck.tp} DP={ck.dp}{f' PP={ck.pp}' if ck.pp > 1 else ''} ZeRO-{ck.zero_stage}"
+    return Source(str(path), "deepspeed", maps, description, ck.tp, ck.dp, ck.zero_stage, families, ck)
 
 
 def _checked(m: ParamMap, where: str) -> None:

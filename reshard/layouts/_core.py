@@ -31,18 +31,18 @@ def positive(value: int, what: str) -> int:
     return value
 
 
-def rank_labels(count: int, ranks: Sequence[int] | None) -> tuple[int, ...]:
+def global_ranks(count: int, ranks: Sequence[int] | None) -> tuple[int, ...]:
     """The global rank of each local position ``0..count-1``: ``ranks`` if given, else identity."""
     if ranks is None:
         return tuple(range(count))
     labels = tuple(ranks)
     if len(labels) != count:
-        raise MapError(f"expected {count} rank labels, got {len(labels)}: {list(labels)}")
+        raise MapError(f"expected {count} global ranks, got {len(labels)}: {list(labels)}")
     if len(set(labels)) != count:
-        raise MapError(f"rank labels must be distinct, got {list(labels)}")
+        raise MapError(f"global ranks must be distinct, got {list(labels)}")
     for r in labels:
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise MapError(f"rank labels must be non-negative ints, got {r!r}")
+            raise MapError(f"global ranks must be non-negative ints, got {r!r}")
     return labels
 
 

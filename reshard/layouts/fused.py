@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ..errors import MapError
 from ..ir.param_map import ParamMap
-from ._core import as_shape, dim_blocks, positive, rank_labels
+from ._core import as_shape, dim_blocks, global_ranks, positive
 from .tp import autotp_shard_sizes, near_even_sizes, prescaled_bias, split, sub_params
 
 __all__ = [
@@ -137,7 +137,7 @@ def bigcode_mqa(
     shape = as_shape(shape)
     if not shape or not 0 <= n_embd <= shape[0]:
         raise MapError(f"bigcode: n_embd {n_embd} must lie within the {shape[0] if shape else 0} rows")
-    labels = rank_labels(positive(tp, "tp"), ranks)
+    labels = global_ranks(positive(tp, "tp"), ranks)
     widths = autotp_shard_sizes(n_embd, tp, num_kv_heads=num_kv_heads, grain=grain)
     blocks, start = {}, 0
     for r, w in zip(labels, widths):
@@ -191,7 +191,7 @@ def codegen_qkv(
         for third in range(3):
             order.append(group * group_rows + third * third_rows + j * b)
     per_rank = len(order) // tp
-    labels = rank_labels(tp, ranks)
+    labels = global_ranks(tp, ranks)
     blocks = {r: [(s, b) for s in order[i * per_rank : (i + 1) * per_rank]] for i, r in enumerate(labels)}
     return dim_blocks(shape, 0, blocks)
 
@@ -230,7 +230,7 @@ def _shared_qk(shape, dim: int, tp: int, num_heads: int, ranks) -> ParamMap:
     if len(shape) <= dim or shape[dim] % num_heads:
         raise MapError(f"shared-QK: dim {dim} of {list(shape)} is not a whole number of {num_heads} heads")
     hd = shape[dim] // num_heads
-    labels = rank_labels(tp, ranks)
+    labels = global_ranks(tp, ranks)
     blocks = {r: [(h * hd, hd) for h in shared_qk_head_ids(num_heads, tp, i)] for i, r in enumerate(labels)}
     return dim_blocks(shape, dim, blocks)
 

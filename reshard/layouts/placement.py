@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import MapError
 from ..ir.param_map import ParamMap
 from ..topology import Topology
-from ._core import as_shape, dim_blocks, rank_labels
+from ._core import as_shape, dim_blocks, global_ranks
 from .tp import replicated
 
 __all__ = [
@@ -28,7 +28,7 @@ def expert_placement(
     shape = as_shape(shape)
     if not shape:
         raise MapError("an expert parameter needs a leading experts dim")
-    labels = rank_labels(len(experts_by_rank), ranks)
+    labels = global_ranks(len(experts_by_rank), ranks)
     seen: set[int] = set()
     for r, experts in zip(labels, experts_by_rank):
         if len(set(experts)) != len(experts):
@@ -81,4 +81,4 @@ def pipeline_stage(shape: Sequence[int], topology: Topology, stages: int | Seque
     the stage holds it (:func:`reshard.layouts.compose`)."""
     stage_list = [stages] if isinstance(stages, int) else list(stages)
     members = sorted(r for s in stage_list for r in topology.stage_ranks(s))
-    return replicated(shape, rank_labels(len(members), members))
+    return replicated(shape, global_ranks(len(members), members))

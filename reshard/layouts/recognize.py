@@ -277,7 +277,7 @@ def recognize(m: ParamMap, *, vocab_divisible_by: int | None = None) -> Family:
         raise PlanError(f"expected a TP map over ranks 0..{n - 1}, got ranks {list(m.ranks)}")
     if n == 1:
         raise PlanError("a map on one rank does not say how F splits over more (split, replicated or fused); "
-                        "give a target map document instead (reshard plan SRC.json TGT.json)")
+                        "give a target map document instead (reshard plan SRC.json --to TGT.json)")
     c = canonicalize(m)
     for finder in FAMILIES:
         fam = finder(c, n, vocab_divisible_by)

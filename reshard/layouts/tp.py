@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from ..errors import MapError
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
-from ._core import as_shape, check_dim, dim_blocks, finish, flat_piece, positive, rank_labels
+from ._core import as_shape, check_dim, dim_blocks, finish, flat_piece, global_ranks, positive
 
 __all__ = [
     "autotp_shard_sizes",
@@ -92,7 +92,7 @@ def replicated(shape: Sequence[int], ranks: int | Sequence[int], *, scale: float
     """Every rank holds all of F, multiplied by ``scale`` (``1/N`` for a bias pre-divided by the
     world size). ``ranks`` is a count or the global ranks."""
     shape = as_shape(shape)
-    labels = rank_labels(ranks, None) if isinstance(ranks, int) else rank_labels(len(ranks), ranks)
+    labels = global_ranks(ranks, None) if isinstance(ranks, int) else global_ranks(len(ranks), ranks)
     n = prod(shape)
     return finish(shape, {r: (shape, [flat_piece(0, 0, n, labels, scale)]) for r in labels})
 
@@ -102,7 +102,7 @@ def prescaled_bias(shape: Sequence[int], tp: int, *, ranks: Sequence[int] | None
     row-parallel output adds it once (DeepSpeed's ``TensorParallelConv2d`` input-channel split,
     Yuan's o_proj)."""
     positive(tp, "tp")
-    return replicated(shape, rank_labels(tp, ranks), scale=1.0 / tp)
+    return replicated(shape, global_ranks(tp, ranks), scale=1.0 / tp)
 
 
 def split(shape: Sequence[int], dim: int, sizes: Sequence[int], *, ranks: Sequence[int] | None = None) -> ParamMap:
@@ -113,7 +113,7 @@ def split(shape: Sequence[int], dim: int, sizes: Sequence[int], *, ranks: Sequen
     sizes = list(sizes)
     if any(s < 0 for s in sizes) or sum(sizes) != shape[dim]:
         raise MapError(f"split sizes {sizes} must be non-negative and sum to dim {dim} of {list(shape)}")
-    labels = rank_labels(len(sizes), ranks)
+    labels = global_ranks(len(sizes), ranks)
     blocks, start = {}, 0
     for r, n in zip(labels, sizes):
         blocks[r] = [(start, n)]
@@ -168,7 +168,7 @@ def sub_params(
     for k, (size, w) in enumerate(zip(sub_sizes, widths)):
         if len(w) != tp or sum(w) != size or any(x < 0 for x in w):
             raise MapError(f"sub-parameter {k}: widths {list(w)} must be {tp} non-negative ints summing to {size}")
-    labels = rank_labels(tp, ranks)
+    labels = global_ranks(tp, ranks)
     blocks: dict[int, list[tuple[int, int]]] = {r: [] for r in labels}
     base = 0
     for size, w in zip(sub_sizes, widths):
@@ -199,7 +199,7 @@ def padded_vocab(
         raise MapError("a vocabulary needs at least one dim")
     rows = padded_vocab_rows(shape[0], tp, divisible_by=divisible_by)
     logical = (rows,) + shape[1:]
-    labels = rank_labels(tp, ranks)
+    labels = global_ranks(tp, ranks)
     per = rows // tp
     return dim_blocks(logical, 0, {r: [(i * per, per)] for i, r in enumerate(labels)}, valid=shape)
 

@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import MapError
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
-from ._core import as_shape, flat_ranges, positive, rank_labels
+from ._core import as_shape, flat_ranges, global_ranks, positive
 
 __all__ = [
     "FlatGroup",
@@ -96,7 +96,7 @@ class FlatGroup:
         """Parameter ``i``'s map over the DP ranks (``ranks`` relabels them): its fragment of each
         partition, as the shard itself (``"fragment"``) or inside the whole partition."""
         fragment = _shard_mode(shard)
-        labels = rank_labels(self.dp, ranks)
+        labels = global_ranks(self.dp, ranks)
         off, ranges = self.offsets[i], {}
         for d in range(self.dp):
             lo, hi = self.overlap(i, d)
@@ -202,7 +202,7 @@ def zero12_from_slice_mappings(
             f"need one slice mapping and one padding per DP rank ({partition_count}), got "
             f"{len(param_slice_mappings)} and {len(group_paddings)}"
         )
-    labels = rank_labels(partition_count, ranks)
+    labels = global_ranks(partition_count, ranks)
     frags: dict[str, list[tuple[int, int, int]]] = {}  # name -> [(dp rank, numel, start)]
     ends = [0] * partition_count
     for d, mapping in enumerate(param_slice_mappings):
