@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import apply_plan
+from reshard import apply_plan, plan_topology
 from reshard.cli import main as cli
 from reshard.formats.safe_load import load
-from reshard import plan_topology
 from reshard.formats.sources import open_source
-from reshard.layouts.recognize import recognize
 from reshard.ir import maps_to_document
 from reshard.layouts import (
     bigcode_mqa,
@@ -29,6 +27,7 @@ from reshard.layouts import (
     shared_qk_o_proj,
     sub_params,
 )
+from reshard.layouts.recognize import recognize
 from tests.dsconv import FIXTURES
 from tests.irgen import padded_vocab_map, replicated_map, segmented_map
 

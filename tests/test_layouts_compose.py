@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import ParamMap, MapError, canonicalize
+from reshard import MapError, ParamMap, canonicalize
 from reshard.ir import prod
 from reshard.layouts import (
     autotp_split,
@@ -265,7 +265,8 @@ def test_llama_tp2_dp2_checkpoint():
     root = FIXTURES / "llama_tp2_dp2" / "global_step3"
     if not root.exists():
         pytest.fail(f"committed fixture {root} is missing: restore it from git, or regenerate it with "
-                    "python scripts/make_fixtures.py --only llama_tp2_dp2 (a missing fixture fails, never skips)")
+                    "python scripts/make_fixtures.py --only llama_tp2_dp2 (a missing fixture fails, "
+                    "never skips)")
     load = lambda p: torch.load(p, map_location="cpu", weights_only=False)  # noqa: E731
     t = Topology(pp=1, dp=2, tp=2)
     models = [load(root / f"mp_rank_{tr:02d}_model_states.pt") for tr in range(2)]

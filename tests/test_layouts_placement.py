@@ -9,9 +9,8 @@ import random
 import pytest
 import torch
 
-from reshard import MapError, ParamMap, canonicalize
+from reshard import MapError, ParamMap, Topology, TopologyError, canonicalize
 from reshard.layouts import autoep_placement, expert_placement, pipeline_stage, uniform_experts
-from reshard import Topology, TopologyError
 from tests import oracles
 
 autoep = pytest.importorskip("deepspeed.checkpoint.autoep_affine")
