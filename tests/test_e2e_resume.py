@@ -7,44 +7,45 @@ losses (exact float equality) and the same digests of the fp32 master weights, A
 module weights, right after the load and after the steps. The digests are per parameter, over the
 logical (unsharded) tensor: a sha256 of its bytes plus an exactly rounded weighted sum
 (``tests/e2e/digest.py``). A negative control perturbs one Adam moment by one ulp and one weight
-by 1e-3 in a copy of reshard's output and shows the digests catch both.
+by 1e-3 in a copy of reshard's output and shows the digests catch both. An oracle independent of
+both converters: DeepSpeed's native loader, resuming the source checkpoint at its own topology,
+holds the very state both conversions load to.
 
-Each job takes ~30-40 s on 2 CPU cores; the module runs 5 of them.
+Every load here runs in a job shared with the e2e tests of ``tests/test_offline.py``, one job per
+world size, each checkpoint loaded into a fresh engine (``tests/e2e/plan.py``; the session fixture
+``e2e`` of ``tests/conftest.py``): two jobs in all, ~30-60 s each on 2 CPU cores.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from reshard.convert import convert  # noqa: E402
-from reshard.formats.pickling import save  # noqa: E402
 from reshard.formats.safe_load import load  # noqa: E402
-from tests.dsconv import FIXTURES, ds_to_universal  # noqa: E402
+from tests.dsconv import FIXTURES  # noqa: E402
 from tests.e2e.digest import differences, digest  # noqa: E402
-from tests.e2e.launch import model_spec_from_fixture, resume  # noqa: E402
+from tests.e2e.plan import (  # noqa: E402
+    E2E,
+    EXP_AVG_PERTURB,
+    FP32_PERTURB,
+    LLAMA,
+    NEGATIVE_TOPOLOGY,
+    SOURCE_TOPOLOGY,
+    STEPS,
+    UCP_TOPOLOGIES,
+)
 
 pytestmark = pytest.mark.e2e
 
-FIXTURE = "llama_tp2_dp2"
-TOPOLOGIES = [(2, 1), (1, 2)]  # (tp, dp) targets, 2 processes each
+FIXTURE = LLAMA
+TOPOLOGIES = UCP_TOPOLOGIES  # (tp, dp) targets, 2 processes each
 ROUTES = ("reshard", "ds_to_universal")
-STEPS = 2
-
-# Negative control: (param, state file, logical index, how to change it). Both elements sit in the
-# second TP half of their parameter, so at TP=2 they live on TP rank 1.
-EXP_AVG_PERTURB = ("model.layers.1.mlp.down_proj.weight", "exp_avg", (5, 60), "one float32 ulp up")
-FP32_PERTURB = ("lm_head.weight", "fp32", (70, 3), "+1e-3")
-NEGATIVE_TOPOLOGY = (2, 1)
 
 
 @pytest.fixture(scope="module")
@@ -53,32 +54,21 @@ def fixture_meta() -> dict:
 
 
 @pytest.fixture(scope="module")
-def model_spec() -> dict:
-    return model_spec_from_fixture(FIXTURES / FIXTURE)
-
-
-@pytest.fixture(scope="module")
-def routes(tmp_path_factory) -> dict[str, Path]:
+def routes(e2e: E2E) -> dict[str, Path]:
     """route -> load_dir (the folder holding ``latest_universal`` and the tag folder)."""
-    root = tmp_path_factory.mktemp("e2e_routes")
-    ours = convert(FIXTURES / FIXTURE, root / "reshard").out_dir.parent
-    theirs = ds_to_universal(FIXTURE, root / "ds").parent
+    ours, theirs = e2e.reshard_ucp(), e2e.ds_ucp(FIXTURE)
     for load_dir in (ours, theirs):
         assert (load_dir / "latest_universal").read_text().strip() == "global_step3"
     return {"reshard": ours, "ds_to_universal": theirs}
 
 
 @pytest.fixture(scope="module")
-def resumed(routes, model_spec):
-    """resumed(route, tp, dp) -> report, each job run once per module."""
-    cache: dict = {}
+def resumed(e2e: E2E):
+    """resumed(kind, tp, dp) -> report of resuming FIXTURE's ``kind`` checkpoint at TP=tp x DP=dp:
+    a route of ROUTES, ``perturbed`` or ``source`` (see ``plan.Load``); the jobs run once per session."""
 
-    def get(route: str, tp: int, dp: int) -> dict:
-        key = (route, tp, dp)
-        if key not in cache:
-            cache[key] = resume(routes[route], model_spec=model_spec, tp=tp, dp=dp, zero_stage=1,
-                                universal=True, steps=STEPS)
-        return cache[key]
+    def get(kind: str, tp: int, dp: int) -> dict:
+        return e2e.report(kind, FIXTURE, tp, dp)
 
     return get
 
@@ -152,31 +142,13 @@ def test_digests_do_not_depend_on_the_topology(resumed):
     assert a["digest_summary"]["after_load"] == b["digest_summary"]["after_load"]
 
 
-def _perturb(tag_dir: Path, spec: tuple) -> None:
-    name, state, index, _how = spec
-    path = tag_dir / "zero" / name / f"{state}.pt"
-    obj = load(path, mmap=False)
-    t = obj["param"].clone()
-    old = t[index].clone()
-    if state == "fp32":
-        t[index] = old + 1e-3
-    else:
-        t[index] = torch.nextafter(old, torch.tensor(math.inf, dtype=t.dtype))
-    assert t[index] != old
-    obj["param"] = t
-    save(obj, path)
-
-
-def test_negative_control_digests_catch_small_changes(routes, model_spec, resumed, tmp_path):
+def test_negative_control_digests_catch_small_changes(e2e: E2E, resumed):
+    """A copy of reshard's output with EXP_AVG_PERTURB and FP32_PERTURB applied
+    (``plan.perturb``), resumed in the same job as the unchanged one."""
     tp, dp = NEGATIVE_TOPOLOGY
     baseline = resumed("reshard", tp, dp)
-    load_dir = tmp_path / "perturbed"
-    shutil.copytree(routes["reshard"], load_dir)
-    tag_dir = load_dir / (load_dir / "latest_universal").read_text().strip()
-    _perturb(tag_dir, EXP_AVG_PERTURB)
-    _perturb(tag_dir, FP32_PERTURB)
-
-    report = resume(load_dir, model_spec=model_spec, tp=tp, dp=dp, zero_stage=1, universal=True, steps=STEPS)
+    load_dir = e2e.perturbed_ucp()
+    report = resumed("perturbed", tp, dp)
     _sane(report, tp, dp)
 
     # Right after the load exactly the perturbed entries differ, in both sha256 and weighted sum
@@ -198,14 +170,11 @@ def test_negative_control_digests_catch_small_changes(routes, model_spec, resume
     assert report["digest_summary"]["after_steps"] != baseline["digest_summary"]["after_steps"]
 
 
-@pytest.mark.skipif(not os.environ.get("RESHARD_E2E_NATIVE"),
-                    reason="4-process job (~30-60 s on 2 cores); set RESHARD_E2E_NATIVE=1 to run it")
-def test_native_resume_of_the_source_holds_the_same_state(resumed, model_spec):
+def test_native_resume_of_the_source_holds_the_same_state(resumed):
     """Oracle independent of both converters: DeepSpeed's native loader, resuming the *source*
     checkpoint at its own topology (TP=2 x DP=2), holds exactly the state both converted
     checkpoints load to."""
-    native = resume(FIXTURES / FIXTURE, model_spec=model_spec, tp=2, dp=2, zero_stage=1, universal=False,
-                    steps=STEPS)
+    native = resumed("source", *SOURCE_TOPOLOGY)
     assert native["topology"]["universal"] is False and native["load_path"].endswith("mp_rank_00_model_states.pt")
     assert native["global_steps_after_load"] == 3 and native["optimizer_step_after_load"] == [3.0]
     assert native["ranks_agree"] and native["replica_mismatches"] == []

@@ -16,13 +16,13 @@ Fast tests (no DeepSpeed job):
 End to end (``e2e``): a real gloo DeepSpeed 0.19.8 job at the target topology loads the resharded
 checkpoint natively (``engine.load_checkpoint``), takes two steps, and its losses and the digests
 of fp32 masters, Adam moments and weights equal those of resuming the same source through
-DeepSpeed's ``ds_to_universal`` + ``load_universal`` at that topology. Six jobs, ~25-45 s each,
-plus four pipeline-module jobs of ~15 s.
+DeepSpeed's ``ds_to_universal`` + ``load_universal`` at that topology; the same for pipeline-module
+checkpoints. Each load gets a fresh engine, but loads of the same world size share one job, with
+those of ``tests/test_e2e_resume.py`` (``tests/e2e/plan.py``): three jobs in all, ~20-60 s each.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -41,8 +41,6 @@ from reshard.formats.safe_load import FragmentAddress, load
 from reshard.ir.piece import prod
 from reshard.offline import reshard
 from tests.dsconv import FIXTURES, tag_dir
-
-REPO = Path(__file__).resolve().parents[1]
 
 TAG = "global_step3"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -478,27 +476,13 @@ def test_workers_give_the_same_files(tmp_path):
 
 
 # -- end to end: DeepSpeed loads it natively ------------------------------------------------------
+# The jobs, and the reshard / ds_to_universal outputs they load, are made once per session and
+# shared with tests/test_e2e_resume.py: tests/e2e/plan.py, the ``e2e`` fixture of tests/conftest.py.
 
-E2E = [("llama_tp2_dp2", 1, 2), ("llama_tp2_dp2", 2, 1), ("llama_zero1_dp2", 1, 4)]
+from tests.e2e.plan import PIPE_TARGETS, RESHARD_TARGETS  # noqa: E402
+
+E2E = RESHARD_TARGETS  # (source, tp, dp)
 STEPS = 2
-
-
-@pytest.fixture(scope="module")
-def ds_universal(tmp_path_factory):
-    """DeepSpeed's own ds_to_universal of a fixture (the folder holding latest_universal)."""
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            from tests.dsconv import ds_to_universal
-
-            out = ds_to_universal(name, tmp_path_factory.mktemp(f"ds_{name}")).parent
-            if not (out / "latest_universal").exists():
-                (out / "latest_universal").write_text(TAG)
-            cache[name] = out
-        return cache[name]
-
-    return get
 
 
 def _sane(report: dict, tp: int, dp: int, universal: bool) -> None:
@@ -512,17 +496,17 @@ def _sane(report: dict, tp: int, dp: int, universal: bool) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("source,tp,dp", E2E, ids=[f"{s}-to-tp{t}dp{d}" for s, t, d in E2E])
-def test_deepspeed_loads_it_natively_and_trains_as_from_universal(source, tp, dp, tmp_path, ds_universal):
+def test_deepspeed_loads_it_natively_and_trains_as_from_universal(source, tp, dp, e2e):
+    """reshard.offline of ``source`` to TP=tp x DP=dp, loaded with DeepSpeed's ordinary
+    load_checkpoint, against ds_to_universal of ``source`` loaded with load_universal there."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
     from tests.e2e.digest import differences
-    from tests.e2e.launch import model_spec_from_fixture, resume
 
-    spec = model_spec_from_fixture(FIXTURES / source)
-    ours = reshard(FIXTURES / source, tmp_path / "resharded", tp=tp, dp=dp).out_dir.parent
-    native = resume(ours, model_spec=spec, tp=tp, dp=dp, zero_stage=1, universal=False, steps=STEPS)
-    via_ucp = resume(ds_universal(source), model_spec=spec, tp=tp, dp=dp, zero_stage=1, universal=True,
-                     steps=STEPS)
+    native = e2e.report("resharded", source, tp, dp)
+    via_ucp = e2e.report("ds_to_universal", source, tp, dp)
+    assert Path(native["load_dir"]) == e2e.resharded(source, tp, dp).resolve()
+    assert Path(via_ucp["load_dir"]) == e2e.ds_ucp(source).resolve()
     print(f"{source} -> TP={tp} x DP={dp}: native losses {native['losses_per_dp_rank']} "
           f"({native['wall_seconds']:.1f}s), via ds_to_universal {via_ucp['losses_per_dp_rank']} "
           f"({via_ucp['wall_seconds']:.1f}s)")
@@ -574,40 +558,27 @@ def test_pipeline_targets_that_cannot_be_known_are_refused(kwargs, match, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-PIPE_E2E = [(1, 2), (2, 1)]
+PIPE_E2E = PIPE_TARGETS  # (pp, dp)
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("pp,dp", PIPE_E2E, ids=[f"pp{p}dp{d}" for p, d in PIPE_E2E])
-def test_deepspeed_pipeline_loads_it_natively_and_trains_as_from_universal(pp, dp, tmp_path, ds_universal):
+def test_deepspeed_pipeline_loads_it_natively_and_trains_as_from_universal(pp, dp, e2e):
     """A PipelineModule job at the target topology loads the resharded checkpoint with its
     ordinary load_checkpoint: its two next losses equal those after loading ds_to_universal's
     output with load_universal, and what it saves right after loading equals our files."""
     pytest.importorskip("deepspeed")
-    from tests.e2e.launch import launch
 
     source = "pipe_pp2_dp2"
-    fx = json.loads((FIXTURES / source / "fixture.json").read_text())
-    ours = reshard(FIXTURES / source, tmp_path / "resharded", tp=1, pp=pp, dp=dp).out_dir
-
-    def run(load_dir: Path, universal: bool, save_dir: Path | None = None) -> list[float]:
-        work = tmp_path / f"job_{'ucp' if universal else 'native'}"
-        spec = {"model_config": dict(fx["model_config"], stages=pp), "seed": fx["seed"],
-                "seq_len": fx["data"]["seq_len"], "micro_batch": fx["data"]["micro_batch"],
-                "ds_config": fx["ds_config"], "load_dir": str(load_dir), "universal": universal,
-                "save_dir": str(save_dir) if save_dir else None, "steps": STEPS,
-                "report_path": str(work / "report.json")}
-        launch(REPO / "tests" / "e2e" / "resume_pipe.py", spec, world_size=pp * dp, workdir=work)
-        report = json.loads((work / "report.json").read_text())
+    ours = e2e.pipe_resharded(pp, dp)
+    native, via_ucp = e2e.pipe_report("resharded", pp, dp), e2e.pipe_report("ds_to_universal", pp, dp)
+    for report in (native, via_ucp):
         assert (report["stages"], report["dp"]) == (pp, dp)
-        return report["losses"]
-
-    resaved = tmp_path / "resaved"
-    native = run(ours.parent, universal=False, save_dir=resaved)
-    via_ucp = run(ds_universal(source), universal=True)
+    native, via_ucp = native["losses"], via_ucp["losses"]
     print(f"{source} -> PP={pp} x DP={dp}: native {native}, via ds_to_universal {via_ucp}")
     assert len(native) == STEPS and all(math.isfinite(x) for x in native)
     assert native == via_ucp  # exact float equality
+    resaved = e2e.pipe_resaved(pp, dp)
     again = resaved / (resaved / "latest").read_text().strip()
     files = sorted(p.name for p in ours.iterdir() if p.suffix == ".pt")
     assert files == sorted(p.name for p in again.iterdir() if p.suffix == ".pt")

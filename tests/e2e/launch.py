@@ -1,12 +1,19 @@
-"""Launch ``tests/e2e/resume_train.py`` as a real DeepSpeed job (gloo on CPU) and return its report.
+"""Launch ``tests/e2e/resume_train.py`` / ``resume_pipe.py`` as real DeepSpeed jobs (gloo on CPU)
+and return their reports.
 
-Main entry point::
+Main entry points::
 
-    from tests.e2e.launch import model_spec_from_fixture, resume
+    from tests.e2e.launch import model_spec_from_fixture, resume, resume_load, resume_many
 
     spec = model_spec_from_fixture("tests/fixtures/deepspeed/llama_tp2_dp2")
     report = resume("/tmp/ucp", model_spec=spec, tp=2, dp=1, zero_stage=1, universal=True)
     report["losses"], report["digests"]["after_load"]["lm_head.weight"]["exp_avg"]
+
+    # several checkpoints in one job (one process start, one process group, one port):
+    reports = resume_many([resume_load("ours", "/tmp/ucp", model_spec=spec, tp=2, dp=1, universal=True),
+                           resume_load("theirs", "/tmp/ds", model_spec=spec, tp=2, dp=1, universal=True)],
+                          world_size=2)
+    reports["ours"]["losses"] == reports["theirs"]["losses"]
 
 ``load_dir`` is the folder that holds ``latest_universal`` (``universal=True``) or ``latest``
 (``universal=False``, DeepSpeed's native loader) next to the tag folder; pass ``tag=`` to name the
@@ -32,7 +39,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 from ds_launch import cleanup_shm, job_env, launcher_cmd, port_is_free, root_cause, run_job  # noqa: E402
 
 RESUME_SCRIPT = Path(__file__).resolve().with_name("resume_train.py")
+RESUME_PIPE_SCRIPT = Path(__file__).resolve().with_name("resume_pipe.py")
 DEFAULT_TIMEOUT_S = 600
+PER_LOAD_TIMEOUT_S = 150  # added to DEFAULT_TIMEOUT_S per load after the first
 
 
 class LaunchError(RuntimeError):
@@ -133,44 +142,108 @@ def _tail(path: Path, n: int = 60) -> str:
         return "(no log)"
 
 
+def resume_load(name: str, load_dir: str | Path, *, model_spec: dict, tp: int, dp: int, universal: bool,
+                zero_stage: int = 1, steps: int = 2, tag: str | None = None) -> dict:
+    """One entry of :func:`resume_many`: resume the checkpoint in ``load_dir`` at TP=``tp`` x
+    DP=``dp`` and take ``steps`` training steps; its report is keyed by ``name``.
+
+    ``model_spec``: see :func:`model_spec_from_fixture` (its ``ds_config`` is the base config,
+    adjusted here by :func:`target_ds_config`)."""
+    load = {k: v for k, v in model_spec.items() if k != "ds_config"}
+    load.update(
+        name=name,
+        ds_config=target_ds_config(model_spec["ds_config"], tp=tp, zero_stage=zero_stage, universal=universal,
+                                   micro_batch=int(model_spec["micro_batch"])),
+        load_dir=str(Path(load_dir).resolve()),
+        tag=tag,
+        steps=int(steps),
+        expect={"tp": tp, "dp": dp},
+    )
+    return load
+
+
+def check_tp_order(tps: list[int]) -> None:
+    """DeepSpeed creates its tensor-parallel groups (and a device mesh whose data-parallel group
+    later engines use) with the first engine that asks for TP > 1 and keeps them for the life of
+    the process. So in one job, loads at TP=1 must all come first, and at most one TP size above 1
+    may follow."""
+    above = [t for t in tps if t > 1]
+    if len(set(above)) > 1 or any(t == 1 for t in tps[len(tps) - len(above):]):
+        raise ValueError(f"one job cannot run TP sizes {tps} in this order: TP=1 loads first, "
+                         "then at most one TP size above 1")
+
+
+def resume_many(loads: list[dict], *, world_size: int, port: int | None = None,
+                workdir: str | Path | None = None, timeout_s: int | None = None) -> dict[str, dict]:
+    """Resume each of ``loads`` (from :func:`resume_load`) in turn, in one job of ``world_size``
+    ranks, each into a fresh engine; returns ``{name: rank 0's report}`` (see ``resume_train.py``):
+    ``losses`` (per step, mean over DP ranks), ``losses_per_rank``, ``digests``
+    (``{"after_load"|"after_steps": {param: {"fp32"|"exp_avg"|"exp_avg_sq"|"module": digest}}}``),
+    ``digest_summary``, ``global_steps_after_load``, ``optimizer_step_after_load``,
+    ``ranks_agree``, ``replica_mismatches``, ... plus ``wall_seconds`` (that load's time inside the
+    job), ``job_seconds``, ``port`` and ``shm_removed`` (the job's).
+
+    ``workdir``: where the spec, log and report go (a temporary folder, removed afterwards, when
+    None). Raises :class:`LaunchError` when the job fails or a load ran at another topology."""
+    names = [load["name"] for load in loads]
+    if len(set(names)) != len(names):
+        raise ValueError(f"load names must be unique: {names}")
+    for load in loads:
+        if load["expect"]["tp"] * load["expect"]["dp"] != world_size:
+            raise ValueError(f"{load['name']}: TP x DP = {load['expect']} does not fit {world_size} ranks")
+    check_tp_order([load["expect"]["tp"] for load in loads])
+    reports, ran = _run_loads(RESUME_SCRIPT, loads, world_size=world_size, port=port, workdir=workdir,
+                              timeout_s=timeout_s)
+    for load in loads:
+        report = reports[load["name"]]
+        topo, want = report["topology"], load["expect"]
+        if (topo["tp"], topo["dp"]) != (want["tp"], want["dp"]):
+            raise LaunchError(f"{load['name']}: asked for TP={want['tp']} x DP={want['dp']}, "
+                              f"DeepSpeed ran TP={topo['tp']} x DP={topo['dp']}")
+        report.update(wall_seconds=report["seconds"], job_seconds=ran["seconds"], port=ran["port"],
+                      shm_removed=ran["shm_removed"])
+    return reports
+
+
 def resume(load_dir: str | Path, *, model_spec: dict, tp: int, dp: int, zero_stage: int, universal: bool,
            steps: int = 2, port: int | None = None, tag: str | None = None, workdir: str | Path | None = None,
            timeout_s: int = DEFAULT_TIMEOUT_S) -> dict:
-    """Resume the checkpoint in ``load_dir`` at TP=``tp`` x DP=``dp`` (``tp * dp`` ranks), take
-    ``steps`` training steps and return rank 0's report (see ``resume_train.py``): ``losses``
-    (per step, mean over DP ranks), ``losses_per_rank``, ``digests`` (``{"after_load"|"after_steps":
-    {param: {"fp32"|"exp_avg"|"exp_avg_sq"|"module": digest}}}``), ``digest_summary``,
-    ``global_steps_after_load``, ``optimizer_step_after_load``, ``ranks_agree``,
-    ``replica_mismatches``, ... plus ``wall_seconds``, ``port`` and ``shm_removed``.
+    """Resume one checkpoint in its own job of ``tp * dp`` ranks: :func:`resume_many` of a single
+    :func:`resume_load`; returns its report."""
+    load = resume_load("resume", load_dir, model_spec=model_spec, tp=tp, dp=dp, universal=universal,
+                       zero_stage=zero_stage, steps=steps, tag=tag)
+    return resume_many([load], world_size=tp * dp, port=port, workdir=workdir, timeout_s=timeout_s)["resume"]
 
-    ``model_spec``: see :func:`model_spec_from_fixture` (its ``ds_config`` is the base config,
-    adjusted here by :func:`target_ds_config`). ``workdir``: where the spec, log and report go
-    (a temporary folder, removed afterwards, when None)."""
+
+def resume_pipe_many(loads: list[dict], *, world_size: int, port: int | None = None,
+                     workdir: str | Path | None = None, timeout_s: int | None = None) -> dict[str, dict]:
+    """Run ``resume_pipe.py`` over ``loads`` (see its docstring) in one job of ``world_size``
+    ranks; returns ``{name: {"losses", "stages", "dp"}}`` plus the job's ``port`` and
+    ``shm_removed`` in each."""
+    reports, ran = _run_loads(RESUME_PIPE_SCRIPT, loads, world_size=world_size, port=port, workdir=workdir,
+                              timeout_s=timeout_s)
+    for report in reports.values():
+        report.update(port=ran["port"], shm_removed=ran["shm_removed"])
+    return reports
+
+
+def _run_loads(script: Path, loads: list[dict], *, world_size: int, port: int | None,
+               workdir: str | Path | None, timeout_s: int | None) -> tuple[dict[str, dict], dict]:
+    """Launch ``script`` over ``loads``; (rank 0's ``{name: report}``, :func:`launch`'s result)."""
     port = port or free_port()
+    timeout_s = timeout_s or DEFAULT_TIMEOUT_S + PER_LOAD_TIMEOUT_S * (len(loads) - 1)
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="reshard-e2e-")) if own else Path(workdir)
     try:
-        spec = {k: v for k, v in model_spec.items() if k != "ds_config"}
-        spec.update(
-            ds_config=target_ds_config(model_spec["ds_config"], tp=tp, zero_stage=zero_stage, universal=universal,
-                                       micro_batch=int(model_spec["micro_batch"])),
-            load_dir=str(Path(load_dir).resolve()),
-            tag=tag,
-            steps=int(steps),
-            report_path=str(work / "report.json"),
-        )
-        ran = launch(RESUME_SCRIPT, spec, world_size=tp * dp, workdir=work, port=port, timeout_s=timeout_s)
         report_path = work / "report.json"
-        if not report_path.is_file():
-            raise LaunchError(f"rank 0 wrote no report; log tail:\n{_tail(work / 'launch.log')}")
-        report = json.loads(report_path.read_text())
-        topo = report["topology"]
-        if (topo["tp"], topo["dp"]) != (tp, dp):
-            raise LaunchError(f"asked for TP={tp} x DP={dp}, DeepSpeed ran TP={topo['tp']} x DP={topo['dp']}")
-        report["wall_seconds"] = ran["seconds"]
-        report["port"] = port
-        report["shm_removed"] = ran["shm_removed"]
-        return report
+        spec = {"loads": loads, "report_path": str(report_path)}
+        ran = launch(script, spec, world_size=world_size, workdir=work, port=port, timeout_s=timeout_s)
+        reports = json.loads(report_path.read_text())["loads"] if report_path.is_file() else {}
+        missing = [load["name"] for load in loads if load["name"] not in reports]
+        if missing:
+            raise LaunchError(f"rank 0 reported nothing for {missing}; "
+                              f"log tail:\n{_tail(work / 'launch.log')}")
+        return reports, ran
     finally:
         cleanup_shm(port)
         if own:

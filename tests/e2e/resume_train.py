@@ -1,28 +1,35 @@
-"""Resume a DeepSpeed checkpoint in a real (gloo, CPU) job and report what was loaded.
+"""Resume DeepSpeed checkpoints, one after another, in a real (gloo, CPU) job and report what was
+loaded.
 
 Launched (one process per rank) by ``tests/e2e/launch.py``; not meant to be run by hand::
 
     deepspeed --num_gpus N --no_local_rank --master_port PORT \
         tests/e2e/resume_train.py --spec SPEC.json
 
-``SPEC.json`` holds::
+``SPEC.json`` holds ``report_path`` (written by rank 0) and ``loads``, a list of::
 
     {
+      "name": "reshard:llama_tp2_dp2:tp2dp1",         # key of this load in the report
       "model_type": "llama", "model_config": {...},   # as in a fixture's fixture.json
       "patches": [],                                  # names from scripts/_fixture_train.PATCHES
       "seed": 1234, "seq_len": 16, "micro_batch": 2,  # the fixture's data recipe
       "ds_config": {...},                             # already adjusted to the target topology
       "load_dir": "...",                              # parent of the tag folder
       "tag": null,                                    # null: DeepSpeed reads latest[_universal]
-      "steps": 2,
-      "report_path": ".../report.json"                # written by rank 0
+      "steps": 2
     }
 
-The model is built exactly as the fixtures were (``AutoModelForCausalLM.from_config`` after
-``torch.manual_seed(seed)``, eager attention, fp32); its weights are then overwritten by
-``engine.load_checkpoint``. The batch follows the fixture recipe for the *target* DP size:
-``micro_batch * dp`` sequences from ``torch.Generator().manual_seed(seed + 1)``, DP rank ``d``
-takes rows ``[d * micro_batch, (d + 1) * micro_batch)``, labels = input ids, same batch each step.
+Each load gets a fresh engine, as a fresh job would: the model is built exactly as the fixtures
+were (``AutoModelForCausalLM.from_config`` after ``torch.manual_seed(seed)``, eager attention,
+fp32), handed to ``deepspeed.initialize``, and its weights overwritten by
+``engine.load_checkpoint``; the engine is destroyed before the next load. Paying the process
+start, imports and process group once for several loads is what keeps the suite fast. All loads of
+one job run on the same ranks, so they share the world size; DeepSpeed keeps its tensor-parallel
+groups for the life of the process, so the launcher orders TP=1 loads first and allows one TP size
+above 1 per job (see ``launch.check_tp_order``). The batch follows the fixture recipe for the
+*target* DP size: ``micro_batch * dp`` sequences from ``torch.Generator().manual_seed(seed + 1)``,
+DP rank ``d`` takes rows ``[d * micro_batch, (d + 1) * micro_batch)``, labels = input ids, same
+batch each step.
 
 Digests (see ``tests/e2e/digest.py``) are taken right after the load and after the steps, per
 parameter, of: the fp32 master (``safe_get_full_fp32_param``), the Adam moments
@@ -30,7 +37,10 @@ parameter, of: the fp32 master (``safe_get_full_fp32_param``), the Adam moments
 parameter's ZeRO data-parallel group and return this TP rank's shard; the shards are then
 all-gathered over the TP group and put back into the logical tensor with the parameter's AutoTP
 affine map (``ds_autotp_universal_checkpoint_meta``), so the digest does not depend on the
-topology. Every rank computes every digest; rank 0 checks all ranks agree and writes the report.
+topology. Every rank computes every digest; rank 0 checks all ranks agree and writes the report,
+``{"loads": {name: report}, "import_torch_seconds", "seconds", "versions"}``, rewritten after
+every load; each load's report has its own ``seconds`` and ``timings`` (build, initialize, load,
+digests, steps).
 """
 
 # ruff: noqa: E402  (the clock starts before the heavy imports, to time them)
@@ -39,6 +49,7 @@ import time
 T_START = time.time()
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -165,42 +176,38 @@ def optimizer_steps(engine):
     return sorted(steps)
 
 
-def main():
-    timings = {"import_torch": round(time.time() - T_START, 3)}
-    mark = [time.time()]
-
-    def lap(name):
-        now = time.time()
-        timings[name] = round(now - mark[0], 3)
-        mark[0] = now
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    args = parser.parse_args()
-    with open(args.spec) as f:
-        spec = json.load(f)
-
+def resume_one(load, timings):
+    """Build a fresh model and engine, load ``load``'s checkpoint, take its steps; rank 0 gets the
+    load's report (other ranks None). ``timings`` gets this load's laps."""
     import deepspeed
     from deepspeed.utils import groups
 
-    model = setup(spec)  # the fixture generator's own setup: same threads, patches, seed, model
+    t0 = mark = time.time()
+
+    def lap(name):
+        nonlocal mark
+        now = time.time()
+        timings[name] = round(now - mark, 3)
+        mark = now
+
+    model = setup(load)  # the fixture generator's own setup: same threads, patches, seed, model
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
     logical_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     lap("build_model")
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=spec["ds_config"])
+                                           config=load["ds_config"])
     try:
         dp_rank, dp_world = groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()
-    except Exception:  # pragma: no cover
+    except Exception:  # no TP groups (TP=1): data parallel over the world
         dp_rank, dp_world = rank, world
     gather = TPGather(logical_shapes)
     lap("deepspeed_initialize")
 
-    load_path, _client = engine.load_checkpoint(spec["load_dir"], tag=spec.get("tag"))
+    load_path, _client = engine.load_checkpoint(load["load_dir"], tag=load.get("tag"))
     if load_path is None:
-        raise RuntimeError(f"load_checkpoint({spec['load_dir']!r}, tag={spec.get('tag')!r}) loaded nothing")
+        raise RuntimeError(f"load_checkpoint({load['load_dir']!r}, tag={load.get('tag')!r}) loaded nothing")
     lap("load_checkpoint")
     linked_views = link_optimizer_state_views(engine)
     global_steps_after_load = int(engine.global_steps)
@@ -208,15 +215,15 @@ def main():
     after_load = collect(engine, gather)
     lap("digests_after_load")
 
-    input_ids = fixed_batch(spec, model.config.vocab_size, dp_rank, dp_world).to(engine.device)
+    input_ids = fixed_batch(load, model.config.vocab_size, dp_rank, dp_world).to(engine.device)
 
     losses = []
-    for step in range(int(spec["steps"])):
+    for step in range(int(load["steps"])):
         loss = engine(input_ids=input_ids, labels=input_ids, use_cache=False).loss
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach().float().item()))
-        print(f"[e2e-resume] rank={rank} step={step + 1} loss={losses[-1]!r}", flush=True)
+        print(f"[e2e-resume] {load['name']} rank={rank} step={step + 1} loss={losses[-1]!r}", flush=True)
     lap("train_steps")
     after_steps = collect(engine, gather)
     lap("digests_after_steps")
@@ -234,6 +241,7 @@ def main():
     everyone = [None] * world
     torch.distributed.all_gather_object(everyone, mine)
 
+    report = None
     if rank == 0:
         dp_losses = {}
         for r in everyone:
@@ -242,10 +250,10 @@ def main():
             "topology": {"tp": gather.tp_world, "dp": dp_world, "world_size": world,
                          "zero_stage": int(engine.zero_optimization_stage()),
                          "universal": bool(engine.load_universal_checkpoint())},
-            "load_dir": spec["load_dir"],
-            "tag": spec.get("tag"),
+            "load_dir": load["load_dir"],
+            "tag": load.get("tag"),
             "load_path": load_path,
-            "steps": int(spec["steps"]),
+            "steps": int(load["steps"]),
             "batch_shape": list(input_ids.shape),
             "losses": [math.fsum(dp_losses[d][s] for d in sorted(dp_losses)) / len(dp_losses)
                        for s in range(len(losses))],  # mean over DP ranks, per step
@@ -262,17 +270,51 @@ def main():
             "layouts": gather.layouts,
             "digest_summary": {"after_load": summary(after_load), "after_steps": summary(after_steps)},
             "digests": {"after_load": after_load, "after_steps": after_steps},
-            "ds_config": spec["ds_config"],
+            "ds_config": load["ds_config"],
             "optimizer_class": f"{type(engine.optimizer).__module__}.{type(engine.optimizer).__qualname__}",
             "timings": timings,
+            "seconds": time.time() - t0,
+        }
+    # Release this engine (its gradient hooks and optimizer state) before the next one is built.
+    engine.destroy()
+    del engine, model
+    gc.collect()
+    torch.distributed.barrier()
+    return report
+
+
+def main():
+    import_seconds = round(time.time() - T_START, 3)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    args = parser.parse_args()
+    with open(args.spec) as f:
+        spec = json.load(f)
+
+    import deepspeed
+
+    applied = set()
+    reports = {}
+    for load in spec["loads"]:
+        # Model patches replace forward methods: apply each once per process, not once per load.
+        todo = [p for p in load.get("patches", []) if p not in applied]
+        applied.update(todo)
+        report = resume_one(dict(load, patches=todo), {})
+        if report is None:
+            continue
+        reports[load["name"]] = report
+        job = {
+            "loads": reports,
+            "import_torch_seconds": import_seconds,
             "seconds": time.time() - T_START,
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
         }
         tmp = spec["report_path"] + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(job, f, indent=1)
         os.replace(tmp, spec["report_path"])
 
+    rank = torch.distributed.get_rank()
     torch.distributed.barrier()
     try:
         deepspeed.comm.destroy_process_group()
