@@ -101,20 +101,20 @@ class _Target:
         self.tp, self.dp = tp, dp
         self.topology = Topology(1, dp, tp)
         self.maps = maps
-        self.layouts: list[list[FlatGroup]] = []  # [tp rank][group]
+        self.groups: list[list[FlatGroup]] = []  # [model-parallel rank][parameter group]
         for t in range(tp):
             per_group = []
             for g in range(src.n_groups):
                 # a zero-element shard is no optimizer parameter (DeepSpeed's is_optimized_parameter)
                 names = [n for n in src.order[g] if _holds(maps[n], t)]
                 shapes = [maps[n].shard(t).shape for n in names]
-                per_group.append(dsw.group_layout(names, shapes, dp, param_align=src.param_align))
-            self.layouts.append(per_group)
+                per_group.append(dsw.flat_group(names, shapes, dp, param_align=src.param_align))
+            self.groups.append(per_group)
         self.empty = [[n for n in src.names if not _holds(maps[n], t)] for t in range(tp)]
         self.index = {}  # (t, name) -> (group, position)
-        for t, per_group in enumerate(self.layouts):
-            for g, lay in enumerate(per_group):
-                for i, n in enumerate(lay.names):
+        for t, per_group in enumerate(self.groups):
+            for g, grp in enumerate(per_group):
+                for i, n in enumerate(grp.names):
                     self.index[(t, n)] = (g, i)
 
     def composite(self, name: str) -> ParamMap:
@@ -123,7 +123,7 @@ class _Target:
         zero = {}
         for t in self.maps[name].ranks:
             where = self.index.get((t, name))
-            zero[t] = None if where is None else self.layouts[t][where[0]].param_map(where[1])
+            zero[t] = None if where is None else self.groups[t][where[0]].param_map(where[1])
         return compose_zero(self.maps[name], zero, self.topology)
 
 
@@ -177,13 +177,13 @@ class _Writer:
     def optim(self, t: int, d: int) -> None:
         src, tgt, ck = self.src, self.tgt, self.src.ck
         rank = tgt.topology.rank(0, d, t)
-        layouts = tgt.layouts[t]
+        groups = tgt.groups[t]
         fp32, moments, read = [], [], 0
-        for lay in layouts:
-            bufs = {s: torch.zeros(lay.partition, dtype=torch.float32) for s in STATES}
-            base = d * lay.partition
-            for i, lo, hi in lay.fragments(d):
-                name = lay.names[i]
+        for grp in groups:
+            bufs = {s: torch.zeros(grp.partition, dtype=torch.float32) for s in STATES}
+            base = d * grp.partition
+            for i, lo, hi in grp.fragments(d):
+                name = grp.names[i]
                 segs = self.opt_plans[name].get(rank, [])
                 if sum(s.numel for s in segs) != hi - lo and not tgt.maps[name].is_padded:
                     raise CheckpointError(f"internal: plan for {name!r} fills {sum(s.numel for s in segs)} of the "
@@ -204,7 +204,7 @@ class _Writer:
         with self._lock:
             self.read += read
         src_file = ck.optim_state(0, 0)
-        obj = dsw.optim_states(src_file, layouts=layouts, d=d, fp32=fp32, moments=moments,
+        obj = dsw.optim_states(src_file, groups=groups, d=d, fp32=fp32, moments=moments,
                                zero_stage=self.zero_stage, ds_config=self.ds_config, uc_info=self.uc_info)
         with self.staging.open(dsw.optim_file(t, d, bf16=src.bf16)) as f:
             save(obj, f)
@@ -216,10 +216,10 @@ class _Writer:
         src, tgt, ck = self.src, self.tgt, self.src.ck
         ms0 = ck.model_state(0)
         flats, views = [], {}
-        for lay in tgt.layouts[t]:
-            flat = torch.zeros(lay.total, dtype=src.dtype)
+        for grp in tgt.groups[t]:
+            flat = torch.zeros(grp.total, dtype=src.dtype)
             flats.append(flat)
-            for name, off, shape in zip(lay.names, lay.offsets, lay.shapes):
+            for name, off, shape in zip(grp.names, grp.offsets, grp.shapes):
                 views[name] = flat.narrow(0, off, prod(shape)).view(shape)
         for name, view in views.items():
             for s in self.mod_plans[name].get(t, []):
@@ -249,8 +249,8 @@ class _Writer:
                 if module[key] is None:
                     raise CheckpointError(f"{ck.model_files[0]}: {key!r} is tied to {canonical!r}, which the module "
                                           "does not hold")
-        param_shapes = [OrderedDict((n, torch.Size(s)) for n, s in zip(lay.names, lay.shapes))
-                        for lay in tgt.layouts[t]]
+        param_shapes = [OrderedDict((n, torch.Size(s)) for n, s in zip(grp.names, grp.shapes))
+                        for grp in tgt.groups[t]]
         empty = OrderedDict((n, views[n]) for n in src.names if n in tgt.empty[t])
         obj = dsw.model_states(ms0, module=module, param_shapes=param_shapes, tp=tgt.tp, dp=tgt.dp, tp_rank=t,
                                zero_stage=self.zero_stage, shared_params=src.shared, uc_info=self.uc_info,
@@ -262,8 +262,8 @@ class _Writer:
         """One pipeline stage's model-state file: its parameters' shapes and the topology; the
         weights stay in the layer files, which no stage count changes."""
         ms0 = self.src.ck.model_state(0)
-        param_shapes = [OrderedDict((n, torch.Size(s)) for n, s in zip(lay.names, lay.shapes))
-                        for lay in self.tgt.layouts[t]]
+        param_shapes = [OrderedDict((n, torch.Size(s)) for n, s in zip(grp.names, grp.shapes))
+                        for grp in self.tgt.groups[t]]
         obj = dsw.model_states(ms0, module=None, param_shapes=param_shapes, tp=1, dp=self.tgt.dp, tp_rank=t,
                                zero_stage=self.zero_stage, shared_params={}, uc_info=None, ds_config=self.ds_config,
                                pp=self.tgt.tp)

@@ -68,7 +68,7 @@ def param_alignment(dtype: torch.dtype, enabled: bool) -> int:
     return 16 // math.gcd(16, size) if enabled else 1
 
 
-def group_layout(names: Sequence[str], shapes: Sequence[Sequence[int]], dp: int, *,
+def flat_group(names: Sequence[str], shapes: Sequence[Sequence[int]], dp: int, *,
                  param_align: int = 1) -> FlatGroup:
     """DeepSpeed 0.19.8's flat layout of one ZeRO-1/2 parameter group over ``dp`` ranks."""
     if dp < 1:
@@ -84,23 +84,23 @@ def slice_mappings(group: FlatGroup, d: int) -> OrderedDict:
                        for i, lo, hi in group.fragments(d))
 
 
-def check_source_layout(layout: FlatGroup, osds: Sequence[Mapping], g: int, where: str) -> None:
-    """Refuse a source whose recorded ZeRO layout is not the one :func:`group_layout` computes
+def check_source_group(group: FlatGroup, osds: Sequence[Mapping], g: int, where: str) -> None:
+    """Refuse a source whose recorded ZeRO layout is not the one :func:`flat_group` computes
     (round-robin gradients, another DeepSpeed version): every later step relies on it."""
     for d, osd in enumerate(osds):
         got = [(n, int(f.numel), int(f.start)) for n, f in osd["param_slice_mappings"][g].items()]
-        want = [(n, int(f.numel), int(f.start)) for n, f in slice_mappings(layout, d).items()]
+        want = [(n, int(f.numel), int(f.start)) for n, f in slice_mappings(group, d).items()]
         if got != want:
             diff = next(((a, b) for a, b in zip(got, want) if a != b), (got[len(want):][:1], want[len(got):][:1]))
             raise CheckpointError(
                 f"{where}: dp rank {d} group {g}: param_slice_mappings differ from DeepSpeed 0.19.8's ZeRO-1/2 "
                 f"flat layout (recorded {diff[0]}, expected {diff[1]}); round_robin_gradients or an unknown "
                 "layout is not supported")
-        if int(osd["group_paddings"][g]) != layout.tail_padding(d):
+        if int(osd["group_paddings"][g]) != group.tail_padding(d):
             raise CheckpointError(f"{where}: dp rank {d} group {g}: group_paddings {osd['group_paddings'][g]}, "
-                                  f"expected {layout.tail_padding(d)}")
+                                  f"expected {group.tail_padding(d)}")
         recorded = osd.get("param_alignment_paddings")
-        if recorded is not None and [int(x) for x in recorded[g]] != layout.param_paddings():
+        if recorded is not None and [int(x) for x in recorded[g]] != group.param_paddings():
             raise CheckpointError(f"{where}: dp rank {d} group {g}: param_alignment_paddings differ from the layout "
                                   "parameter_alignment implies")
 
@@ -176,16 +176,16 @@ def model_states(source: Mapping[str, Any], *, module: Mapping[str, torch.Tensor
     return out
 
 
-def optim_states(source: Mapping[str, Any], *, layouts: Sequence[FlatGroup], d: int,
+def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: int,
                  fp32: Sequence[torch.Tensor], moments: Sequence[Mapping[str, torch.Tensor]],
                  zero_stage: int, ds_config: dict | None, uc_info: dict | None) -> dict:
     """One ``zero_pp_rank_D_mp_rank_XX_optim_states.pt`` dict, built on a source optimizer file's
     dict (its keys and order, loss scaler, hyper-parameters and ``step``). ``fp32[g]`` and
-    ``moments[g]`` are whole partitions (``layouts[g].partition`` elements, padding zero)."""
+    ``moments[g]`` are whole partitions (``groups[g].partition`` elements, padding zero)."""
     src = source["optimizer_state_dict"]
     base = src["base_optimizer_state"]
     state = {}
-    for g in range(len(layouts)):
+    for g in range(len(groups)):
         entry = {}
         for key, value in base["state"].get(g, {}).items():
             if key == "step":
@@ -198,18 +198,18 @@ def optim_states(source: Mapping[str, Any], *, layouts: Sequence[FlatGroup], d: 
         if entry:
             state[g] = entry
     lean = []  # a view of the padded partition, as DeepSpeed saves it (the file keeps the padding)
-    for g, layout in enumerate(layouts):
-        lean.append(fp32[g].detach().requires_grad_(True)[: layout.partition - layout.tail_padding(d)])
+    for g, group in enumerate(groups):
+        lean.append(fp32[g].detach().requires_grad_(True)[: group.partition - group.tail_padding(d)])
     osd: dict[str, Any] = {}
     for key, value in src.items():
         osd[key] = value
     osd["base_optimizer_state"] = {"state": state, "param_groups": copy.deepcopy(base["param_groups"])}
     osd["single_partition_of_fp32_groups"] = lean
     osd["zero_stage"] = ZeroStageEnum(zero_stage)
-    osd["group_paddings"] = [layout.tail_padding(d) for layout in layouts]
-    osd["param_alignment_paddings"] = [layout.param_paddings() for layout in layouts]
-    osd["partition_count"] = [layout.dp for layout in layouts]
-    osd["param_slice_mappings"] = [slice_mappings(layout, d) for layout in layouts]
+    osd["group_paddings"] = [group.tail_padding(d) for group in groups]
+    osd["param_alignment_paddings"] = [group.param_paddings() for group in groups]
+    osd["partition_count"] = [group.dp for group in groups]
+    osd["param_slice_mappings"] = [slice_mappings(group, d) for group in groups]
     if "universal_checkpoint_info" in osd:
         if uc_info is None:
             del osd["universal_checkpoint_info"]

@@ -68,12 +68,12 @@ class Zero12Source:
         self.param_alignment_enabled = bool(zo.get("parameter_alignment", False))
         self.param_align = dsw.param_alignment(self.dtype, self.param_alignment_enabled)
         self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
-        self._check_layouts()
+        self._check_groups()
         self._check_rest(ms0)
         self.maps = {n: pipeline_stage(ck.param_shapes[ck.mp_rank(n, 0)][n], Topology(pp=self.mp, dp=1, tp=1), ck.stage_of(n))
                      if self.pipe else ck.tp_map(n).map for n in self.names}
 
-    def _check_layouts(self) -> None:
+    def _check_groups(self) -> None:
         ck = self.ck
         for t in range(self.mp):
             osds = [ck.osd(t, d) for d in range(ck.dp)]
@@ -87,11 +87,11 @@ class Zero12Source:
                                           f"the model states record {self.n_groups}")
             for g in range(self.n_groups):
                 names, shapes = list(self.groups[t][g]), list(self.groups[t][g].values())
-                layout = dsw.group_layout(names, shapes, ck.dp, param_align=self.param_align)
-                dsw.check_source_layout(layout, osds, g, f"{ck.tag_dir} (tp rank {t})")
+                group = dsw.flat_group(names, shapes, ck.dp, param_align=self.param_align)
+                dsw.check_source_group(group, osds, g, f"{ck.tag_dir} (tp rank {t})")
                 for d in range(ck.dp):
                     lean = ck.osd(t, d)["single_partition_of_fp32_groups"][g].numel()
-                    want = layout.partition - layout.tail_padding(d)
+                    want = group.partition - group.tail_padding(d)
                     if lean != want:
                         raise CheckpointError(f"{ck.optim_files[(t, d)]}: group {g} fp32 partition has {lean} elements, "
                                               f"the layout implies {want}: truncated or not a DeepSpeed 0.19.8 file")
