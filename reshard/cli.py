@@ -272,15 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(fn=_cmd_convert)
 
     rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP (x PP) "
-                        "topology, loadable by engine.load_checkpoint")
+                        "topology, or ZeRO-3 (TP=1) at another DP, loadable by engine.load_checkpoint")
     rs.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
     rs.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest")
     rs.add_argument("--tp", type=_positive, required=True, help="target TP degree")
     rs.add_argument("--dp", type=_positive, default=None, help="target DP degree (default: the source's)")
     rs.add_argument("--pp", type=_positive, default=1,
                     help="target pipeline stages of a deepspeed.pipe checkpoint: its own count, or 1 to merge them")
-    rs.add_argument("--zero-stage", type=int, choices=(1, 2), default=None,
-                    help="target ZeRO stage (default: the source's)")
+    rs.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
+                    help="target ZeRO stage (default: the source's; a ZeRO-3 source stays at 3)")
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")
     _output(rs)

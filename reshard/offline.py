@@ -52,6 +52,7 @@ from .ir.piece import prod
 from .layouts import compose_zero
 from .layouts.zero import FlatGroup
 from .memory import release
+from .offline_zero3 import reshard_zero3
 from .plan import TransferPlan
 from .planner import DefaultCost, Planner
 from .target_layout import TargetLayout, target_stage_maps, target_tp_maps
@@ -302,15 +303,18 @@ def reshard(
     """Write the DeepSpeed checkpoint in ``ckpt_dir`` (a tag folder, or its parent with
     ``latest``) into ``out_dir/<tag>`` at TP=``tp`` x DP=``dp`` (default the source's DP) with
     ZeRO ``zero_stage`` (default the source's), plus ``out_dir/latest``, as DeepSpeed 0.19.8 would
-    save it there. See the module docstring for ``layout``. Only ZeRO stages 1 and 2
-    are supported; a pipeline (``deepspeed.pipe``) checkpoint keeps its stages or merges them into
-    ``pp=1``. ``checksum`` is as for :func:`reshard.convert`."""
+    save it there. See the module docstring for ``layout``. ZeRO stages 1 and 2 are supported, and
+    ZeRO-3 at TP=1 to another DP size (``offline_zero3``); a pipeline (``deepspeed.pipe``)
+    checkpoint keeps its stages or merges them into ``pp=1``. ``checksum`` is as for :func:`reshard.convert`."""
     tp, pp = _positive(tp, "tp"), _positive(pp, "pp")
     if dp is not None:
         _positive(dp, "dp")
     workers = _positive(workers, "workers")
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
     dp = ck.dp if dp is None else dp
+    if ck.zero_stage == 3:  # one partition per parameter: a file format and writer of its own
+        return reshard_zero3(ck, out_dir, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, workers=workers, layout=layout,
+                             overwrite=overwrite, progress=progress, checksum=checksum, report=ReshardReport)
     if ck.zero_stage not in (1, 2):
         raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage} checkpoints are not supported (only 1 and 2); "
                               "convert to a universal checkpoint with `reshard convert` instead")

@@ -17,8 +17,9 @@ Not meant to be run by hand.  Usage (through the ``deepspeed`` launcher)::
       "micro_batch": 2,                   # per data-parallel rank
       "save_dir": "/tmp/.../ckpt",        # engine.save_checkpoint(save_dir, tag=tag)
       "tag": "global_step3",
-      "report_dir": "/tmp/.../report"     # each rank writes rank_<r>.json here
-    }
+      "report_dir": "/tmp/.../report",    # each rank writes rank_<r>.json here
+      "load_dir": null                    # or: engine.load_checkpoint(load_dir) before the steps
+    }                                     # (a universal one with ds_config checkpoint.load_universal)
 
 The batch is synthetic and fixed: a global batch of ``micro_batch * dp_world_size``
 sequences drawn from ``torch.Generator().manual_seed(seed + 1)``; each data-parallel rank
@@ -163,6 +164,12 @@ def main():
         tp_world = groups.get_tensor_model_parallel_world_size()
     except Exception:  # pragma: no cover
         tp_rank, tp_world = 0, 1
+
+    if spec.get("load_dir"):
+        # a fixture that is DeepSpeed's own native save of a loaded state (steps 0: load, then save)
+        load_path, _ = engine.load_checkpoint(spec["load_dir"])
+        if load_path is None:
+            raise RuntimeError(f"load_checkpoint({spec['load_dir']!r}) loaded nothing")
 
     input_ids = fixed_batch(spec, model.config.vocab_size, dp_rank, dp_world).to(engine.device)
 

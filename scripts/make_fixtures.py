@@ -35,6 +35,7 @@ import hashlib
 import json
 import pickletools
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -123,6 +124,14 @@ GPT_BIGCODE_NOTE = (
 )
 
 
+ZERO3_DP3_NOTE = (
+    "Not trained: llama_zero3_dp2 converted by DeepSpeed's ds_to_universal (--inject_missing_state), "
+    "loaded by a 3-rank DeepSpeed job with checkpoint.load_universal and saved at once with "
+    "engine.save_checkpoint (tag global_step3): DeepSpeed's own native ZeRO-3 files at DP=3 of exactly "
+    "llama_zero3_dp2's state. 'losses' is empty; 'ds_config' is the loading job's."
+)
+
+
 def ds_config(stage: int, *, bf16: bool = False, autotp: int = 0, micro_batch: int = MICRO_BATCH) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -160,6 +169,10 @@ class Fixture:
     seed: int = SEED
     patches: list = field(default_factory=list)  # names from _fixture_train.PATCHES
     notes: list = field(default_factory=list)
+    # Not trained: DeepSpeed's ds_to_universal of this (committed) fixture, loaded with
+    # load_universal at this fixture's topology and saved natively at once (steps = 0).
+    derived_from: str | None = None
+    tag_name: str | None = None  # default global_step<steps>
 
     @property
     def dp(self) -> int:
@@ -171,13 +184,17 @@ class Fixture:
 
     @property
     def tag(self) -> str:
-        return f"global_step{self.steps}"
+        return self.tag_name or f"global_step{self.steps}"
 
 
 FIXTURES = [
     Fixture("llama_zero1_dp2", "llama", LLAMA, ds_config(1), world_size=2),
     Fixture("llama_zero2_dp2", "llama", LLAMA, ds_config(2), world_size=2),
     Fixture("llama_zero3_dp2", "llama", LLAMA, ds_config(3), world_size=2),
+    # DeepSpeed's own ZeRO-3 files at DP=3 (padded partitions) holding exactly llama_zero3_dp2's state
+    Fixture("llama_zero3_dp3", "llama", LLAMA, dict(ds_config(3), checkpoint={"load_universal": True}),
+            world_size=3, steps=0, derived_from="llama_zero3_dp2", tag_name="global_step3",
+            notes=[ZERO3_DP3_NOTE]),
     Fixture("llama_zero1_dp2_bf16", "llama", LLAMA, ds_config(1, bf16=True), world_size=2),
     Fixture("llama_tp2", "llama", LLAMA, ds_config(1, autotp=2), world_size=2, tp=2),
     Fixture("qwen2_tp2", "qwen2", QWEN2, ds_config(1, autotp=2), world_size=2, tp=2),
@@ -319,8 +336,28 @@ def check_checkpoint(ckpt: Path, fx: Fixture) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def run_launch(fx: Fixture, work: Path, port: int, timeout_s: int, log_path: Path) -> dict:
+def universal_of(fixture_dir: Path, out_tag_dir: Path, log_path: Path) -> Path:
+    """DeepSpeed's ``ds_to_universal`` of a fixture into ``out_tag_dir``; returns its parent
+    (which holds ``latest_universal``)."""
+    src = fixture_dir / (fixture_dir / "latest").read_text().strip()
+    cmd = [sys.executable, "-W", "ignore", "-m", "deepspeed.checkpoint.ds_to_universal",
+           "--input_folder", str(src), "--output_folder", str(out_tag_dir), "--inject_missing_state",
+           "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    with open(log_path, "w") as log_file:
+        res = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"ds_to_universal of {fixture_dir} failed (log: {log_path})")
+    return out_tag_dir.parent
+
+
+def run_launch(fx: Fixture, work: Path, port: int, timeout_s: int, log_path: Path,
+               out_dir: Path = DEFAULT_OUT) -> dict:
     """Train + save ``fx`` into ``work/ckpt``; returns {"reports": [...], "seconds": float}."""
+    load_dir = None
+    if fx.derived_from:
+        base = out_dir / fx.derived_from
+        base = base if (base / "latest").is_file() else DEFAULT_OUT / fx.derived_from
+        load_dir = universal_of(base, work / "ucp" / fx.tag, work / "ds_to_universal.log")
     spec = {
         "model_type": fx.model_type,
         "model_config": fx.model_config,
@@ -333,6 +370,7 @@ def run_launch(fx: Fixture, work: Path, port: int, timeout_s: int, log_path: Pat
         "tag": fx.tag,
         "report_dir": str(work / "report"),
         "patches": fx.patches,
+        "load_dir": None if load_dir is None else str(load_dir),
     }
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
@@ -420,6 +458,7 @@ def build_fixture_json(fx: Fixture, ckpt: Path, files: list[str], reports: list[
         "versions": versions(),
         "files": file_info,
         "notes": fx.notes,
+        **({"derived_from": fx.derived_from} if fx.derived_from else {}),
     }
 
 
@@ -434,7 +473,7 @@ def make_one(fx: Fixture, out_dir: Path, ports: PortAllocator, timeout_s: int, k
         log(f"{fx.name}: launching {fx.world_size} ranks (tp={fx.tp}, dp={fx.dp}, zero={fx.zero_stage}) "
             f"on port {port}, work dir {work}")
         try:
-            res = run_launch(fx, work, port, timeout_s, log_path)
+            res = run_launch(fx, work, port, timeout_s, log_path, out_dir)
         finally:
             removed = cleanup_shm(port)
             if removed:

@@ -394,9 +394,7 @@ def test_output_over_the_source_is_refused(tmp_path):
     assert DeepSpeedCheckpoint.open(src).dp == 2
 
 
-def test_zero3_source_is_refused(tmp_path):
-    with pytest.raises(CheckpointError, match=r"ZeRO stage 3 checkpoints are not supported"):
-        reshard(FIXTURES / "llama_zero3_dp2", tmp_path, tp=1, dp=4)
+# ZeRO-3 sources: tests/test_offline_zero3.py
 
 
 def test_truncated_source_partition_is_refused(tmp_path):

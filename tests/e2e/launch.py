@@ -143,9 +143,12 @@ def _tail(path: Path, n: int = 60) -> str:
 
 
 def resume_load(name: str, load_dir: str | Path, *, model_spec: dict, tp: int, dp: int, universal: bool,
-                zero_stage: int = 1, steps: int = 2, tag: str | None = None) -> dict:
+                zero_stage: int = 1, steps: int = 2, tag: str | None = None,
+                save_dir: str | Path | None = None) -> dict:
     """One entry of :func:`resume_many`: resume the checkpoint in ``load_dir`` at TP=``tp`` x
-    DP=``dp`` and take ``steps`` training steps; its report is keyed by ``name``.
+    DP=``dp`` and take ``steps`` training steps; its report is keyed by ``name``. With
+    ``save_dir``, DeepSpeed saves what it loaded there natively (``save_checkpoint``, same tag)
+    right after the load, before the steps.
 
     ``model_spec``: see :func:`model_spec_from_fixture` (its ``ds_config`` is the base config,
     adjusted here by :func:`target_ds_config`)."""
@@ -158,6 +161,7 @@ def resume_load(name: str, load_dir: str | Path, *, model_spec: dict, tp: int, d
         tag=tag,
         steps=int(steps),
         expect={"tp": tp, "dp": dp},
+        save_dir=None if save_dir is None else str(Path(save_dir).resolve()),
     )
     return load
 

@@ -13,6 +13,7 @@ runs a job the first time one of its reports is asked for::
     e2e.report("reshard", LLAMA, tp=2, dp=1)          # reshard.convert of LLAMA, load_universal
     e2e.report("ds_to_universal", LLAMA, tp=2, dp=1)  # DeepSpeed's ds_to_universal, load_universal
     e2e.report("resharded", "llama_zero1_dp2", tp=1, dp=4)  # reshard.offline there, native load
+    e2e.report("resaved", ZERO3, tp=1, dp=3)  # DeepSpeed's own native save there, native load
     e2e.pipe_report("resharded", pp=2, dp=1)["losses"]
 
 The same load serves both test files where they ask for the same thing (``ds_to_universal`` of
@@ -62,14 +63,22 @@ FP32_PERTURB = ("lm_head.weight", "fp32", (70, 3), "+1e-3")
 # ds_to_universal of the source loaded with load_universal at the same topology; and the pipeline
 # fixture resharded to (pp, dp), the same two ways.
 RESHARD_TARGETS = [(LLAMA, 1, 2), (LLAMA, 2, 1), ("llama_zero1_dp2", 1, 4)]
+# tests/test_offline_zero3.py: the ZeRO-3 fixture resharded to DP=3 (padded partitions) and loaded
+# natively, next to DeepSpeed's own native checkpoint at DP=3: the job loads ds_to_universal of the
+# source with load_universal and saves it natively right away (:meth:`E2E.resaved`), then loads
+# reshard's files and that save natively, in this order (one extra job, of 3 ranks).
+ZERO3 = "llama_zero3_dp2"
+ZERO3_TARGETS = [(ZERO3, 1, 3)]
 PIPE_TARGETS = [(1, 2), (2, 1)]
 
 
 class Load(NamedTuple):
     """One checkpoint resumed at one topology. ``kind``: ``reshard`` (reshard.convert of
     ``source``), ``ds_to_universal``, ``perturbed`` (the negative control's copy of ``reshard``),
-    ``resharded`` (reshard.offline of ``source`` to this topology, DeepSpeed's native loader) or
-    ``source`` (the fixture itself, native loader)."""
+    ``resharded`` (reshard.offline of ``source`` to this topology, DeepSpeed's native loader),
+    ``resaved`` (DeepSpeed's native save of ``ds_to_universal`` loaded at this topology, native
+    loader; made by that load earlier in the same job) or ``source`` (the fixture itself, native
+    loader)."""
 
     kind: str
     source: str
@@ -92,6 +101,8 @@ def llama_loads() -> list[Load]:
     loads += [Load("perturbed", LLAMA, *NEGATIVE_TOPOLOGY), Load("source", LLAMA, *SOURCE_TOPOLOGY)]
     for source, tp, dp in RESHARD_TARGETS:
         loads += [Load("resharded", source, tp, dp), Load("ds_to_universal", source, tp, dp)]
+    for source, tp, dp in ZERO3_TARGETS:  # the save precedes the load of it
+        loads += [Load(kind, source, tp, dp) for kind in ("ds_to_universal", "resharded", "resaved")]
     return list(dict.fromkeys(loads))
 
 
@@ -172,6 +183,11 @@ class E2E:
         return self._once(("resharded", source, tp, dp), lambda: reshard(
             FIXTURES / source, self.root / f"resharded_{source}_tp{tp}dp{dp}", tp=tp, dp=dp).out_dir.parent)
 
+    def resaved(self, source: str, tp: int, dp: int) -> Path:
+        """Where the job saves what it loaded from ``ds_to_universal`` of ``source`` at TP=``tp``
+        x DP=``dp`` (the folder holding ``latest``; written by the job, not here)."""
+        return self.root / f"resaved_{source}_tp{tp}dp{dp}"
+
     def pipe_resharded(self, pp: int, dp: int) -> Path:
         """``reshard.offline`` of :data:`PIPE` to PP=``pp`` x DP=``dp``: the *tag* folder."""
         return self._once(("pipe_resharded", pp, dp), lambda: reshard(
@@ -193,6 +209,8 @@ class E2E:
             return self.resharded(ld.source, ld.tp, ld.dp)
         if ld.kind == "source":
             return FIXTURES / ld.source
+        if ld.kind == "resaved":
+            return self.resaved(ld.source, ld.tp, ld.dp)
         raise ValueError(ld.kind)
 
     # -- reports ---------------------------------------------------------------------------------
@@ -232,8 +250,15 @@ class E2E:
     def _resume(self, job: list[Load], name: str) -> dict[str, dict]:
         """Make the inputs of ``job`` and run it (``resume_train.py``)."""
         specs = {src: model_spec_from_fixture(FIXTURES / src) for src in {ld.source for ld in job}}
+
+        def save_dir(ld: Load) -> Path | None:  # the load that makes a later "resaved" load's input
+            wanted = ld.kind == "ds_to_universal" and Load("resaved", ld.source, ld.tp, ld.dp) in job
+            return self.resaved(ld.source, ld.tp, ld.dp) if wanted else None
+
         loads = [resume_load(ld.name, self.load_dir(ld), model_spec=specs[ld.source], tp=ld.tp, dp=ld.dp,
-                             universal=ld.universal, steps=STEPS) for ld in job]
+                             universal=ld.universal, steps=STEPS, save_dir=save_dir(ld),
+                             zero_stage=int(specs[ld.source]["ds_config"]["zero_optimization"]["stage"]))
+                 for ld in job]
         world = job[0].tp * job[0].dp
         return resume_many(loads, world_size=world, workdir=self.root / "jobs" / name)
 

@@ -16,8 +16,9 @@ Launched (one process per rank) by ``tests/e2e/launch.py``; not meant to be run 
       "ds_config": {...},                             # already adjusted to the target topology
       "load_dir": "...",                              # parent of the tag folder
       "tag": null,                                    # null: DeepSpeed reads latest[_universal]
-      "steps": 2
-    }
+      "steps": 2,
+      "save_dir": null                                # or: engine.save_checkpoint there right after
+    }                                                 # the load (DeepSpeed's own native files)
 
 Each load gets a fresh engine, as a fresh job would: the model is built exactly as the fixtures
 were (``AutoModelForCausalLM.from_config`` after ``torch.manual_seed(seed)``, eager attention,
@@ -209,6 +210,10 @@ def resume_one(load, timings):
     if load_path is None:
         raise RuntimeError(f"load_checkpoint({load['load_dir']!r}, tag={load.get('tag')!r}) loaded nothing")
     lap("load_checkpoint")
+    if load.get("save_dir"):
+        # DeepSpeed's own native checkpoint of exactly the state it loaded, under the loaded tag
+        engine.save_checkpoint(load["save_dir"], tag=os.path.basename(os.path.dirname(load_path)))
+        lap("save_checkpoint")
     linked_views = link_optimizer_state_views(engine)
     global_steps_after_load = int(engine.global_steps)
     opt_steps_after_load = optimizer_steps(engine)
@@ -253,6 +258,7 @@ def resume_one(load, timings):
             "load_dir": load["load_dir"],
             "tag": load.get("tag"),
             "load_path": load_path,
+            "save_dir": load.get("save_dir"),
             "steps": int(load["steps"]),
             "batch_shape": list(input_ids.shape),
             "losses": [math.fsum(dp_losses[d][s] for d in sorted(dp_losses)) / len(dp_losses)
