@@ -1,17 +1,23 @@
 """Offline resharding (``reshard reshard``) on the ~200M-parameter ZeRO-1 DP=2 checkpoint, to DP=4,
 against the peer route: ``ds_to_universal`` plus reading the universal files back at the target
 topology. The read-back is counted once; DeepSpeed's ``load_universal`` makes every target rank
-read every file, so the real peer cost is higher still."""
+read every file, so the real peer cost is higher still.
+
+Also against the machine: one process vs two (``torchrun --nproc_per_node 2``; peak RSS is the
+largest process's), both against the floor of copying the same checkpoint with ``cp -r`` and
+``sync``."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.bench_convert import DATA, _run, ds_to_universal_cmd, ensure_checkpoint
+from benchmarks.bench_convert import DATA, _run, ds_to_universal_cmd, ensure_checkpoint, settle
 from benchmarks.common import row
 from reshard.formats.safe_load import load
 
@@ -27,6 +33,18 @@ def _read_back(ucp: str, dp: int) -> float:
     return time.perf_counter() - t
 
 
+def _copy_floor(tag: Path, scratch: Path) -> float:
+    """``cp -r`` of the checkpoint's tag folder followed by ``sync``: what moving its bytes costs."""
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    settle()
+    t = time.perf_counter()
+    subprocess.run(["cp", "-r", str(tag), str(scratch)], check=True)
+    subprocess.run(["sync"], check=True)
+    took = time.perf_counter() - t
+    shutil.rmtree(scratch, ignore_errors=True)
+    return took
+
+
 def main(workers: int = 2, dp: int = 4) -> list[str]:
     ckpt = ensure_checkpoint()
     tag = ckpt / (ckpt / "latest").read_text().strip()
@@ -37,10 +55,20 @@ def main(workers: int = 2, dp: int = 4) -> list[str]:
     conv, conv_rss = _run(ds_to_universal_cmd(tag, out / "ds" / tag.name, workers))
     back = _read_back(str(out / "ds" / tag.name), dp)
     shutil.rmtree(out, ignore_errors=True)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    two, two_rss = _run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "reshard", "reshard",
+                         str(ckpt), str(out / "two"), "--tp", "1", "--dp", str(dp), "--workers", "1"])
+    shutil.rmtree(out, ignore_errors=True)
+    floor = _copy_floor(tag, out / "floor")
     return [
         row(f"reshard reshard DP=2 -> DP={dp} vs ds_to_universal + read-back", ours, conv + back,
             note=f"(peer: convert {conv:.1f} s + read back {back:.1f} s)"),
         row("  peak RSS reshard vs ds_to_universal", ours_rss, conv_rss, unit="MiB", note="(ratio = peer/ours)"),
+        row("  cp -r + sync of the same checkpoint (the floor)", floor,
+            note=f"1 process is {ours / floor:.2f}x the floor (goal <= 1.5x)"),
+        row("  2 processes (torchrun, 1 worker each) vs 1 process", two, ours,
+            note=f"(2 processes: {two / floor:.2f}x the floor; goal: no slower than 1)"),
+        row("  peak RSS per process, 2 processes", two_rss, note="(goal <= 512 MiB)", unit="MiB"),
     ]
 
 

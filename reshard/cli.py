@@ -5,11 +5,14 @@ reshard raises for bad input print as one line naming the fault and exit with st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
 
+from .cluster import DEFAULT_TIMEOUT_S
 from .errors import ReshardError, in_context
 from .formats.output import CHECKSUMS
 
@@ -173,23 +176,43 @@ def _plan_to_topology(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _cluster(args):
+    """This process's place in a ``torchrun`` launch (alone without one), ended afterwards."""
+    from .cluster import Cluster
+
+    cluster = Cluster.from_env(args.timeout)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _report(report) -> None:
+    """Every process of a launch finishes with the same report; one prints it."""
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        print(report)
+
+
 def _cmd_convert(args) -> int:
     from .convert import convert
 
-    report = convert(args.ckpt_dir, args.out_dir, fmt=args.format, workers=args.workers,
-                     on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite, checksum=args.checksum,
-                     max_file_bytes=int(args.max_file_gb * 2**30))
-    print(report)
+    with _cluster(args) as cluster:
+        report = convert(args.ckpt_dir, args.out_dir, fmt=args.format, workers=args.workers,
+                         on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
+                         checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster)
+    _report(report)
     return 0
 
 
 def _cmd_reshard(args) -> int:
     from .offline import reshard
 
-    report = reshard(args.ckpt_dir, args.out_dir, tp=args.tp, dp=args.dp, pp=args.pp, zero_stage=args.zero_stage,
-                     layout=args.layout, workers=args.workers, overwrite=args.overwrite,
-                     checksum=args.checksum)
-    print(report)
+    with _cluster(args) as cluster:
+        report = reshard(args.ckpt_dir, args.out_dir, tp=args.tp, dp=args.dp, pp=args.pp,
+                         zero_stage=args.zero_stage, layout=args.layout, workers=args.workers,
+                         overwrite=args.overwrite, checksum=args.checksum, cluster=cluster)
+    _report(report)
     return 0
 
 
@@ -220,6 +243,9 @@ def _output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output tag folder")
     p.add_argument("--checksum", choices=CHECKSUMS, default="crc32",
                    help="checksum of each file in the output manifest (default crc32)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="under torchrun: how long a process waits for the others before the job fails "
+                   f"(default {DEFAULT_TIMEOUT_S:g})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .cluster import Cluster, commit, open_staging, run_share
 from .errors import CheckpointError, ReplicaMismatchError, ReshardError
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import MANIFEST, Staging
 from .formats.pickling import save
 from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.apply import rebuild_mean
+from .ir.piece import prod
 from .memory import release
 from .workers import Progress, run_jobs
 
@@ -134,53 +136,63 @@ def convert(
     max_file_bytes: int = 5 * 2**30,
     progress: Callable[[int, int], None] | bool | None = None,
     checksum: str = "crc32",
+    cluster: Cluster | None = None,
 ) -> ConvertReport:
     """Convert the checkpoint in ``ckpt_dir`` (a tag folder, or its parent with ``latest``) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``)
     or HF-style safetensors (``fmt="safetensors"``). Every file's ``checksum`` (``"crc32"`` or
-    ``"sha256"``) goes into the output's manifest, which ``reshard verify`` re-checks."""
+    ``"sha256"``) goes into the output's manifest, which ``reshard verify`` re-checks. Launched by
+    ``torchrun`` (or with ``cluster``), every process writes a share of the files and the commit is
+    collective (``reshard.cluster``)."""
     if fmt not in ("ucp", "safetensors"):
         raise ReshardError(f"format must be 'ucp' or 'safetensors', got {fmt!r}")
     _policy(on_replica_mismatch)
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
     ck.check_steps()
     conv = _Converter(ck, on_replica_mismatch)
-    staging = Staging(out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
+    cluster = cluster or Cluster.from_env()
+    staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     names = ck.names
     bar = Progress(progress, len(names), "param", "reshard convert")
-    try:
-        if fmt == "ucp":
-            _write_ucp(ck, conv, staging, names, workers, bar)
-        else:
-            _write_safetensors(ck, conv, staging, names, max_file_bytes, bar)
-    except BaseException as e:
-        staging.abandon()
-        conv.drift.sort(key=_drift_order)
-        if isinstance(e, ReplicaMismatchError) and conv.drift:
-            listing = "; ".join(str(d) for d in conv.drift)
-            raise ReplicaMismatchError(
-                f"{ck.tag_dir}: replicated blocks differ between ranks in {len(conv.drift)} parameter state(s): "
-                f"{listing}. Convert anyway with on_replica_mismatch='rank:N' or 'mean' (recorded in the output).",
-                ranks=conv.drift[0].ranks, max_abs_diff=max(d.max_abs_diff for d in conv.drift)) from None
-        raise
-    finally:
-        bar.close()
-    conv.drift.sort(key=_drift_order)  # workers finish in any order; the manifest must not
+    jobs = _ucp_jobs(ck, conv, staging, names, bar) if fmt == "ucp" else _safetensors_jobs(
+        ck, conv, staging, names, max_file_bytes, bar, cluster.rank == 0)
+
+    def run(mine: list[Callable[[], None]]) -> None:
+        try:
+            run_jobs(mine, workers, keep_going=(ReplicaMismatchError,))
+        except ReplicaMismatchError:
+            if not conv.drift:
+                raise  # drift is reported below, from every process at once
+        finally:
+            bar.close()
+
+    run_share(cluster, staging, jobs, run)
+    # workers and processes finish in any order; the manifest must not
+    drift = sorted((d for part in cluster.gather(conv.drift) for d in part), key=_drift_order)
+    if drift and conv.policy == "error":
+        if cluster.rank == 0:
+            staging.abandon()
+        listing = "; ".join(str(d) for d in drift)
+        raise ReplicaMismatchError(
+            f"{ck.tag_dir}: replicated blocks differ between ranks in {len(drift)} parameter state(s): "
+            f"{listing}. Convert anyway with on_replica_mismatch='rank:N' or 'mean' (recorded in the output).",
+            ranks=drift[0].ranks, max_abs_diff=max(d.max_abs_diff for d in drift))
     meta = {
         "reshard_version": __version__,
         "format": fmt,
         "source": str(ck.tag_dir),
         "source_topology": {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage},
         "on_replica_mismatch": on_replica_mismatch,
-        "replica_drift": [str(d) for d in conv.drift],
+        "replica_drift": [str(d) for d in drift],
     }
-    final = staging.commit(meta, "latest_universal" if fmt == "ucp" else None)
+    final = commit(cluster, staging, meta, "latest_universal" if fmt == "ucp" else None)
     files = [p for p in final.rglob("*") if p.is_file() and p.name != MANIFEST]
     return ConvertReport(final, len(names), len(files), sum(p.stat().st_size for p in files), on_replica_mismatch,
-                         conv.drift)
+                         drift)
 
 
-def _write_ucp(ck, conv: _Converter, staging: Staging, names: list[str], workers: int, bar) -> None:
+def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> list[tuple[int, Callable[[], None]]]:
+    """Every file of the universal checkpoint as ``(bytes, job)``, largest first."""
     # DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as bare flat tensors and no
     # step file; its universal loader expects exactly that, so mirror it.
     bare = ck.zero_stage == 3 and ck.tp == 1
@@ -204,32 +216,44 @@ def _write_ucp(ck, conv: _Converter, staging: Staging, names: list[str], workers
     copies += [src for (t, d), src in sorted(ck.z3_model_files.items()) if t or d]
     jobs = [(src.stat().st_size, partial(staging.copy, src, src.name)) for src in copies]
     jobs += [(ck.tp_map(n).map.numel * 12, partial(one, n)) for n in names]
+
+    def optimizer_state() -> None:
+        with staging.open("zero/optimizer_state.pt") as out:
+            save(_optimizer_state(ck), out)
+
+    jobs.append((1, optimizer_state))
     jobs.sort(key=lambda job: -job[0])
-    run_jobs([job for _, job in jobs], workers, keep_going=(ReplicaMismatchError,))
-    with staging.open("zero/optimizer_state.pt") as out:
-        save(_optimizer_state(ck), out)
+    return jobs
 
 
-def _write_safetensors(ck, conv: _Converter, staging: Staging, names: list[str], max_bytes: int, bar) -> None:
+def _safetensors_jobs(ck, conv: _Converter, staging: Staging, names: list[str], max_bytes: int, bar,
+                      write_index: bool) -> list[tuple[int, Callable[[], None]]]:
+    """One job per safetensors file; the index (known from the shapes) is written by one process."""
     specs = []
     for n in names:
         m = ck.tp_map(n).map
         specs.append((n, m.valid_shape, torch.float32))
     groups = plan_files(specs, max_bytes)
-    weight_map, total = {}, 0
-    for i, group in enumerate(groups):
-        fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+    fnames = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+
+    def one(fname: str, group: list) -> None:
         with staging.writing(fname):
             w = SafetensorsWriter(staging.path(fname), group)
             try:
                 for name, _, dtype in group:
                     f, _ = conv.full(name, "fp32")
                     w.write(name, f.to(dtype))
-                    weight_map[name] = fname
-                    total += f.numel() * f.element_size()
                     bar.update(1)
             finally:
                 w.f.close()
             w.close()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    staging.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    jobs = [(sum(prod(shape) * 4 for _, shape, _ in group), partial(one, fname, group))
+            for fname, group in zip(fnames, groups)]
+    if write_index:
+        weight_map = {name: fname for fname, group in zip(fnames, groups) for name, _, _ in group}
+        total = sum(prod(shape) * 4 for _, shape, _ in specs)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        staging.path("model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return jobs

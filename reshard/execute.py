@@ -1,15 +1,17 @@
-"""In-memory executor: run a plan's segments as strided copies."""
+"""In-memory executor: run a plan's segments as strided copies, all at once or window by window."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from .errors import ShardError
 from .ir.apply import flatten, strided_copy
-from .ir.piece import prod
-from .plan import ModelPlan, TransferPlan
+from .ir.geometry import clip_segment
+from .ir.piece import View, prod
+from .memory import release
+from .plan import ModelPlan, Segment, TransferPlan
 
 
 def apply_plan(
@@ -53,3 +55,64 @@ def apply_model_plan(plan: ModelPlan, source_shards: Mapping[str, Mapping[int, t
     if missing:
         raise ShardError(f"no source shards for parameter(s) {missing[:5]}")
     return {n: apply_plan(p, source_shards[n], scale_power=scale_power) for n, p in plan.params.items()}
+
+
+SourceOf = Callable[[], torch.Tensor]  # a segment's flat source shard, looked up when first needed
+
+
+class WindowFill:
+    """A flat target buffer produced window by window, in increasing order, from plan segments:
+    the ``fill(out, start)`` a streamed writer (``formats.torch_zip``) calls for each chunk.
+
+    ``parts`` are ``(base, segment, source)``: the segment's ``dst`` view counts from element
+    ``base`` of the buffer, and ``source()`` gives the flat source shard its ``src`` view reads.
+    Each call runs, for every segment reaching into ``out``, the sub-copies whose destination
+    falls there (``geometry.clip_segment``), scaled by ``factor ** scale_power``; so each output
+    element is computed once, whatever the window size. Segments are swept in order of their
+    first destination element, and the source pages a window read are released once copied
+    (``memory.release``): on memory-mapped sources the resident set stays at about a window.
+    Elements no segment covers are left as ``out`` holds them (the writer's zeros). A window
+    that starts before the previous one ended starts the sweep again (a buffer written twice)."""
+
+    def __init__(self, parts: Iterable[tuple[int, Segment, SourceOf]], *, scale_power: int = 1) -> None:
+        items = []
+        for base, seg, source in parts:
+            if seg.numel:
+                lo, hi = seg.dst.span(seg.shape)
+                items.append((base + lo, base + hi, View.trusted(base + seg.dst.offset, seg.dst.strides), seg,
+                              source))
+        items.sort(key=lambda x: x[0])
+        self._items = items
+        self._power = scale_power
+        self._restart()
+
+    def _restart(self) -> None:
+        self._next, self._pos = 0, 0
+        self._active: list[list] = []  # [end, dst view, segment, source, flat source or None]
+
+    def __call__(self, out: torch.Tensor, start: int) -> None:
+        if start < self._pos:
+            self._restart()
+        stop = start + out.numel()
+        self._pos = stop
+        while self._next < len(self._items) and self._items[self._next][0] < stop:
+            _, end, dst, seg, source = self._items[self._next]
+            self._active.append([end, dst, seg, source, None])
+            self._next += 1
+        keep = []
+        for item in self._active:
+            end, dst, seg, source, flat = item
+            blocks = clip_segment(dst, seg.src, seg.shape, start, stop)
+            if blocks and flat is None:
+                flat = item[4] = source()
+            factor = seg.factor ** self._power
+            for d, s, shape in blocks:
+                strided_copy(out, View.trusted(d.offset - start, d.strides), flat, s, shape, factor)
+                lo, hi = s.span(shape)
+                release(flat.narrow(0, lo, hi - lo))  # read once for this buffer: drop the pages
+            if end > stop:
+                keep.append(item)
+            elif flat is not None:  # done: the pages at the edges of its blocks too
+                lo, hi = seg.src.span(seg.shape)
+                release(flat.narrow(0, lo, hi - lo))
+        self._active = keep

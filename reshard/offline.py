@@ -12,9 +12,11 @@ For every parameter two plans are made, never a full tensor:
 * **module weights** (the training dtype): the source TP map planned against the target TP map,
   read from the memory-mapped source model-state files into the target's flat module buffer.
 
-Every output file is built on its own: peak memory is one output file's tensors (one target
-rank's optimizer partition, or one target TP rank's module), and each source byte an output file
-needs is read once for it. Output is staged and committed atomically like ``reshard convert``
+Every output file is streamed (``formats.torch_zip``): its flat buffers are placeholders whose
+bytes the plan's segments produce one chunk at a time as the file is written
+(``execute.WindowFill``), byte-identical to ``torch.save`` of the built tensors. Peak memory is a
+couple of chunks per worker, whatever the checkpoint size; each output byte is computed once, and
+each source byte an output file needs is read once for it. Output is staged and committed atomically like ``reshard convert``
 (``formats.output.Staging``); ``OUT/latest`` is written last.
 
 Pipeline (``deepspeed.pipe``) checkpoints, TP=1: each parameter is whole on its stage's
@@ -40,20 +42,19 @@ from typing import Any
 import torch
 
 from . import __version__
+from .cluster import Cluster, commit, open_staging, run_share
 from .errors import CheckpointError, ReshardError, in_context
+from .execute import WindowFill
 from .formats import deepspeed_writer as dsw
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.deepspeed_zero12 import Zero12Source
 from .formats.output import Staging
-from .formats.pickling import save
-from .ir.apply import strided_copy
+from .formats.torch_zip import Storage, save
 from .ir.param_map import ParamMap
-from .ir.piece import prod
 from .layouts import compose_zero
 from .layouts.zero import FlatGroup
-from .memory import release
 from .offline_zero3 import reshard_zero3
-from .plan import TransferPlan
+from .plan import Segment, TransferPlan
 from .planner import DefaultCost, Planner
 from .target_layout import TargetLayout, target_stage_maps, target_tp_maps
 from .topology import Topology
@@ -174,34 +175,28 @@ class _Writer:
             self.mod_plans[n] = _by_dst(q)
             self.segments += len(p.segments) + len(q.segments)
 
-    # one target (tp, dp) optimizer partition
+    # one target (tp, dp) optimizer partition: each state's partition a placeholder whose bytes the
+    # plan's segments produce chunk by chunk while the file is written (never the whole partition)
     def optim(self, t: int, d: int) -> None:
         src, tgt, ck = self.src, self.tgt, self.src.ck
         rank = tgt.topology.rank(0, d, t)
         groups = tgt.groups[t]
         fp32, moments, read = [], [], 0
-        for grp in groups:
-            bufs = {s: torch.zeros(grp.partition, dtype=torch.float32) for s in STATES}
+        for g, grp in enumerate(groups):
             base = d * grp.partition
+            parts = []
             for i, lo, hi in grp.fragments(d):
                 name = grp.names[i]
                 segs = self.opt_plans[name].get(rank, [])
                 if sum(s.numel for s in segs) != hi - lo and not tgt.maps[name].is_padded:
                     raise CheckpointError(f"internal: plan for {name!r} fills {sum(s.numel for s in segs)} of the "
                                           f"{hi - lo} elements of target rank (tp {t}, dp {d})")
-                for state in STATES:
-                    dst = bufs[state].narrow(0, lo - base, hi - lo)
-                    power = SCALE_POWER[state]
-                    for s in segs:
-                        sd, st = src.topology.dp_rank(s.src_rank), src.topology.tp_rank(s.src_rank)
-                        flat = ck.flat_state(st, sd, src.group_of[name], state)
-                        entry = ck.zero_map_at(name, st)[1]
-                        frag = flat.narrow(0, src.start(st, sd, name), entry.shard(sd).numel)
-                        strided_copy(dst, s.dst, frag, s.src, s.shape, s.factor ** power)
-                        release(frag)  # mapped pages: drop them from our resident set (a re-read is a minor fault)
-                        read += s.numel
-            fp32.append(bufs["fp32"])
-            moments.append({k: bufs[k] for k in ("exp_avg", "exp_avg_sq")})
+                parts += [(lo - base, s, name) for s in segs]
+                read += len(STATES) * sum(s.numel for s in segs)
+            flats = {state: Storage(torch.float32, grp.partition, self._optim_fill(parts, state),
+                                    label=f"{state} of group {g}") for state in STATES}
+            fp32.append(flats["fp32"])
+            moments.append({k: flats[k].view((grp.partition,)) for k in dsw.MOMENTS})
         with self._lock:
             self.read += read
         src_file = ck.optim_state(0, 0)
@@ -210,30 +205,32 @@ class _Writer:
         with self.staging.open(dsw.optim_file(t, d, bf16=src.bf16)) as f:
             save(obj, f)
 
-    # one target TP rank's model states
+    def _optim_fill(self, parts: list[tuple[int, Segment, str]], state: str) -> WindowFill:
+        """One state of a partition from ``(offset in the partition, segment, parameter)``: each
+        segment reads the parameter's fragment of a memory-mapped source partition."""
+        src, ck = self.src, self.src.ck
+
+        def fragment(s: Segment, name: str) -> torch.Tensor:
+            sd, st = src.topology.dp_rank(s.src_rank), src.topology.tp_rank(s.src_rank)
+            flat = ck.flat_state(st, sd, src.group_of[name], state)
+            return flat.narrow(0, src.start(st, sd, name), ck.zero_map_at(name, st)[1].shard(sd).numel)
+
+        return WindowFill([(base, s, lambda s=s, name=name: fragment(s, name)) for base, s, name in parts],
+                          scale_power=SCALE_POWER[state])
+
+    # one target TP rank's model states: each flat group a placeholder filled chunk by chunk
     def model(self, t: int) -> None:
         if self.src.pipe:
             return self._stage_model(t)
         src, tgt, ck = self.src, self.tgt, self.src.ck
         ms0 = ck.model_state(0)
-        flats, views = [], {}
-        for grp in tgt.groups[t]:
-            flat = torch.zeros(grp.total, dtype=src.dtype)
-            flats.append(flat)
+        views: dict[str, Any] = {}
+        for g, grp in enumerate(tgt.groups[t]):
+            parts = [(off, s, lambda s=s, name=name: self._module_source(name, s.src_rank))
+                     for name, off in zip(grp.names, grp.offsets) for s in self.mod_plans[name].get(t, [])]
+            flat = Storage(src.dtype, grp.total, WindowFill(parts), label=f"module group {g}")
             for name, off, shape in zip(grp.names, grp.offsets, grp.shapes):
-                views[name] = flat.narrow(0, off, prod(shape)).view(shape)
-        for name, view in views.items():
-            for s in self.mod_plans[name].get(t, []):
-                shard = ck.module_tensor(name, s.src_rank)
-                if shard is None:
-                    raise CheckpointError(f"{ck.model_files[s.src_rank]}: module has no {name!r}")
-                if shard.dtype != src.dtype:
-                    raise CheckpointError(f"{ck.model_files[s.src_rank]}: {name} is {shard.dtype}, other weights "
-                                          f"{src.dtype}: mixed training dtypes are not supported")
-                flat_src = shard.detach().reshape(-1)
-                flat_dst = view.view(-1)
-                strided_copy(flat_dst, s.dst, flat_src, s.src, s.shape, s.factor)
-                release(flat_src)
+                views[name] = flat.view(shape, offset=off)
         for name in tgt.empty[t]:
             views[name] = torch.empty(tgt.maps[name].shard(t).shape, dtype=src.dtype)
         module = OrderedDict()
@@ -271,6 +268,17 @@ class _Writer:
         with self.staging.open(dsw.model_file(t)) as f:
             save(obj, f)
 
+    def _module_source(self, name: str, rank: int) -> torch.Tensor:
+        """Source TP rank ``rank``'s module weight of ``name``, flat (memory-mapped)."""
+        ck = self.src.ck
+        shard = ck.module_tensor(name, rank)
+        if shard is None:
+            raise CheckpointError(f"{ck.model_files[rank]}: module has no {name!r}")
+        if shard.dtype != self.src.dtype:
+            raise CheckpointError(f"{ck.model_files[rank]}: {name} is {shard.dtype}, other weights "
+                                  f"{self.src.dtype}: mixed training dtypes are not supported")
+        return shard.detach().reshape(-1)
+
     def _buffer(self, key: str, value: torch.Tensor, t: int) -> torch.Tensor:
         """A non-parameter module entry (a persistent buffer), copied: at an unchanged TP degree
         from the same TP rank; else AutoTP leaves buffers whole on every TP rank, so every source
@@ -299,13 +307,16 @@ def reshard(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | bool | None = None,
     checksum: str = "crc32",
+    cluster: Cluster | None = None,
 ) -> ReshardReport:
     """Write the DeepSpeed checkpoint in ``ckpt_dir`` (a tag folder, or its parent with
     ``latest``) into ``out_dir/<tag>`` at TP=``tp`` x DP=``dp`` (default the source's DP) with
     ZeRO ``zero_stage`` (default the source's), plus ``out_dir/latest``, as DeepSpeed 0.19.8 would
     save it there. See the module docstring for ``layout``. ZeRO stages 1 and 2 are supported, and
     ZeRO-3 at TP=1 to another DP size (``offline_zero3``); a pipeline (``deepspeed.pipe``)
-    checkpoint keeps its stages or merges them into ``pp=1``. ``checksum`` is as for :func:`reshard.convert`."""
+    checkpoint keeps its stages or merges them into ``pp=1``. ``checksum`` is as for :func:`reshard.convert`.
+    Launched by ``torchrun`` (or with ``cluster``), every process writes a share of the files and
+    the commit is collective (``reshard.cluster``)."""
     tp, pp = _positive(tp, "tp"), _positive(pp, "pp")
     if dp is not None:
         _positive(dp, "dp")
@@ -334,22 +345,26 @@ def reshard(
         maps, uc_info, origin = target_tp_maps(src, tp, layout)
         mp = tp
     tgt = _Target(src, maps, mp, dp)
-    staging = Staging(out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
+    cluster = cluster or Cluster.from_env()
+    staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     writer = _Writer(src, tgt, stage, uc_info, staging, Planner(_same_tp_rank(src.mp, mp)))
-    jobs: list[Callable[[], None]] = [lambda t=t: writer.model(t) for t in range(mp)]
-    jobs += [lambda t=t, d=d: writer.optim(t, d) for t in range(mp) for d in range(dp)]
+    esize = src.dtype.itemsize
+    jobs: list[tuple[int, Callable[[], None]]] = [
+        (sum(g.total for g in tgt.groups[t]) * esize, lambda t=t: writer.model(t)) for t in range(mp)]
+    jobs += [(sum(g.partition for g in tgt.groups[t]) * 4 * len(STATES), lambda t=t, d=d: writer.optim(t, d))
+             for t in range(mp) for d in range(dp)]
     # a layer file holds one layer's weights whatever the stage count: copied as it is
-    jobs += [lambda p=p: staging.copy(p, p.name) for _, p in sorted(ck.layer_files.items())]
-    try:
+    jobs += [(p.stat().st_size, lambda p=p: staging.copy(p, p.name)) for _, p in sorted(ck.layer_files.items())]
+
+    def run(mine: list[Callable[[], None]]) -> None:
         writer.plan_all(src.names)
-        bar = Progress(progress, len(jobs), "file", "reshard reshard")
+        bar = Progress(progress, len(mine), "file", "reshard reshard")
         try:
-            run_jobs(jobs, workers, progress=bar.update)
+            run_jobs(mine, workers, progress=bar.update)
         finally:
             bar.close()
-    except BaseException:
-        staging.abandon()
-        raise
+
+    run_share(cluster, staging, jobs, run)
     meta = {
         "reshard_version": __version__,
         "format": "deepspeed",
@@ -358,8 +373,9 @@ def reshard(
         "target_topology": {"tp": tp, "dp": dp, "pp": pp, "zero_stage": stage},
         "target_tp_layout": origin,
     }
-    final = staging.commit(meta, latest_name="latest")
+    final = commit(cluster, staging, meta, latest_name="latest")
+    read = sum(cluster.gather(writer.read))
     files = [p for p in final.rglob("*") if p.is_file()]
     return ReshardReport(final, meta["source_topology"], meta["target_topology"], len(src.names), len(files),
-                         sum(p.stat().st_size for p in files), writer.segments, writer.read,
+                         sum(p.stat().st_size for p in files), writer.segments, read,
                          [f"target TP layout {origin}"])

@@ -23,6 +23,8 @@ those of ``tests/test_e2e_resume.py`` (``tests/e2e/plan.py``): three jobs in all
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 import re
 import shutil
@@ -35,9 +37,12 @@ import torch
 from reshard import CheckpointError, OutputError, ReshardError
 from reshard.convert import convert
 from reshard.formats import deepspeed_writer as dsw
+from reshard.formats import torch_zip
 from reshard.formats.deepspeed import DeepSpeedCheckpoint
 from reshard.formats.output import verify
+from reshard.formats.pickling import save as save_whole
 from reshard.formats.safe_load import FragmentAddress, load
+from reshard.formats.torch_zip import TensorRef
 from reshard.ir.piece import prod
 from reshard.offline import reshard
 from tests.dsconv import FIXTURES, tag_dir
@@ -471,6 +476,69 @@ def test_workers_give_the_same_files(tmp_path):
     assert files == sorted(p.name for p in b.iterdir() if p.suffix == ".pt")
     for name in files:
         _deep_equal(load(a / name, mmap=False), load(b / name, mmap=False), name)
+
+
+# -- streaming: every file written as its bytes are produced ------------------------------------
+
+
+def _materialised(obj):
+    """``obj`` with every ``torch_zip`` placeholder replaced by the real tensor it stands for,
+    each storage filled in one window, every sharing kept: what ``torch.save`` would have been
+    handed had the writer built its tensors in memory."""
+    refs, flats, memo = [], {}, {}
+
+    def walk(x):
+        if isinstance(x, TensorRef):
+            refs.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    for r in refs:
+        st = r.storage
+        if id(st) not in flats:
+            flats[id(st)] = torch.zeros(st.numel, dtype=st.dtype)
+            st.source(flats[id(st)], 0)
+        t = flats[id(st)].as_strided(r.shape, r.stride, r.offset)
+        memo[id(r)] = t.requires_grad_(True) if r.requires_grad else t
+    assert refs, "nothing was streamed"
+    return copy.deepcopy(obj, memo)
+
+
+STREAMED = [("llama_tp2_dp2", {"tp": 1, "dp": 3}), ("gpt_bigcode_tp2", {"tp": 2, "dp": 2, "zero_stage": 2}),
+            ("llama_zero1_dp2_bf16", {"tp": 1, "dp": 3}), ("llama_zero2_dp2", {"tp": 1, "dp": 4})]
+
+
+@pytest.mark.parametrize("source,kw", STREAMED, ids=[s for s, _ in STREAMED])
+def test_streamed_files_are_byte_identical_to_saving_the_built_tensors(source, kw, tmp_path, monkeypatch):
+    """Module and optimizer files are streamed (``formats.torch_zip``): their flat buffers are
+    placeholders filled window by window from the plan. Each file, at tiny and odd chunk sizes
+    and as written, is byte for byte what ``torch.save`` writes for the same object built in
+    memory."""
+    import reshard.offline as off
+
+    written, references = off.save, []
+
+    def checked(obj, f):
+        reference = io.BytesIO()
+        save_whole(_materialised(obj), reference)
+        for chunk in (64, 4100):
+            streamed = io.BytesIO()
+            torch_zip.save(obj, streamed, chunk_bytes=chunk)
+            assert streamed.getvalue() == reference.getvalue(), chunk
+        references.append(reference.getvalue())
+        written(obj, f)
+
+    monkeypatch.setattr(off, "save", checked)
+    out = reshard(FIXTURES / source, tmp_path, **kw).out_dir
+    files = sorted(p.read_bytes() for p in out.iterdir() if p.suffix == ".pt")
+    assert len(files) == 1 + kw["dp"] if kw["tp"] == 1 else 2 * (1 + kw["dp"])
+    assert files == sorted(references)
+    verify(out)
 
 
 # -- end to end: DeepSpeed loads it natively ------------------------------------------------------

@@ -55,3 +55,32 @@ def test_written_checksums_equal_the_files(tmp_path, monkeypatch):
             assert _manifest_entry(staging, rel) == {"size": len(data), checksum: want}, (checksum, rel)
         staging.abandon()
     assert sorted(combined) == [2_800_000, 3_600_000]  # the two large records, CRC from torch
+
+
+def test_a_reused_writable_buffer_is_checksummed_as_written(tmp_path, monkeypatch):
+    """A caller may refill a writable buffer as soon as ``write`` returns: it is checksummed at
+    once, never held back for a later descriptor. Read-only views (torch's) still take the
+    record's CRC from the descriptor."""
+    from reshard.formats import crc
+
+    combined = []
+    real = crc.Crc32.extend
+    monkeypatch.setattr(crc.Crc32, "extend", lambda self, c, n: (combined.append(n), real(self, c, n)))
+    for checksum in ("crc32", "sha256"):
+        staging = Staging(tmp_path / checksum, "tag", checksum=checksum)
+        buf = bytearray(3 << 20)
+        with staging.open("reused.bin") as f:
+            for fill in (1, 2, 3):
+                buf[:] = bytes([fill]) * len(buf)
+                f.write(buf)  # then overwritten by the next round
+            record = memoryview(bytes(range(256)) * 8192).toreadonly()  # 2 MiB, like torch's
+            f.write(record)
+            f.write(b"PK\x07\x08" + zlib.crc32(record).to_bytes(4, "little") + len(record).to_bytes(4, "little") * 2)
+            buf[:] = b"\xff" * len(buf)
+            f.write(buf)
+            buf[:] = b"\0" * len(buf)  # changed after the last write, before the file is closed
+        data = (staging.tmp / "reused.bin").read_bytes()
+        want = f"{zlib.crc32(data):08x}" if checksum == "crc32" else hashlib.sha256(data).hexdigest()
+        assert _manifest_entry(staging, "reused.bin") == {"size": len(data), checksum: want}
+        staging.abandon()
+    assert combined == [2 << 20]  # only the read-only record, under crc32

@@ -43,6 +43,7 @@ from ..errors import CheckpointError
 from ..ir.param_map import ParamMap, map_to_dict
 from ..layouts.zero import FlatGroup, zero12_group_layout
 from .safe_load import FragmentAddress, ZeroStageEnum
+from .torch_zip import Storage, TensorRef
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: "4-byte alignment/sizeof(fp16) = 2"
 
@@ -177,11 +178,12 @@ def model_states(source: Mapping[str, Any], *, module: Mapping[str, torch.Tensor
 
 
 def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: int,
-                 fp32: Sequence[torch.Tensor], moments: Sequence[Mapping[str, torch.Tensor]],
+                 fp32: Sequence[torch.Tensor | Storage], moments: Sequence[Mapping[str, torch.Tensor | TensorRef]],
                  zero_stage: int, ds_config: dict | None, uc_info: dict | None) -> dict:
     """One ``zero_pp_rank_D_mp_rank_XX_optim_states.pt`` dict, built on a source optimizer file's
     dict (its keys and order, loss scaler, hyper-parameters and ``step``). ``fp32[g]`` and
-    ``moments[g]`` are whole partitions (``groups[g].partition`` elements, padding zero)."""
+    ``moments[g]`` are whole partitions (``groups[g].partition`` elements, padding zero): tensors,
+    or for ``torch_zip.save`` a :class:`~reshard.formats.torch_zip.Storage` and views of one."""
     src = source["optimizer_state_dict"]
     base = src["base_optimizer_state"]
     state = {}
@@ -199,7 +201,11 @@ def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: i
             state[g] = entry
     lean = []  # a view of the padded partition, as DeepSpeed saves it (the file keeps the padding)
     for g, group in enumerate(groups):
-        lean.append(fp32[g].detach().requires_grad_(True)[: group.partition - group.tail_padding(d)])
+        n = group.partition - group.tail_padding(d)
+        if isinstance(fp32[g], Storage):  # a placeholder the streamed writer fills: the same tensor
+            lean.append(fp32[g].view((n,), requires_grad=True))
+        else:
+            lean.append(fp32[g].detach().requires_grad_(True)[:n])
     osd: dict[str, Any] = {}
     for key, value in src.items():
         osd[key] = value

@@ -33,13 +33,25 @@ def new_checksum(name: str):
 
 
 class Staging:
-    def __init__(self, out_dir: str | Path, tag: str, *, overwrite: bool = False, checksum: str = "crc32") -> None:
+    """The hidden folder an output is built in. ``join``: another process of the same job created
+    it (``reshard.cluster``); use it as it is."""
+
+    def __init__(self, out_dir: str | Path, tag: str, *, overwrite: bool = False, checksum: str = "crc32",
+                 join: bool = False) -> None:
         new_checksum(checksum)  # refuse a bad name before touching the disk
         self.checksum = checksum
         self.out_dir = Path(out_dir)
         self.tag = tag
         self.final = self.out_dir / tag
         self.tmp = self.out_dir / f".reshard-partial-{tag}"
+        self.overwrite = overwrite
+        self.digests: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        if join:
+            if not self.tmp.is_dir():
+                raise OutputError(f"{self.tmp}: the job's staging folder is not visible from this process; every "
+                                  "process must see the output folder at the same path (a shared file system)")
+            return
         if self.final.exists() and not overwrite:
             raise CheckpointError(f"{self.final}: already exists (pass overwrite to replace it)")
         try:
@@ -49,9 +61,6 @@ class Staging:
             self.tmp.mkdir()
         except OSError as e:
             raise OutputError(f"{self.tmp}: cannot create the output folder ({e.strerror or e})") from None
-        self.overwrite = overwrite
-        self.digests: dict[str, dict[str, Any]] = {}
-        self._lock = threading.Lock()
 
     def path(self, rel: str) -> Path:
         p = self.tmp / rel
@@ -190,7 +199,11 @@ class _HashingWriter:
     and size. With a CRC-32 checksum, a large write is therefore not read a second time: when
     the next write is a descriptor of exactly its size, the record's CRC is combined into the
     file's (``crc.crc32_combine``); otherwise it is read as usual. ``verify`` recomputes every
-    byte, so a descriptor that disagreed with the data would still be caught."""
+    byte, so a descriptor that disagreed with the data would still be caught.
+
+    Only a read-only buffer is held back that way (torch's writer hands over read-only views of
+    the tensor it saves, unchanged until the save ends); a writable one is checksummed at once,
+    so a caller may refill its buffer as soon as ``write`` returns (``torch_zip`` does)."""
 
     def __init__(self, raw: BinaryIO, hasher) -> None:
         self.raw = raw
@@ -223,7 +236,7 @@ class _HashingWriter:
                 self.hash.update(pending)
             else:
                 self.hash.extend(crc, len(pending))
-        if self.combines and len(view) >= _DEFER:
+        if self.combines and len(view) >= _DEFER and view.readonly:
             self.pending = view
         else:
             self.hash.update(view)

@@ -282,3 +282,50 @@ def outside(b: Block, limit: tuple[int, ...]) -> list[Block]:
             return out
         rest[d] = (s, t, keep)
     return out
+
+
+StridedCopy = tuple[View, View, tuple[int, ...]]  # (dest view, source view, shape)
+
+
+def clip_segment(dst: View, src: View, shape: tuple[int, ...], lo: int, hi: int) -> list[StridedCopy]:
+    """The part of a strided copy (a plan segment's: ``shape`` elements from ``src`` to ``dst``)
+    whose destination addresses lie in ``[lo, hi)``, as disjoint sub-copies wholly inside it
+    (``dst`` injective). Rows that interleave in the destination (a dimension whose stride is
+    less than a row's extent) are clipped one row at a time.
+
+    Splits along the outermost destination dimension (largest stride): the rows wholly inside
+    are one sub-copy, and only the at most two rows across an edge are clipped further, so a
+    window of a flat buffer costs a handful of copies, not one per row. Each sub-copy has the
+    copy's rank (a clipped dimension keeps a count of 1)."""
+    out: list[StridedCopy] = []
+    _clip(dst.offset, tuple(dst.strides), src.offset, tuple(src.strides), tuple(shape), lo, hi, out)
+    return out
+
+
+def _clip(d0: int, ds: tuple[int, ...], s0: int, ss: tuple[int, ...], shape: tuple[int, ...], lo: int, hi: int,
+          out: list[StridedCopy]) -> None:
+    if lo >= hi or any(n == 0 for n in shape):
+        return
+    end = d0 + sum((n - 1) * s for n, s in zip(shape, ds)) + 1
+    if end <= lo or d0 >= hi:
+        return
+    if lo <= d0 and end <= hi:
+        out.append((View.trusted(d0, ds), View.trusted(s0, ss), shape))
+        return
+    # more than one element (a single one is wholly in or out): split the outermost dimension
+    k = max((j for j, n in enumerate(shape) if n > 1), key=lambda j: ds[j])
+    n, step = shape[k], ds[k]
+    inner = end - d0 - (n - 1) * step  # extent of one row (the other dimensions)
+    # rows overlapping [lo, hi): start < hi and start + inner > lo
+    first_in = max(0, (lo - d0 - inner) // step + 1)
+    past_in = min(n, -(-(hi - d0) // step))
+    edges = [range(first_in, past_in)]
+    if step >= inner:  # rows disjoint and in address order: the ones wholly inside form one block
+        a, b = max(0, -(-(lo - d0) // step)), min(n, (hi - inner - d0) // step + 1)
+        if b > a:  # then at most one row straddles each edge
+            out.append((View.trusted(d0 + a * step, ds), View.trusted(s0 + a * ss[k], ss),
+                        shape[:k] + (b - a,) + shape[k + 1:]))
+            edges = [range(first_in, a), range(b, past_in)]
+    row = shape[:k] + (1,) + shape[k + 1:]
+    for i in (i for r in edges for i in r):
+        _clip(d0 + i * step, ds, s0 + i * ss[k], ss, row, lo, hi, out)

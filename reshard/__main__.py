@@ -1,0 +1,5 @@
+"""``python -m reshard ...`` (and ``torchrun ... -m reshard ...``): the ``reshard`` command."""
+
+from .cli import main
+
+raise SystemExit(main())
