@@ -325,7 +325,8 @@ def reshard(
     dp = ck.dp if dp is None else dp
     if ck.zero_stage == 3:  # one partition per parameter: a file format and writer of its own
         return reshard_zero3(ck, out_dir, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, workers=workers, layout=layout,
-                             overwrite=overwrite, progress=progress, checksum=checksum, report=ReshardReport)
+                             overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster,
+                             report=ReshardReport)
     if ck.zero_stage not in (1, 2):
         raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage} checkpoints are not supported (only 1 and 2); "
                               "convert to a universal checkpoint with `reshard convert` instead")

@@ -1,0 +1,386 @@
+"""DeepSpeed 0.19.8 ZeRO-3 checkpoint files (TP=1), read and written as DeepSpeed itself saves
+them: the source checked for ``reshard reshard``, the sub-group layout at any DP size, and the
+dictionaries of the two files each DP rank writes. No tensor data is moved here
+(``reshard.offline_zero3`` does that). What DeepSpeed does, read from
+``deepspeed/runtime/zero/stage3.py`` and ``runtime/engine.py`` and checked against checkpoints it
+saved (docs/deepspeed-checkpoints.md, section 10):
+
+* **Per-parameter partitions.** Every trainable parameter is flattened, zero-padded to
+  ``ceil(numel / dp) * dp`` and cut into ``dp`` equal partitions; DP rank ``d`` holds partition
+  ``d`` (the padding sits at the end of the last ranks' partitions).
+* **Sub-groups.** Each optimizer parameter group is cut, in order, into sub-groups: parameters
+  are added until their partitions reach ``zero_optimization.sub_group_size`` elements (default
+  1e9), so the cut depends on the DP size (``_create_fp16_sub_groups``). A sub-group's partitions
+  lie end to end in one flat tensor, ``fp32_flat_groups[k]``; the torch optimizer sees one
+  parameter per sub-group, numbered in group order, so its ``state[k]`` holds that sub-group's
+  ``exp_avg`` / ``exp_avg_sq`` over the same flat range, and ``param_groups[g]['params']`` lists
+  the sub-groups of group ``g``. The model states' ``param_shapes`` has one ``OrderedDict`` per
+  sub-group (full shapes).
+* **Files.** Every DP rank writes ``zero_pp_rank_D_mp_rank_00_model_states.pt`` (``module`` holds
+  0-element placeholders, the same on every rank; ``shared_params`` is filled on rank 0 only) and
+  ``[bf16_]zero_pp_rank_D_mp_rank_00_optim_states.pt``. Each ``fp32_flat_groups[k]`` carries the
+  attribute ``ds_id = "<first>_<last>"`` (the ``ds_id`` of its first and last parameter) and
+  ``requires_grad``, and owns its storage: ``_create_fp32_partitions`` means to reuse the flat
+  low-precision buffer (one storage for all sub-groups) under fp32 training, but its test compares
+  a ``torch.device`` with a device *name* string, which is never equal, so it always copies.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..ir.piece import prod
+from ..layouts.zero import zero3_partition_numel
+from .deepspeed import DeepSpeedCheckpoint
+from .safe_load import ZeroStageEnum, load
+
+__all__ = ["SubGroup", "Zero3Source", "model_file", "model_states", "optim_file", "optim_states",
+           "sub_groups"]
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size, DeepSpeed 0.19.8's default
+# Keys of a ZeRO-3 optimizer_state_dict, in the order DeepSpeed 0.19.8 writes them. Anything else
+# ('ds_zero_partition_groups' of AutoEP, ...) is refused rather than copied unexamined.
+OSD_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count",
+            "optimizer_state_dict", "fp32_flat_groups")
+OPTIM_FILE_KEYS = ("optimizer_state_dict", "ds_config", "ds_version")
+
+
+def model_file(d: int) -> str:
+    return f"zero_pp_rank_{d}_mp_rank_00_model_states.pt"
+
+
+def optim_file(d: int, *, bf16: bool = False) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{d}_mp_rank_00_optim_states.pt"
+
+
+@dataclass(frozen=True, slots=True)
+class SubGroup:
+    """One sub-group at one DP size: its parameters (model order) and where each one's
+    partition sits in the sub-group's flat tensor."""
+
+    group: int  # the optimizer parameter group it belongs to
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dp: int
+
+    @property
+    def partitions(self) -> tuple[int, ...]:
+        return tuple(zero3_partition_numel(prod(s), self.dp) for s in self.shapes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, off = [], 0
+        for p in self.partitions:
+            out.append(off)
+            off += p
+        return tuple(out)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.partitions)
+
+
+def sub_groups(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], dp: int, size: int) -> list[SubGroup]:
+    """DeepSpeed 0.19.8's ``_create_fp16_sub_groups`` over every parameter group at DP=``dp``:
+    a group whose partitions total at most ``size`` stays whole; otherwise parameters are added
+    until the running total reaches ``size``, and the last parameter closes the final one."""
+    out: list[SubGroup] = []
+    for g, params in enumerate(groups):
+        parts = [zero3_partition_numel(prod(s), dp) for _, s in params]
+        if size >= sum(parts):
+            cuts = [list(params)]
+        else:
+            cuts, cur, run = [], [], 0
+            for i, (p, part) in enumerate(zip(params, parts)):
+                cur.append(p)
+                run += part
+                if run >= size or i == len(params) - 1:
+                    cuts.append(cur)
+                    cur, run = [], 0
+        for cut in cuts:
+            out.append(SubGroup(g, tuple(n for n, _ in cut), tuple(tuple(s) for _, s in cut), dp))
+    return out
+
+
+def _zero_config(cfg: Any) -> dict:
+    zo = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
+    return zo if isinstance(zo, dict) else {}
+
+
+def _sub_group_size(cfg: Any, where: str) -> int:
+    value = _zero_config(cfg).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{where}: ds_config zero_optimization.sub_group_size {value!r} is not a "
+                              "non-negative integer")
+    return value
+
+
+def _ds_id_range(t: torch.Tensor) -> tuple[int, int] | None:
+    raw = getattr(t, "ds_id", None)
+    try:
+        a, b = str(raw).split("_")
+        return int(a), int(b)
+    except ValueError:
+        return None
+
+
+class Zero3Source:
+    """A ZeRO-3 checkpoint (TP=1) as ``reshard reshard`` reads it: its parameter groups and
+    sub-groups, checked against DeepSpeed 0.19.8's layout rule and every file's sizes before
+    anything is written."""
+
+    def __init__(self, ck: DeepSpeedCheckpoint) -> None:
+        self.ck = ck
+        if ck.zero_stage != 3:
+            raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage}, not 3")
+        if ck.tp != 1 or ck.pp != 1:
+            raise CheckpointError(f"{ck.tag_dir}: ZeRO-3 with TP={ck.tp} x PP={ck.pp} is not supported "
+                                  "(only TP=1, no pipeline)")
+        self.dp = ck.dp
+        self.template = ck.model_state(0)  # DP rank 0's model states: every target file is built on it
+        where0 = ck.model_files[0]
+        for key in ("num_experts", "ds_autoep_layers"):
+            if self.template.get(key):
+                raise CheckpointError(f"{where0}: mixture-of-experts checkpoints are not supported")
+        self.cfg = self.template.get("ds_config")
+        zo = _zero_config(self.cfg)
+        if zo.get("mics_shard_size", -1) not in (-1, 0, None) or zo.get("elastic_checkpoint"):
+            raise CheckpointError(f"{where0}: MiCS or elastic ZeRO-3 checkpoints are not supported")
+        self.sub_group_size = _sub_group_size(self.cfg, str(where0))
+        recorded = self._recorded_sub_groups()
+        self.shapes = {n: s for sg in recorded for n, s in sg.items()}
+        self.names = list(self.shapes)
+        self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
+        self.group_of_sub = self._param_groups(len(recorded))
+        self.groups: list[list[tuple[str, tuple[int, ...]]]] = []
+        for k, sg in enumerate(recorded):
+            g = self.group_of_sub[k]
+            while len(self.groups) <= g:
+                self.groups.append([])
+            self.groups[g].extend(sg.items())
+        self.subs = sub_groups(self.groups, self.dp, self.sub_group_size)
+        if [sg.names for sg in self.subs] != [tuple(sg) for sg in recorded]:
+            raise CheckpointError(f"{where0}: param_shapes records sub-groups of sizes "
+                                  f"{[len(sg) for sg in recorded]}, DeepSpeed 0.19.8's rule (sub_group_size "
+                                  f"{self.sub_group_size}) gives {[len(sg.names) for sg in self.subs]}: an "
+                                  "unknown layout")
+        self.where = {n: (k, off) for k, sg in enumerate(self.subs) for n, off in zip(sg.names, sg.offsets)}
+        self.has_moments = self._check_optim_files()
+        self._check_module()
+        ck.check_steps()
+        self.ds_ids, self.ds_ids_exact = self._ds_ids()
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _recorded_sub_groups(self) -> list[OrderedDict]:
+        ck = self.ck
+        out = None
+        for d in range(self.dp):
+            path = ck.z3_model_files[(0, d)]
+            ms = ck.model_state(0) if d == 0 else _as_dict(load(path), path)
+            shapes = ms.get("param_shapes")
+            shapes = shapes if isinstance(shapes, list) else [shapes]
+            if not all(isinstance(sg, dict) for sg in shapes):
+                raise CheckpointError(f"{path}: param_shapes is not a list of name -> shape dicts")
+            groups = [OrderedDict((n, tuple(int(x) for x in s)) for n, s in sg.items()) for sg in shapes]
+            if out is None:
+                out = groups
+            elif groups != out:
+                raise CheckpointError(f"{path}: param_shapes differ from DP rank 0's")
+            frozen = ms.get("frozen_param_shapes") or {}
+            real = [n for n, s in frozen.items() if prod(tuple(s))]
+            if real:
+                raise CheckpointError(f"{path}: frozen (non-optimized) parameters such as {real[0]!r} are "
+                                      "not supported")
+        assert out is not None
+        seen: set[str] = set()
+        for sg in out:
+            dup = next((n for n in sg if n in seen), None)
+            if dup is not None:
+                raise CheckpointError(f"{ck.model_files[0]}: {dup!r} is in two sub-groups of param_shapes")
+            seen.update(sg)
+        return out
+
+    def _param_groups(self, n_sub: int) -> list[int]:
+        """Sub-group -> parameter group, from the torch optimizer's ``param_groups``, whose
+        ``params`` must number the sub-groups in order (DeepSpeed's bookkeeping)."""
+        path = self.ck.optim_files[(0, 0)]
+        try:
+            pgs = self.ck.osd(0, 0)["optimizer_state_dict"]["param_groups"]
+            lists = [list(pg["params"]) for pg in pgs]
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{path}: optimizer_state_dict has no torch param_groups") from None
+        flat = [i for lst in lists for i in lst]
+        if flat != list(range(n_sub)) or any(not lst for lst in lists):
+            raise CheckpointError(f"{path}: param_groups number the sub-groups {lists}, expected "
+                                  f"0..{n_sub - 1} in order, each group non-empty: an unknown layout")
+        return [g for g, lst in enumerate(lists) for _ in lst]
+
+    def _check_optim_files(self) -> bool:
+        """Every rank's file: known keys, ``partition_count``, sub-group count, state keys, and
+        each flat tensor exactly as long as the layout says (a truncated one is named by file,
+        rank and the first parameter it cuts off). Returns whether Adam moments are present."""
+        ck, moments = self.ck, set()
+        for d in range(self.dp):
+            path = ck.optim_files[(0, d)]
+            top = ck.optim_state(0, d)
+            osd = ck.osd(0, d)
+            unknown = [k for k in top if k not in OPTIM_FILE_KEYS] + [k for k in osd if k not in OSD_KEYS]
+            if unknown:
+                raise CheckpointError(f"{path}: unknown entries {unknown[:3]} (AutoEP or another layout); "
+                                      "not supported")
+            if osd.get("partition_count") != self.dp:
+                raise CheckpointError(f"{path}: partition_count {osd.get('partition_count')!r}, the files "
+                                      f"say DP={self.dp}")
+            flats = osd.get("fp32_flat_groups")
+            inner = osd.get("optimizer_state_dict")
+            state = inner.get("state") if isinstance(inner, dict) else None
+            if not isinstance(flats, list) or len(flats) != len(self.subs) or not isinstance(state, dict):
+                raise CheckpointError(f"{path}: expected {len(self.subs)} fp32_flat_groups and a torch "
+                                      "optimizer state, one per sub-group")
+            for k in range(len(self.subs)):
+                entry = state.get(k, {})
+                extra = [key for key in entry if key not in ("step", *MOMENTS)]
+                if extra:
+                    raise CheckpointError(f"{path}: optimizer state {extra[0]!r} of sub-group {k} is not "
+                                          "known to move with its parameters (only step, exp_avg, "
+                                          "exp_avg_sq)")
+                moments.add(all(m in entry for m in MOMENTS))
+                self._check_length(path, d, k, "fp32", flats[k])
+                for m in MOMENTS:
+                    if m in entry:
+                        self._check_length(path, d, k, m, entry[m])
+        if len(moments) > 1:
+            raise CheckpointError(f"{ck.tag_dir}: some sub-groups have Adam moments and others not")
+        return moments == {True}
+
+    def _check_length(self, path: Any, d: int, k: int, state: str, t: Any) -> None:
+        sg = self.subs[k]
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32:
+            raise CheckpointError(f"{path}: dp rank {d}: {state} of sub-group {k} is not a 1-D float32 "
+                                  "tensor")
+        n = t.numel()
+        if n == sg.numel:
+            return
+        if n > sg.numel:
+            raise CheckpointError(f"{path}: dp rank {d}: the {state} partition of sub-group {k} has {n} "
+                                  f"elements, DeepSpeed's layout of its {len(sg.names)} parameters "
+                                  f"{sg.numel}: not the recorded parameters")
+        i = next(i for i, (o, p) in enumerate(zip(sg.offsets, sg.partitions)) if o + p > n)
+        lo = sg.offsets[i]
+        raise CheckpointError(f"{path}: dp rank {d}: parameter {sg.names[i]!r} ({state}, elements "
+                              f"[{lo}, {lo + sg.partitions[i]}) of sub-group {k}) lies past the end of the "
+                              f"partition, which has {n} of {sg.numel} elements: truncated or corrupt")
+
+    def _check_module(self) -> None:
+        ms = self.template
+        known = set(self.names) | set(ms.get("buffer_names") or []) | set(ms.get("shared_params") or {})
+        known |= set(ms.get("frozen_param_shapes") or {})
+        unknown = [k for k in (ms.get("module") or {}) if k not in known]
+        if unknown:
+            raise CheckpointError(f"{self.ck.model_files[0]}: module entries {unknown[:3]} are neither "
+                                  "optimized parameters, buffers nor tied aliases: not supported")
+
+    # -- what the writer copies ---------------------------------------------------------------------
+    def _ds_ids(self) -> tuple[dict[str, int], bool]:
+        """Each parameter's ``ds_id``, where the source's ``"<first>_<last>"`` names tell it: a
+        sub-group of n parameters numbered ``first .. first + n - 1`` (DeepSpeed numbers them in
+        model order). Where they do not (param groups out of model order), the numbering is a
+        guess; DeepSpeed's loader does not read ``ds_id``."""
+        out, exact = {}, True
+        flats = self.ck.osd(0, 0)["fp32_flat_groups"]
+        base = 0
+        for sg, t in zip(self.subs, flats):
+            rng = _ds_id_range(t)
+            if rng is None or rng[1] - rng[0] + 1 != len(sg.names):
+                exact = False
+            first = rng[0] if rng is not None else base
+            for i, n in enumerate(sg.names):
+                out[n] = first + i
+            base = first + len(sg.names)
+        return out, exact
+
+    def fragment(self, d: int, name: str, state: str) -> torch.Tensor:
+        """DP rank ``d``'s partition of ``name`` for one state, without its padding (the
+        shard of ``zero3(shape, dp, shard="fragment")``), as it lies in the mapped file."""
+        k, off = self.where[name]
+        numel = prod(self.shapes[name])
+        part = zero3_partition_numel(numel, self.dp)
+        n = max(0, min(part, numel - d * part))
+        return self.ck.flat_state(0, d, k, state).narrow(0, off, n)
+
+
+def _as_dict(x: Any, path: Any) -> dict:
+    if not isinstance(x, dict):
+        raise CheckpointError(f"{path}: expected a dict at the top level, got {type(x).__name__}")
+    return x
+
+
+# -- dictionaries ----------------------------------------------------------------------------------
+
+
+def model_states(template: Mapping[str, Any], *, subs: Sequence[SubGroup], d: int, dp: int,
+                 ds_config: dict | None) -> dict:
+    """DP rank ``d``'s ``zero_pp_rank_D_mp_rank_00_model_states.pt`` dict: the source's keys in the
+    source's order (placeholder ``module``, buffers, client state), the DP-dependent ones replaced."""
+    out: dict[str, Any] = dict(template)
+    out["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in zip(sg.names, sg.shapes))
+                           for sg in subs]
+    # DeepSpeed fills shared_params on global rank 0 only
+    out["shared_params"] = dict(template.get("shared_params") or {}) if d == 0 else {}
+    out["dp_world_size"] = dp
+    if "ds_config" in out:
+        out["ds_config"] = ds_config
+    return out
+
+
+def optim_states(source: Mapping[str, Any], *, subs: Sequence[SubGroup], dp: int,
+                 fp32: Sequence[torch.Tensor], moments: Sequence[Mapping[str, torch.Tensor]] | None,
+                 ds_ids: Mapping[str, int], ds_config: dict | None) -> dict:
+    """One ``zero_pp_rank_D_mp_rank_00_optim_states.pt`` dict built on a source optimizer file's
+    dict (its key order, loss scaler, hyper-parameters and ``step``). ``fp32[k]`` and
+    ``moments[k]`` are sub-group ``k``'s whole flat partitions (padding zero)."""
+    src = source["optimizer_state_dict"]
+    inner = src["optimizer_state_dict"]
+    step_state = inner["state"].get(0, {})
+    state = {}
+    for k in range(len(subs)):
+        if moments is None:
+            continue
+        entry = {}
+        for key, value in step_state.items():
+            entry[key] = (value.clone() if isinstance(value, torch.Tensor) else value) if key == "step" \
+                else moments[k][key]
+        state[k] = entry
+    param_groups = []
+    for g, pg in enumerate(inner["param_groups"]):
+        pg = copy.deepcopy({k: v for k, v in pg.items() if k != "params"})
+        pg["params"] = [k for k, sg in enumerate(subs) if sg.group == g]
+        param_groups.append(pg)
+    flats = []
+    for sg, t in zip(subs, fp32):
+        t = t.detach().requires_grad_(True)  # as DeepSpeed's master partitions (the file records it)
+        t.ds_id = f"{ds_ids[sg.names[0]]}_{ds_ids[sg.names[-1]]}"
+        flats.append(t)
+    osd: dict[str, Any] = {}
+    for key, value in src.items():
+        osd[key] = value
+    osd["zero_stage"] = ZeroStageEnum(3)
+    osd["partition_count"] = dp
+    osd["optimizer_state_dict"] = {"state": state, "param_groups": param_groups}
+    osd["fp32_flat_groups"] = flats
+    out: dict[str, Any] = dict(source)
+    out["optimizer_state_dict"] = osd
+    if "ds_config" in out:
+        out["ds_config"] = ds_config
+    return out

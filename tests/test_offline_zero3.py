@@ -1,0 +1,433 @@
+"""reshard.offline on DeepSpeed ZeRO-3 checkpoints (TP=1): the same checkpoint at another DP size,
+written as DeepSpeed 0.19.8 saves it there (``reshard.offline_zero3``).
+
+Fast tests (no DeepSpeed job):
+
+* converting a resharded checkpoint gives bit-identical universal tensors to converting its
+  source, at DP 1, 3 (padded partitions) and 4; a round trip returns the source files object for
+  object (tensors bit for bit, storages, ``ds_id``, ds_config);
+* at DP=3 the files are exactly DeepSpeed's own: ``llama_zero3_dp3`` is DeepSpeed's native save of
+  ``llama_zero3_dp2``'s state loaded at DP=3 (``scripts/make_fixtures.py``), so keys, dtypes,
+  shapes, storages, partitioning and values must all agree (only the loading job's ds_config
+  differs);
+* sub-groups (``zero_optimization.sub_group_size``) are recut for the target DP as DeepSpeed
+  does; refusals; a truncated partition is named by file, parameter and rank; crash safety.
+
+End to end (``e2e``): a real 3-rank gloo DeepSpeed job loads the DP=3 output natively, takes two
+steps, and its losses and digests equal those of DeepSpeed's own native checkpoint at DP=3 (made in
+the same job by loading ``ds_to_universal``'s output with ``load_universal`` and saving natively;
+``tests/e2e/plan.py``), whose files also equal ours.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard import CheckpointError, OutputError, ReshardError
+from reshard.convert import convert
+from reshard.formats.deepspeed import DeepSpeedCheckpoint
+from reshard.formats.deepspeed_zero3 import SubGroup, sub_groups
+from reshard.formats.output import verify
+from reshard.formats.pickling import save
+from reshard.formats.safe_load import load
+from reshard.offline import reshard
+from tests.dsconv import FIXTURES, tag_dir
+
+SOURCE = "llama_zero3_dp2"
+AT_DP3 = "llama_zero3_dp3"  # DeepSpeed's own native save of SOURCE's state at DP=3
+TAG = "global_step3"
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+NUMEL = 29344
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), t.stride(), t.requires_grad, t.storage_offset(),
+            t.untyped_storage().nbytes(), dict(vars(t)))
+
+
+def _same(a, b, path: str = "", skip: tuple[str, ...] = ()) -> None:
+    """Object-for-object equality of two loaded files: dict key order, types, and for tensors
+    dtype, shape, strides, requires_grad, storage size and offset, attributes (``ds_id``) and
+    every bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        ma, mb = (_meta(t) for t in (a, b))
+        assert ma == mb, (path, ma, mb)
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            if k not in skip:
+                _same(a[k], b[k], f"{path}/{k}", skip)
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}/{i}", skip)
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert type(a) is type(b) and vars(a) == vars(b), path
+    else:
+        assert type(a) is type(b) and a == b, (path, a, b)
+
+
+def _universal(ckpt: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """``reshard.convert`` of a ZeRO-3 checkpoint: {param: {state: flat tensor}} (DeepSpeed's
+    universal format for ZeRO-3 without TP: bare flat tensors, no step file)."""
+    folder = convert(ckpt, out).out_dir
+    params = {}
+    for d in sorted(p for p in (folder / "zero").iterdir() if p.is_dir()):
+        params[d.name] = {s: load(d / f"{s}.pt", mmap=False) for s in STATES}
+        assert not (d / "step.pt").exists()
+    return params
+
+
+@pytest.fixture(scope="module")
+def source_universal(tmp_path_factory) -> dict:
+    return _universal(FIXTURES / SOURCE, tmp_path_factory.mktemp("z3src") / "ucp")
+
+
+def _copy_source(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / SOURCE, src)
+    return src
+
+
+def _rewrite(path: Path, change) -> None:
+    obj = load(path, mmap=False)
+    change(obj)
+    save(obj, path)
+
+
+# -- values: bit-identical universal tensors ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dp", [1, 3, 4])
+def test_resharded_checkpoint_converts_to_the_same_universal_tensors(dp, tmp_path, source_universal):
+    report = reshard(FIXTURES / SOURCE, tmp_path / "out", tp=1, dp=dp)
+    out = report.out_dir
+    assert out == tmp_path / "out" / TAG and (tmp_path / "out" / "latest").read_text() == TAG
+    verify(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"zero_pp_rank_{d}_mp_rank_00_{kind}_states.pt" for d in range(dp) for kind in ("model", "optim")]
+        + ["reshard-manifest.json"])
+    ck = DeepSpeedCheckpoint.open(out)
+    assert (ck.tp, ck.dp, ck.zero_stage) == (1, dp, 3)
+    assert report.elements_read == 3 * NUMEL  # every source element of every state read once
+    assert str(report).endswith("plan segments)") and "DP=2 ZeRO-3 -> TP=1 x DP=" in str(report)
+    ours = _universal(out, tmp_path / "ucp")
+    assert list(ours) == list(source_universal)
+    for name, states in source_universal.items():
+        for state, t in states.items():
+            got = ours[name][state]
+            assert got.dtype == t.dtype and torch.equal(got, t), (name, state)
+    for d in range(dp):
+        ms = load(out / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt")
+        assert ms["dp_world_size"] == dp and ms["mp_world_size"] == 1
+        osd = load(out / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        assert osd["partition_count"] == dp and int(osd["zero_stage"]) == 3
+        flat = osd["fp32_flat_groups"][0]
+        assert flat.ds_id == "0_20" and flat.requires_grad
+        assert flat.numel() == sum(-(-math.prod(s) // dp) for s in ms["param_shapes"][0].values())
+
+
+def test_round_trip_gives_back_the_source_files(tmp_path):
+    """DP 2 -> 3 (padded) -> 2: every file loads to exactly the source's objects."""
+    mid = reshard(FIXTURES / SOURCE, tmp_path / "mid", tp=1, dp=3).out_dir
+    back = reshard(mid, tmp_path / "back", tp=1, dp=2).out_dir
+    for f in sorted(tag_dir(SOURCE).iterdir()):
+        _same(load(back / f.name, mmap=False), load(f, mmap=False), f.name)
+
+
+def test_workers_give_the_same_files(tmp_path):
+    a = reshard(FIXTURES / SOURCE, tmp_path / "a", tp=1, dp=3).out_dir
+    b = reshard(FIXTURES / SOURCE, tmp_path / "b", tp=1, dp=3, workers=3).out_dir
+    names = sorted(p.name for p in a.iterdir() if p.suffix == ".pt")
+    assert names == sorted(p.name for p in b.iterdir() if p.suffix == ".pt")
+    for name in names:
+        _same(load(a / name, mmap=False), load(b / name, mmap=False), name)
+
+
+# -- structure: exactly what DeepSpeed writes ---------------------------------------------------
+
+
+def test_files_are_what_deepspeed_writes_at_dp3(tmp_path):
+    """``llama_zero3_dp3`` holds DeepSpeed's own DP=3 files of the source's very state: ours must
+    be the same objects, padding included (DeepSpeed's universal loader zero-pads, as we do);
+    only ds_config differs (the loading job's has checkpoint.load_universal)."""
+    out = reshard(FIXTURES / SOURCE, tmp_path, tp=1, dp=3).out_dir
+    ref = tag_dir(AT_DP3)
+    want = sorted([p.name for p in ref.iterdir()] + ["reshard-manifest.json"])
+    assert sorted(p.name for p in out.iterdir()) == want
+    source_cfg = load(tag_dir(SOURCE) / "zero_pp_rank_0_mp_rank_00_model_states.pt")["ds_config"]
+    padded = 0
+    for f in sorted(ref.iterdir()):
+        ours, theirs = load(out / f.name, mmap=False), load(f, mmap=False)
+        _same(ours, theirs, f.name, skip=("ds_config",))
+        assert ours["ds_config"] == source_cfg
+        assert {k: v for k, v in theirs["ds_config"].items() if k != "checkpoint"} == source_cfg
+        if "optim" in f.name:
+            d = int(f.name.split("_")[3])
+            sizes = [(math.prod(s), -(-math.prod(s) // 3)) for s in
+                     load(out / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt")["param_shapes"][0].values()]
+            padded += sum(max(0, min(p, p * (d + 1) - n)) for n, p in sizes)
+    assert padded > 0  # the comparison covered padded partitions
+
+
+def test_sub_groups_follow_deepspeeds_rule():
+    """``_create_fp16_sub_groups``: a group within the size stays whole; otherwise parameters
+    are added until the running total of their partitions reaches the size."""
+    params = [("a", (10,)), ("b", (10,)), ("c", (10,)), ("d", (3,))]
+
+    def cut(size: int, dp: int = 1, groups: tuple = (params,)) -> list:
+        return [sg.names for sg in sub_groups(list(groups), dp, size)]
+
+    assert cut(33) == [("a", "b", "c", "d")]
+    assert cut(15) == [("a", "b"), ("c", "d")]
+    assert cut(10) == [("a",), ("b",), ("c",), ("d",)]
+    assert cut(0) == [("a",), ("b",), ("c",), ("d",)]
+    assert cut(17, dp=2) == [("a", "b", "c", "d")]  # partitions of 5, 5, 5, 2: 17 elements
+    assert cut(15, dp=2) == [("a", "b", "c"), ("d",)]
+    assert cut(10, dp=2) == [("a", "b"), ("c", "d")]
+    assert cut(15, groups=(params[:2], params[2:])) == [("a", "b"), ("c", "d")]
+    sg = sub_groups([params], 3, 100)[0]
+    assert sg == SubGroup(0, ("a", "b", "c", "d"), ((10,), (10,), (10,), (3,)), 3)
+    assert (sg.partitions, sg.offsets, sg.numel) == ((4, 4, 4, 1), (0, 4, 8, 12), 13)
+
+
+def test_sub_groups_are_recut_for_the_target_dp(tmp_path, source_universal):
+    """With sub_group_size 20000 the source's 14672-element partitions (DP=2) are one sub-group,
+    DP=1's 29344 elements two: two fp32 flat groups, each with its own storage, ds_ids split, one
+    torch parameter per sub-group (what DeepSpeed 0.19.8 saved in the same case: see
+    docs/deepspeed-checkpoints.md, section 10). Back at DP=2 the files are the (edited) source's
+    again."""
+    src = _copy_source(tmp_path)
+
+    def edit(obj):
+        obj["ds_config"]["zero_optimization"]["sub_group_size"] = 20000
+
+    for f in (src / TAG).iterdir():
+        _rewrite(f, edit)
+    out = reshard(src, tmp_path / "dp1", tp=1, dp=1).out_dir
+    ms = load(out / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    osd = load(out / "zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    shapes = ms["param_shapes"]
+    assert len(shapes) == 2 and sum(len(g) for g in shapes) == 21
+    sizes = [sum(math.prod(s) for s in g.values()) for g in shapes]
+    assert sizes[0] >= 20000 and sizes[0] - math.prod(list(shapes[0].values())[-1]) < 20000
+    flats = osd["fp32_flat_groups"]
+    first = len(shapes[0])
+    assert [t.ds_id for t in flats] == [f"0_{first - 1}", f"{first}_20"]
+    assert [t.numel() for t in flats] == sizes
+    assert [(t.untyped_storage().nbytes(), t.storage_offset()) for t in flats] == [(n * 4, 0) for n in sizes]
+    inner = osd["optimizer_state_dict"]
+    assert [pg["params"] for pg in inner["param_groups"]] == [[0, 1]]
+    assert list(inner["state"]) == [0, 1] and [inner["state"][k]["exp_avg"].numel() for k in (0, 1)] == sizes
+    ours = _universal(out, tmp_path / "ucp")
+    for name, states in source_universal.items():
+        for state, t in states.items():
+            assert torch.equal(ours[name][state], t), (name, state)
+    back = reshard(out, tmp_path / "back", tp=1, dp=2).out_dir
+    for f in sorted((src / TAG).iterdir()):
+        _same(load(back / f.name, mmap=False), load(f, mmap=False), f.name)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank,state,match", [
+    (1, "fp32", r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: dp rank 1: parameter 'lm_head\.weight' \(fp32, "
+                r"elements \[13136, 14672\) of sub-group 0\) lies past the end of the partition, which has "
+                r"14667"),
+    (0, "exp_avg", r"zero_pp_rank_0_mp_rank_00_optim_states\.pt: dp rank 0: parameter 'lm_head\.weight' "
+                   r"\(exp_avg, "),
+], ids=["rank1-fp32", "rank0-exp_avg"])
+def test_truncated_partition_is_refused_and_nothing_is_left(rank, state, match, tmp_path):
+    src = _copy_source(tmp_path)
+
+    def cut(obj):
+        osd = obj["optimizer_state_dict"]
+        if state == "fp32":
+            osd["fp32_flat_groups"][0] = osd["fp32_flat_groups"][0][:-5].clone()
+        else:
+            moments = osd["optimizer_state_dict"]["state"][0]
+            moments[state] = moments[state][:-5].clone()
+
+    _rewrite(src / TAG / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", cut)
+    with pytest.raises(CheckpointError, match=match):
+        reshard(src, tmp_path / "out", tp=1, dp=3)
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_file_is_refused(tmp_path):
+    src = _copy_source(tmp_path)
+    path = src / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path.write_bytes(path.read_bytes()[:-4000])
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: .*truncated or "
+                                              r"corrupt"):
+        reshard(src, tmp_path / "out", tp=1, dp=3)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"tp": 2, "dp": 1}, r"resharded over DP only \(TP=1, PP=1\)"),
+    ({"tp": 1, "dp": 2, "pp": 2}, r"resharded over DP only"),
+    ({"tp": 1, "dp": 4, "zero_stage": 1}, r"written at ZeRO stage 3 only"),
+    ({"tp": 1, "dp": 4, "layout": "geometry"}, r"keeps TP=1"),
+])
+def test_targets_it_cannot_write_are_refused(kwargs, match, tmp_path):
+    with pytest.raises(ReshardError, match=match):
+        reshard(FIXTURES / SOURCE, tmp_path, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_over_the_source_is_refused(tmp_path):
+    src = _copy_source(tmp_path)
+    with pytest.raises(ReshardError, match=r"would replace the source"):
+        reshard(src, src, tp=1, dp=4, overwrite=True)
+    assert DeepSpeedCheckpoint.open(src).dp == 2
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda o: o["optimizer_state_dict"].update(ds_zero_partition_groups=[]),
+     r"unknown entries \['ds_zero_partition"),
+    (lambda o: o["optimizer_state_dict"].update(partition_count=4), r"partition_count 4, the files say DP=2"),
+    (lambda o: o["optimizer_state_dict"]["optimizer_state_dict"]["state"][0].update(momentum_buffer=0),
+     r"optimizer state 'momentum_buffer' of sub-group 0 is not known"),
+], ids=["autoep-partition-groups", "partition-count", "sgd-momentum"])
+def test_unknown_optimizer_layouts_are_refused(edit, match, tmp_path):
+    src = _copy_source(tmp_path)
+    _rewrite(src / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt", edit)
+    with pytest.raises(CheckpointError, match=match):
+        reshard(src, tmp_path / "out", tp=1, dp=3)
+    assert not (tmp_path / "out").exists()
+
+
+def test_sub_groups_not_by_deepspeeds_rule_are_refused(tmp_path):
+    src = _copy_source(tmp_path)
+
+    def edit(obj):  # 1000-element sub-groups: the recorded single sub-group is not what DeepSpeed made
+        obj["ds_config"]["zero_optimization"]["sub_group_size"] = 1000
+
+    _rewrite(src / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt", edit)
+    with pytest.raises(CheckpointError, match=r"records sub-groups of sizes \[21\], DeepSpeed 0\.19\.8's"):
+        reshard(src, tmp_path / "out", tp=1, dp=3)
+
+
+def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
+    import reshard.offline_zero3 as off
+
+    real, calls = off.save, []
+
+    def flaky(obj, f):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        real(obj, f)
+
+    monkeypatch.setattr(off, "save", flaky)
+    with pytest.raises(OutputError, match=r"_states\.pt: cannot write the output \(disk full"):
+        reshard(FIXTURES / SOURCE, tmp_path, tp=1, dp=3)
+    assert list(tmp_path.iterdir()) == []  # no tag folder, no partial folder, no latest
+
+
+def test_processes_write_what_one_process_writes(tmp_path):
+    """Under ``torchrun`` (``reshard.cluster``) 3 processes share the files and commit together:
+    the output is byte-identical to one process's, manifest included."""
+    import filecmp
+    import socket
+    import subprocess
+    import sys
+
+    args = ["reshard", str(FIXTURES / SOURCE)]
+    subprocess.run([sys.executable, "-m", "reshard", *args, str(tmp_path / "one"), "--tp", "1", "--dp", "3"],
+                   check=True, capture_output=True, timeout=300)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    res = subprocess.run([str(torchrun), "--nproc_per_node=3", f"--master_port={port}", "-m", "reshard", *args,
+                          str(tmp_path / "many"), "--tp", "1", "--dp", "3"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    one = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    many = sorted(p.relative_to(tmp_path / "many") for p in (tmp_path / "many").rglob("*") if p.is_file())
+    assert one == many and len(one) == 8  # 3 x 2 .pt files, the manifest, latest
+    for rel in one:
+        assert filecmp.cmp(tmp_path / "one" / rel, tmp_path / "many" / rel, shallow=False), rel
+
+
+def test_model_states_keep_the_source_module_and_shared_params_on_rank_0(tmp_path):
+    src = _copy_source(tmp_path)
+    for d in (0, 1):  # a tied alias, as DeepSpeed records it (on global rank 0 only)
+        _rewrite(src / TAG / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt",
+                 lambda o, d=d: o.update(shared_params={"x.weight": "lm_head.weight"} if d == 0 else {}))
+    out = reshard(src, tmp_path / "out", tp=1, dp=3).out_dir
+    module = load(tag_dir(SOURCE) / "zero_pp_rank_0_mp_rank_00_model_states.pt")["module"]
+    for d in range(3):
+        ms = load(out / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt")
+        assert ms["shared_params"] == ({"x.weight": "lm_head.weight"} if d == 0 else {})
+        _same(ms["module"], module, "module")
+        assert isinstance(ms["param_shapes"][0], OrderedDict)
+        assert all(type(s) is torch.Size for s in ms["param_shapes"][0].values())
+
+
+# -- end to end: DeepSpeed loads it natively ------------------------------------------------------
+
+from tests.e2e.plan import ZERO3_TARGETS  # noqa: E402
+
+STEPS = 2
+
+
+def _sane(report: dict, dp: int, universal: bool) -> None:
+    want = {"tp": 1, "dp": dp, "world_size": dp, "zero_stage": 3, "universal": universal}
+    assert report["topology"] == want
+    assert report["load_path"].startswith(report["load_dir"] + f"/{TAG}/")
+    assert len(report["losses"]) == STEPS and all(math.isfinite(x) for x in report["losses"])
+    assert report["ranks_agree"] and report["replica_mismatches"] == []
+    assert report["global_steps_after_load"] == 3 and report["optimizer_step_after_load"] == [3.0]
+    assert report["optimizer_step_after_steps"] == [3.0 + STEPS]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source,tp,dp", ZERO3_TARGETS, ids=[f"{s}-to-dp{d}" for s, _, d in ZERO3_TARGETS])
+def test_deepspeed_loads_it_natively_and_trains_as_from_its_own_save(source, tp, dp, e2e):
+    """reshard's ZeRO-3 files at DP=dp, loaded with DeepSpeed's ordinary load_checkpoint, against
+    DeepSpeed's own native checkpoint at DP=dp (its save right after loading ds_to_universal's
+    output with load_universal), loaded the same way: same losses, same digests, same files."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from tests.e2e.digest import differences
+
+    ours = e2e.report("resharded", source, tp, dp)
+    theirs = e2e.report("resaved", source, tp, dp)
+    via_ucp = e2e.report("ds_to_universal", source, tp, dp)
+    assert Path(ours["load_dir"]) == e2e.resharded(source, tp, dp).resolve()
+    assert Path(theirs["load_dir"]) == e2e.resaved(source, tp, dp).resolve()
+    assert via_ucp["save_dir"] == str(e2e.resaved(source, tp, dp).resolve())
+    print(f"{source} -> DP={dp}: reshard's files {ours['losses_per_dp_rank']} ({ours['wall_seconds']:.1f}s), "
+          f"DeepSpeed's own save {theirs['losses_per_dp_rank']} ({theirs['wall_seconds']:.1f}s)")
+    _sane(ours, dp, universal=False)
+    _sane(theirs, dp, universal=False)
+    _sane(via_ucp, dp, universal=True)
+    assert ours["losses_per_rank"] == theirs["losses_per_rank"] == via_ucp["losses_per_rank"]  # exact
+    for phase in ("after_load", "after_steps"):
+        for other in (theirs, via_ucp):
+            diff = differences(other["digests"][phase], ours["digests"][phase])
+            assert diff == [], f"{phase}: the native load of reshard's files differs in {diff[:5]}"
+    kinds = {"fp32", "exp_avg", "exp_avg_sq", "module"}
+    assert all(kinds <= set(v) for v in ours["digests"]["after_load"].values())
+    # DeepSpeed's own files of the state it loaded: ours, object for object (but its job's ds_config)
+    mine = e2e.resharded(source, tp, dp) / TAG
+    saved = e2e.resaved(source, tp, dp) / TAG
+    names = sorted(p.name for p in mine.iterdir() if p.suffix == ".pt")
+    assert names == sorted(p.name for p in saved.iterdir() if p.suffix == ".pt")
+    for name in names:
+        _same(load(mine / name, mmap=False), load(saved / name, mmap=False), name, skip=("ds_config",))
