@@ -58,7 +58,7 @@ from .plan import Segment, TransferPlan
 from .planner import DefaultCost, Planner
 from .target_layout import TargetLayout, target_stage_maps, target_tp_maps
 from .topology import Topology
-from .workers import Progress, run_jobs
+from .workers import run_with_progress
 
 
 @dataclass
@@ -359,11 +359,7 @@ def reshard(
 
     def run(mine: list[Callable[[], None]]) -> None:
         writer.plan_all(src.names)
-        bar = Progress(progress, len(mine), "file", "reshard reshard")
-        try:
-            run_jobs(mine, workers, progress=bar.update)
-        finally:
-            bar.close()
+        run_with_progress(mine, workers, progress, "file", "reshard reshard")
 
     run_share(cluster, staging, jobs, run)
     meta = {

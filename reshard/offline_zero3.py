@@ -36,7 +36,7 @@ from .ir.param_map import ParamMap
 from .layouts import zero3
 from .memory import release
 from .planner import Planner
-from .workers import Progress, run_jobs
+from .workers import run_with_progress
 
 R = TypeVar("R")
 
@@ -139,11 +139,7 @@ def reshard_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, tp: int, dp: 
 
     def run(mine: list[Callable[[], None]]) -> None:
         writer.plan_all()
-        bar = Progress(progress, len(mine), "file", "reshard reshard")
-        try:
-            run_jobs(mine, workers, progress=bar.update)
-        finally:
-            bar.close()
+        run_with_progress(mine, workers, progress, "file", "reshard reshard")
 
     run_share(cluster, staging, jobs, run)
     source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": 3}

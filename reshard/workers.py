@@ -73,3 +73,13 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def run_with_progress(jobs: Sequence[Job], workers: int, progress: Callable[[int, int], None] | bool | None,
+                      unit: str, desc: str) -> None:
+    """:func:`run_jobs` reporting each finished job to a :class:`Progress`."""
+    bar = Progress(progress, len(jobs), unit, desc)
+    try:
+        run_jobs(jobs, workers, progress=bar.update)
+    finally:
+        bar.close()
