@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -26,38 +25,10 @@ from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.apply import rebuild_mean
 from .ir.piece import prod
 from .memory import release
+from .reports import ConvertReport, Drift
 from .workers import Progress, run_jobs
 
 POLICIES = ("error", "mean")  # and "rank:N"
-
-
-@dataclass
-class Drift:
-    param: str
-    state: str
-    ranks: tuple[int, ...]
-    max_abs_diff: float
-
-    def __str__(self) -> str:
-        return f"{self.param} ({self.state}): ranks {list(self.ranks)} differ by up to {self.max_abs_diff:g}"
-
-
-@dataclass
-class ConvertReport:
-    out_dir: Path
-    params: int
-    files: int
-    bytes_written: int
-    policy: str
-    drift: list[Drift] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        lines = [f"wrote {self.out_dir} ({self.params} parameters, {self.files} files, "
-                 f"{self.bytes_written / 2**20:.1f} MiB)"]
-        if self.drift:
-            lines.append(f"replica drift resolved by '{self.policy}' (recorded in the manifest):")
-            lines += [f"  {d}" for d in self.drift]
-        return "\n".join(lines)
 
 
 def _drift_order(d: Drift) -> tuple[str, int]:

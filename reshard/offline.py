@@ -35,7 +35,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,31 +55,10 @@ from .layouts.zero import FlatGroup
 from .offline_zero3 import reshard_zero3
 from .plan import Segment, TransferPlan
 from .planner import DefaultCost, Planner
+from .reports import ReshardReport
 from .target_layout import TargetLayout, target_stage_maps, target_tp_maps
 from .topology import Topology
 from .workers import run_with_progress
-
-
-@dataclass
-class ReshardReport:
-    out_dir: Path
-    source: dict
-    target: dict
-    params: int
-    files: int
-    bytes_written: int
-    segments: int
-    elements_read: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        def topo(x: dict) -> str:
-            return f"TP={x['tp']} x DP={x['dp']}" + (f" x PP={x['pp']}" if x.get("pp", 1) > 1 else "")
-
-        s, t = self.source, self.target
-        return (f"wrote {self.out_dir}: {topo(s)} ZeRO-{s['zero_stage']} -> {topo(t)} "
-                f"ZeRO-{t['zero_stage']} ({self.params} parameters, {self.files} files, "
-                f"{self.bytes_written / 2**20:.1f} MiB, {self.segments} plan segments)")
 
 
 def _positive(value: Any, what: str) -> int:
@@ -325,8 +303,7 @@ def reshard(
     dp = ck.dp if dp is None else dp
     if ck.zero_stage == 3:  # one partition per parameter: a file format and writer of its own
         return reshard_zero3(ck, out_dir, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, workers=workers, layout=layout,
-                             overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster,
-                             report=ReshardReport)
+                             overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster)
     if ck.zero_stage not in (1, 2):
         raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage} checkpoints are not supported (only 1 and 2); "
                               "convert to a universal checkpoint with `reshard convert` instead")

@@ -19,7 +19,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -36,9 +36,8 @@ from .ir.param_map import ParamMap
 from .layouts import zero3
 from .memory import release
 from .planner import Planner
+from .reports import ReshardReport
 from .workers import run_with_progress
-
-R = TypeVar("R")
 
 
 class _Writer:
@@ -111,10 +110,9 @@ class _Writer:
 def reshard_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, tp: int, dp: int, pp: int = 1,
                   zero_stage: int | None = None, workers: int = 1, layout: Any = None,
                   overwrite: bool = False, progress: Callable[[int, int], None] | bool | None = None,
-                  checksum: str = "crc32", cluster: Cluster | None = None, report: Callable[..., R]) -> R:
+                  checksum: str = "crc32", cluster: Cluster | None = None) -> ReshardReport:
     """Write the ZeRO-3 checkpoint ``ck`` into ``out_dir/<tag>`` at DP=``dp`` (TP=1, ZeRO-3),
-    plus ``out_dir/latest``. ``report`` builds the returned report from the keyword arguments of
-    ``reshard.offline.ReshardReport`` (passed in, so this module does not import that one). Under
+    plus ``out_dir/latest``. Under
     a launcher (or with ``cluster``) every process writes a share of the files and the commit is
     collective, as for ZeRO-1/2 (``reshard.cluster``)."""
     if tp != 1 or pp != 1:
@@ -153,6 +151,6 @@ def reshard_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, tp: int, dp: 
     if not src.ds_ids_exact:
         notes.append("the source's ds_id names do not number its parameters consecutively; the written ds_id "
                      "attributes are a best guess (DeepSpeed's loader does not read them)")
-    return report(out_dir=final, source=source, target=target, params=len(src.names), files=len(files),
+    return ReshardReport(out_dir=final, source=source, target=target, params=len(src.names), files=len(files),
                   bytes_written=sum(p.stat().st_size for p in files), segments=writer.segments,
                   elements_read=read, notes=notes)
