@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "bench-data"
 
 
-def ensure_checkpoint() -> Path:
-    ckpt = DATA / "llama_200m_zero1_dp2"  # make_fixtures.py writes OUT_DIR/<fixture name>/
+def ensure_checkpoint(name: str = "llama_200m_zero1_dp2", flag: str = "--bench-200m") -> Path:
+    ckpt = DATA / name  # make_fixtures.py writes OUT_DIR/<fixture name>/
     if not (ckpt / "latest").is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fixtures.py"), "--bench-200m", str(DATA)],
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fixtures.py"), flag, str(DATA)],
                        check=True, cwd=ROOT)
     return ckpt
 

@@ -5,7 +5,8 @@ read every file, so the real peer cost is higher still.
 
 Also against the machine: one process vs two (``torchrun --nproc_per_node 2``; peak RSS is the
 largest process's), both against the floor of copying the same checkpoint with ``cp -r`` and
-``sync``."""
+``sync``. Then the same (ours only) plus ``reshard convert``'s peak RSS on a ~400M-parameter
+checkpoint (``make_fixtures.py --bench-400m``, about twice the bytes), to see how they scale."""
 
 from __future__ import annotations
 
@@ -69,6 +70,38 @@ def main(workers: int = 2, dp: int = 4) -> list[str]:
         row("  2 processes (torchrun, 1 worker each) vs 1 process", two, ours,
             note=f"(2 processes: {two / floor:.2f}x the floor; goal: no slower than 1)"),
         row("  peak RSS per process, 2 processes", two_rss, note="(goal <= 512 MiB)", unit="MiB"),
+        *_main_400m(workers, dp),
+    ]
+
+
+def _main_400m(workers: int, dp: int) -> list[str]:
+    """The same measurements (ours only) on the ~400M-parameter checkpoint (about twice the bytes),
+    plus ``reshard convert``'s peak RSS with bench_convert's command."""
+    ckpt = ensure_checkpoint("llama_400m_zero1_dp2", "--bench-400m")
+    tag = ckpt / (ckpt / "latest").read_text().strip()
+    gib = sum(p.stat().st_size for p in tag.iterdir() if p.is_file()) / 2**30
+    out = DATA / "out-offline"
+    shutil.rmtree(out, ignore_errors=True)
+    one, one_rss = _run([sys.executable, "-m", "reshard.cli", "reshard", str(ckpt), str(out / "reshard"),
+                         "--tp", "1", "--dp", str(dp), "--workers", str(workers)])
+    shutil.rmtree(out, ignore_errors=True)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    two, two_rss = _run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "reshard", "reshard",
+                         str(ckpt), str(out / "two"), "--tp", "1", "--dp", str(dp), "--workers", "1"])
+    shutil.rmtree(out, ignore_errors=True)
+    conv, conv_rss = _run([sys.executable, "-m", "reshard.cli", "convert", str(ckpt), str(out / "convert"),
+                           "--workers", str(workers)])
+    shutil.rmtree(out, ignore_errors=True)
+    floor = _copy_floor(tag, out / "floor")
+    return [
+        f"~400M checkpoint ({gib:.2f} GiB):",
+        row(f"  reshard reshard DP=2 -> DP={dp}, 1 process", one,
+            note=f"{one / floor:.2f}x the floor (cp -r + sync {floor:.1f} s)"),
+        row("  peak RSS, 1 process", one_rss, unit="MiB"),
+        row("  2 processes (torchrun, 1 worker each)", two, note=f"({two / floor:.2f}x the floor)"),
+        row("  peak RSS per process, 2 processes", two_rss, note="(goal <= 512 MiB)", unit="MiB"),
+        row(f"  reshard convert, {workers} workers", conv),
+        row("  peak RSS reshard convert", conv_rss, unit="MiB"),
     ]
 
 

@@ -14,6 +14,7 @@ Usage::
     python scripts/make_fixtures.py --out /tmp/fixtures   # somewhere else
     python scripts/make_fixtures.py --list
     python scripts/make_fixtures.py --bench-200m /tmp/bench200m   # ~200M Llama, ZeRO-1, DP=2
+    python scripts/make_fixtures.py --bench-400m /tmp/bench400m   # ~417M Llama, ZeRO-1, DP=2
 
 Every fixture is generated into a temporary folder first and swapped into place only when the
 launch succeeded and the checkpoint looks complete; a failure leaves the existing fixture alone.
@@ -110,6 +111,12 @@ LLAMA_200M = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": False,
 }
+
+# ~400M-parameter Llama (about twice LLAMA_200M's bytes), wider rather than deeper:
+# embed + lm_head 2 * 32000 * 1536 = 98.3M; per layer attn 7.1M (q/o 1536^2, k/v 1536 * 768) +
+# mlp 3 * 1536 * 4224 = 19.5M; 12 layers -> ~417M.
+LLAMA_400M = dict(LLAMA_200M, hidden_size=1536, num_attention_heads=24, num_key_value_heads=12,
+                  intermediate_size=4224)  # head_dim 64, GQA 2 as in LLAMA_200M
 
 
 GPT_BIGCODE_NOTE = (
@@ -212,17 +219,22 @@ FIXTURES = [
 BY_NAME = {f.name: f for f in FIXTURES}
 
 
-def bench_200m_fixture() -> Fixture:
+def bench_200m_fixture(name: str = "llama_200m_zero1_dp2", model_config: dict = LLAMA_200M) -> Fixture:
     return Fixture(
-        "llama_200m_zero1_dp2",
+        name,
         "llama",
-        LLAMA_200M,
+        model_config,
         ds_config(1, micro_batch=1),
         world_size=2,
         steps=1,
         seq_len=64,
         micro_batch=1,
     )
+
+
+def bench_400m_fixture() -> Fixture:
+    """The same recipe as ``bench_200m_fixture`` with LLAMA_400M."""
+    return bench_200m_fixture("llama_400m_zero1_dp2", LLAMA_400M)
 
 
 # --------------------------------------------------------------------------------------------
@@ -541,6 +553,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-200m", type=Path, metavar="OUT_DIR",
                     help="instead of the fixtures, write a ~200M-parameter Llama ZeRO-1 DP=2 fp32 "
                          "checkpoint (1 step) to OUT_DIR/llama_200m_zero1_dp2")
+    ap.add_argument("--bench-400m", type=Path, metavar="OUT_DIR",
+                    help="instead of the fixtures, write a ~400M-parameter Llama ZeRO-1 DP=2 fp32 "
+                         "checkpoint (1 step) to OUT_DIR/llama_400m_zero1_dp2")
     args = ap.parse_args(argv)
 
     if args.list:
@@ -551,11 +566,15 @@ def main(argv=None) -> int:
 
     ports = PortAllocator(args.base_port)
 
-    if args.bench_200m is not None:
-        fx = bench_200m_fixture()
-        res = make_one(fx, args.bench_200m, ports, max(args.timeout, 3600), args.keep_tmp)
-        print(json.dumps(res, indent=1))
-        return 0 if res["ok"] else 1
+    bench = [(out, make_fx) for out, make_fx in ((args.bench_200m, bench_200m_fixture),
+                                                 (args.bench_400m, bench_400m_fixture)) if out is not None]
+    if bench:
+        ok = True
+        for bench_out, make_fx in bench:
+            res = make_one(make_fx(), bench_out, ports, max(args.timeout, 3600), args.keep_tmp)
+            print(json.dumps(res, indent=1))
+            ok = ok and res["ok"]
+        return 0 if ok else 1
 
     names = [n for item in args.only for n in item.split(",") if n]
     unknown = [n for n in names if n not in BY_NAME]
