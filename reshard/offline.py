@@ -225,8 +225,7 @@ class _Writer:
                 if module[key] is None:
                     raise CheckpointError(f"{ck.model_files[0]}: {key!r} is tied to {canonical!r}, which the module "
                                           "does not hold")
-        param_shapes = [OrderedDict((n, torch.Size(s)) for n, s in zip(grp.names, grp.shapes))
-                        for grp in tgt.groups[t]]
+        param_shapes = self._param_shapes(t)
         empty = OrderedDict((n, views[n]) for n in src.names if n in tgt.empty[t])
         obj = dsw.model_states(ms0, module=module, param_shapes=param_shapes, tp=tgt.tp, dp=tgt.dp, tp_rank=t,
                                zero_stage=self.zero_stage, shared_params=src.shared, uc_info=self.uc_info,
@@ -238,13 +237,15 @@ class _Writer:
         """One pipeline stage's model-state file: its parameters' shapes and the topology; the
         weights stay in the layer files, which no stage count changes."""
         ms0 = self.src.ck.model_state(0)
-        param_shapes = [OrderedDict((n, torch.Size(s)) for n, s in zip(grp.names, grp.shapes))
-                        for grp in self.tgt.groups[t]]
-        obj = dsw.model_states(ms0, module=None, param_shapes=param_shapes, tp=1, dp=self.tgt.dp, tp_rank=t,
+        obj = dsw.model_states(ms0, module=None, param_shapes=self._param_shapes(t), tp=1, dp=self.tgt.dp, tp_rank=t,
                                zero_stage=self.zero_stage, shared_params={}, uc_info=None, ds_config=self.ds_config,
                                pp=self.tgt.tp)
         with self.staging.open(dsw.model_file(t)) as f:
             save(obj, f)
+
+    def _param_shapes(self, t: int) -> list[OrderedDict]:
+        """``param_shapes`` of target model-parallel rank ``t``: one ordered dict per flat group."""
+        return [OrderedDict((n, torch.Size(s)) for n, s in zip(grp.names, grp.shapes)) for grp in self.tgt.groups[t]]
 
     def _module_source(self, name: str, rank: int) -> torch.Tensor:
         """Source TP rank ``rank``'s module weight of ``name``, flat (memory-mapped)."""

@@ -20,9 +20,9 @@ from typing import Protocol
 
 from .errors import PlanError
 from .ir.canonical import concat_pass, make_piece
-from .ir.geometry import Block, Box, box_intersect, clip, joint_dims, outside, piece_blocks
+from .ir.geometry import Block, Box, box_intersect, box_numel, clip, joint_dims, outside, piece_blocks
 from .ir.param_map import ParamMap
-from .ir.piece import Piece, View, prod
+from .ir.piece import Piece, View
 from .plan import ModelPlan, Segment, TransferPlan, Unfilled
 
 # -- cost model ---------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def _geometry(source: ParamMap, target: ParamMap, allow_inexact: bool) -> _Geome
             for locs, scale in sorted(by_class, key=lambda k: (sorted(k[0]), k[1])):
                 per_rank = by_class[(locs, scale)]
                 f = _factor(scale, q.scale, allow_inexact, f"target rank {t} piece {j}")
-                numel = sum(prod(tuple(a[2] for a in r.box)) for r in next(iter(per_rank.values())))
+                numel = sum(box_numel(r.box) for r in next(iter(per_rank.values())))
                 options = tuple((r, f, tuple(per_rank[r])) for r in sorted(per_rank))
                 needs.append(_Need(t, numel, options))
     return _Geometry(tuple(needs), tuple(unfilled))
