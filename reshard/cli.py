@@ -84,7 +84,7 @@ def _cmd_inspect(args) -> int:
         require_matplotlib()
     src = open_source(args.target)
     names = select(src, args.param)
-    view = {"maps": "maps", "universal": "universal", "deepspeed": "tp"}[src.kind]
+    view = {"maps": "maps", "universal": "universal", "deepspeed": "tp", "dcp": "storage"}[src.kind]
     if args.composed:
         if src.kind != "deepspeed":
             raise ReshardError("--composed needs a DeepSpeed checkpoint (it composes the TP maps with the ZeRO split)")
@@ -123,12 +123,14 @@ def _cmd_plan(args) -> int:
 
 
 def _plan_between(args) -> int:
-    """``reshard plan SOURCE --to TARGET``: two map documents."""
+    """``reshard plan SOURCE --to TARGET``: two map documents, or anything ``open_source`` reads
+    whose maps are on ranks of one job (a DCP folder: its storage ranks)."""
     from .describe import stats_lines, write_plan_png
+    from .formats.sources import open_source
     from .plan_format import model_plan_to_dict
     from .planner import DefaultCost, plan_model
 
-    src, tgt = _load_maps(args.source), _load_maps(args.to)
+    src, tgt = open_source(args.source).maps, open_source(args.to).maps
     if len(src) == 1 and len(tgt) == 1:  # one map each: the same parameter, whatever the files' names
         tgt = {next(iter(src)): next(iter(tgt.values()))}
     mp = plan_model(src, tgt, cost=DefaultCost(args.ranks_per_node), allow_inexact_scale=args.allow_inexact_scale)
@@ -151,6 +153,10 @@ def _plan_to_topology(args) -> int:
     from .retarget import plan_topology
 
     src = open_source(args.source)
+    if src.kind == "dcp":
+        raise PlanError(f"{src.path}: a DCP checkpoint's chunks are boxes on storage ranks, which do not say how "
+                        "a TP layout fuses parameters; plan to a map document with --to, or lay it out for N "
+                        "loading ranks with 'reshard reshard --files N'")
     if src.kind == "universal":
         raise PlanError(f"{src.path}: a universal checkpoint holds F on one rank, which does not say how "
                         "parameters split over TP ranks; plan from the DeepSpeed checkpoint or a map document")
@@ -200,18 +206,40 @@ def _cmd_convert(args) -> int:
     with _cluster(args) as cluster:
         report = convert(args.ckpt_dir, args.out_dir, fmt=args.format, workers=args.workers,
                          on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
-                         checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster)
+                         checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
+                         rename=args.rename, with_optimizer=args.with_optimizer)
     _report(report)
     return 0
 
 
 def _cmd_reshard(args) -> int:
+    from .formats.dcp import is_dcp
     from .offline import reshard
 
+    if is_dcp(Path(args.ckpt_dir)):
+        return _reshard_dcp(args)
+    if args.files is not None:
+        raise ReshardError(f"{args.ckpt_dir}: --files N goes with a DCP checkpoint (a folder with .metadata)")
+    if args.tp is None:
+        raise ReshardError("reshard of a DeepSpeed checkpoint needs --tp")
     with _cluster(args) as cluster:
         report = reshard(args.ckpt_dir, args.out_dir, tp=args.tp, dp=args.dp, pp=args.pp,
                          zero_stage=args.zero_stage, layout=args.layout, workers=args.workers,
                          overwrite=args.overwrite, checksum=args.checksum, cluster=cluster)
+    _report(report)
+    return 0
+
+
+def _reshard_dcp(args) -> int:
+    from .convert_dcp import reshard_dcp_files
+
+    if args.files is None:
+        raise ReshardError(f"{args.ckpt_dir}: a DCP checkpoint is laid out again with --files N (N loading ranks)")
+    if args.tp is not None or args.dp is not None or args.zero_stage is not None or args.layout is not None:
+        raise ReshardError("--tp/--dp/--zero-stage/--layout go with DeepSpeed checkpoints; a DCP checkpoint takes --files")
+    with _cluster(args) as cluster:
+        report = reshard_dcp_files(args.ckpt_dir, args.out_dir, files=args.files, workers=args.workers,
+                                   overwrite=args.overwrite, checksum=args.checksum, cluster=cluster)
     _report(report)
     return 0
 
@@ -286,11 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     _figures(pl)
     pl.set_defaults(fn=_cmd_plan)
 
-    cv = sub.add_parser("convert", help="DeepSpeed checkpoint -> universal checkpoint (or safetensors)")
-    cv.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
-    cv.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest_universal")
-    cv.add_argument("--format", choices=["ucp", "safetensors"], default="ucp",
-                    help="DeepSpeed's universal checkpoint (default) or HF-style safetensors weights")
+    cv = sub.add_parser("convert", help="DeepSpeed or DCP checkpoint -> universal checkpoint, safetensors or DCP")
+    cv.add_argument("ckpt_dir", help="a DeepSpeed tag folder (or its parent holding 'latest'), a PyTorch DCP folder "
+                    "(with .metadata) or, for --format dcp, a universal checkpoint")
+    cv.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> (and OUT_DIR/latest_universal for ucp)")
+    cv.add_argument("--format", choices=["ucp", "safetensors", "dcp"], default="ucp",
+                    help="DeepSpeed's universal checkpoint (default), HF-style safetensors weights, or a PyTorch "
+                    "DCP checkpoint that dcp.load reads at any world size")
+    cv.add_argument("--rename", action="append", default=[], metavar="FROM=TO",
+                    help="with --format dcp: rename parameters by this regex substitution (repeatable, in order)")
+    cv.add_argument("--with-optimizer", action="store_true",
+                    help="DCP -> safetensors: also write the Adam moments, in the universal layout (zero/<name>/)")
     cv.add_argument("--on-replica-mismatch", default="error", metavar="{error,rank:N,mean}",
                     help="what to do when ranks hold different copies of a replicated block (default: fail)")
     cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit (default 5)")
@@ -298,10 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(fn=_cmd_convert)
 
     rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP (x PP) "
-                        "topology, or ZeRO-3 (TP=1) at another DP, loadable by engine.load_checkpoint")
+                        "topology, or ZeRO-3 (TP=1) at another DP, loadable by engine.load_checkpoint; a DCP "
+                        "checkpoint -> the same laid out for N loading ranks (--files N)")
     rs.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
     rs.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest")
-    rs.add_argument("--tp", type=_positive, required=True, help="target TP degree")
+    rs.add_argument("--tp", type=_positive, default=None, help="target TP degree (DeepSpeed; required there)")
+    rs.add_argument("--files", type=_positive, default=None, metavar="N",
+                    help="a DCP checkpoint: lay it out for N loading ranks (one file per rank of an N-way FSDP mesh)")
     rs.add_argument("--dp", type=_positive, default=None, help="target DP degree (default: the source's)")
     rs.add_argument("--pp", type=_positive, default=1,
                     help="target pipeline stages of a deepspeed.pipe checkpoint: its own count, or 1 to merge them")

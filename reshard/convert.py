@@ -9,7 +9,7 @@ peak memory is about one parameter per worker. Output appears only when complete
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -108,15 +108,29 @@ def convert(
     progress: Callable[[int, int], None] | bool | None = None,
     checksum: str = "crc32",
     cluster: Cluster | None = None,
+    rename: Sequence[str] = (),
+    with_optimizer: bool = False,
 ) -> ConvertReport:
     """Convert the checkpoint in ``ckpt_dir`` (a tag folder, or its parent with ``latest``) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``)
     or HF-style safetensors (``fmt="safetensors"``). Every file's ``checksum`` (``"crc32"`` or
     ``"sha256"``) goes into the output's manifest, which ``reshard verify`` re-checks. Launched by
     ``torchrun`` (or with ``cluster``), every process writes a share of the files and the commit is
-    collective (``reshard.cluster``)."""
-    if fmt not in ("ucp", "safetensors"):
-        raise ReshardError(f"format must be 'ucp' or 'safetensors', got {fmt!r}")
+    collective (``reshard.cluster``).
+
+    A PyTorch DCP folder converts to ``"safetensors"`` (``with_optimizer`` adds the Adam moments in
+    the universal layout) or ``"ucp"``; any source converts to ``fmt="dcp"`` (names changed by the
+    ``rename`` ``FROM=TO`` regexes): see ``reshard.convert_dcp``."""
+    if fmt not in ("ucp", "safetensors", "dcp"):
+        raise ReshardError(f"format must be 'ucp', 'safetensors' or 'dcp', got {fmt!r}")
+    if fmt == "dcp" or _dcp_or_universal(Path(ckpt_dir)):
+        from .convert_dcp import convert_any
+
+        return convert_any(ckpt_dir, out_dir, fmt=fmt, workers=workers, overwrite=overwrite,
+                           max_file_bytes=max_file_bytes, checksum=checksum, cluster=cluster, rename=rename,
+                           with_optimizer=with_optimizer)
+    if rename or with_optimizer:
+        raise ReshardError("rename goes with fmt='dcp', with_optimizer with a DCP source")
     _policy(on_replica_mismatch)
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
     ck.check_steps()
@@ -160,6 +174,13 @@ def convert(
     files = [p for p in final.rglob("*") if p.is_file() and p.name != MANIFEST]
     return ConvertReport(final, len(names), len(files), sum(p.stat().st_size for p in files), on_replica_mismatch,
                          drift)
+
+
+def _dcp_or_universal(p: Path) -> bool:
+    from .formats.dcp import is_dcp
+    from .formats.sources import _universal_dir
+
+    return p.is_dir() and (is_dcp(p) or _universal_dir(p) is not None)
 
 
 def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> list[tuple[int, Callable[[], None]]]:

@@ -130,6 +130,8 @@ def _view_text(src: Source, view: str) -> str:
         return f"; TP maps over TP ranks 0-{src.tp - 1}"
     if view == "composed":
         return f"; TP maps composed with the ZeRO split, global rank = dp_rank * {src.tp} + tp_rank"
+    if view == "storage":
+        return "; one piece per chunk, on the storage rank that wrote it (__R_N.distcp)"
     return ""
 
 

@@ -7,6 +7,7 @@ import json
 import struct
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -16,7 +17,9 @@ DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
 
 
 class SafetensorsWriter:
-    def __init__(self, path: Path, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    """Writes to ``path`` (a file it creates) or to an open binary file (which the caller closes)."""
+
+    def __init__(self, path: Path | BinaryIO, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
                  metadata: dict[str, str] | None = None) -> None:
         header: dict = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
@@ -28,7 +31,8 @@ class SafetensorsWriter:
         raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
         self.expected = [(name, tuple(shape), dtype) for name, shape, dtype in specs]
         self.index = 0
-        self.f = open(path, "wb")
+        self.owned = isinstance(path, (str, Path))
+        self.f = open(path, "wb") if self.owned else path
         self.f.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -37,12 +41,14 @@ class SafetensorsWriter:
             raise ValueError(f"safetensors writer expected {want}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
         self.index += 1
         t = tensor.detach().contiguous().cpu()
-        self.f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():  # the tensor's own bytes, no copy (a mapped source is written straight out)
+            self.f.write(memoryview(t.view(torch.uint8).numpy()).cast("B"))
 
     def close(self) -> None:
         if self.index != len(self.expected):
             raise ValueError("safetensors file closed before every tensor was written")
-        self.f.close()
+        if self.owned:
+            self.f.close()
 
 
 def plan_files(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], max_bytes: int) -> list[list]:

@@ -7,6 +7,8 @@ maps by parameter name and what is known of its topology.
   (the ZeRO split is reached through :meth:`Source.zero_fragments` / :meth:`Source.composed_map`).
 * A universal checkpoint is a tag folder holding ``zero/<param>/fp32.pt``, or its parent with
   ``latest_universal``; each parameter is F itself on one rank.
+* A PyTorch DCP folder (``.metadata``) lists every tensor entry (weights and optimizer states) by
+  its DCP key; each map has one piece per chunk on the storage rank that wrote it (``formats.dcp``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..errors import CheckpointError, MapFormatError, ReshardError, in_context
 from ..ir.canonical import canonicalize
 from ..ir.param_map import ParamMap, map_from_dict, maps_from_document
 from ..layouts import replicated
+from .dcp import DcpCheckpoint, is_dcp
 from .deepspeed import DeepSpeedCheckpoint
 from .safe_load import load
 
@@ -31,7 +34,7 @@ class Source:
     """The maps a TARGET/SOURCE path describes, with what is known of its topology."""
 
     path: str
-    kind: str  # "maps" | "deepspeed" | "universal"
+    kind: str  # "maps" | "deepspeed" | "universal" | "dcp"
     maps: dict[str, ParamMap]
     description: str  # the topology, in words
     tp: int | None = None
@@ -65,12 +68,15 @@ class Source:
 
 
 def open_source(path: str | Path) -> Source:
-    """Read a map document, a DeepSpeed checkpoint folder or a universal checkpoint folder."""
+    """Read a map document, a DeepSpeed checkpoint folder, a universal checkpoint folder or a DCP
+    folder."""
     p = Path(path)
     if p.is_file():
         return _open_maps(p)
     if not p.is_dir():
         raise ReshardError(f"{p}: no such file or folder")
+    if is_dcp(p):
+        return _open_dcp(p)
     ucp = _universal_dir(p)
     if ucp is not None:
         return _open_universal(p, ucp)
@@ -117,6 +123,13 @@ def _open_universal(path: Path, tag_dir: Path) -> Source:
     if not maps:
         raise CheckpointError(f"{tag_dir}: no zero/<param>/fp32.pt files: not a universal checkpoint")
     return Source(str(path), "universal", maps, "universal checkpoint")
+
+
+def _open_dcp(path: Path) -> Source:
+    ck = DcpCheckpoint.open(path)
+    maps = {key: ck.param_map(key) for key in ck.tensors}
+    ranks = sorted({c.rank for e in ck.tensors.values() for c in e.chunks})
+    return Source(str(path), "dcp", maps, f"PyTorch DCP checkpoint, {len(ranks)} storage ranks")
 
 
 def _open_deepspeed(path: Path) -> Source:

@@ -1,0 +1,517 @@
+"""Jobs at the PyTorch DCP end, run like ``convert`` (atomic, checksummed output; shares of the
+files over the processes of a ``torchrun`` launch):
+
+* a DCP checkpoint to HF-style safetensors (weights; ``with_optimizer`` adds the Adam moments in the
+  universal layout) or to DeepSpeed's universal layout;
+* a DeepSpeed checkpoint (any kind ``convert`` reads) or a universal checkpoint to DCP, loadable by
+  ``dcp.load`` into ``get_state_dict(model, optim)`` at any world size;
+* a DCP checkpoint laid out again for N loading ranks (``reshard_dcp``): each file holds what one
+  rank of an N-way FSDP mesh loads (dim-0 chunks, as ``fully_shard`` splits), moved through the IR.
+
+Every route reads parameters through one small interface (:class:`Tensors`): full tensors of a
+parameter's weight and optimizer states, its step, and the parameter groups.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from . import __version__
+from .cluster import Cluster, commit, open_staging, run_share
+from .errors import CheckpointError, ReshardError
+from .execute import WindowFill
+from .formats.dcp import DcpCheckpoint, is_dcp
+from .formats.dcp_writer import DcpFile, Record, TensorSpec, metadata_bytes
+from .formats.output import MANIFEST, Staging
+from .formats.pickling import save
+from .formats.safe_load import load
+from .formats.safetensors_io import SafetensorsWriter, plan_files
+from .ir.piece import prod
+from .layouts._core import box_piece, finish
+from .planner import plan_model
+from .reports import ConvertReport
+from .workers import run_jobs
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FORMATS = ("ucp", "safetensors", "dcp")
+
+
+class Tensors(Protocol):
+    """What a route reads of a source checkpoint, one parameter at a time."""
+
+    names: list[str]
+    description: str
+    tag: str
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def weight(self, name: str) -> torch.Tensor: ...
+    def moment(self, name: str, state: str) -> torch.Tensor | None: ...
+    def step(self, name: str) -> Any: ...
+    def param_groups(self) -> list[dict[str, Any]]: ...  # "params": parameter names
+
+
+# -- sources -----------------------------------------------------------------------------------
+
+
+class DcpTensors:
+    def __init__(self, ck: DcpCheckpoint) -> None:
+        self.ck = ck
+        self.names = ck.params
+        self.description = f"DCP checkpoint ({len({c.rank for e in ck.tensors.values() for c in e.chunks})} "\
+            "storage ranks)"
+        self.tag = ck.path.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.ck.entry(self.ck.param_key(name)).shape
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self.ck.full(self.ck.param_key(name))
+
+    def moment(self, name: str, state: str) -> torch.Tensor | None:
+        key = self.ck.state_key(name, state)
+        return None if key is None else self.ck.full(key)
+
+    def step(self, name: str) -> Any:
+        key = self.ck.state_key(name, "step")
+        if key is None:
+            return None
+        return self.ck.full(key).clone() if key in self.ck.tensors else self.ck.object(key)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.ck.param_groups
+
+
+class DeepSpeedTensors:
+    def __init__(self, path: str | Path) -> None:
+        from .convert import _Converter, _optimizer_state
+        from .formats.deepspeed import DeepSpeedCheckpoint
+
+        ck = DeepSpeedCheckpoint.open(path)
+        ck.check_steps()
+        self.ck, self.conv, self._osd = ck, _Converter(ck, "error"), partial(_optimizer_state, ck)
+        self.names = ck.names
+        self.description = f"DeepSpeed TP={ck.tp} DP={ck.dp} PP={ck.pp} ZeRO-{ck.zero_stage}"
+        self.tag = ck.tag_dir.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.ck.tp_map(name).map.valid_shape)
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self.conv.full(name, "fp32")[0]
+
+    def moment(self, name: str, state: str) -> torch.Tensor | None:
+        return self.conv.full(name, state)[0] if self.ck.has_optimizer_state(name) else None
+
+    def step(self, name: str) -> Any:
+        return self.ck.step(name) if self.ck.has_optimizer_state(name) else None
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        groups = [dict(g) for g in self._osd()["param_groups"]]
+        members: dict[int, list[str]] = {}
+        for n in self.names:
+            z = self.ck.zero_map(n, 0) if self.ck.has_optimizer_state(n) else None
+            members.setdefault(0 if z is None else z[0], []).append(n)
+        for i, g in enumerate(groups):
+            g["params"] = members.get(i, [])
+        return groups
+
+
+class UniversalTensors:
+    """A universal checkpoint folder (``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``)."""
+
+    def __init__(self, tag_dir: Path) -> None:
+        self.root = tag_dir / "zero"
+        self.names = sorted(d.name for d in self.root.iterdir() if (d / "fp32.pt").is_file())
+        if not self.names:
+            raise CheckpointError(f"{tag_dir}: no zero/<param>/fp32.pt files: not a universal checkpoint")
+        self.description = "universal checkpoint"
+        self.tag = tag_dir.name
+
+    def _tensor(self, name: str, state: str) -> torch.Tensor | None:
+        f = self.root / name / f"{state}.pt"
+        if not f.is_file():
+            return None
+        obj = load(f)
+        t = obj.get("param") if isinstance(obj, dict) else obj
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{f}: expected a tensor or a dict with 'param', got {type(obj).__name__}")
+        return t
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.weight(name).shape)  # memory-mapped: the shape costs no read of the data
+
+    def weight(self, name: str) -> torch.Tensor:
+        t = self._tensor(name, "fp32")
+        assert t is not None  # names holds only parameters with fp32.pt
+        return t
+
+    def moment(self, name: str, state: str) -> torch.Tensor | None:
+        return self._tensor(name, state)
+
+    def step(self, name: str) -> Any:
+        f = self.root / name / "step.pt"
+        return load(f) if f.is_file() else None
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        f = self.root / "optimizer_state.pt"
+        groups = load(f).get("param_groups", []) if f.is_file() else []
+        if len(groups) > 1:
+            raise CheckpointError(f"{f}: {len(groups)} parameter groups, and a universal checkpoint does not record "
+                                  "which parameter belongs to which")
+        return [{**groups[0], "params": list(self.names)}] if groups else []
+
+
+def open_tensors(path: str | Path) -> Tensors:
+    """A DCP folder, a universal checkpoint (tag folder or parent with ``latest_universal``), or a
+    DeepSpeed checkpoint, as :class:`Tensors`."""
+    from .formats.sources import _universal_dir
+
+    p = Path(path)
+    if p.is_dir() and is_dcp(p):
+        return DcpTensors(DcpCheckpoint.open(p))
+    ucp = _universal_dir(p) if p.is_dir() else None
+    if ucp is not None:
+        return UniversalTensors(ucp)
+    return DeepSpeedTensors(p)
+
+
+# -- the job frame -----------------------------------------------------------------------------
+
+
+def _renamer(rules: Sequence[str]) -> Callable[[str], str]:
+    """``FROM=TO`` regex substitutions, applied in order."""
+    compiled = []
+    for rule in rules:
+        src, sep, dst = rule.partition("=")
+        if not sep or not src:
+            raise ReshardError(f"--rename takes FROM=TO (a regex and its replacement), got {rule!r}")
+        try:
+            compiled.append((re.compile(src), dst))
+        except re.error as e:
+            raise ReshardError(f"--rename {rule!r}: bad regex ({e})") from None
+
+    def rename(name: str) -> str:
+        for pattern, dst in compiled:
+            name = pattern.sub(dst, name)
+        return name
+
+    return rename
+
+
+def _run(cluster: Cluster, staging: Staging, jobs: list[tuple[int, Callable[[], None]]], workers: int) -> None:
+    jobs.sort(key=lambda job: -job[0])
+    run_share(cluster, staging, jobs, lambda mine: run_jobs(mine, workers))
+
+
+def _on_rank0(cluster: Cluster, staging: Staging, fn: Callable[[], None]) -> None:
+    """Something only process 0 writes (an index, DCP's ``.metadata``), agreed on by all."""
+    error = None
+    if cluster.rank == 0:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 -- every process must learn of it
+            error = e
+    try:
+        cluster.agree(error)
+    except BaseException:
+        if cluster.rank == 0:
+            staging.abandon()
+        raise
+
+
+def _finish(cluster: Cluster, staging: Staging, src: Tensors, fmt: str, latest: str | None, extra: dict) -> ConvertReport:
+    meta = {"reshard_version": __version__, "format": fmt, "source": src.description, **extra}
+    final = commit(cluster, staging, meta, latest)
+    files = [p for p in final.rglob("*") if p.is_file() and p.name != MANIFEST]
+    return ConvertReport(final, len(src.names), len(files), sum(p.stat().st_size for p in files), "error", [])
+
+
+# -- to DCP ------------------------------------------------------------------------------------
+
+
+def _as_step(step: Any) -> torch.Tensor:
+    """Adam's step as ``torch.optim`` keeps it (a float32 scalar tensor)."""
+    value = step.item() if isinstance(step, torch.Tensor) else step
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def to_dcp(src: Tensors, cluster: Cluster, staging: Staging, *, rename: Callable[[str], str], workers: int,
+           max_file_bytes: int) -> None:
+    """Every parameter as ``model.<name>`` (fp32) with ``optim.state.<name>.{exp_avg,exp_avg_sq,step}``
+    and ``optim.param_groups``, in files of about ``max_file_bytes``; ``.metadata`` last."""
+    names = [(n, rename(n)) for n in src.names]
+    dup = sorted({new for _, new in names if sum(1 for _, x in names if x == new) > 1})
+    if dup:
+        raise ReshardError(f"--rename maps several parameters to {dup[0]!r}")
+    groups = plan_files([(n, (prod(src.shape(n)) * 3,), torch.float32) for n, _ in names], max_file_bytes)
+    new_name = dict(names)
+    records: list[Record] = []
+    specs: dict[str, TensorSpec] = {}
+    lock = threading.Lock()
+
+    def one(i: int, members: list[str]) -> None:
+        rel = f"__{i}_0.distcp"
+        local: dict[str, TensorSpec] = {}
+        with staging.open(rel) as out:
+            f = DcpFile(out, rel)
+            for n in members:
+                _write_param(f, src, n, new_name[n], local)
+        with lock:
+            records.extend(f.records)
+            specs.update(local)
+
+    jobs = [(sum(prod(s) for _, s, _ in g), partial(one, i, [n for n, _, _ in g])) for i, g in enumerate(groups)]
+    value_file = f"__{len(groups)}_0.distcp"
+    values: list[str] = []
+
+    def param_groups() -> None:
+        with staging.open(value_file) as out:
+            f = DcpFile(out, value_file)
+            for i, g in enumerate(src.param_groups()):
+                for k, v in g.items():
+                    f.value(f"optim.param_groups.{i}.{k}", [new_name[n] for n in v] if k == "params" else v)
+        with lock:
+            records.extend(f.records)
+            values.extend(r.key for r in f.records)
+
+    jobs.append((1, param_groups))
+    _run(cluster, staging, jobs, workers)
+    _write_metadata(cluster, staging, records, specs, values)
+
+
+def _write_param(f: DcpFile, src: Tensors, name: str, new: str, specs: dict[str, TensorSpec]) -> None:
+    def put(key: str, t: torch.Tensor) -> None:
+        t = t.detach().to(torch.float32) if t.dtype.is_floating_point else t.detach()
+        shape = tuple(t.shape)
+        f.tensor(key, (0,) * len(shape), t.dtype, shape, t.contiguous())
+        specs[key] = TensorSpec(t.dtype, shape, (((0,) * len(shape), shape),))
+
+    put(f"model.{new}", src.weight(name))
+    for state in MOMENTS:
+        m = src.moment(name, state)
+        if m is not None:
+            put(f"optim.state.{new}.{state}", m)
+    step = src.step(name)
+    if step is not None:
+        put(f"optim.state.{new}.step", _as_step(step))
+
+
+def _write_metadata(cluster: Cluster, staging: Staging, records: list[Record], specs: dict[str, TensorSpec],
+                    values: list[str]) -> None:
+    gathered = cluster.gather((records, specs, values))
+
+    def write() -> None:
+        all_records = [r for part in gathered for r in part[0]]
+        all_specs = {k: v for part in gathered for k, v in part[1].items()}
+        all_values = [k for part in gathered for k in part[2]]
+        keys = list(all_specs) + all_values
+        planner = {k: _path_of(k) for k in keys}
+        ordered = dict(sorted(all_specs.items()))
+        with staging.open(".metadata") as out:
+            out.write(metadata_bytes(ordered, sorted(all_values), all_records, planner))
+
+    _on_rank0(cluster, staging, write)
+
+
+def _path_of(key: str) -> tuple:
+    """The nested-dict path DCP's planners rebuild a flattened key from."""
+    if key.startswith("model."):
+        return ("model", key[len("model."):])
+    if key.startswith("optim.state."):
+        fqn, _, state = key[len("optim.state."):].rpartition(".")
+        return ("optim", "state", fqn, state)
+    if key.startswith("optim.param_groups."):
+        index, _, name = key[len("optim.param_groups."):].partition(".")
+        return ("optim", "param_groups", int(index), name)
+    return (key,)
+
+
+# -- from DCP ----------------------------------------------------------------------------------
+
+
+def dcp_to_safetensors(src: DcpTensors, cluster: Cluster, staging: Staging, *, workers: int, max_file_bytes: int,
+                       with_optimizer: bool) -> None:
+    """HF-style safetensors of the weights, by parameter name, in their stored dtype; split into
+    files of at most ``max_file_bytes`` with ``model.safetensors.index.json``."""
+    ck = src.ck
+    specs = [(n, ck.entry(ck.param_key(n)).shape, ck.entry(ck.param_key(n)).dtype) for n in src.names]
+    groups = plan_files(specs, max_file_bytes)
+    fnames = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+
+    def one(fname: str, group: list) -> None:
+        with staging.open(fname) as out:
+            w = SafetensorsWriter(out, group)
+            for name, _, _ in group:
+                w.write(name, src.weight(name))
+            w.close()
+
+    def size(group: list) -> int:
+        return sum(prod(s) * d.itemsize for _, s, d in group)
+
+    jobs = [(size(g), partial(one, f, g)) for f, g in zip(fnames, groups)]
+    if with_optimizer:
+        jobs += _moment_jobs(src, staging, wrap=False)
+
+    def index() -> None:
+        weight_map = {name: f for f, g in zip(fnames, groups) for name, _, _ in g}
+        doc = {"metadata": {"total_size": size(specs)}, "weight_map": weight_map}
+        with staging.open("model.safetensors.index.json") as out:
+            out.write((json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+
+    _run(cluster, staging, jobs, workers)
+    _on_rank0(cluster, staging, index)
+
+
+def _moment_jobs(src: Tensors, staging: Staging, *, wrap: bool) -> list[tuple[int, Callable[[], None]]]:
+    """``zero/<name>/{exp_avg,exp_avg_sq,step}.pt`` (and ``fp32.pt`` with ``wrap``), as DeepSpeed's
+    universal checkpoint holds them."""
+
+    def one(name: str) -> None:
+        states = (("fp32", src.weight(name)),) if wrap else ()
+        states += tuple((s, src.moment(name, s)) for s in MOMENTS)
+        for state, t in states:
+            if t is not None:
+                with staging.open(f"zero/{name}/{state}.pt") as out:
+                    save({"param": t.to(torch.float32).contiguous()}, out)
+        step = src.step(name)
+        if step is not None:
+            with staging.open(f"zero/{name}/step.pt") as out:
+                save(step, out)
+
+    return [(prod(src.shape(n)) * 12, partial(one, n)) for n in src.names]
+
+
+def dcp_to_ucp(src: DcpTensors, cluster: Cluster, staging: Staging, *, workers: int) -> None:
+    """DeepSpeed's universal layout: ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` and
+    ``zero/optimizer_state.pt`` with the parameter groups (``params`` as DeepSpeed numbers them)."""
+    jobs = _moment_jobs(src, staging, wrap=True)
+    index = {n: i for i, n in enumerate(src.names)}
+
+    def optimizer_state() -> None:
+        groups = [{**g, "params": [index[n] for n in g.get("params", []) if n in index]} for g in src.param_groups()]
+        with staging.open("zero/optimizer_state.pt") as out:
+            save({"param_groups": groups}, out)
+
+    jobs.append((1, optimizer_state))
+    _run(cluster, staging, jobs, workers)
+
+
+# -- DCP at N loading ranks ----------------------------------------------------------------------
+
+
+def fsdp_chunks(shape: tuple[int, ...], n: int) -> list[tuple[int, int]]:
+    """``(start, rows)`` of dim 0 on each of ``n`` ranks, as ``fully_shard`` splits (``torch.chunk``:
+    ceil-sized chunks, the last ones shorter or empty); a 0-d tensor lives on rank 0."""
+    if not shape:
+        return [(0, 1)] + [(0, 0)] * (n - 1)
+    step = -(-shape[0] // n)
+    return [(min(r * step, shape[0]), max(0, min(shape[0], (r + 1) * step) - r * step)) for r in range(n)]
+
+
+def target_chunks(shape: tuple[int, ...], n: int) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``{rank: (offsets, sizes)}`` of the chunks a tensor is stored in for ``n`` loading ranks;
+    a tensor without elements is one empty chunk on rank 0 (as ``dcp.save`` stores it)."""
+    if not shape or not prod(shape):
+        return {0: ((0,) * len(shape), shape)}
+    return {r: ((start,) + (0,) * (len(shape) - 1), (rows, *shape[1:]))
+            for r, (start, rows) in enumerate(fsdp_chunks(shape, n)) if rows}
+
+
+def fsdp_map(shape: tuple[int, ...], n: int):
+    """The map of a tensor laid out for ``n`` FSDP ranks (:func:`target_chunks`)."""
+    shards = {}
+    for r, (offsets, sizes) in target_chunks(shape, n).items():
+        pieces = [box_piece(shape, offsets, sizes, sizes, (0,) * len(shape), (r,))] if prod(sizes) else []
+        shards[r] = (sizes, pieces)
+    return finish(shape, shards)
+
+
+def reshard_dcp(ck: DcpCheckpoint, cluster: Cluster, staging: Staging, *, files: int, workers: int) -> None:
+    """One file per loading rank ``r`` (``__r_0.distcp``) with rank ``r``'s chunk of every tensor,
+    each chunk streamed from the source chunks through the plan; values go with rank 0."""
+    keys = list(ck.tensors)
+    source = {k: ck.param_map(k) for k in keys}
+    target = {k: fsdp_map(ck.tensors[k].shape, files) for k in keys}
+    plans = plan_model(source, target)
+    records: list[Record] = []
+    specs: dict[str, TensorSpec] = {}
+    lock = threading.Lock()
+
+    def flat(key: str, rank: int) -> torch.Tensor:
+        return ck.shard(key, rank).reshape(-1)
+
+    layout = {k: target_chunks(ck.tensors[k].shape, files) for k in keys}
+    for k in keys:
+        specs[k] = TensorSpec(ck.tensors[k].dtype, ck.tensors[k].shape, tuple(layout[k].values()))
+
+    def one(r: int) -> None:
+        rel = f"__{r}_0.distcp"
+        with staging.open(rel) as out:
+            f = DcpFile(out, rel)
+            for k in keys:
+                if r not in layout[k]:
+                    continue
+                e, p = ck.tensors[k], plans.params[k]
+                offsets, sizes = layout[k][r]
+                parts = [(0, s, partial(flat, k, s.src_rank)) for s in p.segments if s.dst_rank == r]
+                f.tensor(k, offsets, e.dtype, sizes, WindowFill(parts))
+            if r == 0:
+                for key in ck.objects:
+                    f.value(key, ck.object(key))
+        with lock:
+            records.extend(f.records)
+
+    sizes = [sum(prod(p.target_shards.get(r, (0,))) for p in plans.params.values()) for r in range(files)]
+    _run(cluster, staging, [(sizes[r] + 1, partial(one, r)) for r in range(files)], workers)
+    _write_metadata(cluster, staging, records, specs if cluster.rank == 0 else {}, list(ck.objects) if cluster.rank == 0 else [])
+
+
+# -- entry points --------------------------------------------------------------------------------
+
+
+def convert_any(ckpt_dir: str | Path, out_dir: str | Path, *, fmt: str, workers: int = 1, overwrite: bool = False,
+                max_file_bytes: int = 5 * 2**30, checksum: str = "crc32", cluster: Cluster | None = None,
+                rename: Sequence[str] = (), with_optimizer: bool = False) -> ConvertReport:
+    """The routes ``convert`` does not take itself: from DCP or a universal checkpoint, or to DCP."""
+    src = open_tensors(ckpt_dir)
+    if isinstance(src, DcpTensors) and fmt == "dcp":
+        raise ReshardError(f"{ckpt_dir} is already a DCP checkpoint: use 'reshard reshard --files N' to lay it out "
+                           "for another world size")
+    if not isinstance(src, DcpTensors) and fmt != "dcp":
+        raise ReshardError(f"{ckpt_dir}: a {src.description} converts to 'dcp' here (to {fmt!r} only from DCP)")
+    cluster = cluster or Cluster.from_env()
+    staging = open_staging(cluster, out_dir, src.tag, overwrite=overwrite, checksum=checksum)
+    if fmt == "dcp":
+        to_dcp(src, cluster, staging, rename=_renamer(rename), workers=workers, max_file_bytes=max_file_bytes)
+        latest = None
+    elif fmt == "safetensors":
+        assert isinstance(src, DcpTensors)
+        dcp_to_safetensors(src, cluster, staging, workers=workers, max_file_bytes=max_file_bytes,
+                           with_optimizer=with_optimizer)
+        latest = None
+    else:
+        assert isinstance(src, DcpTensors)
+        dcp_to_ucp(src, cluster, staging, workers=workers)
+        latest = "latest_universal"
+    return _finish(cluster, staging, src, fmt, latest, {"rename": list(rename)})
+
+
+def reshard_dcp_files(ckpt_dir: str | Path, out_dir: str | Path, *, files: int, workers: int = 1,
+                      overwrite: bool = False, checksum: str = "crc32", cluster: Cluster | None = None) -> ConvertReport:
+    """``reshard reshard DCP_DIR OUT --files N``."""
+    if files < 1:
+        raise ReshardError(f"--files must be at least 1, got {files}")
+    ck = DcpCheckpoint.open(ckpt_dir)
+    cluster = cluster or Cluster.from_env()
+    staging = open_staging(cluster, out_dir, ck.path.name, overwrite=overwrite, checksum=checksum)
+    reshard_dcp(ck, cluster, staging, files=files, workers=workers)
+    return _finish(cluster, staging, DcpTensors(ck), "dcp", None, {"files": files})
