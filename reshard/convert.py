@@ -128,7 +128,7 @@ def convert(
 
         return convert_any(ckpt_dir, out_dir, fmt=fmt, workers=workers, overwrite=overwrite,
                            max_file_bytes=max_file_bytes, checksum=checksum, cluster=cluster, rename=rename,
-                           with_optimizer=with_optimizer)
+                           with_optimizer=with_optimizer, on_replica_mismatch=on_replica_mismatch)
     if rename or with_optimizer:
         raise ReshardError("rename goes with fmt='dcp', with_optimizer with a DCP source")
     _policy(on_replica_mismatch)

@@ -90,13 +90,13 @@ class DcpTensors:
 
 
 class DeepSpeedTensors:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, on_replica_mismatch: str = "error") -> None:
         from .convert import _Converter, _optimizer_state
         from .formats.deepspeed import DeepSpeedCheckpoint
 
         ck = DeepSpeedCheckpoint.open(path)
         ck.check_steps()
-        self.ck, self.conv, self._osd = ck, _Converter(ck, "error"), partial(_optimizer_state, ck)
+        self.ck, self.conv, self._osd = ck, _Converter(ck, on_replica_mismatch), partial(_optimizer_state, ck)
         self.names = ck.names
         self.description = f"DeepSpeed TP={ck.tp} DP={ck.dp} PP={ck.pp} ZeRO-{ck.zero_stage}"
         self.tag = ck.tag_dir.name
@@ -169,7 +169,7 @@ class UniversalTensors:
         return [{**groups[0], "params": list(self.names)}] if groups else []
 
 
-def open_tensors(path: str | Path) -> Tensors:
+def open_tensors(path: str | Path, on_replica_mismatch: str = "error") -> Tensors:
     """A DCP folder, a universal checkpoint (tag folder or parent with ``latest_universal``), or a
     DeepSpeed checkpoint, as :class:`Tensors`."""
     from .formats.sources import _universal_dir
@@ -180,7 +180,7 @@ def open_tensors(path: str | Path) -> Tensors:
     ucp = _universal_dir(p) if p.is_dir() else None
     if ucp is not None:
         return UniversalTensors(ucp)
-    return DeepSpeedTensors(p)
+    return DeepSpeedTensors(p, on_replica_mismatch)
 
 
 # -- the job frame -----------------------------------------------------------------------------
@@ -480,9 +480,12 @@ def reshard_dcp(ck: DcpCheckpoint, cluster: Cluster, staging: Staging, *, files:
 
 def convert_any(ckpt_dir: str | Path, out_dir: str | Path, *, fmt: str, workers: int = 1, overwrite: bool = False,
                 max_file_bytes: int = 5 * 2**30, checksum: str = "crc32", cluster: Cluster | None = None,
-                rename: Sequence[str] = (), with_optimizer: bool = False) -> ConvertReport:
-    """The routes ``convert`` does not take itself: from DCP or a universal checkpoint, or to DCP."""
-    src = open_tensors(ckpt_dir)
+                rename: Sequence[str] = (), with_optimizer: bool = False,
+                on_replica_mismatch: str = "error") -> ConvertReport:
+    """The routes ``convert`` does not take itself: from DCP or a universal checkpoint, or to DCP.
+    (Replica drift in a DeepSpeed source is resolved by ``on_replica_mismatch`` as ``convert`` does,
+    but not collected into the report.)"""
+    src = open_tensors(ckpt_dir, on_replica_mismatch)
     if isinstance(src, DcpTensors) and fmt == "dcp":
         raise ReshardError(f"{ckpt_dir} is already a DCP checkpoint: use 'reshard reshard --files N' to lay it out "
                            "for another world size")
@@ -502,7 +505,8 @@ def convert_any(ckpt_dir: str | Path, out_dir: str | Path, *, fmt: str, workers:
         assert isinstance(src, DcpTensors)
         dcp_to_ucp(src, cluster, staging, workers=workers)
         latest = "latest_universal"
-    return _finish(cluster, staging, src, fmt, latest, {"rename": list(rename)})
+    return _finish(cluster, staging, src, fmt, latest,
+                   {"rename": list(rename), "on_replica_mismatch": on_replica_mismatch})
 
 
 def reshard_dcp_files(ckpt_dir: str | Path, out_dir: str | Path, *, files: int, workers: int = 1,

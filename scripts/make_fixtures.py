@@ -15,6 +15,12 @@ Usage::
     python scripts/make_fixtures.py --list
     python scripts/make_fixtures.py --bench-200m /tmp/bench200m   # ~200M Llama, ZeRO-1, DP=2
     python scripts/make_fixtures.py --bench-400m /tmp/bench400m   # ~417M Llama, ZeRO-1, DP=2
+    python scripts/make_fixtures.py --dcp                  # only the PyTorch DCP fixtures
+    python scripts/make_fixtures.py --bench-dcp-200m /tmp/bench200m   # ~200M Llama, FSDP2 DCP, 2 ranks
+
+The PyTorch DCP fixtures (``tests/fixtures/dcp/``, part of the default set) are FSDP2 (or FSDP x TP)
+jobs of ``_fixture_dcp.py`` under ``torchrun`` with the Llama fixtures' recipe, saved with
+``torch.distributed.checkpoint.save``; each folder holds what DCP wrote plus a ``fixture.json``.
 
 Every fixture is generated into a temporary folder first and swapped into place only when the
 launch succeeded and the checkpoint looks complete; a failure leaves the existing fixture alone.
@@ -34,6 +40,7 @@ import argparse
 import copy
 import hashlib
 import json
+import pickle
 import pickletools
 import shutil
 import subprocess
@@ -49,7 +56,9 @@ from ds_launch import cleanup_shm, job_env, launcher_cmd, port_is_free, root_cau
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "_fixture_train.py"
 PIPE_SCRIPT = Path(__file__).resolve().parent / "_fixture_pipe.py"  # deepspeed.pipe.PipelineModule
+DCP_SCRIPT = Path(__file__).resolve().parent / "_fixture_dcp.py"  # FSDP2 (x TP) jobs saving DCP
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "deepspeed"
+DEFAULT_DCP_OUT = REPO / "tests" / "fixtures" / "dcp"
 HELPER_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 SEED = 1234
@@ -237,6 +246,35 @@ def bench_400m_fixture() -> Fixture:
     return bench_200m_fixture("llama_400m_zero1_dp2", LLAMA_400M)
 
 
+@dataclass
+class DcpFixture:
+    """A PyTorch DCP checkpoint saved by ``_fixture_dcp.py save`` (FSDP2, or FSDP x TP with
+    ``mesh``) after ``steps`` AdamW steps with the Llama fixtures' recipe."""
+
+    name: str
+    world_size: int
+    mesh: str | None = None  # "DPxTP"; None: a 1-D FSDP2 mesh over every rank
+    steps: int = STEPS
+    model: str = "tiny"  # _fixture_dcp.MODELS: "tiny" (LLAMA) or "200m" (LLAMA_200M)
+    digests: str = "full"  # _fixture_dcp --digests: "full" (tests/e2e/digest.py), "sha", "none"
+    # the DeepSpeed fixture trained with the same model, data split and optimizer: its losses
+    # are recorded next to ours
+    same_recipe_as: str | None = None
+    notes: list = field(default_factory=list)
+
+
+DCP_FIXTURES = [
+    DcpFixture("llama_fsdp2_ws2", 2, same_recipe_as="llama_zero1_dp2"),
+    DcpFixture("llama_fsdp_tp_2x2", 4, mesh="2x2", same_recipe_as="llama_tp2_dp2"),
+]
+DCP_BY_NAME = {f.name: f for f in DCP_FIXTURES}
+
+
+def bench_dcp_200m_fixture() -> DcpFixture:
+    """LLAMA_200M (the ``--bench-200m`` model and data recipe) under FSDP2 on 2 ranks, 1 step."""
+    return DcpFixture("llama_200m_dcp_ws2", 2, steps=1, model="200m", digests="sha")
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
@@ -273,6 +311,11 @@ def pickle_globals(path: Path) -> list[str]:
     with zipfile.ZipFile(path) as zf:
         names = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
         data = zf.read(names[0])
+    return pickle_bytes_globals(data)
+
+
+def pickle_bytes_globals(data: bytes) -> list[str]:
+    """Fully qualified names of every GLOBAL / STACK_GLOBAL in a pickle stream."""
     found: set[str] = set()
     stack_strings: list[str] = []  # string values pushed so far, for STACK_GLOBAL
     memo: dict[int, object] = {}
@@ -474,6 +517,25 @@ def build_fixture_json(fx: Fixture, ckpt: Path, files: list[str], reports: list[
     }
 
 
+def swap_into_place(src: Path, out_dir: Path, name: str) -> Path:
+    """Move ``src`` to ``out_dir / name``: next to the destination first (a rename when on one
+    filesystem, else a copy), then renamed over the old fixture. Returns the destination."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dest = out_dir / name
+    staging = out_dir / f".{name}.new"
+    old = out_dir / f".{name}.old"
+    for p in (staging, old):
+        if p.exists():
+            shutil.rmtree(p)
+    shutil.move(str(src), str(staging))
+    if dest.exists():
+        dest.rename(old)
+    staging.rename(dest)
+    if old.exists():
+        shutil.rmtree(old)
+    return dest
+
+
 def make_one(fx: Fixture, out_dir: Path, ports: PortAllocator, timeout_s: int, keep_tmp: bool,
              write_json: bool = True) -> dict:
     """Generate one fixture and swap it into ``out_dir / fx.name``.  Returns a summary dict."""
@@ -498,21 +560,7 @@ def make_one(fx: Fixture, out_dir: Path, ports: PortAllocator, timeout_s: int, k
             meta = build_fixture_json(fx, ckpt, files, res["reports"])
             (ckpt / "fixture.json").write_text(json.dumps(meta, indent=1, sort_keys=False) + "\n")
 
-        # Swap into place: move next to the destination (a rename when on one filesystem, else a
-        # copy), then rename over the old fixture.
-        out_dir.mkdir(parents=True, exist_ok=True)
-        dest = out_dir / fx.name
-        staging = out_dir / f".{fx.name}.new"
-        old = out_dir / f".{fx.name}.old"
-        for p in (staging, old):
-            if p.exists():
-                shutil.rmtree(p)
-        shutil.move(str(ckpt), str(staging))
-        if dest.exists():
-            dest.rename(old)
-        staging.rename(dest)
-        if old.exists():
-            shutil.rmtree(old)
+        dest = swap_into_place(ckpt, out_dir, fx.name)
         seconds = time.time() - t0
         losses = res["reports"][0]["losses"]
         log(f"{fx.name}: OK in {seconds:.1f}s (launch {res['seconds']:.1f}s); rank-0 losses {losses}")
@@ -526,6 +574,172 @@ def make_one(fx: Fixture, out_dir: Path, ports: PortAllocator, timeout_s: int, k
                 "log": str(log_path)}
     finally:
         cleanup_shm(port)
+        if keep_tmp:
+            log(f"{fx.name}: kept work dir {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch DCP fixtures (torchrun, FSDP2)
+# --------------------------------------------------------------------------------------------
+
+
+def torchrun_cmd(world_size: int, script: Path, args: list[str]) -> list[str]:
+    """``torchrun --standalone`` of this interpreter: the rendezvous binds a free port itself, so
+    concurrent launches cannot collide (and no DeepSpeed shared memory is involved)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc_per_node", str(world_size), str(script), *args]
+
+
+def dcp_job_args(mode: str, dcp_dir: Path, report_dir: Path, *, mesh: str | None = None, steps: int = 1,
+                 model: str = "tiny", digests: str = "full", save_tensors: bool = False,
+                 allow_partial_load: bool = False, batch_dp: int | None = None) -> list[str]:
+    """The arguments of one ``_fixture_dcp.py`` job (see its docstring)."""
+    args = [mode, "--dcp-dir", str(dcp_dir), "--report-dir", str(report_dir), "--steps", str(steps),
+            "--model", model, "--digests", digests]
+    if batch_dp is not None:
+        args += ["--batch-dp", str(batch_dp)]
+    if mesh:
+        args += ["--mesh", mesh]
+    if save_tensors:
+        args.append("--save-tensors")
+    if allow_partial_load:
+        args.append("--allow-partial-load")
+    return args
+
+
+def check_dcp_checkpoint(ckpt: Path, world_size: int) -> list[str]:
+    """Raise unless ``ckpt`` holds ``.metadata`` and one ``.distcp`` file per rank; its files."""
+    files = sorted(p.name for p in ckpt.iterdir())
+    want = [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]
+    if sorted(want) != files:
+        raise RuntimeError(f"expected {want} in {ckpt}, found {files}")
+    return files
+
+
+def dcp_metadata_summary(metadata_path: Path) -> dict:
+    """What a reader of the ``.metadata`` pickle meets: its protocol, globals and key kinds (read
+    with pickletools; the pickle is not loaded)."""
+    data = metadata_path.read_bytes()
+    protocols = sorted({arg for op, arg, _ in pickletools.genops(data) if op.name == "PROTO"})
+    md = pickle.loads(data)  # our own freshly written file: its keys and chunk counts
+    kinds: dict[str, int] = {}
+    for value in md.state_dict_metadata.values():
+        kinds[type(value).__name__] = kinds.get(type(value).__name__, 0) + 1
+    return {
+        "pickle_protocol": protocols,
+        "pickle_globals": pickle_bytes_globals(data),
+        "version": md.version,
+        "keys": len(md.state_dict_metadata),
+        "key_kinds": kinds,
+        "chunks": sum(len(getattr(v, "chunks", [])) for v in md.state_dict_metadata.values()),
+        "storage_items": len(md.storage_data),
+        "notes": "storage_meta holds the checkpoint_id (the temporary path it was written to) and a "
+                 "random save_id, so .metadata differs between runs; the .distcp files do not",
+    }
+
+
+def build_dcp_fixture_json(fx: DcpFixture, ckpt: Path, files: list[str], report: dict, command: list[str]) -> dict:
+    model_config = report["model_config"]
+    ds = {}
+    if fx.same_recipe_as:
+        ds_json = DEFAULT_OUT / fx.same_recipe_as / "fixture.json"
+        if ds_json.is_file():
+            ds_fx = json.loads(ds_json.read_text())
+            ds = {"fixture": f"tests/fixtures/deepspeed/{fx.same_recipe_as}", "losses_rank0": ds_fx["losses"],
+                  "losses_rank0_equal": ds_fx["losses"] == report["losses_rank0"]}
+    mesh = report["mesh"]
+    return {
+        "name": fx.name,
+        "format": "pytorch-dcp",
+        "checkpoint_dir": ".",  # .metadata and the .distcp files sit next to this file
+        "dcp_keys": {"model": "model.<fqn>", "optimizer": "optim.state.<fqn>.{exp_avg,exp_avg_sq,step}, "
+                     "optim.param_groups.<i>.<key>"},
+        "model_type": "llama",
+        "model_config": model_config,
+        "model_config_full": full_model_config(Fixture(fx.name, "llama", model_config, {}, fx.world_size)),
+        "model_init": "AutoModelForCausalLM.from_config(AutoConfig.for_model('llama', **model_config), "
+                      "attn_implementation='eager', dtype=torch.float32) after torch.manual_seed(seed), "
+                      "on every rank",
+        "world_size": fx.world_size,
+        "mesh": mesh,
+        "parallelism": (("TP: parallelize_module on each decoder layer over mesh dim 'tp' with tp_plan; then "
+                         if mesh["tp"] > 1 else "") +
+                        "FSDP2: fully_shard(layer, mesh=dp mesh) for each decoder layer, then fully_shard(model)"),
+        "tp_plan": report["tp_plan"],
+        "saved_with": "msd, osd = torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer); "
+                      "torch.distributed.checkpoint.save({'model': msd, 'optim': osd}, checkpoint_id=dir)",
+        "steps": report["steps"],
+        "adam_step": report["adam_step"],
+        "seed": report["seed"],
+        "data": {
+            "kind": "fixed synthetic batch, same at every step",
+            "recipe": "torch.randint(0, vocab_size, (micro_batch * batch_dp, seq_len), "
+                      "generator=torch.Generator().manual_seed(seed + 1)); when dp divides the rows, dp rank "
+                      "d takes its contiguous share, else every rank takes them all; tp peers take the same "
+                      "rows; labels = input_ids",
+            "seq_len": report["seq_len"],
+            "micro_batch": report["micro_batch"],
+            "batch_dp": report["batch_dp"],
+            "local_batch_rows": report["local_batch_rows"],
+        },
+        "optimizer": report["optimizer"],
+        "gradient_clipping": report["gradient_clipping"],
+        "losses": report["losses"],  # mean over dp ranks: the global batch's loss
+        "losses_rank0": report["losses_rank0"],
+        "deepspeed_same_recipe": ds or None,
+        "digests_of": "tests/e2e/digest.py digest() of the full fp32 tensors after the last step"
+                      if fx.digests == "full" else "sha256 of the full fp32 row-major bytes after the last step",
+        "digests": report["digests"],
+        "params": report["params"],
+        "versions": dict(versions(), **report["versions"]),
+        "command": " ".join(["torchrun", "--standalone", "--nproc_per_node", str(fx.world_size),
+                             "scripts/_fixture_dcp.py"] + [str(a) for a in command]),
+        "metadata": dcp_metadata_summary(ckpt / ".metadata"),
+        "files": {name: {"bytes": (ckpt / name).stat().st_size, "sha256": sha256(ckpt / name)} for name in files},
+        "notes": fx.notes,
+    }
+
+
+def make_dcp_one(fx: DcpFixture, out_dir: Path, timeout_s: int, keep_tmp: bool) -> dict:
+    """Generate one DCP fixture and swap it into ``out_dir / fx.name``; a summary dict."""
+    work = Path(tempfile.mkdtemp(prefix=f"reshard-dcp-{fx.name}-"))
+    log_path = work / "launch.log"
+    t0 = time.time()
+    try:
+        ckpt, report_dir = work / "ckpt", work / "report"
+        args = dcp_job_args("save", ckpt, report_dir, mesh=fx.mesh, steps=fx.steps, model=fx.model,
+                            digests=fx.digests)
+        log(f"{fx.name}: torchrun {fx.world_size} ranks (mesh {fx.mesh or fx.world_size}), work dir {work}")
+        try:
+            rc = run_job(torchrun_cmd(fx.world_size, DCP_SCRIPT, args), cwd=REPO, env=job_env(REPO),
+                         log_path=log_path, timeout_s=timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"launch timed out after {timeout_s}s (log: {log_path})") from None
+        launch_s = time.time() - t0
+        if rc != 0:
+            lines = open(log_path, errors="replace").readlines()
+            raise RuntimeError(f"launch exited with {rc} after {launch_s:.1f}s: {root_cause(lines)}\n"
+                               f"log tail ({log_path}):\n{''.join(lines[-40:])}")
+        report = json.loads((report_dir / "report.json").read_text())
+        files = check_dcp_checkpoint(ckpt, fx.world_size)
+        # the command as recorded: paths relative to the fixture
+        shown = dcp_job_args("save", Path("<dir>"), Path("<report>"), mesh=fx.mesh, steps=fx.steps,
+                             model=fx.model, digests=fx.digests)
+        meta = build_dcp_fixture_json(fx, ckpt, files, report, shown)
+        (ckpt / "fixture.json").write_text(json.dumps(meta, indent=1) + "\n")
+        dest = swap_into_place(ckpt, out_dir, fx.name)
+        seconds = time.time() - t0
+        log(f"{fx.name}: OK in {seconds:.1f}s (launch {launch_s:.1f}s); losses {report['losses']}")
+        return {"name": fx.name, "ok": True, "seconds": seconds, "launch_seconds": launch_s,
+                "timings": report.get("timings"), "dest": str(dest)}
+    except Exception as exc:
+        seconds = time.time() - t0
+        log(f"{fx.name}: FAILED after {seconds:.1f}s: {exc}")
+        keep_tmp = True
+        return {"name": fx.name, "ok": False, "seconds": seconds, "error": str(exc), "log": str(log_path)}
+    finally:
         if keep_tmp:
             log(f"{fx.name}: kept work dir {work}")
         else:
@@ -556,31 +770,53 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-400m", type=Path, metavar="OUT_DIR",
                     help="instead of the fixtures, write a ~400M-parameter Llama ZeRO-1 DP=2 fp32 "
                          "checkpoint (1 step) to OUT_DIR/llama_400m_zero1_dp2")
+    ap.add_argument("--dcp", action="store_true",
+                    help="only the PyTorch DCP fixtures (FSDP2 / FSDP x TP under torchrun)")
+    ap.add_argument("--dcp-out", type=Path, default=DEFAULT_DCP_OUT,
+                    help=f"root of the DCP fixtures (default {DEFAULT_DCP_OUT})")
+    ap.add_argument("--bench-dcp-200m", type=Path, metavar="OUT_DIR",
+                    help="instead of the fixtures, write a ~200M-parameter Llama FSDP2 (2 ranks) fp32 DCP "
+                         "checkpoint with Adam state (1 step) to OUT_DIR/llama_200m_dcp_ws2")
     args = ap.parse_args(argv)
 
     if args.list:
         for fx in FIXTURES:
             print(f"{fx.name:24s} {fx.model_type:12s} world={fx.world_size} tp={fx.tp} dp={fx.dp} "
                   f"zero={fx.zero_stage} bf16={'bf16' in fx.ds_config}")
+        for dfx in DCP_FIXTURES:
+            print(f"{dfx.name:24s} {'llama':12s} world={dfx.world_size} mesh={dfx.mesh or dfx.world_size} "
+                  f"(PyTorch DCP, FSDP2{' x TP' if dfx.mesh else ''})")
         return 0
 
     ports = PortAllocator(args.base_port)
 
     bench = [(out, make_fx) for out, make_fx in ((args.bench_200m, bench_200m_fixture),
                                                  (args.bench_400m, bench_400m_fixture)) if out is not None]
-    if bench:
+    if bench or args.bench_dcp_200m is not None:
         ok = True
         for bench_out, make_fx in bench:
             res = make_one(make_fx(), bench_out, ports, max(args.timeout, 3600), args.keep_tmp)
             print(json.dumps(res, indent=1))
             ok = ok and res["ok"]
+        if args.bench_dcp_200m is not None:
+            res = make_dcp_one(bench_dcp_200m_fixture(), args.bench_dcp_200m, max(args.timeout, 3600),
+                               args.keep_tmp)
+            print(json.dumps(res, indent=1))
+            ok = ok and res["ok"]
         return 0 if ok else 1
 
     names = [n for item in args.only for n in item.split(",") if n]
-    unknown = [n for n in names if n not in BY_NAME]
+    unknown = [n for n in names if n not in BY_NAME and n not in DCP_BY_NAME]
     if unknown:
-        ap.error(f"unknown fixture(s) {unknown}; known: {sorted(BY_NAME)}")
-    todo = [BY_NAME[n] for n in names] if names else list(FIXTURES)
+        ap.error(f"unknown fixture(s) {unknown}; known: {sorted(BY_NAME) + sorted(DCP_BY_NAME)}")
+    if names:
+        todo = [BY_NAME[n] for n in names if n in BY_NAME]
+        dcp_todo = [DCP_BY_NAME[n] for n in names if n in DCP_BY_NAME]
+    else:
+        todo = [] if args.dcp else list(FIXTURES)
+        dcp_todo = list(DCP_FIXTURES)
+    if args.dcp:
+        todo = []
 
     results = []
     for fx in todo:
@@ -588,6 +824,8 @@ def main(argv=None) -> int:
         if args.no_patches:
             fx.patches = []
         results.append(make_one(fx, args.out, ports, args.timeout, args.keep_tmp))
+    for dfx in dcp_todo:
+        results.append(make_dcp_one(dfx, args.dcp_out, args.timeout, args.keep_tmp))
 
     print()
     log("summary:")

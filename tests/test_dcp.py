@@ -343,3 +343,24 @@ def test_cli_inspect_plan_and_reshard(source: Path, tmp_path: Path, capsys) -> N
     assert main(["reshard", source, tmp_path / "o2", "--files", "2", "--tp", "2"]) == 2
     assert main(["reshard", tag_dir("llama_zero1_dp2"), tmp_path / "o3", "--files", "2"]) == 2
     assert main(["plan", source, "--tp", "2"]) == 2
+
+
+# -- the checkpoints FSDP2 wrote ---------------------------------------------------------------
+
+FSDP = Path(__file__).parent / "fixtures" / "dcp"
+
+
+@pytest.mark.parametrize("name", ["llama_fsdp2_ws2", "llama_fsdp_tp_2x2"])
+def test_fsdp_checkpoints_to_safetensors_and_to_n_ranks(name: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    src = FSDP / name
+    ref = _consolidated(src, tmp_path)
+    out = convert(src, tmp_path / "st", fmt="safetensors").out_dir
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(ref["model"])
+    for k, t in ref["model"].items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    for n in (1, 3):
+        again = reshard_dcp_files(src, tmp_path / f"n{n}", files=n).out_dir
+        _same(_consolidated(again, tmp_path), ref)
