@@ -35,8 +35,10 @@ from .formats.pickling import save
 from .formats.safe_load import load
 from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.piece import prod
+from .layouts import replicated
 from .layouts._core import box_piece, finish
-from .planner import plan_model
+from .memory import release
+from .planner import plan, plan_model
 from .reports import ConvertReport
 from .workers import run_jobs
 
@@ -56,6 +58,7 @@ class Tensors(Protocol):
     def moment(self, name: str, state: str) -> torch.Tensor | None: ...
     def step(self, name: str) -> Any: ...
     def param_groups(self) -> list[dict[str, Any]]: ...  # "params": parameter names
+    def release(self, name: str, t: torch.Tensor) -> None: ...  # done with t, one of name's tensors
 
 
 # -- sources -----------------------------------------------------------------------------------
@@ -87,6 +90,11 @@ class DcpTensors:
 
     def param_groups(self) -> list[dict[str, Any]]:
         return self.ck.param_groups
+
+    def release(self, name: str, t: torch.Tensor) -> None:
+        for key in (self.ck.param_key(name), *(self.ck.state_key(name, s) for s in MOMENTS)):
+            if key in self.ck.tensors:
+                self.ck.release(key)
 
 
 class DeepSpeedTensors:
@@ -122,6 +130,9 @@ class DeepSpeedTensors:
         for i, g in enumerate(groups):
             g["params"] = members.get(i, [])
         return groups
+
+    def release(self, name: str, t: torch.Tensor) -> None:
+        release(t)  # where t lies in a mapped input file, its pages are done with
 
 
 class UniversalTensors:
@@ -167,6 +178,9 @@ class UniversalTensors:
             raise CheckpointError(f"{f}: {len(groups)} parameter groups, and a universal checkpoint does not record "
                                   "which parameter belongs to which")
         return [{**groups[0], "params": list(self.names)}] if groups else []
+
+    def release(self, name: str, t: torch.Tensor) -> None:
+        release(t)
 
 
 def open_tensors(path: str | Path, on_replica_mismatch: str = "error") -> Tensors:
@@ -292,6 +306,7 @@ def _write_param(f: DcpFile, src: Tensors, name: str, new: str, specs: dict[str,
         t = t.detach().to(torch.float32) if t.dtype.is_floating_point else t.detach()
         shape = tuple(t.shape)
         f.tensor(key, (0,) * len(shape), t.dtype, shape, t.contiguous())
+        src.release(name, t)
         specs[key] = TensorSpec(t.dtype, shape, (((0,) * len(shape), shape),))
 
     put(f"model.{new}", src.weight(name))
@@ -350,8 +365,13 @@ def dcp_to_safetensors(src: DcpTensors, cluster: Cluster, staging: Staging, *, w
     def one(fname: str, group: list) -> None:
         with staging.open(fname) as out:
             w = SafetensorsWriter(out, group)
-            for name, _, _ in group:
-                w.write(name, src.weight(name))
+            for name, shape, dtype in group:
+                whole = _whole(ck, ck.param_key(name))
+                if isinstance(whole, torch.Tensor):
+                    w.write(name, whole)
+                else:
+                    w.write_fill(name, shape, dtype, whole)
+                ck.release(ck.param_key(name))
             w.close()
 
     def size(group: list) -> int:
@@ -371,6 +391,21 @@ def dcp_to_safetensors(src: DcpTensors, cluster: Cluster, staging: Staging, *, w
     _on_rank0(cluster, staging, index)
 
 
+def _whole(ck: DcpCheckpoint, key: str) -> torch.Tensor | WindowFill:
+    """F of ``key``: its one chunk as mapped when that chunk is F, else a window-by-window fill
+    planned from the chunks' map to F whole on one rank (memory: a window, not F)."""
+    e = ck.entry(key)
+    live = [i for i, c in enumerate(e.chunks) if c.numel]
+    if len(live) == 1 and e.chunks[live[0]].sizes == e.shape or not prod(e.shape):
+        return ck.full(key)
+    p = plan(ck.param_map(key), replicated(e.shape, 1))
+    return WindowFill([(0, s, partial(_flat_shard, ck, key, s.src_rank)) for s in p.segments])
+
+
+def _flat_shard(ck: DcpCheckpoint, key: str, rank: int) -> torch.Tensor:
+    return ck.shard(key, rank).reshape(-1)
+
+
 def _moment_jobs(src: Tensors, staging: Staging, *, wrap: bool) -> list[tuple[int, Callable[[], None]]]:
     """``zero/<name>/{exp_avg,exp_avg_sq,step}.pt`` (and ``fp32.pt`` with ``wrap``), as DeepSpeed's
     universal checkpoint holds them."""
@@ -382,6 +417,7 @@ def _moment_jobs(src: Tensors, staging: Staging, *, wrap: bool) -> list[tuple[in
             if t is not None:
                 with staging.open(f"zero/{name}/{state}.pt") as out:
                     save({"param": t.to(torch.float32).contiguous()}, out)
+                src.release(name, t)
         step = src.step(name)
         if step is not None:
             with staging.open(f"zero/{name}/step.pt") as out:
@@ -390,18 +426,102 @@ def _moment_jobs(src: Tensors, staging: Staging, *, wrap: bool) -> list[tuple[in
     return [(prod(src.shape(n)) * 12, partial(one, n)) for n in src.names]
 
 
+# The DeepSpeed release whose universal loader the files of ``dcp_to_ucp`` are written for (and
+# resumed by in tests/test_dcp_to_deepspeed.py); stage 1/2's loader asserts a non-empty version
+# of at least 0.3.17.
+_UCP_DS_VERSION = "0.19.8"
+_UCP_MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def _ucp_global_steps(src: Tensors) -> int:
+    """DeepSpeed's ``global_steps`` of a source without skipped steps: Adam's step count (the
+    largest one recorded; 0 without optimizer state)."""
+    steps = []
+    for n in src.names:
+        s = src.step(n)
+        if s is not None:
+            steps.append(float(s.item() if isinstance(s, torch.Tensor) else s))
+    return int(max(steps, default=0.0))
+
+
+def _ucp_model_states(src: Tensors, groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """``mp_rank_00_model_states.pt`` as DeepSpeed 0.19.8's ``_save_checkpoint`` writes it for a
+    ZeRO-1 job at DP=1 x TP=1 x PP=1 (keys in its order), from what a DCP checkpoint records.
+
+    A universal resume (``checkpoint.load_universal``) reads of this file only ``dp_world_size``,
+    ``global_steps``, ``skipped_steps``, ``mp_world_size`` (which must equal the number of
+    ``mp_rank_*_model_states.pt`` files: 1), ``lr_scheduler`` (when the job has a scheduler) and
+    ``global_samples`` (optional); it never loads ``module`` (weights come from ``zero/``), and
+    the rest reaches the caller as client state or serves offline tools."""
+    from collections import OrderedDict
+
+    names = set(src.names)
+    # DeepSpeed's param_shapes: one OrderedDict name -> torch.Size per parameter group, in the
+    # optimizer's order; entries no group lists are buffers (or frozen/tied weights: DCP does not
+    # tell them apart), which DeepSpeed keeps in module alone and names in buffer_names.
+    param_shapes = [OrderedDict((n, torch.Size(src.shape(n))) for n in g.get("params", []) if n in names)
+                    for g in groups]
+    optimized = {n for shapes in param_shapes for n in shapes}
+    module = OrderedDict()
+    for n in src.names:
+        t = src.weight(n).detach()
+        module[n] = (t.to(torch.float32) if t.dtype.is_floating_point else t).contiguous()
+    return {
+        "module": module,  # the weights by name, fp32 (never loaded by a universal resume)
+        "buffer_names": [n for n in src.names if n not in optimized],
+        "optimizer": None,  # ZeRO keeps the optimizer state elsewhere (here: zero/)
+        "param_shapes": param_shapes,
+        "frozen_param_shapes": None,  # ZeRO-1 records none (ZeRO-2 would: {} without frozen ones)
+        "shared_params": {},  # DCP records no tying; a tied copy is an entry of its own (buffer_names)
+        "frozen_param_fragments": None,
+        "lr_scheduler": None,  # DCP's {"model", "optim"} state has no scheduler
+        "data_sampler": None,  # no curriculum learning
+        "random_ltd": None,  # no random layer-token drop
+        "skipped_steps": 0,  # every step of the source updated the weights (no fp16 overflow skips)
+        # global_steps counts skipped steps too, so = Adam's step + skipped_steps. DeepSpeed also
+        # writes global_samples (= steps x train batch size), which DCP does not record: it is left
+        # out, and the resuming engine computes exactly that from its own batch size.
+        "global_steps": _ucp_global_steps(src),
+        "dp_world_size": 1,  # one full copy of every tensor (the universal layout has no DP shards)
+        "mp_world_size": 1,  # one model-states file
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": {},  # no DeepSpeed job wrote this; readers take it as a dict with defaults
+        "ds_version": _UCP_DS_VERSION,
+    }
+
+
 def dcp_to_ucp(src: DcpTensors, cluster: Cluster, staging: Staging, *, workers: int) -> None:
-    """DeepSpeed's universal layout: ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` and
-    ``zero/optimizer_state.pt`` with the parameter groups (``params`` as DeepSpeed numbers them)."""
+    """DeepSpeed's universal checkpoint, complete enough for ``engine.load_checkpoint`` with
+    ``checkpoint.load_universal``: ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``,
+    ``zero/optimizer_state.pt`` and the tag folder's ``mp_rank_00_model_states.pt``
+    (:func:`_ucp_model_states`).
+
+    ``zero/optimizer_state.pt`` holds what ZeRO-1/2's universal loader
+    (``load_hp_checkpoint_state_from_checkpoint_dir``) reads: ``param_groups`` (every key but
+    ``params`` is copied into the engine's group ``i``; ``params`` numbers the source's entries),
+    ``ds_version`` (required) and ``overflow``. It leaves out what the loader takes from the
+    engine when absent and DCP does not know -- ``clip_grad``, ``loss_scaler``,
+    ``dynamic_loss_scale`` (written, they would override the resuming job's own configuration) --
+    and what ``ds_to_universal`` copies but no universal loader reads (``zero_stage``,
+    ``group_paddings``, ``param_alignment_paddings``, ``partition_count``: the source's flat ZeRO
+    partitioning, which a DCP source has none of). Everything is plain data, readable with
+    ``torch.load(weights_only=True)``."""
     jobs = _moment_jobs(src, staging, wrap=True)
     index = {n: i for i, n in enumerate(src.names)}
+    groups = src.param_groups()
 
     def optimizer_state() -> None:
-        groups = [{**g, "params": [index[n] for n in g.get("params", []) if n in index]} for g in src.param_groups()]
+        numbered = [{**g, "params": [index[n] for n in g.get("params", []) if n in index]} for g in groups]
         with staging.open("zero/optimizer_state.pt") as out:
-            save({"param_groups": groups}, out)
+            save({"overflow": False, "ds_version": _UCP_DS_VERSION, "param_groups": numbered}, out)
+
+    def model_states() -> None:
+        states = _ucp_model_states(src, groups)
+        with staging.open(_UCP_MODEL_STATES) as out:
+            save(states, out)
 
     jobs.append((1, optimizer_state))
+    jobs.append((sum(prod(src.shape(n)) for n in src.names) * 4 + 1, model_states))
     _run(cluster, staging, jobs, workers)
 
 
@@ -446,9 +566,6 @@ def reshard_dcp(ck: DcpCheckpoint, cluster: Cluster, staging: Staging, *, files:
     specs: dict[str, TensorSpec] = {}
     lock = threading.Lock()
 
-    def flat(key: str, rank: int) -> torch.Tensor:
-        return ck.shard(key, rank).reshape(-1)
-
     layout = {k: target_chunks(ck.tensors[k].shape, files) for k in keys}
     for k in keys:
         specs[k] = TensorSpec(ck.tensors[k].dtype, ck.tensors[k].shape, tuple(layout[k].values()))
@@ -462,7 +579,7 @@ def reshard_dcp(ck: DcpCheckpoint, cluster: Cluster, staging: Staging, *, files:
                     continue
                 e, p = ck.tensors[k], plans.params[k]
                 offsets, sizes = layout[k][r]
-                parts = [(0, s, partial(flat, k, s.src_rank)) for s in p.segments if s.dst_rank == r]
+                parts = [(0, s, partial(_flat_shard, ck, k, s.src_rank)) for s in p.segments if s.dst_rank == r]
                 f.tensor(k, offsets, e.dtype, sizes, WindowFill(parts))
             if r == 0:
                 for key in ck.objects:

@@ -247,7 +247,18 @@ class DcpCheckpoint:
             return self.chunk(key, live[0])
         if not e.shape or prod(e.shape) == 0:
             return torch.zeros(e.shape, dtype=e.dtype)
-        return self.param_map(key).rebuild(self.shards(key), verify=False)
+        f = self.param_map(key).rebuild(self.shards(key), verify=False)
+        self.release(key)  # F is a copy: the chunks' pages are done with
+        return f
+
+    def release(self, key: str) -> None:
+        """Drop the mapped pages of ``key``'s chunks from this process's resident set (they stay in
+        the page cache), so memory stays at about one tensor however many are read."""
+        for c in self.entry(key).chunks:
+            m = self._files.get(c.file)
+            lo, hi = -(-c.offset // mmap.PAGESIZE) * mmap.PAGESIZE, (c.offset + c.length) // mmap.PAGESIZE * mmap.PAGESIZE
+            if isinstance(m, mmap.mmap) and hi > lo:  # our own mapping of the file, alive: safe to drop
+                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def object(self, key: str) -> Any:
         """A non-tensor entry (``torch.save``d by DCP), loaded weights-only."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -43,6 +43,22 @@ class SafetensorsWriter:
         t = tensor.detach().contiguous().cpu()
         if t.numel():  # the tensor's own bytes, no copy (a mapped source is written straight out)
             self.f.write(memoryview(t.view(torch.uint8).numpy()).cast("B"))
+
+    def write_fill(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   fill: Callable[[torch.Tensor, int], None], chunk_bytes: int = 16 << 20) -> None:
+        """Write tensor ``name`` window by window: ``fill(out, start)`` puts elements ``start`` on
+        into the zeroed 1-D ``out`` (as ``torch_zip`` sources do); memory is one window."""
+        want = self.expected[self.index]
+        if (name, tuple(shape), dtype) != want:
+            raise ValueError(f"safetensors writer expected {want}, got {name} {tuple(shape)} {dtype}")
+        self.index += 1
+        numel = torch.Size(shape).numel()
+        buf = torch.empty(max(1, min(numel, chunk_bytes // dtype.itemsize)), dtype=dtype)
+        for start in range(0, numel, buf.numel()):
+            out = buf[:min(buf.numel(), numel - start)]
+            out.zero_()
+            fill(out, start)
+            self.f.write(memoryview(out.view(torch.uint8).numpy()).cast("B"))
 
     def close(self) -> None:
         if self.index != len(self.expected):
