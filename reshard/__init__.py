@@ -34,13 +34,14 @@ __version__ = "0.1.0"
 
 from . import layouts  # noqa: E402
 from .convert import convert  # noqa: E402
+from .convert_dcp import reshard_dcp_files  # noqa: E402
 from .derive import derive  # noqa: E402
 from .execute import apply_model_plan, apply_plan  # noqa: E402
 from .formats.output import verify  # noqa: E402
 from .offline import reshard as reshard_checkpoint  # noqa: E402
 from .plan import ModelPlan, PlanStats, Segment, TransferPlan, Unfilled  # noqa: E402
 from .plan_format import model_plan_from_dict, model_plan_to_dict, plan_from_dict, plan_to_dict  # noqa: E402
-from .planner import CostModel, DefaultCost, plan, plan_model  # noqa: E402
+from .planner import CostModel, DefaultCost, plan, plan_for_rank, plan_model  # noqa: E402
 from .reports import ConvertReport, ReshardReport  # noqa: E402
 from .retarget import TopologyPlan, plan_topology  # noqa: E402
 from .topology import Topology  # noqa: E402
@@ -68,7 +69,9 @@ __all__ = [
     "derive",
     "layouts",
     "plan",
+    "plan_for_rank",
     "plan_model",
+    "reshard_dcp_files",
     "plan_topology",
     "reshard_checkpoint",
     "verify",

@@ -1,11 +1,14 @@
 """The planner: compose a target map with the inverse of a source map into a transfer plan.
 
-Two phases. *Geometry* (cached per pair of maps): cut every piece into blocks of F, clip both
-sides to the common valid region, and intersect each target block with the source blocks that
-overlap it (found through a sorted index, never an all-pairs scan). Each intersection is an exact
-box with affine addresses on both sides. *Choice* (per parameter): for each target block and each
-holder set overlapping it, the cost model picks one holder; the chosen intersections are merged
-per (source rank, target rank) into as few N-d segments as possible.
+Two phases. *Geometry* (cached per pair of maps, and shared by pairs that differ only in rank
+names): cut every piece into blocks of F, clip both sides to the common valid region, and
+intersect each target block with the source blocks that overlap it (found through a sorted
+index, never an all-pairs scan). Each intersection is an exact box with affine addresses on both
+sides. *Choice* (per parameter, from that parameter alone): for each target block and each holder
+set overlapping it, the cost model picks one holder; the chosen intersections are merged per
+(source rank, target rank) into as few N-d segments as possible. Since neither phase looks at
+other parameters, one rank can plan just the segments it sends or receives (``plan_for_rank``)
+and get the global plan's.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import bisect
 import gc
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,11 +33,15 @@ from .plan import ModelPlan, Segment, TransferPlan, Unfilled
 
 class CostModel(Protocol):
     """Chooses which holder of a block sends it to ``dst_rank``. ``sent`` is the number of
-    elements each rank has been assigned to send so far (remote only); ``peers`` the ranks
-    already sending to ``dst_rank`` in this parameter."""
+    elements each rank has been assigned to send so far *in this parameter* (remote only);
+    ``peers`` the ranks already sending to ``dst_rank`` in this parameter; ``salt`` a number
+    fixed per parameter for breaking ties differently in identical parameters (``plan_model``:
+    how many parameters before it have the same pair of maps). A choice must depend on these
+    arguments only, never on other parameters' choices: that is what lets one rank plan its own
+    segments alone and get the global plan's choices (``plan_for_rank``)."""
 
     def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int],
-               peers: frozenset[int]) -> int: ...
+               peers: frozenset[int], salt: int) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +50,16 @@ class DefaultCost:
     keeps each TP rank's copy of a replicated block on the same TP rank); then a holder on the same
     node (``ranks_per_node`` consecutive global ranks per node); then a holder already sending to
     this target (fewer, larger messages, and segments that can merge); then the holder that has
-    sent least so far; then the lowest rank."""
+    sent least so far in this parameter; then the first holder in rank order rotated by ``salt``
+    (``salt`` 0: the lowest rank). Since ``plan_model`` salts the k-th parameter of a given pair
+    of maps with k, identical parameters (the layers of a model) take turns over their replicas:
+    the balance a tally over the whole model gave, with choices that stay local."""
 
     ranks_per_node: int | None = None
     prefer: Callable[[int, int], bool] | None = None
 
     def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int],
-               peers: frozenset[int] = frozenset()) -> int:
+               peers: frozenset[int] = frozenset(), salt: int = 0) -> int:
         if dst_rank in holders:
             return dst_rank
         pool = list(holders)
@@ -59,7 +69,8 @@ class DefaultCost:
             near = [r for r in pool if r // self.ranks_per_node == dst_rank // self.ranks_per_node]
             pool = near or pool
         friends = [r for r in pool if r in peers]
-        return min(friends or pool, key=lambda r: (sent.get(r, 0), r))
+        turn = {r: (i - salt) % len(holders) for i, r in enumerate(sorted(holders))}
+        return min(friends or pool, key=lambda r: (sent.get(r, 0), turn[r]))
 
 
 # -- phase 1: geometry ---------------------------------------------------------------------------
@@ -130,6 +141,7 @@ class _Need:
 class _Geometry:
     needs: tuple[_Need, ...]
     unfilled: tuple[Unfilled, ...]
+    fixed: tuple[int, ...] | None = None  # the picks when every need has one holder (no choice)
 
 
 def _factor(src_scale: float, dst_scale: float, allow_inexact: bool, where: str) -> float:
@@ -142,12 +154,16 @@ def _factor(src_scale: float, dst_scale: float, allow_inexact: bool, where: str)
     return f
 
 
-def _geometry(source: ParamMap, target: ParamMap, allow_inexact: bool) -> _Geometry:
-    if source.valid_shape != target.valid_shape:
-        raise PlanError(
-            f"source valid shape {list(source.valid_shape)} differs from target valid shape "
-            f"{list(target.valid_shape)}: these are not the same parameter"
-        )
+@dataclass(frozen=True, slots=True)
+class _TargetBlocks:
+    """A target map cut into blocks: per block its rank, piece index and scale, the part inside
+    the valid region (or ``None``) and the padding outside it."""
+
+    blocks: tuple[tuple[int, int, float, Block | None], ...]
+    unfilled: tuple[Unfilled, ...]
+
+
+def _source_index(source: ParamMap) -> _Index:
     valid = source.valid_shape
     srcs: list[_Src] = []
     for rank, _, p in source.pieces():
@@ -155,32 +171,48 @@ def _geometry(source: ParamMap, target: ParamMap, allow_inexact: bool) -> _Geome
             c = clip(b, valid)
             if c is not None:
                 srcs.append(_Src(rank, c, p.locations, p.scale))
-    index = _Index(srcs)
-    needs: list[_Need] = []
-    unfilled: list[Unfilled] = []
+    return _Index(srcs)
+
+
+def _target_blocks(target: ParamMap) -> _TargetBlocks:
+    valid = target.valid_shape
+    blocks, unfilled = [], []
     for t, j, q in target.pieces():
         for b in piece_blocks(q, target.logical_shape):
-            for pad in outside(b, valid):
-                unfilled.append(_unfilled(t, pad))
-            c = clip(b, valid)
-            if c is None:
+            unfilled.extend(_unfilled(t, pad) for pad in outside(b, valid))
+            blocks.append((t, j, q.scale, clip(b, valid)))
+    return _TargetBlocks(tuple(blocks), tuple(unfilled))
+
+
+def _geometry(source: ParamMap, target: ParamMap, allow_inexact: bool) -> _Geometry:
+    """Every intersection of a target block with the source blocks, grouped into needs."""
+    if source.valid_shape != target.valid_shape:
+        raise PlanError(
+            f"source valid shape {list(source.valid_shape)} differs from target valid shape "
+            f"{list(target.valid_shape)}: these are not the same parameter"
+        )
+    index, cut = _source_index(source), _target_blocks(target)
+    needs: list[_Need] = []
+    for t, j, q_scale, c in cut.blocks:
+        if c is None:
+            continue
+        # a holder class is a set of ranks with one scale: homogeneity makes them hold the
+        # same elements, so any one of them can fill the intersection
+        by_class: dict[tuple[frozenset[int], float], dict[int, list[_Raw]]] = defaultdict(lambda: defaultdict(list))
+        for s in index.query(c.box):
+            x = box_intersect(s.block.box, c.box)
+            if x is None:
                 continue
-            # a holder class is a set of ranks with one scale: homogeneity makes them hold the
-            # same elements, so any one of them can fill the intersection
-            by_class: dict[tuple[frozenset[int], float], dict[int, list[_Raw]]] = defaultdict(lambda: defaultdict(list))
-            for s in index.query(c.box):
-                x = box_intersect(s.block.box, c.box)
-                if x is None:
-                    continue
-                sb, db = s.block.sub(x), c.sub(x)
-                by_class[(s.locations, s.scale)][s.rank].append(_Raw(x, sb.base, sb.strides, db.base, db.strides))
-            for locs, scale in sorted(by_class, key=lambda k: (sorted(k[0]), k[1])):
-                per_rank = by_class[(locs, scale)]
-                f = _factor(scale, q.scale, allow_inexact, f"target rank {t} piece {j}")
-                numel = sum(box_numel(r.box) for r in next(iter(per_rank.values())))
-                options = tuple((r, f, tuple(per_rank[r])) for r in sorted(per_rank))
-                needs.append(_Need(t, numel, options))
-    return _Geometry(tuple(needs), tuple(unfilled))
+            sb, db = s.block.sub(x), c.sub(x)
+            by_class[(s.locations, s.scale)][s.rank].append(_Raw(x, sb.base, sb.strides, db.base, db.strides))
+        for locs, scale in sorted(by_class, key=lambda k: (sorted(k[0]), k[1])):
+            per_rank = by_class[(locs, scale)]
+            f = _factor(scale, q_scale, allow_inexact, f"target rank {t} piece {j}")
+            numel = sum(box_numel(r.box) for r in next(iter(per_rank.values())))
+            options = tuple((r, f, tuple(per_rank[r])) for r in sorted(per_rank))
+            needs.append(_Need(t, numel, options))
+    fixed = (0,) * len(needs) if all(len(n.options) == 1 for n in needs) else None
+    return _Geometry(tuple(needs), cut.unfilled, fixed)
 
 
 def _unfilled(rank: int, b: Block) -> Unfilled:
@@ -301,75 +333,176 @@ def _stack(pieces: list[Piece]) -> tuple[list[Piece], bool]:
     return out, changed
 
 
-def _choose(geo: _Geometry, cost: CostModel, sent: dict[int, int]) -> tuple[int, ...]:
+def _choose(geo: _Geometry, cost: CostModel, salt: int) -> tuple[int, ...]:
+    """One pick per need. Depends on this parameter alone (its geometry and salt): the tally of
+    elements sent starts empty for every parameter."""
+    if geo.fixed is not None:
+        return geo.fixed
     picks = []
+    sent: dict[int, int] = {}
     peers: dict[int, set[int]] = defaultdict(set)
     for need in geo.needs:  # sole holders first, so choices can join their messages
         if len(need.options) == 1:
             peers[need.dst_rank].add(need.options[0][0])
     for need in geo.needs:
-        holders = [r for r, _, _ in need.options]
-        r = holders[0] if len(holders) == 1 else cost.choose(
-            holders, need.dst_rank, need.numel, sent, frozenset(peers[need.dst_rank]))
-        peers[need.dst_rank].add(r)
-        if r not in holders:
-            raise PlanError(f"cost model chose rank {r}, which is not among the holders {holders}")
+        if len(need.options) == 1:
+            r, k = need.options[0][0], 0
+        else:
+            holders = [r for r, _, _ in need.options]
+            r = cost.choose(holders, need.dst_rank, need.numel, sent, frozenset(peers[need.dst_rank]), salt)
+            if r not in holders:
+                raise PlanError(f"cost model chose rank {r}, which is not among the holders {holders}")
+            peers[need.dst_rank].add(r)
+            k = holders.index(r)
         if r != need.dst_rank:
             sent[r] = sent.get(r, 0) + need.numel
-        picks.append(holders.index(r))
+        picks.append(k)
     return tuple(picks)
 
 
-def _assemble(source: ParamMap, target: ParamMap, geo: _Geometry, picks: tuple[int, ...]) -> TransferPlan:
+def _assemble(source: ParamMap, target: ParamMap, geo: _Geometry, picks: tuple[int, ...],
+              ranks: frozenset[int] | None) -> TransferPlan:
+    """The plan of the chosen intersections; with ``ranks``, only the segments a rank of
+    ``ranks`` sends or receives (merging never crosses a (source, target) pair, so these are
+    exactly the global plan's segments involving them)."""
     groups: dict[tuple[int, int, float], list[_Raw]] = defaultdict(list)
     for need, k in zip(geo.needs, picks):
         r, f, raws = need.options[k]
-        groups[(r, need.dst_rank, f)].extend(raws)
+        if ranks is None or r in ranks or need.dst_rank in ranks:
+            groups[(r, need.dst_rank, f)].extend(raws)
     segments = []
     for (src, dst, f) in sorted(groups):
         segs = [_segment(src, dst, f, raw) for raw in _merge(groups[(src, dst, f)])]
         segments.extend(sorted(_compress(segs), key=lambda x: (x.dst.offset, x.src.offset)))
+    unfilled = geo.unfilled if ranks is None else tuple(u for u in geo.unfilled if u.dst_rank in ranks)
     return TransferPlan(
         target.logical_shape,
         {r: s.shape for r, s in source.shards.items()},
         {r: s.shape for r, s in target.shards.items()},
         tuple(segments),
-        geo.unfilled,
+        unfilled,
     )
 
 
 # -- public API ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _Names:
+    """A pair of maps without its rank names. ``key`` is equal for pairs that differ only by an
+    order-preserving renaming of their ranks, under which geometry, merging and segment order are
+    unchanged (everything is sorted by rank); ``ranks[i]`` is the real name of local rank ``i``
+    and ``local`` the inverse."""
+
+    key: tuple
+    ranks: tuple[int, ...]
+    local: dict[int, int]
+
+
 @dataclass(slots=True)
 class Planner:
-    """Plans many parameters with one cost model and one running tally of bytes sent, caching
-    the geometry of identical map pairs."""
+    """Plans many parameters with one cost model. Geometry is computed once per pair of maps
+    *up to rank names* (the layers of a model on different stages or DP ranks) and renamed per
+    pair; plans are kept per (pair, choices). Every parameter's choices depend on that parameter
+    alone (``CostModel``), with its real ranks, so planning a subset of a model, or one rank's
+    share of it, gives the same segments as planning the whole."""
 
     cost: CostModel = field(default_factory=DefaultCost)
     allow_inexact_scale: bool = False
     check: bool = True
-    sent: dict[int, int] = field(default_factory=dict)
-    _geo: dict = field(default_factory=dict)
+    _geo: dict = field(default_factory=dict)  # (source, target) -> (geometry, names)
+    _forms: dict = field(default_factory=dict)  # map -> its form (_form)
+    _shared: dict = field(default_factory=dict)  # names.key -> geometry on local ranks
+    _shared_plans: dict = field(default_factory=dict)  # (names.key, picks) -> segments, unfilled
     _plans: dict = field(default_factory=dict)
     _checked: set = field(default_factory=set)
 
-    def plan(self, source: ParamMap, target: ParamMap) -> TransferPlan:
+    def plan(self, source: ParamMap, target: ParamMap, *, salt: int = 0,
+             ranks: frozenset[int] | None = None) -> TransferPlan:
+        """The plan of one parameter (``salt`` rotates its tie-breaks, see :class:`DefaultCost`);
+        with ``ranks``, only the segments and unfilled regions involving those ranks."""
         key = (source, target)
-        geo = self._geo.get(key)
-        if geo is None:
+        got = self._geo.get(key)
+        if got is None:
             if self.check:
                 for m in (source, target):
                     if m not in self._checked:
                         m.check()
                         self._checked.add(m)
-            geo = self._geo[key] = _geometry(source, target, self.allow_inexact_scale)
-        picks = _choose(geo, self.cost, self.sent)
-        pkey = (key, picks)
+            got = self._geo[key] = self._geometry(source, target)
+        geo, names = got
+        picks = _choose(geo, self.cost, salt)
+        pkey = (key, picks, ranks)
         plan = self._plans.get(pkey)
         if plan is None:
-            plan = self._plans[pkey] = _assemble(source, target, geo, picks)
+            plan = self._plans[pkey] = self._assemble(source, target, geo, names, picks, ranks)
         return plan
+
+    def _geometry(self, source: ParamMap, target: ParamMap) -> tuple[_Geometry, _Names | None]:
+        names = self._names(source, target)
+        if names is None:
+            return _geometry(source, target, self.allow_inexact_scale), None
+        local = self._shared.get(names.key)
+        if local is None:
+            geo = _geometry(source, target, self.allow_inexact_scale)
+            self._shared[names.key] = _rename_geometry(geo, names.local)
+            return geo, names
+        return _rename_geometry(local, names.ranks), names
+
+    def _assemble(self, source: ParamMap, target: ParamMap, geo: _Geometry, names: _Names | None,
+                  picks: tuple[int, ...], ranks: frozenset[int] | None) -> TransferPlan:
+        if names is None or ranks is not None:
+            return _assemble(source, target, geo, picks, ranks)
+        local = self._shared_plans.get((names.key, picks))
+        if local is None:
+            plan = _assemble(source, target, geo, picks, None)
+            self._shared_plans[(names.key, picks)] = _rename_parts(plan.segments, plan.unfilled, names.local)
+            return plan
+        segments, unfilled = _rename_parts(*local, names.ranks)
+        return TransferPlan(target.logical_shape, {r: s.shape for r, s in source.shards.items()},
+                            {r: s.shape for r, s in target.shards.items()}, segments, unfilled)
+
+    def _names(self, source: ParamMap, target: ParamMap) -> _Names | None:
+        forms = []
+        for m in (source, target):
+            form = self._forms.get(m, False)
+            if form is False:
+                form = self._forms[m] = _form(m)
+            if form is None:
+                return None
+            forms.append(form)
+        union = sorted(set(source.shards) | set(target.shards))
+        local = {r: i for i, r in enumerate(union)}
+        key = (*forms, tuple(local[r] for r in source.shards), tuple(local[r] for r in target.shards))
+        return _Names(key, tuple(union), local)
+
+
+def _form(m: ParamMap) -> tuple | None:
+    """``m`` with every rank named by its position among ``m``'s ranks (``None`` when a piece
+    names a rank outside the map, which only an unchecked, invalid map does)."""
+    pos = {r: i for i, r in enumerate(m.shards)}
+    shards = []
+    for s in m.shards.values():
+        pieces = []
+        for p in s.pieces:
+            if not p.locations <= pos.keys():
+                return None
+            pieces.append((p.shape, p.source, p.dest, tuple(sorted(pos[r] for r in p.locations)), p.scale))
+        shards.append((s.shape, tuple(pieces)))
+    return m.logical_shape, m.valid_shape, tuple(shards)
+
+
+def _rename_geometry(geo: _Geometry, name: Mapping[int, int] | Sequence[int]) -> _Geometry:
+    needs = tuple(_Need(name[n.dst_rank], n.numel, tuple((name[r], f, raws) for r, f, raws in n.options))
+                  for n in geo.needs)
+    unfilled = tuple(Unfilled(name[u.dst_rank], u.dst, u.shape) for u in geo.unfilled)
+    return _Geometry(needs, unfilled, geo.fixed)
+
+
+def _rename_parts(segments: Sequence[Segment], unfilled: Sequence[Unfilled],
+                  name: Mapping[int, int] | Sequence[int]) -> tuple[tuple[Segment, ...], tuple[Unfilled, ...]]:
+    return (tuple(Segment(name[s.src_rank], s.src, name[s.dst_rank], s.dst, s.shape, s.factor) for s in segments),
+            tuple(Unfilled(name[u.dst_rank], u.dst, u.shape) for u in unfilled))
 
 
 def plan(source: ParamMap, target: ParamMap, *, cost: CostModel | None = None,
@@ -380,25 +513,54 @@ def plan(source: ParamMap, target: ParamMap, *, cost: CostModel | None = None,
 
 def plan_model(source_maps: Mapping[str, ParamMap], target_maps: Mapping[str, ParamMap], *,
                cost: CostModel | None = None, allow_inexact_scale: bool = False,
-               check: bool = True) -> ModelPlan:
-    """Plan every parameter; parameters with identical geometry are planned once."""
+               check: bool = True, ranks: Collection[int] | None = None) -> ModelPlan:
+    """Plan every parameter; parameters with identical geometry are planned once. The k-th
+    parameter (in ``source_maps`` order) with a given pair of maps is salted k (see
+    :class:`DefaultCost`), so identical layers spread over replicas.
+
+    With ``ranks``, plan only what those ranks send or receive: the parameters some of them hold
+    in the source or the target, each with only the segments (and unfilled regions) involving
+    them, exactly the global plan's; the geometry of other parameters is never computed (nor
+    their maps checked), only their pairs of maps counted for the salt."""
     missing = sorted(set(source_maps) ^ set(target_maps))
     if missing:
         raise PlanError(f"source and target name different parameters: {missing[:5]}"
                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     planner = Planner(cost or DefaultCost(), allow_inexact_scale, check)
+    only = None if ranks is None else frozenset(ranks)
+    seen: dict[tuple[ParamMap, ParamMap], int] = {}
     out = {}
     # Planning allocates many small acyclic objects; the cyclic collector would repeatedly scan
     # every map of the model for nothing.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        for name in source_maps:
+        for name, source in source_maps.items():
+            target = target_maps[name]
+            salt = seen[(source, target)] = seen.get((source, target), -1) + 1
+            if only is not None and not (_touches(source, only) or _touches(target, only)):
+                continue
             try:
-                out[name] = planner.plan(source_maps[name], target_maps[name])
+                out[name] = planner.plan(source, target, salt=salt, ranks=only)
             except PlanError as e:
                 raise PlanError(f"parameter {name!r}: {e}") from None
     finally:
         if collecting:
             gc.enable()
     return ModelPlan(out)
+
+
+def plan_for_rank(source_maps: Mapping[str, ParamMap], target_maps: Mapping[str, ParamMap], rank: int, *,
+                  cost: CostModel | None = None, allow_inexact_scale: bool = False, check: bool = True) -> ModelPlan:
+    """What ``rank`` sends and receives in a live move: ``plan_model(..., ranks={rank})``, the
+    global plan's segments involving ``rank``. Costs what the parameters ``rank`` holds cost,
+    not what the model costs; give it every parameter's maps (the salts count them)."""
+    return plan_model(source_maps, target_maps, cost=cost, allow_inexact_scale=allow_inexact_scale, check=check,
+                      ranks=(rank,))
+
+
+def _touches(m: ParamMap, ranks: frozenset[int]) -> bool:
+    shards = m.shards
+    if len(ranks) <= len(shards):
+        return any(r in shards for r in ranks)
+    return any(r in ranks for r in shards)

@@ -204,6 +204,15 @@ def test_same_node_preferred():
     assert {s.src_rank for s in p.segments} <= {4, 5}
 
 
+def test_default_cost_rotates_ties_by_salt():
+    """Local copy, then least sent in this parameter, then rank order rotated by the salt."""
+    c = DefaultCost()
+    assert [c.choose([3, 5, 7], 9, 1, {}, frozenset(), k) for k in range(4)] == [3, 5, 7, 3]
+    assert c.choose([3, 5, 7], 9, 1, {3: 4}, frozenset(), 0) == 5
+    assert c.choose([3, 5, 7], 9, 1, {}, frozenset({7}), 0) == 7
+    assert c.choose([3, 5, 7], 5, 1, {}, frozenset(), 2) == 5
+
+
 def test_plans_are_deterministic_and_identical_geometry_is_planned_once():
     src = _tp_model(4, [0, 1, 2, 3], layers=3)
     tgt = _tp_dp_model(2, 2, [0, 1, 2, 3], layers=3)

@@ -20,7 +20,7 @@ parameter is omitted from that parameter's map (see :mod:`.zero`).
 """
 
 from ._core import dim_blocks, flat_ranges
-from .compose import compose, compose_zero, replicate_over
+from .compose import ZeroComposer, compose, compose_zero, replicate_over
 from .fused import (
     FUSED_QKV_KINDS,
     bigcode_mqa,
@@ -61,6 +61,7 @@ from .zero import (
 )
 
 __all__ = [
+    "ZeroComposer",
     "FUSED_QKV_KINDS",
     "FlatGroup",
     "autoep_placement",

@@ -19,6 +19,9 @@ straight to the sub-shards, exactly:
   cells back into as few pieces as the canonical form allows.
 * **Scale** multiplies.
 
+:class:`ZeroComposer` builds the TP∘ZeRO composites of a whole model this way, composing each
+geometry once (parameters that differ only in rank names, or not at all, share the work).
+
 Refused (:class:`reshard.MapError`): inner maps whose keys are not the outer ranks, whose F is not
 the outer shard, that carry padding of their own, or that put sub-shards of two outer ranks on one
 rank (that rank would hold two different tensors). A composed piece whose F view is neither a box
@@ -27,8 +30,9 @@ nor a flat run of F is cut per element of its outermost dim rather than refused.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 
 from ..errors import MapError
@@ -38,9 +42,11 @@ from ..ir.param_map import ParamMap
 from ..ir.piece import Piece, View, prod, row_major_strides
 from ..ir.shard import Shard
 from ..topology import Topology
+from ._core import flat_ranges
 from .tp import replicated
+from .zero import FlatGroup
 
-__all__ = ["compose", "compose_zero", "replicate_over"]
+__all__ = ["ZeroComposer", "compose", "compose_zero", "replicate_over"]
 
 ViewT = tuple[int, tuple[int, ...]]  # (offset, strides)
 
@@ -389,3 +395,109 @@ def compose_zero(model_map: ParamMap, zero_maps: Mapping[int, ParamMap | None], 
         else:
             inner[t] = split.with_ranks({d: topology.rank(0, d, t) for d in split.ranks})
     return compose(model_map, inner)
+
+
+# -- many composites, built once per geometry ----------------------------------------------------
+
+Fragments = Mapping[int, Sequence[tuple[int, int, int]]]  # outer rank -> (rank, lo, hi) of its shard
+
+
+@dataclass(slots=True)
+class ZeroComposer:
+    """Composite maps (a model-parallel map composed with a ZeRO-1/2 split of every shard) of many
+    parameters, each geometry composed once, the way ``plan_model`` plans each geometry once.
+
+    ``compose(outer, fragments)`` equals ``compose(outer, inner)`` where ``inner[t]`` gives rank
+    ``g`` the elements ``[lo, hi)`` of outer rank ``t``'s flattened shard for each ``(g, lo, hi)``
+    in ``fragments[t]`` (ZeRO's ``shard="fragment"``, what ``FlatGroup.fragments_of`` returns
+    with its DP ranks made global). A flat group lays parameters end to end, so the layers of a
+    model differ in where their fragments fall and in the ranks holding them; composition is
+    exact and does not depend on rank labels, so the composite is computed once per *shape* of
+    the problem (outer map on ranks ``0..k-1``, fragments as ranges) and relabelled per use, and
+    each labelled result is kept, so identical parameters get one map object (which the planner's
+    geometry cache then shares too)."""
+
+    _maps: dict = field(default_factory=dict)  # (outer, fragments) -> composite
+    _shapes: dict = field(default_factory=dict)  # (local outer, ranges) -> composite on local ranks
+    _local: dict = field(default_factory=dict)  # outer -> outer on ranks 0..k-1
+    _labellings: dict = field(default_factory=dict)  # (outer ranks, their DP ranks) -> small id
+
+    def compose(self, outer: ParamMap, fragments: Fragments) -> ParamMap:
+        """``outer`` composed with the fragments of every shard (see the class docstring)."""
+        key = (outer, tuple(sorted((t, tuple(map(tuple, f))) for t, f in fragments.items())))
+        got = self._maps.get(key)
+        if got is None:
+            got = self._maps[key] = self._build(outer, key[1])
+        return got
+
+    def group(self, outer_maps: Sequence[ParamMap], groups: Mapping[int, FlatGroup],
+              dp_ranks: Mapping[int, Sequence[int]]) -> list[ParamMap]:
+        """The composite map of every parameter of a ZeRO-1/2 group: parameter ``i``'s
+        model-parallel map is ``outer_maps[i]``; ``groups[t]`` is the flat group of outer rank
+        ``t``'s shards (``groups[t].shapes[i]`` that rank's shard of parameter ``i``), DP rank
+        ``d`` of it global rank ``dp_ranks[t][d]``. Equals ``compose(outer_maps[i], ...)`` with
+        ``groups[t].param_map(i, ranks=dp_ranks[t])`` for every ``t``. When every ``t`` has the
+        same flat group (even TP shards) a parameter's fragments are computed once, not per ``t``."""
+        # Like planning, this allocates many small acyclic objects: the cyclic collector would
+        # rescan every map already built for nothing.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._group(outer_maps, groups, dp_ranks)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _group(self, outer_maps: Sequence[ParamMap], groups: Mapping[int, FlatGroup],
+               dp_ranks: Mapping[int, Sequence[int]]) -> list[ParamMap]:
+        ts = sorted(groups)
+        labels = tuple(tuple(dp_ranks[t]) for t in ts)
+        lid = self._labellings.setdefault((tuple(ts), labels), len(self._labellings))
+        first = groups[ts[0]] if ts else None
+        uniform = all(groups[t] is first for t in ts)
+        out = []
+        for i, outer in enumerate(outer_maps):
+            frags = first.fragments_of(i) if uniform else tuple(groups[t].fragments_of(i) for t in ts)
+            key = (outer, uniform, frags, lid)
+            got = self._maps.get(key)
+            if got is None:
+                per_t = (frags,) * len(ts) if uniform else frags
+                global_frags = {t: tuple((lab[d], lo, hi) for d, lo, hi in f) for t, lab, f in zip(ts, labels, per_t)}
+                got = self._maps[key] = self.compose(outer, global_frags)
+            out.append(got)
+        return out
+
+    def _build(self, outer: ParamMap, frags: tuple) -> ParamMap:
+        if {t for t, _ in frags} != set(outer.ranks):
+            raise MapError(f"ZeroComposer: fragments are keyed {[t for t, _ in frags]}, "
+                           f"the outer map's ranks are {list(outer.ranks)}")
+        labels = [g for _, f in frags for g, _, _ in f]
+        if len(set(labels)) != len(labels):
+            raise MapError(f"ZeroComposer: a rank holds fragments of two shards: {labels}")
+        local = self._local.get(outer)
+        if local is None:
+            local = self._local[outer] = outer.with_ranks({t: i for i, t in enumerate(outer.ranks)})
+        shape_key = (local, tuple(tuple((lo, hi) for _, lo, hi in f) for _, f in frags))
+        base = self._shapes.get(shape_key)
+        if base is None:
+            base = self._shapes[shape_key] = _compose_ranges(local, shape_key[1])
+        return base.with_ranks(dict(enumerate(labels)))
+
+
+def _compose_ranges(local: ParamMap, ranges: tuple) -> ParamMap:
+    """``compose`` of ``local`` (ranks ``0..k-1``) with fragments on ranks ``0, 1, ...`` in order."""
+    inner, j = {}, 0
+    for t, rs in zip(local.ranks, ranges):
+        shape = local.shard(t).shape
+        numel = prod(shape)
+        if any(a < 0 or b > numel or a >= b for a, b in rs) or _overlap(rs) or sum(b - a for a, b in rs) != numel:
+            raise MapError(f"ZeroComposer: fragments {list(rs)} do not tile rank {t}'s shard of {numel} elements")
+        inner[t] = flat_ranges(shape, {j + k: (b - a, [(a, 0, b - a)]) for k, (a, b) in enumerate(rs)})
+        j += len(rs)
+    return compose(local, inner)
+
+
+def _overlap(rs: Sequence[tuple[int, int]]) -> bool:
+    s = sorted(rs)
+    return any(b > c for (_, b), (c, _) in zip(s, s[1:]))
+
