@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,6 +80,44 @@ class _Converter:
         return f, dict(low.extra)
 
 
+class DeepSpeedTensors:
+    """A DeepSpeed checkpoint read parameter by parameter as full tensors, for the routes of
+    ``convert_dcp`` (its ``Tensors`` interface)."""
+
+    def __init__(self, path: str | Path, on_replica_mismatch: str = "error") -> None:
+        ck = DeepSpeedCheckpoint.open(path)
+        ck.check_steps()
+        self.ck, self.conv, self._osd = ck, _Converter(ck, on_replica_mismatch), partial(_optimizer_state, ck)
+        self.names = ck.names
+        self.description = f"DeepSpeed TP={ck.tp} DP={ck.dp} PP={ck.pp} ZeRO-{ck.zero_stage}"
+        self.tag = ck.tag_dir.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.ck.tp_map(name).map.valid_shape)
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self.conv.full(name, "fp32")[0]
+
+    def moment(self, name: str, state: str) -> torch.Tensor | None:
+        return self.conv.full(name, state)[0] if self.ck.has_optimizer_state(name) else None
+
+    def step(self, name: str) -> Any:
+        return self.ck.step(name) if self.ck.has_optimizer_state(name) else None
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        groups = [dict(g) for g in self._osd()["param_groups"]]
+        members: dict[int, list[str]] = {}
+        for n in self.names:
+            z = self.ck.zero_map(n, 0) if self.ck.has_optimizer_state(n) else None
+            members.setdefault(0 if z is None else z[0], []).append(n)
+        for i, g in enumerate(groups):
+            g["params"] = members.get(i, [])
+        return groups
+
+    def release(self, name: str, t: torch.Tensor) -> None:
+        release(t)  # where t lies in a mapped input file, its pages are done with
+
+
 def _optimizer_state(ck: DeepSpeedCheckpoint) -> dict:
     """What ``ds_to_universal`` keeps of rank 0's optimizer file: the unsharded entries and the
     parameter groups."""
@@ -123,10 +162,12 @@ def convert(
     ``rename`` ``FROM=TO`` regexes): see ``reshard.convert_dcp``."""
     if fmt not in ("ucp", "safetensors", "dcp"):
         raise ReshardError(f"format must be 'ucp', 'safetensors' or 'dcp', got {fmt!r}")
-    if fmt == "dcp" or _dcp_or_universal(Path(ckpt_dir)):
-        from .convert_dcp import convert_any
+    from .convert_dcp import convert_any, open_tensors
 
-        return convert_any(ckpt_dir, out_dir, fmt=fmt, workers=workers, overwrite=overwrite,
+    src = open_tensors(ckpt_dir)
+    if src is not None or fmt == "dcp":
+        # drift in a DeepSpeed source is resolved as below, but not collected into the report
+        return convert_any(src or DeepSpeedTensors(ckpt_dir, on_replica_mismatch), ckpt_dir, out_dir, fmt=fmt, workers=workers, overwrite=overwrite,
                            max_file_bytes=max_file_bytes, checksum=checksum, cluster=cluster, rename=rename,
                            with_optimizer=with_optimizer, on_replica_mismatch=on_replica_mismatch)
     if rename or with_optimizer:
@@ -174,13 +215,6 @@ def convert(
     files = [p for p in final.rglob("*") if p.is_file() and p.name != MANIFEST]
     return ConvertReport(final, len(names), len(files), sum(p.stat().st_size for p in files), on_replica_mismatch,
                          drift)
-
-
-def _dcp_or_universal(p: Path) -> bool:
-    from .formats.dcp import is_dcp
-    from .formats.sources import _universal_dir
-
-    return p.is_dir() and (is_dcp(p) or _universal_dir(p) is not None)
 
 
 def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> list[tuple[int, Callable[[], None]]]:

@@ -28,10 +28,11 @@ from . import __version__
 from .cluster import Cluster, commit, open_staging, run_share
 from .errors import CheckpointError, ReshardError
 from .execute import WindowFill
+from .formats import torch_zip
 from .formats.dcp import DcpCheckpoint, is_dcp
 from .formats.dcp_writer import DcpFile, Record, TensorSpec, metadata_bytes
 from .formats.output import MANIFEST, Staging
-from .formats.pickling import save
+from .formats.pickling import Pickler, save
 from .formats.safe_load import load
 from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.piece import prod
@@ -97,44 +98,6 @@ class DcpTensors:
                 self.ck.release(key)
 
 
-class DeepSpeedTensors:
-    def __init__(self, path: str | Path, on_replica_mismatch: str = "error") -> None:
-        from .convert import _Converter, _optimizer_state
-        from .formats.deepspeed import DeepSpeedCheckpoint
-
-        ck = DeepSpeedCheckpoint.open(path)
-        ck.check_steps()
-        self.ck, self.conv, self._osd = ck, _Converter(ck, on_replica_mismatch), partial(_optimizer_state, ck)
-        self.names = ck.names
-        self.description = f"DeepSpeed TP={ck.tp} DP={ck.dp} PP={ck.pp} ZeRO-{ck.zero_stage}"
-        self.tag = ck.tag_dir.name
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.ck.tp_map(name).map.valid_shape)
-
-    def weight(self, name: str) -> torch.Tensor:
-        return self.conv.full(name, "fp32")[0]
-
-    def moment(self, name: str, state: str) -> torch.Tensor | None:
-        return self.conv.full(name, state)[0] if self.ck.has_optimizer_state(name) else None
-
-    def step(self, name: str) -> Any:
-        return self.ck.step(name) if self.ck.has_optimizer_state(name) else None
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        groups = [dict(g) for g in self._osd()["param_groups"]]
-        members: dict[int, list[str]] = {}
-        for n in self.names:
-            z = self.ck.zero_map(n, 0) if self.ck.has_optimizer_state(n) else None
-            members.setdefault(0 if z is None else z[0], []).append(n)
-        for i, g in enumerate(groups):
-            g["params"] = members.get(i, [])
-        return groups
-
-    def release(self, name: str, t: torch.Tensor) -> None:
-        release(t)  # where t lies in a mapped input file, its pages are done with
-
-
 class UniversalTensors:
     """A universal checkpoint folder (``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``)."""
 
@@ -183,18 +146,18 @@ class UniversalTensors:
         release(t)
 
 
-def open_tensors(path: str | Path, on_replica_mismatch: str = "error") -> Tensors:
-    """A DCP folder, a universal checkpoint (tag folder or parent with ``latest_universal``), or a
-    DeepSpeed checkpoint, as :class:`Tensors`."""
+def open_tensors(path: str | Path) -> Tensors | None:
+    """A DCP folder or a universal checkpoint (tag folder or parent with ``latest_universal``) as
+    :class:`Tensors`; ``None`` for anything else (``convert`` reads DeepSpeed checkpoints)."""
     from .formats.sources import _universal_dir
 
     p = Path(path)
-    if p.is_dir() and is_dcp(p):
+    if not p.is_dir():
+        return None
+    if is_dcp(p):
         return DcpTensors(DcpCheckpoint.open(p))
-    ucp = _universal_dir(p) if p.is_dir() else None
-    if ucp is not None:
-        return UniversalTensors(ucp)
-    return DeepSpeedTensors(p, on_replica_mismatch)
+    ucp = _universal_dir(p)
+    return None if ucp is None else UniversalTensors(ucp)
 
 
 # -- the job frame -----------------------------------------------------------------------------
@@ -444,6 +407,23 @@ def _ucp_global_steps(src: Tensors) -> int:
     return int(max(steps, default=0.0))
 
 
+class _WeightFill:
+    """``fill(out, start)`` of a parameter's fp32 weight for ``torch_zip``: the weight is read at
+    the first window and let go (its mapped pages released) after the last."""
+
+    def __init__(self, src: Tensors, name: str) -> None:
+        self.src, self.name, self.flat = src, name, None
+
+    def __call__(self, out: torch.Tensor, start: int) -> None:
+        if self.flat is None:
+            self.w = self.src.weight(self.name)
+            self.flat = self.w.detach().reshape(-1)
+        out.copy_(self.flat[start:start + out.numel()])
+        if start + out.numel() >= self.flat.numel():
+            self.src.release(self.name, self.w)
+            self.flat = self.w = None
+
+
 def _ucp_model_states(src: Tensors, groups: list[dict[str, Any]]) -> dict[str, Any]:
     """``mp_rank_00_model_states.pt`` as DeepSpeed 0.19.8's ``_save_checkpoint`` writes it for a
     ZeRO-1 job at DP=1 x TP=1 x PP=1 (keys in its order), from what a DCP checkpoint records.
@@ -463,9 +443,8 @@ def _ucp_model_states(src: Tensors, groups: list[dict[str, Any]]) -> dict[str, A
                     for g in groups]
     optimized = {n for shapes in param_shapes for n in shapes}
     module = OrderedDict()
-    for n in src.names:
-        t = src.weight(n).detach()
-        module[n] = (t.to(torch.float32) if t.dtype.is_floating_point else t).contiguous()
+    for n in src.names:  # placeholders: each weight is read when the writer reaches it
+        module[n] = torch_zip.tensor(torch.float32, src.shape(n), _WeightFill(src, n), label=n)
     return {
         "module": module,  # the weights by name, fp32 (never loaded by a universal resume)
         "buffer_names": [n for n in src.names if n not in optimized],
@@ -516,9 +495,8 @@ def dcp_to_ucp(src: DcpTensors, cluster: Cluster, staging: Staging, *, workers: 
             save({"overflow": False, "ds_version": _UCP_DS_VERSION, "param_groups": numbered}, out)
 
     def model_states() -> None:
-        states = _ucp_model_states(src, groups)
-        with staging.open(_UCP_MODEL_STATES) as out:
-            save(states, out)
+        with staging.open(_UCP_MODEL_STATES) as out:  # streamed: one weight in memory at a time
+            torch_zip.save(_ucp_model_states(src, groups), out, pickler=Pickler)
 
     jobs.append((1, optimizer_state))
     jobs.append((sum(prod(src.shape(n)) for n in src.names) * 4 + 1, model_states))
@@ -595,14 +573,12 @@ def reshard_dcp(ck: DcpCheckpoint, cluster: Cluster, staging: Staging, *, files:
 # -- entry points --------------------------------------------------------------------------------
 
 
-def convert_any(ckpt_dir: str | Path, out_dir: str | Path, *, fmt: str, workers: int = 1, overwrite: bool = False,
-                max_file_bytes: int = 5 * 2**30, checksum: str = "crc32", cluster: Cluster | None = None,
-                rename: Sequence[str] = (), with_optimizer: bool = False,
+def convert_any(src: Tensors, ckpt_dir: str | Path, out_dir: str | Path, *, fmt: str, workers: int = 1,
+                overwrite: bool = False, max_file_bytes: int = 5 * 2**30, checksum: str = "crc32",
+                cluster: Cluster | None = None, rename: Sequence[str] = (), with_optimizer: bool = False,
                 on_replica_mismatch: str = "error") -> ConvertReport:
-    """The routes ``convert`` does not take itself: from DCP or a universal checkpoint, or to DCP.
-    (Replica drift in a DeepSpeed source is resolved by ``on_replica_mismatch`` as ``convert`` does,
-    but not collected into the report.)"""
-    src = open_tensors(ckpt_dir, on_replica_mismatch)
+    """The routes ``convert`` does not take itself, from ``src`` (read from ``ckpt_dir``): from DCP
+    or a universal checkpoint, or to DCP."""
     if isinstance(src, DcpTensors) and fmt == "dcp":
         raise ReshardError(f"{ckpt_dir} is already a DCP checkpoint: use 'reshard reshard --files N' to lay it out "
                            "for another world size")
