@@ -34,7 +34,6 @@ __version__ = "0.1.0"
 
 from . import layouts  # noqa: E402
 from .convert import convert  # noqa: E402
-from .convert_dcp import reshard_dcp_files  # noqa: E402
 from .derive import derive  # noqa: E402
 from .execute import apply_model_plan, apply_plan  # noqa: E402
 from .formats.output import verify  # noqa: E402
@@ -43,6 +42,7 @@ from .plan import ModelPlan, PlanStats, Segment, TransferPlan, Unfilled  # noqa:
 from .plan_format import model_plan_from_dict, model_plan_to_dict, plan_from_dict, plan_to_dict  # noqa: E402
 from .planner import CostModel, DefaultCost, plan, plan_for_rank, plan_model  # noqa: E402
 from .reports import ConvertReport, ReshardReport  # noqa: E402
+from .reshard_dcp import reshard_dcp_files  # noqa: E402
 from .retarget import TopologyPlan, plan_topology  # noqa: E402
 from .topology import Topology  # noqa: E402
 

@@ -231,7 +231,7 @@ def _cmd_reshard(args) -> int:
 
 
 def _reshard_dcp(args) -> int:
-    from .convert_dcp import reshard_dcp_files
+    from .reshard_dcp import reshard_dcp_files
 
     if args.files is None:
         raise ReshardError(f"{args.ckpt_dir}: a DCP checkpoint is laid out again with --files N (N loading ranks)")

@@ -5,8 +5,8 @@ files over the processes of a ``torchrun`` launch):
   universal layout) or to DeepSpeed's universal layout;
 * a DeepSpeed checkpoint (any kind ``convert`` reads) or a universal checkpoint to DCP, loadable by
   ``dcp.load`` into ``get_state_dict(model, optim)`` at any world size;
-* a DCP checkpoint laid out again for N loading ranks (``reshard_dcp``): each file holds what one
-  rank of an N-way FSDP mesh loads (dim-0 chunks, as ``fully_shard`` splits), moved through the IR.
+and the job frame those routes and ``reshard_dcp`` (a DCP checkpoint laid out for N loading
+ranks) share.
 
 Every route reads parameters through one small interface (:class:`Tensors`): full tensors of a
 parameter's weight and optimizer states, its step, and the parameter groups.
@@ -37,9 +37,8 @@ from .formats.safe_load import load
 from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.piece import prod
 from .layouts import replicated
-from .layouts._core import box_piece, finish
 from .memory import release
-from .planner import plan, plan_model
+from .planner import plan
 from .reports import ConvertReport
 from .workers import run_jobs
 
@@ -183,12 +182,12 @@ def _renamer(rules: Sequence[str]) -> Callable[[str], str]:
     return rename
 
 
-def _run(cluster: Cluster, staging: Staging, jobs: list[tuple[int, Callable[[], None]]], workers: int) -> None:
+def run_shares(cluster: Cluster, staging: Staging, jobs: list[tuple[int, Callable[[], None]]], workers: int) -> None:
     jobs.sort(key=lambda job: -job[0])
     run_share(cluster, staging, jobs, lambda mine: run_jobs(mine, workers))
 
 
-def _on_rank0(cluster: Cluster, staging: Staging, fn: Callable[[], None]) -> None:
+def on_rank0(cluster: Cluster, staging: Staging, fn: Callable[[], None]) -> None:
     """Something only process 0 writes (an index, DCP's ``.metadata``), agreed on by all."""
     error = None
     if cluster.rank == 0:
@@ -204,7 +203,7 @@ def _on_rank0(cluster: Cluster, staging: Staging, fn: Callable[[], None]) -> Non
         raise
 
 
-def _finish(cluster: Cluster, staging: Staging, src: Tensors, fmt: str, latest: str | None, extra: dict) -> ConvertReport:
+def finish_report(cluster: Cluster, staging: Staging, src: Tensors, fmt: str, latest: str | None, extra: dict) -> ConvertReport:
     meta = {"reshard_version": __version__, "format": fmt, "source": src.description, **extra}
     final = commit(cluster, staging, meta, latest)
     files = [p for p in final.rglob("*") if p.is_file() and p.name != MANIFEST]
@@ -260,8 +259,8 @@ def to_dcp(src: Tensors, cluster: Cluster, staging: Staging, *, rename: Callable
             values.extend(r.key for r in f.records)
 
     jobs.append((1, param_groups))
-    _run(cluster, staging, jobs, workers)
-    _write_metadata(cluster, staging, records, specs, values)
+    run_shares(cluster, staging, jobs, workers)
+    write_metadata(cluster, staging, records, specs, values)
 
 
 def _write_param(f: DcpFile, src: Tensors, name: str, new: str, specs: dict[str, TensorSpec]) -> None:
@@ -282,7 +281,7 @@ def _write_param(f: DcpFile, src: Tensors, name: str, new: str, specs: dict[str,
         put(f"optim.state.{new}.step", _as_step(step))
 
 
-def _write_metadata(cluster: Cluster, staging: Staging, records: list[Record], specs: dict[str, TensorSpec],
+def write_metadata(cluster: Cluster, staging: Staging, records: list[Record], specs: dict[str, TensorSpec],
                     values: list[str]) -> None:
     gathered = cluster.gather((records, specs, values))
 
@@ -296,7 +295,7 @@ def _write_metadata(cluster: Cluster, staging: Staging, records: list[Record], s
         with staging.open(".metadata") as out:
             out.write(metadata_bytes(ordered, sorted(all_values), all_records, planner))
 
-    _on_rank0(cluster, staging, write)
+    on_rank0(cluster, staging, write)
 
 
 def _path_of(key: str) -> tuple:
@@ -350,8 +349,8 @@ def dcp_to_safetensors(src: DcpTensors, cluster: Cluster, staging: Staging, *, w
         with staging.open("model.safetensors.index.json") as out:
             out.write((json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
 
-    _run(cluster, staging, jobs, workers)
-    _on_rank0(cluster, staging, index)
+    run_shares(cluster, staging, jobs, workers)
+    on_rank0(cluster, staging, index)
 
 
 def _whole(ck: DcpCheckpoint, key: str) -> torch.Tensor | WindowFill:
@@ -362,10 +361,10 @@ def _whole(ck: DcpCheckpoint, key: str) -> torch.Tensor | WindowFill:
     if len(live) == 1 and e.chunks[live[0]].sizes == e.shape or not prod(e.shape):
         return ck.full(key)
     p = plan(ck.param_map(key), replicated(e.shape, 1))
-    return WindowFill([(0, s, partial(_flat_shard, ck, key, s.src_rank)) for s in p.segments])
+    return WindowFill([(0, s, partial(flat_shard, ck, key, s.src_rank)) for s in p.segments])
 
 
-def _flat_shard(ck: DcpCheckpoint, key: str, rank: int) -> torch.Tensor:
+def flat_shard(ck: DcpCheckpoint, key: str, rank: int) -> torch.Tensor:
     return ck.shard(key, rank).reshape(-1)
 
 
@@ -500,74 +499,7 @@ def dcp_to_ucp(src: DcpTensors, cluster: Cluster, staging: Staging, *, workers: 
 
     jobs.append((1, optimizer_state))
     jobs.append((sum(prod(src.shape(n)) for n in src.names) * 4 + 1, model_states))
-    _run(cluster, staging, jobs, workers)
-
-
-# -- DCP at N loading ranks ----------------------------------------------------------------------
-
-
-def fsdp_chunks(shape: tuple[int, ...], n: int) -> list[tuple[int, int]]:
-    """``(start, rows)`` of dim 0 on each of ``n`` ranks, as ``fully_shard`` splits (``torch.chunk``:
-    ceil-sized chunks, the last ones shorter or empty); a 0-d tensor lives on rank 0."""
-    if not shape:
-        return [(0, 1)] + [(0, 0)] * (n - 1)
-    step = -(-shape[0] // n)
-    return [(min(r * step, shape[0]), max(0, min(shape[0], (r + 1) * step) - r * step)) for r in range(n)]
-
-
-def target_chunks(shape: tuple[int, ...], n: int) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """``{rank: (offsets, sizes)}`` of the chunks a tensor is stored in for ``n`` loading ranks;
-    a tensor without elements is one empty chunk on rank 0 (as ``dcp.save`` stores it)."""
-    if not shape or not prod(shape):
-        return {0: ((0,) * len(shape), shape)}
-    return {r: ((start,) + (0,) * (len(shape) - 1), (rows, *shape[1:]))
-            for r, (start, rows) in enumerate(fsdp_chunks(shape, n)) if rows}
-
-
-def fsdp_map(shape: tuple[int, ...], n: int):
-    """The map of a tensor laid out for ``n`` FSDP ranks (:func:`target_chunks`)."""
-    shards = {}
-    for r, (offsets, sizes) in target_chunks(shape, n).items():
-        pieces = [box_piece(shape, offsets, sizes, sizes, (0,) * len(shape), (r,))] if prod(sizes) else []
-        shards[r] = (sizes, pieces)
-    return finish(shape, shards)
-
-
-def reshard_dcp(ck: DcpCheckpoint, cluster: Cluster, staging: Staging, *, files: int, workers: int) -> None:
-    """One file per loading rank ``r`` (``__r_0.distcp``) with rank ``r``'s chunk of every tensor,
-    each chunk streamed from the source chunks through the plan; values go with rank 0."""
-    keys = list(ck.tensors)
-    source = {k: ck.param_map(k) for k in keys}
-    target = {k: fsdp_map(ck.tensors[k].shape, files) for k in keys}
-    plans = plan_model(source, target)
-    records: list[Record] = []
-    specs: dict[str, TensorSpec] = {}
-    lock = threading.Lock()
-
-    layout = {k: target_chunks(ck.tensors[k].shape, files) for k in keys}
-    for k in keys:
-        specs[k] = TensorSpec(ck.tensors[k].dtype, ck.tensors[k].shape, tuple(layout[k].values()))
-
-    def one(r: int) -> None:
-        rel = f"__{r}_0.distcp"
-        with staging.open(rel) as out:
-            f = DcpFile(out, rel)
-            for k in keys:
-                if r not in layout[k]:
-                    continue
-                e, p = ck.tensors[k], plans.params[k]
-                offsets, sizes = layout[k][r]
-                parts = [(0, s, partial(_flat_shard, ck, k, s.src_rank)) for s in p.segments if s.dst_rank == r]
-                f.tensor(k, offsets, e.dtype, sizes, WindowFill(parts))
-            if r == 0:
-                for key in ck.objects:
-                    f.value(key, ck.object(key))
-        with lock:
-            records.extend(f.records)
-
-    sizes = [sum(prod(p.target_shards.get(r, (0,))) for p in plans.params.values()) for r in range(files)]
-    _run(cluster, staging, [(sizes[r] + 1, partial(one, r)) for r in range(files)], workers)
-    _write_metadata(cluster, staging, records, specs if cluster.rank == 0 else {}, list(ck.objects) if cluster.rank == 0 else [])
+    run_shares(cluster, staging, jobs, workers)
 
 
 # -- entry points --------------------------------------------------------------------------------
@@ -598,17 +530,5 @@ def convert_any(src: Tensors, ckpt_dir: str | Path, out_dir: str | Path, *, fmt:
         assert isinstance(src, DcpTensors)
         dcp_to_ucp(src, cluster, staging, workers=workers)
         latest = "latest_universal"
-    return _finish(cluster, staging, src, fmt, latest,
+    return finish_report(cluster, staging, src, fmt, latest,
                    {"rename": list(rename), "on_replica_mismatch": on_replica_mismatch})
-
-
-def reshard_dcp_files(ckpt_dir: str | Path, out_dir: str | Path, *, files: int, workers: int = 1,
-                      overwrite: bool = False, checksum: str = "crc32", cluster: Cluster | None = None) -> ConvertReport:
-    """``reshard reshard DCP_DIR OUT --files N``."""
-    if files < 1:
-        raise ReshardError(f"--files must be at least 1, got {files}")
-    ck = DcpCheckpoint.open(ckpt_dir)
-    cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.path.name, overwrite=overwrite, checksum=checksum)
-    reshard_dcp(ck, cluster, staging, files=files, workers=workers)
-    return _finish(cluster, staging, DcpTensors(ck), "dcp", None, {"files": files})

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reshard import CheckpointError, ReshardError, convert
-from reshard.convert_dcp import fsdp_chunks, reshard_dcp_files, target_chunks
 from reshard.formats.dcp import METADATA, DcpCheckpoint
 from reshard.formats.dcp_writer import DcpFile
 from reshard.formats.output import verify
 from reshard.formats.safe_load import load
 from reshard.ir.piece import prod
+from reshard.reshard_dcp import fsdp_chunks, reshard_dcp_files, target_chunks
 from tests.dsconv import ds_to_universal, tag_dir
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
