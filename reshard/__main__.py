@@ -1,5 +1,5 @@
 """``python -m reshard ...`` (and ``torchrun ... -m reshard ...``): the ``reshard`` command."""
 
-from .cli import main
+from .cli import run
 
-raise SystemExit(main())
+run()

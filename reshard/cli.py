@@ -369,5 +369,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The ``reshard`` command's entry point. Under a launcher (``WORLD_SIZE`` > 1) the process
+    ends with ``os._exit`` once the job is done and its process group closed: torch 2.13's gloo
+    can abort ("terminate called without an active exception") while the interpreter shuts down,
+    which would turn a finished, committed job into a failed launch."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -290,7 +290,7 @@ def write_metadata(cluster: Cluster, staging: Staging, records: list[Record], sp
         all_specs = {k: v for part in gathered for k, v in part[1].items()}
         all_values = [k for part in gathered for k in part[2]]
         keys = list(all_specs) + all_values
-        planner = {k: _path_of(k) for k in keys}
+        planner = {k: _path_of(k) for k in sorted(keys)}  # any number of processes: the same bytes
         ordered = dict(sorted(all_specs.items()))
         with staging.open(".metadata") as out:
             out.write(metadata_bytes(ordered, sorted(all_values), all_records, planner))

@@ -1,14 +1,31 @@
 """``derive``: recover the map of a partition function by running it.
 
-Run ``partition_fn(full, rank)`` on two marker tensors (a unique value per element of F) to learn,
-for every shard element, which element of F it holds and by what scale; compress those into the
-canonical form; then run it once more on random data and require a bit-exact reproduction. A
-function that computes rather than selects fails one of these steps and raises NotAffineError.
+Two readings of the function, the cheaper first:
+
+1. *Index markers* (``_derive_by_index``). Run ``partition_fn(index, rank)`` on F's own element
+   indices (int32, or int64 from 2**31 elements). A shard that is a view of the index tensor (what
+   ``chunk``, ``split`` and slicing return) names its source view in ``storage_offset()`` and
+   ``stride()``: no element is read. Any other shard is read once: as a view guessed from its
+   first elements and confirmed by one comparison, else element by element. Holders come from the
+   boxes of F the views cover when those are equal or disjoint, else from counts per element.
+2. *Float markers* (``_derive_by_markers``), whenever the first does not apply: the function
+   scales, computes in floating point, refuses an integer input, or the reading fails the check
+   below. One or two float markers in ``dtype`` (a unique value per element, exact while F is
+   small enough for that dtype) give index and scale per shard element.
+
+Either way the result is compressed into the canonical form, then the function runs once more on
+random data of ``dtype`` and must be reproduced bit-exactly (a shard read as a view is compared
+with that view of the data in place, or not at all when the function returns that very view). A
+function that computes rather than selects fails one of these steps and raises NotAffineError,
+always from the float markers, so the messages do not depend on which reading was tried first.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import combinations
 
 import numpy as np
 import torch
@@ -16,9 +33,9 @@ import torch
 from .errors import NotAffineError
 from .ir.apply import bits
 from .ir.canonical import canonical_pieces
-from .ir.geometry import one_box
+from .ir.geometry import Box, box_intersect, is_injective, merge_dims, one_box, view_boxes
 from .ir.param_map import ParamMap
-from .ir.piece import Piece, View, prod
+from .ir.piece import Piece, View, prod, row_major_strides
 from .ir.shard import Shard
 
 PartitionFn = Callable[[torch.Tensor, int], torch.Tensor]
@@ -34,6 +51,249 @@ def derive(
 ) -> ParamMap:
     """The canonical map of ``partition_fn`` over ``world_size`` ranks (see module doc)."""
     shape = tuple(logical_shape)
+    m = _derive_by_index(partition_fn, shape, world_size, dtype, seed)
+    return m if m is not None else _derive_by_markers(partition_fn, shape, world_size, dtype, seed)
+
+
+# -- reading 1: index markers -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _ViewRead:
+    """A shard that is F seen through ``view``, its elements in row-major order of ``shape``, and
+    that the canonical form turns into one piece (see ``_one_piece``)."""
+
+    shape: tuple[int, ...]
+    view: View
+
+
+@dataclass(frozen=True, slots=True)
+class _ElementRead:
+    """A shard read element by element: ``src[k]`` is the flat index into F of its k-th element."""
+
+    shape: tuple[int, ...]
+    src: np.ndarray
+
+
+_Read = _ViewRead | _ElementRead
+
+
+def _derive_by_index(fn: PartitionFn, shape: tuple[int, ...], world_size: int, dtype: torch.dtype,
+                     seed: int) -> ParamMap | None:
+    """The map read from index markers, or ``None`` where that reading does not apply."""
+    n = prod(shape)
+    if not shape or n == 0:
+        return None
+    index_dtype = torch.int32 if n < 2**31 else torch.int64
+    # One buffer serves the index and then the random data: first touches of fresh memory cost
+    # more than the passes themselves at this size.
+    raw = torch.empty(n * max(index_dtype.itemsize, dtype.itemsize), dtype=torch.uint8)
+    index = raw[: n * index_dtype.itemsize].view(index_dtype)
+    torch.arange(n, dtype=index_dtype, out=index)
+    index = index.view(shape)
+    reads = _read_shards(fn, index, world_size)
+    if reads is None:
+        return None
+    try:
+        m = _index_map(reads, index, shape)
+        del index  # every read holds geometry or its own copy: the buffer is free for the data
+        _reproduce_reads(m, fn, raw[: n * dtype.itemsize].view(dtype).view(shape), reads, seed)
+    except NotAffineError:
+        return None
+    return m
+
+
+def _read_shards(fn: PartitionFn, index: torch.Tensor, world_size: int) -> dict[int, _Read] | None:
+    version = _version(index)
+    reads: dict[int, _Read] = {}
+    for rank in range(world_size):
+        try:
+            out = fn(index, rank)
+        except Exception:  # it needs a floating-point input, say: the float markers will tell
+            return None
+        if not isinstance(out, torch.Tensor) or out.dtype != index.dtype or out.device != index.device:
+            return None  # it computes in another dtype (a scale, say)
+        read = _read(out.detach(), index)
+        if read is None:
+            return None
+        reads[rank] = read
+    # every reading above trusts index[i] == i: a function that wrote into its input voids them
+    return reads if version is not None and _version(index) == version else None
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), ``None`` where torch keeps none."""
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor
+        return None
+
+
+def _read(out: torch.Tensor, index: torch.Tensor) -> _Read | None:
+    """What ``out``, computed from the index tensor, holds; ``None`` when it holds a value that is
+    no index of F (it computes)."""
+    shape, n = tuple(out.shape), index.numel()
+    if out.numel() == 0:
+        return _ViewRead(shape, View(0, (0,) * len(shape)))
+    shared = _shares(out, index)
+    if shared:  # a view: its geometry says everything, no element is read
+        view = View.trusted(out.storage_offset() - index.storage_offset(), tuple(out.stride()))
+        if not _fits(shape, view, n):
+            return None  # it reaches past F (the index shares its buffer with the random data)
+        if _one_piece(shape, view, tuple(index.shape)):
+            return _ViewRead(shape, view)
+    values = out.contiguous()
+    view = None if shared else _guess_view(values, index)  # a view's guess is that same view
+    if view is not None and _one_piece(shape, view, tuple(index.shape)):
+        return _ViewRead(shape, view)
+    src = np.array(values.reshape(-1).numpy(), dtype=np.int64)  # a copy: the buffer is reused
+    if src.min() < 0 or src.max() >= n:
+        return None
+    return _ElementRead(shape, src)
+
+
+def _fits(shape: tuple[int, ...], view: View, n: int) -> bool:
+    """Whether ``view`` (of ``shape``) stays inside F's ``n`` elements."""
+    lo, hi = view.span(shape)
+    return lo >= 0 and all(s >= 0 for s in view.strides) and hi <= n
+
+
+def _guess_view(values: torch.Tensor, index: torch.Tensor) -> View | None:
+    """The view of F that ``values`` (contiguous, from the index tensor) is a copy of, if any:
+    guessed from the first element and one step along each dim, then confirmed in one pass."""
+    shape = tuple(values.shape)
+    flat = values.reshape(-1)
+    base = int(flat[0])
+    strides = tuple(int(flat[r]) - base if k > 1 else 0 for k, r in zip(shape, row_major_strides(shape)))
+    view = View.trusted(base, strides)
+    if base < 0 or not _fits(shape, view, index.numel()):
+        return None
+    return view if torch.equal(values, index.as_strided(shape, strides, base)) else None
+
+
+def _one_piece(shape: tuple[int, ...], view: View, space: tuple[int, ...]) -> bool:
+    """Whether the canonical form of a shard that is F seen through ``view`` is that view as one
+    piece, exactly as the element-by-element reading finds it. True when the view is injective,
+    one box of F, keeps F's element order, and no carry between its dims continues a progression
+    of an inner dim (the element reading, which sees only addresses, would join across it)."""
+    if not is_injective(shape, view.strides) or not one_box(view, shape, space):
+        return False
+    dims = merge_dims(shape, view.strides, row_major_strides(shape))
+    if any(a[1][1] <= b[1][1] for a, b in zip(dims, dims[1:])):
+        return False  # the shard reorders F (a transpose): its runs break up differently
+    ext = [(n, st[0]) for n, st in dims] + [(1, 1)]  # a unit step after the innermost dim
+    for j in range(len(ext) - 1):
+        reach = 0  # how far dims j+1 .. k-1 advance
+        for k in range(j + 1, len(ext)):
+            n_k, s_k = ext[k]
+            if k > j + 1 and ext[j][1] == reach + n_k * s_k:
+                return False
+            reach += (n_k - 1) * s_k
+    return True
+
+
+def _index_map(reads: dict[int, _Read], index: torch.Tensor, space: tuple[int, ...]) -> ParamMap:
+    views = {rank: r for rank, r in reads.items() if isinstance(r, _ViewRead)}
+    locs = _box_holders(views, space) if len(views) == len(reads) else None
+    if locs is not None:
+        shards = {rank: Shard(r.shape, canonical_pieces(_view_pieces(r, locs.get(rank)), space))
+                  for rank, r in views.items()}
+        return ParamMap(space, shards)
+    per_rank = {}
+    for rank, r in reads.items():
+        src = r.src if isinstance(r, _ElementRead) else _elements(r, index)
+        per_rank[rank] = (r.shape, src, np.broadcast_to(np.float64(1.0), src.shape))
+    masks = _holder_masks(per_rank, index.numel())
+    return ParamMap(space, {
+        rank: Shard(sshape, canonical_pieces(_pieces(src, scale, masks[rank], space), space))
+        for rank, (sshape, src, scale) in per_rank.items()
+    })
+
+
+def _box_holders(views: dict[int, _ViewRead], space: tuple[int, ...]) -> dict[int, frozenset[int]] | None:
+    """Holders of each rank's elements when the ranks' boxes of F are pairwise equal or disjoint
+    (splits, replication, both); ``None`` when some partly overlap."""
+    groups: dict[Box, list[int]] = defaultdict(list)
+    for rank, r in views.items():
+        if prod(r.shape):
+            groups[view_boxes(r.view, r.shape, space)[0]].append(rank)
+    if len(groups) > 256:  # pairs grow quadratically: counting per element is cheaper by then
+        return None
+    if any(box_intersect(a, b) is not None for a, b in combinations(groups, 2)):
+        return None
+    return {rank: frozenset(ranks) for ranks in groups.values() for rank in ranks}
+
+
+def _view_pieces(r: _ViewRead, locs: frozenset[int] | None) -> list[Piece]:
+    if locs is None:  # an empty shard
+        return []
+    return [Piece(r.shape, r.view, View(0, row_major_strides(r.shape)), locs, 1.0)]
+
+
+def _elements(r: _ViewRead, index: torch.Tensor) -> np.ndarray:
+    if not prod(r.shape):
+        return np.zeros(0, dtype=np.int64)
+    picked = index.as_strided(r.shape, r.view.strides, r.view.offset)
+    return np.array(picked.reshape(-1).numpy(), dtype=np.int64)
+
+
+def _reproduce_reads(m: ParamMap, fn: PartitionFn, full: torch.Tensor, reads: dict[int, _Read],
+                     seed: int) -> None:
+    """``_reproduce`` for the index reading. A shard whose map is its view is compared with that
+    view of the data in place (no extracted copy), or not at all when the function returned that
+    very view: the same addresses read twice cannot differ."""
+    full.uniform_(-1.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    for rank in m.ranks:
+        want, r = fn(full, rank), reads[rank]
+        want = want.detach() if isinstance(want, torch.Tensor) else want
+        if isinstance(r, _ViewRead) and _is_view(m.shards[rank], r):
+            if _same_view(want, full, r):
+                continue
+            got = full.as_strided(r.shape, r.view.strides, r.view.offset)
+        else:
+            got = m.extract(full, rank)
+        if not (isinstance(want, torch.Tensor) and want.dtype == got.dtype and want.shape == got.shape
+                and torch.equal(_bits_view(want), _bits_view(got))):
+            raise NotAffineError(f"rank {rank}: on random data the shard differs from what the map predicts")
+
+
+def _normal(shape: tuple[int, ...], source: View, dest: View) -> tuple:
+    """A block's element mapping in normal form: equal forms, equal mappings."""
+    return source.offset, dest.offset, tuple(merge_dims(shape, source.strides, dest.strides))
+
+
+def _is_view(shard: Shard, r: _ViewRead) -> bool:
+    """Whether the map's shard is exactly ``r``'s view: one unscaled piece with its mapping."""
+    if len(shard.pieces) != 1 or shard.shape != r.shape:
+        return False
+    p = shard.pieces[0]
+    return p.scale == 1.0 and _normal(p.shape, p.source, p.dest) == _normal(
+        r.shape, r.view, View(0, row_major_strides(r.shape)))
+
+
+def _same_view(want: object, full: torch.Tensor, r: _ViewRead) -> bool:
+    """Whether ``want`` is ``full`` seen through ``r``'s view (the same addresses)."""
+    if not (isinstance(want, torch.Tensor) and want.dtype == full.dtype and _shares(want, full)
+            and tuple(want.shape) == r.shape):
+        return False
+    dest = View.trusted(0, row_major_strides(r.shape))
+    seen = View.trusted(want.storage_offset() - full.storage_offset(), tuple(want.stride()))
+    return _normal(r.shape, seen, dest) == _normal(r.shape, r.view, dest)
+
+
+def _bits_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as integers of its width, without a copy (equality becomes bitwise)."""
+    if not t.dtype.is_floating_point:
+        return t
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[t.element_size()])
+
+
+# -- reading 2: float markers -----------------------------------------------------------------
+
+
+def _derive_by_markers(partition_fn: PartitionFn, shape: tuple[int, ...], world_size: int,
+                       dtype: torch.dtype, seed: int) -> ParamMap:
+    """The map read from float markers: the general reading, scales included."""
     n = prod(shape)
     if n >= 2**52 // 4:
         raise NotAffineError(f"F of {n} elements is too large for float64 markers")
@@ -189,13 +449,20 @@ def _pieces(src: np.ndarray, scale: np.ndarray, mask, space: tuple[int, ...]) ->
     pieces: list[Piece] = []
     k = 0
     nruns = starts.size
+    chain_end = -1  # where the last scanned chain of equal steps ended
     while k < nruns:
         j = k + 1
         if j < nruns and _same(k, j, lengths, run_mask, run_scale):
             ds, dd = run_src[j] - run_src[k], starts[j] - starts[k]
+            if k < chain_end:
+                # inside a chain that an earlier run could not stack (no box): every run of it has
+                # that run's length, holders, scale and steps, so its chain ends at the same run.
+                # Without this, a long chain that is no box is rescanned from each run: quadratic.
+                j = chain_end
             while (j + 1 < nruns and _same(k, j + 1, lengths, run_mask, run_scale)
                    and run_src[j + 1] - run_src[j] == ds and starts[j + 1] - starts[j] == dd):
                 j += 1
+            chain_end = j
             if ds > 0 and j > k:
                 cand = _piece((j - k + 1, int(lengths[k])), int(run_src[k]), (int(ds), 1),
                               int(starts[k]), (int(dd), 1), int(run_mask[k]), float(run_scale[k]))

@@ -28,6 +28,7 @@ from tests.dsconv import FIXTURES
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 SOURCE = FIXTURES / "llama_tp2_dp2"
+DCP_SOURCE = FIXTURES.parent / "dcp" / "llama_fsdp_tp_2x2"
 
 
 def _port() -> int:
@@ -45,21 +46,21 @@ def _same_tree(a: Path, b: Path) -> None:
         assert filecmp.cmp(a / rel, b / rel, shallow=False), rel
 
 
-def _single(tmp_path: Path, *args: str) -> Path:
+def _single(tmp_path: Path, *args: str, source: Path = SOURCE) -> Path:
     out = tmp_path / "single"
-    subprocess.run([sys.executable, "-m", "reshard", *args[:1], str(SOURCE), str(out), *args[1:]], check=True,
+    subprocess.run([sys.executable, "-m", "reshard", *args[:1], str(source), str(out), *args[1:]], check=True,
                    capture_output=True)
     return out
 
 
-def _torchrun(out: Path, nproc: int, *args: str, nodes: int = 1) -> None:
+def _torchrun(out: Path, nproc: int, *args: str, nodes: int = 1, source: Path = SOURCE) -> None:
     port = _port()
     procs = []
     for node in range(nodes):
         launch = [str(TORCHRUN), f"--nproc_per_node={nproc}", f"--master_port={port}"]
         if nodes > 1:
             launch += [f"--nnodes={nodes}", f"--node_rank={node}", "--master_addr=127.0.0.1"]
-        cmd = [*launch, "-m", "reshard", *args[:1], str(SOURCE), str(out), *args[1:]]
+        cmd = [*launch, "-m", "reshard", *args[:1], str(source), str(out), *args[1:]]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         text, _ = p.communicate(timeout=300)
@@ -76,6 +77,18 @@ def test_processes_write_what_one_process_writes(args, nproc, tmp_path):
     single = _single(tmp_path, *args)
     many = tmp_path / "many"
     _torchrun(many, nproc, *args)
+    _same_tree(single, many)
+
+
+@pytest.mark.parametrize("args,source", [
+    (("convert", "--format", "dcp", "--max-file-gb", "0.0002"), SOURCE),
+    (("reshard", "--files", "3"), DCP_SOURCE),
+    (("convert", "--format", "safetensors", "--max-file-gb", "0.0001"), DCP_SOURCE),
+], ids=["deepspeed-to-dcp", "dcp-files-3", "dcp-to-safetensors"])
+def test_dcp_jobs_over_processes_write_what_one_process_writes(args, source, tmp_path):
+    single = _single(tmp_path, *args, source=source)
+    many = tmp_path / "many"
+    _torchrun(many, 2, *args, source=source)
     _same_tree(single, many)
 
 

@@ -98,3 +98,31 @@ def test_conv2d_weight_and_prescaled_bias(tp, by_oc):
     # the layer holds float32 parameters, so derive in float32
     _same(conv2d_weight(shape_w, tp, shard_by_oc=by_oc), weight, shape_w, tp, torch.float32)
     _same(conv2d_bias(shape_b, tp, shard_by_oc=by_oc), bias_fn, shape_b, tp, torch.float32)
+
+
+def _spy(fn, seen):
+    def run(f, r):
+        seen.append(f.dtype)
+        return fn(f, r)
+
+    return run
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_results_as_deepspeed_returns_them(tp):
+    """No ``.contiguous()``: where DeepSpeed slices, derive gets views (read from their geometry
+    alone), elsewhere copies; either way it reads index markers once per rank and finds the
+    builders' maps."""
+    m = oracles.meta(None)
+    for shape, dim in [((24, 10), 0), ((10, 36), 1)]:
+        seen: list[torch.dtype] = []
+        fn = _spy(lambda f, r: oracles.linear_split(f, dim, tp, r, m, name="mlp"), seen)
+        _same(autotp_split(shape, dim, tp, head_aware=False), fn, shape, tp)
+        assert seen == [torch.int32] * tp + [torch.float64] * tp  # index markers, then the check
+    for kind, shape, kw in [("bloom", (96, 5), {"num_kv_heads": 4}), ("qwen", (48, 6), {"num_kv_heads": 2, "n_embd": 32})]:
+        mk = oracles.meta(kw.get("num_kv_heads"), None, kw.get("n_embd"))
+        seen = []
+        fn = _spy(lambda f, r: oracles.fused_qkv(kind, f, tp, r, mk), seen)
+        _same(fused_qkv(kind, shape, tp, **kw), fn, shape, tp)
+        _same(fused_qkv(kind, shape, tp, **kw), fn, shape, tp, torch.float32)
+        assert seen == ([torch.int32] * tp + [torch.float64] * tp + [torch.int32] * tp + [torch.float32] * tp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -85,6 +86,13 @@ def metadata_bytes(tensors: Mapping[str, TensorSpec], values: Iterable[str], rec
         TensorStorageMetadata,
     )
 
+    # pickle shares equal objects by identity: interned names make the bytes the same whichever
+    # process built which record (a job over several processes writes what one process writes)
+    tensors = {sys.intern(k): v for k, v in tensors.items()}
+    values = [sys.intern(k) for k in values]
+    records = [Record(sys.intern(r.key), r.offsets, sys.intern(r.file), r.offset, r.length) for r in records]
+    planner_data = {sys.intern(k): tuple(sys.intern(x) if isinstance(x, str) else x for x in v)
+                    for k, v in planner_data.items()}
     sd: dict[str, Any] = {}
     for key, spec in tensors.items():
         chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in spec.chunks]
