@@ -6,6 +6,7 @@ import warnings
 
 from benchmarks import (
     bench_convert,
+    bench_dcp,
     bench_derive,
     bench_dist,
     bench_ir,
@@ -19,7 +20,8 @@ from benchmarks.common import machine
 def main() -> None:
     warnings.filterwarnings("ignore")
     print(f"machine: {machine()}")
-    for mod in (bench_ir, bench_derive, bench_planner, bench_moe, bench_dist, bench_convert, bench_offline):
+    for mod in (bench_ir, bench_derive, bench_planner, bench_moe, bench_dist, bench_convert, bench_offline,
+                bench_dcp):
         print(f"\n== {mod.__name__} ==")
         for line in mod.main():
             print(line, flush=True)
