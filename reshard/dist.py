@@ -16,50 +16,56 @@ Wire protocol
 -------------
 1. **Check** (collective over the group, small ``int64`` tensors on the transfer device):
 
-   a. ``all_gather`` of ``[problems, fingerprint, n_params]`` per rank. ``problems`` is 1 when
-      the rank's own shards disagree with the plan (a missing or unexpected shard, a shape the
-      plan does not give, a tensor on the wrong device, an unknown parameter name);
-      ``fingerprint`` is a 63-bit digest of the plan and of the options that shape the
-      exchange (``max_inflight_bytes``, ``scale_power``). Differing fingerprints raise
-      :class:`reshard.PlanError` on every rank.
-   b. ``all_gather`` of one dtype code per parameter (parameters in sorted name order; ``-1``
-      where the rank holds no source shard). Receive-only ranks learn each parameter's dtype
-      here; holders that disagree, or a scaled segment of an integer dtype, are an error.
+   a. ``all_gather`` of ``[problems, fingerprint, n_params, dtype]`` per rank. ``problems`` is 1
+      when the rank's own shards (or ``out`` tensors) disagree with the plan (a missing or
+      unexpected shard, a shape the plan does not give, a tensor on the wrong device, an
+      unknown parameter name); ``fingerprint`` is a 63-bit digest of the plan and of the
+      options that shape the exchange (``max_inflight_bytes``, ``scale_power``); ``dtype`` is
+      the code of the one dtype of every tensor the rank holds (-1: none, -2: several).
+      Differing fingerprints raise :class:`reshard.PlanError` on every rank.
+   b. Unless no rank has a problem and every rank holds one and the same dtype (then every
+      parameter has it): ``all_gather`` of one dtype code per parameter (sorted name order;
+      the source shard's, else the ``out`` tensor's, else ``-1``). Receive-only ranks learn
+      each parameter's dtype here; tensors that disagree, or a scaled segment of an integer
+      dtype, are an error.
    c. Only when something is wrong: ``all_gather_object`` of every rank's problem lines, so that
       every rank raises the same :class:`reshard.ShardError` naming each offending rank and
       parameter. No rank sends data before every rank has passed the check, so a bad shard on
       one rank can never leave the others waiting in a receive.
 
-2. **Schedule** (:func:`reshard.schedule.schedule`: identical on every rank, no
-   communication). The remote segments, in sorted parameter-name order, go into rounds; with
-   ``max_inflight_bytes`` they are split at element boundaries so that in every round each
-   rank sends plus receives at most that many bytes.
+2. **Schedule** (:mod:`reshard.schedule`: identical on every rank, no communication). The
+   remote segments, in sorted parameter-name order, go into rounds; with ``max_inflight_bytes``
+   they are split at element boundaries so that in every round each rank sends plus receives
+   at most that many bytes. Each pair's share of a round is cut into messages
+   (:func:`reshard.schedule.messages`): a run of at least ``MIN_DIRECT_BYTES`` contiguous in
+   both shards travels alone, sent from the source shard and received into the target shard;
+   a box that large contiguous on one side only travels alone, staged on the other side; the
+   rest forms one packed ``uint8`` message, its parts ordered by element size (largest first,
+   so every part is aligned without padding), then by schedule order. A part is the source
+   elements in row-major order, unscaled; the receiver applies ``factor ** scale_power`` while
+   unpacking (a scaled part is never received into the target). Rounds and messages are
+   cached by fingerprint and dtypes, so repeated calls skip this step.
 
-3. **Rounds.** In each round, each ordered pair of ranks with traffic exchanges exactly one
-   message: a contiguous ``uint8`` buffer holding that round's segment parts for the pair,
-   ordered by element size (largest first, so every part is aligned for its dtype without
-   padding), then by schedule order. Each part is the source elements in the segment's
-   row-major order, unscaled; the receiver applies ``factor ** scale_power`` while unpacking.
-   Operations go through ``batch_isend_irecv``, receives first, peers in rank order. On NCCL
-   (CUDA tensors) a rank's receives and sends of the round form one batch: NCCL runs batches
-   in order on one stream, so a send held back in a second batch could wait forever behind a
-   receive whose sender is doing the same. On CPU (gloo, where every operation runs on its
-   own) the receives are posted first and each send is posted as soon as it is packed, so the
-   wire is busy while later messages are packed. Local segments are copied while the first
-   round is in flight; each staged receive is unpacked as soon as it lands. A message that is a
-   single contiguous part is sent from (or, unscaled, received into) the shard itself, with no
-   staging copy, and sends that carry the same parts (one block to every replica of a target
-   shard) are packed once; the bytes on the wire are the same.
+3. **Rounds.** Both ends post a pair's messages in the same order (one tag: gloo and NCCL
+   match them first in, first out). On CPU (gloo, where every operation runs on its own) the
+   receives are posted first, then the sends straight from source shards, then each packed
+   send as soon as it is packed, each straight to the process group. On NCCL (CUDA tensors) a
+   rank's receives and sends of the round form one ``batch_isend_irecv``: NCCL runs batches in
+   order on one stream, so a send held back in a second batch could wait forever behind a
+   receive whose sender is doing the same. Local segments are copied while the first round is
+   in flight; each staged receive is unpacked as soon as it lands; sends that carry the same
+   parts (one block to every replica of a target shard) are packed once.
 
-Staging: one allocation per round, cut into the round's messages at 16-byte boundaries (the
-alignment never travels), at most ``max_inflight_bytes`` per round when that is given, and kept
-between calls by a :class:`Workspace`. Large host buffers (staging and target shards) are asked
-for transparent huge pages before first touch (``reshard.memory.empty``), which cuts the cost of
-first-touch page faults about threefold where a call gets fresh memory.
+Staging: one allocation per round, cut into the round's staged messages at 16-byte boundaries
+(the alignment never travels), at most ``max_inflight_bytes`` per round when that is given, and
+kept between calls by a :class:`Workspace`. Large host buffers (staging and target shards) are
+asked for transparent huge pages before first touch (``reshard.memory.empty``).
 
-The target shards are allocated on the transfer device with the agreed dtype; target padding
-(``plan.unfilled``) is zero. Results are bit-exact: every copy, local or staged, is
-:func:`reshard.ir.apply.strided_copy`, the operation the in-memory executor uses.
+The target shards are the caller's ``out`` tensors, or allocated on the transfer device with
+the agreed dtype; target padding (``plan.unfilled``) is zero. Results are bit-exact: every
+copy, local or staged, is :func:`reshard.ir.apply.strided_copy`, the operation the in-memory
+executor uses, and a message received into a target carries exactly the bytes the copy would
+write.
 """
 
 from __future__ import annotations
@@ -75,9 +81,9 @@ import torch.distributed as dist
 from .errors import PlanError, ShardError
 from .ir.apply import flatten, strided_copy, view_of
 from .ir.piece import View, prod, row_major_strides
-from .memory import empty
+from .memory import Arena, Workspace, empty
 from .plan import ModelPlan, TransferPlan
-from .schedule import Item, Round, schedule
+from .schedule import Link, Message, Part, messages, schedule
 
 __all__ = ["Workspace", "transfer"]
 
@@ -105,16 +111,21 @@ def _label(name: str) -> str:
     return "the parameter" if name == _SINGLE else f"parameter {name!r}"
 
 
-def _as_named(plan, local_shards) -> tuple[list[tuple[str, TransferPlan]], object, bool]:
-    """(sorted (name, plan) pairs, local shards by name, whether a lone TransferPlan was given).
-    Local shards that are not a mapping are returned as they are, for the check to report."""
+def _as_named(plan, local_shards, out) -> tuple[list[tuple[str, TransferPlan]], object, object, bool]:
+    """(sorted (name, plan) pairs, local shards by name, ``out`` tensors by name, whether a lone
+    TransferPlan was given). Arguments that are not mappings are returned as they are, for the
+    check to report."""
     if isinstance(plan, TransferPlan):
-        return [(_SINGLE, plan)], ({} if local_shards is None else {_SINGLE: local_shards}), True
+        return [(_SINGLE, plan)], *({} if t is None else {_SINGLE: t} for t in (local_shards, out)), True
     if not isinstance(plan, ModelPlan):
         raise PlanError(f"transfer needs a TransferPlan or a ModelPlan, got {type(plan).__name__}")
-    if local_shards is None or isinstance(local_shards, Mapping):
-        local_shards = {k: v for k, v in (local_shards or {}).items() if v is not None}
-    return sorted(plan.params.items()), local_shards, False
+
+    def by_name(arg):
+        if arg is None or isinstance(arg, Mapping):
+            return {k: v for k, v in (arg or {}).items() if v is not None}
+        return arg
+
+    return sorted(plan.params.items()), by_name(local_shards), by_name(out), False
 
 
 def _transfer_device(group, device) -> torch.device:
@@ -131,11 +142,7 @@ def _local_problems(named, local, me: int, device: torch.device) -> list[str]:
     if not isinstance(local, Mapping):
         return [f"rank {me} passed local_shards as a {type(local).__name__}; for a ModelPlan it maps "
                 f"parameter names to tensors"]
-    out = []
-    known = {n for n, _ in named}
-    extra = sorted((k for k in local if k not in known), key=repr)
-    if extra:
-        out.append(f"rank {me} passed shards for parameters the plan does not have: {extra[:5]}")
+    out = _unknown(named, local, me, "shards")
     for name, p in named:
         want = p.source_shards.get(me)
         t = local.get(name)
@@ -154,6 +161,37 @@ def _local_problems(named, local, me: int, device: torch.device) -> list[str]:
         elif t.device != device:
             out.append(f"{_label(name)}: rank {me} source shard is on {t.device}, the transfer runs on {device}")
     return out
+
+
+def _unknown(named, given: Mapping, me: int, what: str) -> list[str]:
+    known = {n for n, _ in named}
+    extra = sorted((k for k in given if k not in known), key=repr)
+    return [f"rank {me} passed {what} for parameters the plan does not have: {extra[:5]}"] if extra else []
+
+
+def _out_problems(named, out, local, me: int, device: torch.device) -> list[str]:
+    """What is wrong with this rank's ``out`` tensors (their dtype is agreed in step 1b)."""
+    if not isinstance(out, Mapping):
+        return [f"rank {me} passed out as a {type(out).__name__}; for a ModelPlan it maps parameter names "
+                f"to tensors"]
+    problems = _unknown(named, out, me, "out tensors")
+    held = local if isinstance(local, Mapping) else {}
+    for name, p in named:
+        t, want, src = out.get(name), p.target_shards.get(me), held.get(name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{_label(name)}: rank {me} passed out as a {type(t).__name__}, not a tensor")
+        elif want is None:
+            problems.append(f"{_label(name)}: rank {me} passed out {list(t.shape)}, but the plan gives rank "
+                            f"{me} no target shard")
+        elif tuple(t.shape) != tuple(want) or not t.is_contiguous() or t.device != device:
+            problems.append(f"{_label(name)}: rank {me} out is {list(t.shape)} on {t.device}"
+                            f"{'' if t.is_contiguous() else ', not contiguous'}; the plan expects a contiguous "
+                            f"{list(want)} on {device}")
+        elif isinstance(src, torch.Tensor) and src.dtype != t.dtype:
+            problems.append(f"{_label(name)}: rank {me} out is {t.dtype}, its source shard {src.dtype}")
+    return problems
 
 
 def _fingerprint(named, max_inflight_bytes, scale_power) -> int:
@@ -180,17 +218,17 @@ def _gather(t: torch.Tensor, group, world: int) -> list[torch.Tensor]:
     return out
 
 
-def _check(named, local, me: int, world: int, group, device, max_inflight_bytes, scale_power) -> list[_Param]:
-    """Run the check of the wire protocol (step 1); every rank returns the same parameters or
-    raises the same error."""
-    mine = _local_problems(named, local, me, device)
-    flagged = _agree_on_plan(named, bool(mine), world, group, device, max_inflight_bytes, scale_power)
+def _check(named, local, out, me: int, world: int, group, device, max_inflight_bytes, scale_power
+           ) -> tuple[list[_Param], int]:
+    """Run the check of the wire protocol (step 1); every rank returns the same parameters (and
+    the fingerprint) or raises the same error."""
+    mine = _local_problems(named, local, me, device) + _out_problems(named, out, local, me, device)
+    mine_codes = _codes(named, local, out)
+    fp = _fingerprint(named, max_inflight_bytes, scale_power)
+    heads = _agree_on_plan(fp, len(named), bool(mine), _uniform(mine_codes), world, group, device)
     _check_plan_ranks(named, world)  # plans agree now, so every rank raises alike
-    held = local if isinstance(local, Mapping) else {}
-    codes_local = [(_DTYPE_CODE[held[n].dtype] if isinstance(held.get(n), torch.Tensor) else -1)
-                   for n, _ in named]
-    codes = [c.tolist() for c in _gather(torch.tensor(codes_local, dtype=torch.int64, device=device),
-                                         group, world)] if named else [[] for _ in range(world)]
+    flagged = any(h[0] for h in heads)
+    codes = _all_codes(named, heads, flagged, mine_codes, world, group, device)
     problems: list[str] = []
     if flagged:  # only now, and on every rank alike, is the cost of pickling messages paid
         lines: list[object] = [None] * world
@@ -198,25 +236,55 @@ def _check(named, local, me: int, world: int, group, device, max_inflight_bytes,
         problems = [line for rank_lines in lines for line in (rank_lines or [])]
     params = []
     for k, (name, p) in enumerate(named):
-        prm = _agreed_param(name, p, {r: codes[r][k] for r in p.source_shards}, scale_power, problems)
+        holders = set(p.source_shards) | set(p.target_shards)  # out tensors have a dtype too
+        prm = _agreed_param(name, p, {r: codes[r][k] for r in holders}, scale_power, problems)
         if prm is not None:
             params.append(prm)
     if problems:
         raise ShardError("transfer: shards disagree with the plan:\n  " + "\n  ".join(problems))
-    return params
+    return params, fp
 
 
-def _agree_on_plan(named, flagged: bool, world: int, group, device, max_inflight_bytes, scale_power) -> bool:
-    """Step 1a: gather (problem flag, fingerprint, parameter count); raise :class:`PlanError` on
-    every rank if the plans differ. Returns whether any rank flagged a problem."""
-    fp = _fingerprint(named, max_inflight_bytes, scale_power)
-    head = torch.tensor([int(flagged), fp, len(named)], dtype=torch.int64, device=device)
+def _codes(named, local, out) -> list[int]:
+    """This rank's dtype code per parameter: its source shard's, else its ``out`` tensor's, else -1."""
+    held = [t if isinstance(t, Mapping) else {} for t in (local, out)]
+    codes = []
+    for n, _ in named:
+        t = next((h[n] for h in held if isinstance(h.get(n), torch.Tensor)), None)
+        codes.append(-1 if t is None else _DTYPE_CODE[t.dtype])
+    return codes
+
+
+def _uniform(codes: list[int]) -> int:
+    """The one dtype code of every tensor this rank holds: -1 for none, -2 for several."""
+    held = set(codes) - {-1}
+    return held.pop() if len(held) == 1 else (-1 if not held else -2)
+
+
+def _agree_on_plan(fp: int, n: int, flagged: bool, uniform: int, world: int, group, device) -> list[list[int]]:
+    """Step 1a: gather (problem flag, fingerprint, parameter count, uniform dtype code); raise
+    :class:`PlanError` on every rank if the plans differ."""
+    head = torch.tensor([int(flagged), fp, n, uniform], dtype=torch.int64, device=device)
     heads = [h.tolist() for h in _gather(head, group, world)]
-    odd = [r for r, h in enumerate(heads) if h[1:] != heads[0][1:]]
+    odd = [r for r, h in enumerate(heads) if h[1:3] != heads[0][1:3]]
     if odd:
         raise PlanError(f"transfer: ranks disagree on the plan or its options (max_inflight_bytes, scale_power): "
                         f"ranks {odd} differ from rank 0")
-    return any(h[0] for h in heads)
+    return heads
+
+
+def _all_codes(named, heads, flagged: bool, mine: list[int], world: int, group, device) -> list[list[int]]:
+    """Step 1b: every rank's dtype code per parameter. When no rank flagged a problem and every
+    rank holds tensors of one and the same dtype, step 1a has said it all: each source holder
+    holds exactly its planned shards, so the codes follow from the plans without a second
+    collective (the common case: a model, or an optimizer state, in one dtype)."""
+    uniform = {h[3] for h in heads} - {-1}
+    if not flagged and len(uniform) == 1 and min(uniform) >= 0 and all(p.source_shards for _, p in named):
+        c = min(uniform)
+        return [[c if r in p.source_shards else -1 for _, p in named] for r in range(world)]
+    if not named:
+        return [[] for _ in range(world)]
+    return [c.tolist() for c in _gather(torch.tensor(mine, dtype=torch.int64, device=device), group, world)]
 
 
 def _agreed_param(name: str, p: TransferPlan, codes: Mapping[int, int], scale_power: int,
@@ -228,7 +296,7 @@ def _agreed_param(name: str, p: TransferPlan, codes: Mapping[int, int], scale_po
             by_dtype[codes[r]].append(r)
     if len(by_dtype) > 1:
         parts = "; ".join(f"rank(s) {rs} hold {_DTYPES[c]}" for c, rs in sorted(by_dtype.items(), key=lambda x: x[1]))
-        problems.append(f"{_label(name)}: source shards disagree on dtype: {parts}")
+        problems.append(f"{_label(name)}: shards disagree on dtype: {parts}")
         return None
     if not by_dtype:
         return None  # every holder has reported a problem of its own
@@ -257,93 +325,39 @@ class _Stats:  # field names are the keys of transfer's ``stats``
     messages_received: int = 0
     peak_staged_bytes: int = 0
     packed_bytes: int = 0
+    unpacked_bytes: int = 0
 
 
-def _direct(items: list[Item], flat: torch.Tensor, side: str) -> torch.Tensor | None:
-    """The shard's own storage for a message that is one contiguous part, else ``None``."""
-    if len(items) != 1:
-        return None
-    boxes = items[0].views(getattr(items[0].seg, side))
-    if len(boxes) != 1:
-        return None
-    view = view_of(flat, *boxes[0])
-    return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
+def _bytes(flat: torch.Tensor, part: Part, side: str) -> torch.Tensor:
+    """The bytes of a part contiguous on ``side`` (``"src"`` or ``"dst"``) of its flat shard."""
+    return flat.narrow(0, getattr(part, side).offset, prod(part.shape)).view(torch.uint8)
 
 
-def _nbytes(items: list[Item], params: list[_Param]) -> int:
-    return sum(it.numel * params[it.param].esize for it in items)
-
-
-_ALIGN = 16  # staging slices start aligned for any element size (complex128 is the widest)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-class Workspace:
-    """Staging memory kept between :func:`transfer` calls, one buffer per device, grown to the
-    largest round seen. Fresh host memory costs a page fault per page on first touch, which on a
-    CPU-bound job can cost as much as the copy itself; pass one ``Workspace`` to repeated calls
-    (optimizer states, many checkpoints) to pay it once. ``release()`` frees the memory."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        buf = self._bufs.get(device)
-        if buf is None or buf.numel() < nbytes:
-            self._bufs.pop(device, None)  # drop the old buffer before the new one: lower peak
-            buf = self._bufs[device] = empty(nbytes, torch.uint8, device)
-        return buf[:nbytes]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self._bufs.values())
-
-    def release(self) -> None:
-        self._bufs.clear()
-
-
-class _Arena:
-    """One allocation per round, cut into the round's staging buffers."""
-
-    def __init__(self, sizes: list[int], device: torch.device, workspace: Workspace) -> None:
-        self.buf = workspace.get(sum(_aligned(n) for n in sizes), device)
-        self.at = 0
-
-    def take(self, n: int) -> torch.Tensor:
-        out = self.buf[self.at:self.at + n]
-        self.at += _aligned(n)
-        return out
-
-
-def _staged(buf: torch.Tensor, items: list[Item], params: list[_Param], side: str):
-    """(item, flat staging slice in the item's dtype, box shape, row-major view into the slice,
-    view on ``side`` of the segment) for each box of the message, in wire order."""
+def _packed(buf: torch.Tensor, msg: Message, params: list[_Param]):
+    """(part, row-major view of it in the staged message, the part's slice of ``buf`` in its dtype),
+    in wire order."""
     at = 0
-    for it in items:
-        esize, dtype = params[it.param].esize, params[it.param].dtype
-        for shape, v in it.views(getattr(it.seg, side)):
-            nb = prod(shape) * esize
-            yield it, buf[at:at + nb].view(dtype), shape, View(0, row_major_strides(shape)), v
-            at += nb
+    for part in msg.parts:
+        prm = params[part.param]
+        nb = prod(part.shape) * prm.esize
+        yield part, View.trusted(0, row_major_strides(part.shape)), buf[at:at + nb].view(prm.dtype)
+        at += nb
 
 
-def _pack(buf: torch.Tensor, items: list[Item], params: list[_Param], flats: Mapping[int, torch.Tensor]
-          ) -> None:
-    for it, part, shape, packed, v in _staged(buf, items, params, "src"):
-        strided_copy(part, packed, flats[it.param], v, shape)
+def _pack(buf: torch.Tensor, msg: Message, params: list[_Param], flats: Mapping[int, torch.Tensor]) -> None:
+    for part, packed, into in _packed(buf, msg, params):
+        strided_copy(into, packed, flats[part.param], part.src, part.shape)
 
 
-def _unpack(buf: torch.Tensor, items: list[Item], params: list[_Param], outs: Mapping[int, torch.Tensor],
+def _unpack(buf: torch.Tensor, msg: Message, params: list[_Param], outs: Mapping[int, torch.Tensor],
             scale_power: int) -> None:
-    for it, part, shape, packed, v in _staged(buf, items, params, "dst"):
-        strided_copy(outs[it.param], v, part, packed, shape, it.seg.factor ** scale_power)
+    for part, packed, frm in _packed(buf, msg, params):
+        strided_copy(outs[part.param], part.dst, frm, packed, part.shape, part.factor ** scale_power)
 
 
-def _targets(params: list[_Param], me: int, device) -> dict[int, torch.Tensor]:
-    """Flat target shards of this rank; padding zeroed, the rest left for the segments."""
+def _targets(params: list[_Param], me: int, device, given: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Flat target shards of this rank (the caller's ``out`` tensors where given); padding zeroed,
+    the rest left for the segments."""
     outs = {}
     for k, prm in enumerate(params):
         shape = prm.plan.target_shards.get(me)
@@ -352,12 +366,14 @@ def _targets(params: list[_Param], me: int, device) -> dict[int, torch.Tensor]:
         numel = prod(shape)
         written = sum(s.numel for s in prm.plan.segments if s.dst_rank == me)
         pads = [u for u in prm.plan.unfilled if u.dst_rank == me]
-        if written + sum(prod(u.shape) for u in pads) == numel:
-            flat = empty(numel, prm.dtype, device)
-            for u in pads:
-                view_of(flat, u.shape, u.dst).zero_()
-        else:  # the plan does not write every element (a non-tiling map): zero the rest too
-            flat = torch.zeros(numel, dtype=prm.dtype, device=device)
+        tiled = written + sum(prod(u.shape) for u in pads) == numel
+        flat = given[prm.name].reshape(-1) if prm.name in given else None  # contiguous: a view
+        if flat is None:
+            flat = empty(numel, prm.dtype, device) if tiled else torch.zeros(numel, dtype=prm.dtype, device=device)
+        elif not tiled:  # the plan does not write every element (a non-tiling map): zero the rest
+            flat.zero_()
+        for u in pads:
+            view_of(flat, u.shape, u.dst).zero_()
         outs[k] = flat
     return outs
 
@@ -370,89 +386,122 @@ def _copy_local(params: list[_Param], me: int, flats, outs, scale_power: int, st
                 stats.local_bytes += s.numel * prm.esize
 
 
-@dataclass(slots=True)
-class _Message:
-    peer: int
-    items: list[Item]
-    buf: torch.Tensor | None  # the shard's own storage when no staging is needed
-    nbytes: int
+def _content(msg: Message) -> tuple:
+    """What a packed send carries: messages with equal keys hold the same bytes."""
+    return tuple((p.param, p.shape, p.src) for p in msg.parts)
 
 
-def _messages(rnd: Round, params, me: int, flats, outs, scale_power: int) -> tuple[list[_Message], list[_Message]]:
-    """This rank's receives and sends in the round, peers in rank order."""
-    recvs, sends = [], []
-    for (src, dst), items in rnd.items():
-        if dst == me:
-            unscaled = all(it.seg.factor ** scale_power == 1.0 for it in items)
-            direct = _direct(items, outs[items[0].param], "dst") if unscaled else None
-            recvs.append(_Message(src, items, direct, _nbytes(items, params)))
-        elif src == me:
-            sends.append(_Message(dst, items, _direct(items, flats[items[0].param], "src"), _nbytes(items, params)))
-    return sorted(recvs, key=lambda m: m.peer), sorted(sends, key=lambda m: m.peer)
+_ROUNDS: dict[tuple, list[list[tuple[Link, list[Message]]]]] = {}  # recent calls' rounds, oldest first
+_ROUNDS_KEPT = 4
 
 
-def _content(items: list[Item]) -> tuple:
-    """What a send carries: messages with equal keys hold the same bytes."""
-    return tuple((it.param, it.seg.shape, it.seg.src, it.lo, it.hi) for it in items)
+def _wire_rounds(params: list[_Param], limit: int | None, scale_power: int, fp: int
+                 ) -> list[list[tuple[Link, list[Message]]]]:
+    """Each round's links and their messages, in link order. A pure function of the plans, the
+    options (both in the fingerprint) and the dtypes, so repeated calls (every optimizer state,
+    every step) reuse it instead of cutting thousands of segments again."""
+    key = (fp, tuple(p.dtype for p in params))
+    rounds = _ROUNDS.pop(key, None)
+    if rounds is None:
+        esizes = [p.esize for p in params]
+        rounds = [sorted(messages(rnd, esizes, scale_power).items())
+                  for rnd in schedule([(p.plan, p.esize) for p in params], limit)]
+    _ROUNDS[key] = rounds
+    while len(_ROUNDS) > _ROUNDS_KEPT:  # oldest out; tolerant of another thread doing the same
+        _ROUNDS.pop(next(iter(_ROUNDS), None), None)
+    return rounds
 
 
-def _run_round(rnd: Round, params, me: int, peer_of, group, device, flats, outs, scale_power: int,
-               stats: _Stats, workspace: Workspace, before_wait) -> None:
-    recvs, sends = _messages(rnd, params, me, flats, outs, scale_power)
-    staged = [m.nbytes for m in recvs if m.buf is None]
-    staged += {_content(m.items): m.nbytes for m in sends if m.buf is None}.values()
-    arena = _Arena(staged, device, workspace)
+class _Wire:
+    """Posts a round's operations. CPU backends (gloo) run every operation on its own: each is
+    posted straight to the process group as soon as its buffer is ready (the wire is busy while
+    later messages are packed; no per-operation wrappers). Coalescing backends (NCCL) need a
+    rank's receives and sends in one batch: split batches can deadlock on the stream."""
+
+    def __init__(self, group, peer_of, device: torch.device) -> None:
+        self.group, self.peer_of, self.batched = group, peer_of, device.type != "cpu"
+        self.pg = group if group is not None else dist.group.WORLD
+        self.ops: list = []
+        self.works: list = []
+        self.posted = 0
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self._post(dist.irecv, buf, peer)
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        self._post(dist.isend, buf, peer)
+
+    def _post(self, op, buf: torch.Tensor, peer: int) -> None:
+        self.posted += 1
+        if self.batched:
+            self.ops.append(dist.P2POp(op, buf, self.peer_of(peer), self.group))
+        elif op is dist.isend:
+            self.works.append(self.pg.send([buf], peer, 0))
+        else:
+            self.works.append(self.pg.recv([buf], peer, 0))
+
+    def flush(self) -> list:
+        if self.ops:
+            self.works += dist.batch_isend_irecv(self.ops)
+            self.ops = []
+        return self.works
+
+
+def _run_round(links: list[tuple[Link, list[Message]]], params, me: int, peer_of, group, device, flats, outs,
+               scale_power: int, stats: _Stats, workspace: Workspace, before_wait) -> None:
+    recvs = [(src, m) for (src, dst), ms in links if dst == me for m in ms]
+    # sends from the source shard first (nothing to wait for), then those that need packing
+    sends = sorted(((dst, m) for (src, dst), ms in links if src == me for m in ms), key=lambda x: not x[1].from_source)
+    to_pack = {_content(m): m.nbytes for _, m in sends if not m.from_source}  # replicas: packed once
+    staged = [m.nbytes for _, m in recvs if not m.into_target] + list(to_pack.values())
+    arena = Arena(staged, device, workspace)
     stats.peak_staged_bytes = max(stats.peak_staged_bytes, sum(staged))
-    ops, inbox = [], []
-    for m in recvs:
-        if m.buf is None:
-            m.buf = arena.take(m.nbytes)
-            inbox.append((len(ops), m))
-        ops.append(dist.P2POp(dist.irecv, m.buf, peer_of(m.peer), group))
+    wire, inbox = _Wire(group, peer_of, device), []
+    for peer, m in recvs:
+        if m.into_target:
+            buf = _bytes(outs[m.parts[0].param], m.parts[0], "dst")
+        else:
+            buf = arena.take(m.nbytes)
+            inbox.append((wire.posted, m, buf))
+        wire.recv(buf, peer)
         stats.received_bytes += m.nbytes
         stats.messages_received += 1
-    # CPU backends (gloo) run every operation on its own, so each send is posted as soon as it is
-    # packed and the wire starts before the last message is packed. Coalescing backends (NCCL)
-    # need a rank's receives and sends in one batch: split batches can deadlock on the stream.
-    pipelined = device.type == "cpu"
-    works = dist.batch_isend_irecv(ops) if pipelined and ops else []
-    posted = len(ops)
-    packed: dict[tuple, torch.Tensor] = {}  # replicas of one target often get the same bytes
-    for m in sends:
-        if m.buf is None:
-            key = _content(m.items)
-            m.buf = packed.get(key)
-            if m.buf is None:
-                m.buf = packed[key] = arena.take(m.nbytes)
-                _pack(m.buf, m.items, params, flats)
+    packed: dict[tuple, torch.Tensor] = {}
+    for peer, m in sends:
+        if m.from_source:
+            buf = _bytes(flats[m.parts[0].param], m.parts[0], "src")
+        else:
+            key = _content(m)
+            buf = packed.get(key)
+            if buf is None:
+                buf = packed[key] = arena.take(m.nbytes)
+                _pack(buf, m, params, flats)
                 stats.packed_bytes += m.nbytes
-        ops.append(dist.P2POp(dist.isend, m.buf, peer_of(m.peer), group))
-        if pipelined:
-            works += dist.batch_isend_irecv(ops[-1:])
-            posted += 1
+        wire.send(buf, peer)
         stats.sent_bytes += m.nbytes
         stats.messages_sent += 1
-    if posted < len(ops):
-        works += dist.batch_isend_irecv(ops[posted:])
+    works = wire.flush()
     before_wait()
-    _finish(works, len(ops), inbox, params, outs, scale_power)
+    _finish(works, wire.posted, inbox, params, outs, scale_power, stats)
 
 
-def _finish(works, n_ops: int, inbox, params, outs, scale_power: int) -> None:
+def _finish(works, n_ops: int, inbox, params, outs, scale_power: int, stats: _Stats) -> None:
     """Wait for the round; unpack each staged receive as soon as it lands."""
     if len(works) == n_ops:  # one request per operation
-        for i, m in inbox:
+        for i, m, buf in inbox:
             works[i].wait()
-            _unpack(m.buf, m.items, params, outs, scale_power)
-        done = {i for i, _ in inbox}
+            _unpack(buf, m, params, outs, scale_power)
+            stats.unpacked_bytes += m.nbytes
+        done = {i for i, _, _ in inbox}
         for i, w in enumerate(works):
             if i not in done:  # gloo: a second wait on a finished receive waits for another message
                 w.wait()
         return
     for w in works:  # coalesced (NCCL): one request for the whole batch
         w.wait()
-    for _, m in inbox:
-        _unpack(m.buf, m.items, params, outs, scale_power)
+    for _, m, buf in inbox:
+        _unpack(buf, m, params, outs, scale_power)
+        stats.unpacked_bytes += m.nbytes
 
 
 # -- public -------------------------------------------------------------------------------------
@@ -467,6 +516,7 @@ def transfer(
     scale_power: int = 1,
     device: torch.device | str | None = None,
     workspace: Workspace | None = None,
+    out=None,
     stats: dict | None = None,
 ):
     """Run ``plan`` across the ranks of ``group`` (see the module docstring for the protocol).
@@ -475,47 +525,52 @@ def transfer(
     ``local_shards`` is this rank's source shard (``None`` where it holds none) and the result
     is this rank's target shard (``None`` where it holds none). For a ``ModelPlan`` both are
     dicts by parameter name; the result holds exactly the parameters this rank is a target of,
-    and every parameter moves in the same rounds (one message per peer per round).
+    and every parameter moves in the same rounds.
 
     ``max_inflight_bytes`` bounds the bytes each rank sends plus receives per round (its staging
     memory); ``scale_power`` is as in ``ParamMap.extract`` (1 for parameters, -1 and -2 for
     Adam's moments). ``device`` is where target shards live and the transfer runs (default: the
     current CUDA device under NCCL, else CPU); source shards must be there already.
-    ``workspace`` (a :class:`Workspace`) keeps staging memory between calls. When
-    ``stats`` is a dict it is filled with this rank's ``sent_bytes``, ``received_bytes``,
-    ``local_bytes``, ``messages_sent``, ``messages_received``, ``rounds``,
-    ``peak_staged_bytes`` and ``packed_bytes`` (bytes copied into staging to be sent).
+    ``workspace`` (a :class:`Workspace`) keeps staging memory between calls. ``out`` gives target
+    shards to write into instead of allocating them (a tensor for a ``TransferPlan``, a dict by
+    name, possibly partial, for a ``ModelPlan``): contiguous, of the plan's shape, on ``device``,
+    of the source's dtype; they are returned, filled, padding zeroed. When ``stats`` is a dict it
+    is filled with this rank's ``sent_bytes``, ``received_bytes``, ``local_bytes``,
+    ``messages_sent``, ``messages_received``, ``rounds``, ``peak_staged_bytes``,
+    ``packed_bytes`` (bytes copied into staging to be sent) and ``unpacked_bytes`` (bytes copied
+    out of staging into target shards).
 
-    Raises :class:`reshard.ShardError` on every rank when any rank's shards disagree with the
-    plan (shape, presence, dtype, ``local_shards`` not a dict for a ``ModelPlan``), and
+    Raises :class:`reshard.ShardError` on every rank when any rank's shards or ``out`` tensors
+    disagree with the plan (shape, presence, dtype, device, not a dict for a ``ModelPlan``), and
     :class:`reshard.PlanError` on every rank when ranks hold different plans or options, when the
     plan names ranks outside the group, or when ``max_inflight_bytes`` cannot hold one element;
     all before any data moves. A ``plan`` of the wrong type, or a call from a process outside
     ``group``, raises :class:`reshard.PlanError` on that process alone.
     """
-    named, local, single = _as_named(plan, local_shards)
+    named, local, given, single = _as_named(plan, local_shards, out)
     me, world = dist.get_rank(group), dist.get_world_size(group)
     if me < 0:
         raise PlanError("transfer: this process is not a member of the group")
     dev = _transfer_device(group, device)
-    params = _check(named, local, me, world, group, dev, max_inflight_bytes, scale_power)
+    params, fp = _check(named, local, given, me, world, group, dev, max_inflight_bytes, scale_power)
     # plans and options agree by now, so a bad max_inflight_bytes raises alike on every rank
-    rounds = schedule([(prm.plan, prm.esize) for prm in params], max_inflight_bytes)
+    rounds = _wire_rounds(params, max_inflight_bytes, scale_power, fp)
     flats = {k: flatten(local[prm.name]) for k, prm in enumerate(params) if prm.name in local}
-    outs = _targets(params, me, dev)
+    outs = _targets(params, me, dev, given)
     peer_of = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
     st = _Stats()
     copy_local = lambda: _copy_local(params, me, flats, outs, scale_power, st)  # overlapped with round 0
     # Without a caller's workspace, rounds still share one staging buffer within the call.
     ws = workspace if workspace is not None else Workspace()
-    for i, rnd in enumerate(rounds):
-        _run_round(rnd, params, me, peer_of, group, dev, flats, outs, scale_power, st, ws,
+    for i, links in enumerate(rounds):
+        _run_round(links, params, me, peer_of, group, dev, flats, outs, scale_power, st, ws,
                    copy_local if i == 0 else lambda: None)
     if not rounds:
         copy_local()
     if stats is not None:
         stats.update(asdict(st), rounds=len(rounds))
-    result = {params[k].name: t.view(params[k].plan.target_shards[me]) for k, t in outs.items()}
+    result = {prm.name: given.get(prm.name) if prm.name in given else outs[k].view(prm.plan.target_shards[me])
+              for k, prm in enumerate(params) if k in outs}
     if single:
         return result.get(_SINGLE)
     return result

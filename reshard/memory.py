@@ -1,7 +1,8 @@
 """Hints to the kernel about host memory: views that own exactly their bytes, pages of mapped
-files that are done with, and fresh buffers that should be backed by huge pages.
+files that are done with, and fresh buffers that should be backed by huge pages; and staging
+memory reused across calls (:class:`Workspace`), so that its pages are touched once.
 
-All three are Linux ``madvise`` calls or plain pointer arithmetic; where ``madvise`` is
+The hints are Linux ``madvise`` calls or plain pointer arithmetic; where ``madvise`` is
 unavailable they do nothing (``own_bytes`` works everywhere)."""
 
 from __future__ import annotations
@@ -32,6 +33,53 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") ->
         if hi > lo:
             _MADVISE(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
     return t
+
+
+_ALIGN = 16  # staging slices start aligned for any element size (complex128 is the widest)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class Workspace:
+    """Staging memory kept between :func:`reshard.dist.transfer` calls, one buffer per device,
+    grown to the largest round seen. Fresh host memory costs a page fault per page on first
+    touch, which on a CPU-bound job can cost as much as the copy itself; pass one ``Workspace``
+    to repeated calls (optimizer states, many checkpoints) to pay it once. ``release()`` frees
+    the memory."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._bufs.get(device)
+        if buf is None or buf.numel() < nbytes:
+            self._bufs.pop(device, None)  # drop the old buffer before the new one: lower peak
+            buf = self._bufs[device] = empty(nbytes, torch.uint8, device)
+        return buf[:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._bufs.values())
+
+    def release(self) -> None:
+        self._bufs.clear()
+
+
+class Arena:
+    """One workspace allocation cut into buffers of the given ``sizes``, each starting aligned
+    for any element size (the alignment padding is never sent)."""
+
+    def __init__(self, sizes: list[int], device: torch.device, workspace: Workspace) -> None:
+        total = sum(_aligned(n) for n in sizes)
+        self.buf = workspace.get(total, device) if total else None
+        self.at = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        out = self.buf[self.at:self.at + n]
+        self.at += _aligned(n)
+        return out
 
 
 def own_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,12 @@ space where it does not fit, so that in every round each rank sends plus receive
 ``limit`` bytes. A segment part (:class:`Item`) is an index range ``[lo, hi)``: at most
 ``2·ndim − 1`` strided boxes (:meth:`Item.views`). Within a round each link's items are ordered
 by element size, largest first, so that packed back to back every part starts aligned for its dtype.
+
+:func:`messages` cuts a round's link into the messages that cross the wire, again from the plans
+alone so that sender and receiver agree on every boundary. A run of at least ``min_bytes`` that is
+contiguous in both shards travels alone, sent from the source shard and received into the target
+shard: no copy on either side. A box of that size contiguous on one side only also travels alone,
+with the copy on the other side. Everything else on the link is coalesced into one packed message.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ from dataclasses import dataclass
 
 from .errors import PlanError
 from .ir.geometry import range_boxes
-from .ir.piece import View
+from .ir.piece import View, prod
 from .plan import Segment, TransferPlan
 
-__all__ = ["Item", "Link", "Round", "schedule"]
+__all__ = ["MIN_DIRECT_BYTES", "Item", "Link", "Message", "Part", "Round", "messages", "schedule"]
 
 Link = tuple[int, int]  # (source rank, destination rank), plan ranks
 
@@ -113,3 +119,93 @@ def schedule(params: Sequence[tuple[TransferPlan, int]], limit: int | None = Non
         for items in rnd.values():
             items.sort(key=lambda it: -params[it.param][1])
     return rounds
+
+
+# -- messages -------------------------------------------------------------------------------------
+
+# A message costs some 50 us of CPU over both ends (gloo sends two notifications besides the data,
+# each a write and a wake-up; Python posts and waits); packing and unpacking this many bytes costs
+# about as much on a loaded host. Runs at least this large travel alone, without staging copies.
+MIN_DIRECT_BYTES = 256 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One strided box of an item: ``shape`` elements at ``src`` in the source shard of parameter
+    ``param``, going to ``dst`` in its target shard, times ``factor ** scale_power``."""
+
+    param: int
+    shape: tuple[int, ...]
+    src: View
+    dst: View
+    factor: float
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """What one send / receive pair carries: ``parts`` back to back, row-major each.
+    ``from_source``: a lone part contiguous in the source shard, sent from it without a copy;
+    ``into_target``: a lone unscaled part contiguous in the target shard, received into it."""
+
+    parts: tuple[Part, ...]
+    nbytes: int
+    from_source: bool = False
+    into_target: bool = False
+
+
+def _run(shape: tuple[int, ...], *views: View) -> int:
+    """Index of the first axis of the longest row-major suffix of ``shape`` contiguous in every
+    view (``len(shape)`` when even the last axis is not). Extent-1 axes fit any stride."""
+    step = 1
+    for k in range(len(shape) - 1, -1, -1):
+        if shape[k] != 1 and any(v.strides[k] != step for v in views):
+            return k + 1
+        step *= shape[k]
+    return 0
+
+
+def _runs(part: Part, axis: int) -> list[Part]:
+    """``part`` cut into its contiguous runs: one part per index of the axes before ``axis``."""
+    outer, inner = part.shape[:axis], part.shape[axis:]
+    out = []
+    for flat in range(prod(outer)):
+        so, do = part.src.offset, part.dst.offset
+        for k in range(len(outer) - 1, -1, -1):
+            flat, i = divmod(flat, outer[k])
+            so += i * part.src.strides[k]
+            do += i * part.dst.strides[k]
+        out.append(Part(part.param, inner, View.trusted(so, part.src.strides[axis:]),
+                        View.trusted(do, part.dst.strides[axis:]), part.factor))
+    return out
+
+
+def _link_messages(items: list[Item], esizes: Sequence[int], scale_power: int, min_bytes: int) -> list[Message]:
+    alone: list[Message] = []
+    packed: list[Part] = []
+    for it in items:
+        esize = esizes[it.param]
+        unscaled = it.seg.factor ** scale_power == 1.0
+        for (shape, src), (_, dst) in zip(it.views(it.seg.src), it.views(it.seg.dst)):
+            part = Part(it.param, shape, src, dst, it.seg.factor)
+            both = _run(shape, src, dst)
+            n = prod(shape[both:]) * esize
+            if unscaled and both < len(shape) and n >= min_bytes:  # runs travel alone: no copy at all
+                alone += [Message((r,), n, True, True) for r in _runs(part, both)]
+                continue
+            from_src, into_dst = _run(shape, src) == 0, unscaled and _run(shape, dst) == 0
+            if prod(shape) * esize >= min_bytes and (from_src or into_dst):
+                alone.append(Message((part,), prod(shape) * esize, from_src, into_dst))
+            else:
+                packed.append(part)
+    if packed:
+        alone.append(Message(tuple(packed), sum(prod(p.shape) * esizes[p.param] for p in packed)))
+    # sends from the source shard first: the sender posts them before it packs anything
+    return sorted(alone, key=lambda m: not m.from_source)
+
+
+def messages(rnd: Round, esizes: Sequence[int], scale_power: int = 1,
+             min_bytes: int = MIN_DIRECT_BYTES) -> dict[Link, list[Message]]:
+    """The messages of each link of ``rnd``, in wire order (``esizes``: element size per
+    parameter index). Parts of the packed message keep the round's order (largest element size
+    first), so each is aligned for its dtype."""
+    return {link: _link_messages(items, esizes, scale_power, min_bytes) for link, items in rnd.items()}

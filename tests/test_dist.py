@@ -25,7 +25,7 @@ from reshard.ir import View, prod, row_major_strides
 from reshard.ir.apply import view_of
 from reshard.plan import Segment
 from reshard.planner import ModelPlan, plan, plan_model
-from reshard.schedule import Item, schedule
+from reshard.schedule import MIN_DIRECT_BYTES, Item, messages, schedule
 from tests.irgen import (
     flat_map,
     fragment,
@@ -314,9 +314,88 @@ def case_after_errors(rank: int) -> dict:
     return _run_model(rank, src, tgt, llama_dtype, seed=13, max_inflight_bytes=4096)
 
 
+def _direct_pair(n: int = 1024, bias: int = 1 << 18) -> tuple[dict[str, ParamMap], dict[str, ParamMap]]:
+    """Parameters large enough for messages that skip staging: rows -> columns (received straight
+    into the target, packed by the sender), columns -> rows (sent straight from the source,
+    unpacked by the receiver), fused sub-parameters (runs contiguous on both sides), a
+    pre-scaled bias received by ranks that hold none (scaled: always unpacked), and a small
+    parameter that rides in the packed message."""
+    src = {"rows": L.split((n, n), 0, [n // 4] * 4), "cols": L.split((n, n), 1, [n // 4] * 4),
+           "fused": L.sub_params((2 * n, n // 2), [n, n], [[n // 4] * 4] * 2),
+           "bias": L.prescaled_bias((bias,), 2), "small": L.split((64, 8), 0, [16] * 4)}
+    tgt = {"rows": _tp2xdp2(L.split((n, n), 1, [n // 2] * 2)), "cols": L.split((n, n), 0, [n // 4] * 4),
+           "fused": _tp2xdp2(L.sub_params((2 * n, n // 2), [n, n], [[n // 2] * 2] * 2)),
+           "bias": L.split((bias,), 0, [bias // 4] * 4), "small": _tp2xdp2(L.split((64, 8), 1, [4, 4]))}
+    return src, tgt
+
+
+def direct_dtype(name: str) -> torch.dtype:
+    return torch.bfloat16 if name == "fused" else torch.float32
+
+
+def case_direct(rank: int) -> dict:
+    src, tgt = _direct_pair()
+    return _run_model(rank, src, tgt, direct_dtype, seed=20, scale_power=-1)
+
+
+DIRECT_LIMIT = 300_000  # rounds that cut the large runs at element boundaries
+
+
+def case_direct_rounds(rank: int) -> dict:
+    src, tgt = _direct_pair()
+    return _run_model(rank, src, tgt, direct_dtype, seed=21, scale_power=-1, max_inflight_bytes=DIRECT_LIMIT)
+
+
+def _run_out(rank: int, src, tgt, dtype_of, *, seed: int, skip: str) -> dict:
+    """Like ``_run_model``, into ``out`` tensors prefilled with garbage (all but ``skip``)."""
+    mplan = plan_model(src, tgt)
+    fulls = _fulls(src, dtype_of, seed)
+    local = {n: m.extract(fulls[n], rank) for n, m in src.items() if rank in m.shards}
+    given = {n: torch.full(m.shard(rank).shape, 7, dtype=dtype_of(n)) for n, m in tgt.items()
+             if rank in m.shards and n != skip}
+    stats: dict = {}
+    out = dist_transfer(mplan, local, stats=stats, out=given)
+    errors = [f"{n}: not the given tensor" for n in given if out.get(n) is not given[n]]
+    for n, m in tgt.items():
+        errors += _compare(n, out.get(n), m.extract(fulls[n], rank) if rank in m.shards else None)
+    es = {n: torch.empty((), dtype=dtype_of(n)).element_size() for n in src}
+    ps = mplan.stats(es)
+    return {"errors": errors, "stats": stats, "plan_sent": ps.sent.get(rank, 0),
+            "plan_received": ps.received.get(rank, 0), "plan_remote": ps.remote_bytes}
+
+
+def case_out(rank: int) -> dict:
+    src, tgt = _direct_pair()
+    return _run_out(rank, src, tgt, direct_dtype, seed=22, skip="small")
+
+
+def case_out_padded(rank: int) -> dict:
+    """Padding of the given tensors is zeroed; ranks 2 and 3 hold no source (dtype from out)."""
+    src, tgt = _two_to_four()
+    return _run_out(rank, src, tgt, lambda n: torch.float32, seed=23, skip="")
+
+
+def case_bad_out_shape(rank: int) -> dict:
+    src, tgt = _direct_pair()
+    fulls = _fulls(src, direct_dtype, 24)
+    local = {n: m.extract(fulls[n], rank) for n, m in src.items() if rank in m.shards}
+    given = {"cols": torch.empty(512, 512) if rank == 2 else torch.empty(256, 1024)}
+    return _expect_error(lambda: dist_transfer(plan_model(src, tgt), local, out=given))
+
+
+def case_bad_out_dtype(rank: int) -> dict:
+    """Rank 3 holds no source shard; its ``out`` alone disagrees on the dtype."""
+    src, tgt = _two_to_four()
+    fulls = _fulls(src, lambda n: torch.float32, 25)
+    local = {n: m.extract(fulls[n], rank) for n, m in src.items() if rank in m.shards}
+    given = {"grid": torch.empty(tgt["grid"].shard(rank).shape, dtype=torch.float64 if rank == 3 else torch.float32)}
+    return _expect_error(lambda: dist_transfer(plan_model(src, tgt), local, out=given))
+
+
 CASES = [case_llama, case_llama_rounds, case_workspace, case_bigcode, case_yuan, case_zero, case_two_to_four, case_scaled,
          case_irregular, case_group, case_bad_shape, case_bad_dtype, case_missing, case_plans_differ, case_int_scaled,
-         case_limit_too_small, case_ranks_outside_group, case_shards_not_a_dict, case_after_errors]
+         case_limit_too_small, case_ranks_outside_group, case_shards_not_a_dict, case_after_errors, case_direct,
+         case_direct_rounds, case_out, case_out_padded, case_bad_out_shape, case_bad_out_dtype]
 
 
 def _worker(rank: int, workdir: str) -> None:
@@ -496,6 +575,65 @@ def test_group_still_works_after_errors(job):
     _assert_exact(job, case_after_errors)
 
 
+def _wire_counts(src, tgt, dtype_of, scale_power: int, limit: int | None) -> dict[int, dict[str, int]]:
+    """Per rank, the messages and staging copies the wire protocol implies for this plan: what
+    ``transfer`` must report in ``stats``."""
+    named = sorted(plan_model(src, tgt).params.items())
+    esizes = [torch.empty((), dtype=dtype_of(n)).element_size() for n, _ in named]
+    want = {r: dict.fromkeys(["messages_sent", "messages_received", "packed_bytes", "unpacked_bytes"], 0)
+            for r in range(WORLD)}
+    for rnd in schedule([(p, e) for (_, p), e in zip(named, esizes)], limit):
+        packed: set = set()  # a sender packs equal content once per round
+        for (s, d), msgs in messages(rnd, esizes, scale_power).items():
+            for m in msgs:
+                want[s]["messages_sent"] += 1
+                want[d]["messages_received"] += 1
+                want[d]["unpacked_bytes"] += 0 if m.into_target else m.nbytes
+                key = (s, tuple((p.param, p.shape, p.src) for p in m.parts))
+                if not m.from_source and key not in packed:
+                    packed.add(key)
+                    want[s]["packed_bytes"] += m.nbytes
+    return want
+
+
+def _assert_wire(recs: dict[int, dict], want: dict[int, dict[str, int]]) -> None:
+    for r, rec in recs.items():
+        got = {k: rec["stats"][k] for k in want[r]}
+        assert got == want[r], f"rank {r}: {got} != {want[r]}"
+
+
+def test_direct_messages_skip_staging(job):
+    recs = _assert_exact(job, case_direct)
+    src, tgt = _direct_pair()
+    _assert_wire(recs, _wire_counts(src, tgt, direct_dtype, -1, None))
+    assert all(rec["stats"]["rounds"] == 1 for rec in recs.values())
+    # most bytes skip one staging copy or both
+    assert sum(rec["stats"]["packed_bytes"] for rec in recs.values()) < sum(rec["plan_sent"] for rec in recs.values()) / 2
+    assert sum(rec["stats"]["unpacked_bytes"] for rec in recs.values()) < sum(rec["plan_sent"] for rec in recs.values())
+
+
+def test_direct_messages_in_bounded_rounds(job):
+    recs = _assert_exact(job, case_direct_rounds)
+    src, tgt = _direct_pair()
+    _assert_wire(recs, _wire_counts(src, tgt, direct_dtype, -1, DIRECT_LIMIT))
+    assert recs[0]["stats"]["rounds"] > 3
+    assert all(rec["stats"]["peak_staged_bytes"] <= DIRECT_LIMIT for rec in recs.values())
+
+
+def test_out_tensors_are_filled_and_returned(job):
+    _assert_exact(job, case_out)
+    _assert_exact(job, case_out_padded)
+
+
+def test_out_of_the_wrong_shape_raises_on_every_rank(job):
+    _assert_all_raise(job, case_bad_out_shape, ShardError, "parameter 'cols': rank 2 out is [512, 512]",
+                      "contiguous [256, 1024]")
+
+
+def test_out_of_another_dtype_raises_on_every_rank(job):
+    _assert_all_raise(job, case_bad_out_dtype, ShardError, "parameter 'grid'", "[3] hold torch.float64")
+
+
 def test_job_exited_cleanly(job):
     assert job["hung"] == [] and job["exitcodes"] == [0] * WORLD
 
@@ -570,3 +708,50 @@ def test_index_ranges_decompose_into_ordered_boxes(shape):
                       for x in view_of(space, ext, v).reshape(-1).tolist()]
             assert on_dst == view_of(space, shape, strided).reshape(-1)[lo:hi].tolist(), (lo, hi)
 
+
+
+def _addresses(shape: tuple[int, ...], view: View) -> list[int]:
+    return view_of(torch.arange(view.span(shape)[1]), shape, view).reshape(-1).tolist()
+
+
+def _elements(param: int, shape: tuple[int, ...], src: View, dst: View) -> list[tuple[int, int, int]]:
+    return [(param, a, b) for a, b in zip(_addresses(shape, src), _addresses(shape, dst))]
+
+
+@pytest.mark.parametrize("limit", [None, 200])
+@pytest.mark.parametrize("pair", ["llama", "direct"])
+def test_messages_carry_each_element_once_and_skip_staging_only_where_contiguous(pair, limit):
+    src, tgt = llama_pair() if pair == "llama" else _direct_pair(16, 64)
+    dtype_of = llama_dtype if pair == "llama" else direct_dtype
+    named = sorted(plan_model(src, tgt).params.items())
+    esizes = [torch.empty((), dtype=dtype_of(n)).element_size() for n, _ in named]
+    rounds = schedule([(p, e) for (_, p), e in zip(named, esizes)], limit)
+    kinds: set = set()
+    for min_bytes in (1, 16, 64, 256, MIN_DIRECT_BYTES):
+        for rnd in rounds:
+            for link, msgs in messages(rnd, esizes, -1, min_bytes).items():
+                kinds |= _check_link(rnd[link], msgs, esizes, min_bytes)
+        if min_bytes == MIN_DIRECT_BYTES:  # toy sizes: one packed message per link
+            assert all(len(msgs) == 1 for rnd in rounds for msgs in messages(rnd, esizes, -1).values())
+    assert pair == "llama" or kinds == {(True, True), (True, False), (False, True), (False, False)}
+
+
+def _check_link(items: list[Item], msgs, esizes: list[int], min_bytes: int) -> set[tuple[bool, bool]]:
+    want = sorted(e for it in items for (shape, s), (_, d) in zip(it.views(it.seg.src), it.views(it.seg.dst))
+                  for e in _elements(it.param, shape, s, d))
+    got = sorted(e for m in msgs for p in m.parts for e in _elements(p.param, p.shape, p.src, p.dst))
+    assert got == want  # every element once, its source and target addresses kept together
+    packed = [m for m in msgs if not (m.from_source or m.into_target)]
+    assert len(packed) <= 1 and (not packed or msgs[-1] is packed[0])
+    for m in msgs:
+        assert m.nbytes == sum(prod(p.shape) * esizes[p.param] for p in m.parts)
+        sizes = [esizes[p.param] for p in m.parts]
+        assert sizes == sorted(sizes, reverse=True)  # aligned without padding
+        if m.from_source or m.into_target:
+            assert len(m.parts) == 1 and m.nbytes >= min_bytes
+            p = m.parts[0]
+            run = list(range(0, prod(p.shape)))
+            assert not m.from_source or [a - p.src.offset for a in _addresses(p.shape, p.src)] == run
+            assert not m.into_target or (p.factor ** -1 == 1.0
+                                         and [a - p.dst.offset for a in _addresses(p.shape, p.dst)] == run)
+    return {(m.from_source, m.into_target) for m in msgs}
