@@ -320,6 +320,13 @@ def test_chunks_that_overlap_or_leave_holes(source: Path, tmp_path: Path, chunks
     assert not (tmp_path / "out" / "src").exists()
 
 
+def test_a_box_listed_twice_is_one_replica(source: Path, tmp_path: Path) -> None:
+    _edit_chunks(source, "model.embed.weight", [((0, 0), (10, 6)), ((0, 0), (10, 6))])
+    ck = DcpCheckpoint.open(source)
+    assert len(ck.entry("model.embed.weight").chunks) == 1
+    assert torch.equal(ck.full("model.embed.weight"), _state()["model"]["embed.weight"])
+
+
 def test_wrong_source_or_target_kind(source: Path, tmp_path: Path) -> None:
     with pytest.raises(ReshardError, match="already a DCP checkpoint"):
         convert(source, tmp_path / "o", fmt="dcp")

@@ -333,9 +333,12 @@ def _tensor_entry(p: Path, key: str, entry: Any, storage: dict, sizes: dict[str,
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"{p / METADATA}: tensor {key!r} has no dtype")
     shape = tuple(int(x) for x in entry.size)
-    chunks = []
+    chunks, seen = [], set()
     for c in entry.chunks:
         offsets, csizes = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+        if (offsets, csizes) in seen:  # a replica listed twice: the storage index keeps one record of a box
+            continue
+        seen.add((offsets, csizes))
         if len(offsets) != len(shape) or len(csizes) != len(shape) or any(
                 o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, csizes, shape)):
             raise CheckpointError(f"{p / METADATA}: tensor {key!r} {list(shape)} has a chunk at {list(offsets)} of "
