@@ -79,6 +79,7 @@ def cp_sync(src: Path, dst: Path) -> float:
     """The copy floor: ``cp -r`` of the checkpoint folder, then ``sync`` (the same bytes read and
     written, made durable, no work on them)."""
     shutil.rmtree(dst, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
     settle()
     t = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)

@@ -11,14 +11,13 @@ checkpoint (``make_fixtures.py --bench-400m``, about twice the bytes), to see ho
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.bench_convert import DATA, _run, ds_to_universal_cmd, ensure_checkpoint, settle
+from benchmarks.bench_convert import DATA, _run, cp_sync, ds_to_universal_cmd, ensure_checkpoint
 from benchmarks.common import row
 from reshard.formats.safe_load import load
 
@@ -32,18 +31,6 @@ def _read_back(ucp: str, dp: int) -> float:
             for part in tensor.reshape(-1).chunk(dp):
                 part.clone()
     return time.perf_counter() - t
-
-
-def _copy_floor(tag: Path, scratch: Path) -> float:
-    """``cp -r`` of the checkpoint's tag folder followed by ``sync``: what moving its bytes costs."""
-    scratch.parent.mkdir(parents=True, exist_ok=True)
-    settle()
-    t = time.perf_counter()
-    subprocess.run(["cp", "-r", str(tag), str(scratch)], check=True)
-    subprocess.run(["sync"], check=True)
-    took = time.perf_counter() - t
-    shutil.rmtree(scratch, ignore_errors=True)
-    return took
 
 
 def main(workers: int = 2, dp: int = 4) -> list[str]:
@@ -60,7 +47,7 @@ def main(workers: int = 2, dp: int = 4) -> list[str]:
     two, two_rss = _run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "reshard", "reshard",
                          str(ckpt), str(out / "two"), "--tp", "1", "--dp", str(dp), "--workers", "1"])
     shutil.rmtree(out, ignore_errors=True)
-    floor = _copy_floor(tag, out / "floor")
+    floor = cp_sync(tag, out / "floor")
     return [
         row(f"reshard reshard DP=2 -> DP={dp} vs ds_to_universal + read-back", ours, conv + back,
             note=f"(peer: convert {conv:.1f} s + read back {back:.1f} s)"),
@@ -92,7 +79,7 @@ def _main_400m(workers: int, dp: int) -> list[str]:
     conv, conv_rss = _run([sys.executable, "-m", "reshard.cli", "convert", str(ckpt), str(out / "convert"),
                            "--workers", str(workers)])
     shutil.rmtree(out, ignore_errors=True)
-    floor = _copy_floor(tag, out / "floor")
+    floor = cp_sync(tag, out / "floor")
     return [
         f"~400M checkpoint ({gib:.2f} GiB):",
         row(f"  reshard reshard DP=2 -> DP={dp}, 1 process", one,
