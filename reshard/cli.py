@@ -332,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(fn=_cmd_convert)
 
     rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP (x PP) "
-                        "topology, or ZeRO-3 (TP=1) at another DP, loadable by engine.load_checkpoint; a DCP "
-                        "checkpoint -> the same laid out for N loading ranks (--files N)")
+                        "topology, ZeRO-3 (TP=1) at another DP or between ZeRO-3 and ZeRO-1/2, loadable by "
+                        "engine.load_checkpoint; a DCP checkpoint -> the same laid out for N loading ranks "
+                        "(--files N)")
     rs.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
     rs.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest")
     rs.add_argument("--tp", type=_positive, default=None, help="target TP degree (DeepSpeed; required there)")
@@ -343,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--pp", type=_positive, default=1,
                     help="target pipeline stages of a deepspeed.pipe checkpoint: its own count, or 1 to merge them")
     rs.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
-                    help="target ZeRO stage (default: the source's; a ZeRO-3 source stays at 3)")
+                    help="target ZeRO stage (default: the source's; to or from 3 at TP=1)")
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")
     _output(rs)

@@ -19,6 +19,7 @@ import torch
 from . import __version__
 from .cluster import Cluster, commit, open_staging, run_share
 from .errors import CheckpointError, ReplicaMismatchError, ReshardError
+from .formats import deepspeed_experts
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import MANIFEST, Staging
 from .formats.pickling import save
@@ -130,6 +131,8 @@ def _optimizer_state(ck: DeepSpeedCheckpoint) -> dict:
         sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
         out = {k: v for k, v in osd.items() if k not in sharded}
         out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
+        if ck.experts is not None:  # DeepSpeed's ZeROCheckpoint sets every group's count to DP (experts' is EDP)
+            out["partition_count"] = [ck.dp] * len(out["partition_count"])
         return out
     except (KeyError, TypeError):
         raise CheckpointError(f"{ck.optim_files[(0, 0)]}: optimizer state has no 'param_groups'") from None
@@ -180,8 +183,13 @@ def convert(
     staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     names = ck.names
     bar = Progress(progress, len(names), "param", "reshard convert")
-    jobs = _ucp_jobs(ck, conv, staging, names, bar) if fmt == "ucp" else _safetensors_jobs(
-        ck, conv, staging, names, max_file_bytes, bar, cluster.rank == 0)
+    try:  # the jobs read every parameter's map: a bad one must not leave the staging folder behind
+        jobs = _ucp_jobs(ck, conv, staging, names, bar) if fmt == "ucp" else _safetensors_jobs(
+            ck, conv, staging, names, max_file_bytes, bar, cluster.rank == 0)
+    except BaseException:
+        if cluster.rank == 0:  # every process builds the same jobs, so every one fails alike
+            staging.abandon()
+        raise
 
     def run(mine: list[Callable[[], None]]) -> None:
         try:
@@ -224,7 +232,9 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> 
     bare = ck.zero_stage == 3 and ck.tp == 1
 
     def one(name: str) -> None:
-        for state in STATES:
+        # a module weight without optimizer state (AutoEP's router aliases) has fp32 only, as in ds_to_universal
+        states = STATES if ck.experts is None or ck.has_optimizer_state(name) else ("fp32",)
+        for state in states:
             f, extra = conv.full(name, state)
             with staging.open(f"zero/{name}/{state}.pt") as out:
                 save(f.reshape(-1) if bare else {**extra, "param": f}, out)
@@ -241,6 +251,8 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> 
     copies = [ck.model_files[m] for m in range(ck.mp)]
     copies += [src for (t, d), src in sorted(ck.z3_model_files.items()) if t or d]
     jobs = [(src.stat().st_size, partial(staging.copy, src, src.name)) for src in copies]
+    if ck.experts is not None:  # ds_to_universal rewrites these under AutoEP
+        jobs = [(size, partial(_autoep_model_state, ck, staging, m)) for m, (size, _) in enumerate(jobs)]
     jobs += [(ck.tp_map(n).map.numel * 12, partial(one, n)) for n in names]
 
     def optimizer_state() -> None:
@@ -250,6 +262,12 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> 
     jobs.append((1, optimizer_state))
     jobs.sort(key=lambda job: -job[0])
     return jobs
+
+
+def _autoep_model_state(ck, staging: Staging, m: int) -> None:
+    name = ck.model_files[m].name
+    with staging.writing(name):  # saved by path: torch names the zip's root folder after the file, as DeepSpeed's
+        save(deepspeed_experts.universal_model_state(ck, m), staging.path(name))
 
 
 def _safetensors_jobs(ck, conv: _Converter, staging: Staging, names: list[str], max_bytes: int, bar,

@@ -19,11 +19,15 @@ couple of chunks per worker, whatever the checkpoint size; each output byte is c
 each source byte an output file needs is read once for it. Output is staged and committed atomically like ``reshard convert``
 (``formats.output.Staging``); ``OUT/latest`` is written last.
 
-Pipeline (``deepspeed.pipe``) checkpoints, TP=1: each parameter is whole on its stage's
-model-parallel rank (a "stage map"), so the same machinery re-partitions every stage's flat
-buffers over the target DP ranks. The stages are kept, or merged into one (``pp=1``); layer files
-are copied as they are, since no stage count changes them. Another stage count is refused: which
-layers form a stage depends on the training script's ``partition_method``, not recorded.
+Pipeline (``deepspeed.pipe``) checkpoints, with or without Megatron-style TP: each parameter's TP
+map sits on its stage's model-parallel ranks ``stage * tp + t`` (a "stage map"), so the same
+machinery re-partitions every stage's flat buffers over the target DP ranks and TP ranks. The
+stages are kept, or merged into one (``pp=1``); TP is kept, or changed where the checkpoint's
+``universal_checkpoint_info`` categories fix the layout (``target_layout``). Layer files
+(``layer_LL[-model_TT]-model_states.pt``) are copied as they are at an unchanged TP degree, since
+no stage count changes them, and otherwise written per target TP rank from the module plans.
+Another stage count is refused: which layers form a stage depends on the training script's
+``partition_method``, not recorded.
 
 The source is read and checked by ``formats.deepspeed_zero12.Zero12Source``; the target's
 model-parallel maps come from ``target_layout`` (``layout=``); both composites are built by
@@ -50,6 +54,7 @@ from .formats.deepspeed_zero12 import Zero12Source
 from .formats.output import Staging
 from .formats.torch_zip import Storage, save
 from .ir.param_map import ParamMap
+from .ir.piece import prod
 from .layouts import compose_zero
 from .layouts.zero import FlatGroup
 from .offline_zero3 import reshard_zero3
@@ -110,13 +115,15 @@ class _Target:
 # -- execution -----------------------------------------------------------------------------------
 
 
-def _same_tp_rank(src_mp: int, dst_mp: int) -> DefaultCost:
+def _same_tp_rank(src_mp: int, dst_mp: int, src_tp: int | None = None, dst_tp: int | None = None) -> DefaultCost:
     """At an unchanged TP degree, read every block from the source rank with the target's TP
     index, so each TP rank's copy of a replicated block is carried over as it is (replicas that
-    drifted apart stay apart, as in the source)."""
-    if src_mp != dst_mp:
+    drifted apart stay apart, as in the source). Model-parallel rank ``m`` is ``stage * tp + t``;
+    without a pipeline ``tp`` is ``mp``."""
+    src_tp, dst_tp = src_tp or src_mp, dst_tp or dst_mp
+    if src_tp != dst_tp:
         return DefaultCost()
-    return DefaultCost(prefer=lambda holder, dst: holder % src_mp == dst % dst_mp)
+    return DefaultCost(prefer=lambda holder, dst: holder % src_mp % src_tp == dst % dst_mp % dst_tp)
 
 
 def _by_dst(plan: TransferPlan) -> dict[int, list]:
@@ -128,10 +135,11 @@ def _by_dst(plan: TransferPlan) -> dict[int, list]:
 
 class _Writer:
     def __init__(self, src: Zero12Source, tgt: _Target, zero_stage: int, uc_info: dict | None, staging: Staging,
-                 planner: Planner) -> None:
+                 planner: Planner, tp: int, pp: int) -> None:
         self.src, self.tgt, self.zero_stage, self.uc_info, self.staging = src, tgt, zero_stage, uc_info, staging
         self.planner = planner
-        self.module_planner = Planner(_same_tp_rank(src.mp, tgt.tp))
+        self.tp, self.pp = tp, pp  # the target's TP ranks and stages (tgt.tp = tp * pp model-parallel ranks)
+        self.module_planner = Planner(_same_tp_rank(src.mp, tgt.tp, src.ck.tp, tp))
         self._lock = threading.Lock()
         ms0 = src.ck.model_state(0)
         self.ds_config = dsw.target_ds_config(ms0.get("ds_config"), tp=1 if src.pipe else tgt.tp, dp=tgt.dp,
@@ -234,27 +242,50 @@ class _Writer:
             save(obj, f)
 
     def _stage_model(self, t: int) -> None:
-        """One pipeline stage's model-state file: its parameters' shapes and the topology; the
-        weights stay in the layer files, which no stage count changes."""
+        """One model-parallel rank's model-state file of a pipeline checkpoint: its parameters'
+        shapes, the topology and the training script's ``universal_checkpoint_info``; the weights
+        are in the layer files."""
         ms0 = self.src.ck.model_state(0)
-        obj = dsw.model_states(ms0, module=None, param_shapes=self._param_shapes(t), tp=1, dp=self.tgt.dp, tp_rank=t,
-                               zero_stage=self.zero_stage, shared_params={}, uc_info=None, ds_config=self.ds_config,
-                               pp=self.tgt.tp)
+        obj = dsw.model_states(ms0, module=None, param_shapes=self._param_shapes(t), tp=self.tp, dp=self.tgt.dp,
+                               tp_rank=t % self.tp, zero_stage=self.zero_stage, shared_params={},
+                               uc_info=self.uc_info, ds_config=self.ds_config, pp=self.pp)
         with self.staging.open(dsw.model_file(t)) as f:
             save(obj, f)
+
+    def layer(self, layer: int, t: int) -> None:
+        """Layer file ``layer`` of target TP rank ``t``: each parameter's target shard in a storage
+        of its own (DeepSpeed clones every tensor before saving), in the source file's key order,
+        produced from the source layer files through the module plans."""
+        ck, src = self.src.ck, self.src
+        state = OrderedDict()
+        for key in ck.layer_state(ck.layer_files[(layer, 0)]):
+            name = f"{layer}.{key}"
+            m = self.tgt.maps[name]
+            dst = min(m.ranks) + t  # TP rank t of the target stage: stage * tp + t
+            parts = [(0, s, lambda s=s, name=name: self._module_source(name, s.src_rank))
+                     for s in self.mod_plans[name].get(dst, [])]
+            shape = m.shard(dst).shape
+            state[key] = Storage(src.dtype, prod(shape), WindowFill(parts), label=name).view(shape)
+        with self.staging.open(dsw.layer_file(layer, t)) as f:
+            save(state, f)
 
     def _param_shapes(self, t: int) -> list[OrderedDict]:
         """``param_shapes`` of target model-parallel rank ``t``: one ordered dict per flat group."""
         return [OrderedDict((n, torch.Size(s)) for n, s in zip(grp.names, grp.shapes)) for grp in self.tgt.groups[t]]
 
     def _module_source(self, name: str, rank: int) -> torch.Tensor:
-        """Source TP rank ``rank``'s module weight of ``name``, flat (memory-mapped)."""
+        """Source model-parallel rank ``rank``'s module weight of ``name``, flat (memory-mapped):
+        from its model-state file, or a pipeline checkpoint's layer file of that TP rank."""
         ck = self.src.ck
-        shard = ck.module_tensor(name, rank)
+        t = rank % ck.tp
+        shard = ck.module_tensor(name, t)
+        where = ck.model_files[rank]
+        if self.src.pipe:
+            where = ck.layer_files.get((int(name.partition(".")[0]), t), where)
         if shard is None:
-            raise CheckpointError(f"{ck.model_files[rank]}: module has no {name!r}")
+            raise CheckpointError(f"{where}: module has no {name!r} (model-parallel rank {rank})")
         if shard.dtype != self.src.dtype:
-            raise CheckpointError(f"{ck.model_files[rank]}: {name} is {shard.dtype}, other weights "
+            raise CheckpointError(f"{where}: {name} (model-parallel rank {rank}) is {shard.dtype}, other weights "
                                   f"{self.src.dtype}: mixed training dtypes are not supported")
         return shard.detach().reshape(-1)
 
@@ -302,7 +333,8 @@ def reshard(
     workers = _positive(workers, "workers")
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
     dp = ck.dp if dp is None else dp
-    if ck.zero_stage == 3:  # one partition per parameter: a file format and writer of its own
+    # ZeRO-3 at either end (one partition per parameter): a file format and writer of its own
+    if ck.zero_stage == 3 or zero_stage == 3:
         return reshard_zero3(ck, out_dir, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, workers=workers, layout=layout,
                              overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster)
     if ck.zero_stage not in (1, 2):
@@ -317,7 +349,7 @@ def reshard(
     src = Zero12Source(ck)
     if src.pipe:
         maps, uc_info, origin = target_stage_maps(src, tp, pp, layout, stage)
-        mp = pp
+        mp = pp * tp
     else:
         if pp != 1:
             raise ReshardError(f"{ck.tag_dir}: not a pipeline (deepspeed.pipe) checkpoint; pp={pp} needs one")
@@ -326,14 +358,20 @@ def reshard(
     tgt = _Target(src, maps, mp, dp)
     cluster = cluster or Cluster.from_env()
     staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
-    writer = _Writer(src, tgt, stage, uc_info, staging, Planner(_same_tp_rank(src.mp, mp)))
+    writer = _Writer(src, tgt, stage, uc_info, staging, Planner(_same_tp_rank(src.mp, mp, ck.tp, tp)), tp, pp)
     esize = src.dtype.itemsize
     jobs: list[tuple[int, Callable[[], None]]] = [
         (sum(g.total for g in tgt.groups[t]) * esize, lambda t=t: writer.model(t)) for t in range(mp)]
     jobs += [(sum(g.partition for g in tgt.groups[t]) * 4 * len(STATES), lambda t=t, d=d: writer.optim(t, d))
              for t in range(mp) for d in range(dp)]
-    # a layer file holds one layer's weights whatever the stage count: copied as it is
-    jobs += [(p.stat().st_size, lambda p=p: staging.copy(p, p.name)) for _, p in sorted(ck.layer_files.items())]
+    # a layer file holds one layer's weights of one TP rank whatever the stage count: copied as it
+    # is at an unchanged TP degree, else written per target TP rank
+    if tp == ck.tp:
+        jobs += [(p.stat().st_size, lambda p=p: staging.copy(p, p.name)) for _, p in sorted(ck.layer_files.items())]
+    else:
+        layers = sorted({layer for layer, _ in ck.layer_files})
+        jobs += [(ck.layer_files[(L, 0)].stat().st_size // ck.tp, lambda L=L, t=t: writer.layer(L, t))
+                 for L in layers for t in range(tp)]
 
     def run(mine: list[Callable[[], None]]) -> None:
         writer.plan_all(src.names)

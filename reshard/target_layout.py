@@ -6,7 +6,9 @@ another degree does not record (it depends on head counts): ``layout=`` names it
 checkpoint saved at the target TP (its ``universal_checkpoint_info.affine_map``), a map document
 or ``{name: ParamMap}``, or ``"geometry"`` to rebuild each source layout at the new degree from its
 geometry alone (``layouts.recognize``: near-even splits, which can differ from AutoTP's
-head-aligned ones). A pipeline checkpoint's stages are kept or merged into one.
+head-aligned ones). A pipeline checkpoint's stages are kept or merged into one; its TP degree
+changes where its ``universal_checkpoint_info`` categories (Megatron-DeepSpeed's, no AutoTP with
+pipelines) fix the layout at the new degree.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from typing import Any
 
 from .errors import CheckpointError, ReshardError, in_context
 from .formats import deepspeed_writer as dsw
+from .formats import lowering
 from .formats.deepspeed import DeepSpeedCheckpoint
 from .formats.deepspeed_zero12 import Zero12Source
 from .ir.param_map import ParamMap, maps_from_document
-from .layouts import pipeline_stage, replicated
+from .layouts import replicated
 from .layouts.recognize import recognize
-from .topology import Topology
 
 TargetLayout = str | Path | Mapping[str, Any] | None
 
@@ -104,22 +106,46 @@ def target_tp_maps(src: Zero12Source, tp: int, layout: TargetLayout) -> tuple[di
 
 
 def target_stage_maps(src: Zero12Source, tp: int, pp: int, layout: TargetLayout,
-                      zero_stage: int) -> tuple[dict[str, ParamMap], None, str]:
-    """Target maps of a pipeline checkpoint: every parameter whole on its target stage. Stages
-    are kept, or merged into one; any other stage count depends on the training script's
-    ``partition_method``, which the checkpoint does not record."""
+                      zero_stage: int) -> tuple[dict[str, ParamMap], dict | None, str]:
+    """Target maps of a pipeline checkpoint: every parameter's target TP map on its target
+    stage's model-parallel ranks ``stage * tp + t``, and the ``universal_checkpoint_info`` the
+    training script records (kept). Stages are kept, or merged into one; any other stage count
+    depends on the training script's ``partition_method``, which the checkpoint does not record. TP
+    is kept, or changed where Megatron's categories (``universal_checkpoint_info``) fix the layout."""
     ck = src.ck
-    if tp != 1 or layout is not None:
-        raise ReshardError(f"{ck.tag_dir}: a pipeline checkpoint has TP=1 and keeps it (tp=1, no layout)")
+    if layout is not None:
+        raise ReshardError(f"{ck.tag_dir}: a pipeline checkpoint's target TP layout follows from its "
+                           "universal_checkpoint_info categories; layout= does not apply")
     if zero_stage != 1:
         raise ReshardError("DeepSpeed's pipeline engine supports ZeRO stage 1 only")
     if pp not in (1, ck.pp):
         raise ReshardError(f"{ck.tag_dir}: PP={ck.pp} can be kept or merged into PP=1; which layers form each of "
                            f"{pp} stages depends on the training script's partition_method, not recorded in the "
                            "checkpoint")
-    stages = Topology(pp=pp, dp=1, tp=1)
-    maps = {n: pipeline_stage(m.logical_shape, stages, ck.stage_of(n) if pp == ck.pp else 0) for n, m in src.maps.items()}
-    return maps, None, "pipeline stages kept" if pp == ck.pp else "pipeline stages merged into one"
+    info = ck.model_state(0).get("universal_checkpoint_info")
+    if tp != ck.tp and not isinstance(info, dict):
+        raise ReshardError(f"{ck.tag_dir}: a pipeline checkpoint at TP={ck.tp} without universal_checkpoint_info "
+                           f"has TP={ck.tp} and keeps it (tp={ck.tp}): how its parameters split over TP ranks is "
+                           "not recorded")
+    maps = {}
+    for n in src.names:
+        stage = ck.stage_of(n) if pp == ck.pp else 0
+        try:
+            m = ck.tp_map(n).map if tp == ck.tp else _megatron_map(n, ck.tp_map(n).map, tp, info)
+        except ReshardError as e:
+            raise in_context(e, f"{ck.tag_dir}: parameter {n!r} at TP={tp}") from None
+        maps[n] = m.with_ranks({t: stage * tp + t for t in range(tp)})
+    origin = "pipeline stages kept" if pp == ck.pp else "pipeline stages merged into one"
+    if tp != ck.tp:
+        origin += f", TP {ck.tp} -> {tp} by the universal_checkpoint_info categories"
+    return maps, info if isinstance(info, dict) else None, origin
+
+
+def _megatron_map(name: str, source: ParamMap, tp: int, info: dict) -> ParamMap:
+    """``name``'s map at TP=``tp`` in Megatron's layout for its category (even splits)."""
+    m = lowering.lower(name, lowering.even_shapes(name, source.logical_shape, tp, info), info).map
+    m.check()
+    return m
 
 
 def _checked_maps(source: Mapping[str, ParamMap], maps: Mapping[str, ParamMap], tp: int) -> dict[str, ParamMap]:

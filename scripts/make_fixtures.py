@@ -15,6 +15,7 @@ Usage::
     python scripts/make_fixtures.py --list
     python scripts/make_fixtures.py --bench-200m /tmp/bench200m   # ~200M Llama, ZeRO-1, DP=2
     python scripts/make_fixtures.py --bench-400m /tmp/bench400m   # ~417M Llama, ZeRO-1, DP=2
+    python scripts/make_fixtures.py --bench-zero3-200m /tmp/bench   # the ~200M Llama, ZeRO-3, DP=2
     python scripts/make_fixtures.py --dcp                  # only the PyTorch DCP fixtures
     python scripts/make_fixtures.py --bench-dcp-200m /tmp/bench200m   # ~200M Llama, FSDP2 DCP, 2 ranks
 
@@ -56,6 +57,8 @@ from ds_launch import cleanup_shm, job_env, launcher_cmd, port_is_free, root_cau
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "_fixture_train.py"
 PIPE_SCRIPT = Path(__file__).resolve().parent / "_fixture_pipe.py"  # deepspeed.pipe.PipelineModule
+TP_PIPE_SCRIPT = Path(__file__).resolve().parent / "_fixture_tp_pipe.py"  # Megatron-style TP x PP
+AUTOEP_SCRIPT = Path(__file__).resolve().parent / "_fixture_autoep.py"  # AutoEP MoE (expert parallel)
 DCP_SCRIPT = Path(__file__).resolve().parent / "_fixture_dcp.py"  # FSDP2 (x TP) jobs saving DCP
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "deepspeed"
 DEFAULT_DCP_OUT = REPO / "tests" / "fixtures" / "dcp"
@@ -91,6 +94,33 @@ LLAMA = {
 QWEN2 = dict(LLAMA)  # the same sizes; Qwen2's q/k/v projections carry a bias
 
 PIPE = {"vocab": 64, "hidden": 32, "layers": 4, "stages": 2}  # see _fixture_pipe.py
+# Megatron-style TP x PP (see _fixture_tp_pipe.py): SwiGLU ffn 40 (dense_h_to_4h [80, 24])
+TP_PIPE = {"vocab": 48, "hidden": 24, "ffn": 40, "layers": 4, "stages": 2, "tp": 2}
+TP_PIPE_NOTE = (
+    "scripts/_fixture_tp_pipe.py build(model_config): a deepspeed.pipe.PipelineModule over "
+    "PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1) with Megatron-style vocabulary-, column- and "
+    "row-parallel layers on the module grid's slice group, each parameter drawn whole from a generator "
+    "seeded by the seed and its name and then sliced; saved with client_state={'universal_checkpoint_info': "
+    "...} (the patterns Megatron-DeepSpeed records)."
+)
+
+# AutoEP (see _fixture_autoep.py): 4 experts, top-2, expert ffn 48
+MIXTRAL = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 96,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+}
+AUTOEP_NOTE = (
+    "Trained through scripts/_fixture_autoep.py, which patches transformers' _CanRecordRegistry.get to "
+    "accept DeepSpeed AutoEP's (key, default) call (string keys: a plain dict lookup); without it "
+    "deepspeed.initialize fails. The checkpoint files are written by DeepSpeed unmodified."
+)
 
 GPT_BIGCODE = {
     "n_embd": 32,
@@ -212,6 +242,8 @@ FIXTURES = [
             world_size=3, steps=0, derived_from="llama_zero3_dp2", tag_name="global_step3",
             notes=[ZERO3_DP3_NOTE]),
     Fixture("llama_zero1_dp2_bf16", "llama", LLAMA, ds_config(1, bf16=True), world_size=2),
+    # ZeRO-3 in bf16: bf16_ optimizer files, bf16 placeholders in the per-rank model states
+    Fixture("llama_zero3_dp2_bf16", "llama", LLAMA, ds_config(3, bf16=True), world_size=2),
     Fixture("llama_tp2", "llama", LLAMA, ds_config(1, autotp=2), world_size=2, tp=2),
     Fixture("qwen2_tp2", "qwen2", QWEN2, ds_config(1, autotp=2), world_size=2, tp=2),
     Fixture("gpt_bigcode_tp2", "gpt_bigcode", GPT_BIGCODE, ds_config(1, autotp=2), world_size=2, tp=2,
@@ -224,6 +256,14 @@ FIXTURES = [
     Fixture("pipe_pp2_dp2_bf16_odd", "pipe", dict(PIPE, hidden=15, vocab=37),
             dict(ds_config(1, bf16=True), gradient_accumulation_steps=2), world_size=4, pp=2, seq_len=8,
             train_script=PIPE_SCRIPT),
+    # tensor x pipeline parallel (Megatron-DeepSpeed layout): layer_XX-model_YY files, mp_rank = stage * TP + TP rank
+    Fixture("tp_pipe_tp2_pp2", "tp_pipe", TP_PIPE, dict(ds_config(1), gradient_accumulation_steps=2), world_size=4,
+            tp=2, pp=2, seq_len=8, train_script=TP_PIPE_SCRIPT, notes=[TP_PIPE_NOTE]),
+    # AutoEP: a tiny Mixtral, 4 experts over EP=2 (layer_L_expert_E files, ds_autoep_layers)
+    Fixture("mixtral_autoep_ep2", "mixtral", MIXTRAL,
+            dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
+            world_size=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 
@@ -244,6 +284,12 @@ def bench_200m_fixture(name: str = "llama_200m_zero1_dp2", model_config: dict = 
 def bench_400m_fixture() -> Fixture:
     """The same recipe as ``bench_200m_fixture`` with LLAMA_400M."""
     return bench_200m_fixture("llama_400m_zero1_dp2", LLAMA_400M)
+
+
+def bench_zero3_200m_fixture() -> Fixture:
+    """The same recipe as ``bench_200m_fixture`` (LLAMA_200M, DP=2, fp32, 1 step) under ZeRO-3."""
+    return Fixture("llama_200m_zero3_dp2", "llama", LLAMA_200M, ds_config(3, micro_batch=1), world_size=2, steps=1,
+                   seq_len=64, micro_batch=1)
 
 
 @dataclass
@@ -478,6 +524,9 @@ def build_fixture_json(fx: Fixture, ckpt: Path, files: list[str], reports: list[
         "patches": fx.patches,
         "model_init": ("scripts/_fixture_pipe.py build(model_config): a deepspeed.pipe.PipelineModule, "
                        "after torch.manual_seed(seed)") if fx.model_type == "pipe" else
+                      ("scripts/_fixture_tp_pipe.py build(model_config): a deepspeed.pipe.PipelineModule of "
+                       "Megatron-style parallel layers, each parameter drawn whole from a generator seeded by "
+                       "the seed and its name") if fx.model_type == "tp_pipe" else
                       "AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **model_config), "
                       "attn_implementation='eager', dtype=torch.float32) after torch.manual_seed(seed)",
         "ds_config": fx.ds_config,
@@ -770,6 +819,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-400m", type=Path, metavar="OUT_DIR",
                     help="instead of the fixtures, write a ~400M-parameter Llama ZeRO-1 DP=2 fp32 "
                          "checkpoint (1 step) to OUT_DIR/llama_400m_zero1_dp2")
+    ap.add_argument("--bench-zero3-200m", type=Path, metavar="OUT_DIR",
+                    help="instead of the fixtures, write the ~200M-parameter Llama as a ZeRO-3 DP=2 fp32 "
+                         "checkpoint (1 step) to OUT_DIR/llama_200m_zero3_dp2")
     ap.add_argument("--dcp", action="store_true",
                     help="only the PyTorch DCP fixtures (FSDP2 / FSDP x TP under torchrun)")
     ap.add_argument("--dcp-out", type=Path, default=DEFAULT_DCP_OUT,
@@ -791,7 +843,8 @@ def main(argv=None) -> int:
     ports = PortAllocator(args.base_port)
 
     bench = [(out, make_fx) for out, make_fx in ((args.bench_200m, bench_200m_fixture),
-                                                 (args.bench_400m, bench_400m_fixture)) if out is not None]
+                                                 (args.bench_400m, bench_400m_fixture),
+                                                 (args.bench_zero3_200m, bench_zero3_200m_fixture)) if out is not None]
     if bench or args.bench_dcp_200m is not None:
         ok = True
         for bench_out, make_fx in bench:

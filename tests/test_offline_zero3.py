@@ -1,5 +1,6 @@
-"""reshard.offline on DeepSpeed ZeRO-3 checkpoints (TP=1): the same checkpoint at another DP size,
-written as DeepSpeed 0.19.8 saves it there (``reshard.offline_zero3``).
+"""reshard.offline with ZeRO-3 at either end (TP=1): a ZeRO-3 checkpoint at another DP size or at
+ZeRO stage 1/2, or a ZeRO-1/2 one at ZeRO-3, written as DeepSpeed 0.19.8 saves it there
+(``reshard.offline_zero3``), in fp32 and bf16.
 
 Fast tests (no DeepSpeed job):
 
@@ -11,12 +12,20 @@ Fast tests (no DeepSpeed job):
   shapes, storages, partitioning and values must all agree (only the loading job's ds_config
   differs);
 * sub-groups (``zero_optimization.sub_group_size``) are recut for the target DP as DeepSpeed
-  does; refusals; a truncated partition is named by file, parameter and rank; crash safety.
+  does; refusals; a truncated partition is named by file, parameter and rank; crash safety;
+* bf16 (``llama_zero3_dp2_bf16``): ``convert`` bit-identical to ``ds_to_universal``, resharding
+  keeps every universal tensor;
+* across stages: the same fp32 master and moments at the target, ZeRO-1/2 module weights the
+  master in the training dtype, and a round trip through the other stage gives back the source
+  files object for object; the streamed ``fp32_flat_groups`` placeholder is torch.save's bytes.
 
-End to end (``e2e``): a real 3-rank gloo DeepSpeed job loads the DP=3 output natively, takes two
-steps, and its losses and digests equal those of DeepSpeed's own native checkpoint at DP=3 (made in
-the same job by loading ``ds_to_universal``'s output with ``load_universal`` and saving natively;
-``tests/e2e/plan.py``), whose files also equal ours.
+End to end (``e2e``): real gloo DeepSpeed jobs (one per world size, 1 and 3 ranks) load each output
+natively, take two steps, and its losses and digests equal those of DeepSpeed's own native
+checkpoint there (made in the same job by loading ``ds_to_universal``'s output with
+``load_universal`` and saving natively; across stages that output is first laid out for the
+target stage's loader, ``tests/e2e/restage.py``; ``tests/e2e/plan.py``), whose files also equal
+ours: fp32 ZeRO-3 to DP=3, bf16 ZeRO-3 to DP=1 and 3, ZeRO-3 to ZeRO-1 (DP=3) and ZeRO-2 (bf16,
+DP=1), ZeRO-1/2 to ZeRO-3 (bf16 DP=1, fp32 DP=3).
 """
 
 from __future__ import annotations
@@ -279,7 +288,7 @@ def test_truncated_file_is_refused(tmp_path):
 @pytest.mark.parametrize("kwargs,match", [
     ({"tp": 2, "dp": 1}, r"resharded over DP only \(TP=1, PP=1\)"),
     ({"tp": 1, "dp": 2, "pp": 2}, r"resharded over DP only"),
-    ({"tp": 1, "dp": 4, "zero_stage": 1}, r"written at ZeRO stage 3 only"),
+    ({"tp": 1, "dp": 4, "zero_stage": 0}, r"written at ZeRO stage 1, 2 or 3, not 0"),
     ({"tp": 1, "dp": 4, "layout": "geometry"}, r"keeps TP=1"),
 ])
 def test_targets_it_cannot_write_are_refused(kwargs, match, tmp_path):
@@ -379,15 +388,126 @@ def test_model_states_keep_the_source_module_and_shared_params_on_rank_0(tmp_pat
         assert all(type(s) is torch.Size for s in ms["param_shapes"][0].values())
 
 
+# -- bf16, other ZeRO stages, streaming ----------------------------------------------------------
+
+BF16 = "llama_zero3_dp2_bf16"  # the same recipe as SOURCE in bf16: bf16_ optimizer files, bf16 placeholders
+
+
+def test_bf16_converts_bit_identically_to_ds_to_universal(tmp_path):
+    pytest.importorskip("deepspeed")
+    from tests.test_convert_parity import test_bit_identical_to_ds_to_universal as parity
+
+    parity(BF16, tmp_path)
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_bf16_reshards_to_the_same_universal_tensors(dp, tmp_path):
+    out = reshard(FIXTURES / BF16, tmp_path / "out", tp=1, dp=dp).out_dir
+    assert sorted(p.name for p in out.glob("*optim_states.pt")) == [
+        f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in range(dp)]
+    module = load(out / "zero_pp_rank_0_mp_rank_00_model_states.pt")["module"]
+    assert {t.dtype for t in module.values()} == {torch.bfloat16} and {t.numel() for t in module.values()} == {0}
+    want, got = _universal(FIXTURES / BF16, tmp_path / "a"), _universal(out, tmp_path / "b")
+    assert list(got) == list(want)
+    for name, states in want.items():
+        for state, t in states.items():
+            assert torch.equal(got[name][state], t), (name, state)
+
+
+def _flat_universal(ckpt: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """{param: {state: flat fp32 tensor}} of ``reshard.convert`` of a checkpoint at any ZeRO stage."""
+    folder = convert(ckpt, out).out_dir
+    params = {}
+    for d in sorted(p for p in (folder / "zero").iterdir() if p.is_dir()):
+        objs = {s: load(d / f"{s}.pt", mmap=False) for s in STATES}
+        params[d.name] = {s: (o["param"] if isinstance(o, dict) else o).reshape(-1) for s, o in objs.items()}
+    return params
+
+
+@pytest.mark.parametrize("source,dp,stage", [
+    (SOURCE, 3, 1), (SOURCE, 1, 2), (BF16, 3, 1), ("llama_zero1_dp2", 3, 3), ("llama_zero2_dp2", 1, 3),
+    ("llama_zero1_dp2_bf16", 3, 3)])
+def test_other_zero_stage_holds_the_same_state(source, dp, stage, tmp_path):
+    """ZeRO-3 <-> ZeRO-1/2: the same fp32 master and moments at the target (DP=3 pads both
+    layouts); a ZeRO-1/2 target's module weights are the fp32 master in the training dtype, as
+    DeepSpeed's ZeRO-1/2 engine holds them."""
+    report = reshard(FIXTURES / source, tmp_path / "out", tp=1, dp=dp, zero_stage=stage)
+    out = report.out_dir
+    ck = DeepSpeedCheckpoint.open(out)
+    assert (ck.tp, ck.dp, ck.zero_stage) == (1, dp, stage)
+    assert f"ZeRO-{stage}" in str(report) and report.target["zero_stage"] == stage
+    bf16 = "bf16" in source
+    assert all(p.name.startswith("bf16_") == bf16 for p in out.glob("*optim_states.pt"))
+    want, got = _flat_universal(FIXTURES / source, tmp_path / "a"), _flat_universal(out, tmp_path / "b")
+    assert list(got) == list(want)
+    for name, states in want.items():
+        for state, t in states.items():
+            assert torch.equal(got[name][state], t), (name, state)
+    if stage != 3:
+        ms = load(out / "mp_rank_00_model_states.pt", mmap=False)
+        assert ms["frozen_param_shapes"] == (None if stage == 1 else OrderedDict())
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        for name, states in want.items():
+            w = ms["module"][name]
+            assert w.dtype == dtype and torch.equal(w.reshape(-1), states["fp32"].to(dtype)), name
+
+
+@pytest.mark.parametrize("source,dp,there,back", [
+    (SOURCE, 3, 1, 3), (BF16, 1, 2, 3), ("llama_zero1_dp2", 3, 3, 1), ("llama_zero2_dp2", 1, 3, 2),
+    ("llama_zero1_dp2_bf16", 3, 3, 1)], ids=["z3-z1-z3", "z3bf16-z2-z3", "z1-z3-z1", "z2-z3-z2", "z1bf16-z3-z1"])
+def test_round_trip_through_another_stage_gives_back_the_source_files(source, dp, there, back, tmp_path):
+    """Out to another ZeRO stage at another DP and back to the source's: every file loads to
+    exactly the source's objects (padding, storages, ds_id, hyper-parameters, module weights)."""
+    mid = reshard(FIXTURES / source, tmp_path / "mid", tp=1, dp=dp, zero_stage=there).out_dir
+    out = reshard(mid, tmp_path / "back", tp=1, dp=2, zero_stage=back).out_dir
+    names = sorted(f.name for f in tag_dir(source).iterdir())
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".pt") == names
+    for name in names:
+        _same(load(out / name, mmap=False), load(tag_dir(source) / name, mmap=False), name)
+
+
+@pytest.mark.parametrize("source,kwargs,match", [
+    ("llama_tp2_dp2", {"tp": 1, "dp": 2, "zero_stage": 3}, r"only a TP=1 ZeRO-1/2 checkpoint .* \(this one is TP=2"),
+    ("pipe_pp2_dp2", {"tp": 1, "dp": 2, "zero_stage": 3}, r"without pipeline stages"),
+    (SOURCE, {"tp": 1, "dp": 2, "zero_stage": 1, "pp": 2}, r"resharded over DP only"),
+])
+def test_stage_changes_it_cannot_write_are_refused(source, kwargs, match, tmp_path):
+    with pytest.raises(ReshardError, match=match):
+        reshard(FIXTURES / source, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_streamed_flat_group_is_what_torch_saves(tmp_path):
+    """A placeholder fp32 flat group with its ``ds_id`` (``AttrTensorRef``) is written byte for byte
+    as ``torch.save`` writes the real tensor with that attribute."""
+    from reshard.formats import torch_zip
+    from reshard.formats.deepspeed_zero3 import AttrTensorRef
+
+    data = torch.randn(1000)
+    real = data.clone().requires_grad_(True)
+    real.ds_id = "0_20"
+    storage = torch_zip.Storage(torch.float32, 1000, data.clone(), label="fp32")
+    ref = AttrTensorRef(storage, (1000,), attrs={"ds_id": "0_20"}, requires_grad=True)
+    exp = torch_zip.Storage(torch.float32, 1000, data * 2)
+    theirs, ours = tmp_path / "torch" / "f.pt", tmp_path / "ours" / "f.pt"  # same name: same archive root
+    for p in (theirs, ours):
+        p.parent.mkdir()
+    save({"flat": [real], "m": data * 2}, theirs)
+    torch_zip.save({"flat": [ref], "m": exp.view((1000,))}, ours)
+    assert ours.read_bytes() == theirs.read_bytes()
+    back = load(ours, mmap=False)["flat"][0]
+    assert back.ds_id == "0_20" and back.requires_grad and torch.equal(back, data)
+
+
 # -- end to end: DeepSpeed loads it natively ------------------------------------------------------
 
-from tests.e2e.plan import ZERO3_TARGETS  # noqa: E402
+from tests.e2e.plan import ZERO3_STAGE_TARGETS, ZERO3_TARGETS, zero_target  # noqa: E402
 
 STEPS = 2
 
 
-def _sane(report: dict, dp: int, universal: bool) -> None:
-    want = {"tp": 1, "dp": dp, "world_size": dp, "zero_stage": 3, "universal": universal}
+def _sane(report: dict, dp: int, universal: bool, stage: int = 3) -> None:
+    want = {"tp": 1, "dp": dp, "world_size": dp, "zero_stage": stage, "universal": universal}
     assert report["topology"] == want
     assert report["load_path"].startswith(report["load_dir"] + f"/{TAG}/")
     assert len(report["losses"]) == STEPS and all(math.isfinite(x) for x in report["losses"])
@@ -396,27 +516,28 @@ def _sane(report: dict, dp: int, universal: bool) -> None:
     assert report["optimizer_step_after_steps"] == [3.0 + STEPS]
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("source,tp,dp", ZERO3_TARGETS, ids=[f"{s}-to-dp{d}" for s, _, d in ZERO3_TARGETS])
-def test_deepspeed_loads_it_natively_and_trains_as_from_its_own_save(source, tp, dp, e2e):
-    """reshard's ZeRO-3 files at DP=dp, loaded with DeepSpeed's ordinary load_checkpoint, against
-    DeepSpeed's own native checkpoint at DP=dp (its save right after loading ds_to_universal's
-    output with load_universal), loaded the same way: same losses, same digests, same files."""
+def _like_deepspeeds_own_save(e2e, source: str, tp: int, dp: int, stage: int) -> None:
+    """reshard's files at TP=1 x DP=dp and ZeRO ``stage``, loaded with DeepSpeed's ordinary
+    load_checkpoint, against DeepSpeed's own native checkpoint there (its save right after loading
+    ds_to_universal's output with load_universal), loaded the same way: same losses, same digests,
+    same files object for object (but the loading job's ds_config)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
     from tests.e2e.digest import differences
 
-    ours = e2e.report("resharded", source, tp, dp)
-    theirs = e2e.report("resaved", source, tp, dp)
-    via_ucp = e2e.report("ds_to_universal", source, tp, dp)
-    assert Path(ours["load_dir"]) == e2e.resharded(source, tp, dp).resolve()
-    assert Path(theirs["load_dir"]) == e2e.resaved(source, tp, dp).resolve()
-    assert via_ucp["save_dir"] == str(e2e.resaved(source, tp, dp).resolve())
-    print(f"{source} -> DP={dp}: reshard's files {ours['losses_per_dp_rank']} ({ours['wall_seconds']:.1f}s), "
-          f"DeepSpeed's own save {theirs['losses_per_dp_rank']} ({theirs['wall_seconds']:.1f}s)")
-    _sane(ours, dp, universal=False)
-    _sane(theirs, dp, universal=False)
-    _sane(via_ucp, dp, universal=True)
+    zero = zero_target(source, stage)
+    ours = e2e.report("resharded", source, tp, dp, zero)
+    theirs = e2e.report("resaved", source, tp, dp, zero)
+    via_ucp = e2e.report("ds_to_universal", source, tp, dp, zero)
+    assert Path(ours["load_dir"]) == e2e.resharded(source, tp, dp, zero).resolve()
+    assert Path(theirs["load_dir"]) == e2e.resaved(source, tp, dp, zero).resolve()
+    assert via_ucp["save_dir"] == str(e2e.resaved(source, tp, dp, zero).resolve())
+    print(f"{source} -> DP={dp} ZeRO-{stage}: reshard's files {ours['losses_per_dp_rank']} "
+          f"({ours['wall_seconds']:.1f}s), DeepSpeed's own save {theirs['losses_per_dp_rank']} "
+          f"({theirs['wall_seconds']:.1f}s)")
+    _sane(ours, dp, universal=False, stage=stage)
+    _sane(theirs, dp, universal=False, stage=stage)
+    _sane(via_ucp, dp, universal=True, stage=stage)
     assert ours["losses_per_rank"] == theirs["losses_per_rank"] == via_ucp["losses_per_rank"]  # exact
     for phase in ("after_load", "after_steps"):
         for other in (theirs, via_ucp):
@@ -425,9 +546,37 @@ def test_deepspeed_loads_it_natively_and_trains_as_from_its_own_save(source, tp,
     kinds = {"fp32", "exp_avg", "exp_avg_sq", "module"}
     assert all(kinds <= set(v) for v in ours["digests"]["after_load"].values())
     # DeepSpeed's own files of the state it loaded: ours, object for object (but its job's ds_config)
-    mine = e2e.resharded(source, tp, dp) / TAG
-    saved = e2e.resaved(source, tp, dp) / TAG
+    mine = e2e.resharded(source, tp, dp, zero) / TAG
+    saved = e2e.resaved(source, tp, dp, zero) / TAG
     names = sorted(p.name for p in mine.iterdir() if p.suffix == ".pt")
     assert names == sorted(p.name for p in saved.iterdir() if p.suffix == ".pt")
     for name in names:
-        _same(load(mine / name, mmap=False), load(saved / name, mmap=False), name, skip=("ds_config",))
+        ours_obj, theirs_obj = (_rebase_ds_ids(load(d / name, mmap=False)) for d in (mine, saved))
+        _same(ours_obj, theirs_obj, name, skip=("ds_config",))
+
+
+def _rebase_ds_ids(obj: dict) -> dict:
+    """``ds_id`` counts parameters over every ZeRO-3 engine a process has built, so a save by a
+    job's later engine numbers from where the earlier ones stopped (``"63_83"`` for the fourth
+    21-parameter engine): compare the numbering from its first parameter."""
+    flats = obj.get("optimizer_state_dict", {}).get("fp32_flat_groups") or []
+    first = int(flats[0].ds_id.split("_")[0]) if flats else 0
+    for t in flats:
+        t.ds_id = "_".join(str(int(x) - first) for x in t.ds_id.split("_"))
+    return obj
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source,tp,dp", ZERO3_TARGETS, ids=[f"{s}-to-dp{d}" for s, _, d in ZERO3_TARGETS])
+def test_deepspeed_loads_it_natively_and_trains_as_from_its_own_save(source, tp, dp, e2e):
+    _like_deepspeeds_own_save(e2e, source, tp, dp, 3)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source,tp,dp,stage", ZERO3_STAGE_TARGETS,
+                         ids=[f"{s}-to-dp{d}-zero{z}" for s, _, d, z in ZERO3_STAGE_TARGETS])
+def test_bf16_and_other_stages_load_natively_as_deepspeeds_own_save(source, tp, dp, stage, e2e):
+    """bf16 ZeRO-3 at other DP sizes, ZeRO-3 -> ZeRO-1/2 and ZeRO-1/2 -> ZeRO-3: as above. Across
+    stages DeepSpeed's own save comes from ds_to_universal's output laid out for the target stage's
+    universal loader (``tests/e2e/restage.py``: the same tensors, the other stage's file layout)."""
+    _like_deepspeeds_own_save(e2e, source, tp, dp, stage)

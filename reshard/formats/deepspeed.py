@@ -4,11 +4,14 @@ memory-mapped, so a parameter's bytes are read only when it is converted.
 
 Files are numbered by *model-parallel rank* ``m``: ``mp_rank_MM_model_states.pt`` and
 ``zero_pp_rank_D_mp_rank_MM_optim_states.pt``. Without pipeline parallelism ``m`` is the TP
-rank. A pipeline-parallel checkpoint (``deepspeed.pipe``) has one model-parallel rank per stage,
-``m = stage`` (TP=1; pipeline x tensor parallel is refused, for want of a checkpoint to check
-its numbering against), names parameters ``"<layer>.<name>"``, and keeps module weights in
-``layer_LL-model_states.pt`` files. Each parameter lives in one stage; its TP ranks ``t`` are
-the files ``m = stage * tp + t``."""
+rank. A pipeline-parallel checkpoint (``deepspeed.pipe``) names parameters ``"<layer>.<name>"``
+and keeps module weights in layer files, one per layer and TP rank: ``layer_LL-model_states.pt``
+without a model axis, ``layer_LL-model_TT-model_states.pt`` over
+``PipeModelDataParallelTopology`` (Megatron-DeepSpeed), ``TT`` the TP (slice) rank. Each
+parameter lives in one stage, and TP rank ``t`` of stage ``s`` is ``m = s * tp + t`` (the grid's
+model-parallel rank: its index among the ranks of one DP index, pipe-major; checked on
+``tests/fixtures/deepspeed/tp_pipe_tp2_pp2``). ``checkpoint_parallel_dimensions`` tells stages
+from TP ranks."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from ..ir.piece import prod
 from ..layouts import compose_zero, zero3, zero12_from_slice_mappings
 from ..memory import empty, own_bytes, release
 from ..topology import Topology
-from . import lowering
+from . import deepspeed_experts, lowering
 from .safe_load import load
 
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -86,7 +89,7 @@ class DeepSpeedCheckpoint:
     optim_files: dict[tuple[int, int], Path]
     z3_model_files: dict[tuple[int, int], Path] = field(default_factory=dict)
     pp: int = 1
-    layer_files: dict[int, Path] = field(default_factory=dict)
+    layer_files: dict[tuple[int, int], Path] = field(default_factory=dict)  # (layer, TP rank) -> file
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -100,10 +103,11 @@ class DeepSpeedCheckpoint:
         tag = resolve_tag_dir(path)
         names = sorted(f.name for f in tag.iterdir())
         layer_matches = [(m, n) for n in names if (m := LAYER_RE.match(n))]
-        if any(m.group(2) is not None for m, _ in layer_matches):
-            raise CheckpointError(f"{tag}: pipeline x tensor parallel layer files (layer_XX-model_YY) are not "
-                                  "supported: only pipeline parallelism without TP")
-        layers = {int(m.group(1)): tag / n for m, n in layer_matches}
+        layers = {(int(m.group(1)), int(m.group(2) or 0)): tag / n for m, n in layer_matches}
+        tp_named = any(m.group(2) is not None for m, _ in layer_matches)
+        if tp_named and any(m.group(2) is None for m, _ in layer_matches):
+            raise CheckpointError(f"{tag}: layer files both with and without a TP rank (layer_LL-model_TT) in their "
+                                  "names: not one pipeline x tensor parallel checkpoint")
         model = {int(m.group(1)): tag / n for n in names if (m := MODEL_RE.match(n))}
         optim = {(int(m.group(3)), int(m.group(2))): tag / n for n in names if (m := OPTIM_RE.match(n))}
         z3 = {(int(m.group(2)), int(m.group(1))): tag / n for n in names if (m := Z3_MODEL_RE.match(n))}
@@ -126,7 +130,26 @@ class DeepSpeedCheckpoint:
         ck._cache[("optim", 0, 0)] = first
         pp = ck._pipeline_stages(mp)
         ck.pp, ck.tp = pp, mp // pp
+        ck._check_layer_grid()
+        if ck.tp > 1 and ck.layer_files and not ck.uc_info:
+            # Megatron-style TP records its layouts only there (client_state of save_checkpoint);
+            # DeepSpeed's converter would concatenate everything on dim 0 without a word
+            raise CheckpointError(f"{ck.model_files[0]}: a pipeline checkpoint at TP={ck.tp} without "
+                                  "universal_checkpoint_info does not record how its parameters split over TP ranks")
         return ck
+
+    def _check_layer_grid(self) -> None:
+        """Every layer has one file per TP rank, numbered 0..TP-1 (file names only; contents:
+        :meth:`check_layer_files`)."""
+        by_layer: dict[int, list[int]] = {}
+        for layer, t in sorted(self.layer_files):
+            by_layer.setdefault(layer, []).append(t)
+        for layer, ranks in by_layer.items():
+            if ranks != list(range(self.tp)):
+                path = self.layer_files[(layer, ranks[-1])]
+                raise CheckpointError(
+                    f"{path}: layer {layer} has files for TP ranks {ranks}, but the model-state files describe a "
+                    f"pipeline x tensor parallel topology of PP={self.pp}, TP={self.tp}: one file per TP rank expected")
 
     def _pipeline_stages(self, mp: int) -> int:
         """Pipeline stages, from ``checkpoint_parallel_dimensions`` (what DeepSpeed records)."""
@@ -137,9 +160,6 @@ class DeepSpeedCheckpoint:
         if not all(isinstance(x, int) and x >= 1 for x in (pp, tp)) or pp * tp != mp:
             raise CheckpointError(f"{self.model_files[0]}: checkpoint_parallel_dimensions {dims} disagree with "
                                   f"the {mp} model-parallel rank files")
-        if pp > 1 and tp > 1:
-            raise CheckpointError(f"{self.tag_dir}: pipeline x tensor parallel checkpoints (PP={pp}, TP={tp}) "
-                                  "are not supported: only pipeline parallelism without TP")
         return pp
 
     # -- raw files ----------------------------------------------------------------------------
@@ -198,10 +218,30 @@ class DeepSpeedCheckpoint:
         seen = dict.fromkeys(self.param_shapes[0])
         for shapes in self.param_shapes[1:]:
             seen.update(dict.fromkeys(shapes))
+        if self.experts is not None:  # AutoEP's router aliases: module weights only
+            seen.update(dict.fromkeys(self.experts.aliases))
         return list(seen)
+
+    # -- AutoEP experts (hooks into formats/deepspeed_experts.py) -------------------------------
+    @cached_property
+    def experts(self) -> deepspeed_experts.AutoEP | None:
+        """The AutoEP expert parameters, or ``None`` without ``ds_autoep_layers``."""
+        return deepspeed_experts.read(self)
+
+    def expert(self, name: str) -> deepspeed_experts.ExpertParam | None:
+        return None if self.experts is None else self.experts.params.get(name)
+
+    def _alias(self, name: str) -> bool:
+        return self.experts is not None and name in self.experts.aliases
 
     # -- maps ---------------------------------------------------------------------------------
     def tp_map(self, name: str) -> lowering.Lowered:
+        """``name``'s model-parallel map: over TP ranks, or for an AutoEP expert over EP ranks."""
+        if (p := self.expert(name)) is not None:
+            return deepspeed_experts.lowered(p)
+        if self._alias(name):  # a module weight the optimizer does not own: as ds_to_universal, no extra keys
+            shape = tuple(self.model_state(0)["module"][name].shape)
+            return lowering.Lowered(lowering.lower_replicated([shape]), "module only")
         shapes = [self.param_shapes[self.mp_rank(name, t)].get(name) for t in range(self.tp)]
         try:
             return lowering.lower(name, shapes, self.uc_info)
@@ -221,6 +261,8 @@ class DeepSpeedCheckpoint:
                 continue
             groups = len(_get(self.osd(t, 0), "param_slice_mappings", self.optim_files[(t, 0)]))
             for g in range(groups):
+                if self.experts is not None and g in self.experts.groups:
+                    continue  # partitioned over expert-data-parallel groups: deepspeed_experts
                 mappings = [self.osd(t, d)["param_slice_mappings"][g] for d in range(self.dp)]
                 paddings = [self.osd(t, d)["group_paddings"][g] for d in range(self.dp)]
                 try:
@@ -246,6 +288,10 @@ class DeepSpeedCheckpoint:
         ``dp_rank * R + r`` (DeepSpeed's order; R model-parallel ranks). ``model_map``'s ranks
         are the TP ranks of ``name``'s stage, or with ``stages`` the model-parallel ranks (file
         indices: stages x TP) of a stage map."""
+        if (p := self.expert(name)) is not None:
+            return deepspeed_experts.composite(self, p, model_map)
+        if self._alias(name):
+            return model_map  # in no optimizer partition: only in rank 0's model-state file
         ranks = self.mp if stages else self.tp
         zero = {}
         for r in model_map.ranks:
@@ -274,6 +320,8 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
 
     def has_optimizer_state(self, name: str) -> bool:
+        if self.expert(name) is not None:
+            return True
         return any(name in self._zero_index[m] for m in range(self.mp))
 
     # -- tensors ------------------------------------------------------------------------------
@@ -316,7 +364,9 @@ class DeepSpeedCheckpoint:
     def tp_shard(self, name: str, t: int, state: str, shape: tuple[int, ...]) -> torch.Tensor:
         """TP rank ``t``'s shard of ``name`` (of ``shape``) for one state, rebuilt from its DP
         fragments. Where one fragment is the whole shard, it is returned as it lies in the
-        memory-mapped file (a view, not a copy)."""
+        memory-mapped file (a view, not a copy). For an AutoEP expert ``t`` is the EP rank."""
+        if (p := self.expert(name)) is not None:
+            return deepspeed_experts.shard(self, p, t, state)
         tp_rank, t = t, self.mp_rank(name, t)
         if name not in self._zero_index[t]:
             if prod(shape) == 0:  # a rank holding none of an unevenly split parameter
@@ -349,6 +399,8 @@ class DeepSpeedCheckpoint:
         return int(self.osd(t, d)["param_slice_mappings"][group][name].start)
 
     def step(self, name: str) -> Any:
+        if (p := self.expert(name)) is not None:
+            return deepspeed_experts.step(self, p)
         t = next(m for m in range(self.mp) if name in self._zero_index[m])
         group = self._zero_index[t][name][0]
         osd = self.osd(t, 0)
@@ -359,18 +411,59 @@ class DeepSpeedCheckpoint:
 
     def module_tensor(self, name: str, t: int) -> torch.Tensor | None:
         """TP rank ``t``'s module weight of ``name``: from the model-state file, or for a
-        pipeline module (``"<layer>.<name>"``) from that layer's file."""
+        pipeline module (``"<layer>.<name>"``) from that layer's file of TP rank ``t``."""
         module = self.model_state(self.mp_rank(name, t)).get("module") or {}
         if name in module or not self.layer_files:
             return module.get(name)
         layer, _, key = name.partition(".")
-        path = self.layer_files.get(int(layer)) if layer.isdigit() else None
-        if path is None:
-            return None
+        path = self.layer_files.get((int(layer), t)) if layer.isdigit() else None
+        return None if path is None else self.layer_state(path).get(key)
+
+    def layer_state(self, path: Path) -> dict:
+        """One layer file's state dict (memory-mapped, read once)."""
         cache = ("layer", path)
         if cache not in self._cache:
             self._cache[cache] = _as_dict(load(path), path)
-        return self._cache[cache].get(key)
+        return self._cache[cache]
+
+    def check_layer_files(self) -> None:
+        """A pipeline checkpoint's layer files hold exactly the parameters its model-state files
+        record for their layer and TP rank, with the same shapes: a file disagreeing with the
+        metadata is refused naming it, the parameter and the rank."""
+        want: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
+        for name in self.names:
+            layer, _, key = name.partition(".")
+            if not layer.isdigit():
+                raise CheckpointError(f"{self.model_files[self.mp_rank(name, 0)]}: parameter {name!r} of a pipeline "
+                                      "checkpoint is not named '<layer>.<name>'")
+            for t in range(self.tp):
+                shape = self.param_shapes[self.mp_rank(name, t)].get(name)
+                want.setdefault((int(layer), t), {})[key] = shape
+        for (layer, t), keys in want.items():
+            m = self.stage_of(f"{layer}.{next(iter(keys))}") * self.tp + t
+            path = self.layer_files.get((layer, t))
+            if path is None:
+                raise CheckpointError(f"{self.tag_dir}: no layer file for layer {layer}, TP rank {t} (parameters "
+                                      f"{sorted(keys)[:3]} of {self.model_files[m].name})")
+            state = self.layer_state(path)
+            for key, shape in keys.items():
+                got = state.get(key)
+                if not isinstance(got, torch.Tensor):
+                    raise CheckpointError(f"{path}: no tensor for parameter '{layer}.{key}' (TP rank {t}, "
+                                          f"model-parallel rank {m}), which {self.model_files[m].name} records")
+                if shape is not None and tuple(got.shape) != tuple(shape):
+                    raise CheckpointError(f"{path}: parameter '{layer}.{key}' (TP rank {t}, model-parallel rank {m}) "
+                                          f"has shape {list(got.shape)}, {self.model_files[m].name} records "
+                                          f"{list(shape)}")
+            extra = [k for k in state if k not in keys]
+            if extra:
+                raise CheckpointError(f"{path}: holds {extra[:3]} (TP rank {t}), which {self.model_files[m].name} "
+                                      "does not record as optimized parameters (frozen parameters or buffers are not "
+                                      "supported)")
+        for (layer, t), path in sorted(self.layer_files.items()):  # a layer without parameters holds nothing
+            if (layer, t) not in want and self.layer_state(path):
+                raise CheckpointError(f"{path}: holds {list(self.layer_state(path))[:3]} (TP rank {t}), but no "
+                                      f"model-state file records a parameter of layer {layer}")
 
 
 def _as_dict(x: Any, path: Path) -> dict:

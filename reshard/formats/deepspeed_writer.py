@@ -58,6 +58,12 @@ def model_file(tp_rank: int) -> str:
     return f"mp_rank_{tp_rank:02d}_model_states.pt"
 
 
+def layer_file(layer: int, tp_rank: int) -> str:
+    """A pipeline module's weights of one layer and TP rank, as ``PipelineModule.ckpt_layer_path``
+    names them over a topology with a model axis (``PipeModelDataParallelTopology``)."""
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
 def optim_file(tp_rank: int, dp_rank: int, *, bf16: bool = False) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
 
@@ -149,9 +155,9 @@ def model_states(source: Mapping[str, Any], *, module: Mapping[str, torch.Tensor
                  shared_params: Mapping[str, str], uc_info: dict | None, ds_config: dict | None,
                  empty_params: Mapping[str, torch.Tensor] | None = None, pp: int = 1) -> dict:
     """One ``mp_rank_XX_model_states.pt`` dict: the source's keys in the source's order, the
-    topology-dependent ones replaced. With ``pp`` stages (a ``deepspeed.pipe`` checkpoint, TP=1)
-    there is one such file per stage, and ``module`` is ``None``: the weights are in the layer
-    files."""
+    topology-dependent ones replaced. With ``pp`` stages (a ``deepspeed.pipe`` checkpoint) there
+    is one such file per stage and TP rank (``mp_rank = stage * tp + tp_rank``), and ``module`` is
+    ``None``: the weights are in the layer files."""
     out: dict[str, Any] = {}
     for key, value in source.items():
         if key == "universal_checkpoint_info":

@@ -1,7 +1,8 @@
 """A DeepSpeed ZeRO-1/2 checkpoint as ``reshard reshard`` reads it: its parameter groups per
 model-parallel rank, checked against DeepSpeed 0.19.8's flat-buffer rule (``deepspeed_writer``)
 before anything is written, and each parameter's model-parallel map (a TP map, or for a
-``deepspeed.pipe`` checkpoint a stage map: F whole on its stage's rank).
+``deepspeed.pipe`` checkpoint a stage map: its TP map on its stage's model-parallel ranks
+``stage * tp + t``, nothing on the other stages').
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from collections import OrderedDict
 from ..errors import CheckpointError
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
-from ..layouts import pipeline_stage
 from ..topology import Topology
 from . import deepspeed_writer as dsw
 from .deepspeed import DeepSpeedCheckpoint
@@ -25,9 +25,9 @@ class Zero12Source:
 
     def __init__(self, ck: DeepSpeedCheckpoint) -> None:
         self.ck = ck
-        # A pipeline checkpoint (TP=1) has one model-parallel rank per stage; each parameter is
-        # whole on its stage's rank, which the "stage map" below states. Everything else treats
-        # model-parallel ranks alike, whether they are TP ranks or stages.
+        # A pipeline checkpoint has TP model-parallel ranks per stage; each parameter's TP map
+        # sits on its stage's ranks, which the "stage map" below states. Everything else treats
+        # model-parallel ranks alike, whether they are TP ranks, stages or both.
         self.pipe = bool(ck.layer_files) or ck.pp > 1
         self.mp = ck.mp
         self.topology = Topology(1, ck.dp, self.mp)  # global rank = dp_rank * mp + mp_rank
@@ -61,6 +61,8 @@ class Zero12Source:
                                   "not supported")
         if zo.get("elastic_checkpoint"):
             raise CheckpointError(f"{ck.tag_dir}: elastic ZeRO checkpoints are not supported")
+        if self.pipe:  # layer files against param_shapes, before anything reads a weight
+            ck.check_layer_files()
         first = next((w for n in self.names if (w := ck.module_tensor(n, 0)) is not None), None)
         if first is None:
             raise CheckpointError(f"{ck.model_files[0]}: the module state holds none of the optimized parameters")
@@ -70,8 +72,13 @@ class Zero12Source:
         self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
         self._check_groups()
         self._check_rest(ms0)
-        self.maps = {n: pipeline_stage(ck.param_shapes[ck.mp_rank(n, 0)][n], Topology(pp=self.mp, dp=1, tp=1), ck.stage_of(n))
-                     if self.pipe else ck.tp_map(n).map for n in self.names}
+        self.maps = {n: self.stage_map(n) if self.pipe else ck.tp_map(n).map for n in self.names}
+
+    def stage_map(self, name: str) -> ParamMap:
+        """``name``'s TP map on its stage's model-parallel ranks ``stage * tp + t``."""
+        ck = self.ck
+        base = ck.stage_of(name) * ck.tp
+        return ck.tp_map(name).map.with_ranks({t: base + t for t in range(ck.tp)})
 
     def _check_groups(self) -> None:
         ck = self.ck

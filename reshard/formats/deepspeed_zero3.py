@@ -1,6 +1,9 @@
 """DeepSpeed 0.19.8 ZeRO-3 checkpoint files (TP=1), read and written as DeepSpeed itself saves
-them: the source checked for ``reshard reshard``, the sub-group layout at any DP size, and the
-dictionaries of the two files each DP rank writes. No tensor data is moved here
+them: the source checked for ``reshard reshard``, the sub-group layout at any DP size, the
+dictionaries of the two files each DP rank writes (with :class:`AttrTensorRef` for a streamed flat
+group's ``ds_id``), and a ZeRO-1/2 file's dictionaries recast for ZeRO-3 and back (the optimizer's
+loss scaler, flags, hyper-parameters and ``step`` are the same objects in both; only their
+arrangement differs). No tensor data is moved here
 (``reshard.offline_zero3`` does that). What DeepSpeed does, read from
 ``deepspeed/runtime/zero/stage3.py`` and ``runtime/engine.py`` and checked against checkpoints it
 saved (docs/deepspeed-checkpoints.md, section 10):
@@ -40,9 +43,10 @@ from ..ir.piece import prod
 from ..layouts.zero import zero3_partition_numel
 from .deepspeed import DeepSpeedCheckpoint
 from .safe_load import ZeroStageEnum, load
+from .torch_zip import Storage, TensorRef
 
-__all__ = ["SubGroup", "Zero3Source", "model_file", "model_states", "optim_file", "optim_states",
-           "sub_groups"]
+__all__ = ["AttrTensorRef", "SubGroup", "Zero3Source", "model_file", "model_states", "model_template_from_zero12",
+           "optim_file", "optim_source_from_zero3", "optim_source_from_zero12", "optim_states", "sub_groups"]
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -60,6 +64,23 @@ def model_file(d: int) -> str:
 
 def optim_file(d: int, *, bf16: bool = False) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{d}_mp_rank_00_optim_states.pt"
+
+
+class AttrTensorRef(TensorRef):
+    """A ``torch_zip`` placeholder tensor that also carries Python attributes, pickled as torch
+    pickles a tensor with a ``__dict__`` (``torch._tensor._rebuild_from_type_v2``): a streamed
+    ``fp32_flat_groups[k]`` with its ``ds_id``."""
+
+    __slots__ = ("attrs",)
+
+    def __init__(self, storage: Storage, shape: Sequence[int], *, attrs: Mapping[str, Any],
+                 requires_grad: bool = False) -> None:
+        super().__init__(storage, shape, requires_grad=requires_grad)
+        self.attrs = dict(attrs)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        rebuild, args = super().__reduce_ex__(protocol)
+        return torch._tensor._rebuild_from_type_v2, (rebuild, torch.Tensor, args, dict(self.attrs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +137,8 @@ def _zero_config(cfg: Any) -> dict:
     return zo if isinstance(zo, dict) else {}
 
 
-def _sub_group_size(cfg: Any, where: str) -> int:
+def sub_group_size(cfg: Any, where: str) -> int:
+    """``zero_optimization.sub_group_size`` of a ds_config (DeepSpeed's default when unset)."""
     value = _zero_config(cfg).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -157,7 +179,7 @@ class Zero3Source:
         zo = _zero_config(self.cfg)
         if zo.get("mics_shard_size", -1) not in (-1, 0, None) or zo.get("elastic_checkpoint"):
             raise CheckpointError(f"{where0}: MiCS or elastic ZeRO-3 checkpoints are not supported")
-        self.sub_group_size = _sub_group_size(self.cfg, str(where0))
+        self.sub_group_size = sub_group_size(self.cfg, str(where0))
         recorded = self._recorded_sub_groups()
         self.shapes = {n: s for sg in recorded for n, s in sg.items()}
         self.names = list(self.shapes)
@@ -345,11 +367,13 @@ def model_states(template: Mapping[str, Any], *, subs: Sequence[SubGroup], d: in
 
 
 def optim_states(source: Mapping[str, Any], *, subs: Sequence[SubGroup], dp: int,
-                 fp32: Sequence[torch.Tensor], moments: Sequence[Mapping[str, torch.Tensor]] | None,
+                 fp32: Sequence[torch.Tensor | Storage],
+                 moments: Sequence[Mapping[str, torch.Tensor | TensorRef]] | None,
                  ds_ids: Mapping[str, int], ds_config: dict | None) -> dict:
     """One ``zero_pp_rank_D_mp_rank_00_optim_states.pt`` dict built on a source optimizer file's
     dict (its key order, loss scaler, hyper-parameters and ``step``). ``fp32[k]`` and
-    ``moments[k]`` are sub-group ``k``'s whole flat partitions (padding zero)."""
+    ``moments[k]`` are sub-group ``k``'s whole flat partitions (padding zero): tensors, or for
+    ``torch_zip.save`` a :class:`~reshard.formats.torch_zip.Storage` and views of one."""
     src = source["optimizer_state_dict"]
     inner = src["optimizer_state_dict"]
     step_state = inner["state"].get(0, {})
@@ -369,8 +393,12 @@ def optim_states(source: Mapping[str, Any], *, subs: Sequence[SubGroup], dp: int
         param_groups.append(pg)
     flats = []
     for sg, t in zip(subs, fp32):
+        ds_id = f"{ds_ids[sg.names[0]]}_{ds_ids[sg.names[-1]]}"
+        if isinstance(t, Storage):  # a placeholder the streamed writer fills
+            flats.append(AttrTensorRef(t, (t.numel,), attrs={"ds_id": ds_id}, requires_grad=True))
+            continue
         t = t.detach().requires_grad_(True)  # as DeepSpeed's master partitions (the file records it)
-        t.ds_id = f"{ds_ids[sg.names[0]]}_{ds_ids[sg.names[-1]]}"
+        t.ds_id = ds_id
         flats.append(t)
     osd: dict[str, Any] = {}
     for key, value in src.items():
@@ -383,4 +411,70 @@ def optim_states(source: Mapping[str, Any], *, subs: Sequence[SubGroup], dp: int
     out["optimizer_state_dict"] = osd
     if "ds_config" in out:
         out["ds_config"] = ds_config
+    return out
+
+
+# -- another ZeRO stage's dictionaries, recast ---------------------------------------------------------
+
+
+def _replace(source: Mapping[str, Any], key: str, value: Any) -> dict:
+    return {k: (value if k == key else v) for k, v in source.items()}
+
+
+def optim_source_from_zero12(source: Mapping[str, Any]) -> dict:
+    """A ZeRO-1/2 optimizer file's dict recast as the ZeRO-3 one :func:`optim_states` builds on:
+    the same loss scaler, flags, torch hyper-parameters and ``step`` (the layout-dependent entries
+    are filled in there)."""
+    src = source["optimizer_state_dict"]
+    base = src["base_optimizer_state"]
+    osd = {"zero_stage": ZeroStageEnum(3), "loss_scaler": src.get("loss_scaler"),
+           "dynamic_loss_scale": src.get("dynamic_loss_scale"), "overflow": src.get("overflow"),
+           "partition_count": None,
+           "optimizer_state_dict": {"state": {0: dict(base["state"].get(0, {}))},
+                                    "param_groups": base["param_groups"]},
+           "fp32_flat_groups": []}
+    return _replace(source, "optimizer_state_dict", osd)
+
+
+def optim_source_from_zero3(source: Mapping[str, Any], *, clip_grad: Any) -> dict:
+    """A ZeRO-3 optimizer file's dict recast as the ZeRO-1/2 one ``deepspeed_writer.optim_states``
+    builds on (``deepspeed_writer.OSD_KEYS`` order): one torch parameter per parameter group, each
+    with sub-group 0's ``step``; ``clip_grad`` is the engine's ``gradient_clipping``, which only a
+    ZeRO-1/2 file records."""
+    src = source["optimizer_state_dict"]
+    inner = src["optimizer_state_dict"]
+    groups = inner["param_groups"]
+    state0 = dict(inner["state"].get(0, {}))
+    base = {"state": {g: state0 for g in range(len(groups))} if state0 else {},
+            "param_groups": [{**{k: v for k, v in pg.items() if k != "params"}, "params": [g]}
+                             for g, pg in enumerate(groups)]}
+    osd = {"loss_scaler": src.get("loss_scaler"), "dynamic_loss_scale": src.get("dynamic_loss_scale"),
+           "overflow": src.get("overflow"), "clip_grad": clip_grad, "base_optimizer_state": base,
+           "single_partition_of_fp32_groups": [], "zero_stage": None, "group_paddings": [],
+           "param_alignment_paddings": [], "partition_count": [], "ds_version": source.get("ds_version"),
+           "param_slice_mappings": []}
+    return _replace(source, "optimizer_state_dict", osd)
+
+
+def model_template_from_zero12(ms: Mapping[str, Any], *, params: Sequence[str], shared: Mapping[str, str],
+                               dtype: torch.dtype) -> dict:
+    """A ZeRO-1/2 ``mp_rank_00_model_states.pt`` dict recast as the ZeRO-3 template
+    :func:`model_states` builds on: every parameter a 0-element placeholder of the training dtype
+    (a tied alias the same one as its parameter), buffers whole, the frozen-parameter records
+    empty ``OrderedDict`` s, TP=1 (no AutoTP metadata)."""
+    wanted = set(params)
+    module: OrderedDict = OrderedDict()
+    for key, value in (ms.get("module") or {}).items():
+        module[key] = torch.empty(0, dtype=dtype) if key in wanted else value
+    for alias, canonical in shared.items():
+        if alias in module and canonical in module:
+            module[alias] = module[canonical]
+    out = {k: v for k, v in ms.items() if k != "universal_checkpoint_info"}
+    out["module"] = module
+    out["frozen_param_shapes"] = OrderedDict()
+    out["frozen_param_fragments"] = OrderedDict()
+    out["mp_world_size"] = 1
+    if "checkpoint_parallel_dimensions" in out:
+        out["checkpoint_parallel_dimensions"] = {**(out["checkpoint_parallel_dimensions"] or {}),
+                                                 "pp_degree": 1, "tp_degree": 1}
     return out

@@ -155,3 +155,31 @@ def _sub_param_spec(info: dict, name: str) -> Any:
         if _match(getattr(spec, "patterns", None), name):
             return spec
     return None
+
+
+def even_shapes(name: str, full: tuple[int, ...], tp: int, info: dict) -> Shapes:
+    """Each TP rank's shard shape of ``name`` (F of shape ``full``) at TP=``tp`` in Megatron's
+    layouts: the category's split, even on every rank (``lower`` of these shapes is then the map).
+    The legacy categories fix those layouts at any degree; an ``affine_map`` or sub-parameter widths
+    (AutoTP, head-aligned) and a padded vocabulary (its padding depends on the TP degree) do not."""
+    affine = info.get("affine_map") if isinstance(info.get("affine_map"), dict) else {}
+    if _match(list((affine or {}).get("params", {})), name) is not None or _sub_param_spec(info, name) is not None:
+        raise CheckpointError("its TP layout is an affine map or sub-parameter widths (AutoTP, head-aligned), "
+                              "which say nothing of another TP degree")
+    if _match(info.get("vocabulary_parameter_patterns"), name) and info.get("original_vocab_size", full[0]) != full[0]:
+        raise CheckpointError(f"a vocabulary padded from {info.get('original_vocab_size')} to {full[0]} rows: the "
+                              "padding at another TP degree depends on the training script")
+    if _match(info.get("tp_replicated_parameter_patterns"), name) or _match(
+            info.get("parameter_to_average_patterns"), name):
+        return [tuple(full)] * tp
+    two = _match(info.get("parameter_with_2_sub_params_cat_dim_0"), name) is not None
+    dim = 1 if _match(info.get("parameter_with_row_parallelism_patterns"), name) else 0
+    if len(full) <= dim:
+        raise CheckpointError(f"cannot split a {len(full)}-d parameter on dim {dim}")
+    parts = 2 * tp if two else tp
+    if full[dim] % parts:
+        what = "each of two sub-parameters" if two else f"dim {dim}"
+        raise CheckpointError(f"{what} of shape {list(full)} does not split evenly over {tp} TP ranks")
+    shard = list(full)
+    shard[dim] = full[dim] // tp
+    return [tuple(shard)] * tp

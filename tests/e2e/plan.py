@@ -69,6 +69,13 @@ RESHARD_TARGETS = [(LLAMA, 1, 2), (LLAMA, 2, 1), ("llama_zero1_dp2", 1, 4)]
 # reshard's files and that save natively, in this order (one extra job, of 3 ranks).
 ZERO3 = "llama_zero3_dp2"
 ZERO3_TARGETS = [(ZERO3, 1, 3)]
+# tests/test_offline_zero3.py, bf16 and across ZeRO stages: (source, tp, dp, target ZeRO stage), each resharded
+# and loaded natively next to DeepSpeed's own native save there, made as for ZERO3_TARGETS; across stages
+# ds_to_universal's output is first laid out for the target stage's loader (tests/e2e/restage.py), since
+# DeepSpeed's universal route does not cross between ZeRO-3 and ZeRO-1/2 by itself.
+ZERO3_BF16 = "llama_zero3_dp2_bf16"
+ZERO3_STAGE_TARGETS = [(ZERO3_BF16, 1, 1, 3), (ZERO3_BF16, 1, 1, 2), ("llama_zero1_dp2_bf16", 1, 1, 3),
+                       (ZERO3_BF16, 1, 3, 3), (ZERO3, 1, 3, 1), ("llama_zero2_dp2", 1, 3, 3)]
 PIPE_TARGETS = [(1, 2), (2, 1)]
 
 
@@ -84,10 +91,17 @@ class Load(NamedTuple):
     source: str
     tp: int
     dp: int
+    zero: int = 0  # the target ZeRO stage; 0: the source's
+
+    def stage(self) -> int:
+        """The ZeRO stage this load runs at."""
+        if self.zero:
+            return self.zero
+        return int(json.loads((FIXTURES / self.source / "fixture.json").read_text())["topology"]["zero_stage"])
 
     @property
     def name(self) -> str:
-        return f"{self.kind}:{self.source}:tp{self.tp}dp{self.dp}"
+        return f"{self.kind}:{self.source}:tp{self.tp}dp{self.dp}" + (f":zero{self.zero}" if self.zero else "")
 
     @property
     def universal(self) -> bool:
@@ -103,7 +117,15 @@ def llama_loads() -> list[Load]:
         loads += [Load("resharded", source, tp, dp), Load("ds_to_universal", source, tp, dp)]
     for source, tp, dp in ZERO3_TARGETS:  # the save precedes the load of it
         loads += [Load(kind, source, tp, dp) for kind in ("ds_to_universal", "resharded", "resaved")]
+    for source, tp, dp, zero in ZERO3_STAGE_TARGETS:
+        loads += [Load(kind, source, tp, dp, zero_target(source, zero)) for kind in ("ds_to_universal", "resharded",
+                                                                                    "resaved")]
     return list(dict.fromkeys(loads))
+
+
+def zero_target(source: str, zero: int) -> int:
+    """``Load.zero`` of a load at ZeRO stage ``zero``: 0 when that is ``source``'s own stage."""
+    return 0 if Load("source", source, 1, 1).stage() == zero else zero
 
 
 def group_into_jobs(loads: list[Load]) -> list[list[Load]]:
@@ -178,15 +200,25 @@ class E2E:
 
         return self._once(("perturbed",), make)
 
-    def resharded(self, source: str, tp: int, dp: int) -> Path:
-        """``reshard.offline`` of fixture ``source`` to TP=``tp`` x DP=``dp``."""
-        return self._once(("resharded", source, tp, dp), lambda: reshard(
-            FIXTURES / source, self.root / f"resharded_{source}_tp{tp}dp{dp}", tp=tp, dp=dp).out_dir.parent)
+    def resharded(self, source: str, tp: int, dp: int, zero: int = 0) -> Path:
+        """``reshard.offline`` of fixture ``source`` to TP=``tp`` x DP=``dp`` (at ZeRO stage
+        ``zero``, when not 0)."""
+        sfx = f"_zero{zero}" if zero else ""
+        return self._once(("resharded", source, tp, dp, zero), lambda: reshard(
+            FIXTURES / source, self.root / f"resharded_{source}_tp{tp}dp{dp}{sfx}", tp=tp, dp=dp,
+            zero_stage=zero or None).out_dir.parent)
 
-    def resaved(self, source: str, tp: int, dp: int) -> Path:
+    def resaved(self, source: str, tp: int, dp: int, zero: int = 0) -> Path:
         """Where the job saves what it loaded from ``ds_to_universal`` of ``source`` at TP=``tp``
         x DP=``dp`` (the folder holding ``latest``; written by the job, not here)."""
-        return self.root / f"resaved_{source}_tp{tp}dp{dp}"
+        return self.root / (f"resaved_{source}_tp{tp}dp{dp}" + (f"_zero{zero}" if zero else ""))
+
+    def restaged_ucp(self, source: str, zero: int) -> Path:
+        """:meth:`ds_ucp` of ``source`` laid out for a ZeRO-``zero`` engine's universal loader."""
+        from tests.e2e.restage import restage
+
+        return self._once(("restaged", source, zero),
+                          lambda: restage(self.ds_ucp(source), self.root / f"ds_{source}_as_zero{zero}", zero))
 
     def pipe_resharded(self, pp: int, dp: int) -> Path:
         """``reshard.offline`` of :data:`PIPE` to PP=``pp`` x DP=``dp``: the *tag* folder."""
@@ -201,24 +233,26 @@ class E2E:
         """The folder ``ld`` loads from (made now if need be)."""
         if ld.kind == "reshard":
             return self.reshard_ucp()
+        if ld.kind == "ds_to_universal" and ld.zero:
+            return self.restaged_ucp(ld.source, ld.zero)
         if ld.kind == "ds_to_universal":
             return self.ds_ucp(ld.source)
         if ld.kind == "perturbed":
             return self.perturbed_ucp()
         if ld.kind == "resharded":
-            return self.resharded(ld.source, ld.tp, ld.dp)
+            return self.resharded(ld.source, ld.tp, ld.dp, ld.zero)
         if ld.kind == "source":
             return FIXTURES / ld.source
         if ld.kind == "resaved":
-            return self.resaved(ld.source, ld.tp, ld.dp)
+            return self.resaved(ld.source, ld.tp, ld.dp, ld.zero)
         raise ValueError(ld.kind)
 
     # -- reports ---------------------------------------------------------------------------------
 
-    def report(self, kind: str, source: str, tp: int, dp: int) -> dict:
+    def report(self, kind: str, source: str, tp: int, dp: int, zero: int = 0) -> dict:
         """``resume_train.py``'s report of :class:`Load` ``(kind, source, tp, dp)``: its job is
         run the first time."""
-        want = Load(kind, source, tp, dp)
+        want = Load(kind, source, tp, dp, zero)
         found = [i for i, job in enumerate(self._jobs) if want in job]
         if not found:
             raise KeyError(f"{want.name} is not among the loads of tests/e2e/plan.py (llama_loads)")
@@ -252,12 +286,12 @@ class E2E:
         specs = {src: model_spec_from_fixture(FIXTURES / src) for src in {ld.source for ld in job}}
 
         def save_dir(ld: Load) -> Path | None:  # the load that makes a later "resaved" load's input
-            wanted = ld.kind == "ds_to_universal" and Load("resaved", ld.source, ld.tp, ld.dp) in job
-            return self.resaved(ld.source, ld.tp, ld.dp) if wanted else None
+            wanted = ld.kind == "ds_to_universal" and Load("resaved", ld.source, ld.tp, ld.dp, ld.zero) in job
+            return self.resaved(ld.source, ld.tp, ld.dp, ld.zero) if wanted else None
 
         loads = [resume_load(ld.name, self.load_dir(ld), model_spec=specs[ld.source], tp=ld.tp, dp=ld.dp,
                              universal=ld.universal, steps=STEPS, save_dir=save_dir(ld),
-                             zero_stage=int(specs[ld.source]["ds_config"]["zero_optimization"]["stage"]))
+                             zero_stage=ld.zero or int(specs[ld.source]["ds_config"]["zero_optimization"]["stage"]))
                  for ld in job]
         world = job[0].tp * job[0].dp
         return resume_many(loads, world_size=world, workdir=self.root / "jobs" / name)

@@ -1,0 +1,263 @@
+"""DeepSpeed AutoEP experts in a ZeRO-1/2 checkpoint: their maps and their optimizer fragments.
+
+AutoEP (``"expert_parallel": {"enabled": true, "autoep_size": N}``) replaces each MoE block's
+experts by fused ``<prefix>.w1/w2/w3`` parameters of shape ``[local experts, ...]``. The model
+state records per MoE layer (``ds_autoep_layers``) an ``expert_placement`` descriptor: which global
+experts each EP rank holds, in order. The experts form their own optimizer parameter group,
+partitioned over the *expert-data-parallel* (EDP) group of each EP rank rather than over all DP
+ranks: by default the DP ranks are cut into runs of ``ep`` consecutive ranks, EP rank ``e`` is
+``d % ep`` and its EDP group is ``e, e + ep, ...`` (``use_data_before_expert_parallelism``:
+``e = d // edp`` and the group is consecutive). docs/deepspeed-checkpoints.md §11 shows the files.
+
+The lowering (docs/spec.md §7.1): an expert parameter's F is ``[num_experts, ...]`` and its map
+has one piece per run of experts an EP rank holds (``layouts.autoep_placement``), located on that
+EP rank; composed with each EP rank's ZeRO split over its EDP group, the map's ranks are the
+global (DP) ranks whose flat partitions hold the fragments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, ReshardError
+from ..ir.canonical import canonicalize
+from ..ir.param_map import ParamMap, map_from_dict
+from ..layouts import autoep_placement, compose_zero, zero12_from_slice_mappings
+from ..memory import empty, own_bytes, release
+from ..topology import Topology
+from .lowering import Lowered
+from .safe_load import load
+
+# a ``formats.deepspeed.DeepSpeedCheckpoint``, which imports this module (its hooks call these)
+DeepSpeedCheckpoint = Any
+
+LAYERS_KEY = "ds_autoep_layers"
+WEIGHTS = ("w1", "w2", "w3")  # the fused expert parameters AutoEP creates per layer
+# the keys ds_to_universal writes beside ``param`` for an expert parameter
+UCP_EXTRA = ("cat_dim", "is_expert_param", "ep_num_experts")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertParam:
+    """One fused expert parameter: its F, where its experts are, and its optimizer group."""
+
+    name: str
+    layer: int  # moe_layer_id
+    full_shape: tuple[int, ...]  # [num_experts, ...]
+    experts_by_rank: tuple[tuple[int, ...], ...]  # EP rank -> global experts, in shard order
+    descriptor: Mapping[str, Any]  # DeepSpeed's expert_placement, as written
+    group: int  # optimizer parameter group index
+
+    @property
+    def ep(self) -> int:
+        return len(self.experts_by_rank)
+
+    def shard_shape(self, e: int) -> tuple[int, ...]:
+        return (len(self.experts_by_rank[e]),) + self.full_shape[1:]
+
+
+@dataclass(frozen=True, slots=True)
+class AutoEP:
+    """The AutoEP experts of a checkpoint (``ck.experts``)."""
+
+    params: Mapping[str, ExpertParam]
+    groups: frozenset[int]  # optimizer groups holding experts (partitioned over EDP groups)
+    ep: int
+    edp: int
+    data_before_expert: bool
+    aliases: tuple[str, ...]  # module entries the optimizer does not own (router aliases)
+
+    def members(self, e: int) -> list[int]:
+        """EP rank ``e``'s EDP group: its DP ranks in EDP rank order."""
+        if self.data_before_expert:
+            return [e * self.edp + k for k in range(self.edp)]
+        return [e + k * self.ep for k in range(self.edp)]
+
+    def global_rank(self, e: int, k: int) -> int:
+        return self.members(e)[k]
+
+
+def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
+    """The experts ``ck`` records in ``ds_autoep_layers``, checked against the optimizer files;
+    ``None`` without AutoEP."""
+    state, path = ck.model_state(0), ck.model_files[0]
+    layers = state.get(LAYERS_KEY)
+    if layers is None:
+        return None
+    where = f"{path}: {LAYERS_KEY}"
+    if ck.zero_stage == 3 or ck.mp != 1:
+        raise CheckpointError(f"{where}: AutoEP experts are read only from ZeRO-1/2 checkpoints without tensor or "
+                              f"pipeline parallelism (this one: ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp})")
+    if not isinstance(layers, list) or not layers:
+        raise CheckpointError(f"{where}: expected a non-empty list of layer entries, got {type(layers).__name__}")
+    groups = _param_groups(state, path)
+    params: dict[str, ExpertParam] = {}
+    for i, layer in enumerate(layers):
+        for p in _layer_params(layer, groups, f"{where}[{i}]"):
+            if p.name in params:
+                raise CheckpointError(f"{where}: expert parameter {p.name!r} is described twice")
+            params[p.name] = p
+    eps = {p.ep for p in params.values()}
+    if len(eps) != 1 or ck.dp % next(iter(eps)):
+        raise CheckpointError(f"{where}: EP sizes {sorted(eps)} do not divide the DP size {ck.dp} as one EP group")
+    ep = eps.pop()
+    expert_groups = frozenset(p.group for p in params.values())
+    for g in expert_groups:
+        strays = [n for n in groups[g] if n not in params]
+        if strays:
+            raise CheckpointError(f"{path}: optimizer group {g} holds experts and also {strays[:3]}, which "
+                                  f"{LAYERS_KEY} does not describe")
+    cfg = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
+    owned = {n for g in groups for n in g}
+    aliases = tuple(n for n in (state.get("module") or {}) if n not in owned)
+    return AutoEP(params, expert_groups, ep, ck.dp // ep,
+                  bool(cfg.get("use_data_before_expert_parallelism", False)), aliases)
+
+
+def _param_groups(state: dict, path: Any) -> list[dict[str, tuple[int, ...]]]:
+    groups = state.get("param_shapes")
+    groups = groups if isinstance(groups, list) else [groups]
+    if not all(isinstance(g, Mapping) for g in groups):
+        raise CheckpointError(f"{path}: param_shapes is not a list of {{name: shape}} groups")
+    return [{n: tuple(s) for n, s in g.items()} for g in groups]
+
+
+def _layer_params(layer: Any, groups: list[dict], where: str) -> list[ExpertParam]:
+    """The fused parameters of one ``ds_autoep_layers`` entry."""
+    if not isinstance(layer, Mapping):
+        raise CheckpointError(f"{where}: expected a dict, got {type(layer).__name__}")
+    prefix, desc = layer.get("expert_key_prefix"), layer.get("expert_placement")
+    if not isinstance(prefix, str) or not prefix or not isinstance(desc, Mapping):
+        raise CheckpointError(f"{where}: needs 'expert_key_prefix' and an 'expert_placement' descriptor "
+                              "(AutoEP placement descriptor version 1)")
+    affine = (layer.get("affine_maps") or {}).get("params", {})
+    out = []
+    for w in WEIGHTS:
+        name = f"{prefix}.{w}"
+        g = next((i for i, grp in enumerate(groups) if name in grp), None)
+        if g is None:
+            raise CheckpointError(f"{where}: expert parameter {name!r} is in no param_shapes group")
+        local = groups[g][name]
+        full = (int(layer.get("num_experts", -1)),) + local[1:]
+        try:
+            m = autoep_placement(desc, full)
+        except ReshardError as e:
+            raise CheckpointError(f"{where}: {name}: {e}") from None
+        by_rank = tuple(tuple(x["experts"]) for x in sorted(desc["ranks"], key=lambda x: x["rank"]))
+        ep_rank = layer.get("ep_rank", 0)
+        if m.shards[ep_rank].shape != local:
+            raise CheckpointError(f"{where}: {name}: param_shapes gives EP rank {ep_rank} shape {list(local)}, the "
+                                  f"placement {list(m.shards[ep_rank].shape)}")
+        if name in affine:
+            _same_as_deepspeed(m, affine[name], f"{where}: {name}")
+        out.append(ExpertParam(name, int(layer.get("moe_layer_id", -1)), full, by_rank, desc, g))
+    return out
+
+
+def _same_as_deepspeed(ours: ParamMap, entry: Any, where: str) -> None:
+    """DeepSpeed's own ``affine_maps`` entry must describe the layout the placement gives."""
+    try:
+        theirs = map_from_dict(entry, "affine_maps")
+    except ReshardError as e:
+        raise CheckpointError(f"{where}: malformed affine_maps entry: {e}") from None
+    if canonicalize(theirs) != canonicalize(ours):
+        raise CheckpointError(f"{where}: affine_maps disagrees with the expert_placement descriptor")
+
+
+# -- maps and tensors ----------------------------------------------------------------------------
+
+
+def lowered(p: ExpertParam) -> Lowered:
+    """The expert map over EP ranks, with the keys ``ds_to_universal`` writes beside ``param``."""
+    m = autoep_placement(p.descriptor, p.full_shape)
+    return Lowered(m, "experts", {"cat_dim": 0, "is_expert_param": True, "ep_num_experts": p.full_shape[0]})
+
+
+def zero_map(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int) -> ParamMap:
+    """EP rank ``e``'s shard of ``p`` over its EDP group's fragments (ranks: EDP ranks)."""
+    maps = _group_maps(ck, p.group, e)
+    if p.name not in maps:
+        raise CheckpointError(f"{ck.optim_files[(0, ck.experts.members(e)[0])]}: no fragments of {p.name!r} "
+                              f"(EP rank {e})")
+    return maps[p.name]
+
+
+def _group_maps(ck: DeepSpeedCheckpoint, group: int, e: int) -> dict[str, ParamMap]:
+    """The ZeRO maps of one expert group on EP rank ``e``, built once per checkpoint."""
+    key = ("expert_zero", group, e)
+    if key not in ck._cache:
+        ax = ck.experts
+        members = ax.members(e)
+        osds = [ck.osd(0, d) for d in members]
+        try:
+            shapes = {n: q.shard_shape(e) for n, q in ax.params.items() if q.group == group}
+            ck._cache[key] = zero12_from_slice_mappings(
+                shapes, [o["param_slice_mappings"][group] for o in osds], [o["group_paddings"][group] for o in osds],
+                ax.edp, shard="fragment")
+        except (ReshardError, KeyError, IndexError, TypeError) as err:
+            raise CheckpointError(f"{ck.optim_files[(0, members[0])]}: expert group {group} of EP rank {e} "
+                                  f"(DP ranks {members}): {err}") from None
+    return ck._cache[key]
+
+
+def shard(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int, state: str) -> torch.Tensor:
+    """EP rank ``e``'s local experts of ``p`` for one state, from its EDP fragments."""
+    zmap, members = zero_map(ck, p, e), ck.experts.members(e)
+    frags = {}
+    for k in zmap.ranks:
+        d = members[k]
+        flat = ck.flat_state(0, d, p.group, state)
+        start = int(ck.osd(0, d)["param_slice_mappings"][p.group][p.name].start)
+        n = zmap.shards[k].numel
+        if flat.numel() < start + n:
+            raise CheckpointError(f"{ck.optim_files[(0, d)]}: {p.name}: fragment [{start}, {start + n}) lies past "
+                                  f"the flat {state} partition of {flat.numel()} elements (EP rank {e})")
+        frags[k] = flat.narrow(0, start, n)
+    shape = p.shard_shape(e)
+    if zmap.identity_rank is not None:
+        return own_bytes(frags[zmap.identity_rank].detach()).view(shape)
+    out = zmap.rebuild(frags, out=empty(zmap.numel, frags[zmap.ranks[0]].dtype)).view(shape)
+    for frag in frags.values():
+        release(frag)
+    return out
+
+
+def composite(ck: DeepSpeedCheckpoint, p: ExpertParam, model_map: ParamMap) -> ParamMap:
+    """The expert map composed with each EP rank's EDP split, over global (DP) ranks."""
+    ax = ck.experts
+    zero = {e: zero_map(ck, p, e) for e in model_map.ranks}
+    m = compose_zero(model_map, zero, Topology(1, ax.edp, ax.ep))  # rank k * ep + e
+    return m.with_ranks({k * ax.ep + e: ax.global_rank(e, k) for e in range(ax.ep) for k in range(ax.edp)})
+
+
+def step(ck: DeepSpeedCheckpoint, p: ExpertParam) -> Any:
+    d = ck.experts.members(0)[0]
+    state = ck.osd(0, d)["base_optimizer_state"]["state"]
+    return state[p.group].get("step") if p.group in state else None
+
+
+
+# what ds_to_universal keeps of each layer entry in the universal model state (its
+# ``AUTOEP_METADATA_FIELDS``): the placement descriptor and affine maps are dropped there
+UCP_LAYER_FIELDS = ("moe_layer_id", "module_path", "expert_key_prefix", "num_experts", "num_local_experts", "ep_size")
+UCP_EXPERT_PATTERNS = [r"\.experts\.w[123]$"]
+
+
+def universal_model_state(ck: DeepSpeedCheckpoint, m: int) -> dict:
+    """Model-parallel rank ``m``'s model state as ``ds_to_universal`` rewrites it under AutoEP:
+    ``universal_checkpoint_info`` gains its expert pattern and a projection of every file's
+    ``ds_autoep_layers`` (one entry per expert prefix); the rest is the file's, as loaded."""
+    layers: dict[str, dict] = {}
+    for r in range(ck.mp):
+        for entry in ck.model_state(r).get(LAYERS_KEY) or []:
+            layers.setdefault(entry["expert_key_prefix"], {k: entry[k] for k in UCP_LAYER_FIELDS if k in entry})
+    state = load(ck.model_files[m], mmap=False)  # a fresh copy: the cached state stays as read
+    info = state.setdefault("universal_checkpoint_info", {})
+    info["expert_parameter_patterns"] = list(UCP_EXPERT_PATTERNS)
+    info[LAYERS_KEY] = list(layers.values())
+    return state
+
