@@ -225,7 +225,7 @@ def _cmd_reshard(args) -> int:
     with _cluster(args) as cluster:
         report = reshard(args.ckpt_dir, args.out_dir, tp=args.tp, dp=args.dp, pp=args.pp,
                          zero_stage=args.zero_stage, layout=args.layout, workers=args.workers,
-                         overwrite=args.overwrite, checksum=args.checksum, cluster=cluster)
+                         overwrite=args.overwrite, checksum=args.checksum, cluster=cluster, ep=args.ep)
     _report(report)
     return 0
 
@@ -235,7 +235,7 @@ def _reshard_dcp(args) -> int:
 
     if args.files is None:
         raise ReshardError(f"{args.ckpt_dir}: a DCP checkpoint is laid out again with --files N (N loading ranks)")
-    if args.tp is not None or args.dp is not None or args.zero_stage is not None or args.layout is not None:
+    if any(v is not None for v in (args.tp, args.dp, args.zero_stage, args.layout, args.ep)):
         raise ReshardError("--tp/--dp/--zero-stage/--layout go with DeepSpeed checkpoints; a DCP checkpoint takes --files")
     with _cluster(args) as cluster:
         report = reshard_dcp_files(args.ckpt_dir, args.out_dir, files=args.files, workers=args.workers,
@@ -345,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="target pipeline stages of a deepspeed.pipe checkpoint: its own count, or 1 to merge them")
     rs.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
                     help="target ZeRO stage (default: the source's; to or from 3 at TP=1)")
+    rs.add_argument("--ep", type=_positive, default=None,
+                    help="target expert-parallel degree of an AutoEP checkpoint (default: the source's)")
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")
     _output(rs)

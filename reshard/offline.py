@@ -57,6 +57,7 @@ from .ir.param_map import ParamMap
 from .ir.piece import prod
 from .layouts import compose_zero
 from .layouts.zero import FlatGroup
+from .offline_experts import reshard_experts
 from .offline_zero3 import reshard_zero3
 from .plan import Segment, TransferPlan
 from .planner import DefaultCost, Planner
@@ -318,6 +319,7 @@ def reshard(
     progress: Callable[[int, int], None] | bool | None = None,
     checksum: str = "crc32",
     cluster: Cluster | None = None,
+    ep: int | None = None,
 ) -> ReshardReport:
     """Write the DeepSpeed checkpoint in ``ckpt_dir`` (a tag folder, or its parent with
     ``latest``) into ``out_dir/<tag>`` at TP=``tp`` x DP=``dp`` (default the source's DP) with
@@ -326,13 +328,19 @@ def reshard(
     ZeRO-3 at TP=1 to another DP size (``offline_zero3``); a pipeline (``deepspeed.pipe``)
     checkpoint keeps its stages or merges them into ``pp=1``. ``checksum`` is as for :func:`reshard.convert`.
     Launched by ``torchrun`` (or with ``cluster``), every process writes a share of the files and
-    the commit is collective (``reshard.cluster``)."""
+    the commit is collective (``reshard.cluster``). An AutoEP checkpoint goes to
+    ``offline_experts`` at expert-parallel degree ``ep`` (default the source's)."""
     tp, pp = _positive(tp, "tp"), _positive(pp, "pp")
     if dp is not None:
         _positive(dp, "dp")
     workers = _positive(workers, "workers")
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
     dp = ck.dp if dp is None else dp
+    # AutoEP experts: their own placement and expert-data-parallel partitions (offline_experts)
+    if ep is not None or (ck.zero_stage != 3 and ck.experts is not None):
+        ep = _positive(ep, "ep") if ep is not None else (ck.experts.ep if ck.experts is not None else 1)
+        return reshard_experts(ck, out_dir, ep=ep, dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, workers=workers,
+                               overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster)
     # ZeRO-3 at either end (one partition per parameter): a file format and writer of its own
     if ck.zero_stage == 3 or zero_stage == 3:
         return reshard_zero3(ck, out_dir, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, workers=workers, layout=layout,

@@ -1,5 +1,6 @@
 """AutoEP experts (issue #12): the ``mixtral_autoep_ep2`` fixture read through the IR, its maps
-checked, and its universal conversion against DeepSpeed's own ``ds_to_universal``."""
+checked, its universal conversion against DeepSpeed's own ``ds_to_universal``, and ``reshard
+reshard`` to another EP degree (``ep=``) against what DeepSpeed saves there and in a real job."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError, apply_plan, canonicalize
+from reshard import CheckpointError, ReshardError, apply_plan, canonicalize
 from reshard.convert import convert
 from reshard.formats.deepspeed import DeepSpeedCheckpoint
 from reshard.formats.pickling import save
@@ -17,6 +18,8 @@ from reshard.formats.safe_load import load
 from reshard.formats.sources import open_source
 from reshard.ir.param_map import map_from_dict
 from reshard.layouts import autoep_placement
+from reshard.offline import reshard
+from reshard.offline_experts import ds_affine_entry
 from reshard.planner import plan
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir
 from tests.test_convert_parity import _same
@@ -119,3 +122,100 @@ def test_convert_is_ds_to_universal(tmp_path: Path):
             assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
             continue
         _same(load(ours / rel), load(theirs / rel), rel)
+
+
+# -- reshard reshard to another EP degree (reshard/offline_experts.py) ---------------------------
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def _full(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
+    """The logical tensor of one state, rebuilt from every EP (or DP) rank's shard."""
+    m = ck.tp_map(name).map
+    return m.rebuild({r: ck.tp_shard(name, r, state, m.shards[r].shape) for r in m.ranks})
+
+
+def test_affine_entry_is_deepspeeds(ck):
+    for entry in ck.model_state(0)["ds_autoep_layers"]:
+        for name, theirs in entry["affine_maps"]["params"].items():
+            assert ds_affine_entry(entry["expert_placement"], ck.experts.params[name].full_shape) == theirs
+
+
+@pytest.mark.parametrize("ep,dp", [(1, 1), (1, 2), (2, 4), (4, 4)])
+def test_experts_and_their_optimizer_state_move_together(ck, ep, dp, tmp_path):
+    out = reshard(FIXTURES / NAME, tmp_path, tp=1, dp=dp, ep=ep).out_dir
+    new = DeepSpeedCheckpoint.open(out)
+    ax = new.experts
+    assert (ax.ep, ax.edp, new.dp) == (ep, dp // ep, dp)
+    local = 4 // ep
+    assert ax.params[EXPERTS[0]].experts_by_rank == tuple(tuple(range(e * local, (e + 1) * local)) for e in range(ep))
+    for name in ck.names:
+        for state in STATES if ck.has_optimizer_state(name) else ():
+            assert torch.equal(_full(new, name, state), _full(ck, name, state)), (name, state)
+    assert {str(new.step(n)) for n in EXPERTS} == {str(ck.step(n)) for n in EXPERTS} == {"tensor(3.)"}
+    for p in tag_dir(NAME).glob("layer_*_expert_*"):  # the per-expert files are the same at any EP
+        assert (out / p.name).read_bytes() == p.read_bytes()
+
+
+def test_round_trip_gives_back_the_source_files(tmp_path):
+    mid = reshard(FIXTURES / NAME, tmp_path / "ep1", tp=1, dp=1, ep=1).out_dir
+    back = reshard(mid, tmp_path / "ep2", tp=1, dp=2, ep=2).out_dir
+    for p in tag_dir(NAME).glob("*.pt"):
+        _same(load(back / p.name), load(p), p.name)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"tp": 1, "dp": 3, "ep": 2}, r"ep=2 must divide the target world size dp=3"),
+    ({"tp": 1, "dp": 3, "ep": 3}, r"4 experts do not split evenly over ep=3"),
+    ({"tp": 2, "dp": 2, "ep": 2}, r"TP = PP = 1 only"),
+    ({"tp": 1, "dp": 2, "ep": 2, "zero_stage": 2}, r"keeps the source's ZeRO stage 1"),
+])
+def test_targets_it_cannot_write_are_refused(kwargs, match, tmp_path):
+    with pytest.raises(ReshardError, match=match):
+        reshard(FIXTURES / NAME, tmp_path, **kwargs)
+    assert not any(tmp_path.iterdir())
+
+
+def test_ep_on_a_checkpoint_without_experts_is_refused(tmp_path):
+    with pytest.raises(ReshardError, match="needs an AutoEP checkpoint"):
+        reshard(FIXTURES / "llama_zero1_dp2", tmp_path, tp=1, ep=2)
+
+
+def _diff_files(ours: Path, theirs: Path) -> None:
+    """Our files equal DeepSpeed's own save at the target, tensor for tensor and key for key; only
+    ``ds_config`` differs (DeepSpeed records the resuming job's config, reshard the source's)."""
+    assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for p in theirs.glob("*.pt"):
+        a, b = load(ours / p.name), load(p)
+        if isinstance(b, dict):
+            for obj in (a, b):
+                obj.pop("ds_config", None)
+        _same(a, b, p.name)
+
+
+@pytest.mark.e2e
+def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(tmp_path):
+    """One real job per world size: DeepSpeed resumes ds_to_universal's output at the target EP and
+    saves it natively, then resumes reshard's output; files, losses and layout-free digests agree."""
+    pytest.importorskip("deepspeed")
+    from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
+
+    ucp = ds_to_universal(NAME, tmp_path / "ucp")
+    (ucp.parent / "latest_universal").write_text(ucp.name)
+    spec = model_spec_from_fixture(FIXTURES / NAME)
+    for world, ep in ((1, 1), (4, 2)):
+        spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
+        ours = reshard(FIXTURES / NAME, tmp_path / f"ours_{world}", tp=1, dp=world, ep=ep).out_dir
+        native = tmp_path / f"native_{world}"
+        loads = [resume_load("deepspeed", ucp.parent, model_spec=spec, tp=1, dp=world, universal=True,
+                             save_dir=native),
+                 resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=world, universal=False)]
+        reports = resume_many(loads, world_size=world, workdir=tmp_path / f"job_{world}")
+        theirs, mine = reports["deepspeed"], reports["reshard"]
+        _diff_files(ours, native / ours.name)
+        assert mine["global_steps_after_load"] == theirs["global_steps_after_load"] == 3
+        assert mine["optimizer_step_after_load"] == theirs["optimizer_step_after_load"] == [3.0]
+        assert mine["ranks_agree"] and theirs["ranks_agree"]
+        assert mine["layouts"][EXPERTS[0]] == "autoep"
+        assert mine["digests"] == theirs["digests"], f"EP {ep} x world {world}"
+        assert mine["losses"] == theirs["losses"], f"EP {ep} x world {world}"

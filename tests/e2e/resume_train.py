@@ -61,6 +61,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+import _fixture_autoep  # noqa: F401  (registers the AutoEP fixtures' transformers patch)
 from _fixture_train import fixed_batch, setup
 from digest import digest, summary
 
@@ -85,8 +86,13 @@ class TPGather:
         from deepspeed.checkpoint.affine import SCALE_POWER_BY_STATE, ParamAffineMap
         from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
 
-        want = self.logical_shapes[name]
         local = local.detach().cpu().contiguous()
+        ep_meta = _autoep_meta(param)
+        if ep_meta is not None:  # an AutoEP expert: this EP rank's experts, gathered over EP
+            self.layouts[name] = "autoep"
+            return _autoep_full(param, local, ep_meta, kind)
+        # a parameter AutoEP created (its router) is not in the model as built: its own shape
+        want = self.logical_shapes.get(name, tuple(local.shape))
         if self.tp_world == 1:
             self.layouts[name] = "whole"
             out = local
@@ -116,6 +122,30 @@ class TPGather:
         if tuple(out.shape) != tuple(want):
             raise RuntimeError(f"{name} ({kind}): rebuilt shape {tuple(out.shape)} != logical {tuple(want)}")
         return out
+
+
+def _autoep_meta(param):
+    from deepspeed.checkpoint.constants import DS_AUTOEP_UC_META
+
+    return getattr(param, DS_AUTOEP_UC_META, None)
+
+
+def _autoep_full(param, local, meta, kind):
+    """An AutoEP expert parameter's logical ``[num_experts, ...]`` tensor: every EP rank's local
+    experts (all-gathered over the expert-parallel group, in EP rank order) put back with the
+    placement's affine map, so the digest does not depend on the EP degree."""
+    from deepspeed.checkpoint.affine import ParamAffineMap
+    from deepspeed.checkpoint.constants import AFFINE_MAP
+    from deepspeed.utils import groups
+
+    group = groups._get_expert_parallel_group(param.group_name)
+    shards = [None] * torch.distributed.get_world_size(group=group)
+    torch.distributed.all_gather_object(shards, local, group=group)
+    out = ParamAffineMap.from_dict(meta[AFFINE_MAP]).rebuild(dict(enumerate(shards)))
+    want = tuple(meta["logical_shape"]) if "logical_shape" in meta else None
+    if want is not None and tuple(out.shape) != want:
+        raise RuntimeError(f"AutoEP expert ({kind}): rebuilt shape {tuple(out.shape)} != logical {want}")
+    return out
 
 
 def link_optimizer_state_views(engine):
