@@ -21,13 +21,13 @@ from .cluster import Cluster, commit, open_staging, run_share
 from .errors import CheckpointError, ReplicaMismatchError, ReshardError
 from .formats import deepspeed_experts
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
-from .formats.output import MANIFEST, Staging
+from .formats.output import Staging
 from .formats.pickling import save
 from .formats.safetensors_io import SafetensorsWriter, plan_files
 from .ir.apply import rebuild_mean
 from .ir.piece import prod
 from .memory import release
-from .reports import ConvertReport, Drift
+from .reports import ConvertReport, Drift, written
 from .workers import Progress, run_jobs
 
 POLICIES = ("error", "mean")  # and "rank:N"
@@ -220,9 +220,7 @@ def convert(
         "replica_drift": [str(d) for d in drift],
     }
     final = commit(cluster, staging, meta, "latest_universal" if fmt == "ucp" else None)
-    files = [p for p in final.rglob("*") if p.is_file() and p.name != MANIFEST]
-    return ConvertReport(final, len(names), len(files), sum(p.stat().st_size for p in files), on_replica_mismatch,
-                         drift)
+    return ConvertReport(final, len(names), *written(final, manifest=False), on_replica_mismatch, drift)
 
 
 def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> list[tuple[int, Callable[[], None]]]:

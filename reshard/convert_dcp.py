@@ -31,7 +31,7 @@ from .execute import WindowFill
 from .formats import torch_zip
 from .formats.dcp import DcpCheckpoint, is_dcp
 from .formats.dcp_writer import DcpFile, Record, TensorSpec, metadata_bytes
-from .formats.output import MANIFEST, Staging
+from .formats.output import Staging
 from .formats.pickling import Pickler, save
 from .formats.safe_load import load
 from .formats.safetensors_io import SafetensorsWriter, plan_files
@@ -39,7 +39,7 @@ from .ir.piece import prod
 from .layouts import replicated
 from .memory import release
 from .planner import plan
-from .reports import ConvertReport
+from .reports import ConvertReport, written
 from .workers import run_jobs
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -206,8 +206,7 @@ def on_rank0(cluster: Cluster, staging: Staging, fn: Callable[[], None]) -> None
 def finish_report(cluster: Cluster, staging: Staging, src: Tensors, fmt: str, latest: str | None, extra: dict) -> ConvertReport:
     meta = {"reshard_version": __version__, "format": fmt, "source": src.description, **extra}
     final = commit(cluster, staging, meta, latest)
-    files = [p for p in final.rglob("*") if p.is_file() and p.name != MANIFEST]
-    return ConvertReport(final, len(src.names), len(files), sum(p.stat().st_size for p in files), "error", [])
+    return ConvertReport(final, len(src.names), *written(final, manifest=False), "error", [])
 
 
 # -- to DCP ------------------------------------------------------------------------------------

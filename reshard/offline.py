@@ -61,7 +61,7 @@ from .offline_experts import reshard_experts
 from .offline_zero3 import reshard_zero3
 from .plan import Segment, TransferPlan
 from .planner import DefaultCost, Planner
-from .reports import ReshardReport
+from .reports import ReshardReport, written
 from .target_layout import TargetLayout, target_stage_maps, target_tp_maps
 from .topology import Topology
 from .workers import run_with_progress
@@ -396,7 +396,5 @@ def reshard(
     }
     final = commit(cluster, staging, meta, latest_name="latest")
     read = sum(cluster.gather(writer.read))
-    files = [p for p in final.rglob("*") if p.is_file()]
-    return ReshardReport(final, meta["source_topology"], meta["target_topology"], len(src.names), len(files),
-                         sum(p.stat().st_size for p in files), writer.segments, read,
-                         [f"target TP layout {origin}"])
+    return ReshardReport(final, meta["source_topology"], meta["target_topology"], len(src.names), *written(final),
+                         writer.segments, read, [f"target TP layout {origin}"])

@@ -42,7 +42,7 @@ from .layouts import autoep_placement, compose_zero
 from .layouts.zero import FlatGroup
 from .plan import Segment
 from .planner import Planner
-from .reports import ReshardReport
+from .reports import ReshardReport, written
 from .topology import Topology
 from .workers import run_with_progress
 
@@ -291,7 +291,6 @@ def reshard_experts(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, ep: int, dp
     }
     final = commit(cluster, staging, meta, latest_name="latest")
     read = sum(cluster.gather(writer.read))
-    files = [p for p in final.rglob("*") if p.is_file()]
-    return ReshardReport(final, meta["source_topology"], meta["target_topology"], len(writer.src_maps), len(files),
-                         sum(p.stat().st_size for p in files), writer.segments, read,
+    return ReshardReport(final, meta["source_topology"], meta["target_topology"], len(writer.src_maps),
+                         *written(final), writer.segments, read,
                          [f"AutoEP experts at EP {ep} (EDP {tgt.edp}), uniform placement"])

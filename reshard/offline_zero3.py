@@ -44,7 +44,7 @@ from .layouts import zero3
 from .layouts.zero import FlatGroup
 from .plan import Segment
 from .planner import Planner
-from .reports import ReshardReport
+from .reports import ReshardReport, written
 from .workers import run_with_progress
 
 Part = tuple[int, Segment, str]  # (where the segment's target fragment starts in the buffer, segment, parameter)
@@ -338,7 +338,6 @@ def reshard_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, tp: int, dp: 
             "source_topology": source, "target_topology": target, "target_tp_layout": "none (TP=1)"}
     final = commit(cluster, staging, meta, latest_name="latest")
     read = sum(cluster.gather(writer.read))
-    files = [p for p in final.rglob("*") if p.is_file()]
     notes = []
     if isinstance(tgt, _Zero3Out):
         notes.append(f"{len(tgt.subs)} sub-group(s) per rank (sub_group_size "
@@ -346,6 +345,6 @@ def reshard_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, tp: int, dp: 
     if not src.ds_ids_exact:
         notes.append("the source's ds_id names do not number its parameters consecutively; the written ds_id "
                      "attributes are a best guess (DeepSpeed's loader does not read them)")
-    return ReshardReport(out_dir=final, source=source, target=target, params=len(src.names), files=len(files),
-                         bytes_written=sum(p.stat().st_size for p in files), segments=writer.segments,
-                         elements_read=read, notes=notes)
+    files, size = written(final)
+    return ReshardReport(out_dir=final, source=source, target=target, params=len(src.names), files=files,
+                         bytes_written=size, segments=writer.segments, elements_read=read, notes=notes)

@@ -39,6 +39,13 @@ class ConvertReport:
         return "\n".join(lines)
 
 
+def written(folder: Path, *, manifest: bool = True) -> tuple[int, int]:
+    """How many files a committed output folder holds, and their bytes (with or without the
+    manifest)."""
+    files = [p for p in folder.rglob("*") if p.is_file() and (manifest or p.name != "reshard-manifest.json")]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
 @dataclass
 class ReshardReport:
     out_dir: Path
