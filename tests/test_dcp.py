@@ -320,6 +320,18 @@ def test_chunks_that_overlap_or_leave_holes(source: Path, tmp_path: Path, chunks
     assert not (tmp_path / "out" / "src").exists()
 
 
+def test_safetensors_serialization_is_refused_by_name(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.randn(4, 3)}}, storage_writer=FileSystemWriter(
+            str(tmp_path / "st"), serialization_format=SerializationFormat.SAFETENSORS))
+    with pytest.raises(CheckpointError, match="serialization_format=SAFETENSORS"):
+        DcpCheckpoint.open(tmp_path / "st").full("model.w")
+
+
 def test_a_box_listed_twice_is_one_replica(source: Path, tmp_path: Path) -> None:
     _edit_chunks(source, "model.embed.weight", [((0, 0), (10, 6)), ((0, 0), (10, 6))])
     ck = DcpCheckpoint.open(source)

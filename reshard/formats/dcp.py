@@ -491,6 +491,14 @@ class _Window(io.RawIOBase):
         return n
 
 
+def _safetensors_file(data: mmap.mmap | bytes) -> bool:
+    """Whether a file starts as safetensors does: a little-endian header length, then JSON."""
+    if len(data) < 9:
+        return False
+    n = int.from_bytes(data[:8], "little")
+    return 0 < n <= len(data) - 8 and data[8:9] == b"{"
+
+
 def _read_record(data: mmap.mmap | bytes, c: Chunk, f: Path, key: str) -> torch.Tensor:
     """The tensor of the ``torch.save`` archive at ``c.offset``, as a view of the mapped file."""
     where = f"{f}: {key!r} chunk at {list(c.offsets)}"
@@ -499,6 +507,10 @@ def _read_record(data: mmap.mmap | bytes, c: Chunk, f: Path, key: str) -> torch.
         infos = {i.filename.split("/", 1)[-1]: i for i in zf.infolist()}
         pkl = zf.read(infos["data.pkl"])
     except (zipfile.BadZipFile, KeyError, OSError, EOFError, struct.error) as e:
+        if _safetensors_file(data):
+            raise CheckpointError(f"{where}: the file is a safetensors file (DCP's serialization_format="
+                                  "SAFETENSORS, read by Hugging Face storage readers), which reshard does not read; "
+                                  "save with the default TORCH_SAVE format") from None
         raise CheckpointError(f"{where}: not a torch.save record ({type(e).__name__}: {e})") from None
     try:
         rec = _RecordUnpickler(io.BytesIO(pkl), where).load()
