@@ -43,7 +43,6 @@ from .reports import ConvertReport, written
 from .workers import run_jobs
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-FORMATS = ("ucp", "safetensors", "dcp")
 
 
 class Tensors(Protocol):
