@@ -59,6 +59,7 @@ TRAIN_SCRIPT = Path(__file__).resolve().parent / "_fixture_train.py"
 PIPE_SCRIPT = Path(__file__).resolve().parent / "_fixture_pipe.py"  # deepspeed.pipe.PipelineModule
 TP_PIPE_SCRIPT = Path(__file__).resolve().parent / "_fixture_tp_pipe.py"  # Megatron-style TP x PP
 AUTOEP_SCRIPT = Path(__file__).resolve().parent / "_fixture_autoep.py"  # AutoEP MoE (expert parallel)
+MOE_SCRIPT = Path(__file__).resolve().parent / "_fixture_moe.py"  # classic deepspeed.moe.layer.MoE
 DCP_SCRIPT = Path(__file__).resolve().parent / "_fixture_dcp.py"  # FSDP2 (x TP) jobs saving DCP
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "deepspeed"
 DEFAULT_DCP_OUT = REPO / "tests" / "fixtures" / "dcp"
@@ -122,6 +123,13 @@ AUTOEP_NOTE = (
     "deepspeed.initialize fails. The checkpoint files are written by DeepSpeed unmodified."
 )
 
+# classic deepspeed.moe.layer.MoE (see _fixture_moe.py): 2 MoE blocks, 4 experts over EP=2, top-1
+MOE = {"vocab": 40, "hidden": 16, "ffn": 24, "layers": 2, "num_experts": 4, "ep_size": 2, "k": 1}
+MOE_NOTE = (
+    "Trained through scripts/_fixture_moe.py: deepspeed.moe.layer.MoE with use_rts=False and no token dropped, "
+    "optimizer groups from split_params_into_different_moe_groups_for_optimizer. ds_to_universal cannot convert "
+    "it (docs/deepspeed-checkpoints.md)."
+)
 GPT_BIGCODE = {
     "n_embd": 32,
     "n_head": 4,
@@ -264,6 +272,8 @@ FIXTURES = [
             dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
             world_size=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),
+    # classic deepspeed.moe.layer.MoE: 4 experts over EP=2 (layer_L_expert_E files, per-EP-rank local names)
+    Fixture("moe_ep2", "moe", MOE, ds_config(1), world_size=2, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 
@@ -527,6 +537,8 @@ def build_fixture_json(fx: Fixture, ckpt: Path, files: list[str], reports: list[
                       ("scripts/_fixture_tp_pipe.py build(model_config): a deepspeed.pipe.PipelineModule of "
                        "Megatron-style parallel layers, each parameter drawn whole from a generator seeded by "
                        "the seed and its name") if fx.model_type == "tp_pipe" else
+                      "scripts/_fixture_moe.py build(model_config), after torch.manual_seed(seed)"
+                      if fx.model_type == "moe" else
                       "AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **model_config), "
                       "attn_implementation='eager', dtype=torch.float32) after torch.manual_seed(seed)",
         "ds_config": fx.ds_config,

@@ -29,7 +29,7 @@ from ..ir.piece import prod
 from ..layouts import compose_zero, zero3, zero12_from_slice_mappings
 from ..memory import empty, own_bytes, release
 from ..topology import Topology
-from . import deepspeed_experts, lowering
+from . import deepspeed_experts, deepspeed_moe, lowering
 from .safe_load import load
 
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -220,6 +220,8 @@ class DeepSpeedCheckpoint:
             seen.update(dict.fromkeys(shapes))
         if self.experts is not None:  # AutoEP's router aliases: module weights only
             seen.update(dict.fromkeys(self.experts.aliases))
+        if self.moe is not None:  # classic MoE: global expert names replace the local ones
+            return [n for n in seen if n not in self.moe.local_names] + list(self.moe.params)
         return list(seen)
 
     # -- AutoEP experts (hooks into formats/deepspeed_experts.py) -------------------------------
@@ -231,6 +233,15 @@ class DeepSpeedCheckpoint:
     def expert(self, name: str) -> deepspeed_experts.ExpertParam | None:
         return None if self.experts is None else self.experts.params.get(name)
 
+    # -- classic MoE experts (hooks into formats/deepspeed_moe.py) ---------------------------------
+    @cached_property
+    def moe(self) -> deepspeed_moe.ClassicMoE | None:
+        """The classic ``deepspeed.moe.layer.MoE`` experts, or ``None`` without ``num_experts``."""
+        return deepspeed_moe.read(self)
+
+    def moe_param(self, name: str) -> deepspeed_moe.MoEParam | None:
+        return None if self.moe is None else self.moe.params.get(name)
+
     def _alias(self, name: str) -> bool:
         return self.experts is not None and name in self.experts.aliases
 
@@ -239,6 +250,8 @@ class DeepSpeedCheckpoint:
         """``name``'s model-parallel map: over TP ranks, or for an AutoEP expert over EP ranks."""
         if (p := self.expert(name)) is not None:
             return deepspeed_experts.lowered(p)
+        if (q := self.moe_param(name)) is not None:
+            return deepspeed_moe.lowered(q)
         if self._alias(name):  # a module weight the optimizer does not own: as ds_to_universal, no extra keys
             shape = tuple(self.model_state(0)["module"][name].shape)
             return lowering.Lowered(lowering.lower_replicated([shape]), "module only")
@@ -263,6 +276,8 @@ class DeepSpeedCheckpoint:
             for g in range(groups):
                 if self.experts is not None and g in self.experts.groups:
                     continue  # partitioned over expert-data-parallel groups: deepspeed_experts
+                if self.moe is not None and g in self.moe.groups:
+                    continue  # the same, for classic MoE: deepspeed_moe
                 mappings = [self.osd(t, d)["param_slice_mappings"][g] for d in range(self.dp)]
                 paddings = [self.osd(t, d)["group_paddings"][g] for d in range(self.dp)]
                 try:
@@ -277,6 +292,8 @@ class DeepSpeedCheckpoint:
     def zero_map(self, name: str, tp: int) -> tuple[int, ParamMap] | None:
         """``(group, map)`` of TP rank ``tp``'s shard of ``name`` over its DP fragments, or
         ``None`` where that rank holds none of it."""
+        if (q := self.moe_param(name)) is not None:  # TP = 1: the whole expert, over its EP rank's DP ranks
+            return (q.group, deepspeed_moe.dp_map(self, q)) if tp == 0 else None
         return self._zero_index[self.mp_rank(name, tp)].get(name)
 
     def zero_map_at(self, name: str, m: int) -> tuple[int, ParamMap] | None:
@@ -290,6 +307,8 @@ class DeepSpeedCheckpoint:
         indices: stages x TP) of a stage map."""
         if (p := self.expert(name)) is not None:
             return deepspeed_experts.composite(self, p, model_map)
+        if (q := self.moe_param(name)) is not None:
+            return deepspeed_moe.composite(self, q, model_map)
         if self._alias(name):
             return model_map  # in no optimizer partition: only in rank 0's model-state file
         ranks = self.mp if stages else self.tp
@@ -320,7 +339,7 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
 
     def has_optimizer_state(self, name: str) -> bool:
-        if self.expert(name) is not None:
+        if self.expert(name) is not None or self.moe_param(name) is not None:
             return True
         return any(name in self._zero_index[m] for m in range(self.mp))
 
@@ -367,6 +386,8 @@ class DeepSpeedCheckpoint:
         memory-mapped file (a view, not a copy). For an AutoEP expert ``t`` is the EP rank."""
         if (p := self.expert(name)) is not None:
             return deepspeed_experts.shard(self, p, t, state)
+        if (q := self.moe_param(name)) is not None:
+            return deepspeed_moe.shard(self, q, state)
         tp_rank, t = t, self.mp_rank(name, t)
         if name not in self._zero_index[t]:
             if prod(shape) == 0:  # a rank holding none of an unevenly split parameter
@@ -401,6 +422,8 @@ class DeepSpeedCheckpoint:
     def step(self, name: str) -> Any:
         if (p := self.expert(name)) is not None:
             return deepspeed_experts.step(self, p)
+        if (q := self.moe_param(name)) is not None:
+            return deepspeed_moe.step(self, q)
         t = next(m for m in range(self.mp) if name in self._zero_index[m])
         group = self._zero_index[t][name][0]
         osd = self.osd(t, 0)
