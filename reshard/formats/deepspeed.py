@@ -16,6 +16,7 @@ from TP ranks."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -395,23 +396,34 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.optim_files[(t, 0)]}: no optimizer fragments for {name!r}, "
                                   f"whose TP rank {tp_rank} shard has shape {list(shape)}")
         group, zmap = self._zero_index[t][name]
-        frags = {}
-        for d in zmap.ranks:
-            flat = self.flat_state(t, d, group, state)
+
+        def where(d: int) -> tuple[int, int, int, int]:
             start = self._z3_offset(t, name) if self.zero_stage == 3 else self._fragment_start(t, d, group, name)
-            n = zmap.shards[d].numel
+            return t, d, group, start
+
+        return self.gather(zmap, shape, state, where, f"{name} (tp rank {tp_rank}, {state})")
+
+    def gather(self, zmap: ParamMap, shape: tuple[int, ...], state: str,
+               where: Callable[[int], tuple[int, int, int, int]], label: str) -> torch.Tensor:
+        """The shard ``zmap`` describes, for one state, rebuilt from its fragments in the flat
+        partitions: ``where(k)`` gives map rank ``k``'s ``(model-parallel rank, DP rank, group,
+        first element)``. Where one fragment is the whole shard, it is returned as it lies in the
+        memory-mapped file (a view, not a copy; the caller releases its pages once written)."""
+        frags = {}
+        for k in zmap.ranks:
+            t, d, group, start = where(k)
+            flat = self.flat_state(t, d, group, state)
+            n = zmap.shards[k].numel
             if flat.numel() < start + n:
-                raise CheckpointError(f"{self.optim_files[(t, d)]}: {name}: fragment [{start}, {start + n}) lies past "
+                raise CheckpointError(f"{self.optim_files[(t, d)]}: {label}: fragment [{start}, {start + n}) lies past "
                                       f"the flat {state} partition of {flat.numel()} elements: truncated or corrupt")
-            frags[d] = flat.narrow(0, start, n)
+            frags[k] = flat.narrow(0, start, n)
         if zmap.identity_rank is not None:
-            # One fragment is the whole shard: hand on the mapped view, no copy. The caller
-            # releases its pages once written (see ``safe_load.release``).
             return own_bytes(frags[zmap.identity_rank].detach()).view(shape)
         try:
             shard = zmap.rebuild(frags, out=empty(zmap.numel, frags[zmap.ranks[0]].dtype)).view(shape)
         except ReshardError as e:
-            raise CheckpointError(f"{self.tag_dir}: {name} (tp rank {tp_rank}, {state}): {e}") from None
+            raise CheckpointError(f"{self.tag_dir}: {label}: {e}") from None
         for frag in frags.values():  # each fragment is read once: let its pages go
             release(frag)
         return shard

@@ -27,7 +27,6 @@ from ..errors import CheckpointError, ReshardError
 from ..ir.canonical import canonicalize
 from ..ir.param_map import ParamMap, map_from_dict
 from ..layouts import autoep_placement, compose_zero, zero12_from_slice_mappings
-from ..memory import empty, own_bytes, release
 from ..topology import Topology
 from .lowering import Lowered
 from .safe_load import load
@@ -207,23 +206,12 @@ def _group_maps(ck: DeepSpeedCheckpoint, group: int, e: int) -> dict[str, ParamM
 def shard(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int, state: str) -> torch.Tensor:
     """EP rank ``e``'s local experts of ``p`` for one state, from its EDP fragments."""
     zmap, members = zero_map(ck, p, e), ck.experts.members(e)
-    frags = {}
-    for k in zmap.ranks:
+
+    def where(k: int) -> tuple[int, int, int, int]:
         d = members[k]
-        flat = ck.flat_state(0, d, p.group, state)
-        start = int(ck.osd(0, d)["param_slice_mappings"][p.group][p.name].start)
-        n = zmap.shards[k].numel
-        if flat.numel() < start + n:
-            raise CheckpointError(f"{ck.optim_files[(0, d)]}: {p.name}: fragment [{start}, {start + n}) lies past "
-                                  f"the flat {state} partition of {flat.numel()} elements (EP rank {e})")
-        frags[k] = flat.narrow(0, start, n)
-    shape = p.shard_shape(e)
-    if zmap.identity_rank is not None:
-        return own_bytes(frags[zmap.identity_rank].detach()).view(shape)
-    out = zmap.rebuild(frags, out=empty(zmap.numel, frags[zmap.ranks[0]].dtype)).view(shape)
-    for frag in frags.values():
-        release(frag)
-    return out
+        return 0, d, p.group, int(ck.osd(0, d)["param_slice_mappings"][p.group][p.name].start)
+
+    return ck.gather(zmap, p.shard_shape(e), state, where, f"{p.name} (EP rank {e}, {state})")
 
 
 def composite(ck: DeepSpeedCheckpoint, p: ExpertParam, model_map: ParamMap) -> ParamMap:

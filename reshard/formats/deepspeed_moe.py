@@ -32,7 +32,6 @@ import torch
 from ..errors import CheckpointError, ReshardError
 from ..ir.param_map import ParamMap
 from ..layouts import compose_zero, replicated, zero12_from_slice_mappings
-from ..memory import empty, own_bytes, release
 from ..topology import Topology
 from .lowering import Lowered
 from .safe_load import load
@@ -212,22 +211,12 @@ def dp_map(ck: DeepSpeedCheckpoint, p: MoEParam) -> ParamMap:
 def shard(ck: DeepSpeedCheckpoint, p: MoEParam, state: str) -> torch.Tensor:
     """The whole expert parameter for one state, from its EP rank's EDP fragments."""
     zmap, members = zero_map(ck, p), ck.moe.members(p.ep_rank)
-    frags = {}
-    for k in zmap.ranks:
+
+    def where(k: int) -> tuple[int, int, int, int]:
         d = members[k]
-        flat = ck.flat_state(0, d, p.group, state)
-        start = int(ck.osd(0, d)["param_slice_mappings"][p.group][p.local].start)
-        n = zmap.shards[k].numel
-        if flat.numel() < start + n:
-            raise CheckpointError(f"{ck.optim_files[(0, d)]}: {p.local} ({p.name}): fragment [{start}, {start + n}) "
-                                  f"lies past the flat {state} partition of {flat.numel()} elements")
-        frags[k] = flat.narrow(0, start, n)
-    if zmap.identity_rank is not None:
-        return own_bytes(frags[zmap.identity_rank].detach()).view(p.shape)
-    out = zmap.rebuild(frags, out=empty(zmap.numel, frags[zmap.ranks[0]].dtype)).view(p.shape)
-    for frag in frags.values():
-        release(frag)
-    return out
+        return 0, d, p.group, int(ck.osd(0, d)["param_slice_mappings"][p.group][p.local].start)
+
+    return ck.gather(zmap, p.shape, state, where, f"{p.local} ({p.name}, {state})")
 
 
 def composite(ck: DeepSpeedCheckpoint, p: MoEParam, model_map: ParamMap) -> ParamMap:
