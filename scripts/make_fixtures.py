@@ -461,6 +461,22 @@ def universal_of(fixture_dir: Path, out_tag_dir: Path, log_path: Path) -> Path:
     return out_tag_dir.parent
 
 
+
+def launch(cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> float:
+    """Run one launcher command to completion; its seconds, or a RuntimeError with the root cause
+    and the log's tail."""
+    t0 = time.time()
+    try:
+        rc = run_job(cmd, cwd=REPO, env=env, log_path=log_path, timeout_s=timeout_s)
+    except TimeoutError:
+        raise RuntimeError(f"launch timed out after {timeout_s}s (log: {log_path})") from None
+    seconds = time.time() - t0
+    if rc != 0:
+        lines = open(log_path, errors="replace").readlines()
+        raise RuntimeError(f"launch exited with {rc} after {seconds:.1f}s: {root_cause(lines)}\n"
+                           f"log tail ({log_path}):\n{''.join(lines[-40:])}")
+    return seconds
+
 def run_launch(fx: Fixture, work: Path, port: int, timeout_s: int, log_path: Path,
                out_dir: Path = DEFAULT_OUT) -> dict:
     """Train + save ``fx`` into ``work/ckpt``; returns {"reports": [...], "seconds": float}."""
@@ -492,16 +508,7 @@ def run_launch(fx: Fixture, work: Path, port: int, timeout_s: int, log_path: Pat
         str(fx.train_script),
         "--spec", str(spec_path),
     ]  # fmt: skip
-    t0 = time.time()
-    try:
-        rc = run_job(cmd, cwd=REPO, env=job_env(), log_path=log_path, timeout_s=timeout_s)
-    except TimeoutError:
-        raise RuntimeError(f"launch timed out after {timeout_s}s (log: {log_path})") from None
-    seconds = time.time() - t0
-    if rc != 0:
-        lines = open(log_path, errors="replace").readlines()
-        raise RuntimeError(f"launch exited with {rc} after {seconds:.1f}s: {root_cause(lines)}\n"
-                           f"log tail ({log_path}):\n{''.join(lines[-40:])}")
+    seconds = launch(cmd, job_env(), log_path, timeout_s)
     reports = []
     for r in range(fx.world_size):
         p = work / "report" / f"rank_{r}.json"
@@ -773,16 +780,8 @@ def make_dcp_one(fx: DcpFixture, out_dir: Path, timeout_s: int, keep_tmp: bool) 
         args = dcp_job_args("save", ckpt, report_dir, mesh=fx.mesh, steps=fx.steps, model=fx.model,
                             digests=fx.digests)
         log(f"{fx.name}: torchrun {fx.world_size} ranks (mesh {fx.mesh or fx.world_size}), work dir {work}")
-        try:
-            rc = run_job(torchrun_cmd(fx.world_size, DCP_SCRIPT, args), cwd=REPO, env=job_env(REPO),
-                         log_path=log_path, timeout_s=timeout_s)
-        except TimeoutError:
-            raise RuntimeError(f"launch timed out after {timeout_s}s (log: {log_path})") from None
+        launch(torchrun_cmd(fx.world_size, DCP_SCRIPT, args), job_env(REPO), log_path, timeout_s)
         launch_s = time.time() - t0
-        if rc != 0:
-            lines = open(log_path, errors="replace").readlines()
-            raise RuntimeError(f"launch exited with {rc} after {launch_s:.1f}s: {root_cause(lines)}\n"
-                               f"log tail ({log_path}):\n{''.join(lines[-40:])}")
         report = json.loads((report_dir / "report.json").read_text())
         files = check_dcp_checkpoint(ckpt, fx.world_size)
         # the command as recorded: paths relative to the fixture
