@@ -263,16 +263,16 @@ def reshard_experts(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, ep: int, dp
     if (Path(out_dir) / ck.tag_dir.name).resolve() == ck.tag_dir.resolve():
         raise ReshardError(f"{ck.tag_dir}: the output would replace the source it is read from; "
                            "choose another output folder")
-    tgt = _Target(ck, ep, dp)
-    cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
-    writer = _Writer(ck, tgt, staging, stage)
     experts = sorted(ck.tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
     want = {EXPERT_FILE.format(layer=p.layer, expert=x) for p in ck.experts.params.values()
             for x in range(p.full_shape[0])}
     missing = sorted(want - {p.name for p in experts})
-    if missing:
+    if missing:  # checked before the staging folder exists, so a refusal leaves nothing behind
         raise CheckpointError(f"{ck.tag_dir}: AutoEP per-expert files missing: {missing[:3]}")
+    tgt = _Target(ck, ep, dp)
+    cluster = cluster or Cluster.from_env()
+    staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
+    writer = _Writer(ck, tgt, staging, stage)
     jobs: list[tuple[int, Callable[[], None]]] = [(ck.model_files[0].stat().st_size, writer.model)]
     jobs += [(sum(g.partition for g in tgt.groups) * 4 * len(STATES), lambda d=d: writer.optim(d)) for d in range(dp)]
     jobs += [(p.stat().st_size, lambda p=p: staging.copy(p, p.name)) for p in experts]  # the same at any EP

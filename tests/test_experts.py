@@ -219,3 +219,13 @@ def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(tmp_path)
         assert mine["layouts"][EXPERTS[0]] == "autoep"
         assert mine["digests"] == theirs["digests"], f"EP {ep} x world {world}"
         assert mine["losses"] == theirs["losses"], f"EP {ep} x world {world}"
+
+
+def test_reshard_refuses_a_missing_expert_file_and_leaves_nothing(tmp_path: Path):
+    root = tmp_path / "src"
+    shutil.copytree(FIXTURES / NAME, root)
+    tag = root / (root / "latest").read_text().strip()
+    (tag / "layer_1_expert_2_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"per-expert files missing: \['layer_1_expert_2_mp_rank_00"):
+        reshard(root, tmp_path / "out", tp=1, dp=1, ep=1)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
