@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -12,6 +13,20 @@ from .ir.geometry import clip_segment
 from .ir.piece import View, prod
 from .memory import release
 from .plan import ModelPlan, Segment, TransferPlan
+
+
+def _runs(items: list) -> list[tuple[int, int]] | None:
+    """The merged, sorted ``[lo, hi)`` runs the items' destinations cover, or ``None`` when some
+    destination is not one contiguous run (its span then has holes the copies do not fill)."""
+    runs: list[tuple[int, int]] = []
+    for lo, hi, _, seg, _ in items:
+        if hi - lo != seg.numel:
+            return None
+        if runs and lo <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], hi))
+        else:
+            runs.append((lo, hi))
+    return runs
 
 
 def apply_plan(
@@ -71,8 +86,13 @@ class WindowFill:
     element is computed once, whatever the window size. Segments are swept in order of their
     first destination element, and the source pages a window read are released once copied
     (``memory.release``): on memory-mapped sources the resident set stays at about a window.
-    Elements no segment covers are left as ``out`` holds them (the writer's zeros). A window
-    that starts before the previous one ended starts the sweep again (a buffer written twice)."""
+    Elements no segment covers are set to zero, and only those: when every segment's destination
+    is one contiguous run (flat partitions), the gaps between runs are known up front and the
+    writer need not zero each window first (``zeroes_gaps``); otherwise a window is zeroed whole
+    before the copies. A window that starts before the previous one ended starts the sweep again
+    (a buffer written twice)."""
+
+    zeroes_gaps = True  # formats.torch_zip: hand over an uninitialised buffer
 
     def __init__(self, parts: Iterable[tuple[int, Segment, SourceOf]], *, scale_power: int = 1) -> None:
         items = []
@@ -84,7 +104,25 @@ class WindowFill:
         items.sort(key=lambda x: x[0])
         self._items = items
         self._power = scale_power
+        self._runs = _runs(items)
+        self._run_ends = [hi for _, hi in self._runs] if self._runs is not None else []
         self._restart()
+
+    def _zero_gaps(self, out: torch.Tensor, start: int, stop: int) -> None:
+        """Zero the elements of ``out`` (buffer elements ``start..stop``) no segment writes."""
+        runs = self._runs
+        if runs is None:
+            out.zero_()
+            return
+        pos, i = start, bisect_right(self._run_ends, start)
+        while pos < stop:
+            lo = runs[i][0] if i < len(runs) else stop
+            if lo <= pos:
+                pos, i = runs[i][1], i + 1
+                continue
+            end = min(lo, stop)
+            out[pos - start:end - start].zero_()
+            pos = end
 
     def _restart(self) -> None:
         self._next, self._pos = 0, 0
@@ -95,6 +133,7 @@ class WindowFill:
             self._restart()
         stop = start + out.numel()
         self._pos = stop
+        self._zero_gaps(out, start, stop)
         while self._next < len(self._items) and self._items[self._next][0] < stop:
             _, end, dst, seg, source = self._items[self._next]
             self._active.append([end, dst, seg, source, None])

@@ -89,3 +89,44 @@ def test_a_window_inside_a_large_matrix_takes_few_copies():
     assert clip_segment(dst, src, (1000, 1000), 0, 3) == []
     assert clip_segment(dst, src, (1000, 1000), 0, 2_000_000) == [(dst, src, (1000, 1000))]
 
+
+
+@st.composite
+def flat_parts(draw):
+    """Segments into a flat buffer: contiguous runs with gaps (a ZeRO partition's fragments and
+    padding), sometimes one strided destination among them."""
+    parts, pos = [], draw(st.integers(0, 3))
+    for _ in range(draw(st.integers(0, 4))):
+        n = draw(st.integers(0, 6))
+        if draw(st.integers(0, 4)) == 0 and n > 1:  # every other element: not one contiguous run
+            parts.append((View(pos, (2,)), (n,)))
+            pos += 2 * n
+        else:
+            parts.append((View(pos, (1,)), (n,)))
+            pos += n
+        pos += draw(st.integers(0, 3))
+    return parts, pos + draw(st.integers(0, 3))
+
+
+@SETTINGS
+@given(flat_parts(), st.integers(1, 9))
+def test_window_fill_writes_every_element_of_an_uninitialised_buffer(case, window):
+    """``WindowFill`` declares ``zeroes_gaps``: fed windows full of garbage (NaN), as the streamed
+    writer then does, it still yields the segments' values and zeros everywhere else."""
+    from reshard.execute import WindowFill
+    from reshard.plan import Segment
+
+    dsts, size = case
+    source = torch.arange(1, 40, dtype=torch.float32)
+    want = torch.zeros(size)
+    parts = []
+    for k, (dst, shape) in enumerate(dsts):
+        seg = Segment(0, View(k, (1,)), 0, dst, shape)
+        strided_copy(want, dst, source, seg.src, shape, 1.0)
+        parts.append((0, seg, lambda: source))
+    fill = WindowFill(parts)
+    assert fill.zeroes_gaps
+    got = torch.full((size,), float("nan"))
+    for start in range(0, size, window):
+        fill(got[start:start + window], start)
+    assert torch.equal(got, want)

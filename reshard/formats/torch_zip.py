@@ -480,7 +480,8 @@ def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: l
         per = max(1, chunk_bytes // storage.itemsize)
         for i, start in enumerate(range(0, storage.numel, per)):
             raw = _buffer(buffers, i % 2, min(per, storage.numel - start) * storage.itemsize)
-            raw.zero_()
+            if not getattr(src, "zeroes_gaps", False):
+                raw.zero_()
             src(raw.view(storage.dtype), start)
             w.write(raw)
     elif isinstance(src, torch.Tensor) or _is_buffer(src):
@@ -516,7 +517,8 @@ def save(obj: Any, f: str | os.PathLike | BinaryIO, *, chunk_bytes: int = DEFAUL
     bytes written. Each placeholder storage's ``source`` is read once, in record order:
 
     * a callable ``fill(out, start)``: called for consecutive windows of at most ``chunk_bytes``;
-      ``out`` is a zeroed 1-D tensor of the storage's dtype to fill with elements ``start`` onward.
+      ``out`` is a zeroed 1-D tensor of the storage's dtype to fill with elements ``start`` onward
+      (uninitialised when the callable has ``zeroes_gaps = True``: it then writes every element).
       The writer alternates two such buffers (peak memory: two chunks);
     * a tensor (contiguous, CPU) or a buffer holding all the bytes: written in ``chunk_bytes`` slices;
     * any other iterable of chunks (buffers or contiguous CPU tensors) of any sizes; a chunk must not
