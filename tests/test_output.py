@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.formats.crc import crc32_combine
+from reshard.formats.crc import crc32, crc32_combine
 from reshard.formats.output import Staging
 from reshard.formats.pickling import save
 
@@ -19,6 +19,17 @@ from reshard.formats.pickling import save
 def test_crc32_combine_equals_crc_of_concatenation(a, b, seed):
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
     assert crc32_combine(seed, 0, 0) == seed  # nothing appended, nothing changes
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=st.binary(max_size=5000), seed=st.integers(0, 2**32 - 1), cut=st.integers(0, 5000))
+def test_fast_crc32_is_zlibs(a, seed, cut):
+    """The CRC-32 reshard writes with (ISA-L's where installed) is zlib's, continued or not, on
+    bytes and on the memory views and tensors the writers hand it."""
+    assert crc32(a) == zlib.crc32(a)
+    assert crc32(a[cut:], crc32(a[:cut], seed)) == zlib.crc32(a, seed)
+    t = torch.frombuffer(bytearray(a), dtype=torch.uint8) if a else torch.empty(0, dtype=torch.uint8)
+    assert crc32(memoryview(t.numpy())) == zlib.crc32(a)
 
 
 def test_combine_over_large_lengths():

@@ -6,7 +6,10 @@ torch's zip writer emits right after it, instead of reading the record a second 
 
 from __future__ import annotations
 
-import zlib
+try:  # Intel ISA-L's CRC-32: the same function, ~4x zlib's speed here (carry-less multiply)
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - platforms without its wheel
+    from zlib import crc32
 
 _POLY = 0xEDB88320  # reflected
 
@@ -54,7 +57,7 @@ class Crc32:
         self.value = 0
 
     def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
+        self.value = crc32(data, self.value)
 
     def extend(self, crc: int, length: int) -> None:
         """Account for ``length`` further bytes whose own CRC-32 is ``crc``."""

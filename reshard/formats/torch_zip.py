@@ -53,7 +53,6 @@ import os
 import struct
 import sys
 import zipfile
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, BinaryIO
@@ -61,6 +60,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ..errors import OutputError, ReshardError
+from .crc import crc32
 from .pickling import Pickler
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ZIP64_THRESHOLD", "Source", "Storage", "StorageRecord", "TensorRef",
@@ -343,7 +343,7 @@ class TorchZipWriter:
                                    f"{self._done + len(view)} were supplied"))
         if len(self._head) < 8:
             self._head += view[: 8 - len(self._head)].tobytes()
-        self._crc = zlib.crc32(view, self._crc)
+        self._crc = crc32(view, self._crc)
         self._emit(view)
         self._done += len(view)
 
@@ -382,7 +382,7 @@ class TorchZipWriter:
     def _record(self, name: str, data: bytes) -> None:
         self._header(name, len(data))
         self._head = data[:8]
-        self._crc = zlib.crc32(data)
+        self._crc = crc32(data)
         self._emit(data)
         self._done = len(data)
         self._finish_record()
