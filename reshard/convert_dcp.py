@@ -366,24 +366,58 @@ def flat_shard(ck: DcpCheckpoint, key: str, rank: int) -> torch.Tensor:
     return ck.shard(key, rank).reshape(-1)
 
 
-def _moment_jobs(src: Tensors, staging: Staging, *, wrap: bool) -> list[tuple[int, Callable[[], None]]]:
+def _moment_jobs(src: DcpTensors, staging: Staging, *, wrap: bool) -> list[tuple[int, Callable[[], None]]]:
     """``zero/<name>/{exp_avg,exp_avg_sq,step}.pt`` (and ``fp32.pt`` with ``wrap``), as DeepSpeed's
-    universal checkpoint holds them."""
+    universal checkpoint holds them: each tensor streamed from its chunks (:func:`_fp32`)."""
 
     def one(name: str) -> None:
-        states = (("fp32", src.weight(name)),) if wrap else ()
-        states += tuple((s, src.moment(name, s)) for s in MOMENTS)
-        for state, t in states:
-            if t is not None:
-                with staging.open(f"zero/{name}/{state}.pt") as out:
-                    save({"param": t.to(torch.float32).contiguous()}, out)
-                src.release(name, t)
+        for state in (("fp32",) if wrap else ()) + MOMENTS:
+            key = src.ck.param_key(name) if state == "fp32" else src.ck.state_key(name, state)
+            if key is None:
+                continue
+            t = _fp32(src.ck, key)
+            with staging.open(f"zero/{name}/{state}.pt") as out:
+                if isinstance(t, torch_zip.TensorRef):
+                    torch_zip.save({"param": t}, out, pickler=Pickler)
+                else:
+                    save({"param": t}, out)
+            src.ck.release(key)
         step = src.step(name)
         if step is not None:
             with staging.open(f"zero/{name}/step.pt") as out:
                 save(step, out)
 
     return [(prod(src.shape(n)) * 12, partial(one, n)) for n in src.names]
+
+
+def _fp32(ck: DcpCheckpoint, key: str, *, lazy: bool = False) -> torch.Tensor | torch_zip.TensorRef:
+    """Tensor ``key`` in float32 for a streamed writer (memory: a window, not F): as mapped when one
+    float32 chunk is all of it, unless ``lazy``; else a placeholder filled window by window, from
+    its chunks through a plan or converted slice by slice from its one chunk, read only when the
+    writer reaches it."""
+    whole = _whole(ck, key)
+    if isinstance(whole, WindowFill):
+        return torch_zip.tensor(torch.float32, ck.entry(key).shape, whole, label=key)
+    if whole.dtype == torch.float32 and not lazy:
+        return whole.contiguous()
+    return torch_zip.tensor(torch.float32, ck.entry(key).shape, _Slices(ck, key), label=key)
+
+
+class _Slices:
+    """``fill(out, start)`` from a tensor held whole in one mapped chunk: each window converted to
+    float32 and its source pages released once copied."""
+
+    def __init__(self, ck: DcpCheckpoint, key: str) -> None:
+        self.ck, self.key, self.flat = ck, key, None
+
+    def __call__(self, out: torch.Tensor, start: int) -> None:
+        if self.flat is None or start == 0:
+            self.flat = self.ck.full(self.key).reshape(-1)
+        part = self.flat.narrow(0, start, out.numel())
+        out.copy_(part)
+        release(part)
+        if start + out.numel() >= self.flat.numel():
+            self.flat = None  # the last window: let the mapping go
 
 
 # The DeepSpeed release whose universal loader the files of ``dcp_to_ucp`` are written for (and
@@ -404,24 +438,7 @@ def _ucp_global_steps(src: Tensors) -> int:
     return int(max(steps, default=0.0))
 
 
-class _WeightFill:
-    """``fill(out, start)`` of a parameter's fp32 weight for ``torch_zip``: the weight is read at
-    the first window and let go (its mapped pages released) after the last."""
-
-    def __init__(self, src: Tensors, name: str) -> None:
-        self.src, self.name, self.flat = src, name, None
-
-    def __call__(self, out: torch.Tensor, start: int) -> None:
-        if self.flat is None:
-            self.w = self.src.weight(self.name)
-            self.flat = self.w.detach().reshape(-1)
-        out.copy_(self.flat[start:start + out.numel()])
-        if start + out.numel() >= self.flat.numel():
-            self.src.release(self.name, self.w)
-            self.flat = self.w = None
-
-
-def _ucp_model_states(src: Tensors, groups: list[dict[str, Any]]) -> dict[str, Any]:
+def _ucp_model_states(src: DcpTensors, groups: list[dict[str, Any]]) -> dict[str, Any]:
     """``mp_rank_00_model_states.pt`` as DeepSpeed 0.19.8's ``_save_checkpoint`` writes it for a
     ZeRO-1 job at DP=1 x TP=1 x PP=1 (keys in its order), from what a DCP checkpoint records.
 
@@ -440,8 +457,8 @@ def _ucp_model_states(src: Tensors, groups: list[dict[str, Any]]) -> dict[str, A
                     for g in groups]
     optimized = {n for shapes in param_shapes for n in shapes}
     module = OrderedDict()
-    for n in src.names:  # placeholders: each weight is read when the writer reaches it
-        module[n] = torch_zip.tensor(torch.float32, src.shape(n), _WeightFill(src, n), label=n)
+    for n in src.names:  # each weight is read when the writer reaches it
+        module[n] = _fp32(src.ck, src.ck.param_key(n), lazy=True)
     return {
         "module": module,  # the weights by name, fp32 (never loaded by a universal resume)
         "buffer_names": [n for n in src.names if n not in optimized],
