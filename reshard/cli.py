@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -220,10 +221,10 @@ def _cmd_reshard(args) -> int:
         return _reshard_dcp(args)
     if args.files is not None:
         raise ReshardError(f"{args.ckpt_dir}: --files N goes with a DCP checkpoint (a folder with .metadata)")
-    if args.tp is None:
+    if args.tp is None and args.ep is None:  # expert checkpoints (--ep) are resharded at TP = 1
         raise ReshardError("reshard of a DeepSpeed checkpoint needs --tp")
     with _cluster(args) as cluster:
-        report = reshard(args.ckpt_dir, args.out_dir, tp=args.tp, dp=args.dp, pp=args.pp,
+        report = reshard(args.ckpt_dir, args.out_dir, tp=1 if args.tp is None else args.tp, dp=args.dp, pp=args.pp,
                          zero_stage=args.zero_stage, layout=args.layout, workers=args.workers,
                          overwrite=args.overwrite, checksum=args.checksum, cluster=cluster, ep=args.ep)
     _report(report)
@@ -344,9 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--pp", type=_positive, default=1,
                     help="target pipeline stages of a deepspeed.pipe checkpoint: its own count, or 1 to merge them")
     rs.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
-                    help="target ZeRO stage (default: the source's; to or from 3 at TP=1)")
+                    help="target ZeRO stage (default: the source's)")
     rs.add_argument("--ep", type=_positive, default=None,
-                    help="target expert-parallel degree of an AutoEP checkpoint (default: the source's)")
+                    help="target expert-parallel degree of an AutoEP or classic MoE checkpoint "
+                         "(default: the source's)")
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")
     _output(rs)
@@ -376,7 +378,14 @@ def run() -> None:
     """The ``reshard`` command's entry point. Under a launcher (``WORLD_SIZE`` > 1) the process
     ends with ``os._exit`` once the job is done and its process group closed: torch 2.13's gloo
     can abort ("terminate called without an active exception") while the interpreter shuts down,
-    which would turn a finished, committed job into a failed launch."""
+    which would turn a finished, committed job into a failed launch.
+
+    The cyclic garbage collector is told that everything imported so far lives for the whole
+    run (``gc.freeze``) and to collect less often: a command allocates many small acyclic
+    objects (plans, pickled records), and full collections kept re-scanning torch's modules for
+    ~0.3 s of CPU per 3 GB job."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     code = main()
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         sys.stdout.flush()

@@ -225,9 +225,11 @@ def convert(
 
 def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> list[tuple[int, Callable[[], None]]]:
     """Every file of the universal checkpoint as ``(bytes, job)``, largest first."""
-    # DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as bare flat tensors and no
-    # step file; its universal loader expects exactly that, so mirror it.
+    # DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as bare flat tensors, and no
+    # step file at any TP degree (under AutoTP: {'param': full tensor}, as for ZeRO-1/2); its
+    # universal loader expects exactly that, so mirror it.
     bare = ck.zero_stage == 3 and ck.tp == 1
+    stepless = ck.zero_stage == 3
 
     def one(name: str) -> None:
         # a module weight without optimizer state (AutoEP's router aliases) has fp32 only, as in ds_to_universal
@@ -237,7 +239,7 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> 
             with staging.open(f"zero/{name}/{state}.pt") as out:
                 save(f.reshape(-1) if bare else {**extra, "param": f}, out)
             release(f)  # where f lies in a mapped input file, its pages are done with
-        if ck.has_optimizer_state(name) and not bare:
+        if ck.has_optimizer_state(name) and not stepless:
             step = ck.step(name)
             if step is not None:
                 with staging.open(f"zero/{name}/step.pt") as out:

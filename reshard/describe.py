@@ -122,6 +122,7 @@ def format_inspect(src: Source, view: str, summaries: list[Summary], ranks: list
     lines += ["  " + x for x in _table(rank_rows, {0, 1, 2})]
     if zero is not None:
         lines += _zero_lines(src, zero)
+        lines += _expert_lines(src)
     return lines
 
 
@@ -145,12 +146,33 @@ def _zero_lines(src: Source, zero: dict[str, dict[int, dict[int, int]]]) -> list
     else:
         head = (f"ZeRO-{src.zero_stage} over DP={src.dp}: each TP shard is flattened with its group and cut into "
                 f"{src.dp} equal flat partitions (a parameter may straddle them)")
-    out = ["", head, "  elements of the TP shards per DP rank, all parameters:"]
+    which = "all parameters" if src.checkpoint is None or src.checkpoint.experts is None else \
+        "all parameters but the AutoEP experts (below)"
+    out = ["", head, f"  elements of the TP shards per DP rank, {which}:"]
     for t, by_dp in sorted(per.items()):
         out.append(f"    tp {t}: " + ", ".join(f"dp {d} {n}" for d, n in sorted(by_dp.items())))
     if src.dp > 1:
         out.append("  (--composed shows the composed maps over global ranks)")
     return out
+
+
+def _expert_lines(src: Source) -> list[str]:
+    """An AutoEP checkpoint's expert groups: EP, EDP, the DP ranks of each EDP group and the
+    expert elements each DP rank's partition holds."""
+    ck = src.checkpoint
+    ax = None if ck is None else ck.experts
+    if ax is None:
+        return []
+    from .formats.deepspeed_experts import edp_elements
+
+    which = f"d // {ax.edp}, use_data_before_expert_parallelism" if ax.data_before_expert else f"d % {ax.ep}"
+    groups = "; ".join(f"EP {e}: dp {', '.join(str(d) for d in ax.members(e))}" for e in range(ax.ep))
+    per = edp_elements(ck)
+    return ["", f"AutoEP experts: {len(ax.params)} fused parameter(s) over EP={ax.ep} (in the TP view their maps' ranks "
+                f"are EP ranks); their optimizer group is cut over each EP rank's expert-data-parallel group, EDP={ax.edp} "
+                f"(EP rank of DP rank d: {which})",
+            f"  EDP groups: {groups}",
+            "  expert elements per DP rank: " + ", ".join(f"dp {d} {n}" for d, n in sorted(per.items()))]
 
 
 def _zero_totals(zero: dict[str, dict[int, dict[int, int]]]) -> dict[int, dict[int, int]]:

@@ -29,6 +29,16 @@ def _runs(items: list) -> list[tuple[int, int]] | None:
     return runs
 
 
+def _in_order(view: View, shape: tuple[int, ...]) -> bool:
+    """Whether ``view`` walks its elements in row-major order, one after the next."""
+    step = 1
+    for n, stride in zip(reversed(shape), reversed(view.strides)):
+        if n > 1 and stride != step:
+            return False
+        step *= n
+    return True
+
+
 def apply_plan(
     plan: TransferPlan,
     source_shards: Mapping[int, torch.Tensor],
@@ -106,7 +116,39 @@ class WindowFill:
         self._power = scale_power
         self._runs = _runs(items)
         self._run_ends = [hi for _, hi in self._runs] if self._runs is not None else []
+        disjoint = self._runs is not None and all(a[1] <= b[0] for a, b in zip(items, items[1:]))
+        self._ends = [x[1] for x in items] if disjoint else None  # sorted when disjoint
         self._restart()
+
+    def direct(self, start: int, count: int, dtype: torch.dtype, min_bytes: int = 1 << 20
+               ) -> list[torch.Tensor | int] | None:
+        """Buffer elements ``start .. start + count`` as pieces to write in order, without a
+        buffer: slices of flat sources and counts of zeros between them. Only where every segment
+        there copies one run in order (row-major on both sides), unscaled, from a source of
+        ``dtype``, and the pieces average ``min_bytes``; else ``None`` (fill a buffer instead).
+        The slices are the sources' own memory: mapped files go on to the output file by a
+        kernel copy (``formats.output``)."""
+        if self._ends is None:
+            return None
+        stop, pieces, pos = start + count, [], start
+        i = bisect_right(self._ends, start)
+        while i < len(self._items) and self._items[i][0] < stop:
+            lo, hi, dst, seg, source = self._items[i]
+            if seg.factor ** self._power != 1.0 or not (_in_order(dst, seg.shape) and _in_order(seg.src, seg.shape)):
+                return None
+            a, b = max(lo, start), min(hi, stop)
+            if a > pos:
+                pieces.append(a - pos)
+            flat = source()
+            if flat.dtype != dtype:
+                return None
+            pieces.append(flat.narrow(0, seg.src.offset + a - lo, b - a))
+            pos, i = b, i + 1
+        if pos < stop:
+            pieces.append(stop - pos)
+        if count * dtype.itemsize < min_bytes * len(pieces):
+            return None
+        return pieces
 
     def _zero_gaps(self, out: torch.Tensor, start: int, stop: int) -> None:
         """Zero the elements of ``out`` (buffer elements ``start..stop``) no segment writes."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
+import os
 import sys
 
 import torch
@@ -117,20 +118,27 @@ def release(tensor: torch.Tensor) -> None:
         _MADVISE(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
 
 
-_MAPS: list[tuple[int, int, bool]] = []  # (start, end, backed by a file), sorted
+_MAPS: list[tuple[int, int, int, str]] = []  # (start, end, file offset, file path or ""), sorted
 
 
-def _file_backed(lo: int, hi: int) -> bool:
+def _mapping(lo: int, hi: int) -> tuple[int, int, int, str] | None:
+    """The mapping of this process holding addresses ``[lo, hi)`` whole, if any (re-read once
+    when the cached table has none)."""
     for refresh in (False, True):
         if refresh or not _MAPS:
             _MAPS[:] = _read_maps()
-        i = bisect.bisect_right(_MAPS, (lo, float("inf"), True)) - 1
+        i = bisect.bisect_right(_MAPS, (lo, float("inf"))) - 1
         if i >= 0 and _MAPS[i][0] <= lo and hi <= _MAPS[i][1]:
-            return _MAPS[i][2]
-    return False
+            return _MAPS[i]
+    return None
 
 
-def _read_maps() -> list[tuple[int, int, bool]]:
+def _file_backed(lo: int, hi: int) -> bool:
+    m = _mapping(lo, hi)
+    return m is not None and bool(m[3])
+
+
+def _read_maps() -> list[tuple[int, int, int, str]]:
     out = []
     try:
         with open("/proc/self/maps") as f:
@@ -138,10 +146,49 @@ def _read_maps() -> list[tuple[int, int, bool]]:
                 parts = line.split(maxsplit=5)
                 a, b = (int(x, 16) for x in parts[0].split("-"))
                 path = parts[5].strip() if len(parts) > 5 else ""
-                out.append((a, b, path.startswith("/") and "(deleted)" not in path))
+                backed = path.startswith("/") and "(deleted)" not in path
+                out.append((a, b, int(parts[2], 16), path if backed else ""))
     except OSError:
         return []
     return sorted(out)
+
+
+_PRESENT, _SWAPPED, _FILE_PAGE = 1 << 63, 1 << 62, 1 << 61
+
+
+def file_bytes(view: memoryview) -> tuple[str, int] | None:
+    """``(path, offset)`` of a file holding exactly the bytes of ``view`` when they lie in a
+    memory-mapped file, unmodified: inside one file-backed mapping of this process (checked
+    still in place, of the same file) and no page of it written since it was mapped (a written
+    private page is an anonymous copy that differs from the file: ``/proc/self/pagemap``).
+    ``None`` otherwise, or off Linux. Lets a writer have the kernel copy file to file
+    (``os.copy_file_range``) instead of pushing the mapped bytes through ``write``."""
+    if _MADVISE is None or not len(view):
+        return None
+    import numpy as np
+
+    addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    m = _mapping(addr, addr + len(view))
+    if m is None or not m[3]:
+        return None
+    start, end, offset, path = m
+    try:
+        mapped, named = os.stat(f"/proc/self/map_files/{start:x}-{end:x}"), os.stat(path)
+        if (mapped.st_dev, mapped.st_ino) != (named.st_dev, named.st_ino):
+            _MAPS.clear()  # the table is stale: another file lies there now
+            return None
+        first, last = addr // _PAGE, (addr + len(view) - 1) // _PAGE
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            f.seek(first * 8)
+            flags = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    except OSError:
+        return None
+    if len(flags) != last - first + 1:
+        return None
+    present = (flags & np.uint64(_PRESENT)) != 0
+    if np.any((flags & np.uint64(_SWAPPED)) != 0) or np.any(present & ((flags & np.uint64(_FILE_PAGE)) == 0)):
+        return None
+    return path, offset + addr - start
 
 
 def _madvise():

@@ -325,20 +325,22 @@ def reshard(
     ``latest``) into ``out_dir/<tag>`` at TP=``tp`` x DP=``dp`` (default the source's DP) with
     ZeRO ``zero_stage`` (default the source's), plus ``out_dir/latest``, as DeepSpeed 0.19.8 would
     save it there. See the module docstring for ``layout``. ZeRO stages 1 and 2 are supported, and
-    ZeRO-3 at TP=1 to another DP size (``offline_zero3``); a pipeline (``deepspeed.pipe``)
+    ZeRO-3 (with or without AutoTP) to another TP x DP or stage (``offline_zero3``); a pipeline (``deepspeed.pipe``)
     checkpoint keeps its stages or merges them into ``pp=1``. ``checksum`` is as for :func:`reshard.convert`.
     Launched by ``torchrun`` (or with ``cluster``), every process writes a share of the files and
     the commit is collective (``reshard.cluster``). An AutoEP checkpoint goes to
-    ``offline_experts`` at expert-parallel degree ``ep`` (default the source's)."""
+    ``offline_experts``, a classic MoE one to ``offline_moe``, at expert-parallel degree ``ep``
+    (default the source's)."""
     tp, pp = _positive(tp, "tp"), _positive(pp, "pp")
     if dp is not None:
         _positive(dp, "dp")
     workers = _positive(workers, "workers")
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
     dp = ck.dp if dp is None else dp
-    # AutoEP experts: their own placement and expert-data-parallel partitions (offline_experts)
-    if ep is not None or (ck.zero_stage != 3 and ck.experts is not None):
-        ep = _positive(ep, "ep") if ep is not None else (ck.experts.ep if ck.experts is not None else 1)
+    # AutoEP / classic MoE experts: their own placement and expert-data-parallel partitions
+    # (offline_experts, offline_moe)
+    if ep is not None or (ck.zero_stage != 3 and (ck.experts is not None or ck.moe is not None)):
+        ep = _positive(ep, "ep") if ep is not None else (ck.experts or ck.moe).ep
         return reshard_experts(ck, out_dir, ep=ep, dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, workers=workers,
                                overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster)
     # ZeRO-3 at either end (one partition per parameter): a file format and writer of its own

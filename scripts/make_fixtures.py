@@ -258,6 +258,9 @@ FIXTURES = [
             patches=["gpt_bigcode_empty_query_shard"],
             notes=[GPT_BIGCODE_NOTE]),
     Fixture("llama_tp2_dp2", "llama", LLAMA, ds_config(1, autotp=2), world_size=4, tp=2),
+    # AutoTP x ZeRO-3: zero_pp_rank_D_mp_rank_TT files, each TP shard partitioned over its DP ranks
+    Fixture("llama_zero3_tp2_dp2", "llama", LLAMA, ds_config(3, autotp=2), world_size=4, tp=2),
+    Fixture("llama_zero3_tp2_dp2_bf16", "llama", LLAMA, ds_config(3, bf16=True, autotp=2), world_size=4, tp=2),
     Fixture("pipe_pp2_dp2", "pipe", PIPE, dict(ds_config(1), gradient_accumulation_steps=2), world_size=4, pp=2,
             seq_len=8, train_script=PIPE_SCRIPT),
     # odd sizes: each stage's flat partition is padded, and parameters straddle the DP split
@@ -271,6 +274,12 @@ FIXTURES = [
     Fixture("mixtral_autoep_ep2", "mixtral", MIXTRAL,
             dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
             world_size=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
+    # the same AutoEP recipe at world 4: EP=2 x EDP=2, each expert group's ZeRO partition split over
+    # the EDP group of its EP rank (DP ranks {0, 2} and {1, 3})
+    Fixture("mixtral_autoep_ep2_dp4", "mixtral", MIXTRAL,
+            dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
+            world_size=4, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),
     # classic deepspeed.moe.layer.MoE: 4 experts over EP=2 (layer_L_expert_E files, per-EP-rank local names)
     Fixture("moe_ep2", "moe", MOE, ds_config(1), world_size=2, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),

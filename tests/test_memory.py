@@ -71,3 +71,65 @@ def test_large_host_buffers_ask_for_huge_pages():
     assert int(big.sum()) == 7 * big.numel()
     small = empty(1024, torch.float32)
     assert small.shape == (1024,) and small.dtype == torch.float32
+
+
+@linux
+def test_file_bytes_finds_mapped_bytes_and_refuses_written_pages(tmp_path):
+    """``file_bytes`` names the file and offset of mapped, unmodified bytes (what lets a writer
+    copy file to file), and refuses anonymous memory and a private mapping's written pages (a
+    copy-on-write page no longer equals the file)."""
+    import mmap
+
+    from reshard.memory import file_bytes
+
+    path = tmp_path / "data.bin"
+    data = bytes(range(256)) * 64 * 1024  # 16 MiB
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        ro = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        rw = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    view = memoryview(ro)[12345:12345 + (3 << 20)]
+    where = file_bytes(view)
+    assert where is not None and where[1] == 12345 and open(where[0], "rb").read()[12345:12346] == data[12345:12346]
+    assert file_bytes(memoryview(bytearray(data[:1 << 20]))) is None  # anonymous memory
+    private = memoryview(rw)
+    assert file_bytes(private[:1 << 20]) is not None  # read, never written: still the file
+    private[5 << 20] = 7  # one page becomes a private copy
+    assert file_bytes(private[4 << 20:6 << 20]) is None
+    assert file_bytes(private[8 << 20:10 << 20]) == (str(path), 8 << 20)
+    for v in (view, private):
+        v.release()
+    ro.close()
+    rw.close()
+
+
+@linux
+def test_staged_writes_of_mapped_bytes_are_the_bytes(tmp_path, monkeypatch):
+    """A staged file written from mapped memory (copied by the kernel from the source file) holds
+    exactly those bytes, and its manifest checksum is theirs."""
+    import mmap
+    import os
+    import zlib
+
+    from reshard.formats.output import Staging
+
+    calls = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: calls.append(a[2]) or real(*a))
+
+    src = tmp_path / "src.bin"
+    data = torch.randint(0, 256, (5 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    src.write_bytes(data.numpy().tobytes())
+    with open(src, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    staging = Staging(tmp_path / "out", "tag")
+    with staging.open("a.bin") as out:
+        out.write(b"head")
+        out.write(memoryview(mapped)[100:100 + (3 << 20)])
+        out.write(bytearray(b"tail"))
+    final = staging.commit({}, None)
+    assert sum(calls) == 3 << 20  # the mapped bytes went file to file, the small writes did not
+    want = b"head" + data.numpy().tobytes()[100:100 + (3 << 20)] + b"tail"
+    assert (final / "a.bin").read_bytes() == want
+    assert staging.digests["a.bin"]["crc32"] == f"{zlib.crc32(want):08x}"
+    mapped.close()

@@ -1,6 +1,6 @@
 """reshard.offline with ZeRO-3 at either end (TP=1): a ZeRO-3 checkpoint at another DP size or at
 ZeRO stage 1/2, or a ZeRO-1/2 one at ZeRO-3, written as DeepSpeed 0.19.8 saves it there
-(``reshard.offline_zero3``), in fp32 and bf16.
+(``reshard.offline_zero3``), in fp32 and bf16. AutoTP x ZeRO-3: ``tests/test_zero3_tp.py``.
 
 Fast tests (no DeepSpeed job):
 
@@ -286,10 +286,10 @@ def test_truncated_file_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"tp": 2, "dp": 1}, r"resharded over DP only \(TP=1, PP=1\)"),
-    ({"tp": 1, "dp": 2, "pp": 2}, r"resharded over DP only"),
+    ({"tp": 2, "dp": 1}, r"changing TP from 1 to 2 needs the layout"),  # TP x ZeRO-3: tests/test_zero3_tp.py
+    ({"tp": 1, "dp": 2, "pp": 2}, r"resharded over TP and DP only \(PP=1\)"),
     ({"tp": 1, "dp": 4, "zero_stage": 0}, r"written at ZeRO stage 1, 2 or 3, not 0"),
-    ({"tp": 1, "dp": 4, "layout": "geometry"}, r"keeps TP=1"),
+    ({"tp": 4, "dp": 1, "layout": FIXTURES / "llama_tp2_dp2"}, r"is at TP=2, the target is TP=4"),
 ])
 def test_targets_it_cannot_write_are_refused(kwargs, match, tmp_path):
     with pytest.raises(ReshardError, match=match):
@@ -467,9 +467,9 @@ def test_round_trip_through_another_stage_gives_back_the_source_files(source, dp
 
 
 @pytest.mark.parametrize("source,kwargs,match", [
-    ("llama_tp2_dp2", {"tp": 1, "dp": 2, "zero_stage": 3}, r"only a TP=1 ZeRO-1/2 checkpoint .* \(this one is TP=2"),
+    ("llama_tp2_dp2", {"tp": 4, "dp": 1, "zero_stage": 3}, r"changing TP from 2 to 4 needs the layout"),
     ("pipe_pp2_dp2", {"tp": 1, "dp": 2, "zero_stage": 3}, r"without pipeline stages"),
-    (SOURCE, {"tp": 1, "dp": 2, "zero_stage": 1, "pp": 2}, r"resharded over DP only"),
+    (SOURCE, {"tp": 1, "dp": 2, "zero_stage": 1, "pp": 2}, r"resharded over TP and DP only"),
 ])
 def test_stage_changes_it_cannot_write_are_refused(source, kwargs, match, tmp_path):
     with pytest.raises(ReshardError, match=match):

@@ -429,3 +429,39 @@ def test_staging_checksums_stay_right_when_chunks_reuse_buffers(tmp_path, checks
     verify(final)
     data = (final / "m.pt").read_bytes()
     assert data == _torch_bytes({"big": big, "one": one, "mapped": big.clone()})
+
+
+def test_windows_written_straight_from_mapped_sources_are_torch_save(tmp_path):
+    """A ``WindowFill`` whose segments copy runs in order hands the writer the sources' own
+    (memory-mapped) slices and zero gaps instead of filling a buffer; the file is still exactly
+    ``torch.save`` of the tensor the segments build, with a strided segment and a scaled one
+    falling back to the buffer in their windows."""
+    from reshard.execute import WindowFill
+    from reshard.ir.piece import View
+    from reshard.plan import Segment
+
+    n = 7 << 20  # 28 MiB of float32
+    src = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    torch.save(src, tmp_path / "src.pt")
+    mapped = safe_load(tmp_path / "src.pt")  # memory-mapped
+    segs = [Segment(0, View(0, (1,)), 0, View(0, (1,)), (1 << 20,)),  # runs in order
+            Segment(0, View(2 << 20, (1,)), 0, View((1 << 20) + 16, (1,)), (1 << 20,)),  # after a gap of 16
+            Segment(0, View(100, (2,)), 0, View((2 << 20) + 16, (1,)), (1000,)),  # strided source
+            Segment(0, View(5 << 20, (1,)), 0, View((2 << 20) + 1016, (1,)), (1 << 20,), 0.5)]  # scaled
+    total = (3 << 20) + 1016 + 7
+    want = torch.zeros(total)
+    for s in segs:
+        want[s.dst.offset:s.dst.offset + s.numel] = src[s.src.offset:s.src.offset + s.numel * s.src.strides[0]:
+                                                        s.src.strides[0]] * s.factor
+    fill = WindowFill([(0, s, lambda: mapped) for s in segs])
+    used = []
+    direct = fill.direct
+    fill.direct = lambda *a: used.append(r := direct(*a)) or r  # type: ignore[method-assign]
+    staging = Staging(tmp_path / "out", "tag")
+    with staging.open("x.pt") as f:
+        save(tensor(torch.float32, (total,), fill), f, chunk_bytes=4 << 20)
+    final = staging.commit({}, None)
+    buf = io.BytesIO()
+    torch.save(want, buf)
+    assert (final / "x.pt").read_bytes() == buf.getvalue()
+    assert [p is not None for p in used] == [True, True, False, False]  # the last two hold the odd segments

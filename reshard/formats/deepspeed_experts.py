@@ -104,6 +104,12 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
     if len(eps) != 1 or ck.dp % next(iter(eps)):
         raise CheckpointError(f"{where}: EP sizes {sorted(eps)} do not divide the DP size {ck.dp} as one EP group")
     ep = eps.pop()
+    edp = ck.dp // ep
+    for i, layer in enumerate(layers):  # what DeepSpeed records of the writing rank's EDP group
+        size = layer.get("expert_data_parallel_world_size")
+        if size is not None and size != edp:
+            raise CheckpointError(f"{where}[{i}]: expert_data_parallel_world_size is {size}, but DP={ck.dp} over "
+                                  f"EP={ep} leaves EDP={edp}")
     expert_groups = frozenset(p.group for p in params.values())
     for g in expert_groups:
         strays = [n for n in groups[g] if n not in params]
@@ -113,7 +119,7 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
     cfg = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
     owned = {n for g in groups for n in g}
     aliases = tuple(n for n in (state.get("module") or {}) if n not in owned)
-    return AutoEP(params, expert_groups, ep, ck.dp // ep,
+    return AutoEP(params, expert_groups, ep, edp,
                   bool(cfg.get("use_data_before_expert_parallelism", False)), aliases)
 
 
@@ -192,14 +198,20 @@ def _group_maps(ck: DeepSpeedCheckpoint, group: int, e: int) -> dict[str, ParamM
         ax = ck.experts
         members = ax.members(e)
         osds = [ck.osd(0, d) for d in members]
+        for d, o in zip(members, osds):  # DeepSpeed's count of the group's partitions: the EDP size
+            counts = o.get("partition_count")
+            if isinstance(counts, (list, tuple)) and len(counts) > group and counts[group] != ax.edp:
+                raise CheckpointError(f"{ck.optim_files[(0, d)]}: partition_count {list(counts)} cuts expert group "
+                                      f"{group} into {counts[group]} partitions, but its EDP group has {ax.edp} ranks")
         try:
             shapes = {n: q.shard_shape(e) for n, q in ax.params.items() if q.group == group}
             ck._cache[key] = zero12_from_slice_mappings(
                 shapes, [o["param_slice_mappings"][group] for o in osds], [o["group_paddings"][group] for o in osds],
                 ax.edp, shard="fragment")
         except (ReshardError, KeyError, IndexError, TypeError) as err:
+            order = "use_data_before_expert_parallelism" if ax.data_before_expert else "expert before data"
             raise CheckpointError(f"{ck.optim_files[(0, members[0])]}: expert group {group} of EP rank {e} "
-                                  f"(DP ranks {members}): {err}") from None
+                                  f"(DP ranks {members}, EDP groups in DeepSpeed's {order} order): {err}") from None
     return ck._cache[key]
 
 
@@ -249,3 +261,14 @@ def universal_model_state(ck: DeepSpeedCheckpoint, m: int) -> dict:
     info[LAYERS_KEY] = list(layers.values())
     return state
 
+
+def edp_elements(ck: DeepSpeedCheckpoint) -> dict[int, int]:
+    """``{dp_rank: elements}``: how much of the expert parameters lies in each DP rank's flat
+    partitions of the expert optimizer groups (EP rank ``e``'s shards, cut over its EDP group)."""
+    ax = ck.experts
+    out = dict.fromkeys(range(ck.dp), 0)
+    for p in ax.params.values():
+        for e in range(ax.ep):
+            for k, s in zero_map(ck, p, e).shards.items():
+                out[ax.global_rank(e, k)] += s.numel
+    return out

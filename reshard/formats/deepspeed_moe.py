@@ -14,7 +14,8 @@ the same name means a different expert on each EP rank. DeepSpeed writes:
   ``use_data_before_expert_parallelism``), as for AutoEP.
 
 The universal form (docs/deepspeed-checkpoints.md §12): one tensor per *global* expert parameter,
-under the name the per-expert file gives it. Its map (docs/spec.md §7.1) is one piece located on
+under the name the per-expert file gives it (whose shape must be ``param_shapes``' for its local
+name). Its map (docs/spec.md §7.2) is one piece located on
 the EP rank holding that expert; composed with that rank's EDP split its ranks are the DP ranks
 whose flat partitions hold the fragments.
 """
@@ -160,15 +161,19 @@ def _global_params(layers: dict, groups: list[dict], local: int, ep: int,
                         raise CheckpointError(f"{files[(layer, x)]}: no {name!r} (global expert {x} of MoE layer "
                                               f"{layer}, local expert {j} of EP rank {e})")
                     g = next(i for i, grp in enumerate(groups) if lname in grp)
+                    if keys[name] != groups[g][lname]:
+                        raise CheckpointError(f"{files[(layer, x)]}: {name!r} has shape {list(keys[name])}, "
+                                              f"param_shapes gives its local name {lname!r} {list(groups[g][lname])}")
                     out[name] = MoEParam(name, lname, layer, x, e, groups[g][lname], g)
     return out
 
 
-def _file_keys(path: Path) -> set[str]:
+def _file_keys(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """The per-expert file's keys and their tensors' shapes (``None`` for a non-tensor)."""
     sd = load(path)
     if not isinstance(sd, dict):
         raise CheckpointError(f"{path}: expected a dict of expert weights, got {type(sd).__name__}")
-    return set(sd)
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
 
 
 # -- maps and tensors ----------------------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""DeepSpeed 0.19.8 ZeRO-3 checkpoint files (TP=1), read and written as DeepSpeed itself saves
-them: the source checked for ``reshard reshard``, the sub-group layout at any DP size, the
-dictionaries of the two files each DP rank writes (with :class:`AttrTensorRef` for a streamed flat
-group's ``ds_id``), and a ZeRO-1/2 file's dictionaries recast for ZeRO-3 and back (the optimizer's
-loss scaler, flags, hyper-parameters and ``step`` are the same objects in both; only their
-arrangement differs). No tensor data is moved here
-(``reshard.offline_zero3`` does that). What DeepSpeed does, read from
+"""DeepSpeed 0.19.8 ZeRO-3 checkpoint files, at TP=1 or under AutoTP, read and written as DeepSpeed
+itself saves them: the source checked for ``reshard reshard``, the sub-group layout at any DP
+size, the dictionaries of the two files each (TP, DP) rank writes (with :class:`AttrTensorRef` for
+a streamed flat group's ``ds_id``), and a ZeRO-1/2 file's dictionaries recast for ZeRO-3 and back
+(the optimizer's loss scaler, flags, hyper-parameters and ``step`` are the same objects in both).
+No tensor data is moved here (``reshard.offline_zero3`` does that). What DeepSpeed does, read from
 ``deepspeed/runtime/zero/stage3.py`` and ``runtime/engine.py`` and checked against checkpoints it
-saved (docs/deepspeed-checkpoints.md, section 10):
+saved (docs/deepspeed-checkpoints.md, sections 10 and 10.1). Under AutoTP every TP rank ``TT``
+writes this layout over its own TP shards (``zero_pp_rank_D_mp_rank_TT_*``, the shard shapes in
+``param_shapes``, ``universal_checkpoint_info`` last in the model states):
 
 * **Per-parameter partitions.** Every trainable parameter is flattened, zero-padded to
   ``ceil(numel / dp) * dp`` and cut into ``dp`` equal partitions; DP rank ``d`` holds partition
@@ -58,12 +59,13 @@ OSD_KEYS = ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "part
 OPTIM_FILE_KEYS = ("optimizer_state_dict", "ds_config", "ds_version")
 
 
-def model_file(d: int) -> str:
-    return f"zero_pp_rank_{d}_mp_rank_00_model_states.pt"
+def model_file(d: int, t: int = 0) -> str:
+    """(DP rank ``d``, TP rank ``t``)'s model-state file."""
+    return f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt"
 
 
-def optim_file(d: int, *, bf16: bool = False) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{d}_mp_rank_00_optim_states.pt"
+def optim_file(d: int, *, bf16: bool = False, t: int = 0) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"
 
 
 class AttrTensorRef(TensorRef):
@@ -158,19 +160,19 @@ def _ds_id_range(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 class Zero3Source:
-    """A ZeRO-3 checkpoint (TP=1) as ``reshard reshard`` reads it: its parameter groups and
-    sub-groups, checked against DeepSpeed 0.19.8's layout rule and every file's sizes before
-    anything is written."""
+    """A ZeRO-3 checkpoint (TP=1, or AutoTP at any TP degree; no pipeline) as ``reshard reshard``
+    reads it: per TP rank its parameter groups and sub-groups (of TP shards), checked against
+    DeepSpeed 0.19.8's layout rule and every file's sizes before anything is written. Every TP
+    rank holds the same parameters in the same groups; only their shard shapes differ."""
 
     def __init__(self, ck: DeepSpeedCheckpoint) -> None:
         self.ck = ck
         if ck.zero_stage != 3:
             raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage}, not 3")
-        if ck.tp != 1 or ck.pp != 1:
-            raise CheckpointError(f"{ck.tag_dir}: ZeRO-3 with TP={ck.tp} x PP={ck.pp} is not supported "
-                                  "(only TP=1, no pipeline)")
-        self.dp = ck.dp
-        self.template = ck.model_state(0)  # DP rank 0's model states: every target file is built on it
+        if ck.pp != 1:
+            raise CheckpointError(f"{ck.tag_dir}: ZeRO-3 with PP={ck.pp} is not supported (no pipeline)")
+        self.tp, self.dp = ck.tp, ck.dp
+        self.template = ck.model_state(0)  # (TP 0, DP 0)'s model states: every target file is built on it
         where0 = ck.model_files[0]
         for key in ("num_experts", "ds_autoep_layers"):
             if self.template.get(key):
@@ -180,36 +182,50 @@ class Zero3Source:
         if zo.get("mics_shard_size", -1) not in (-1, 0, None) or zo.get("elastic_checkpoint"):
             raise CheckpointError(f"{where0}: MiCS or elastic ZeRO-3 checkpoints are not supported")
         self.sub_group_size = sub_group_size(self.cfg, str(where0))
-        recorded = self._recorded_sub_groups()
-        self.shapes = {n: s for sg in recorded for n, s in sg.items()}
-        self.names = list(self.shapes)
         self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
-        self.group_of_sub = self._param_groups(len(recorded))
-        self.groups: list[list[tuple[str, tuple[int, ...]]]] = []
-        for k, sg in enumerate(recorded):
-            g = self.group_of_sub[k]
-            while len(self.groups) <= g:
-                self.groups.append([])
-            self.groups[g].extend(sg.items())
-        self.subs = sub_groups(self.groups, self.dp, self.sub_group_size)
-        if [sg.names for sg in self.subs] != [tuple(sg) for sg in recorded]:
-            raise CheckpointError(f"{where0}: param_shapes records sub-groups of sizes "
-                                  f"{[len(sg) for sg in recorded]}, DeepSpeed 0.19.8's rule (sub_group_size "
-                                  f"{self.sub_group_size}) gives {[len(sg.names) for sg in self.subs]}: an "
-                                  "unknown layout")
-        self.where = {n: (k, off) for k, sg in enumerate(self.subs) for n, off in zip(sg.names, sg.offsets)}
+        self.shard_shapes: list[dict[str, tuple[int, ...]]] = []  # [tp rank] name -> TP shard shape
+        self.groups_by_tp: list[list[list[tuple[str, tuple[int, ...]]]]] = []
+        self.subs_by_tp: list[list[SubGroup]] = []
+        for t in range(self.tp):
+            recorded = self._recorded_sub_groups(t)
+            group_of_sub = self._param_groups(t, len(recorded))
+            groups: list[list[tuple[str, tuple[int, ...]]]] = []
+            for k, sg in enumerate(recorded):
+                while len(groups) <= group_of_sub[k]:
+                    groups.append([])
+                groups[group_of_sub[k]].extend(sg.items())
+            subs = sub_groups(groups, self.dp, self.sub_group_size)
+            if [sg.names for sg in subs] != [tuple(sg) for sg in recorded]:
+                raise CheckpointError(f"{ck.model_files[t]}: param_shapes records sub-groups of sizes "
+                                      f"{[len(sg) for sg in recorded]}, DeepSpeed 0.19.8's rule (sub_group_size "
+                                      f"{self.sub_group_size}) gives {[len(sg.names) for sg in subs]}: an "
+                                      "unknown layout")
+            self.shard_shapes.append({n: s for sg in recorded for n, s in sg.items()})
+            self.groups_by_tp.append(groups)
+            self.subs_by_tp.append(subs)
+        self.group_names = [[n for n, _ in g] for g in self.groups_by_tp[0]]  # parameter groups, model order
+        for t in range(1, self.tp):
+            if [[n for n, _ in g] for g in self.groups_by_tp[t]] != self.group_names:
+                raise CheckpointError(f"{ck.model_files[t]}: TP rank {t} records other parameters or parameter "
+                                      "groups than TP rank 0")
+        self.names = [n for g in self.group_names for n in g]
+        self.shapes, self.groups, self.subs = self.shard_shapes[0], self.groups_by_tp[0], self.subs_by_tp[0]  # TP 0's
+        self.where = [{n: (k, off) for k, sg in enumerate(subs) for n, off in zip(sg.names, sg.offsets)}
+                      for subs in self.subs_by_tp]
         self.has_moments = self._check_optim_files()
         self._check_module()
         ck.check_steps()
         self.ds_ids, self.ds_ids_exact = self._ds_ids()
 
     # -- checks ---------------------------------------------------------------------------------
-    def _recorded_sub_groups(self) -> list[OrderedDict]:
+    def _recorded_sub_groups(self, t: int) -> list[OrderedDict]:
+        """TP rank ``t``'s ``param_shapes``: one ``OrderedDict`` of shard shapes per sub-group,
+        the same in every DP rank's file."""
         ck = self.ck
         out = None
         for d in range(self.dp):
-            path = ck.z3_model_files[(0, d)]
-            ms = ck.model_state(0) if d == 0 else _as_dict(load(path), path)
+            path = ck.z3_model_files[(t, d)]
+            ms = ck.model_state(t) if d == 0 else _as_dict(load(path), path)
             shapes = ms.get("param_shapes")
             shapes = shapes if isinstance(shapes, list) else [shapes]
             if not all(isinstance(sg, dict) for sg in shapes):
@@ -229,16 +245,16 @@ class Zero3Source:
         for sg in out:
             dup = next((n for n in sg if n in seen), None)
             if dup is not None:
-                raise CheckpointError(f"{ck.model_files[0]}: {dup!r} is in two sub-groups of param_shapes")
+                raise CheckpointError(f"{ck.model_files[t]}: {dup!r} is in two sub-groups of param_shapes")
             seen.update(sg)
         return out
 
-    def _param_groups(self, n_sub: int) -> list[int]:
+    def _param_groups(self, t: int, n_sub: int) -> list[int]:
         """Sub-group -> parameter group, from the torch optimizer's ``param_groups``, whose
         ``params`` must number the sub-groups in order (DeepSpeed's bookkeeping)."""
-        path = self.ck.optim_files[(0, 0)]
+        path = self.ck.optim_files[(t, 0)]
         try:
-            pgs = self.ck.osd(0, 0)["optimizer_state_dict"]["param_groups"]
+            pgs = self.ck.osd(t, 0)["optimizer_state_dict"]["param_groups"]
             lists = [list(pg["params"]) for pg in pgs]
         except (KeyError, TypeError):
             raise CheckpointError(f"{path}: optimizer_state_dict has no torch param_groups") from None
@@ -253,10 +269,11 @@ class Zero3Source:
         each flat tensor exactly as long as the layout says (a truncated one is named by file,
         rank and the first parameter it cuts off). Returns whether Adam moments are present."""
         ck, moments = self.ck, set()
-        for d in range(self.dp):
-            path = ck.optim_files[(0, d)]
-            top = ck.optim_state(0, d)
-            osd = ck.osd(0, d)
+        for t, d in ((t, d) for t in range(self.tp) for d in range(self.dp)):
+            subs = self.subs_by_tp[t]
+            path = ck.optim_files[(t, d)]
+            top = ck.optim_state(t, d)
+            osd = ck.osd(t, d)
             unknown = [k for k in top if k not in OPTIM_FILE_KEYS] + [k for k in osd if k not in OSD_KEYS]
             if unknown:
                 raise CheckpointError(f"{path}: unknown entries {unknown[:3]} (AutoEP or another layout); "
@@ -267,10 +284,10 @@ class Zero3Source:
             flats = osd.get("fp32_flat_groups")
             inner = osd.get("optimizer_state_dict")
             state = inner.get("state") if isinstance(inner, dict) else None
-            if not isinstance(flats, list) or len(flats) != len(self.subs) or not isinstance(state, dict):
-                raise CheckpointError(f"{path}: expected {len(self.subs)} fp32_flat_groups and a torch "
+            if not isinstance(flats, list) or len(flats) != len(subs) or not isinstance(state, dict):
+                raise CheckpointError(f"{path}: expected {len(subs)} fp32_flat_groups and a torch "
                                       "optimizer state, one per sub-group")
-            for k in range(len(self.subs)):
+            for k in range(len(subs)):
                 entry = state.get(k, {})
                 extra = [key for key in entry if key not in ("step", *MOMENTS)]
                 if extra:
@@ -278,47 +295,48 @@ class Zero3Source:
                                           "known to move with its parameters (only step, exp_avg, "
                                           "exp_avg_sq)")
                 moments.add(all(m in entry for m in MOMENTS))
-                self._check_length(path, d, k, "fp32", flats[k])
+                self._check_length(path, t, d, k, "fp32", flats[k])
                 for m in MOMENTS:
                     if m in entry:
-                        self._check_length(path, d, k, m, entry[m])
+                        self._check_length(path, t, d, k, m, entry[m])
         if len(moments) > 1:
             raise CheckpointError(f"{ck.tag_dir}: some sub-groups have Adam moments and others not")
         return moments == {True}
 
-    def _check_length(self, path: Any, d: int, k: int, state: str, t: Any) -> None:
-        sg = self.subs[k]
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32:
-            raise CheckpointError(f"{path}: dp rank {d}: {state} of sub-group {k} is not a 1-D float32 "
-                                  "tensor")
-        n = t.numel()
+    def _check_length(self, path: Any, t: int, d: int, k: int, state: str, x: Any) -> None:
+        sg = self.subs_by_tp[t][k]
+        rank = f"dp rank {d}" if self.tp == 1 else f"tp rank {t}, dp rank {d}"
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype != torch.float32:
+            raise CheckpointError(f"{path}: {rank}: {state} of sub-group {k} is not a 1-D float32 tensor")
+        n = x.numel()
         if n == sg.numel:
             return
         if n > sg.numel:
-            raise CheckpointError(f"{path}: dp rank {d}: the {state} partition of sub-group {k} has {n} "
+            raise CheckpointError(f"{path}: {rank}: the {state} partition of sub-group {k} has {n} "
                                   f"elements, DeepSpeed's layout of its {len(sg.names)} parameters "
                                   f"{sg.numel}: not the recorded parameters")
         i = next(i for i, (o, p) in enumerate(zip(sg.offsets, sg.partitions)) if o + p > n)
         lo = sg.offsets[i]
-        raise CheckpointError(f"{path}: dp rank {d}: parameter {sg.names[i]!r} ({state}, elements "
+        raise CheckpointError(f"{path}: {rank}: parameter {sg.names[i]!r} ({state}, elements "
                               f"[{lo}, {lo + sg.partitions[i]}) of sub-group {k}) lies past the end of the "
                               f"partition, which has {n} of {sg.numel} elements: truncated or corrupt")
 
     def _check_module(self) -> None:
-        ms = self.template
-        known = set(self.names) | set(ms.get("buffer_names") or []) | set(ms.get("shared_params") or {})
-        known |= set(ms.get("frozen_param_shapes") or {})
-        unknown = [k for k in (ms.get("module") or {}) if k not in known]
-        if unknown:
-            raise CheckpointError(f"{self.ck.model_files[0]}: module entries {unknown[:3]} are neither "
-                                  "optimized parameters, buffers nor tied aliases: not supported")
+        for t in range(self.tp):
+            ms = self.ck.model_state(t)
+            known = set(self.names) | set(ms.get("buffer_names") or []) | set(ms.get("shared_params") or {})
+            known |= set(ms.get("frozen_param_shapes") or {})
+            unknown = [k for k in (ms.get("module") or {}) if k not in known]
+            if unknown:
+                raise CheckpointError(f"{self.ck.model_files[t]}: module entries {unknown[:3]} are neither "
+                                      "optimized parameters, buffers nor tied aliases: not supported")
 
     # -- what the writer copies ---------------------------------------------------------------------
     def _ds_ids(self) -> tuple[dict[str, int], bool]:
         """Each parameter's ``ds_id``, where the source's ``"<first>_<last>"`` names tell it: a
         sub-group of n parameters numbered ``first .. first + n - 1`` (DeepSpeed numbers them in
-        model order). Where they do not (param groups out of model order), the numbering is a
-        guess; DeepSpeed's loader does not read ``ds_id``."""
+        model order; every TP rank alike). Where they do not (param groups out of model order), the
+        numbering is a guess; DeepSpeed's loader does not read ``ds_id``."""
         out, exact = {}, True
         flats = self.ck.osd(0, 0)["fp32_flat_groups"]
         base = 0
@@ -332,14 +350,15 @@ class Zero3Source:
             base = first + len(sg.names)
         return out, exact
 
-    def fragment(self, d: int, name: str, state: str) -> torch.Tensor:
-        """DP rank ``d``'s partition of ``name`` for one state, without its padding (the
-        shard of ``zero3(shape, dp, shard="fragment")``), as it lies in the mapped file."""
-        k, off = self.where[name]
-        numel = prod(self.shapes[name])
+    def fragment(self, t: int, d: int, name: str, state: str) -> torch.Tensor:
+        """(TP rank ``t``, DP rank ``d``)'s partition of ``name``'s TP shard for one state, without
+        its padding (the shard of ``zero3(shard shape, dp, shard="fragment")``), as it lies in the
+        mapped file."""
+        k, off = self.where[t][name]
+        numel = prod(self.shard_shapes[t][name])
         part = zero3_partition_numel(numel, self.dp)
         n = max(0, min(part, numel - d * part))
-        return self.ck.flat_state(0, d, k, state).narrow(0, off, n)
+        return self.ck.flat_state(t, d, k, state).narrow(0, off, n)
 
 
 def _as_dict(x: Any, path: Any) -> dict:
@@ -352,17 +371,25 @@ def _as_dict(x: Any, path: Any) -> dict:
 
 
 def model_states(template: Mapping[str, Any], *, subs: Sequence[SubGroup], d: int, dp: int,
-                 ds_config: dict | None) -> dict:
-    """DP rank ``d``'s ``zero_pp_rank_D_mp_rank_00_model_states.pt`` dict: the source's keys in the
-    source's order (placeholder ``module``, buffers, client state), the DP-dependent ones replaced."""
-    out: dict[str, Any] = dict(template)
+                 ds_config: dict | None, t: int = 0, tp: int = 1, uc_info: dict | None = None) -> dict:
+    """(TP rank ``t``, DP rank ``d``)'s ``zero_pp_rank_D_mp_rank_TT_model_states.pt`` dict: the
+    source's keys in the source's order (placeholder ``module``, buffers, client state), the
+    topology-dependent ones replaced, and under AutoTP (``uc_info``) the
+    ``universal_checkpoint_info`` last, as DeepSpeed saves it (the same on every rank)."""
+    out: dict[str, Any] = {k: v for k, v in template.items() if k != "universal_checkpoint_info"}
     out["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in zip(sg.names, sg.shapes))
                            for sg in subs]
     # DeepSpeed fills shared_params on global rank 0 only
-    out["shared_params"] = dict(template.get("shared_params") or {}) if d == 0 else {}
+    out["shared_params"] = dict(template.get("shared_params") or {}) if d == 0 and t == 0 else {}
     out["dp_world_size"] = dp
+    out["mp_world_size"] = tp
+    if "checkpoint_parallel_dimensions" in out:
+        out["checkpoint_parallel_dimensions"] = {**(out["checkpoint_parallel_dimensions"] or {}),
+                                                 "pp_degree": 1, "tp_degree": tp}
     if "ds_config" in out:
         out["ds_config"] = ds_config
+    if uc_info is not None:
+        out["universal_checkpoint_info"] = uc_info
     return out
 
 
@@ -460,8 +487,9 @@ def model_template_from_zero12(ms: Mapping[str, Any], *, params: Sequence[str], 
                                dtype: torch.dtype) -> dict:
     """A ZeRO-1/2 ``mp_rank_00_model_states.pt`` dict recast as the ZeRO-3 template
     :func:`model_states` builds on: every parameter a 0-element placeholder of the training dtype
-    (a tied alias the same one as its parameter), buffers whole, the frozen-parameter records
-    empty ``OrderedDict`` s, TP=1 (no AutoTP metadata)."""
+    (a tied alias the same one as its parameter), buffers whole (AutoTP leaves them whole on every
+    TP rank), the frozen-parameter records empty ``OrderedDict`` s; the topology and AutoTP
+    metadata are set there."""
     wanted = set(params)
     module: OrderedDict = OrderedDict()
     for key, value in (ms.get("module") or {}).items():
@@ -473,8 +501,4 @@ def model_template_from_zero12(ms: Mapping[str, Any], *, params: Sequence[str], 
     out["module"] = module
     out["frozen_param_shapes"] = OrderedDict()
     out["frozen_param_fragments"] = OrderedDict()
-    out["mp_world_size"] = 1
-    if "checkpoint_parallel_dimensions" in out:
-        out["checkpoint_parallel_dimensions"] = {**(out["checkpoint_parallel_dimensions"] or {}),
-                                                 "pp_degree": 1, "tp_degree": 1}
     return out

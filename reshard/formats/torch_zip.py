@@ -60,6 +60,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ..errors import OutputError, ReshardError
+from ..memory import release
 from .crc import crc32
 from .pickling import Pickler
 
@@ -478,8 +479,19 @@ def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: l
         w._fail(OutputError(f"{w._where()}: {slot!r} has no source of bytes"))
     elif callable(src):
         per = max(1, chunk_bytes // storage.itemsize)
+        direct = getattr(src, "direct", None)
         for i, start in enumerate(range(0, storage.numel, per)):
-            raw = _buffer(buffers, i % 2, min(per, storage.numel - start) * storage.itemsize)
+            count = min(per, storage.numel - start)
+            pieces = direct(start, count, storage.dtype) if direct is not None else None
+            if pieces is not None:  # the source's own memory, written as it lies
+                for piece in pieces:
+                    if isinstance(piece, int):
+                        w.write(bytes(piece * storage.itemsize))
+                    else:
+                        w.write(piece)
+                        release(piece)
+                continue
+            raw = _buffer(buffers, i % 2, count * storage.itemsize)
             if not getattr(src, "zeroes_gaps", False):
                 raw.zero_()
             src(raw.view(storage.dtype), start)
@@ -519,7 +531,10 @@ def save(obj: Any, f: str | os.PathLike | BinaryIO, *, chunk_bytes: int = DEFAUL
     * a callable ``fill(out, start)``: called for consecutive windows of at most ``chunk_bytes``;
       ``out`` is a zeroed 1-D tensor of the storage's dtype to fill with elements ``start`` onward
       (uninitialised when the callable has ``zeroes_gaps = True``: it then writes every element).
-      The writer alternates two such buffers (peak memory: two chunks);
+      A callable with ``direct(start, count, dtype)`` may instead return a window as pieces written
+      in order (tensors, and ints counting zero elements), or ``None`` to be called with a buffer
+      (a mapped piece's pages are released once written). The writer alternates two such buffers
+      (peak memory: two chunks);
     * a tensor (contiguous, CPU) or a buffer holding all the bytes: written in ``chunk_bytes`` slices;
     * any other iterable of chunks (buffers or contiguous CPU tensors) of any sizes; a chunk must not
       change until the one after the next is asked for (a sink may read a write late).

@@ -40,6 +40,7 @@ from ds_launch import cleanup_shm, job_env, launcher_cmd, port_is_free, root_cau
 
 RESUME_SCRIPT = Path(__file__).resolve().with_name("resume_train.py")
 RESUME_PIPE_SCRIPT = Path(__file__).resolve().with_name("resume_pipe.py")
+RESUME_MOE_SCRIPT = Path(__file__).resolve().with_name("resume_moe.py")
 DEFAULT_TIMEOUT_S = 600
 PER_LOAD_TIMEOUT_S = 150  # added to DEFAULT_TIMEOUT_S per load after the first
 
@@ -225,6 +226,18 @@ def resume_pipe_many(loads: list[dict], *, world_size: int, port: int | None = N
     ranks; returns ``{name: {"losses", "stages", "dp"}}`` plus the job's ``port`` and
     ``shm_removed`` in each."""
     reports, ran = _run_loads(RESUME_PIPE_SCRIPT, loads, world_size=world_size, port=port, workdir=workdir,
+                              timeout_s=timeout_s)
+    for report in reports.values():
+        report.update(port=ran["port"], shm_removed=ran["shm_removed"])
+    return reports
+
+
+def resume_moe_many(loads: list[dict], *, world_size: int, port: int | None = None,
+                    workdir: str | Path | None = None, timeout_s: int | None = None) -> dict[str, dict]:
+    """Run ``resume_moe.py`` (classic ``deepspeed.moe.layer.MoE`` models; see its docstring for a
+    load's keys) over ``loads`` in one job of ``world_size`` ranks; returns ``{name: rank 0's
+    report}`` plus the job's ``port`` and ``shm_removed`` in each."""
+    reports, ran = _run_loads(RESUME_MOE_SCRIPT, loads, world_size=world_size, port=port, workdir=workdir,
                               timeout_s=timeout_s)
     for report in reports.values():
         report.update(port=ran["port"], shm_removed=ran["shm_removed"])
