@@ -1,8 +1,9 @@
 """Distributed executor: run a transfer plan inside a live ``torch.distributed`` job.
 
 Every rank holds its source shards and computes the same plan locally (plans are
-deterministic). :func:`transfer` moves exactly the bytes the plan marks remote, and copies
-local segments in place; nothing else crosses the wire.
+deterministic), or only its own part of it (``plan_for_rank``: what it sends and receives, so
+that no rank of a large job plans the whole world). :func:`transfer` moves exactly the bytes
+the plan marks remote, and copies local segments in place; nothing else crosses the wire.
 
 Rank convention
 ---------------
@@ -32,6 +33,13 @@ Wire protocol
       every rank raises the same :class:`reshard.ShardError` naming each offending rank and
       parameter. No rank sends data before every rank has passed the check, so a bad shard on
       one rank can never leave the others waiting in a receive.
+
+   With per-rank plans (``ModelPlan.ranks`` set) no rank holds the whole plan to fingerprint, so
+   each link is checked by its two ends (:func:`reshard.dist_check.check_per_rank`): an
+   ``all_to_all`` of one digest per peer and direction (and each rank's number of peers), an
+   ``all_reduce`` of problem flags, then an ``all_to_all`` of the dtype of every parameter on
+   each link. Rounds are then cut link by link (:func:`reshard.schedule.schedule_links`): a
+   link's budget per round is ``max_inflight_bytes`` over the larger of its ends' peer counts.
 
 2. **Schedule** (:mod:`reshard.schedule`: identical on every rank, no communication). The
    remote segments, in sorted parameter-name order, go into rounds; with ``max_inflight_bytes``
@@ -70,53 +78,28 @@ write.
 
 from __future__ import annotations
 
-import hashlib
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-from .errors import PlanError, ShardError
+from .dist_check import SINGLE, Param, check, check_per_rank
+from .errors import PlanError
 from .ir.apply import flatten, strided_copy, view_of
 from .ir.piece import View, prod, row_major_strides
 from .memory import Arena, Workspace, empty
 from .plan import ModelPlan, TransferPlan
-from .schedule import Link, Message, Part, messages, schedule
+from .schedule import Link, Message, Part, messages, schedule, schedule_links
 
 __all__ = ["Workspace", "transfer"]
-
-# Every dtype torch knows, in a fixed order: a dtype travels as its index here. Same torch
-# version on every rank is assumed (the fingerprint does not cover it).
-_DTYPES: tuple[torch.dtype, ...] = tuple(
-    sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-)
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_SINGLE = "<param>"  # key of a lone TransferPlan's parameter
-
-
-# -- inputs -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Param:
-    name: str
-    plan: TransferPlan
-    dtype: torch.dtype
-    esize: int
-
-
-def _label(name: str) -> str:
-    return "the parameter" if name == _SINGLE else f"parameter {name!r}"
-
 
 def _as_named(plan, local_shards, out) -> tuple[list[tuple[str, TransferPlan]], object, object, bool]:
     """(sorted (name, plan) pairs, local shards by name, ``out`` tensors by name, whether a lone
     TransferPlan was given). Arguments that are not mappings are returned as they are, for the
     check to report."""
     if isinstance(plan, TransferPlan):
-        return [(_SINGLE, plan)], *({} if t is None else {_SINGLE: t} for t in (local_shards, out)), True
+        return [(SINGLE, plan)], *({} if t is None else {SINGLE: t} for t in (local_shards, out)), True
     if not isinstance(plan, ModelPlan):
         raise PlanError(f"transfer needs a TransferPlan or a ModelPlan, got {type(plan).__name__}")
 
@@ -135,182 +118,6 @@ def _transfer_device(group, device) -> torch.device:
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _local_problems(named, local, me: int, device: torch.device) -> list[str]:
-    """What is wrong with this rank's own shards (empty when they match the plan)."""
-    if not isinstance(local, Mapping):
-        return [f"rank {me} passed local_shards as a {type(local).__name__}; for a ModelPlan it maps "
-                f"parameter names to tensors"]
-    out = _unknown(named, local, me, "shards")
-    for name, p in named:
-        want = p.source_shards.get(me)
-        t = local.get(name)
-        if t is None:
-            if want is not None:
-                out.append(f"{_label(name)}: rank {me} passed no source shard; the plan expects shape {list(want)}")
-            continue
-        if not isinstance(t, torch.Tensor):
-            out.append(f"{_label(name)}: rank {me} passed a {type(t).__name__}, not a tensor")
-        elif want is None:
-            out.append(f"{_label(name)}: rank {me} passed a source shard {list(t.shape)}, "
-                       f"but the plan gives rank {me} none")
-        elif tuple(t.shape) != tuple(want):
-            out.append(f"{_label(name)}: rank {me} source shard has shape {list(t.shape)}, "
-                       f"the plan expects {list(want)}")
-        elif t.device != device:
-            out.append(f"{_label(name)}: rank {me} source shard is on {t.device}, the transfer runs on {device}")
-    return out
-
-
-def _unknown(named, given: Mapping, me: int, what: str) -> list[str]:
-    known = {n for n, _ in named}
-    extra = sorted((k for k in given if k not in known), key=repr)
-    return [f"rank {me} passed {what} for parameters the plan does not have: {extra[:5]}"] if extra else []
-
-
-def _out_problems(named, out, local, me: int, device: torch.device) -> list[str]:
-    """What is wrong with this rank's ``out`` tensors (their dtype is agreed in step 1b)."""
-    if not isinstance(out, Mapping):
-        return [f"rank {me} passed out as a {type(out).__name__}; for a ModelPlan it maps parameter names "
-                f"to tensors"]
-    problems = _unknown(named, out, me, "out tensors")
-    held = local if isinstance(local, Mapping) else {}
-    for name, p in named:
-        t, want, src = out.get(name), p.target_shards.get(me), held.get(name)
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            problems.append(f"{_label(name)}: rank {me} passed out as a {type(t).__name__}, not a tensor")
-        elif want is None:
-            problems.append(f"{_label(name)}: rank {me} passed out {list(t.shape)}, but the plan gives rank "
-                            f"{me} no target shard")
-        elif tuple(t.shape) != tuple(want) or not t.is_contiguous() or t.device != device:
-            problems.append(f"{_label(name)}: rank {me} out is {list(t.shape)} on {t.device}"
-                            f"{'' if t.is_contiguous() else ', not contiguous'}; the plan expects a contiguous "
-                            f"{list(want)} on {device}")
-        elif isinstance(src, torch.Tensor) and src.dtype != t.dtype:
-            problems.append(f"{_label(name)}: rank {me} out is {t.dtype}, its source shard {src.dtype}")
-    return problems
-
-
-def _fingerprint(named, max_inflight_bytes, scale_power) -> int:
-    """63-bit digest of the plans and of the options every rank must share."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(repr((max_inflight_bytes, scale_power)).encode())
-    seen: dict[int, bytes] = {}
-    for name, p in named:
-        d = seen.get(id(p))
-        if d is None:  # layers often share one plan object; digest it once
-            body = (p.logical_shape, sorted(p.source_shards.items()), sorted(p.target_shards.items()),
-                    p.segments, p.unfilled)
-            d = seen[id(p)] = hashlib.blake2b(repr(body).encode(), digest_size=16).digest()
-        h.update(name.encode() + b"\0" + d)
-    return int.from_bytes(h.digest(), "little") >> 1
-
-
-# -- the collective check -----------------------------------------------------------------------
-
-
-def _gather(t: torch.Tensor, group, world: int) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t, group=group)
-    return out
-
-
-def _check(named, local, out, me: int, world: int, group, device, max_inflight_bytes, scale_power
-           ) -> tuple[list[_Param], int]:
-    """Run the check of the wire protocol (step 1); every rank returns the same parameters (and
-    the fingerprint) or raises the same error."""
-    mine = _local_problems(named, local, me, device) + _out_problems(named, out, local, me, device)
-    mine_codes = _codes(named, local, out)
-    fp = _fingerprint(named, max_inflight_bytes, scale_power)
-    heads = _agree_on_plan(fp, len(named), bool(mine), _uniform(mine_codes), world, group, device)
-    _check_plan_ranks(named, world)  # plans agree now, so every rank raises alike
-    flagged = any(h[0] for h in heads)
-    codes = _all_codes(named, heads, flagged, mine_codes, world, group, device)
-    problems: list[str] = []
-    if flagged:  # only now, and on every rank alike, is the cost of pickling messages paid
-        lines: list[object] = [None] * world
-        dist.all_gather_object(lines, mine, group=group)
-        problems = [line for rank_lines in lines for line in (rank_lines or [])]
-    params = []
-    for k, (name, p) in enumerate(named):
-        holders = set(p.source_shards) | set(p.target_shards)  # out tensors have a dtype too
-        prm = _agreed_param(name, p, {r: codes[r][k] for r in holders}, scale_power, problems)
-        if prm is not None:
-            params.append(prm)
-    if problems:
-        raise ShardError("transfer: shards disagree with the plan:\n  " + "\n  ".join(problems))
-    return params, fp
-
-
-def _codes(named, local, out) -> list[int]:
-    """This rank's dtype code per parameter: its source shard's, else its ``out`` tensor's, else -1."""
-    held = [t if isinstance(t, Mapping) else {} for t in (local, out)]
-    codes = []
-    for n, _ in named:
-        t = next((h[n] for h in held if isinstance(h.get(n), torch.Tensor)), None)
-        codes.append(-1 if t is None else _DTYPE_CODE[t.dtype])
-    return codes
-
-
-def _uniform(codes: list[int]) -> int:
-    """The one dtype code of every tensor this rank holds: -1 for none, -2 for several."""
-    held = set(codes) - {-1}
-    return held.pop() if len(held) == 1 else (-1 if not held else -2)
-
-
-def _agree_on_plan(fp: int, n: int, flagged: bool, uniform: int, world: int, group, device) -> list[list[int]]:
-    """Step 1a: gather (problem flag, fingerprint, parameter count, uniform dtype code); raise
-    :class:`PlanError` on every rank if the plans differ."""
-    head = torch.tensor([int(flagged), fp, n, uniform], dtype=torch.int64, device=device)
-    heads = [h.tolist() for h in _gather(head, group, world)]
-    odd = [r for r, h in enumerate(heads) if h[1:3] != heads[0][1:3]]
-    if odd:
-        raise PlanError(f"transfer: ranks disagree on the plan or its options (max_inflight_bytes, scale_power): "
-                        f"ranks {odd} differ from rank 0")
-    return heads
-
-
-def _all_codes(named, heads, flagged: bool, mine: list[int], world: int, group, device) -> list[list[int]]:
-    """Step 1b: every rank's dtype code per parameter. When no rank flagged a problem and every
-    rank holds tensors of one and the same dtype, step 1a has said it all: each source holder
-    holds exactly its planned shards, so the codes follow from the plans without a second
-    collective (the common case: a model, or an optimizer state, in one dtype)."""
-    uniform = {h[3] for h in heads} - {-1}
-    if not flagged and len(uniform) == 1 and min(uniform) >= 0 and all(p.source_shards for _, p in named):
-        c = min(uniform)
-        return [[c if r in p.source_shards else -1 for _, p in named] for r in range(world)]
-    if not named:
-        return [[] for _ in range(world)]
-    return [c.tolist() for c in _gather(torch.tensor(mine, dtype=torch.int64, device=device), group, world)]
-
-
-def _agreed_param(name: str, p: TransferPlan, codes: Mapping[int, int], scale_power: int,
-                  problems: list[str]) -> _Param | None:
-    """The parameter with the dtype its holders agree on; appends to ``problems`` otherwise."""
-    by_dtype: dict[int, list[int]] = defaultdict(list)
-    for r in sorted(codes):
-        if codes[r] >= 0:
-            by_dtype[codes[r]].append(r)
-    if len(by_dtype) > 1:
-        parts = "; ".join(f"rank(s) {rs} hold {_DTYPES[c]}" for c, rs in sorted(by_dtype.items(), key=lambda x: x[1]))
-        problems.append(f"{_label(name)}: shards disagree on dtype: {parts}")
-        return None
-    if not by_dtype:
-        return None  # every holder has reported a problem of its own
-    dtype = _DTYPES[next(iter(by_dtype))]
-    if not (dtype.is_floating_point or dtype.is_complex) and any(s.factor ** scale_power != 1.0 for s in p.segments):
-        problems.append(f"{_label(name)}: the plan scales some blocks, which integer dtype {dtype} cannot hold")
-    return _Param(name, p, dtype, torch.empty((), dtype=dtype).element_size())
-
-
-def _check_plan_ranks(named, world: int) -> None:
-    for name, p in named:
-        bad = sorted(r for r in set(p.source_shards) | set(p.target_shards) if not 0 <= r < world)
-        if bad:
-            raise PlanError(f"transfer: {_label(name)} names plan ranks {bad}, outside the group of {world}")
 
 
 # -- execution ----------------------------------------------------------------------------------
@@ -333,7 +140,7 @@ def _bytes(flat: torch.Tensor, part: Part, side: str) -> torch.Tensor:
     return flat.narrow(0, getattr(part, side).offset, prod(part.shape)).view(torch.uint8)
 
 
-def _packed(buf: torch.Tensor, msg: Message, params: list[_Param]):
+def _packed(buf: torch.Tensor, msg: Message, params: list[Param]):
     """(part, row-major view of it in the staged message, the part's slice of ``buf`` in its dtype),
     in wire order."""
     at = 0
@@ -344,18 +151,18 @@ def _packed(buf: torch.Tensor, msg: Message, params: list[_Param]):
         at += nb
 
 
-def _pack(buf: torch.Tensor, msg: Message, params: list[_Param], flats: Mapping[int, torch.Tensor]) -> None:
+def _pack(buf: torch.Tensor, msg: Message, params: list[Param], flats: Mapping[int, torch.Tensor]) -> None:
     for part, packed, into in _packed(buf, msg, params):
         strided_copy(into, packed, flats[part.param], part.src, part.shape)
 
 
-def _unpack(buf: torch.Tensor, msg: Message, params: list[_Param], outs: Mapping[int, torch.Tensor],
+def _unpack(buf: torch.Tensor, msg: Message, params: list[Param], outs: Mapping[int, torch.Tensor],
             scale_power: int) -> None:
     for part, packed, frm in _packed(buf, msg, params):
         strided_copy(outs[part.param], part.dst, frm, packed, part.shape, part.factor ** scale_power)
 
 
-def _targets(params: list[_Param], me: int, device, given: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+def _targets(params: list[Param], me: int, device, given: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Flat target shards of this rank (the caller's ``out`` tensors where given); padding zeroed,
     the rest left for the segments."""
     outs = {}
@@ -378,7 +185,7 @@ def _targets(params: list[_Param], me: int, device, given: Mapping[str, torch.Te
     return outs
 
 
-def _copy_local(params: list[_Param], me: int, flats, outs, scale_power: int, stats: _Stats) -> None:
+def _copy_local(params: list[Param], me: int, flats, outs, scale_power: int, stats: _Stats) -> None:
     for k, prm in enumerate(params):
         for s in prm.plan.segments:
             if s.src_rank == me and s.dst_rank == me:
@@ -395,17 +202,19 @@ _ROUNDS: dict[tuple, list[list[tuple[Link, list[Message]]]]] = {}  # recent call
 _ROUNDS_KEPT = 4
 
 
-def _wire_rounds(params: list[_Param], limit: int | None, scale_power: int, fp: int
-                 ) -> list[list[tuple[Link, list[Message]]]]:
+def _wire_rounds(params: list[Param], limit: int | None, scale_power: int, fp: int,
+                 budgets: dict[Link, int] | None = None) -> list[list[tuple[Link, list[Message]]]]:
     """Each round's links and their messages, in link order. A pure function of the plans, the
-    options (both in the fingerprint) and the dtypes, so repeated calls (every optimizer state,
-    every step) reuse it instead of cutting thousands of segments again."""
-    key = (fp, tuple(p.dtype for p in params))
+    options (both in the fingerprint), the dtypes and (per-rank plans) the links' budgets, so
+    repeated calls (every optimizer state, every step) reuse it instead of cutting thousands of
+    segments again."""
+    key = (fp, tuple(p.dtype for p in params), None if budgets is None else tuple(sorted(budgets.items())))
     rounds = _ROUNDS.pop(key, None)
     if rounds is None:
         esizes = [p.esize for p in params]
-        rounds = [sorted(messages(rnd, esizes, scale_power).items())
-                  for rnd in schedule([(p.plan, p.esize) for p in params], limit)]
+        pairs = [(p.plan, p.esize) for p in params]
+        cut = schedule(pairs, limit) if budgets is None else schedule_links(pairs, budgets)
+        rounds = [sorted(messages(rnd, esizes, scale_power).items()) for rnd in cut]
     _ROUNDS[key] = rounds
     while len(_ROUNDS) > _ROUNDS_KEPT:  # oldest out; tolerant of another thread doing the same
         _ROUNDS.pop(next(iter(_ROUNDS), None), None)
@@ -521,7 +330,8 @@ def transfer(
 ):
     """Run ``plan`` across the ranks of ``group`` (see the module docstring for the protocol).
 
-    ``plan`` is a :class:`TransferPlan` or a :class:`ModelPlan`. For a ``TransferPlan``,
+    ``plan`` is a :class:`TransferPlan` or a :class:`ModelPlan`, the same on every rank, or on
+    each rank ``plan_for_rank(..., rank)`` of its own rank (checked link by link). For a ``TransferPlan``,
     ``local_shards`` is this rank's source shard (``None`` where it holds none) and the result
     is this rank's target shard (``None`` where it holds none). For a ``ModelPlan`` both are
     dicts by parameter name; the result holds exactly the parameters this rank is a target of,
@@ -552,9 +362,15 @@ def transfer(
     if me < 0:
         raise PlanError("transfer: this process is not a member of the group")
     dev = _transfer_device(group, device)
-    params, fp = _check(named, local, given, me, world, group, dev, max_inflight_bytes, scale_power)
+    per_rank = None if single else plan.ranks
+    if per_rank is None:
+        params, fp = check(named, local, given, me, world, group, dev, max_inflight_bytes, scale_power)
+        budgets = None
+    else:
+        params, fp, budgets = check_per_rank(named, local, given, me, world, group, dev, max_inflight_bytes,
+                                             scale_power, per_rank)
     # plans and options agree by now, so a bad max_inflight_bytes raises alike on every rank
-    rounds = _wire_rounds(params, max_inflight_bytes, scale_power, fp)
+    rounds = _wire_rounds(params, max_inflight_bytes, scale_power, fp, budgets)
     flats = {k: flatten(local[prm.name]) for k, prm in enumerate(params) if prm.name in local}
     outs = _targets(params, me, dev, given)
     peer_of = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
@@ -572,5 +388,5 @@ def transfer(
     result = {prm.name: given.get(prm.name) if prm.name in given else outs[k].view(prm.plan.target_shards[me])
               for k, prm in enumerate(params) if k in outs}
     if single:
-        return result.get(_SINGLE)
+        return result.get(SINGLE)
     return result

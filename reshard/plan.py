@@ -102,9 +102,11 @@ class PlanStats:
 
 @dataclass(frozen=True, slots=True)
 class ModelPlan:
-    """Plans for every parameter of a model, by name."""
+    """Plans for every parameter of a model, by name. ``ranks``: the ranks it was made for
+    (``plan_for_rank``: only what they send or receive), ``None`` for the whole world."""
 
     params: Mapping[str, TransferPlan]
+    ranks: frozenset[int] | None = None
 
     def stats(self, element_size: int | Mapping[str, int] = 1) -> PlanStats:
         if isinstance(element_size, int):

@@ -547,7 +547,7 @@ def plan_model(source_maps: Mapping[str, ParamMap], target_maps: Mapping[str, Pa
     finally:
         if collecting:
             gc.enable()
-    return ModelPlan(out)
+    return ModelPlan(out, only)
 
 
 def plan_for_rank(source_maps: Mapping[str, ParamMap], target_maps: Mapping[str, ParamMap], rank: int, *,

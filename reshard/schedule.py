@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import PlanError
@@ -31,7 +31,7 @@ from .ir.geometry import range_boxes
 from .ir.piece import View, prod
 from .plan import Segment, TransferPlan
 
-__all__ = ["MIN_DIRECT_BYTES", "Item", "Link", "Message", "Part", "Round", "messages", "schedule"]
+__all__ = ["MIN_DIRECT_BYTES", "Item", "Link", "Message", "Part", "Round", "messages", "schedule", "schedule_links"]
 
 Link = tuple[int, int]  # (source rank, destination rank), plan ranks
 
@@ -209,3 +209,34 @@ def messages(rnd: Round, esizes: Sequence[int], scale_power: int = 1,
     parameter index). Parts of the packed message keep the round's order (largest element size
     first), so each is aligned for its dtype."""
     return {link: _link_messages(items, esizes, scale_power, min_bytes) for link, items in rnd.items()}
+
+
+def schedule_links(params: Sequence[tuple[TransferPlan, int]], budgets: Mapping[Link, int]) -> list[Round]:
+    """Rounds cut link by link, for plans made per rank: link ``(a, b)`` carries at most
+    ``budgets[(a, b)]`` bytes per round, its items in order, split at element boundaries where a
+    round is full. Unlike :func:`schedule`, a link's cuts depend on that link's items alone, so
+    its two ends, each holding only its own segments, cut it alike; a rank's round ``r`` is the
+    ``r``-th cut of each of its links. Each budget must hold one element of its link."""
+    rounds: list[Round] = []
+    at: dict[Link, tuple[int, int]] = {}  # link -> (its current round, bytes used in it)
+    for k, (plan, esize) in enumerate(params):
+        for seg in plan.segments:
+            if seg.is_local:
+                continue
+            link, n, lo = (seg.src_rank, seg.dst_rank), seg.numel, 0
+            r, used = at.get(link, (0, 0))
+            while lo < n:
+                room = (budgets[link] - used) // esize
+                if room <= 0:
+                    r, used = r + 1, 0
+                    continue
+                take = min(room, n - lo)
+                while len(rounds) <= r:
+                    rounds.append({})
+                rounds[r].setdefault(link, []).append(Item(k, seg, lo, lo + take))
+                used, lo = used + take * esize, lo + take
+            at[link] = (r, used)
+    for rnd in rounds:  # largest elements first: every part then starts aligned for its dtype
+        for items in rnd.values():
+            items.sort(key=lambda it: -params[it.param][1])
+    return rounds

@@ -24,7 +24,7 @@ from reshard import layouts as L
 from reshard.ir import View, prod, row_major_strides
 from reshard.ir.apply import view_of
 from reshard.plan import Segment
-from reshard.planner import ModelPlan, plan, plan_model
+from reshard.planner import ModelPlan, plan, plan_for_rank, plan_model
 from reshard.schedule import MIN_DIRECT_BYTES, Item, messages, schedule
 from tests.irgen import (
     flat_map,
@@ -114,9 +114,10 @@ def _compare(name: str, got, want: torch.Tensor | None) -> list[str]:
 
 
 def _run_model(rank: int, src: dict[str, ParamMap], tgt: dict[str, ParamMap], dtype_of, *, seed: int,
-               scale_power: int = 1, group=None, **kw) -> dict:
-    """Transfer a ModelPlan; report mismatches and byte counts against the plan's."""
-    mplan = plan_model(src, tgt)
+               scale_power: int = 1, group=None, per_rank: bool = False, **kw) -> dict:
+    """Transfer a ModelPlan (the whole world's, or with ``per_rank`` this rank's alone); report
+    mismatches and byte counts against the global plan's."""
+    mplan = plan_for_rank(src, tgt, rank) if per_rank else plan_model(src, tgt)
     fulls = _fulls(src, dtype_of, seed)
     local = {n: m.extract(fulls[n], rank, scale_power) for n, m in src.items() if rank in m.shards}
     stats: dict = {}
@@ -126,7 +127,7 @@ def _run_model(rank: int, src: dict[str, ParamMap], tgt: dict[str, ParamMap], dt
         want = m.extract(fulls[n], rank, scale_power) if rank in m.shards else None
         errors += _compare(n, out.get(n), want)
     es = {n: torch.empty((), dtype=dtype_of(n)).element_size() for n in src}
-    ps = mplan.stats(es)
+    ps = plan_model(src, tgt).stats(es)
     return {"errors": errors, "stats": stats, "plan_sent": ps.sent.get(rank, 0),
             "plan_received": ps.received.get(rank, 0), "plan_remote": ps.remote_bytes}
 
@@ -283,6 +284,36 @@ def case_plans_differ(rank: int) -> dict:
     return _expect_error(lambda: dist_transfer(plan(src, tgt), src.extract(full, rank), max_inflight_bytes=limit))
 
 
+def case_per_rank(rank: int) -> dict:
+    """Each rank plans only what it sends and receives (``plan_for_rank``) and moves that."""
+    src, tgt = llama_pair()
+    return _run_model(rank, src, tgt, llama_dtype, seed=21, per_rank=True)
+
+
+def case_per_rank_rounds(rank: int) -> dict:
+    src, tgt = llama_pair()
+    return _run_model(rank, src, tgt, llama_dtype, seed=22, per_rank=True, max_inflight_bytes=256)
+
+
+def case_per_rank_disagree(rank: int) -> dict:
+    """Rank 3 plans towards another target for the head (rows 10.. instead of 20..): what it
+    expects from ranks 1 and 2 differs from what they plan to send."""
+    src, tgt = llama_pair()
+    if rank == 3:
+        tgt = {**tgt, "lm_head.weight": _tp2xdp2(L.split((40, 16), 0, [10, 30]))}
+    fulls = _fulls(src, llama_dtype, 23)
+    local = {n: m.extract(fulls[n], rank) for n, m in src.items() if rank in m.shards}
+    return _expect_error(lambda: dist_transfer(plan_for_rank(src, tgt, rank), local))
+
+
+def case_per_rank_foreign(rank: int) -> dict:
+    """Rank 1 is handed rank 0's plan."""
+    src, tgt = llama_pair()
+    fulls = _fulls(src, llama_dtype, 24)
+    local = {n: m.extract(fulls[n], rank) for n, m in src.items() if rank in m.shards}
+    return _expect_error(lambda: dist_transfer(plan_for_rank(src, tgt, 0 if rank == 1 else rank), local))
+
+
 def case_int_scaled(rank: int) -> dict:
     src, tgt = L.replicated((6,), 4), L.prescaled_bias((6,), 4)
     return _expect_error(lambda: dist_transfer(plan(src, tgt), torch.arange(6)))
@@ -359,7 +390,7 @@ def _run_out(rank: int, src, tgt, dtype_of, *, seed: int, skip: str) -> dict:
     for n, m in tgt.items():
         errors += _compare(n, out.get(n), m.extract(fulls[n], rank) if rank in m.shards else None)
     es = {n: torch.empty((), dtype=dtype_of(n)).element_size() for n in src}
-    ps = mplan.stats(es)
+    ps = plan_model(src, tgt).stats(es)
     return {"errors": errors, "stats": stats, "plan_sent": ps.sent.get(rank, 0),
             "plan_received": ps.received.get(rank, 0), "plan_remote": ps.remote_bytes}
 
@@ -395,7 +426,8 @@ def case_bad_out_dtype(rank: int) -> dict:
 CASES = [case_llama, case_llama_rounds, case_workspace, case_bigcode, case_yuan, case_zero, case_two_to_four, case_scaled,
          case_irregular, case_group, case_bad_shape, case_bad_dtype, case_missing, case_plans_differ, case_int_scaled,
          case_limit_too_small, case_ranks_outside_group, case_shards_not_a_dict, case_after_errors, case_direct,
-         case_direct_rounds, case_out, case_out_padded, case_bad_out_shape, case_bad_out_dtype]
+         case_direct_rounds, case_out, case_out_padded, case_bad_out_shape, case_bad_out_dtype, case_per_rank,
+         case_per_rank_rounds, case_per_rank_disagree, case_per_rank_foreign]
 
 
 def _worker(rank: int, workdir: str) -> None:
@@ -552,6 +584,21 @@ def test_missing_shard_raises_on_every_rank(job):
 
 def test_different_options_raise_plan_error_on_every_rank(job):
     _assert_all_raise(job, case_plans_differ, PlanError, "ranks [1, 2, 3] differ from rank 0")
+
+
+def test_per_rank_plans_move_exactly_what_the_global_plan_moves(job):
+    """``plan_for_rank`` on every rank, then ``transfer``: the same target shards, bit for bit, and
+    the same bytes on the wire as the global plan; with a byte bound, several rounds."""
+    _assert_exact(job, case_per_rank)
+    recs = _assert_exact(job, case_per_rank_rounds)
+    assert max(rec["stats"]["rounds"] for rec in recs.values()) > 1
+    assert all(rec["stats"]["peak_staged_bytes"] <= 256 for rec in recs.values())
+
+
+def test_per_rank_plans_that_disagree_raise_plan_error_on_every_rank(job):
+    (msg, *_) = _assert_all_raise(job, case_per_rank_disagree, PlanError, "disagree on what moves between them")
+    assert "ranks 1 and 3" in msg and "ranks 0 and 1" not in msg
+    _assert_all_raise(job, case_per_rank_foreign, PlanError, "rank 1 holds a plan made for rank(s) [0]")
 
 
 def test_scaling_an_integer_dtype_raises_on_every_rank(job):
@@ -755,3 +802,31 @@ def _check_link(items: list[Item], msgs, esizes: list[int], min_bytes: int) -> s
             assert not m.into_target or (p.factor ** -1 == 1.0
                                          and [a - p.dst.offset for a in _addresses(p.shape, p.dst)] == run)
     return {(m.from_source, m.into_target) for m in msgs}
+
+
+@pytest.mark.parametrize("budget", [8, 100, 1 << 20])
+def test_per_link_cuts_agree_at_both_ends_and_respect_budgets(budget):
+    """``schedule_links`` from each rank's own plan: the two ends of every link cut it into the
+    same rounds, each round within the link's budget, every remote element once."""
+    from reshard.schedule import schedule_links
+
+    src, tgt = llama_pair()
+    es = {n: torch.empty((), dtype=llama_dtype(n)).element_size() for n in src}
+    cuts = {}
+    for r in range(WORLD):
+        mp = plan_for_rank(src, tgt, r)
+        names = sorted(mp.params)
+        pairs = [(mp.params[n], es[n]) for n in names]
+        links = {(s.src_rank, s.dst_rank) for p, _ in pairs for s in p.segments if not s.is_local}
+        rounds = schedule_links(pairs, dict.fromkeys(links, budget))
+        for i, rnd in enumerate(rounds):
+            for link, items in rnd.items():
+                assert sum(it.numel * pairs[it.param][1] for it in items) <= budget
+                key = [(names[it.param], it.seg, it.lo, it.hi) for it in items]
+                cuts.setdefault(link, {}).setdefault(r, []).append((i, key))
+    whole = plan_model(src, tgt)
+    for link, ends in cuts.items():
+        assert set(ends) == set(link), link
+        assert ends[link[0]] == ends[link[1]], link
+        want = sum(s.numel for p in whole.params.values() for s in p.segments if (s.src_rank, s.dst_rank) == link)
+        assert sum(it[3] - it[2] for _, key in ends[link[0]] for it in key) == want
