@@ -137,7 +137,7 @@ def _worker(rank: int, workdir: str) -> None:
     import torch.distributed as dist
 
     from reshard.dist import Workspace, transfer
-    from reshard.planner import plan_model
+    from reshard.planner import plan_for_rank, plan_model
 
     torch.set_num_threads(1)
     # DTensor logs a warning per redistribute of nested shards; the result says what it does
@@ -169,6 +169,10 @@ def _worker(rank: int, workdir: str) -> None:
     targets = {n: torch.empty_like(t) for n, t in ours.items()}  # the live case: the model exists
     transfer(mplan, local, workspace=ws, out=targets)
     res["same_into_out"] = _same(ours, targets, list(ours))
+    t = time.perf_counter()
+    mine = plan_for_rank(src, tgt, rank)  # what this rank sends and receives, nothing else
+    res["plan_rank_s"] = time.perf_counter() - t
+    res["same_per_rank"] = _same(ours, transfer(mine, local), list(ours))
     floor, floor_copies = _floors(mplan, rank, dtype, local, targets)
     res["floor_bytes"] = floor.nbytes
     res["floor_copied"] = floor_copies.copied_bytes
@@ -176,6 +180,7 @@ def _worker(rank: int, workdir: str) -> None:
         "floor_s": floor,
         "floor_copies_s": floor_copies,
         "ours_out_s": lambda: transfer(mplan, local, workspace=ws, out=targets),
+        "ours_rank_out_s": lambda: transfer(mine, local, workspace=ws, out=targets),
         "ours_ws_s": lambda: transfer(mplan, local, workspace=ws),
         "ours_s": lambda: transfer(mplan, local),
         "ours_bounded_s": lambda: transfer(mplan, local, max_inflight_bytes=BOUND),
@@ -213,6 +218,8 @@ def _worker(rank: int, workdir: str) -> None:
         res["plan_remote"] = mplan.stats(es).remote_bytes
         res["allgather_wire"] = sum((WORLD - 1) * m.shard(r).numel * es for m in src.values() for r in range(WORLD))
         res["same_everywhere"] = all(e["res"].get("same_as_allgather") and e["res"]["same_into_out"] for e in every)
+        res["same_per_rank_everywhere"] = all(e["res"]["same_per_rank"] for e in every)
+        res["plan_rank_s_max"] = max(e["res"]["plan_rank_s"] for e in every)
         res["dtensor_same_everywhere"] = all(e["res"].get("same_as_dtensor") for e in every)
         res["per_rank"] = [{k: e["stats"][k] for k in ("messages_sent", "messages_received", "packed_bytes",
                                                          "unpacked_bytes", "local_bytes")} for e in every]
@@ -236,6 +243,9 @@ def _lines(res: dict) -> list[str]:
         f"4 gloo processes; planning {res['plan_s']:.3f} s (not timed below)",
         _vs_floor("transfer into existing targets (out=), Workspace reused", res["ours_out_s"], res["floor_s"],
                   "(goal <= 1.25x; floor: same bytes and peers, one pre-packed buffer per peer)"),
+        _vs_floor("  same with per-rank plans (plan_for_rank on each rank)", res["ours_rank_out_s"], res["floor_s"],
+                  f"(planning {res['plan_rank_s_max']:.3f} s on the slowest rank; results identical: "
+                  f"{res['same_per_rank_everywhere']})"),
         _vs_floor("transfer allocating its targets, Workspace reused", res["ours_ws_s"], res["floor_s"],
                   "(the floor allocates nothing)"),
         _vs_floor("  same (out=)", res["ours_out_s"], res["floor_copies_s"], "(floor + the copies the layout "
