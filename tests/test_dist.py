@@ -314,6 +314,36 @@ def case_per_rank_foreign(rank: int) -> dict:
     return _expect_error(lambda: dist_transfer(plan_for_rank(src, tgt, 0 if rank == 1 else rank), local))
 
 
+def _uniform(num_experts: int, ep: int) -> dict:
+    local = num_experts // ep
+    return {"version": 1, "num_experts": num_experts, "ep_size": ep,
+            "ranks": [{"rank": e, "experts": list(range(e * local, (e + 1) * local))} for e in range(ep)]}
+
+
+def _expert_maps(ep: int) -> dict[str, ParamMap]:
+    """AutoEP expert parameters at EP ``ep`` over 4 ranks, each EP rank's experts cut by ZeRO over
+    its expert-data-parallel group (EDP = 4 / ep; EP rank of global rank d is d % ep), as
+    ``offline_experts`` composes them; plus one dense parameter flat over all 4."""
+    from reshard.topology import Topology
+
+    edp = WORLD // ep
+    shapes = {"w1": (8, 6, 5), "w2": (8, 5, 6), "w3": (8, 6, 5)}
+    out = {}
+    for name, shape in shapes.items():
+        m = L.autoep_placement(_uniform(8, ep), shape)
+        zero = L.zero12_group([m.shard(0).shape], edp, shard="fragment")[0]
+        comp = L.compose_zero(m, dict.fromkeys(m.ranks, zero), Topology(1, edp, ep))
+        out[name] = comp.with_ranks({k * ep + e: e + k * ep for e in m.ranks for k in range(edp)})
+    out["dense"] = L.zero12_group([(7, 3)], WORLD, shard="fragment")[0]
+    return out
+
+
+def case_experts(rank: int) -> dict:
+    """Expert parameters (placement composed with EDP ZeRO) from EP 4 to EP 2 x EDP 2: the
+    live transfer takes them as any other map."""
+    return _run_model(rank, _expert_maps(4), _expert_maps(2), lambda n: torch.float32, seed=25)
+
+
 def case_int_scaled(rank: int) -> dict:
     src, tgt = L.replicated((6,), 4), L.prescaled_bias((6,), 4)
     return _expect_error(lambda: dist_transfer(plan(src, tgt), torch.arange(6)))
@@ -427,7 +457,7 @@ CASES = [case_llama, case_llama_rounds, case_workspace, case_bigcode, case_yuan,
          case_irregular, case_group, case_bad_shape, case_bad_dtype, case_missing, case_plans_differ, case_int_scaled,
          case_limit_too_small, case_ranks_outside_group, case_shards_not_a_dict, case_after_errors, case_direct,
          case_direct_rounds, case_out, case_out_padded, case_bad_out_shape, case_bad_out_dtype, case_per_rank,
-         case_per_rank_rounds, case_per_rank_disagree, case_per_rank_foreign]
+         case_per_rank_rounds, case_per_rank_disagree, case_per_rank_foreign, case_experts]
 
 
 def _worker(rank: int, workdir: str) -> None:
@@ -593,6 +623,10 @@ def test_per_rank_plans_move_exactly_what_the_global_plan_moves(job):
     recs = _assert_exact(job, case_per_rank_rounds)
     assert max(rec["stats"]["rounds"] for rec in recs.values()) > 1
     assert all(rec["stats"]["peak_staged_bytes"] <= 256 for rec in recs.values())
+
+
+def test_expert_placement_composed_with_edp_zero_moves_live(job):
+    _assert_exact(job, case_experts)
 
 
 def test_per_rank_plans_that_disagree_raise_plan_error_on_every_rank(job):
