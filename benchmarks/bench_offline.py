@@ -6,7 +6,9 @@ read every file, so the real peer cost is higher still.
 Also against the machine: one process vs two (``torchrun --nproc_per_node 2``; peak RSS is the
 largest process's) and ``reshard convert``, all against the floor of copying the same checkpoint
 with ``cp -r`` and ``sync`` (and with an fsync of the copied files only), best of 2 with the
-commands alternating. Then the same on a ~400M-parameter checkpoint (``make_fixtures.py
+commands alternating; two processes both under ``torchrun`` and under a launcher that only sets
+the environment (``benchmarks/launch_plain.py``, as a scheduler's ``srun`` does). Then the same on
+a ~400M-parameter checkpoint (``make_fixtures.py
 --bench-400m``, about twice the bytes), where start-up weighs half as much."""
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def _ours(ckpt: Path, dp: int, workers: int, repeat: int) -> dict[str, tuple[flo
                 "--workers", str(workers)],
         "two": [torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "reshard", "reshard", str(ckpt),
                 str(out / "x"), "--tp", "1", "--dp", str(dp), "--workers", "1"],
+        "plain": [sys.executable, str(Path(__file__).with_name("launch_plain.py")), "2", "29534", "--", sys.executable,
+                  "-m", "reshard", "reshard", str(ckpt), str(out / "x"), "--tp", "1", "--dp", str(dp), "--workers", "1"],
         "convert": [sys.executable, "-m", "reshard.cli", "convert", str(ckpt), str(out / "x"), "--workers", str(workers)],
     }
     best: dict[str, tuple[float, float]] = {}
@@ -71,6 +75,8 @@ def _rows(b: dict[str, tuple[float, float]], start: float) -> list[str]:
             note=f"1 process is {one / ffloor:.2f}x it, {(one - start) / ffloor:.2f}x less start-up"),
         row("  2 processes (torchrun, 1 worker each) vs 1 process", two, one,
             note=f"(ratio = 1 process / 2; 2 processes: {two / floor:.2f}x the floor; goal: no slower than 1)"),
+        row("  2 processes, plain launcher (env vars, as srun) vs 1 process", b["plain"][0], one,
+            note="(torchrun's own start-up, ~1 s of importing torch, left out)"),
         row("  peak RSS, 1 process / per process of 2", b["one"][1], b["two"][1], unit="MiB", note="(goal <= 512 MiB)"),
         row("  reshard convert vs the floor", conv, note=f"{conv / floor:.2f}x cp+sync, {conv / ffloor:.2f}x cp+fsync "
             f"(goal <= 1.15x); {(conv - start) / floor:.2f}x / {(conv - start) / ffloor:.2f}x less start-up"),
