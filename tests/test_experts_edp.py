@@ -26,6 +26,7 @@ from reshard.formats.safe_load import load
 from reshard.offline import reshard
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir
 from tests.test_convert_parity import _same
+from tests.test_experts import _diff_files
 
 NAME = "mixtral_autoep_ep2_dp4"
 EP2_DP2 = "mixtral_autoep_ep2"  # the same recipe trained at world 2 (EDP = 1)
@@ -258,18 +259,6 @@ def test_inspect_summarises_the_expert_groups(capsys):
 
 
 # -- DeepSpeed resumes it ---------------------------------------------------------------------------
-
-
-def _diff_files(ours: Path, theirs: Path) -> None:
-    """Our files equal DeepSpeed's own save at the target, tensor for tensor and key for key; only
-    ``ds_config`` differs (DeepSpeed records the resuming job's config, reshard the source's)."""
-    assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
-    for p in theirs.glob("*.pt"):
-        a, b = load(ours / p.name), load(p)
-        if isinstance(b, dict):
-            for obj in (a, b):
-                obj.pop("ds_config", None)
-        _same(a, b, p.name)
 
 
 @pytest.mark.e2e

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,23 +35,13 @@ from reshard.formats.pickling import save
 from reshard.formats.safe_load import load
 from reshard.offline import reshard
 from tests.dsconv import FIXTURES, tag_dir
+from tests.test_offline_zero3 import _flat_universal as _universal
 from tests.test_offline_zero3 import _rebase_ds_ids, _same
 
 SOURCE = "llama_zero3_tp2_dp2"
 BF16 = "llama_zero3_tp2_dp2_bf16"  # the same in bf16 (fp32 masters, bf16_ optimizer files)
 ZERO1_TP = "llama_tp2_dp2"  # the same training recipe at ZeRO-1
 TAG = "global_step3"
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
-
-
-def _universal(ckpt: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """``reshard.convert``: {param: {state: full tensor, flattened}} (bare or ``{'param': ...}``)."""
-    folder = convert(ckpt, out).out_dir
-    params = {}
-    for d in sorted(p for p in (folder / "zero").iterdir() if p.is_dir()):
-        objs = {s: load(d / f"{s}.pt", mmap=False) for s in STATES}
-        params[d.name] = {s: (o["param"] if isinstance(o, dict) else o).reshape(-1) for s, o in objs.items()}
-    return params
 
 
 @pytest.fixture(scope="module")
