@@ -237,7 +237,8 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> 
         for state in states:
             f, extra = conv.full(name, state)
             with staging.open(f"zero/{name}/{state}.pt") as out:
-                save(f.reshape(-1) if bare else {**extra, "param": f}, out)
+                # AutoEP experts: {'param': F, 'cat_dim': 0, ...} at any stage, as ds_to_universal writes them
+                save(f.reshape(-1) if bare and ck.expert(name) is None else {**extra, "param": f}, out)
             release(f)  # where f lies in a mapped input file, its pages are done with
         if ck.has_optimizer_state(name) and not stepless:
             step = ck.step(name)
@@ -252,7 +253,8 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> 
     copies += [src for (t, d), src in sorted(ck.z3_model_files.items()) if t or d]
     jobs = [(src.stat().st_size, partial(staging.copy, src, src.name)) for src in copies]
     if ck.experts is not None:  # ds_to_universal rewrites these under AutoEP
-        jobs = [(size, partial(_autoep_model_state, ck, staging, m)) for m, (size, _) in enumerate(jobs)]
+        jobs = [(size, partial(_autoep_model_state, ck, staging, m, src)) for m, ((size, _), src)
+                in enumerate(zip(jobs, copies))]
     jobs += [(ck.tp_map(n).map.numel * 12, partial(one, n)) for n in names]
 
     def optimizer_state() -> None:
@@ -264,10 +266,12 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> 
     return jobs
 
 
-def _autoep_model_state(ck, staging: Staging, m: int) -> None:
-    name = ck.model_files[m].name
+def _autoep_model_state(ck, staging: Staging, m: int, src: Path) -> None:
+    name = src.name
+    state = (deepspeed_experts.universal_model_state_z3(src) if ck.zero_stage == 3  # one file per DP rank
+             else deepspeed_experts.universal_model_state(ck, m))
     with staging.writing(name):  # saved by path: torch names the zip's root folder after the file, as DeepSpeed's
-        save(deepspeed_experts.universal_model_state(ck, m), staging.path(name))
+        save(state, staging.path(name))
 
 
 def _safetensors_jobs(ck, conv: _Converter, staging: Staging, names: list[str], max_bytes: int, bar,

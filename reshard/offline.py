@@ -58,6 +58,8 @@ from .ir.piece import prod
 from .layouts import compose_zero
 from .layouts.zero import FlatGroup
 from .offline_experts import reshard_experts
+from .offline_experts_zero3 import reshard_autoep_zero3
+from .offline_moe import reshard_moe
 from .offline_zero3 import reshard_zero3
 from .plan import Segment, TransferPlan
 from .planner import DefaultCost, Planner
@@ -337,12 +339,18 @@ def reshard(
     workers = _positive(workers, "workers")
     ck = DeepSpeedCheckpoint.open(ckpt_dir)
     dp = ck.dp if dp is None else dp
+    # AutoEP under ZeRO-3: every expert parameter a ZeRO-3 partition over its EDP group (offline_experts_zero3)
+    if ck.zero_stage == 3 and ck.experts is not None:
+        ep = _positive(ep, "ep") if ep is not None else ck.experts.ep
+        return reshard_autoep_zero3(ck, out_dir, ep=ep, dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, workers=workers,
+                                    overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster)
     # AutoEP / classic MoE experts: their own placement and expert-data-parallel partitions
     # (offline_experts, offline_moe)
     if ep is not None or (ck.zero_stage != 3 and (ck.experts is not None or ck.moe is not None)):
         ep = _positive(ep, "ep") if ep is not None else (ck.experts or ck.moe).ep
-        return reshard_experts(ck, out_dir, ep=ep, dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, workers=workers,
-                               overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster)
+        by_kind = reshard_moe if ck.experts is None and ck.zero_stage != 3 and ck.moe is not None else reshard_experts
+        return by_kind(ck, out_dir, ep=ep, dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, workers=workers,
+                       overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster)
     # ZeRO-3 at either end (one partition per parameter): a file format and writer of its own
     if ck.zero_stage == 3 or zero_stage == 3:
         return reshard_zero3(ck, out_dir, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, workers=workers, layout=layout,

@@ -314,7 +314,8 @@ class _Writer:
             osd["param_slice_mappings"][g] = dsw.slice_mappings(grp, q)
             osd["single_partition_of_fp32_groups"][g] = fp32[g].view((grp.partition - grp.tail_padding(q),),
                                                                      requires_grad=True)
-        with self.staging.open(dsw.optim_file(0, d)) as f:
+        bf16 = any(p.name.startswith("bf16_") for p in self.ck.optim_files.values())  # as the source names them
+        with self.staging.open(dsw.optim_file(0, d, bf16=bf16)) as f:
             save(obj, f)
 
     def model(self) -> None:
@@ -371,13 +372,8 @@ def reshard_experts(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, ep: int, dp
                     zero_stage: int | None = None, workers: int = 1, overwrite: bool = False,
                     progress: Callable[[int, int], None] | bool | None = None, checksum: str = "crc32",
                     cluster: Cluster | None = None) -> ReshardReport:
-    """``reshard.offline.reshard`` for an AutoEP checkpoint: write it at EP ``ep`` x world ``dp``;
-    a classic MoE one goes to ``offline_moe.reshard_moe``."""
-    if ck.experts is None and ck.zero_stage != 3 and ck.moe is not None:
-        from .offline_moe import reshard_moe
-
-        return reshard_moe(ck, out_dir, ep=ep, dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, workers=workers,
-                           overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster)
+    """``reshard.offline.reshard`` for an AutoEP checkpoint: write it at EP ``ep`` x world ``dp``
+    (a classic MoE one goes to ``offline_moe.reshard_moe``)."""
     stage = ck.zero_stage if zero_stage is None else zero_stage
     _check(ck, ep, dp, tp, pp, stage)
     experts = sorted(ck.tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))

@@ -14,7 +14,8 @@ move every expert's fp32 master and both Adam moments with it (``offline_experts
 What DeepSpeed writes at the target (docs/deepspeed-checkpoints.md §12): the per-expert files
 ``layer_L_expert_E_mp_rank_00_model_states.pt`` (global names: the same at any EP, copied);
 ``mp_rank_00_model_states.pt`` with the target topology and ``param_shapes`` listing EP rank 0's
-local names (``L`` local experts per layer); one optimizer file per DP rank, the expert group cut
+local names (``L`` local experts per layer); one optimizer file per DP rank (``bf16_`` prefixed, and
+``module`` and per-expert weights bf16, for a bf16 source: ``moe_ep2_bf16_zero2``), the expert group cut
 over the rank's EDP group (``partition_count`` ``[dp, edp]``), its ``param_slice_mappings`` keyed by
 local names, and its optimizer parameter group named ``ep_size_<ep>``: DeepSpeed's ZeRO-1/2
 ``load_state_dict`` hands the saved ``param_groups`` to ``torch.optim``, which replaces the live

@@ -281,8 +281,18 @@ FIXTURES = [
             dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
             world_size=4, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),
+    # the AutoEP recipe under ZeRO-3: each EP rank's fused experts partitioned per parameter over its EDP group
+    Fixture("mixtral_autoep_ep2_zero3", "mixtral", MIXTRAL,
+            dict(ds_config(3), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
+            world_size=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
     # classic deepspeed.moe.layer.MoE: 4 experts over EP=2 (layer_L_expert_E files, per-EP-rank local names)
     Fixture("moe_ep2", "moe", MOE, ds_config(1), world_size=2, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),
+    # the same classic MoE recipe in bf16 under ZeRO-2 (bf16_ optimizer files, bf16 module and expert weights)
+    Fixture("moe_ep2_bf16_zero2", "moe", MOE, ds_config(2, bf16=True), world_size=2, train_script=MOE_SCRIPT,
+            notes=[MOE_NOTE]),
+    # ... and at world 4: EP=2 x EDP=2, each EP rank's expert group cut over DP ranks {e, e + 2}
+    Fixture("moe_ep2_dp4", "moe", MOE, ds_config(1), world_size=4, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 

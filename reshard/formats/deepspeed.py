@@ -270,6 +270,8 @@ class DeepSpeedCheckpoint:
             out[t] = {}
             if self.zero_stage == 3:
                 for g, group in enumerate(self._z3_groups(t)):
+                    if self.experts is not None and g in self.experts.groups:
+                        continue  # cut over expert-data-parallel groups: deepspeed_experts
                     for name, shape in group.items():
                         out[t][name] = (g, zero3(tuple(shape), self.dp, shard="fragment"))
                 continue

@@ -13,6 +13,13 @@ The lowering (docs/spec.md §7.1): an expert parameter's F is ``[num_experts, ..
 has one piece per run of experts an EP rank holds (``layouts.autoep_placement``), located on that
 EP rank; composed with each EP rank's ZeRO split over its EDP group, the map's ranks are the
 global (DP) ranks whose flat partitions hold the fragments.
+
+Under ZeRO-3 (DeepSpeed's ``checkpoint_format: "zero3_partitioned"``, version 1) every DP rank
+writes its own ``zero_pp_rank_D_mp_rank_00_model_states.pt`` (``ds_autoep_layers`` as that rank
+sees it) and no per-expert files; each fused expert parameter of EP rank ``e`` is a ZeRO-3
+parameter partitioned on its own over ``e``'s EDP group (``zero3(local shape, edp)``), in an
+optimizer sub-group of its own whose ``ds_zero_partition_groups`` entry records the partition
+count, rank and the global ranks of the group (docs/deepspeed-checkpoints.md §11.1).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import torch
 from ..errors import CheckpointError, ReshardError
 from ..ir.canonical import canonicalize
 from ..ir.param_map import ParamMap, map_from_dict
-from ..layouts import autoep_placement, compose_zero, zero12_from_slice_mappings
+from ..ir.piece import prod
+from ..layouts import autoep_placement, compose_zero, zero3, zero12_from_slice_mappings
+from ..layouts.zero import zero3_partition_numel
 from ..topology import Topology
 from .lowering import Lowered
 from .safe_load import load
@@ -38,6 +47,7 @@ LAYERS_KEY = "ds_autoep_layers"
 WEIGHTS = ("w1", "w2", "w3")  # the fused expert parameters AutoEP creates per layer
 # the keys ds_to_universal writes beside ``param`` for an expert parameter
 UCP_EXTRA = ("cat_dim", "is_expert_param", "ep_num_experts")
+Z3_FORMAT = ("zero3_partitioned", 1)  # checkpoint_format, checkpoint_format_version of a ZeRO-3 entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +98,13 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
     if layers is None:
         return None
     where = f"{path}: {LAYERS_KEY}"
-    if ck.zero_stage == 3 or ck.mp != 1:
-        raise CheckpointError(f"{where}: AutoEP experts are read only from ZeRO-1/2 checkpoints without tensor or "
-                              f"pipeline parallelism (this one: ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp})")
+    if ck.mp != 1:
+        raise CheckpointError(f"{where}: AutoEP experts are read only from checkpoints without tensor or pipeline "
+                              f"parallelism (this one: ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp})")
     if not isinstance(layers, list) or not layers:
         raise CheckpointError(f"{where}: expected a non-empty list of layer entries, got {type(layers).__name__}")
+    if ck.zero_stage == 3:
+        _check_z3_format(layers, where)
     groups = _param_groups(state, path)
     params: dict[str, ExpertParam] = {}
     for i, layer in enumerate(layers):
@@ -118,9 +130,57 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
                                   f"{LAYERS_KEY} does not describe")
     cfg = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
     owned = {n for g in groups for n in g}
-    aliases = tuple(n for n in (state.get("module") or {}) if n not in owned)
-    return AutoEP(params, expert_groups, ep, edp,
-                  bool(cfg.get("use_data_before_expert_parallelism", False)), aliases)
+    # under ZeRO-3 the router alias is a 0-element placeholder: nothing to convert (ds_to_universal
+    # writes nothing for it either); the module placeholders are carried as they are
+    aliases = () if ck.zero_stage == 3 else tuple(n for n in (state.get("module") or {}) if n not in owned)
+    ax = AutoEP(params, expert_groups, ep, edp, bool(cfg.get("use_data_before_expert_parallelism", False)), aliases)
+    if ck.zero_stage == 3:
+        _check_z3_partitions(ck, ax, len(groups))
+    return ax
+
+
+def _check_z3_format(layers: list, where: str) -> None:
+    """Every layer entry must be DeepSpeed's partition-native ZeRO-3 format, version 1."""
+    for i, layer in enumerate(layers):
+        got = (layer.get("checkpoint_format"), layer.get("checkpoint_format_version")) \
+            if isinstance(layer, Mapping) else None
+        if got != Z3_FORMAT:
+            raise CheckpointError(f"{where}[{i}]: a ZeRO-3 AutoEP layer entry has checkpoint_format "
+                                  f"{got!r}; only DeepSpeed 0.19.8's {Z3_FORMAT!r} is known")
+
+
+def _check_z3_partitions(ck: DeepSpeedCheckpoint, ax: AutoEP, n_sub: int) -> None:
+    """Each DP rank's ``ds_zero_partition_groups`` (one entry per sub-group) must say what the
+    layout says: dense sub-groups cut over all DP ranks, expert sub-groups over the rank's EDP
+    group, in the EDP order ``ax.members`` gives; and the model-state files must agree."""
+    for d in range(ck.dp):
+        path = ck.optim_files[(0, d)]
+        recorded = ck.osd(0, d).get("ds_zero_partition_groups")
+        if not isinstance(recorded, list) or len(recorded) != n_sub:
+            raise CheckpointError(f"{path}: ds_zero_partition_groups should list the {n_sub} sub-groups of "
+                                  f"param_shapes (DeepSpeed's AutoEP ZeRO-3 metadata), got {recorded!r:.200}")
+        e = next(e for e in range(ax.ep) if d in ax.members(e))
+        for k, entry in enumerate(recorded):
+            if k in ax.groups:
+                members = ax.members(e)
+                want = {"sub_group": k, "partition_count": ax.edp, "partition_rank": members.index(d),
+                        "partition_ranks": members, "families": ["autoep_expert"]}
+            else:
+                want = {"sub_group": k, "partition_count": ck.dp, "partition_rank": d,
+                        "partition_ranks": list(range(ck.dp)), "families": ["replicated"]}
+            got = {key: entry.get(key) for key in want} if isinstance(entry, Mapping) else entry
+            if got != want:
+                order = "use_data_before_expert_parallelism" if ax.data_before_expert else "expert before data"
+                raise CheckpointError(f"{path}: ds_zero_partition_groups[{k}] is {got!r}, but DP rank {d} (EP rank "
+                                      f"{e}, EDP groups in DeepSpeed's {order} order) should have {want!r}")
+        if d:  # every rank's model states: the same parameters and shapes, its own EP rank
+            ms = load(ck.z3_model_files[(0, d)])
+            if _param_groups(ms, ck.z3_model_files[(0, d)]) != _param_groups(ck.model_state(0), ck.model_files[0]):
+                raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: param_shapes differ from DP rank 0's")
+            ranks = {entry.get("ep_rank") for entry in ms.get(LAYERS_KEY) or []}
+            if ranks != {e}:
+                raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: {LAYERS_KEY} records EP rank(s) {sorted(ranks)}, "
+                                      f"the partition groups say DP rank {d} is EP rank {e}")
 
 
 def _param_groups(state: dict, path: Any) -> list[dict[str, tuple[int, ...]]]:
@@ -184,6 +244,8 @@ def lowered(p: ExpertParam) -> Lowered:
 
 def zero_map(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int) -> ParamMap:
     """EP rank ``e``'s shard of ``p`` over its EDP group's fragments (ranks: EDP ranks)."""
+    if ck.zero_stage == 3:  # a ZeRO-3 parameter of its own, cut over the EDP group
+        return zero3(p.shard_shape(e), ck.experts.edp, shard="fragment")
     maps = _group_maps(ck, p.group, e)
     if p.name not in maps:
         raise CheckpointError(f"{ck.optim_files[(0, ck.experts.members(e)[0])]}: no fragments of {p.name!r} "
@@ -215,13 +277,31 @@ def _group_maps(ck: DeepSpeedCheckpoint, group: int, e: int) -> dict[str, ParamM
     return ck._cache[key]
 
 
+def z3_offset(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int) -> int:
+    """Under ZeRO-3: where ``p``'s partition starts in EP rank ``e``'s flat sub-group (the
+    partitions of the sub-group's parameters, ``ceil(numel / edp)`` each, in order)."""
+    off, ax = 0, ck.experts
+    for name in ck.model_state(0)["param_shapes"][p.group]:
+        if name == p.name:
+            return off
+        off += zero3_partition_numel(prod(ax.params[name].shard_shape(e)), ax.edp)
+    raise CheckpointError(f"{ck.model_files[0]}: {p.name!r} is not in sub-group {p.group}")
+
+
+def start(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int, d: int) -> int:
+    """First element of ``p``'s fragment in DP rank ``d``'s flat partition of its group."""
+    if ck.zero_stage == 3:
+        return z3_offset(ck, p, e)
+    return int(ck.osd(0, d)["param_slice_mappings"][p.group][p.name].start)
+
+
 def shard(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int, state: str) -> torch.Tensor:
     """EP rank ``e``'s local experts of ``p`` for one state, from its EDP fragments."""
     zmap, members = zero_map(ck, p, e), ck.experts.members(e)
 
     def where(k: int) -> tuple[int, int, int, int]:
         d = members[k]
-        return 0, d, p.group, int(ck.osd(0, d)["param_slice_mappings"][p.group][p.name].start)
+        return 0, d, p.group, start(ck, p, e, d)
 
     return ck.gather(zmap, p.shard_shape(e), state, where, f"{p.name} (EP rank {e}, {state})")
 
@@ -236,7 +316,7 @@ def composite(ck: DeepSpeedCheckpoint, p: ExpertParam, model_map: ParamMap) -> P
 
 def step(ck: DeepSpeedCheckpoint, p: ExpertParam) -> Any:
     d = ck.experts.members(0)[0]
-    state = ck.osd(0, d)["base_optimizer_state"]["state"]
+    state = ck.osd(0, d)["optimizer_state_dict" if ck.zero_stage == 3 else "base_optimizer_state"]["state"]
     return state[p.group].get("step") if p.group in state else None
 
 
@@ -245,6 +325,20 @@ def step(ck: DeepSpeedCheckpoint, p: ExpertParam) -> Any:
 # ``AUTOEP_METADATA_FIELDS``): the placement descriptor and affine maps are dropped there
 UCP_LAYER_FIELDS = ("moe_layer_id", "module_path", "expert_key_prefix", "num_experts", "num_local_experts", "ep_size")
 UCP_EXPERT_PATTERNS = [r"\.experts\.w[123]$"]
+
+
+UCP_Z3_EXPERT_PATTERNS = [r".*\.experts\.w[123]$"]  # what its ZeRO-3 path writes instead
+
+
+def universal_model_state_z3(path: Any) -> dict:
+    """A ZeRO-3 DP rank's model state as ``ds_to_universal`` rewrites it under AutoEP:
+    ``universal_checkpoint_info`` (created if missing) gets the expert pattern and, as the very
+    same object, the file's own ``ds_autoep_layers``; the rest is the file's, as loaded."""
+    state = load(path, mmap=False)
+    info = state.setdefault("universal_checkpoint_info", {})
+    info["expert_parameter_patterns"] = list(UCP_Z3_EXPERT_PATTERNS)
+    info[LAYERS_KEY] = state.get(LAYERS_KEY)
+    return state
 
 
 def universal_model_state(ck: DeepSpeedCheckpoint, m: int) -> dict:
