@@ -118,19 +118,37 @@ def release(tensor: torch.Tensor) -> None:
         _MADVISE(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
 
 
-_MAPS: list[tuple[int, int, int, str]] = []  # (start, end, file offset, file path or ""), sorted
+# This process's mappings, as last read from /proc/self/maps: (start, end, file offset, file
+# path or "", (device, inode) of the file), sorted. Mappings come and go (torch maps and unmaps
+# files, the allocator maps anonymous memory), so a cached entry may be stale: an answer that a
+# range is file-backed is acted on (pages dropped, bytes copied from the file) only after
+# checking that exactly this mapping of exactly this file is still in place.
+_MAPS: list[tuple[int, int, int, str, tuple[int, int]]] = []
 
 
-def _mapping(lo: int, hi: int) -> tuple[int, int, int, str] | None:
-    """The mapping of this process holding addresses ``[lo, hi)`` whole, if any (re-read once
-    when the cached table has none)."""
+def _mapping(lo: int, hi: int, *, fresh: bool = False) -> tuple[int, int, int, str, tuple[int, int]] | None:
+    """The mapping holding addresses ``[lo, hi)`` whole, if any. A file-backed answer is always
+    checked current; an anonymous one (or none) is taken from the cached table unless ``fresh``
+    asks for the table to be read again first (a file may have been mapped there since)."""
     for refresh in (False, True):
         if refresh or not _MAPS:
             _MAPS[:] = _read_maps()
         i = bisect.bisect_right(_MAPS, (lo, float("inf"))) - 1
-        if i >= 0 and _MAPS[i][0] <= lo and hi <= _MAPS[i][1]:
-            return _MAPS[i]
+        m = _MAPS[i] if i >= 0 and _MAPS[i][0] <= lo and hi <= _MAPS[i][1] else None
+        if m is not None and m[3] and _current(m):
+            return m
+        if m is not None and not m[3] and (refresh or not fresh):
+            return m
     return None
+
+
+def _current(m: tuple[int, int, int, str, tuple[int, int]]) -> bool:
+    """Whether mapping ``m`` (file-backed) is still this process's mapping of the same file."""
+    try:
+        st = os.stat(f"/proc/self/map_files/{m[0]:x}-{m[1]:x}")
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == m[4]
 
 
 def _file_backed(lo: int, hi: int) -> bool:
@@ -138,17 +156,23 @@ def _file_backed(lo: int, hi: int) -> bool:
     return m is not None and bool(m[3])
 
 
-def _read_maps() -> list[tuple[int, int, int, str]]:
-    out = []
+def _read_maps() -> list[tuple[int, int, int, str, tuple[int, int]]]:
+    out, idents = [], {}
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 parts = line.split(maxsplit=5)
                 a, b = (int(x, 16) for x in parts[0].split("-"))
                 path = parts[5].strip() if len(parts) > 5 else ""
-                backed = path.startswith("/") and "(deleted)" not in path
-                out.append((a, b, int(parts[2], 16), path if backed else ""))
-    except OSError:
+                if path.startswith("/") and "(deleted)" not in path and path not in idents:
+                    try:  # identified as the VFS sees it (the maps line's device can be an overlay's lower one)
+                        st = os.stat(path)
+                        idents[path] = (st.st_dev, st.st_ino)
+                    except OSError:
+                        idents[path] = None
+                ident = idents.get(path)
+                out.append((a, b, int(parts[2], 16), path if ident else "", ident or (0, 0)))
+    except (OSError, ValueError, IndexError):
         return []
     return sorted(out)
 
@@ -168,14 +192,13 @@ def file_bytes(view: memoryview) -> tuple[str, int] | None:
     import numpy as np
 
     addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    m = _mapping(addr, addr + len(view))
+    m = _mapping(addr, addr + len(view), fresh=True)
     if m is None or not m[3]:
         return None
-    start, end, offset, path = m
+    start, _, offset, path, ident = m
     try:
-        mapped, named = os.stat(f"/proc/self/map_files/{start:x}-{end:x}"), os.stat(path)
-        if (mapped.st_dev, mapped.st_ino) != (named.st_dev, named.st_ino):
-            _MAPS.clear()  # the table is stale: another file lies there now
+        named = os.stat(path)  # the path still names the mapped file (not one renamed over it)
+        if (named.st_dev, named.st_ino) != ident:
             return None
         first, last = addr // _PAGE, (addr + len(view) - 1) // _PAGE
         with open("/proc/self/pagemap", "rb", buffering=0) as f:

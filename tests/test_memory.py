@@ -133,3 +133,34 @@ def test_staged_writes_of_mapped_bytes_are_the_bytes(tmp_path, monkeypatch):
     assert (final / "a.bin").read_bytes() == want
     assert staging.digests["a.bin"]["crc32"] == f"{zlib.crc32(want):08x}"
     mapped.close()
+
+
+@linux
+def test_stale_entries_in_the_table_of_mappings_are_never_trusted(tmp_path):
+    """The table of this process's mappings is cached, and mappings come and go at reused
+    addresses. Planted stale entries: one calling anonymous memory a mapped file (trusted, it
+    would have ``release`` discard live data), one calling a mapped file anonymous memory (trusted,
+    it would hide the file from ``file_bytes``)."""
+    import mmap
+
+    import numpy as np
+
+    from reshard import memory
+    from reshard.memory import file_bytes
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(256)) * (16 << 12))  # 4 MiB
+    st = path.stat()
+    t = torch.full((8 << 20,), 0x5A, dtype=torch.uint8)  # private anonymous memory (malloc's own mapping)
+    lo = t.data_ptr()
+    memory._MAPS[:] = [(lo, lo + (8 << 20), 0, str(path), (st.st_dev, st.st_ino))]  # stale: "a file"
+    release(t)
+    assert bool((t == 0x5A).all())  # pages kept: the entry was checked, found stale, re-read
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    view = memoryview(mapped)
+    addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    memory._MAPS[:] = [(addr, addr + (4 << 20), 0, "", (0, 0))]  # stale: "anonymous"
+    assert file_bytes(view[4096:(1 << 20) + 4096]) == (str(path), 4096)
+    view.release()
+    mapped.close()
