@@ -152,8 +152,13 @@ def _current(m: tuple[int, int, int, str, tuple[int, int]]) -> bool:
 
 
 def _file_backed(lo: int, hi: int) -> bool:
-    m = _mapping(lo, hi)
+    # a large range the table calls anonymous is looked up afresh: a file mapped there since
+    # would otherwise keep its pages resident for the rest of the run
+    m = _mapping(lo, hi, fresh=hi - lo >= _FRESH_BYTES)
     return m is not None and bool(m[3])
+
+
+_FRESH_BYTES = 1 << 20
 
 
 def _read_maps() -> list[tuple[int, int, int, str, tuple[int, int]]]:
