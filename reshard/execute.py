@@ -140,7 +140,7 @@ class WindowFill:
             if a > pos:
                 pieces.append(a - pos)
             flat = source()
-            if flat.dtype != dtype:
+            if flat.dtype != dtype or flat.device.type != "cpu" or not flat.is_contiguous():
                 return None
             pieces.append(flat.narrow(0, seg.src.offset + a - lo, b - a))
             pos, i = b, i + 1
