@@ -291,9 +291,9 @@ def check_per_rank(named, local, out, me: int, world: int, group, device, max_in
                                     _link_digest(named, recvs.get(p, {}), options), len(peers)])
     theirs = torch.empty_like(mine)
     dist.all_to_all_single(theirs, mine, group=group)
-    theirs_list = theirs.tolist()
+    theirs_list, mine_list = theirs.tolist(), mine.tolist()
     for p in range(world):
-        if p != me and (theirs_list[p][0], theirs_list[p][1]) != (mine[p, 1].item(), mine[p, 0].item()):
+        if p != me and theirs_list[p][:2] != [mine_list[p][1], mine_list[p][0]]:
             a, b = sorted((me, p))
             plan_lines.append(f"ranks {a} and {b} hold plans that disagree on what moves between them "
                               f"(or on max_inflight_bytes, scale_power)")

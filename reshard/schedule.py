@@ -115,7 +115,12 @@ def schedule(params: Sequence[tuple[TransferPlan, int]], limit: int | None = Non
                 if lo < n:
                     r += 1
             cursor[link] = r
-    for rnd in rounds:  # largest elements first: every part then starts aligned for its dtype
+    return _aligned(rounds, params)
+
+
+def _aligned(rounds: list[Round], params: Sequence[tuple[TransferPlan, int]]) -> list[Round]:
+    """Each link's items, largest elements first: every part then starts aligned for its dtype."""
+    for rnd in rounds:
         for items in rnd.values():
             items.sort(key=lambda it: -params[it.param][1])
     return rounds
@@ -236,7 +241,4 @@ def schedule_links(params: Sequence[tuple[TransferPlan, int]], budgets: Mapping[
                 rounds[r].setdefault(link, []).append(Item(k, seg, lo, lo + take))
                 used, lo = used + take * esize, lo + take
             at[link] = (r, used)
-    for rnd in rounds:  # largest elements first: every part then starts aligned for its dtype
-        for items in rnd.values():
-            items.sort(key=lambda it: -params[it.param][1])
-    return rounds
+    return _aligned(rounds, params)

@@ -110,18 +110,31 @@ def test_refuses_a_placement_disagreeing_with_affine_maps(tmp_path: Path):
         _ = DeepSpeedCheckpoint.open(root).experts
 
 
+def assert_same_as_ds_to_universal(ours: Path, theirs: Path, expected: str) -> None:
+    """``reshard convert``'s folder ``ours`` holds ``ds_to_universal``'s files (``expected`` among
+    them): model-state files (rewritten by both under AutoEP) byte for byte, the rest object for
+    object, tensor for tensor."""
+    their_files = sorted(p.relative_to(theirs).as_posix() for p in theirs.rglob("*.pt"))
+    assert sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*.pt")) == their_files
+    assert expected in their_files
+    for rel in their_files:
+        if "model_states" in rel:
+            assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
+            continue
+        _same(load(ours / rel), load(theirs / rel), rel)
+
+
+def full_state(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
+    """The logical tensor of one state, rebuilt from every EP (or TP) rank's shard."""
+    m = ck.tp_map(name).map
+    return m.rebuild({r: ck.tp_shard(name, r, state, m.shards[r].shape) for r in m.ranks})
+
+
 def test_convert_is_ds_to_universal(tmp_path: Path):
     pytest.importorskip("deepspeed")
     theirs = ds_to_universal(NAME, tmp_path / "ds")
     ours = convert(FIXTURES / NAME, tmp_path / "reshard").out_dir
-    their_files = sorted(p.relative_to(theirs).as_posix() for p in theirs.rglob("*.pt"))
-    assert sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*.pt")) == their_files
-    assert "zero/model.layers.0.mlp.experts.w1/exp_avg_sq.pt" in their_files
-    for rel in their_files:
-        if rel.startswith("mp_rank"):  # rewritten by both under AutoEP: byte for byte
-            assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
-            continue
-        _same(load(ours / rel), load(theirs / rel), rel)
+    assert_same_as_ds_to_universal(ours, theirs, "zero/model.layers.0.mlp.experts.w1/exp_avg_sq.pt")
 
 
 # -- reshard reshard to another EP degree (reshard/offline_experts.py) ---------------------------

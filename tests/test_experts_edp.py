@@ -26,7 +26,8 @@ from reshard.formats.safe_load import load
 from reshard.offline import reshard
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir
 from tests.test_convert_parity import _same
-from tests.test_experts import _diff_files
+from tests.test_experts import _diff_files, assert_same_as_ds_to_universal
+from tests.test_experts import full_state as _full
 
 NAME = "mixtral_autoep_ep2_dp4"
 EP2_DP2 = "mixtral_autoep_ep2"  # the same recipe trained at world 2 (EDP = 1)
@@ -45,12 +46,6 @@ def ucp(tmp_path_factory) -> Path:
     """DeepSpeed's own ``ds_to_universal`` of the fixture (its tag folder)."""
     pytest.importorskip("deepspeed")
     return ds_to_universal(NAME, tmp_path_factory.mktemp("ucp"))
-
-
-def _full(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
-    """The logical tensor of one state, rebuilt from every EP (or TP) rank's shard."""
-    m = ck.tp_map(name).map
-    return m.rebuild({r: ck.tp_shard(name, r, state, m.shards[r].shape) for r in m.ranks})
 
 
 def _deepspeed_edp_groups(world: int, ep: int, data_before_expert: bool = False) -> list[list[int]]:
@@ -149,14 +144,7 @@ def test_a_wrong_partition_count_is_refused(tmp_path):
 
 def test_convert_is_ds_to_universal(ucp, tmp_path):
     ours = convert(FIXTURES / NAME, tmp_path / "reshard").out_dir
-    their_files = sorted(p.relative_to(ucp).as_posix() for p in ucp.rglob("*.pt"))
-    assert sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*.pt")) == their_files
-    assert "zero/model.layers.1.mlp.experts.w3/exp_avg_sq.pt" in their_files
-    for rel in their_files:
-        if rel.startswith("mp_rank"):  # rewritten by both under AutoEP: byte for byte
-            assert (ours / rel).read_bytes() == (ucp / rel).read_bytes(), rel
-            continue
-        _same(load(ours / rel), load(ucp / rel), rel)
+    assert_same_as_ds_to_universal(ours, ucp, "zero/model.layers.1.mlp.experts.w3/exp_avg_sq.pt")
 
 
 # -- reshard reshard: other (EP, DP) and back --------------------------------------------------------

@@ -27,6 +27,8 @@ from reshard.formats.safe_load import load
 from reshard.offline import reshard
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir
 from tests.test_convert_parity import _same
+from tests.test_experts import assert_same_as_ds_to_universal
+from tests.test_experts import full_state as _full
 
 NAME = "mixtral_autoep_ep2_zero3"
 EXPERTS = [f"model.layers.{layer}.mlp.experts.{w}" for layer in (0, 1) for w in ("w1", "w2", "w3")]
@@ -43,11 +45,6 @@ def ucp(tmp_path_factory) -> Path:
     """DeepSpeed's own ``ds_to_universal`` of the fixture (its tag folder)."""
     pytest.importorskip("deepspeed")
     return ds_to_universal(NAME, tmp_path_factory.mktemp("ucp"))
-
-
-def _full(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
-    m = ck.tp_map(name).map
-    return m.rebuild({r: ck.tp_shard(name, r, state, m.shards[r].shape) for r in m.ranks})
 
 
 def _members(path: Path) -> dict[str, bytes]:
@@ -86,14 +83,7 @@ def test_reads_the_zero3_experts(ck):
 
 def test_convert_is_ds_to_universal(ucp, tmp_path):
     ours = convert(FIXTURES / NAME, tmp_path / "reshard").out_dir
-    their_files = sorted(p.relative_to(ucp).as_posix() for p in ucp.rglob("*.pt"))
-    assert sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*.pt")) == their_files
-    assert "zero/model.layers.1.mlp.experts.w2/exp_avg_sq.pt" in their_files
-    for rel in their_files:
-        if "model_states" in rel:  # rewritten by both under AutoEP: byte for byte
-            assert (ours / rel).read_bytes() == (ucp / rel).read_bytes(), rel
-            continue
-        _same(load(ours / rel), load(ucp / rel), rel)
+    assert_same_as_ds_to_universal(ours, ucp, "zero/model.layers.1.mlp.experts.w2/exp_avg_sq.pt")
     assert load(ours / "zero" / EXPERTS[0] / "fp32.pt")["param"].shape == (4, 48, 32)
 
 
