@@ -16,7 +16,11 @@ are gloo's over the default group, so CPU-only nodes need nothing else.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
+import socket
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +30,7 @@ from typing import Any, TypeVar
 from . import errors
 from .errors import OutputError, ReshardError
 from .formats.output import Staging
+from .formats.zip_parts import PART_BYTES, Archive, Written, part_count
 
 T = TypeVar("T")
 
@@ -55,7 +60,7 @@ class Cluster:
         owned = not dist.is_initialized()
         try:
             if owned:
-                dist.init_process_group("gloo", timeout=timeout)
+                _init_process_group(timeout)
             # object collectives need gloo; a job that already runs NCCL gets a gloo group beside it
             group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         except (RuntimeError, ValueError) as e:
@@ -117,6 +122,37 @@ class Cluster:
         raise _rebuild(name, f"process {rank} of {self.world}: {message}")
 
 
+def _init_process_group(timeout: timedelta) -> None:
+    """gloo's default group over the launcher's rendezvous. Where process 0 serves the store
+    (a plain launcher, not ``torchrun``'s agent), the others wait for its port to open before
+    connecting: torch's client, started first, backs off for 0.3-0.7 s per failed attempt, which
+    every process paid at start-up."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        _wait_for_port(host, port, timeout.total_seconds())
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"process 0's store at {host}:{port} did not open within {timeout_s:g} s ({e})") \
+                    from None
+            time.sleep(0.005)
+
+
 def _describe(error: BaseException) -> tuple[str, str]:
     return type(error).__name__, str(error) or repr(error)
 
@@ -147,13 +183,108 @@ def open_staging(cluster: Cluster, out_dir: str | Path, tag: str, *, overwrite: 
     return staging
 
 
-def run_share(cluster: Cluster, staging: Staging, jobs: Sequence[tuple[int, Callable[[], None]]],
-              run: Callable[[list[Callable[[], None]]], None]) -> None:
-    """Run this process's share of ``jobs`` (``(bytes, job)``) with ``run``, then agree with the
-    others; on any failure the staging folder is removed and every process raises."""
-    mine = [jobs[i][1] for i in cluster.share([size for size, _ in jobs])]
+@dataclass(frozen=True, slots=True)
+class ArchiveJob:
+    """An output ``torch.save`` archive (``rel`` in the staging folder, about ``size`` bytes)
+    written in parts (``formats.zip_parts``) that processes and their workers share as if each
+    were a job of its own, so one large file no longer sets the pace. ``build()`` returns the
+    object to save (with ``torch_zip`` placeholders); it runs after the job's planning, once in
+    every process that writes a part."""
+
+    rel: str
+    size: int
+    build: Callable[[], Any]
+
+
+class _Parts:
+    """One archive's parts in this process: its layout, built on first use, and what was written."""
+
+    def __init__(self, staging: Staging, job: ArchiveJob, parts: int) -> None:
+        self.staging, self.job, self.parts = staging, job, parts
+        self._lock = threading.Lock()
+        self._archive: Archive | None = None
+        self.written: list[Written] = []
+
+    def archive(self) -> Archive:
+        with self._lock:
+            if self._archive is None:
+                self._archive = Archive(self.staging, self.job.rel, self.job.build(), self.parts)
+            return self._archive
+
+    def write(self, i: int) -> None:
+        done = self.archive().write_part(i)
+        with self._lock:
+            self.written += done
+
+
+# a job of a share: ``(bytes, run)``, or an archive to write in parts
+OutputJob = tuple[int, Callable[[], None]] | ArchiveJob
+
+
+def _units(staging: Staging, jobs: Sequence[OutputJob], part_size: int
+           ) -> tuple[list[tuple[int, Callable[[], None]]], list[_Parts]]:
+    """Every job as units of work ``(bytes, run)``: an archive's parts, taken one part of each
+    job in turn (largest jobs first), so that workers taking units in order write different
+    files at once (writers of one file queue on its lock in the kernel)."""
+    groups: list[list[tuple[int, Callable[[], None]]]] = []
+    archives = []
+    for job in jobs:
+        if isinstance(job, ArchiveJob):
+            n = part_count(job.size, part_size)
+            parts = _Parts(staging, job, n)
+            archives.append(parts)
+            groups.append([(max(1, job.size // n), functools.partial(parts.write, i)) for i in range(n)])
+        else:
+            groups.append([job])
+    groups.sort(key=lambda g: -sum(size for size, _ in g))
+    rounds = max((len(g) for g in groups), default=0)
+    return [g[r] for r in range(rounds) for g in groups if r < len(g)], archives
+
+
+def part_bytes() -> int:
+    """How large the parts of an archive are: ``RESHARD_PART_BYTES`` (bytes) if set, else
+    ``zip_parts.PART_BYTES``. Every process of a job must see the same value."""
+    raw = os.environ.get("RESHARD_PART_BYTES")
+    if raw is None:
+        return PART_BYTES
     try:
-        run(mine)
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ReshardError(f"RESHARD_PART_BYTES must be a positive number of bytes, got {raw!r}")
+    return value
+
+
+def run_share(cluster: Cluster, staging: Staging, jobs: Sequence[OutputJob],
+              run: Callable[[list[Callable[[], None]]], None]) -> None:
+    """Run this process's share of ``jobs`` (``(bytes, job)``, or archives to write in parts)
+    with ``run``, then agree with the others; then each archive is finished by one process from
+    every process's parts. On any failure the staging folder is removed and every process
+    raises."""
+    archives: list[_Parts] = []
+
+    def mine() -> None:
+        units, found = _units(staging, jobs, part_bytes())
+        archives.extend(found)
+        run([units[i][1] for i in cluster.share([size for size, _ in units])])
+
+    _agreed(cluster, staging, mine)
+    if archives:
+        _agreed(cluster, staging, lambda: _finish(cluster, archives))
+
+
+def _finish(cluster: Cluster, archives: list[_Parts]) -> None:
+    """Every process's spans of every archive, then this process's archives finished."""
+    written = cluster.gather([a.written for a in archives])
+    for j, parts in enumerate(archives):
+        if j % cluster.world == cluster.rank:
+            parts.archive().finish([w for per_process in written for w in per_process[j]])
+
+
+def _agreed(cluster: Cluster, staging: Staging, step: Callable[[], None]) -> None:
+    try:
+        step()
     except BaseException as e:
         error: BaseException | None = e
     else:

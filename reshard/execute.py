@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 
@@ -119,6 +120,13 @@ class WindowFill:
         disjoint = self._runs is not None and all(a[1] <= b[0] for a, b in zip(items, items[1:]))
         self._ends = [x[1] for x in items] if disjoint else None  # sorted when disjoint
         self._restart()
+
+    def fresh(self) -> WindowFill:
+        """The same buffer, with a sweep of its own: fills of disjoint windows may then run in
+        separate threads at once (``formats.zip_parts``)."""
+        other = copy.copy(self)
+        other._restart()
+        return other
 
     def direct(self, start: int, count: int, dtype: torch.dtype, min_bytes: int = 1 << 20
                ) -> list[torch.Tensor | int] | None:

@@ -36,7 +36,6 @@ model-parallel maps come from ``target_layout`` (``layout=``); both composites a
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -45,14 +44,14 @@ from typing import Any
 import torch
 
 from . import __version__
-from .cluster import Cluster, commit, open_staging, run_share
+from .cluster import ArchiveJob, Cluster, OutputJob, commit, open_staging, run_share
 from .errors import CheckpointError, ReshardError, in_context
 from .execute import WindowFill
 from .formats import deepspeed_writer as dsw
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.deepspeed_zero12 import Zero12Source
 from .formats.output import Staging
-from .formats.torch_zip import Storage, save
+from .formats.torch_zip import Storage
 from .ir.param_map import ParamMap
 from .ir.piece import prod
 from .layouts import compose_zero
@@ -143,7 +142,6 @@ class _Writer:
         self.planner = planner
         self.tp, self.pp = tp, pp  # the target's TP ranks and stages (tgt.tp = tp * pp model-parallel ranks)
         self.module_planner = Planner(_same_tp_rank(src.mp, tgt.tp, src.ck.tp, tp))
-        self._lock = threading.Lock()
         ms0 = src.ck.model_state(0)
         self.ds_config = dsw.target_ds_config(ms0.get("ds_config"), tp=1 if src.pipe else tgt.tp, dp=tgt.dp,
                                               zero_stage=zero_stage)
@@ -163,14 +161,15 @@ class _Writer:
             self.opt_plans[n] = _by_dst(p)
             self.mod_plans[n] = _by_dst(q)
             self.segments += len(p.segments) + len(q.segments)
+            self.read += len(STATES) * sum(s.numel for s in p.segments)
 
     # one target (tp, dp) optimizer partition: each state's partition a placeholder whose bytes the
     # plan's segments produce chunk by chunk while the file is written (never the whole partition)
-    def optim(self, t: int, d: int) -> None:
-        src, tgt, ck = self.src, self.tgt, self.src.ck
+    def optim(self, t: int, d: int) -> Any:
+        tgt, ck = self.tgt, self.src.ck
         rank = tgt.topology.rank(0, d, t)
         groups = tgt.groups[t]
-        fp32, moments, read = [], [], 0
+        fp32, moments = [], []
         for g, grp in enumerate(groups):
             base = d * grp.partition
             parts = []
@@ -181,18 +180,12 @@ class _Writer:
                     raise CheckpointError(f"internal: plan for {name!r} fills {sum(s.numel for s in segs)} of the "
                                           f"{hi - lo} elements of target rank (tp {t}, dp {d})")
                 parts += [(lo - base, s, name) for s in segs]
-                read += len(STATES) * sum(s.numel for s in segs)
             flats = {state: Storage(torch.float32, grp.partition, self._optim_fill(parts, state),
                                     label=f"{state} of group {g}") for state in STATES}
             fp32.append(flats["fp32"])
             moments.append({k: flats[k].view((grp.partition,)) for k in dsw.MOMENTS})
-        with self._lock:
-            self.read += read
-        src_file = ck.optim_state(0, 0)
-        obj = dsw.optim_states(src_file, groups=groups, d=d, fp32=fp32, moments=moments,
-                               zero_stage=self.zero_stage, ds_config=self.ds_config, uc_info=self.uc_info)
-        with self.staging.open(dsw.optim_file(t, d, bf16=src.bf16)) as f:
-            save(obj, f)
+        return dsw.optim_states(ck.optim_state(0, 0), groups=groups, d=d, fp32=fp32, moments=moments,
+                                zero_stage=self.zero_stage, ds_config=self.ds_config, uc_info=self.uc_info)
 
     def _optim_fill(self, parts: list[tuple[int, Segment, str]], state: str) -> WindowFill:
         """One state of a partition from ``(offset in the partition, segment, parameter)``: each
@@ -208,7 +201,7 @@ class _Writer:
                           scale_power=SCALE_POWER[state])
 
     # one target TP rank's model states: each flat group a placeholder filled chunk by chunk
-    def model(self, t: int) -> None:
+    def model(self, t: int) -> Any:
         if self.src.pipe:
             return self._stage_model(t)
         src, tgt, ck = self.src, self.tgt, self.src.ck
@@ -238,24 +231,20 @@ class _Writer:
                                           "does not hold")
         param_shapes = self._param_shapes(t)
         empty = OrderedDict((n, views[n]) for n in src.names if n in tgt.empty[t])
-        obj = dsw.model_states(ms0, module=module, param_shapes=param_shapes, tp=tgt.tp, dp=tgt.dp, tp_rank=t,
-                               zero_stage=self.zero_stage, shared_params=src.shared, uc_info=self.uc_info,
-                               ds_config=self.ds_config, empty_params=empty)
-        with self.staging.open(dsw.model_file(t)) as f:
-            save(obj, f)
+        return dsw.model_states(ms0, module=module, param_shapes=param_shapes, tp=tgt.tp, dp=tgt.dp, tp_rank=t,
+                                zero_stage=self.zero_stage, shared_params=src.shared, uc_info=self.uc_info,
+                                ds_config=self.ds_config, empty_params=empty)
 
-    def _stage_model(self, t: int) -> None:
+    def _stage_model(self, t: int) -> Any:
         """One model-parallel rank's model-state file of a pipeline checkpoint: its parameters'
         shapes, the topology and the training script's ``universal_checkpoint_info``; the weights
         are in the layer files."""
         ms0 = self.src.ck.model_state(0)
-        obj = dsw.model_states(ms0, module=None, param_shapes=self._param_shapes(t), tp=self.tp, dp=self.tgt.dp,
-                               tp_rank=t % self.tp, zero_stage=self.zero_stage, shared_params={},
-                               uc_info=self.uc_info, ds_config=self.ds_config, pp=self.pp)
-        with self.staging.open(dsw.model_file(t)) as f:
-            save(obj, f)
+        return dsw.model_states(ms0, module=None, param_shapes=self._param_shapes(t), tp=self.tp, dp=self.tgt.dp,
+                                tp_rank=t % self.tp, zero_stage=self.zero_stage, shared_params={},
+                                uc_info=self.uc_info, ds_config=self.ds_config, pp=self.pp)
 
-    def layer(self, layer: int, t: int) -> None:
+    def layer(self, layer: int, t: int) -> Any:
         """Layer file ``layer`` of target TP rank ``t``: each parameter's target shard in a storage
         of its own (DeepSpeed clones every tensor before saving), in the source file's key order,
         produced from the source layer files through the module plans."""
@@ -269,8 +258,7 @@ class _Writer:
                      for s in self.mod_plans[name].get(dst, [])]
             shape = m.shard(dst).shape
             state[key] = Storage(src.dtype, prod(shape), WindowFill(parts), label=name).view(shape)
-        with self.staging.open(dsw.layer_file(layer, t)) as f:
-            save(state, f)
+        return state
 
     def _param_shapes(self, t: int) -> list[OrderedDict]:
         """``param_shapes`` of target model-parallel rank ``t``: one ordered dict per flat group."""
@@ -378,18 +366,18 @@ def reshard(
     staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     writer = _Writer(src, tgt, stage, uc_info, staging, Planner(_same_tp_rank(src.mp, mp, ck.tp, tp)), tp, pp)
     esize = src.dtype.itemsize
-    jobs: list[tuple[int, Callable[[], None]]] = [
-        (sum(g.total for g in tgt.groups[t]) * esize, lambda t=t: writer.model(t)) for t in range(mp)]
-    jobs += [(sum(g.partition for g in tgt.groups[t]) * 4 * len(STATES), lambda t=t, d=d: writer.optim(t, d))
-             for t in range(mp) for d in range(dp)]
+    jobs: list[OutputJob] = [ArchiveJob(dsw.model_file(t), sum(g.total for g in tgt.groups[t]) * esize,
+                                  lambda t=t: writer.model(t)) for t in range(mp)]
+    jobs += [ArchiveJob(dsw.optim_file(t, d, bf16=src.bf16), sum(g.partition for g in tgt.groups[t]) * 4 * len(STATES),
+                        lambda t=t, d=d: writer.optim(t, d)) for t in range(mp) for d in range(dp)]
     # a layer file holds one layer's weights of one TP rank whatever the stage count: copied as it
     # is at an unchanged TP degree, else written per target TP rank
     if tp == ck.tp:
         jobs += [(p.stat().st_size, lambda p=p: staging.copy(p, p.name)) for _, p in sorted(ck.layer_files.items())]
     else:
         layers = sorted({layer for layer, _ in ck.layer_files})
-        jobs += [(ck.layer_files[(L, 0)].stat().st_size // ck.tp, lambda L=L, t=t: writer.layer(L, t))
-                 for L in layers for t in range(tp)]
+        jobs += [ArchiveJob(dsw.layer_file(L, t), ck.layer_files[(L, 0)].stat().st_size // ck.tp,
+                            lambda L=L, t=t: writer.layer(L, t)) for L in layers for t in range(tp)]
 
     def run(mine: list[Callable[[], None]]) -> None:
         writer.plan_all(src.names)
@@ -405,6 +393,5 @@ def reshard(
         "target_tp_layout": origin,
     }
     final = commit(cluster, staging, meta, latest_name="latest")
-    read = sum(cluster.gather(writer.read))
     return ReshardReport(final, meta["source_topology"], meta["target_topology"], len(src.names), *written(final),
-                         writer.segments, read, [f"target TP layout {origin}"])
+                         writer.segments, writer.read, [f"target TP layout {origin}"])

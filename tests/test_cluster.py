@@ -3,7 +3,8 @@ launched by ``torchrun`` or by hand with the ``torch.distributed`` environment (
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), on one machine.
 
 * the output of 2, 3 and 4 processes, and of two ``torchrun`` "nodes", is byte-identical to one
-  process's, manifest included, for ``reshard reshard`` and ``reshard convert`` (both formats);
+  process's, manifest included, for ``reshard reshard`` and ``reshard convert`` (both formats),
+  also when every file is split into parts that several processes write;
 * a process killed mid-write makes the others stop with a ``reshard`` error, no output that looks
   finished is left, and a rerun gives the identical result;
 * the share of files is disjoint, complete and balanced by bytes.
@@ -53,7 +54,8 @@ def _single(tmp_path: Path, *args: str, source: Path = SOURCE) -> Path:
     return out
 
 
-def _torchrun(out: Path, nproc: int, *args: str, nodes: int = 1, source: Path = SOURCE) -> None:
+def _torchrun(out: Path, nproc: int, *args: str, nodes: int = 1, source: Path = SOURCE, env: dict | None = None
+              ) -> None:
     port = _port()
     procs = []
     for node in range(nodes):
@@ -61,7 +63,8 @@ def _torchrun(out: Path, nproc: int, *args: str, nodes: int = 1, source: Path = 
         if nodes > 1:
             launch += [f"--nnodes={nodes}", f"--node_rank={node}", "--master_addr=127.0.0.1"]
         cmd = [*launch, "-m", "reshard", *args[:1], str(source), str(out), *args[1:]]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=dict(os.environ, **(env or {}))))
     for p in procs:
         text, _ = p.communicate(timeout=300)
         assert p.returncode == 0, text[-3000:]
@@ -92,6 +95,19 @@ def test_dcp_jobs_over_processes_write_what_one_process_writes(args, source, tmp
     _same_tree(single, many)
 
 
+@pytest.mark.parametrize("args,nproc", [
+    (("reshard", "--tp", "1", "--dp", "4"), 3),
+    (("reshard", "--tp", "2", "--dp", "3", "--workers", "2"), 2),
+], ids=["reshard-3", "reshard-2-workers"])
+def test_files_split_between_processes_are_what_one_process_writes(args, nproc, tmp_path):
+    """Parts of 4 KiB: every output archive is written by several processes (and threads),
+    each part at its place, and finished by one of them (``formats.zip_parts``)."""
+    single = _single(tmp_path, *args)
+    many = tmp_path / "many"
+    _torchrun(many, nproc, *args, env={"RESHARD_PART_BYTES": "4096"})
+    _same_tree(single, many)
+
+
 def test_two_nodes_write_what_one_process_writes(tmp_path):
     args = ("reshard", "--tp", "1", "--dp", "4")
     single = _single(tmp_path, *args)
@@ -103,15 +119,15 @@ def test_two_nodes_write_what_one_process_writes(tmp_path):
 # A process that dies after writing its first optimizer file: the others must notice and stop.
 _KILL_ONE = textwrap.dedent("""
     import os, sys
-    from reshard.formats import output
+    from reshard.formats import zip_parts
     from reshard.cli import main
     if os.environ["RANK"] == os.environ["DIE_RANK"]:
-        real = output.Staging.open
-        def open_then_die(self, rel):
-            if "optim" in rel:
+        real = zip_parts.Archive.write_part
+        def write_then_die(self, i):
+            if "optim" in self.rel and i:  # part 0 written, then killed mid-file
                 os._exit(9)
-            return real(self, rel)
-        output.Staging.open = open_then_die
+            return real(self, i)
+        zip_parts.Archive.write_part = write_then_die
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -125,7 +141,7 @@ def test_a_killed_process_stops_the_job_and_a_rerun_gives_the_same_files(tmp_pat
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), DIE_RANK="1")
+                   MASTER_PORT=str(port), DIE_RANK="1", RESHARD_PART_BYTES="4096")
         cmd = [sys.executable, str(script), args[0], str(SOURCE), str(out), *args[1:], "--timeout", "60"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     texts = [p.communicate(timeout=180)[0] for p in procs]

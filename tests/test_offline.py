@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import os
 import re
 import shutil
 from collections import OrderedDict
@@ -435,17 +436,17 @@ def test_unknown_zero_layout_is_refused(tmp_path):
 
 
 def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
-    import reshard.offline as off
+    """The disk fills while an optimizer file's part is written (parts: ``formats.zip_parts``)."""
+    from reshard.formats import zip_parts
 
-    real, calls = off.save, []
+    real = zip_parts._pwrite
 
-    def flaky(obj, f):
-        calls.append(1)
-        if len(calls) == 3:
+    def flaky(fd, view, at):
+        if "optim" in os.readlink(f"/proc/self/fd/{fd}"):
             raise OSError("disk full (simulated)")
-        real(obj, f)
+        real(fd, view, at)
 
-    monkeypatch.setattr(off, "save", flaky)
+    monkeypatch.setattr(zip_parts, "_pwrite", flaky)
     with pytest.raises(OutputError, match=r"optim_states\.pt: cannot write the output \(disk full \(simulated\)\)"):
         reshard(FIXTURES / "llama_tp2_dp2", tmp_path, tp=1, dp=4)
     assert list(tmp_path.iterdir()) == []  # no tag folder, no partial folder, no latest
@@ -517,13 +518,13 @@ STREAMED = [("llama_tp2_dp2", {"tp": 1, "dp": 3}), ("gpt_bigcode_tp2", {"tp": 2,
 def test_streamed_files_are_byte_identical_to_saving_the_built_tensors(source, kw, tmp_path, monkeypatch):
     """Module and optimizer files are streamed (``formats.torch_zip``): their flat buffers are
     placeholders filled window by window from the plan. Each file, at tiny and odd chunk sizes
-    and as written, is byte for byte what ``torch.save`` writes for the same object built in
-    memory."""
-    import reshard.offline as off
+    and as written (in parts of at most a few KiB, by two workers), is byte for byte what
+    ``torch.save`` writes for the same object built in memory."""
+    from reshard.formats import zip_parts
 
-    written, references = off.save, []
+    laid_out, references = zip_parts.Archive.__init__, []
 
-    def checked(obj, f):
+    def checked(self, staging, rel, obj, parts, **kw):
         reference = io.BytesIO()
         save_whole(_materialised(obj), reference)
         for chunk in (64, 4100):
@@ -531,10 +532,11 @@ def test_streamed_files_are_byte_identical_to_saving_the_built_tensors(source, k
             torch_zip.save(obj, streamed, chunk_bytes=chunk)
             assert streamed.getvalue() == reference.getvalue(), chunk
         references.append(reference.getvalue())
-        written(obj, f)
+        laid_out(self, staging, rel, obj, parts, **kw)
 
-    monkeypatch.setattr(off, "save", checked)
-    out = reshard(FIXTURES / source, tmp_path, **kw).out_dir
+    monkeypatch.setattr(zip_parts.Archive, "__init__", checked)
+    monkeypatch.setenv("RESHARD_PART_BYTES", "1000")  # and written in parts
+    out = reshard(FIXTURES / source, tmp_path, workers=2, **kw).out_dir
     files = sorted(p.read_bytes() for p in out.iterdir() if p.suffix == ".pt")
     assert len(files) == 1 + kw["dp"] if kw["tp"] == 1 else 2 * (1 + kw["dp"])
     assert files == sorted(references)

@@ -91,6 +91,11 @@ class Staging:
         with self._lock:
             self.digests[rel] = {"size": f.size, self.checksum: f.hash.hexdigest()}
 
+    def record(self, rel: str, size: int, digest: str) -> None:
+        """The checksum of ``rel``, written by other means than :meth:`open`."""
+        with self._lock:
+            self.digests[rel] = {"size": size, self.checksum: digest}
+
     @contextlib.contextmanager
     def writing(self, rel: str) -> Iterator[None]:
         """Turn an OS error while writing ``rel`` (by any writer) into :class:`OutputError`."""
@@ -243,7 +248,7 @@ class _HashingWriter:
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         try:
-            done = self._copy(view) if len(view) >= _DIRECT else 0
+            done = copy_mapped(view, self.raw.fileno()) if len(view) >= _DIRECT else 0
             while done < len(view):  # an unbuffered write may be short: finish it
                 done += self.raw.write(view[done:])
         except OSError as e:
@@ -252,31 +257,6 @@ class _HashingWriter:
         self._account(view)
         self.size += len(view)
         return len(view)
-
-    def _copy(self, view: memoryview) -> int:
-        """Bytes of ``view`` copied by the kernel from the file they are mapped from, if they are
-        (``memory.file_bytes``): ``copy_file_range`` moves them page cache to page cache, where
-        ``write`` from the mapping pays a user-space copy and its page faults. 0 when not mapped
-        or the kernel cannot (another file system, no such call): then ``write`` does it all."""
-        where = file_bytes(view)
-        if where is None:
-            return 0
-        path, offset = where
-        done = 0
-        src = os.open(path, os.O_RDONLY)
-        try:
-            dst = self.raw.fileno()
-            while done < len(view):
-                n = os.copy_file_range(src, dst, len(view) - done, offset + done)
-                if n == 0:
-                    break
-                done += n
-        except (OSError, AttributeError, io.UnsupportedOperation):
-            if done:
-                raise
-        finally:
-            os.close(src)
-        return done
 
     def _account(self, view: memoryview) -> None:
         pending, self.pending = self.pending, None
@@ -296,6 +276,39 @@ class _HashingWriter:
             self.hash.update(self.pending)
             self.pending = None
         self.raw.flush()
+
+
+def copy_mapped(view: memoryview, dst: int, at: int | None = None) -> int:
+    """Bytes of ``view`` copied by the kernel to file ``dst`` (at its position, or at offset
+    ``at``) from the file they are mapped from, if they are (``memory.file_bytes``):
+    ``copy_file_range`` moves them page cache to page cache, where ``write`` from the mapping
+    pays a user-space copy and its page faults. 0 when not mapped or the kernel cannot (another
+    file system, no such call): then the caller writes them all."""
+    where = file_bytes(view)
+    if where is None:
+        return 0
+    path, offset = where
+    done = 0
+    src = os.open(path, os.O_RDONLY)
+    try:
+        while done < len(view):
+            n = os.copy_file_range(src, dst, len(view) - done, offset + done, None if at is None else at + done)
+            if n == 0:
+                break
+            done += n
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        if done:
+            raise
+    finally:
+        os.close(src)
+    return done
+
+
+def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
+    """Start writing back bytes ``offset .. offset + nbytes`` of ``fd`` (0: to the end) now,
+    asynchronously (:func:`_start_writeback` for a range; nothing where the call is missing)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def _descriptor_crc(view: memoryview, size: int) -> int | None:

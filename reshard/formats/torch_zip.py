@@ -61,7 +61,7 @@ import torch
 
 from ..errors import OutputError, ReshardError
 from ..memory import release
-from .crc import crc32
+from .crc import crc32, crc32_combine
 from .pickling import Pickler
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ZIP64_THRESHOLD", "Source", "Storage", "StorageRecord", "TensorRef",
@@ -347,6 +347,27 @@ class TorchZipWriter:
         self._crc = crc32(view, self._crc)
         self._emit(view)
         self._done += len(view)
+
+    def put(self, nbytes: int, crc: int, head: bytes) -> None:
+        """Account for the current storage's next ``nbytes``, written at their place by someone
+        else (``zip_parts``): ``crc`` is their CRC-32, ``head`` their first 8 bytes when they
+        start the storage. The sink's ``skip(nbytes, crc)`` moves past them."""
+        self._check("storage")
+        slot = self._current
+        assert slot is not None
+        if self._done + nbytes > slot.nbytes:
+            self._fail(OutputError(f"{self._where()}: {slot!r} takes {slot.nbytes} bytes, "
+                                   f"{self._done + nbytes} were supplied"))
+        if len(self._head) < 8:
+            self._head += head[: 8 - len(self._head)]
+        self._crc = crc32_combine(self._crc, crc, nbytes)
+        try:
+            self.f.skip(nbytes, crc)
+        except BaseException as e:
+            self._failed = e
+            raise
+        self.size += nbytes
+        self._done += nbytes
 
     def end(self) -> None:
         """Finish the current storage: refuse a short one, write its data descriptor."""
