@@ -2,7 +2,10 @@
 ``torch.distributed`` launch, on one machine or many sharing a file system.
 
 Every process opens the same source and computes the same plan (plans are deterministic), takes a
-disjoint share of the output files, balanced by bytes, and writes them into the one staging folder.
+disjoint share of the output, balanced by bytes, and writes it into the one staging folder. Large
+archives (``ArchiveJob``) are shared part by part (``formats.zip_parts``): any process or worker
+writes any part at its place in the file, and once all are written one process finishes each
+archive from every process's part checksums.
 The commit is collective: every process reports how it did; only when all succeeded does process 0
 write the manifest (with every process's checksums), rename the folder into place and write
 ``latest``. When any process fails, every process raises the same error and process 0 removes the

@@ -25,7 +25,6 @@ come from ``formats.deepspeed_zero3`` and ``formats.deepspeed_writer``.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from .cluster import Cluster, commit, open_staging, run_share
+from .cluster import ArchiveJob, Cluster, OutputJob, commit, open_staging, run_share
 from .errors import CheckpointError, ReshardError, in_context
 from .execute import WindowFill
 from .formats import deepspeed_writer as dsw
@@ -221,8 +220,7 @@ class _Writer:
         self.maps = {n: tgt.map(n) for n in src.names}
         self.plans: dict[str, dict[int, list[Segment]]] = {}
         self.segments = 0
-        self.read = 0
-        self._lock = threading.Lock()
+        self.reads: dict[tuple[int, int], int] = {}  # elements read for each (TP, DP) rank's optimizer file
 
     def plan_all(self) -> None:
         planner = _same_tp_rank(self.src.tp, self.tgt.tp)
@@ -268,19 +266,16 @@ class _Writer:
                     for state in self.src.states}
             fp32.append(bufs["fp32"])
             moments.append({m: bufs[m].view((numel,)) for m in z3.MOMENTS if m in bufs})
-        with self._lock:
-            self.read += read
+        self.reads[(t, d)] = read  # the same whichever process builds the file, however often
         return fp32, moments
 
     # -- ZeRO-3 files
-    def z3_optim(self, t: int, d: int) -> None:
+    def z3_optim(self, t: int, d: int) -> Any:
         src, tgt = self.src, self.tgt
         fp32, moments = self.flats(t, d)
         has_moments = "exp_avg" in src.states
-        obj = z3.optim_states(src.optim_source(), subs=tgt.subs[t], dp=tgt.dp, fp32=fp32,
-                              moments=moments if has_moments else None, ds_ids=src.ds_ids, ds_config=self.ds_config)
-        with self.staging.open(z3.optim_file(d, bf16=src.bf16, t=t)) as f:
-            save(obj, f)
+        return z3.optim_states(src.optim_source(), subs=tgt.subs[t], dp=tgt.dp, fp32=fp32,
+                               moments=moments if has_moments else None, ds_ids=src.ds_ids, ds_config=self.ds_config)
 
     def z3_model(self, t: int, d: int) -> None:
         tgt = self.tgt
@@ -290,17 +285,15 @@ class _Writer:
             save(obj, f)
 
     # -- ZeRO-1/2 files
-    def z12_optim(self, t: int, d: int) -> None:
+    def z12_optim(self, t: int, d: int) -> Any:
         src, tgt = self.src, self.tgt
         fp32, moments = self.flats(t, d)
         clip = src.cfg.get("gradient_clipping", 0.0) if isinstance(src.cfg, dict) else 0.0
         source = z3.optim_source_from_zero3(src.optim_source(), clip_grad=clip)
-        obj = dsw.optim_states(source, groups=tgt.groups[t], d=d, fp32=fp32, moments=moments, zero_stage=tgt.stage,
-                               ds_config=self.ds_config, uc_info=self.uc_info)
-        with self.staging.open(dsw.optim_file(t, d, bf16=src.bf16)) as f:
-            save(obj, f)
+        return dsw.optim_states(source, groups=tgt.groups[t], d=d, fp32=fp32, moments=moments, zero_stage=tgt.stage,
+                                ds_config=self.ds_config, uc_info=self.uc_info)
 
-    def z12_model(self, t: int) -> None:
+    def z12_model(self, t: int) -> Any:
         """``mp_rank_TT_model_states.pt``: each group's TP shards one flat buffer of the training
         dtype, the fp32 master cast, every partition's fragments at their place in the whole buffer."""
         src, tgt = self.src, self.tgt
@@ -318,24 +311,24 @@ class _Writer:
             canonical = src.shared.get(key, key)
             module[key] = views[canonical] if canonical in views else value  # buffers are whole in ZeRO-3 files
         shapes = [OrderedDict((n, torch.Size(s)) for n, s in zip(grp.names, grp.shapes)) for grp in tgt.groups[t]]
-        obj = dsw.model_states(template, module=module, param_shapes=shapes, tp=tgt.tp, dp=tgt.dp, tp_rank=t,
-                               zero_stage=tgt.stage, shared_params=src.shared, uc_info=self.uc_info,
-                               ds_config=self.ds_config)
-        with self.staging.open(dsw.model_file(t)) as f:
-            save(obj, f)
+        return dsw.model_states(template, module=module, param_shapes=shapes, tp=tgt.tp, dp=tgt.dp, tp_rank=t,
+                                zero_stage=tgt.stage, shared_params=src.shared, uc_info=self.uc_info,
+                                ds_config=self.ds_config)
 
-    def jobs(self) -> list[tuple[int, Callable[[], None]]]:
-        """``(bytes, job)`` for every output file."""
-        tgt, n_states = self.tgt, len(self.src.states)
+    def jobs(self) -> list[OutputJob]:
+        """Every output file: the large ones as archives written in parts."""
+        tgt, n_states, bf16 = self.tgt, len(self.src.states), self.src.bf16
         ranks = [(t, d) for t in range(tgt.tp) for d in range(tgt.dp)]
         if isinstance(tgt, _Zero3Out):
             model = self.src.ck.model_files[0].stat().st_size
-            return ([(sum(sg.numel for sg in tgt.subs[t]) * 4 * n_states, lambda t=t, d=d: self.z3_optim(t, d))
-                     for t, d in ranks] + [(model, lambda t=t, d=d: self.z3_model(t, d)) for t, d in ranks])
-        jobs = [(sum(g.partition for g in tgt.groups[t]) * 4 * n_states, lambda t=t, d=d: self.z12_optim(t, d))
-                for t, d in ranks]
-        return jobs + [(sum(g.total for g in tgt.groups[t]) * self.src.dtype.itemsize, lambda t=t: self.z12_model(t))
-                       for t in range(tgt.tp)]
+            return ([ArchiveJob(z3.optim_file(d, bf16=bf16, t=t), sum(sg.numel for sg in tgt.subs[t]) * 4 * n_states,
+                                lambda t=t, d=d: self.z3_optim(t, d)) for t, d in ranks]
+                    + [(model, lambda t=t, d=d: self.z3_model(t, d)) for t, d in ranks])
+        jobs: list[OutputJob] = [
+            ArchiveJob(dsw.optim_file(t, d, bf16=bf16), sum(g.partition for g in tgt.groups[t]) * 4 * n_states,
+                       lambda t=t, d=d: self.z12_optim(t, d)) for t, d in ranks]
+        return jobs + [ArchiveJob(dsw.model_file(t), sum(g.total for g in tgt.groups[t]) * self.src.dtype.itemsize,
+                                  lambda t=t: self.z12_model(t)) for t in range(tgt.tp)]
 
 
 # -- entry point -----------------------------------------------------------------------------------
@@ -385,7 +378,7 @@ def reshard_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, tp: int, dp: 
             "source_topology": source, "target_topology": target,
             "target_tp_layout": "none (TP=1)" if tp == 1 and ck.tp == 1 else origin}
     final = commit(cluster, staging, meta, latest_name="latest")
-    read = sum(cluster.gather(writer.read))
+    read = sum({k: v for reads in cluster.gather(writer.reads) for k, v in reads.items()}.values())
     notes = [] if tp == 1 and ck.tp == 1 else [f"target TP layout {origin}"]
     if isinstance(tgt, _Zero3Out):
         notes.append(f"{len(tgt.subs[0])} sub-group(s) per rank (sub_group_size "
