@@ -109,10 +109,12 @@ def test_files_split_between_processes_are_what_one_process_writes(args, nproc, 
 
 
 def test_two_nodes_write_what_one_process_writes(tmp_path):
+    """Two ``torchrun`` "nodes" of 2 processes; parts of 4 KiB, so the nodes write parts of the
+    same files."""
     args = ("reshard", "--tp", "1", "--dp", "4")
     single = _single(tmp_path, *args)
     nodes = tmp_path / "nodes"
-    _torchrun(nodes, 2, *args, nodes=2)
+    _torchrun(nodes, 2, *args, nodes=2, env={"RESHARD_PART_BYTES": "4096"})
     _same_tree(single, nodes)
 
 
