@@ -181,3 +181,20 @@ def test_shares_are_disjoint_complete_and_balanced(sizes, world):
     loads = [sum(sizes[i] for i in share) for share in shares]
     # greedy largest-first: no process carries more than the lightest plus one job
     assert max(loads) <= min(loads) + max(sizes, default=0)
+
+
+def test_a_store_that_never_opens_is_reported_within_the_timeout():
+    from reshard.cluster import _wait_for_port
+
+    with pytest.raises(RuntimeError, match=r"process 0's store at 127\.0\.0\.1:\d+ did not open within 0\.2 s"):
+        _wait_for_port("127.0.0.1", _port(), 0.2)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "64MiB"])
+def test_a_bad_part_size_is_refused(value, monkeypatch):
+    from reshard.cluster import part_bytes
+    from reshard.errors import ReshardError
+
+    monkeypatch.setenv("RESHARD_PART_BYTES", value)
+    with pytest.raises(ReshardError, match="RESHARD_PART_BYTES must be a positive number of bytes"):
+        part_bytes()
