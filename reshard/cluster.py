@@ -132,8 +132,9 @@ def _init_process_group(timeout: timedelta) -> None:
     every process paid at start-up."""
     import torch.distributed as dist
 
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_ADDR" not in os.environ:
-        dist.init_process_group("gloo", timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not all(
+            k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK")):
+        dist.init_process_group("gloo", timeout=timeout)  # torch names what is missing
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -192,7 +193,7 @@ class ArchiveJob:
     written in parts (``formats.zip_parts``) that processes and their workers share as if each
     were a job of its own, so one large file no longer sets the pace. ``build()`` returns the
     object to save (with ``torch_zip`` placeholders); it runs after the job's planning, once in
-    every process that writes a part."""
+    every process that writes a part of the archive or finishes it."""
 
     rel: str
     size: int
