@@ -3,9 +3,9 @@
 
 Every process opens the same source and computes the same plan (plans are deterministic), takes a
 disjoint share of the output, balanced by bytes, and writes it into the one staging folder. Large
-archives (``ArchiveJob``) are shared part by part (``formats.zip_parts``): any process or worker
-writes any part at its place in the file, and once all are written one process finishes each
-archive from every process's part checksums.
+archives (``ArchiveJob``) are shared stripe by stripe (``formats.zip_stripes``): any process or
+worker writes any stripe at its place in the file, and once all are written one process finishes
+each archive from every process's stripe checksums.
 The commit is collective: every process reports how it did; only when all succeeded does process 0
 write the manifest (with every process's checksums), rename the folder into place and write
 ``latest``. When any process fails, every process raises the same error and process 0 removes the
@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from . import errors
 from .errors import OutputError, ReshardError
 from .formats.output import Staging
-from .formats.zip_parts import PART_BYTES, Archive, Written, part_count
+from .formats.zip_stripes import STRIPE_BYTES, Archive, Written, stripe_count
 
 T = TypeVar("T")
 
@@ -190,21 +190,21 @@ def open_staging(cluster: Cluster, out_dir: str | Path, tag: str, *, overwrite: 
 @dataclass(frozen=True, slots=True)
 class ArchiveJob:
     """An output ``torch.save`` archive (``rel`` in the staging folder, about ``size`` bytes)
-    written in parts (``formats.zip_parts``) that processes and their workers share as if each
+    written in stripes (``formats.zip_stripes``) that processes and their workers share as if each
     were a job of its own, so one large file no longer sets the pace. ``build()`` returns the
     object to save (with ``torch_zip`` placeholders); it runs after the job's planning, once in
-    every process that writes a part of the archive or finishes it."""
+    every process that writes a stripe of the archive or finishes it."""
 
     rel: str
     size: int
     build: Callable[[], Any]
 
 
-class _Parts:
-    """One archive's parts in this process: its layout, built on first use, and what was written."""
+class _Stripes:
+    """One archive's stripes in this process: its layout, built on first use, and what was written."""
 
-    def __init__(self, staging: Staging, job: ArchiveJob, parts: int) -> None:
-        self.staging, self.job, self.parts = staging, job, parts
+    def __init__(self, staging: Staging, job: ArchiveJob, stripes: int) -> None:
+        self.staging, self.job, self.stripes = staging, job, stripes
         self._lock = threading.Lock()
         self._archive: Archive | None = None
         self.written: list[Written] = []
@@ -212,32 +212,32 @@ class _Parts:
     def archive(self) -> Archive:
         with self._lock:
             if self._archive is None:
-                self._archive = Archive(self.staging, self.job.rel, self.job.build(), self.parts)
+                self._archive = Archive(self.staging, self.job.rel, self.job.build(), self.stripes)
             return self._archive
 
     def write(self, i: int) -> None:
-        done = self.archive().write_part(i)
+        done = self.archive().write_stripe(i)
         with self._lock:
             self.written += done
 
 
-# a job of a share: ``(bytes, run)``, or an archive to write in parts
+# a job of a share: ``(bytes, run)``, or an archive to write in stripes
 OutputJob = tuple[int, Callable[[], None]] | ArchiveJob
 
 
-def _units(staging: Staging, jobs: Sequence[OutputJob], part_size: int
-           ) -> tuple[list[tuple[int, Callable[[], None]]], list[_Parts]]:
-    """Every job as units of work ``(bytes, run)``: an archive's parts, taken one part of each
-    job in turn (largest jobs first), so that workers taking units in order write different
+def _units(staging: Staging, jobs: Sequence[OutputJob], stripe_size: int
+           ) -> tuple[list[tuple[int, Callable[[], None]]], list[_Stripes]]:
+    """Every job as units of work ``(bytes, run)``: an archive's stripes, taken one stripe of
+    each job in turn (largest jobs first), so that workers taking units in order write different
     files at once (writers of one file queue on its lock in the kernel)."""
     groups: list[list[tuple[int, Callable[[], None]]]] = []
     archives = []
     for job in jobs:
         if isinstance(job, ArchiveJob):
-            n = part_count(job.size, part_size)
-            parts = _Parts(staging, job, n)
-            archives.append(parts)
-            groups.append([(max(1, job.size // n), functools.partial(parts.write, i)) for i in range(n)])
+            n = stripe_count(job.size, stripe_size)
+            stripes = _Stripes(staging, job, n)
+            archives.append(stripes)
+            groups.append([(max(1, job.size // n), functools.partial(stripes.write, i)) for i in range(n)])
         else:
             groups.append([job])
     groups.sort(key=lambda g: -sum(size for size, _ in g))
@@ -245,31 +245,31 @@ def _units(staging: Staging, jobs: Sequence[OutputJob], part_size: int
     return [g[r] for r in range(rounds) for g in groups if r < len(g)], archives
 
 
-def part_bytes() -> int:
-    """How large the parts of an archive are: ``RESHARD_PART_BYTES`` (bytes) if set, else
-    ``zip_parts.PART_BYTES``. Every process of a job must see the same value."""
-    raw = os.environ.get("RESHARD_PART_BYTES")
+def stripe_bytes() -> int:
+    """How large the stripes of an archive are: ``RESHARD_STRIPE_BYTES`` (bytes) if set, else
+    ``zip_stripes.STRIPE_BYTES``. Every process of a job must see the same value."""
+    raw = os.environ.get("RESHARD_STRIPE_BYTES")
     if raw is None:
-        return PART_BYTES
+        return STRIPE_BYTES
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value < 1:
-        raise ReshardError(f"RESHARD_PART_BYTES must be a positive number of bytes, got {raw!r}")
+        raise ReshardError(f"RESHARD_STRIPE_BYTES must be a positive number of bytes, got {raw!r}")
     return value
 
 
 def run_share(cluster: Cluster, staging: Staging, jobs: Sequence[OutputJob],
               run: Callable[[list[Callable[[], None]]], None]) -> None:
-    """Run this process's share of ``jobs`` (``(bytes, job)``, or archives to write in parts)
+    """Run this process's share of ``jobs`` (``(bytes, job)``, or archives to write in stripes)
     with ``run``, then agree with the others; then each archive is finished by one process from
-    every process's parts. On any failure the staging folder is removed and every process
+    every process's stripes. On any failure the staging folder is removed and every process
     raises."""
-    archives: list[_Parts] = []
+    archives: list[_Stripes] = []
 
     def mine() -> None:
-        units, found = _units(staging, jobs, part_bytes())
+        units, found = _units(staging, jobs, stripe_bytes())
         archives.extend(found)
         run([units[i][1] for i in cluster.share([size for size, _ in units])])
 
@@ -278,12 +278,12 @@ def run_share(cluster: Cluster, staging: Staging, jobs: Sequence[OutputJob],
         _agreed(cluster, staging, lambda: _finish(cluster, archives))
 
 
-def _finish(cluster: Cluster, archives: list[_Parts]) -> None:
+def _finish(cluster: Cluster, archives: list[_Stripes]) -> None:
     """Every process's spans of every archive, then this process's archives finished."""
     written = cluster.gather([a.written for a in archives])
-    for j, parts in enumerate(archives):
+    for j, stripes in enumerate(archives):
         if j % cluster.world == cluster.rank:
-            parts.archive().finish([w for per_process in written for w in per_process[j]])
+            stripes.archive().finish([w for per_process in written for w in per_process[j]])
 
 
 def _agreed(cluster: Cluster, staging: Staging, step: Callable[[], None]) -> None:

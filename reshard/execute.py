@@ -123,7 +123,7 @@ class WindowFill:
 
     def fresh(self) -> WindowFill:
         """The same buffer, with a sweep of its own: fills of disjoint windows may then run in
-        separate threads at once (``formats.zip_parts``)."""
+        separate threads at once (``formats.zip_stripes``)."""
         other = copy.copy(self)
         other._restart()
         return other

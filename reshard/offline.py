@@ -15,7 +15,7 @@ For every parameter two plans are made, never a full tensor:
 Every output file is streamed (``formats.torch_zip``): its flat buffers are placeholders whose
 bytes the plan's segments produce one chunk at a time as the file is written
 (``execute.WindowFill``), byte-identical to ``torch.save`` of the built tensors, and cut into
-parts that workers and processes write side by side (``cluster.ArchiveJob``). Peak memory is a
+stripes that workers and processes write side by side (``cluster.ArchiveJob``). Peak memory is a
 couple of chunks per worker, whatever the checkpoint size; each output byte is computed once, and
 each source byte an output file needs is read once for it. Output is staged and committed atomically like ``reshard convert``
 (``formats.output.Staging``); ``OUT/latest`` is written last.

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from .cluster import Cluster, commit, open_staging, run_share
+from .cluster import ArchiveJob, Cluster, OutputJob, commit, open_staging, run_share
 from .errors import CheckpointError, ReshardError
 from .formats import deepspeed_experts as dse
 from .formats import deepspeed_zero3 as z3
@@ -197,22 +197,21 @@ class _AutoEPWriter(_Writer):
         if isinstance(self.ds_config, dict) and isinstance(self.ds_config.get("expert_parallel"), dict):
             self.ds_config["expert_parallel"]["autoep_size"] = tgt.ep
 
-    def z3_optim(self, t: int, d: int) -> None:
+    def z3_optim(self, t: int, d: int) -> Any:
         src, tgt = self.src, self.tgt
         fp32, moments = self.flats(0, d)
         obj = z3.optim_states(src.optim_source(), subs=tgt.subs[0], dp=tgt.dp, fp32=fp32, moments=moments,
                               ds_ids=src.ds_ids, ds_config=self.ds_config)
         osd = obj["optimizer_state_dict"]
         osd["ds_zero_partition_groups"] = tgt.partition_groups(d, f"ep_size_{tgt.ep}")
-        with self.staging.open(z3.optim_file(d, bf16=src.bf16)) as f:
-            save(obj, f)
+        return obj
 
-    def jobs(self) -> list[tuple[int, Callable[[], None]]]:
+    def jobs(self) -> list[OutputJob]:
         tgt, n_states = self.tgt, len(self.src.states)
         model = self.src.ck.model_files[0].stat().st_size
         optim = sum(sg.numel for sg in tgt.subs[0]) * 4 * n_states
-        return ([(optim, lambda d=d: self.z3_optim(0, d)) for d in range(tgt.dp)]
-                + [(model, lambda d=d: self.z3_model(0, d)) for d in range(tgt.dp)])
+        return ([ArchiveJob(z3.optim_file(d, bf16=self.src.bf16), optim, lambda d=d: self.z3_optim(0, d))
+                 for d in range(tgt.dp)] + [(model, lambda d=d: self.z3_model(0, d)) for d in range(tgt.dp)])
 
     def z3_model(self, t: int, d: int) -> None:
         src, tgt = self.src, self.tgt
@@ -279,7 +278,7 @@ def reshard_autoep_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, ep: in
     meta = {"reshard_version": __version__, "format": "deepspeed", "source": str(ck.tag_dir),
             "source_topology": source, "target_topology": target}
     final = commit(cluster, staging, meta, latest_name="latest")
-    read = sum(cluster.gather(writer.read))
+    read = sum({k: v for reads in cluster.gather(writer.reads) for k, v in reads.items()}.values())
     notes = [f"AutoEP experts at EP {ep} (EDP {tgt.edp}), uniform placement, ZeRO-3"]
     if not src.ds_ids_exact:
         notes.append("the source's ds_id names do not match the parameter order reshard derives; the written ds_id "

@@ -316,7 +316,7 @@ class _Writer:
                                 ds_config=self.ds_config)
 
     def jobs(self) -> list[OutputJob]:
-        """Every output file: the large ones as archives written in parts."""
+        """Every output file: the large ones as archives written in stripes."""
         tgt, n_states, bf16 = self.tgt, len(self.src.states), self.src.bf16
         ranks = [(t, d) for t in range(tgt.tp) for d in range(tgt.dp)]
         if isinstance(tgt, _Zero3Out):

@@ -4,7 +4,7 @@ launched by ``torchrun`` or by hand with the ``torch.distributed`` environment (
 
 * the output of 2, 3 and 4 processes, and of two ``torchrun`` "nodes", is byte-identical to one
   process's, manifest included, for ``reshard reshard`` and ``reshard convert`` (both formats),
-  also when every file is split into parts that several processes write;
+  also when every file is cut into stripes that several processes write;
 * a process killed mid-write makes the others stop with a ``reshard`` error, no output that looks
   finished is left, and a rerun gives the identical result;
 * the share of files is disjoint, complete and balanced by bytes.
@@ -99,37 +99,37 @@ def test_dcp_jobs_over_processes_write_what_one_process_writes(args, source, tmp
     (("reshard", "--tp", "1", "--dp", "4"), 3),
     (("reshard", "--tp", "2", "--dp", "3", "--workers", "2"), 2),
 ], ids=["reshard-3", "reshard-2-workers"])
-def test_files_split_between_processes_are_what_one_process_writes(args, nproc, tmp_path):
-    """Parts of 4 KiB: every output archive is written by several processes (and threads),
-    each part at its place, and finished by one of them (``formats.zip_parts``)."""
+def test_files_striped_over_processes_are_what_one_process_writes(args, nproc, tmp_path):
+    """Stripes of 4 KiB: every output archive is written by several processes (and threads),
+    each stripe at its place, and finished by one of them (``formats.zip_stripes``)."""
     single = _single(tmp_path, *args)
     many = tmp_path / "many"
-    _torchrun(many, nproc, *args, env={"RESHARD_PART_BYTES": "4096"})
+    _torchrun(many, nproc, *args, env={"RESHARD_STRIPE_BYTES": "4096"})
     _same_tree(single, many)
 
 
 def test_two_nodes_write_what_one_process_writes(tmp_path):
-    """Two ``torchrun`` "nodes" of 2 processes; parts of 4 KiB, so the nodes write parts of the
+    """Two ``torchrun`` "nodes" of 2 processes; stripes of 4 KiB, so the nodes write stripes of the
     same files."""
     args = ("reshard", "--tp", "1", "--dp", "4")
     single = _single(tmp_path, *args)
     nodes = tmp_path / "nodes"
-    _torchrun(nodes, 2, *args, nodes=2, env={"RESHARD_PART_BYTES": "4096"})
+    _torchrun(nodes, 2, *args, nodes=2, env={"RESHARD_STRIPE_BYTES": "4096"})
     _same_tree(single, nodes)
 
 
 # A process that dies after writing its first optimizer file: the others must notice and stop.
 _KILL_ONE = textwrap.dedent("""
     import os, sys
-    from reshard.formats import zip_parts
+    from reshard.formats import zip_stripes
     from reshard.cli import main
     if os.environ["RANK"] == os.environ["DIE_RANK"]:
-        real = zip_parts.Archive.write_part
+        real = zip_stripes.Archive.write_stripe
         def write_then_die(self, i):
-            if "optim" in self.rel and i:  # part 0 written, then killed mid-file
+            if "optim" in self.rel and i:  # stripe 0 written, then killed mid-file
                 os._exit(9)
             return real(self, i)
-        zip_parts.Archive.write_part = write_then_die
+        zip_stripes.Archive.write_stripe = write_then_die
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -143,7 +143,7 @@ def test_a_killed_process_stops_the_job_and_a_rerun_gives_the_same_files(tmp_pat
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), DIE_RANK="1", RESHARD_PART_BYTES="4096")
+                   MASTER_PORT=str(port), DIE_RANK="1", RESHARD_STRIPE_BYTES="4096")
         cmd = [sys.executable, str(script), args[0], str(SOURCE), str(out), *args[1:], "--timeout", "60"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     texts = [p.communicate(timeout=180)[0] for p in procs]
@@ -191,10 +191,10 @@ def test_a_store_that_never_opens_is_reported_within_the_timeout():
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "64MiB"])
-def test_a_bad_part_size_is_refused(value, monkeypatch):
-    from reshard.cluster import part_bytes
+def test_a_bad_stripe_size_is_refused(value, monkeypatch):
+    from reshard.cluster import stripe_bytes
     from reshard.errors import ReshardError
 
-    monkeypatch.setenv("RESHARD_PART_BYTES", value)
-    with pytest.raises(ReshardError, match="RESHARD_PART_BYTES must be a positive number of bytes"):
-        part_bytes()
+    monkeypatch.setenv("RESHARD_STRIPE_BYTES", value)
+    with pytest.raises(ReshardError, match="RESHARD_STRIPE_BYTES must be a positive number of bytes"):
+        stripe_bytes()

@@ -436,17 +436,17 @@ def test_unknown_zero_layout_is_refused(tmp_path):
 
 
 def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
-    """The disk fills while an optimizer file's part is written (parts: ``formats.zip_parts``)."""
-    from reshard.formats import zip_parts
+    """The disk fills while an optimizer file's stripe is written (``formats.zip_stripes``)."""
+    from reshard.formats import zip_stripes
 
-    real = zip_parts._pwrite
+    real = zip_stripes._pwrite
 
     def flaky(fd, view, at):
         if "optim" in os.readlink(f"/proc/self/fd/{fd}"):
             raise OSError("disk full (simulated)")
         real(fd, view, at)
 
-    monkeypatch.setattr(zip_parts, "_pwrite", flaky)
+    monkeypatch.setattr(zip_stripes, "_pwrite", flaky)
     with pytest.raises(OutputError, match=r"optim_states\.pt: cannot write the output \(disk full \(simulated\)\)"):
         reshard(FIXTURES / "llama_tp2_dp2", tmp_path, tp=1, dp=4)
     assert list(tmp_path.iterdir()) == []  # no tag folder, no partial folder, no latest
@@ -518,13 +518,13 @@ STREAMED = [("llama_tp2_dp2", {"tp": 1, "dp": 3}), ("gpt_bigcode_tp2", {"tp": 2,
 def test_streamed_files_are_byte_identical_to_saving_the_built_tensors(source, kw, tmp_path, monkeypatch):
     """Module and optimizer files are streamed (``formats.torch_zip``): their flat buffers are
     placeholders filled window by window from the plan. Each file, at tiny and odd chunk sizes
-    and as written (in parts of at most a few KiB, by two workers), is byte for byte what
+    and as written (in stripes of at most a few KiB, by two workers), is byte for byte what
     ``torch.save`` writes for the same object built in memory."""
-    from reshard.formats import zip_parts
+    from reshard.formats import zip_stripes
 
-    laid_out, references = zip_parts.Archive.__init__, []
+    laid_out, references = zip_stripes.Archive.__init__, []
 
-    def checked(self, staging, rel, obj, parts, **kw):
+    def checked(self, staging, rel, obj, stripes, **kw):
         reference = io.BytesIO()
         save_whole(_materialised(obj), reference)
         for chunk in (64, 4100):
@@ -532,10 +532,10 @@ def test_streamed_files_are_byte_identical_to_saving_the_built_tensors(source, k
             torch_zip.save(obj, streamed, chunk_bytes=chunk)
             assert streamed.getvalue() == reference.getvalue(), chunk
         references.append(reference.getvalue())
-        laid_out(self, staging, rel, obj, parts, **kw)
+        laid_out(self, staging, rel, obj, stripes, **kw)
 
-    monkeypatch.setattr(zip_parts.Archive, "__init__", checked)
-    monkeypatch.setenv("RESHARD_PART_BYTES", "1000")  # and written in parts
+    monkeypatch.setattr(zip_stripes.Archive, "__init__", checked)
+    monkeypatch.setenv("RESHARD_STRIPE_BYTES", "1000")  # and written in stripes
     out = reshard(FIXTURES / source, tmp_path, workers=2, **kw).out_dir
     files = sorted(p.read_bytes() for p in out.iterdir() if p.suffix == ".pt")
     assert len(files) == 1 + kw["dp"] if kw["tp"] == 1 else 2 * (1 + kw["dp"])

@@ -350,7 +350,7 @@ def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
 
 def test_processes_write_what_one_process_writes(tmp_path):
     """Under ``torchrun`` (``reshard.cluster``) 3 processes share the files, each optimizer file
-    written in parts by several of them, and commit together: the output is byte-identical to one
+    written in stripes by several of them, and commit together: the output is byte-identical to one
     process's, manifest included."""
     import filecmp
     import socket
@@ -366,7 +366,7 @@ def test_processes_write_what_one_process_writes(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     res = subprocess.run([str(torchrun), "--nproc_per_node=3", f"--master_port={port}", "-m", "reshard", *args,
                           str(tmp_path / "many"), "--tp", "1", "--dp", "3"], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, RESHARD_PART_BYTES="4096"))  # files split between them
+                         timeout=300, env=dict(os.environ, RESHARD_STRIPE_BYTES="4096"))  # files split between them
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     one = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
     many = sorted(p.relative_to(tmp_path / "many") for p in (tmp_path / "many").rglob("*") if p.is_file())

@@ -350,7 +350,7 @@ class TorchZipWriter:
 
     def put(self, nbytes: int, crc: int, head: bytes) -> None:
         """Account for the current storage's next ``nbytes``, written at their place by someone
-        else (``zip_parts``): ``crc`` is their CRC-32, ``head`` their first 8 bytes when they
+        else (``zip_stripes``): ``crc`` is their CRC-32, ``head`` their first 8 bytes when they
         start the storage. The sink's ``skip(nbytes, crc)`` moves past them."""
         self._check("storage")
         slot = self._current

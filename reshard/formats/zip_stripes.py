@@ -1,21 +1,21 @@
-"""One ``torch.save`` archive written in parts, by several threads or processes at once.
+"""One ``torch.save`` archive written in stripes, by several threads or processes at once.
 
 Where every byte of a streamed archive lies (``torch_zip``) follows from the object's metadata
 alone: the records' names and sizes fix every header and offset. Only the data descriptors, the
 central directory and the serialization id depend on the storages' bytes, through their CRC-32s.
-So an archive's storage bytes are cut into ``n`` parts, each written at its place in the file
+So an archive's storage bytes are cut into ``n`` stripes, each written at its place in the file
 (``os.pwrite``, or ``copy_file_range`` for bytes of a mapped source file) by whichever thread or
-process takes it, each part reporting its CRCs; then one writer, given every part's CRCs
+process takes it, each stripe reporting its CRCs; then one writer, given every stripe's CRCs
 (combined, ``crc.crc32_combine``), writes the headers, descriptors and directory around them.
 The file is byte for byte what ``torch_zip.save`` writes front to back.
 
-Parts are cut at page boundaries of the file, so no two writers share a page (file systems that
+Stripes are cut at page boundaries of the file, so no two writers share a page (file systems that
 cache whole pages on each client stay correct), and at whole elements of each storage. A storage
-whose bytes only come in order (an iterator of chunks) goes whole into one part.
+whose bytes only come in order (an iterator of chunks) goes whole into one stripe.
 
-Writers: every process that writes a part builds the same object (``build()`` of the job) and
-:class:`Archive` of it; :meth:`Archive.write_part` writes one part and returns its
-:class:`Written` spans; :meth:`Archive.finish` takes every part's spans, in any order.
+Writers: every process that writes a stripe builds the same object (``build()`` of the job) and
+:class:`Archive` of it; :meth:`Archive.write_stripe` writes one stripe and returns its
+:class:`Written` spans; :meth:`Archive.finish` takes every stripe's spans, in any order.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ from .torch_zip import (
     _is_buffer,
 )
 
-__all__ = ["PART_BYTES", "Archive", "Written", "part_count"]
+__all__ = ["STRIPE_BYTES", "Archive", "Written", "stripe_count"]
 
-PART_BYTES = 64 << 20  # small enough to balance a few files over a few writers, large per call
-PAGE = 4096  # parts start at multiples of this in the file
+STRIPE_BYTES = 64 << 20  # small enough to balance a few files over a few writers, large per call
+PAGE = 4096  # stripes start at multiples of this in the file
 
 
-def part_count(nbytes: int, part_bytes: int = PART_BYTES) -> int:
-    """How many parts an archive of about ``nbytes`` is cut into."""
-    return max(1, -(-nbytes // part_bytes))
+def stripe_count(nbytes: int, stripe_bytes: int = STRIPE_BYTES) -> int:
+    """How many stripes an archive of about ``nbytes`` is cut into."""
+    return max(1, -(-nbytes // stripe_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +77,7 @@ class _Null:
 
 class _Placed:
     """A sink writing from the start of file ``fd`` at explicit offsets, skipping the spans
-    the parts wrote, and checksumming the whole file in order (when ``hasher`` combines)."""
+    the stripes wrote, and checksumming the whole file in order (when ``hasher`` combines)."""
 
     def __init__(self, fd: int, hasher: Any) -> None:
         self.fd, self.pos, self.hash = fd, 0, hasher
@@ -105,7 +105,7 @@ def _pwrite(fd: int, view: memoryview, at: int) -> None:
         done += n
 
 
-_LOCAL = threading.local()  # one window buffer per thread, reused across parts
+_LOCAL = threading.local()  # one window buffer per thread, reused across stripes
 
 
 def _window(nbytes: int) -> torch.Tensor:
@@ -117,10 +117,10 @@ def _window(nbytes: int) -> torch.Tensor:
 
 class Archive:
     """``obj`` (holding ``torch_zip`` placeholders) laid out as file ``rel`` of ``staging``,
-    its storage bytes cut into ``parts`` parts starting at multiples of ``align`` in the file
+    its storage bytes cut into ``stripes`` stripes starting at multiples of ``align`` in the file
     (``zip64_threshold`` and ``chunk_bytes`` as for ``torch_zip``)."""
 
-    def __init__(self, staging: Staging, rel: str, obj: Any, parts: int, *, pickler: type = Pickler,
+    def __init__(self, staging: Staging, rel: str, obj: Any, stripes: int, *, pickler: type = Pickler,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, zip64_threshold: int = ZIP64_THRESHOLD,
                  align: int = PAGE) -> None:
         self.staging, self.rel, self.obj, self.pickler = staging, rel, obj, pickler
@@ -137,17 +137,17 @@ class Archive:
             w.end()
         w.close()
         self.size = w.size
-        self.cuts = self._cuts(max(1, parts))
+        self.cuts = self._cuts(max(1, stripes))
 
     # -- cutting ---------------------------------------------------------------------------------
 
-    def _cuts(self, parts: int) -> list[list[int]]:
-        """For each storage, its ``parts + 1`` cut points (bytes into the storage): part ``i``
+    def _cuts(self, stripes: int) -> list[list[int]]:
+        """For each storage, its ``stripes + 1`` cut points (bytes into the storage): stripe ``i``
         writes ``cuts[k][i] .. cuts[k][i + 1]`` of storage ``k``. The storages' bytes, end to
         end, are cut into equal shares, each cut moved back to a page of the file (``align``)
         and a whole element."""
         total = sum(s.nbytes for s in self.slots)
-        bounds = [total * i // parts for i in range(parts + 1)]
+        bounds = [total * i // stripes for i in range(stripes + 1)]
         cuts, base = [], 0
         for slot, ofs in zip(self.slots, self.offsets):
             item = _item(slot)
@@ -163,19 +163,19 @@ class Archive:
         return cuts
 
     @property
-    def parts(self) -> int:
+    def stripes(self) -> int:
         return len(self.cuts[0]) - 1 if self.cuts else 1
 
-    def part_bytes(self, i: int) -> int:
+    def stripe_bytes(self, i: int) -> int:
         return sum(row[i + 1] - row[i] for row in self.cuts)
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def write_part(self, i: int) -> list[Written]:
-        """Write part ``i`` into the file (created if it is not there yet; never truncated, as
-        other writers fill other parts) and return what it wrote."""
+    def write_stripe(self, i: int) -> list[Written]:
+        """Write stripe ``i`` into the file (created if it is not there yet; never truncated, as
+        other writers fill other stripes) and return what it wrote."""
         out: list[Written] = []
-        if not self.part_bytes(i):
+        if not self.stripe_bytes(i):
             return out
         with self.staging.writing(self.rel):
             fd = os.open(self.staging.path(self.rel), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -254,7 +254,7 @@ class Archive:
     # -- finishing -------------------------------------------------------------------------------
 
     def finish(self, written: list[Written]) -> None:
-        """Write everything but the storages, given every part's spans; record the file's digest
+        """Write everything but the storages, given every stripe's spans; record the file's digest
         (when the checksum is CRC-32; otherwise the commit reads the file)."""
         by_slot: list[list[Written]] = [[] for _ in self.slots]
         for w in written:
@@ -284,12 +284,12 @@ class Archive:
             if w.start != at:
                 fault = "written twice" if w.start < at else "not written"
                 raise OutputError(f"{self.staging.path(self.rel)}: {slot!r}: bytes from {min(at, w.start)} on were "
-                                  f"{fault} by its parts")
+                                  f"{fault} by its stripes")
             crc, at = crc32_combine(crc, w.crc, w.nbytes), at + w.nbytes
             head = head or w.head
         if at != slot.nbytes:
             raise OutputError(f"{self.staging.path(self.rel)}: {slot!r}: bytes from {at} on were not written by its "
-                              f"parts ({slot.nbytes} in all)")
+                              f"stripes ({slot.nbytes} in all)")
         return crc, head
 
 

@@ -1,6 +1,6 @@
-"""Archives written in parts (``formats.zip_parts``): whatever the number of parts, the order they
+"""Archives written in stripes (``formats.zip_stripes``): whatever the number of stripes, the order they
 are written in and the order their reports arrive in, the file is byte for byte ``torch.save``'s,
-and the checksum recorded for the manifest is the file's. A part that was not written is named."""
+and the checksum recorded for the manifest is the file's. A stripe that was not written is named."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from reshard.errors import OutputError
 from reshard.formats.output import Staging
 from reshard.formats.torch_zip import Storage
-from reshard.formats.zip_parts import Archive
+from reshard.formats.zip_stripes import Archive
 from tests.test_torch_zip import _torch_bytes, objects
 
 
@@ -46,13 +46,13 @@ def _cuttable(obj, seen=None):
         _cuttable(v, seen)
 
 
-def _in_parts(tmp_path, obj, parts: int, seed: int, **kw) -> bytes:
-    staging = Staging(tmp_path / f"out{seed}-{parts}", "tag")
-    archive = Archive(staging, "f.pt", obj, parts, **kw)
-    order = list(range(archive.parts))
+def _in_stripes(tmp_path, obj, stripes: int, seed: int, **kw) -> bytes:
+    staging = Staging(tmp_path / f"out{seed}-{stripes}", "tag")
+    archive = Archive(staging, "f.pt", obj, stripes, **kw)
+    order = list(range(archive.stripes))
     rng = random.Random(seed)
     rng.shuffle(order)
-    written = [w for i in order for w in archive.write_part(i)]
+    written = [w for i in order for w in archive.write_stripe(i)]
     rng.shuffle(written)
     archive.finish(written)
     data = staging.path("f.pt").read_bytes()
@@ -64,11 +64,11 @@ def _in_parts(tmp_path, obj, parts: int, seed: int, **kw) -> bytes:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                                   HealthCheck.function_scoped_fixture])
 @given(objects(), st.integers(1, 9), st.sampled_from([1, 2, 8, 64]), st.integers(0, 10**6), st.booleans())
-def test_written_in_any_parts_in_any_order_is_torch_save(tmp_path, case, parts, align, seed, cuttable):
+def test_written_in_any_stripes_in_any_order_is_torch_save(tmp_path, case, stripes, align, seed, cuttable):
     real, refs, chunk = case
     if cuttable:
         _cuttable(refs)
-    assert _in_parts(tmp_path, refs, parts, seed, align=align, chunk_bytes=chunk) == _torch_bytes(real)
+    assert _in_stripes(tmp_path, refs, stripes, seed, align=align, chunk_bytes=chunk) == _torch_bytes(real)
 
 
 def _big(n: int = 5000):
@@ -80,37 +80,37 @@ def _big(n: int = 5000):
     refs = {f"t{i}": Storage(f.dtype, f.numel(), _Fill(lambda out, start, f=f: out.copy_(f[start:start + out.numel()])),
                                   label=f"t{i}")
             .view((f.numel(),)) for i, f in enumerate(flats)}
-    refs["whole"] = Storage(torch.float32, n, iter([flats[0]])).view((n,))  # only in order: one part
+    refs["whole"] = Storage(torch.float32, n, iter([flats[0]])).view((n,))  # only in order: one stripe
     refs["real"] = flats[1].clone()
     real = {f"t{i}": f for i, f in enumerate(flats)} | {"whole": flats[0].clone(), "real": flats[1].clone()}
     return real, refs
 
 
-@pytest.mark.parametrize("parts", [1, 2, 5, 40])
-def test_large_storages_cut_at_pages_are_torch_save(tmp_path, parts):
+@pytest.mark.parametrize("stripes", [1, 2, 5, 40])
+def test_large_storages_cut_at_pages_are_torch_save(tmp_path, stripes):
     real, refs = _big()
-    assert _in_parts(tmp_path, refs, parts, parts, chunk_bytes=3000) == _torch_bytes(real)
-    archive = Archive(Staging(tmp_path / "layout", "tag"), "f.pt", _big()[1], parts)
+    assert _in_stripes(tmp_path, refs, stripes, stripes, chunk_bytes=3000) == _torch_bytes(real)
+    archive = Archive(Staging(tmp_path / "layout", "tag"), "f.pt", _big()[1], stripes)
     inner = [(archive.offsets[k] + c) for k, row in enumerate(archive.cuts) for c in row
              if 0 < c < archive.slots[k].nbytes]
-    assert all(at % 4096 == 0 for at in inner)  # no two parts share a page of the file
-    if parts > 1:
+    assert all(at % 4096 == 0 for at in inner)  # no two stripes share a page of the file
+    if stripes > 1:
         assert inner  # and the storages are cut
 
 
-def test_a_part_not_written_is_named(tmp_path):
+def test_a_stripe_not_written_is_named(tmp_path):
     real, refs = _big()
     staging = Staging(tmp_path / "out", "tag")
     archive = Archive(staging, "f.pt", refs, 4)
-    written = [w for i in (0, 1, 3) for w in archive.write_part(i)]
+    written = [w for i in (0, 1, 3) for w in archive.write_stripe(i)]
     with pytest.raises(OutputError, match=r"f\.pt: storage '\d' \(t\d\): bytes from \d+ on were not written"):
         archive.finish(written)
 
 
-def test_a_part_written_twice_is_refused(tmp_path):
+def test_a_stripe_written_twice_is_refused(tmp_path):
     real, refs = _big()
     staging = Staging(tmp_path / "out", "tag")
     archive = Archive(staging, "f.pt", refs, 3)
-    written = [w for i in (0, 1, 1, 2) for w in archive.write_part(i)]
+    written = [w for i in (0, 1, 1, 2) for w in archive.write_stripe(i)]
     with pytest.raises(OutputError, match=r"f\.pt: storage '\d' \(\w+\): bytes from \d+ on were written twice"):
         archive.finish(written)
