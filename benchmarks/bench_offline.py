@@ -7,7 +7,8 @@ Also against the machine: one process vs two (``torchrun --nproc_per_node 2``; p
 largest process's) and ``reshard convert``, all against the floor of copying the same checkpoint
 with ``cp -r`` and ``sync`` (and with an fsync of the copied files only), best of 2 with the
 commands alternating; two processes both under ``torchrun`` and under a launcher that only sets
-the environment (``benchmarks/launch_plain.py``, as a scheduler's ``srun`` does). Then the same on
+the environment (``benchmarks/launch_plain.py``, as a scheduler's ``srun`` does), with files cut into
+stripes that both processes write (the default) and kept whole. Then the same on
 a ~400M-parameter checkpoint (``make_fixtures.py
 --bench-400m``, about twice the bytes), where start-up weighs half as much."""
 
@@ -51,6 +52,8 @@ def _ours(ckpt: Path, dp: int, workers: int, repeat: int) -> dict[str, tuple[flo
                   "-m", "reshard", "reshard", str(ckpt), str(out / "x"), "--tp", "1", "--dp", str(dp), "--workers", "1"],
         "convert": [sys.executable, "-m", "reshard.cli", "convert", str(ckpt), str(out / "x"), "--workers", str(workers)],
     }
+    # the same two processes with each file kept whole (one stripe per file, as before stripes)
+    cmds["whole"] = ["env", f"RESHARD_STRIPE_BYTES={1 << 40}", *cmds["plain"]]
     best: dict[str, tuple[float, float]] = {}
     for _ in range(repeat):
         for key, cmd in cmds.items():
@@ -77,6 +80,8 @@ def _rows(b: dict[str, tuple[float, float]], start: float) -> list[str]:
             note=f"(ratio = 1 process / 2; 2 processes: {two / floor:.2f}x the floor; goal: no slower than 1)"),
         row("  2 processes, plain launcher (env vars, as srun) vs 1 process", b["plain"][0], one,
             note="(torchrun's own start-up, ~1 s of importing torch, left out)"),
+        row("  same, each file written whole by one process (no stripes)", b["whole"][0], b["plain"][0],
+            note="(ratio = striped / whole)"),
         row("  peak RSS, 1 process / per process of 2", b["one"][1], b["two"][1], unit="MiB", note="(goal <= 512 MiB)"),
         row("  reshard convert vs the floor", conv, note=f"{conv / floor:.2f}x cp+sync, {conv / ffloor:.2f}x cp+fsync "
             f"(goal <= 1.15x); {(conv - start) / floor:.2f}x / {(conv - start) / ffloor:.2f}x less start-up"),
