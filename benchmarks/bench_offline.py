@@ -54,6 +54,8 @@ def _ours(ckpt: Path, dp: int, workers: int, repeat: int) -> dict[str, tuple[flo
     }
     # the same two processes with each file kept whole (one stripe per file, as before stripes)
     cmds["whole"] = ["env", f"RESHARD_STRIPE_BYTES={1 << 40}", *cmds["plain"]]
+    # what torchrun itself costs: its agent starting two workers that do nothing
+    cmds["torchrun_only"] = [torchrun, "--nproc_per_node", "2", "--master_port", "29535", "--no-python", "true"]
     best: dict[str, tuple[float, float]] = {}
     for _ in range(repeat):
         for key, cmd in cmds.items():
@@ -78,8 +80,10 @@ def _rows(b: dict[str, tuple[float, float]], start: float) -> list[str]:
             note=f"1 process is {one / ffloor:.2f}x it, {(one - start) / ffloor:.2f}x less start-up"),
         row("  2 processes (torchrun, 1 worker each) vs 1 process", two, one,
             note=f"(ratio = 1 process / 2; 2 processes: {two / floor:.2f}x the floor; goal: no slower than 1)"),
+        row("  torchrun alone: its agent starting 2 workers that run `true`", b["torchrun_only"][0],
+            note=f"(2 processes under torchrun less it: {one / (two - b['torchrun_only'][0]):.1f}x 1 process)"),
         row("  2 processes, plain launcher (env vars, as srun) vs 1 process", b["plain"][0], one,
-            note="(torchrun's own start-up, ~1 s of importing torch, left out)"),
+            note="(no launcher start-up: the processes start at once)"),
         row("  same, each file written whole by one process (no stripes)", b["whole"][0], b["plain"][0],
             note="(ratio = striped / whole)"),
         row("  peak RSS, 1 process / per process of 2", b["one"][1], b["two"][1], unit="MiB", note="(goal <= 512 MiB)"),
