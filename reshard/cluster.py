@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import heapq
 import os
 import socket
 import threading
@@ -89,11 +90,11 @@ class Cluster:
     def share(self, sizes: Sequence[int]) -> list[int]:
         """Indices of the jobs this process runs: largest first, each to the process with the fewest
         bytes so far (lowest rank on ties). The same on every process; each job runs once."""
-        load = [0] * self.world
+        loads = [(0, r) for r in range(self.world)]  # a heap: (bytes so far, rank)
         mine = []
         for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-            r = min(range(self.world), key=lambda r: (load[r], r))
-            load[r] += sizes[i]
+            load, r = heapq.heappop(loads)
+            heapq.heappush(loads, (load + sizes[i], r))
             if r == self.rank:
                 mine.append(i)
         return sorted(mine)
