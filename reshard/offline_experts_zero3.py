@@ -278,7 +278,7 @@ def reshard_autoep_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, ep: in
     meta = {"reshard_version": __version__, "format": "deepspeed", "source": str(ck.tag_dir),
             "source_topology": source, "target_topology": target}
     final = commit(cluster, staging, meta, latest_name="latest")
-    read = sum({k: v for reads in cluster.gather(writer.reads) for k, v in reads.items()}.values())
+    read = writer.elements_read(cluster)
     notes = [f"AutoEP experts at EP {ep} (EDP {tgt.edp}), uniform placement, ZeRO-3"]
     if not src.ds_ids_exact:
         notes.append("the source's ds_id names do not match the parameter order reshard derives; the written ds_id "

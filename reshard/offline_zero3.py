@@ -269,6 +269,11 @@ class _Writer:
         self.reads[(t, d)] = read  # the same whichever process builds the file, however often
         return fp32, moments
 
+    def elements_read(self, cluster: Cluster) -> int:
+        """Source elements the job read, over every process (a file built by several processes
+        is counted once)."""
+        return sum({k: v for reads in cluster.gather(self.reads) for k, v in reads.items()}.values())
+
     # -- ZeRO-3 files
     def z3_optim(self, t: int, d: int) -> Any:
         src, tgt = self.src, self.tgt
@@ -378,7 +383,7 @@ def reshard_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, tp: int, dp: 
             "source_topology": source, "target_topology": target,
             "target_tp_layout": "none (TP=1)" if tp == 1 and ck.tp == 1 else origin}
     final = commit(cluster, staging, meta, latest_name="latest")
-    read = sum({k: v for reads in cluster.gather(writer.reads) for k, v in reads.items()}.values())
+    read = writer.elements_read(cluster)
     notes = [] if tp == 1 and ck.tp == 1 else [f"target TP layout {origin}"]
     if isinstance(tgt, _Zero3Out):
         notes.append(f"{len(tgt.subs[0])} sub-group(s) per rank (sub_group_size "

@@ -88,11 +88,10 @@ class Staging:
                 raise f.error from None
             finally:
                 f.raw.close()
-        with self._lock:
-            self.digests[rel] = {"size": f.size, self.checksum: f.hash.hexdigest()}
+        self.record(rel, f.size, f.hash.hexdigest())
 
     def record(self, rel: str, size: int, digest: str) -> None:
-        """The checksum of ``rel``, written by other means than :meth:`open`."""
+        """The size and checksum of finished file ``rel``, for the manifest."""
         with self._lock:
             self.digests[rel] = {"size": size, self.checksum: digest}
 
@@ -123,8 +122,7 @@ class Staging:
                     raise CheckpointError(f"{src}: changed size while being copied")
                 done += n
             _start_writeback(fout.fileno())
-        with self._lock:
-            self.digests[rel] = {"size": size, self.checksum: digest}
+        self.record(rel, size, digest)
 
     def abandon(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -54,7 +54,7 @@ import struct
 import sys
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -499,24 +499,11 @@ def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: l
     if src is None:
         w._fail(OutputError(f"{w._where()}: {slot!r} has no source of bytes"))
     elif callable(src):
-        per = max(1, chunk_bytes // storage.itemsize)
-        direct = getattr(src, "direct", None)
-        for i, start in enumerate(range(0, storage.numel, per)):
-            count = min(per, storage.numel - start)
-            pieces = direct(start, count, storage.dtype) if direct is not None else None
-            if pieces is not None:  # the source's own memory, written as it lies
-                for piece in pieces:
-                    if isinstance(piece, int):
-                        w.write(bytes(piece * storage.itemsize))
-                    else:
-                        w.write(piece)
-                        release(piece)
-                continue
-            raw = _buffer(buffers, i % 2, count * storage.itemsize)
-            if not getattr(src, "zeroes_gaps", False):
-                raw.zero_()
-            src(raw.view(storage.dtype), start)
-            w.write(raw)
+        for chunk, mapped in filled(storage, src, 0, storage.numel, chunk_bytes,
+                                    lambda i, nbytes: _buffer(buffers, i % 2, nbytes)):
+            w.write(chunk)
+            if mapped is not None:
+                release(mapped)
     elif isinstance(src, torch.Tensor) or _is_buffer(src):
         view = _byte_view(src)
         for off in range(0, len(view), chunk_bytes):
@@ -524,6 +511,30 @@ def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: l
     else:
         for chunk in src:
             w.write(chunk)
+
+
+def filled(storage: Storage, fill: Callable, start: int, stop: int, chunk_bytes: int,
+           buffer: Callable[[int, int], torch.Tensor]) -> Iterator[tuple[Any, torch.Tensor | None]]:
+    """Elements ``start .. stop`` of ``storage`` from its fill callable, in order, as chunks of
+    at most ``chunk_bytes``: ``(bytes, None)`` for a window filled into ``buffer(i, nbytes)``
+    (the ``i``-th window), ``(tensor, tensor)`` for a slice of a source's own memory that
+    ``fill.direct`` hands over (to release once written). A chunk is written before the next
+    is asked for."""
+    size = storage.itemsize
+    per = max(1, chunk_bytes // size)
+    direct = getattr(fill, "direct", None)
+    for i, at in enumerate(range(start, stop, per)):
+        count = min(per, stop - at)
+        pieces = direct(at, count, storage.dtype) if direct is not None else None
+        if pieces is not None:  # the source's own memory, written as it lies
+            for piece in pieces:
+                yield (bytes(piece * size), None) if isinstance(piece, int) else (piece, piece)
+            continue
+        raw = buffer(i, count * size)
+        if not getattr(fill, "zeroes_gaps", False):
+            raw.zero_()
+        fill(raw.view(storage.dtype), at)
+        yield raw, None
 
 
 def _buffer(buffers: list[torch.Tensor], i: int, nbytes: int) -> torch.Tensor:

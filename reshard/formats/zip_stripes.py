@@ -40,6 +40,7 @@ from .torch_zip import (
     TorchZipWriter,
     _byte_view,
     _is_buffer,
+    filled,
 )
 
 __all__ = ["STRIPE_BYTES", "Archive", "Written", "stripe_count"]
@@ -210,18 +211,16 @@ class Archive:
 
     def _pieces(self, slot: StorageRecord, a: int, b: int):
         """Bytes ``a .. b`` of ``slot`` as ``(buffer, mapped tensor to release or None)``, in order."""
-        if slot.memory is not None:
-            view = _byte_view(slot.memory)
-            for off in range(a, b, self.chunk_bytes):
-                yield view[off:min(b, off + self.chunk_bytes)], None
-            return
         storage = slot.storage
-        assert storage is not None
-        src = storage.source
+        src = slot.memory if slot.memory is not None else storage.source if storage is not None else None
         if src is None:
             raise OutputError(f"{self.staging.path(self.rel)}: {slot!r} has no source of bytes")
         if callable(src):
-            yield from self._filled(storage, src, a, b)
+            size = storage.itemsize
+            fill = src.fresh() if hasattr(src, "fresh") else src  # a sweep of this stripe's own
+            for chunk, mapped in filled(storage, fill, a // size, b // size, self.chunk_bytes,
+                                        lambda i, nbytes: _window(nbytes)):
+                yield _byte_view(chunk), mapped
         elif isinstance(src, torch.Tensor) or _is_buffer(src):
             view = _byte_view(src)
             for off in range(a, b, self.chunk_bytes):
@@ -229,27 +228,6 @@ class Archive:
         else:  # an iterator of chunks: only ever whole (see _item)
             for chunk in src:
                 yield _byte_view(chunk), None
-
-    def _filled(self, storage: Any, src: Any, a: int, b: int):
-        size = storage.itemsize
-        fill = src.fresh() if hasattr(src, "fresh") else src
-        direct = getattr(fill, "direct", None)
-        per = max(1, self.chunk_bytes // size)
-        for start in range(a // size, b // size, per):
-            count = min(per, b // size - start)
-            pieces = direct(start, count, storage.dtype) if direct is not None else None
-            if pieces is not None:  # the source's own memory, written as it lies
-                for piece in pieces:
-                    if isinstance(piece, int):
-                        yield memoryview(bytes(piece * size)), None
-                    else:
-                        yield _byte_view(piece), piece
-                continue
-            raw = _window(count * size)  # written before the next fill
-            if not getattr(fill, "zeroes_gaps", False):
-                raw.zero_()
-            fill(raw.view(storage.dtype), start)
-            yield _byte_view(raw), None
 
     # -- finishing -------------------------------------------------------------------------------
 
