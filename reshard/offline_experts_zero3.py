@@ -39,7 +39,7 @@ from .ir.piece import prod
 from .layouts import autoep_placement, compose_zero, zero3
 from .offline_experts import ds_affine_entry, uniform_placement
 from .offline_zero3 import _Writer
-from .reports import ReshardReport, written
+from .reports import ReshardReport
 from .topology import Topology
 from .workers import run_with_progress
 
@@ -278,11 +278,5 @@ def reshard_autoep_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, ep: in
     meta = {"reshard_version": __version__, "format": "deepspeed", "source": str(ck.tag_dir),
             "source_topology": source, "target_topology": target}
     final = commit(cluster, staging, meta, latest_name="latest")
-    read = writer.elements_read(cluster)
     notes = [f"AutoEP experts at EP {ep} (EDP {tgt.edp}), uniform placement, ZeRO-3"]
-    if not src.ds_ids_exact:
-        notes.append("the source's ds_id names do not match the parameter order reshard derives; the written ds_id "
-                     "attributes are a best guess (DeepSpeed's loader does not read them)")
-    files, size = written(final)
-    return ReshardReport(out_dir=final, source=source, target=target, params=len(src.names), files=files,
-                         bytes_written=size, segments=writer.segments, elements_read=read, notes=notes)
+    return writer.report(cluster, final, source, target, notes, "do not match the parameter order reshard derives")

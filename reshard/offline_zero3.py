@@ -269,10 +269,17 @@ class _Writer:
         self.reads[(t, d)] = read  # the same whichever process builds the file, however often
         return fp32, moments
 
-    def elements_read(self, cluster: Cluster) -> int:
-        """Source elements the job read, over every process (a file built by several processes
-        is counted once)."""
-        return sum({k: v for reads in cluster.gather(self.reads) for k, v in reads.items()}.values())
+    def report(self, cluster: Cluster, final: Path, source: dict, target: dict, notes: list[str],
+               ds_id_note: str) -> ReshardReport:
+        """The job's report; the source elements read are summed over every process (a file
+        built by several processes counted once)."""
+        read = sum({k: v for reads in cluster.gather(self.reads) for k, v in reads.items()}.values())
+        if not self.src.ds_ids_exact:
+            notes.append(f"the source's ds_id names {ds_id_note}; the written ds_id attributes are a best guess "
+                         "(DeepSpeed's loader does not read them)")
+        files, size = written(final)
+        return ReshardReport(out_dir=final, source=source, target=target, params=len(self.src.names), files=files,
+                             bytes_written=size, segments=self.segments, elements_read=read, notes=notes)
 
     # -- ZeRO-3 files
     def z3_optim(self, t: int, d: int) -> Any:
@@ -383,14 +390,8 @@ def reshard_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, tp: int, dp: 
             "source_topology": source, "target_topology": target,
             "target_tp_layout": "none (TP=1)" if tp == 1 and ck.tp == 1 else origin}
     final = commit(cluster, staging, meta, latest_name="latest")
-    read = writer.elements_read(cluster)
     notes = [] if tp == 1 and ck.tp == 1 else [f"target TP layout {origin}"]
     if isinstance(tgt, _Zero3Out):
         notes.append(f"{len(tgt.subs[0])} sub-group(s) per rank (sub_group_size "
                      f"{z3.sub_group_size(src.cfg, str(ck.model_files[0]))})")
-    if not src.ds_ids_exact:
-        notes.append("the source's ds_id names do not number its parameters consecutively; the written ds_id "
-                     "attributes are a best guess (DeepSpeed's loader does not read them)")
-    files, size = written(final)
-    return ReshardReport(out_dir=final, source=source, target=target, params=len(src.names), files=files,
-                         bytes_written=size, segments=writer.segments, elements_read=read, notes=notes)
+    return writer.report(cluster, final, source, target, notes, "do not number its parameters consecutively")
