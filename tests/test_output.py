@@ -95,3 +95,40 @@ def test_a_reused_writable_buffer_is_checksummed_as_written(tmp_path, monkeypatc
         assert _manifest_entry(staging, "reused.bin") == {"size": len(data), checksum: want}
         staging.abandon()
     assert combined == [2 << 20]  # only the read-only record, under crc32
+
+
+def test_writeback_is_started_off_the_workers_thread(tmp_path, monkeypatch):
+    """Starting a finished file's writeback may wait on the device; the writer must not. The
+    range reaches the writeback thread as it was given, a file gone meanwhile is skipped, and
+    commit waits for what is queued before it renames the folder."""
+    import os
+    import threading
+
+    from reshard.formats import output
+
+    release, seen = threading.Event(), []
+
+    def slow_hint(fd, offset, nbytes):
+        release.wait(30)
+        seen.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, nbytes))
+
+    monkeypatch.setattr(output, "_hint_writeback", slow_hint)
+    staging = Staging(tmp_path / "out", "t")
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(1 << 16))
+    staging.copy(src, "a.bin")  # returns although the hint is held
+    with staging.open("b.bin") as f:
+        f.write(b"x" * 100)
+    (staging.tmp / "gone.bin").write_bytes(b"y")
+    output.start_writeback(staging.tmp / "gone.bin", 5, 7)
+    (staging.tmp / "gone.bin").unlink()
+    output.start_writeback(staging.tmp / "b.bin", 64, 36)
+    assert seen == []
+    committed = threading.Thread(target=staging.commit, args=({}, None))
+    committed.start()
+    committed.join(0.3)
+    assert committed.is_alive() and not (tmp_path / "out" / "t").exists()  # waits for the queue
+    release.set()
+    committed.join(30)
+    assert sorted(seen) == [("a.bin", 0, 0), ("b.bin", 0, 0), ("b.bin", 64, 36)]
+    assert (tmp_path / "out" / "t" / "a.bin").read_bytes() == src.read_bytes()

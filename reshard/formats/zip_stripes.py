@@ -189,7 +189,7 @@ class Archive:
                         lo = self.offsets[k] + a if lo is None else lo
                         hi = self.offsets[k] + b
                 if lo is not None:
-                    start_writeback(fd, lo, hi - lo)
+                    start_writeback(self.staging.tmp / self.rel, lo, hi - lo)
             finally:
                 os.close(fd)
         return out
@@ -250,7 +250,7 @@ class Archive:
                     w.end()
                 w.close()
                 os.ftruncate(fd, self.size)  # the file is exactly the archive
-                start_writeback(fd)
+                start_writeback(self.staging.tmp / self.rel)
             finally:
                 os.close(fd)
         if sink.hash is not None:
