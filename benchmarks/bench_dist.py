@@ -251,6 +251,8 @@ def _lines(res: dict) -> list[str]:
         _vs_floor("  same (out=)", res["ours_out_s"], res["floor_copies_s"], "(floor + the copies the layout "
                   f"forces: {res['floor_copied'][0] / mib:.0f} MiB local, {res['floor_copied'][1] / mib:.0f} MiB "
                   "strided out of the received buffers)", what="floor+copies"),
+        f"  floor+copies is itself {res['floor_copies_s'] / res['floor_s']:.2f}x the bare floor: the least that "
+        "any transfer writing these target shards pays on this machine",
         f"  CPU s, all ranks and threads (median per rank, summed): floor {cpu['floor_s']:.4f}, with copies "
         f"{cpu['floor_copies_s']:.4f}; transfer into out= {cpu['ours_out_s']:.4f}, allocating {cpu['ours_ws_s']:.4f} "
         f"({res['faults']['ours_ws_s']:.0f} page faults, into out= {res['faults']['ours_out_s']:.0f})",

@@ -5,62 +5,82 @@ affine blocks of the full tensor F its shard holds. See docs/spec.md.
 """
 
 import gc as _gc
+import importlib as _importlib
 import os as _os
 import sys as _sys
+import types as _types
 
 __version__ = "0.1.0"
 
-# As the ``reshard`` command (or ``python -m reshard``, which torchrun runs), collect nothing
-# while torch and reshard are imported, then freeze what they made: about a million objects,
-# none of them garbage, that the full collections of an import (~60 ms of start-up) and of the
-# job (~0.3 s of CPU per 3 GB) would otherwise walk again and again. A library import is left
-# as it is.
-_command = _sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] if _sys.argv else "") == "reshard"
-if _command:
+
+def _as_command() -> bool:
+    """Whether this process is the ``reshard`` command (the script, or ``python [flags] -m reshard``
+    as torchrun starts it), not a program that imports reshard."""
+    if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "reshard":
+        return True
+    argv = list(getattr(_sys, "orig_argv", ()))
+    return "-m" in argv and argv[argv.index("-m") + 1:][:1] in (["reshard"], ["reshard.cli"])
+
+
+# The command imports its modules with the collector off and turns it back on once they are
+# frozen (``cli.run``).
+if _as_command():
     _gc.disable()
-try:
-    from . import layouts
-    from .convert import convert
-    from .derive import derive
-    from .errors import (
-        CheckpointError,
-        MapError,
-        MapFormatError,
-        NotAffineError,
-        OutputError,
-        PlanError,
-        PlotUnavailable,
-        ReplicaMismatchError,
-        ReshardError,
-        ShardError,
-        TopologyError,
-    )
-    from .execute import apply_model_plan, apply_plan
-    from .formats.output import verify
-    from .ir import (
-        ParamMap,
-        Piece,
-        Shard,
-        View,
-        canonicalize,
-        check,
-        maps_from_document,
-        maps_to_document,
-        piece,
-        uncovered,
-    )
-    from .offline import reshard as reshard_checkpoint
-    from .plan import ModelPlan, PlanStats, Segment, TransferPlan, Unfilled
-    from .plan_format import model_plan_from_dict, model_plan_to_dict, plan_from_dict, plan_to_dict
-    from .planner import CostModel, DefaultCost, plan, plan_for_rank, plan_model
-    from .reports import ConvertReport, ReshardReport
-    from .reshard_dcp import reshard_dcp_files
-    from .retarget import TopologyPlan, plan_topology
-    from .topology import Topology
-finally:
-    if _command:
-        _gc.freeze()
-        _gc.enable()
+
+# Public name -> (module, attribute; None: the module itself), imported on first use (PEP 562):
+# a command loads only what it runs, and ``reshard convert`` starts copying files before torch
+# has loaded (``reshard.early_copies``).
+_EXPORTS = {
+    "layouts": (".layouts", None),
+    "convert": (".convert", "convert"),
+    "derive": (".derive", "derive"),
+    **{name: (".errors", name) for name in (
+        "CheckpointError", "MapError", "MapFormatError", "NotAffineError", "OutputError", "PlanError",
+        "PlotUnavailable", "ReplicaMismatchError", "ReshardError", "ShardError", "TopologyError")},
+    "apply_model_plan": (".execute", "apply_model_plan"),
+    "apply_plan": (".execute", "apply_plan"),
+    "verify": (".formats.output", "verify"),
+    **{name: (".ir", name) for name in (
+        "ParamMap", "Piece", "Shard", "View", "canonicalize", "check", "maps_from_document", "maps_to_document",
+        "piece", "uncovered")},
+    "reshard_checkpoint": (".offline", "reshard"),
+    **{name: (".plan", name) for name in ("ModelPlan", "PlanStats", "Segment", "TransferPlan", "Unfilled")},
+    **{name: (".plan_format", name) for name in (
+        "model_plan_from_dict", "model_plan_to_dict", "plan_from_dict", "plan_to_dict")},
+    **{name: (".planner", name) for name in ("CostModel", "DefaultCost", "plan", "plan_for_rank", "plan_model")},
+    **{name: (".reports", name) for name in ("ConvertReport", "ReshardReport")},
+    "reshard_dcp_files": (".reshard_dcp", "reshard_dcp_files"),
+    "TopologyPlan": (".retarget", "TopologyPlan"),
+    "plan_topology": (".retarget", "plan_topology"),
+    "Topology": (".topology", "Topology"),
+}
+
+
+def __getattr__(name: str):
+    where = _EXPORTS.get(name)
+    if where is None:
+        raise AttributeError(f"module 'reshard' has no attribute {name!r}")
+    module = _importlib.import_module(where[0], __name__)
+    value = module if where[1] is None else getattr(module, where[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(_types.ModuleType):
+    """The import system binds each submodule it loads on its package; ``reshard.convert`` and
+    ``reshard.derive`` are functions of modules of the same names, so those bindings are declined."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, _types.ModuleType) and _EXPORTS.get(name, (None, None))[1] is not None:
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "CheckpointError",

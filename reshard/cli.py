@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import os
 import sys
@@ -201,14 +202,31 @@ def _report(report) -> None:
         print(report)
 
 
+def _start_early_copies(args) -> None:
+    """One process converting to the universal layout: start copying the checkpoint's model-state
+    files now, while the command's modules (torch) load (``reshard.early_copies``)."""
+    if args.format != "ucp" or os.environ.get("WORLD_SIZE", "1") != "1":
+        return
+    from .early_copies import EarlyCopies
+
+    args.early_copies = EarlyCopies.start(args.ckpt_dir, args.out_dir, overwrite=args.overwrite,
+                                          checksum=args.checksum)
+
+
 def _cmd_convert(args) -> int:
     from .convert import convert
 
-    with _cluster(args) as cluster:
-        report = convert(args.ckpt_dir, args.out_dir, fmt=args.format, workers=args.workers,
-                         on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
-                         checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
-                         rename=args.rename, with_optimizer=args.with_optimizer)
+    early = args.early_copies
+    try:
+        with _cluster(args) as cluster:
+            report = convert(args.ckpt_dir, args.out_dir, fmt=args.format, workers=args.workers,
+                             on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
+                             checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
+                             rename=args.rename, with_optimizer=args.with_optimizer, early_copies=early)
+    except BaseException:
+        if early is not None:
+            early.abandon()
+        raise
     _report(report)
     return 0
 
@@ -281,10 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reshard", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    # ``imports``: the modules a command's handler uses, which ``run`` loads before calling it
     c = sub.add_parser("check", help="validate a map document (JSON)")
     c.add_argument("maps", help="a JSON map document: one map, or {\"version\": 1, \"params\": {name: map}}")
     c.add_argument("-v", "--verbose", action="store_true", help="print a one-line summary of every map")
-    c.set_defaults(fn=_cmd_check)
+    c.set_defaults(fn=_cmd_check, imports=("reshard.ir.param_map",))
 
     ins = sub.add_parser("inspect", help="show how every parameter is sharded: table, --json, --png picture")
     ins.add_argument("target", help="a map document (JSON), a DeepSpeed checkpoint folder or a universal checkpoint "
@@ -295,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--composed", action="store_true",
                      help="DeepSpeed: show the TP maps composed with the ZeRO split, over global ranks")
     _figures(ins)
-    ins.set_defaults(fn=_cmd_inspect)
+    ins.set_defaults(fn=_cmd_inspect, imports=("reshard.describe", "reshard.formats.sources"))
 
     pl = sub.add_parser("plan", help="plan a move without moving data: to a topology (--tp) or a map document (--to)",
                         description="Plan a move without moving data. Either --tp (the source's layouts rebuilt "
@@ -313,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--allow-inexact-scale", action="store_true",
                     help="accept rescaling by factors that are not powers of two (they round)")
     _figures(pl)
-    pl.set_defaults(fn=_cmd_plan)
+    pl.set_defaults(fn=_cmd_plan, imports=("reshard.describe", "reshard.formats.sources", "reshard.planner",
+                                         "reshard.plan_format", "reshard.retarget"))
 
     cv = sub.add_parser("convert", help="DeepSpeed or DCP checkpoint -> universal checkpoint, safetensors or DCP")
     cv.add_argument("ckpt_dir", help="a DeepSpeed tag folder (or its parent holding 'latest'), a PyTorch DCP folder "
@@ -330,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what to do when ranks hold different copies of a replicated block (default: fail)")
     cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit (default 5)")
     _output(cv)
-    cv.set_defaults(fn=_cmd_convert)
+    cv.set_defaults(fn=_cmd_convert, imports=("reshard.convert", "reshard.convert_dcp"), early_copies=None)
 
     rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP (x PP) "
                         "topology, ZeRO-3 (TP=1) at another DP or between ZeRO-3 and ZeRO-1/2, loadable by "
@@ -352,19 +372,21 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")
     _output(rs)
-    rs.set_defaults(fn=_cmd_reshard)
+    rs.set_defaults(fn=_cmd_reshard, imports=("reshard.offline", "reshard.reshard_dcp"))
 
     vf = sub.add_parser("verify", help="check a reshard output folder against its checksum manifest")
     vf.add_argument("out_dir", help="an output tag folder holding reshard-manifest.json")
-    vf.set_defaults(fn=_cmd_verify)
+    vf.set_defaults(fn=_cmd_verify, imports=("reshard.formats.output",))
     d = sub.add_parser("demo", help="a tour: derive layouts, plan, reshard and convert a committed fixture")
-    d.set_defaults(fn=_cmd_demo)
+    d.set_defaults(fn=_cmd_demo, imports=("reshard.demo",))
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(None if argv is None else [str(a) for a in argv])
+def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | None = None,
+         args: argparse.Namespace | None = None) -> int:
+    parser = parser or build_parser()
+    if args is None:
+        args = parser.parse_args(None if argv is None else [str(a) for a in argv])
     if args.cmd == "plan" and args.to is not None and (args.dp is not None or args.vocab_divisible_by is not None):
         parser.error("--dp and --vocab-divisible-by go with --tp, not --to")
     try:
@@ -382,13 +404,23 @@ def run() -> None:
     exception") while the interpreter shuts down, which would turn a finished, committed job into
     a failed launch.
 
-    The cyclic garbage collector is told that everything imported so far lives for the whole
-    run (``gc.freeze``) and to collect less often: a command allocates many small acyclic
-    objects (plans, pickled records), and full collections kept re-scanning torch's modules for
-    ~0.3 s of CPU per 3 GB job."""
+    The command's modules (torch with them) are imported with the cyclic garbage collector off
+    (from the package's import on: ``reshard/__init__.py``), and what they made is then frozen
+    (``gc.freeze``): about a million objects, none of them garbage, that full collections during
+    the import (~60 ms of start-up) and during the job (~0.3 s of CPU per 3 GB) would otherwise
+    walk again and again. Collection then runs less often: a command allocates many small
+    acyclic objects (plans, pickled records)."""
+    gc.disable()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.cmd == "convert":
+        _start_early_copies(args)  # before torch loads, which the imports below do
+    for module in args.imports:
+        importlib.import_module(module)
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    code = main()
+    gc.enable()
+    code = main(parser=parser, args=args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -29,12 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import errors
 from .errors import OutputError, ReshardError
 from .formats.output import Staging
-from .formats.zip_stripes import STRIPE_BYTES, Archive, Written, stripe_count
+
+if TYPE_CHECKING:  # zip_stripes loads torch; the command line imports this module before it may
+    from .formats.zip_stripes import Archive, Written
 
 T = TypeVar("T")
 
@@ -213,6 +215,8 @@ class _Stripes:
     def archive(self) -> Archive:
         with self._lock:
             if self._archive is None:
+                from .formats.zip_stripes import Archive
+
                 self._archive = Archive(self.staging, self.job.rel, self.job.build(), self.stripes)
             return self._archive
 
@@ -231,6 +235,8 @@ def _units(staging: Staging, jobs: Sequence[OutputJob], stripe_size: int
     """Every job as units of work ``(bytes, run)``: an archive's stripes, taken one stripe of
     each job in turn (largest jobs first), so that workers taking units in order write different
     files at once (writers of one file queue on its lock in the kernel)."""
+    from .formats.zip_stripes import stripe_count
+
     groups: list[list[tuple[int, Callable[[], None]]]] = []
     archives = []
     for job in jobs:
@@ -249,6 +255,8 @@ def _units(staging: Staging, jobs: Sequence[OutputJob], stripe_size: int
 def stripe_bytes() -> int:
     """How large the stripes of an archive are: ``RESHARD_STRIPE_BYTES`` (bytes) if set, else
     ``zip_stripes.STRIPE_BYTES``. Every process of a job must see the same value."""
+    from .formats.zip_stripes import STRIPE_BYTES
+
     raw = os.environ.get("RESHARD_STRIPE_BYTES")
     if raw is None:
         return STRIPE_BYTES

@@ -18,6 +18,7 @@ import torch
 
 from . import __version__
 from .cluster import Cluster, commit, open_staging, run_share
+from .early_copies import EarlyCopies
 from .errors import CheckpointError, ReplicaMismatchError, ReshardError
 from .formats import deepspeed_experts
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
@@ -152,6 +153,7 @@ def convert(
     cluster: Cluster | None = None,
     rename: Sequence[str] = (),
     with_optimizer: bool = False,
+    early_copies: EarlyCopies | None = None,
 ) -> ConvertReport:
     """Convert the checkpoint in ``ckpt_dir`` (a tag folder, or its parent with ``latest``) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``)
@@ -162,12 +164,18 @@ def convert(
 
     A PyTorch DCP folder converts to ``"safetensors"`` (``with_optimizer`` adds the Adam moments in
     the universal layout) or ``"ucp"``; any source converts to ``fmt="dcp"`` (names changed by the
-    ``rename`` ``FROM=TO`` regexes): see ``reshard.convert_dcp``."""
+    ``rename`` ``FROM=TO`` regexes): see ``reshard.convert_dcp``.
+
+    ``early_copies``: the model-state files of this conversion already being copied into its
+    staging folder (``reshard.early_copies``, started by the command line before torch loads);
+    one process, ``fmt="ucp"``, a DeepSpeed source. The caller abandons them if this raises."""
     if fmt not in ("ucp", "safetensors", "dcp"):
         raise ReshardError(f"format must be 'ucp', 'safetensors' or 'dcp', got {fmt!r}")
     from .convert_dcp import convert_any, open_tensors
 
     src = open_tensors(ckpt_dir)
+    if early_copies is not None and (src is not None or fmt != "ucp"):
+        raise ReshardError("early copies go with a one-process conversion of a DeepSpeed checkpoint to 'ucp'")
     if src is not None or fmt == "dcp":
         # drift in a DeepSpeed source is resolved as below, but not collected into the report
         return convert_any(src or DeepSpeedTensors(ckpt_dir, on_replica_mismatch), ckpt_dir, out_dir, fmt=fmt, workers=workers, overwrite=overwrite,
@@ -180,11 +188,16 @@ def convert(
     ck.check_steps()
     conv = _Converter(ck, on_replica_mismatch)
     cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
+    if early_copies is not None and (cluster.world > 1 or early_copies.tag_dir != ck.tag_dir
+                                     or early_copies.staging.out_dir != Path(out_dir)):
+        raise ReshardError(f"{ck.tag_dir} -> {out_dir}: the early copies are of another conversion "
+                           f"({early_copies.tag_dir} -> {early_copies.staging.out_dir}), or of one process")
+    staging = early_copies.staging if early_copies is not None else open_staging(
+        cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     names = ck.names
     bar = Progress(progress, len(names), "param", "reshard convert")
     try:  # the jobs read every parameter's map: a bad one must not leave the staging folder behind
-        jobs = _ucp_jobs(ck, conv, staging, names, bar) if fmt == "ucp" else _safetensors_jobs(
+        jobs = _ucp_jobs(ck, conv, staging, names, bar, early_copies) if fmt == "ucp" else _safetensors_jobs(
             ck, conv, staging, names, max_file_bytes, bar, cluster.rank == 0)
     except BaseException:
         if cluster.rank == 0:  # every process builds the same jobs, so every one fails alike
@@ -223,7 +236,8 @@ def convert(
     return ConvertReport(final, len(names), *written(final, manifest=False), on_replica_mismatch, drift)
 
 
-def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> list[tuple[int, Callable[[], None]]]:
+def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar,
+              early: EarlyCopies | None = None) -> list[tuple[int, Callable[[], None]]]:
     """Every file of the universal checkpoint as ``(bytes, job)``, largest first."""
     # DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as bare flat tensors, and no
     # step file at any TP degree (under AutoTP: {'param': full tensor}, as for ZeRO-1/2); its
@@ -251,7 +265,13 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar) -> 
     # the parameters, not after, and everything largest first so no worker idles at the end.
     copies = [ck.model_files[m] for m in range(ck.mp)]
     copies += [src for (t, d), src in sorted(ck.z3_model_files.items()) if t or d]
-    jobs = [(src.stat().st_size, partial(staging.copy, src, src.name)) for src in copies]
+    kept = frozenset()
+    if early is not None:  # started by the command line from the files' names alone: keep what is copied as is
+        kept = early.files & set(copies) if ck.experts is None else kept
+        for src in early.files - kept:
+            early.drop(src)
+    jobs = [(src.stat().st_size, partial(early.take, src) if src in kept else partial(staging.copy, src, src.name))
+            for src in copies]
     if ck.experts is not None:  # ds_to_universal rewrites these under AutoEP
         jobs = [(size, partial(_autoep_model_state, ck, staging, m, src)) for m, ((size, _), src)
                 in enumerate(zip(jobs, copies))]

@@ -1,26 +1,52 @@
-"""What importing reshard does to the interpreter: as a library, nothing; as the ``reshard``
-command (``python -m reshard``, as torchrun starts it), the objects of the import are frozen out
-of the garbage collector's way and collection is back on."""
+"""What importing reshard does to the interpreter: as a library, nothing until a name is used
+(each public name loads its own module); as the ``reshard`` command, the command's modules are
+imported with the collector off, frozen out of its way, and collection is back on."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-PROBE = "import gc, reshard; print(gc.isenabled(), gc.get_freeze_count() > 100_000)"
+import reshard
 
 
-def test_a_library_import_leaves_the_collector_alone():
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True", "False"]
+def _run(*args: str) -> list[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True).stdout.split()
 
 
-def test_the_command_freezes_what_the_import_made(tmp_path):
+def test_a_library_import_loads_nothing_and_leaves_the_collector_alone():
+    out = _run("-c", "import gc, sys, reshard; print(gc.isenabled(), gc.get_freeze_count() > 0, "
+               "'torch' in sys.modules, sorted(m for m in sys.modules if m.startswith('reshard')))")
+    assert out == ["True", "False", "False", "['reshard']"]
+
+
+def test_a_program_run_with_dash_m_that_imports_reshard_keeps_its_collector(tmp_path):
     (tmp_path / "probe").mkdir()
-    # a package run with -m imports reshard while the interpreter's argv[0] is still "-m", as
-    # ``python -m reshard`` does
     (tmp_path / "probe" / "__init__.py").write_text("import reshard  # noqa: F401\n")
-    (tmp_path / "probe" / "__main__.py").write_text(PROBE)
+    (tmp_path / "probe" / "__main__.py").write_text("import gc; print(gc.isenabled())")
     out = subprocess.run([sys.executable, "-m", "probe"], capture_output=True, text=True, check=True,
                          cwd=tmp_path).stdout
-    assert out.split() == ["True", "True"]
+    assert out.split() == ["True"]
+
+
+def test_every_public_name_resolves_to_its_object():
+    assert sorted(reshard.__all__) == sorted(reshard._EXPORTS)
+    for name in reshard.__all__:
+        assert getattr(reshard, name) is not None
+    from reshard.convert import convert
+    from reshard.derive import derive
+    from reshard.offline import reshard as offline_reshard
+
+    # a submodule named like its function: the package's name stays the function
+    assert reshard.convert is convert and reshard.derive is derive and reshard.reshard_checkpoint is offline_reshard
+    assert "convert" in dir(reshard)
+    assert not hasattr(reshard, "no_such_name")
+
+
+def test_the_command_freezes_what_its_modules_made():
+    probe = ("import gc, sys; sys.argv = ['reshard', 'convert', 'in', 'out']; import reshard.cli as cli; "
+             "cli._cmd_convert = lambda args: print(gc.isenabled(), gc.get_freeze_count() > 100_000, "
+             "'torch' in sys.modules, 'reshard.offline' in sys.modules) or 0; cli.run()")
+    assert _run("-c", probe) == ["True", "True", "True", "False"]
+    # python -m reshard, as torchrun starts it: the collector is off from the package's import on
+    assert _run("-m", "reshard", "--help")[:2] == ["usage:", "reshard"]

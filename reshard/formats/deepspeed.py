@@ -15,7 +15,6 @@ from TP ranks."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -31,33 +30,11 @@ from ..layouts import compose_zero, zero3, zero12_from_slice_mappings
 from ..memory import empty, own_bytes, release
 from ..topology import Topology
 from . import deepspeed_experts, deepspeed_moe, lowering
+from .deepspeed_files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE, resolve_tag_dir
 from .safe_load import load
-
-MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-LAYER_RE = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 SCALE_POWER = {"fp32": 1, "exp_avg": -1, "exp_avg_sq": -2}
-
-
-def resolve_tag_dir(path: str | Path) -> Path:
-    """The tag folder itself, or the one a parent's ``latest`` file names."""
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(f"{p}: not a folder")
-    if any(p.glob("*model_states.pt")):
-        return p
-    latest = p / "latest"
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if not tag or "/" in tag or tag in (".", ".."):
-            raise CheckpointError(f"{latest}: does not name a tag folder ({tag!r})")
-        if not (p / tag).is_dir():
-            raise CheckpointError(f"{latest}: names tag {tag!r}, but {p / tag} is missing")
-        return resolve_tag_dir(p / tag)
-    raise CheckpointError(f"{p}: no *model_states.pt files and no 'latest' file: not a DeepSpeed checkpoint")
 
 
 def _grid(files: dict[tuple[int, int], Path], what: str, folder: Path) -> tuple[int, int]:

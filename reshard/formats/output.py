@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, OutputError, ReshardError
-from ..memory import file_bytes
 from .crc import Crc32
 
 MANIFEST = "reshard-manifest.json"
@@ -95,6 +94,11 @@ class Staging:
         """The size and checksum of finished file ``rel``, for the manifest."""
         with self._lock:
             self.digests[rel] = {"size": size, self.checksum: digest}
+
+    def forget(self, rel: str) -> None:
+        """Drop the recorded checksum of ``rel``: the file is about to be written again."""
+        with self._lock:
+            self.digests.pop(rel, None)
 
     @contextlib.contextmanager
     def writing(self, rel: str) -> Iterator[None]:
@@ -340,6 +344,8 @@ def copy_mapped(view: memoryview, dst: int, at: int | None = None) -> int:
     ``copy_file_range`` moves them page cache to page cache, where ``write`` from the mapping
     pays a user-space copy and its page faults. 0 when not mapped or the kernel cannot (another
     file system, no such call): then the caller writes them all."""
+    from ..memory import file_bytes  # loads torch: not at import (``reshard.early_copies`` runs before it)
+
     where = file_bytes(view)
     if where is None:
         return 0

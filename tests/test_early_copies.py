@@ -1,0 +1,93 @@
+"""``reshard convert`` starts copying model-state files before torch loads (``reshard.early_copies``):
+the command's output is byte for byte the library's, copies it does not keep are dropped, and a
+conversion that fails afterwards leaves nothing behind."""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reshard import ReshardError
+from reshard.convert import convert
+from reshard.early_copies import EarlyCopies
+from tests.dsconv import FIXTURES
+
+
+def _command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "reshard", "convert", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def _same_tree(a: Path, b: Path) -> None:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files_a == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for rel in files_a:
+        assert filecmp.cmp(a / rel, b / rel, shallow=False), rel
+
+
+@pytest.mark.parametrize("fixture", [
+    "llama_zero1_dp2",  # one model-state file, kept as it is
+    "llama_tp2_dp2",  # two
+    "mixtral_autoep_ep2",  # AutoEP: the model states are rewritten, the early copies dropped
+    "llama_zero3_dp2",  # ZeRO-3: no mp_rank files, nothing starts early
+])
+def test_the_command_writes_what_the_library_writes(fixture, tmp_path):
+    res = _command(FIXTURES / fixture, tmp_path / "cmd", "--workers", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    convert(FIXTURES / fixture, tmp_path / "lib", workers=2)
+    _same_tree(tmp_path / "lib", tmp_path / "cmd")  # the manifests included
+
+
+def test_the_copies_start_before_torch_loads(tmp_path):
+    probe = (
+        "import sys; sys.argv = ['reshard', 'convert', sys.argv[1], sys.argv[2]]\n"
+        "from reshard import early_copies\n"
+        "real = early_copies.EarlyCopies._run\n"
+        "def run(self, files):\n"
+        "    print('torch loaded when the copies started:', 'torch' in sys.modules, flush=True)\n"
+        "    real(self, files)\n"
+        "early_copies.EarlyCopies._run = run\n"
+        "from reshard.cli import run as command\n"
+        "command()\n")
+    res = subprocess.run([sys.executable, "-c", probe, str(FIXTURES / "llama_zero1_dp2"), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "torch loaded when the copies started: False" in res.stdout
+    assert (tmp_path / "out" / "global_step3" / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_a_conversion_that_fails_after_the_copies_started_leaves_nothing(tmp_path):
+    src = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "llama_zero1_dp2", src)
+    optim = next(src.rglob("zero_pp_rank_1_*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:1000])  # truncated: found only once torch reads it
+    out = tmp_path / "out"
+    res = _command(src, out)
+    assert res.returncode == 2 and "zero_pp_rank_1" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not out.exists() or list(out.iterdir()) == []  # no staging folder, no latest_universal
+
+
+def test_nothing_starts_where_the_conversion_would_refuse(tmp_path):
+    assert EarlyCopies.start(tmp_path, tmp_path / "out", overwrite=False, checksum="crc32") is None  # no checkpoint
+    (tmp_path / "out" / "global_step3").mkdir(parents=True)  # an output the run must not replace
+    assert EarlyCopies.start(FIXTURES / "llama_zero1_dp2", tmp_path / "out", overwrite=False, checksum="crc32") is None
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["global_step3"]
+    res = _command(FIXTURES / "llama_zero1_dp2", tmp_path / "out")
+    assert res.returncode == 2 and "already exists" in res.stderr  # the conversion's own error, as ever
+
+
+def test_early_copies_go_only_with_the_conversion_they_were_started_for(tmp_path):
+    early = EarlyCopies.start(FIXTURES / "llama_zero1_dp2", tmp_path / "out", overwrite=False, checksum="crc32")
+    try:
+        with pytest.raises(ReshardError, match="early copies go with"):
+            convert(FIXTURES / "llama_zero1_dp2", tmp_path / "out", fmt="safetensors", early_copies=early)
+        with pytest.raises(ReshardError, match="another conversion"):
+            convert(FIXTURES / "pipe_pp2_dp2", tmp_path / "out", early_copies=early)
+    finally:
+        early.abandon()
+    assert list((tmp_path / "out").iterdir()) == []
