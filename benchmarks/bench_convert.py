@@ -95,12 +95,13 @@ def cp_sync(src: Path, dst: Path, *, files_only: bool = False) -> float:
 
 
 def startup() -> float:
-    """What every ``reshard`` command pays before its first byte: starting Python and importing
-    reshard (torch with it); best of 3."""
+    """What a ``reshard convert`` or ``reshard reshard`` command pays to start: Python and the
+    command's modules (torch with them); best of 3. (``convert`` copies its model-state files
+    meanwhile: ``reshard.early_copies``.)"""
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import reshard.cli"], check=True)
+        subprocess.run([sys.executable, "-c", "import reshard.cli, reshard.convert, reshard.offline"], check=True)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -147,7 +148,7 @@ def main(workers: int = 2, repeat: int = 2) -> list[str]:
         row("  copy floor: cp -r + sync of the checkpoint", copy,
             note=f"reshard is {ours / copy:.2f}x the copy (goal <= 1.15x)"),
         row("  copy floor, fsync of the copied files only", fcopy, note=f"reshard is {ours / fcopy:.2f}x it"),
-        row("  start-up (python + import reshard, torch)", start,
+        row("  start-up (python + the command's modules, torch)", start,
             note=f"reshard less start-up is {(ours - start) / copy:.2f}x / {(ours - start) / fcopy:.2f}x the copies"),
     ]
 
