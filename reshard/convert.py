@@ -23,8 +23,8 @@ from .errors import CheckpointError, ReplicaMismatchError, ReshardError
 from .formats import deepspeed_experts
 from .formats.deepspeed import SCALE_POWER, STATES, DeepSpeedCheckpoint
 from .formats.output import Staging
-from .formats.pickling import save
 from .formats.safetensors_io import SafetensorsWriter, plan_files
+from .formats.torch_zip import save
 from .ir.apply import rebuild_mean
 from .ir.piece import prod
 from .memory import release

@@ -491,7 +491,9 @@ def _archive_name(path: str) -> str:
 
 def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: list[torch.Tensor]) -> None:
     if slot.memory is not None:  # already in memory: one write, as torch does
-        w.write(slot.memory)
+        # read-only, as torch hands it over: unchanged until the save ends, so a sink may take its
+        # CRC from the data descriptor instead of reading it again (``output._HashingWriter``)
+        w.write(_byte_view(slot.memory).toreadonly())
         return
     storage = slot.storage
     assert storage is not None
