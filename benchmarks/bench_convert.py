@@ -94,14 +94,17 @@ def cp_sync(src: Path, dst: Path, *, files_only: bool = False) -> float:
     return took
 
 
-def startup() -> float:
-    """What a ``reshard convert`` or ``reshard reshard`` command pays to start: Python and the
-    command's modules (torch with them); best of 3. (``convert`` copies its model-state files
-    meanwhile: ``reshard.early_copies``.)"""
+def startup(*command: str) -> float:
+    """What the ``reshard`` command (default ``convert``) pays to start: Python and the command's
+    modules, torch with them, timed on a folder that does not exist (the command then stops with
+    its error); best of 3."""
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import reshard.cli, reshard.convert, reshard.offline"], check=True)
+        res = subprocess.run([sys.executable, "-m", "reshard.cli", *(command or ("convert",)), str(DATA / "missing"),
+                              str(DATA / "missing-out")], capture_output=True)
+        if res.returncode != 2:
+            raise RuntimeError(f"start-up probe: expected the command's error, got {res.returncode}")
         best = min(best, time.perf_counter() - t)
     return best
 

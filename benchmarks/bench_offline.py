@@ -102,12 +102,12 @@ def main(workers: int = 2, dp: int = 4, repeat: int = 2) -> list[str]:
     conv, conv_rss = _run(ds_to_universal_cmd(tag, out / "ds" / tag.name, workers))
     back = _read_back(str(out / "ds" / tag.name), dp)
     shutil.rmtree(out, ignore_errors=True)
-    start = startup()
+    start = startup("reshard", "--tp", "1")
     ours, ours_rss = b["one"]
     big = ensure_checkpoint("llama_400m_zero1_dp2", "--bench-400m")
     gib = sum(p.stat().st_size for p in (big / (big / "latest").read_text().strip()).iterdir() if p.is_file()) / 2**30
     return [
-        f"best of {repeat}, the commands alternating; start-up (python + import reshard) {start:.2f} s",
+        f"best of {repeat}, the commands alternating; start-up (python + the command's modules, torch) {start:.2f} s",
         row(f"reshard reshard DP=2 -> DP={dp} vs ds_to_universal + read-back", ours, conv + back,
             note=f"(peer: convert {conv:.1f} s + read back {back:.1f} s)"),
         row("  peak RSS reshard vs ds_to_universal", ours_rss, conv_rss, unit="MiB", note="(ratio = peer/ours)"),
