@@ -5,7 +5,9 @@ Converting a ZeRO-1/2 checkpoint to the universal layout copies its model-state 
 nothing from torch. Importing torch takes ~0.7 s of the command's start-up, on one core. So the
 ``reshard convert`` command (one process, universal output) creates the staging folder and starts
 these copies on a thread first; they run on the other core and on the disk while torch loads, and
-the conversion then takes the folder and the finished copies over.
+the conversion then takes the folder over. The thread only has a head start: a worker that comes
+to a file the thread has not begun copies it itself (:meth:`EarlyCopies.take`), so a checkpoint
+with many large model-state files is copied at the workers' full parallelism, as without it.
 
 Nothing here imports torch. What the copies are is known from the files' names alone
 (``formats.deepspeed_files``); whether the conversion keeps them is not (AutoEP checkpoints rewrite
@@ -24,15 +26,19 @@ from .formats.output import Staging
 
 __all__ = ["EarlyCopies"]
 
+_PENDING, _COPYING, _DONE, _TAKEN, _DROPPED = "pending", "copying", "done", "taken", "dropped"
+
 
 class EarlyCopies:
-    """The model-state files of one conversion, being copied into its staging folder."""
+    """The model-state files of one conversion, copied into its staging folder by a thread that
+    started before torch loaded, or by whoever asks for one first."""
 
     def __init__(self, tag_dir: Path, staging: Staging, files: list[Path]) -> None:
         self.tag_dir, self.staging, self.files = tag_dir, staging, frozenset(files)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(sorted(files),), name="reshard-early-copies",
-                                        daemon=True)
+        self._state = dict.fromkeys(sorted(files), _PENDING)
+        self._errors: dict[Path, BaseException] = {}
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="reshard-early-copies", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -51,30 +57,69 @@ class EarlyCopies:
             return None
         return cls(tag, staging, files)
 
-    def _run(self, files: list[Path]) -> None:
-        try:
-            for src in files:
-                self.staging.copy(src, src.name)
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the copies
-            self._error = e
+    def _claim(self, src: Path | None = None) -> Path | None:
+        """Mark ``src`` (or the next pending file) as being copied by the caller; ``None`` if
+        there is no such file pending."""
+        with self._changed:
+            todo = [src] if src is not None else list(self._state)
+            for f in todo:
+                if self._state[f] == _PENDING:
+                    self._state[f] = _COPYING
+                    return f
+        return None
 
-    def take(self, src: Path) -> None:
-        """Wait for the copies; raise the error that stopped them, if any. ``src``'s copy is
-        then in the staging folder and its checksum recorded, as :meth:`Staging.copy` leaves it."""
+    def _copy(self, src: Path) -> None:
+        try:
+            self.staging.copy(src, src.name)
+        except BaseException as e:  # noqa: BLE001 - raised by take(), in the job that needs the file
+            self._errors[src] = e
+        with self._changed:
+            self._state[src] = _DONE
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        while (src := self._claim()) is not None:
+            self._copy(src)
+
+    def _settle(self, src: Path) -> None:
+        """Return once ``src`` is not being copied (copying it here if no one has begun)."""
         if src not in self.files:
             raise ReshardError(f"{src}: not among the early copies")
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+        if self._claim(src) is not None:
+            self._copy(src)
+        with self._changed:
+            self._changed.wait_for(lambda: self._state[src] != _COPYING)
+
+    def take(self, src: Path) -> None:
+        """``src``'s copy, in the staging folder with its checksum recorded (as
+        :meth:`Staging.copy` leaves it): copied here if the thread has not begun it, else
+        waited for. Raises the error that stopped it."""
+        self._settle(src)
+        with self._changed:
+            self._state[src] = _TAKEN
+        error = self._errors.get(src)
+        if error is not None:
+            raise error
 
     def drop(self, src: Path) -> None:
-        """Wait for the copies, then remove ``src``'s from the staging folder and the manifest:
-        the conversion writes that file otherwise, or not at all."""
-        self._thread.join()
+        """Make sure ``src`` is not copied, or remove its copy from the staging folder and the
+        manifest: the conversion writes that file otherwise, or not at all."""
+        with self._changed:
+            if self._state.get(src) == _PENDING:
+                self._state[src] = _DROPPED
+                return
+        self._settle(src)
         self.staging.forget(src.name)
         (self.staging.tmp / src.name).unlink(missing_ok=True)
+        with self._changed:
+            self._state[src] = _DROPPED
 
     def abandon(self) -> None:
-        """Wait for the copies, then remove the staging folder (the conversion failed)."""
-        self._thread.join()
+        """Copy nothing more, wait for the copy under way, remove the staging folder (the
+        conversion failed)."""
+        with self._changed:
+            for f, state in self._state.items():
+                if state == _PENDING:
+                    self._state[f] = _DROPPED
+            self._changed.wait_for(lambda: _COPYING not in self._state.values())
         self.staging.abandon()

@@ -48,9 +48,9 @@ def test_the_copies_start_before_torch_loads(tmp_path):
         "import sys; sys.argv = ['reshard', 'convert', sys.argv[1], sys.argv[2]]\n"
         "from reshard import early_copies\n"
         "real = early_copies.EarlyCopies._run\n"
-        "def run(self, files):\n"
+        "def run(self):\n"
         "    print('torch loaded when the copies started:', 'torch' in sys.modules, flush=True)\n"
-        "    real(self, files)\n"
+        "    real(self)\n"
         "early_copies.EarlyCopies._run = run\n"
         "from reshard.cli import run as command\n"
         "command()\n")
@@ -90,4 +90,44 @@ def test_early_copies_go_only_with_the_conversion_they_were_started_for(tmp_path
             convert(FIXTURES / "pipe_pp2_dp2", tmp_path / "out", early_copies=early)
     finally:
         early.abandon()
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_the_thread_only_has_a_head_start(tmp_path, monkeypatch):
+    """A worker that comes to a file the thread has not begun copies it itself (the copies run at
+    the workers' parallelism, not one thread's); a file dropped before its turn is never copied;
+    abandoning stops what has not begun."""
+    import threading
+
+    from reshard.formats import output
+
+    tag = tmp_path / "ckpt" / "global_step1"
+    tag.mkdir(parents=True)
+    files = [tag / f"mp_rank_{m:02d}_model_states.pt" for m in range(4)]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes([i]) * 5000)
+    release, copied = threading.Event(), []
+    real = output.Staging.copy
+
+    def copy(self, src, rel):
+        copied.append((threading.current_thread().name, src.name))
+        if src == files[0]:
+            release.wait(30)  # the thread is held on its first file
+        real(self, src, rel)
+
+    monkeypatch.setattr(output.Staging, "copy", copy)
+    early = EarlyCopies.start(tag, tmp_path / "out", overwrite=False, checksum="crc32")
+    assert early is not None and early.files == frozenset(files)
+    early.take(files[2])  # not begun by the thread: copied here, at once
+    assert (threading.current_thread().name, files[2].name) in copied
+    early.drop(files[3])  # never copied
+    release.set()
+    early.take(files[0])  # the thread's copy, waited for
+    early.take(files[1])
+    assert sorted(p.name for p in early.staging.tmp.iterdir()) == [f.name for f in files[:3]]
+    assert files[3].name not in [name for _, name in copied]
+    for f in files[:3]:
+        assert (early.staging.tmp / f.name).read_bytes() == f.read_bytes()
+        assert early.staging.digests[f.name]["size"] == 5000
+    early.abandon()
     assert list((tmp_path / "out").iterdir()) == []
