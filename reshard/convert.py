@@ -270,7 +270,8 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar,
         kept = early.files & set(copies) if ck.experts is None else kept
         for src in early.files - kept:
             early.drop(src)
-    jobs = [(src.stat().st_size, partial(early.take, src) if src in kept else partial(staging.copy, src, src.name))
+    # a copy under way since start-up goes last: by then it is done, and no worker waits for it
+    jobs = [(0, partial(early.take, src)) if src in kept else (src.stat().st_size, partial(staging.copy, src, src.name))
             for src in copies]
     if ck.experts is not None:  # ds_to_universal rewrites these under AutoEP
         jobs = [(size, partial(_autoep_model_state, ck, staging, m, src)) for m, ((size, _), src)
