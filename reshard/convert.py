@@ -167,15 +167,17 @@ def convert(
     ``rename`` ``FROM=TO`` regexes): see ``reshard.convert_dcp``.
 
     ``early_copies``: the model-state files of this conversion already being copied into its
-    staging folder (``reshard.early_copies``, started by the command line before torch loads);
-    one process, ``fmt="ucp"``, a DeepSpeed source. The caller abandons them if this raises."""
+    staging folder (``reshard.early_copies``, started by the command line before torch loads).
+    They serve one process converting a DeepSpeed checkpoint to ``"ucp"``, from ``ckpt_dir`` to
+    ``out_dir``; for any other conversion they are abandoned first. The caller abandons them if
+    this raises."""
     if fmt not in ("ucp", "safetensors", "dcp"):
         raise ReshardError(f"format must be 'ucp', 'safetensors' or 'dcp', got {fmt!r}")
     from .convert_dcp import convert_any, open_tensors
 
     src = open_tensors(ckpt_dir)
     if early_copies is not None and (src is not None or fmt != "ucp"):
-        raise ReshardError("early copies go with a one-process conversion of a DeepSpeed checkpoint to 'ucp'")
+        early_copies = _abandoned(early_copies)
     if src is not None or fmt == "dcp":
         # drift in a DeepSpeed source is resolved as below, but not collected into the report
         return convert_any(src or DeepSpeedTensors(ckpt_dir, on_replica_mismatch), ckpt_dir, out_dir, fmt=fmt, workers=workers, overwrite=overwrite,
@@ -190,8 +192,7 @@ def convert(
     cluster = cluster or Cluster.from_env()
     if early_copies is not None and (cluster.world > 1 or early_copies.tag_dir != ck.tag_dir
                                      or early_copies.staging.out_dir != Path(out_dir)):
-        raise ReshardError(f"{ck.tag_dir} -> {out_dir}: the early copies are of another conversion "
-                           f"({early_copies.tag_dir} -> {early_copies.staging.out_dir}), or of one process")
+        early_copies = _abandoned(early_copies)
     staging = early_copies.staging if early_copies is not None else open_staging(
         cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     names = ck.names
@@ -234,6 +235,13 @@ def convert(
     }
     final = commit(cluster, staging, meta, "latest_universal" if fmt == "ucp" else None)
     return ConvertReport(final, len(names), *written(final, manifest=False), on_replica_mismatch, drift)
+
+
+def _abandoned(early: EarlyCopies) -> None:
+    """Early copies started from the file names for a conversion that is not this one (another
+    route, source, output or process count): removed, and the conversion runs as without them."""
+    early.abandon()
+    return None
 
 
 def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar,

@@ -17,6 +17,7 @@ again like any other file where it writes one.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -33,8 +34,9 @@ class EarlyCopies:
     """The model-state files of one conversion, copied into its staging folder by a thread that
     started before torch loaded, or by whoever asks for one first."""
 
-    def __init__(self, tag_dir: Path, staging: Staging, files: list[Path]) -> None:
+    def __init__(self, tag_dir: Path, staging: Staging, files: list[Path], *, made_out_dir: bool = False) -> None:
         self.tag_dir, self.staging, self.files = tag_dir, staging, frozenset(files)
+        self._made_out_dir = made_out_dir  # the staging created the output folder: abandon() removes it if empty
         self._state = dict.fromkeys(sorted(files), _PENDING)
         self._errors: dict[Path, BaseException] = {}
         self._changed = threading.Condition()
@@ -52,10 +54,11 @@ class EarlyCopies:
             files = sorted(p for p in tag.iterdir() if MODEL_RE.match(p.name) and p.is_file())
             if not files:
                 return None
+            made = not Path(out_dir).exists()
             staging = Staging(out_dir, tag.name, overwrite=overwrite, checksum=checksum)
         except (ReshardError, OSError):
             return None
-        return cls(tag, staging, files)
+        return cls(tag, staging, files, made_out_dir=made)
 
     def _claim(self, src: Path | None = None) -> Path | None:
         """Mark ``src`` (or the next pending file) as being copied by the caller; ``None`` if
@@ -123,3 +126,6 @@ class EarlyCopies:
                     self._state[f] = _DROPPED
             self._changed.wait_for(lambda: _COPYING not in self._state.values())
         self.staging.abandon()
+        if self._made_out_dir:
+            with contextlib.suppress(OSError):  # not empty: another run's output, or the user's
+                self.staging.out_dir.rmdir()

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from reshard import ReshardError
 from reshard.convert import convert
 from reshard.early_copies import EarlyCopies
+from reshard.formats.output import verify
 from tests.dsconv import FIXTURES
 
 
@@ -69,7 +69,7 @@ def test_a_conversion_that_fails_after_the_copies_started_leaves_nothing(tmp_pat
     out = tmp_path / "out"
     res = _command(src, out)
     assert res.returncode == 2 and "zero_pp_rank_1" in res.stderr and "Traceback" not in res.stderr, res.stderr
-    assert not out.exists() or list(out.iterdir()) == []  # no staging folder, no latest_universal
+    assert not out.exists()  # no staging folder, no latest_universal, not even the folder it made
 
 
 def test_nothing_starts_where_the_conversion_would_refuse(tmp_path):
@@ -81,16 +81,16 @@ def test_nothing_starts_where_the_conversion_would_refuse(tmp_path):
     assert res.returncode == 2 and "already exists" in res.stderr  # the conversion's own error, as ever
 
 
-def test_early_copies_go_only_with_the_conversion_they_were_started_for(tmp_path):
-    early = EarlyCopies.start(FIXTURES / "llama_zero1_dp2", tmp_path / "out", overwrite=False, checksum="crc32")
-    try:
-        with pytest.raises(ReshardError, match="early copies go with"):
-            convert(FIXTURES / "llama_zero1_dp2", tmp_path / "out", fmt="safetensors", early_copies=early)
-        with pytest.raises(ReshardError, match="another conversion"):
-            convert(FIXTURES / "pipe_pp2_dp2", tmp_path / "out", early_copies=early)
-    finally:
-        early.abandon()
-    assert list((tmp_path / "out").iterdir()) == []
+def test_early_copies_of_another_conversion_are_abandoned_and_it_runs_as_without_them(tmp_path):
+    for fixture, fmt in (("llama_zero1_dp2", "safetensors"), ("pipe_pp2_dp2", "ucp")):
+        out = tmp_path / fixture
+        early = EarlyCopies.start(FIXTURES / "llama_zero1_dp2", out, overwrite=False, checksum="crc32")
+        assert early is not None and early.staging.tmp.is_dir()
+        report = convert(FIXTURES / fixture, out, fmt=fmt, early_copies=early)
+        assert not early.staging.tmp.exists()
+        assert sorted(p.name for p in report.out_dir.iterdir()) == sorted(
+            p.name for p in convert(FIXTURES / fixture, tmp_path / "plain" / fixture, fmt=fmt).out_dir.iterdir())
+        verify(report.out_dir)
 
 
 def test_the_thread_only_has_a_head_start(tmp_path, monkeypatch):
@@ -130,4 +130,4 @@ def test_the_thread_only_has_a_head_start(tmp_path, monkeypatch):
         assert (early.staging.tmp / f.name).read_bytes() == f.read_bytes()
         assert early.staging.digests[f.name]["size"] == 5000
     early.abandon()
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()  # the folder it made, removed with the staging folder
