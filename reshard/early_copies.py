@@ -56,7 +56,7 @@ class EarlyCopies:
                 return None
             made = not Path(out_dir).exists()
             staging = Staging(out_dir, tag.name, overwrite=overwrite, checksum=checksum)
-        except (ReshardError, OSError):
+        except (ValueError, OSError):  # reshard's errors, and a 'latest' that is not text
             return None
         return cls(tag, staging, files, made_out_dir=made)
 
