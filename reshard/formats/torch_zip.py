@@ -491,9 +491,7 @@ def _archive_name(path: str) -> str:
 
 def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: list[torch.Tensor]) -> None:
     if slot.memory is not None:  # already in memory: one write, as torch does
-        # read-only, as torch hands it over: unchanged until the save ends, so a sink may take its
-        # CRC from the data descriptor instead of reading it again (``output._HashingWriter``)
-        w.write(_byte_view(slot.memory).toreadonly())
+        w.write(_byte_view(slot.memory).toreadonly())  # as torch: a sink may defer its CRC to the descriptor
         return
     storage = slot.storage
     assert storage is not None
