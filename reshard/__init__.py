@@ -18,6 +18,8 @@ def _as_command() -> bool:
     as torchrun starts it), not a program that imports reshard."""
     if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "reshard":
         return True
+    if _sys.argv[:1] != ["-m"]:  # what it is while ``python -m`` imports the module's package
+        return False
     argv = list(getattr(_sys, "orig_argv", ()))
     return "-m" in argv and argv[argv.index("-m") + 1:][:1] in (["reshard"], ["reshard.cli"])
 

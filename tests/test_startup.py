@@ -29,6 +29,12 @@ def test_a_program_run_with_dash_m_that_imports_reshard_keeps_its_collector(tmp_
     assert out.split() == ["True"]
 
 
+def test_a_script_whose_arguments_say_dash_m_reshard_keeps_its_collector(tmp_path):
+    (tmp_path / "train.py").write_text("import gc, reshard; print(gc.isenabled())")
+    assert _run(str(tmp_path / "train.py"), "-m", "reshard") == ["True"]
+    assert _run("-c", "import gc, reshard; print(gc.isenabled())", "-m", "reshard") == ["True"]
+
+
 def test_every_public_name_resolves_to_its_object():
     assert sorted(reshard.__all__) == sorted(reshard._EXPORTS)
     for name in reshard.__all__:
