@@ -217,7 +217,7 @@ class _Writeback:
     durable either way."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[str, int, int] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
         self._pid = -1  # the thread's process; a forked child starts its own
