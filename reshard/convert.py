@@ -176,8 +176,9 @@ def convert(
     from .convert_dcp import convert_any, open_tensors
 
     src = open_tensors(ckpt_dir)
-    if early_copies is not None and (src is not None or fmt != "ucp"):
-        early_copies = _abandoned(early_copies)
+    if early_copies is not None and (src is not None or fmt != "ucp"):  # not this route: as without them
+        early_copies.abandon()
+        early_copies = None
     if src is not None or fmt == "dcp":
         # drift in a DeepSpeed source is resolved as below, but not collected into the report
         return convert_any(src or DeepSpeedTensors(ckpt_dir, on_replica_mismatch), ckpt_dir, out_dir, fmt=fmt, workers=workers, overwrite=overwrite,
@@ -192,7 +193,8 @@ def convert(
     cluster = cluster or Cluster.from_env()
     if early_copies is not None and (cluster.world > 1 or early_copies.tag_dir != ck.tag_dir
                                      or early_copies.staging.out_dir != Path(out_dir)):
-        early_copies = _abandoned(early_copies)
+        early_copies.abandon()  # of another source, output or process count
+        early_copies = None
     staging = early_copies.staging if early_copies is not None else open_staging(
         cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
     names = ck.names
@@ -237,13 +239,6 @@ def convert(
     return ConvertReport(final, len(names), *written(final, manifest=False), on_replica_mismatch, drift)
 
 
-def _abandoned(early: EarlyCopies) -> None:
-    """Early copies started from the file names for a conversion that is not this one (another
-    route, source, output or process count): removed, and the conversion runs as without them."""
-    early.abandon()
-    return None
-
-
 def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar,
               early: EarlyCopies | None = None) -> list[tuple[int, Callable[[], None]]]:
     """Every file of the universal checkpoint as ``(bytes, job)``, largest first."""
@@ -274,8 +269,9 @@ def _ucp_jobs(ck, conv: _Converter, staging: Staging, names: list[str], bar,
     copies = [ck.model_files[m] for m in range(ck.mp)]
     copies += [src for (t, d), src in sorted(ck.z3_model_files.items()) if t or d]
     kept = frozenset()
-    if early is not None:  # started by the command line from the files' names alone: keep what is copied as is
-        kept = early.files & set(copies) if ck.experts is None else kept
+    if early is not None:  # started from the files' names alone: keep those copied as they are
+        if ck.experts is None:
+            kept = early.files & set(copies)
         for src in early.files - kept:
             early.drop(src)
     # a copy under way since start-up goes last: by then it is done, and no worker waits for it

@@ -27,7 +27,7 @@ from .formats.output import Staging
 
 __all__ = ["EarlyCopies"]
 
-_PENDING, _COPYING, _DONE, _TAKEN, _DROPPED = "pending", "copying", "done", "taken", "dropped"
+_PENDING, _COPYING, _DONE, _DROPPED = "pending", "copying", "done", "dropped"  # a file's state
 
 
 class EarlyCopies:
@@ -98,8 +98,6 @@ class EarlyCopies:
         :meth:`Staging.copy` leaves it): copied here if the thread has not begun it, else
         waited for. Raises the error that stopped it."""
         self._settle(src)
-        with self._changed:
-            self._state[src] = _TAKEN
         error = self._errors.get(src)
         if error is not None:
             raise error
@@ -114,12 +112,10 @@ class EarlyCopies:
         self._settle(src)
         self.staging.forget(src.name)
         (self.staging.tmp / src.name).unlink(missing_ok=True)
-        with self._changed:
-            self._state[src] = _DROPPED
 
     def abandon(self) -> None:
         """Copy nothing more, wait for the copy under way, remove the staging folder (the
-        conversion failed)."""
+        conversion failed, or is not the one these copies were started for)."""
         with self._changed:
             for f, state in self._state.items():
                 if state == _PENDING:
