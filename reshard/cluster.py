@@ -175,18 +175,19 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def open_staging(cluster: Cluster, out_dir: str | Path, tag: str, *, overwrite: bool, checksum: str) -> Staging:
+def open_staging(cluster: Cluster, out_dir: str | Path, tag: str, *, sources: Sequence[str | Path], overwrite: bool,
+                 checksum: str) -> Staging:
     """The job's staging folder: process 0 creates it (clearing what a killed run left), the others
-    join it once it exists."""
+    join it once it exists. ``sources``: the paths the job reads, which the output must not touch."""
     staging, error = None, None
     if cluster.rank == 0:
         try:
-            staging = Staging(out_dir, tag, overwrite=overwrite, checksum=checksum)
+            staging = Staging(out_dir, tag, sources=sources, overwrite=overwrite, checksum=checksum)
         except ReshardError as e:
             error = e
     cluster.agree(error)
     if staging is None:
-        staging = Staging(out_dir, tag, overwrite=overwrite, checksum=checksum, join=True)
+        staging = Staging(out_dir, tag, sources=sources, overwrite=overwrite, checksum=checksum, join=True)
     return staging
 
 

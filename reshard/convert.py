@@ -93,6 +93,7 @@ class DeepSpeedTensors:
         self.names = ck.names
         self.description = f"DeepSpeed TP={ck.tp} DP={ck.dp} PP={ck.pp} ZeRO-{ck.zero_stage}"
         self.tag = ck.tag_dir.name
+        self.sources = ck.sources
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.ck.tp_map(name).map.valid_shape)
@@ -196,7 +197,7 @@ def convert(
         early_copies.abandon()  # of another source, output or process count
         early_copies = None
     staging = early_copies.staging if early_copies is not None else open_staging(
-        cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
+        cluster, out_dir, ck.tag_dir.name, sources=ck.sources, overwrite=overwrite, checksum=checksum)
     names = ck.names
     bar = Progress(progress, len(names), "param", "reshard convert")
     try:  # the jobs read every parameter's map: a bad one must not leave the staging folder behind

@@ -51,6 +51,7 @@ class Tensors(Protocol):
     names: list[str]
     description: str
     tag: str
+    sources: tuple[Path, ...]  # the folders it reads, which no output may touch
 
     def shape(self, name: str) -> tuple[int, ...]: ...
     def weight(self, name: str) -> torch.Tensor: ...
@@ -70,6 +71,7 @@ class DcpTensors:
         self.description = f"DCP checkpoint ({len({c.rank for e in ck.tensors.values() for c in e.chunks})} "\
             "storage ranks)"
         self.tag = ck.path.name
+        self.sources = (ck.path,)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.ck.entry(self.ck.param_key(name)).shape
@@ -106,6 +108,7 @@ class UniversalTensors:
             raise CheckpointError(f"{tag_dir}: no zero/<param>/fp32.pt files: not a universal checkpoint")
         self.description = "universal checkpoint"
         self.tag = tag_dir.name
+        self.sources = (tag_dir,)
 
     def _tensor(self, name: str, state: str) -> torch.Tensor | None:
         f = self.root / name / f"{state}.pt"
@@ -532,7 +535,8 @@ def convert_any(src: Tensors, ckpt_dir: str | Path, out_dir: str | Path, *, fmt:
     if not isinstance(src, DcpTensors) and fmt != "dcp":
         raise ReshardError(f"{ckpt_dir}: a {src.description} converts to 'dcp' here (to {fmt!r} only from DCP)")
     cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, src.tag, overwrite=overwrite, checksum=checksum)
+    staging = open_staging(cluster, out_dir, src.tag, sources=(Path(ckpt_dir), *src.sources), overwrite=overwrite,
+                           checksum=checksum)
     if fmt == "dcp":
         to_dcp(src, cluster, staging, rename=_renamer(rename), workers=workers, max_file_bytes=max_file_bytes)
         latest = None

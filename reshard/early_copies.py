@@ -55,7 +55,7 @@ class EarlyCopies:
             if not files:
                 return None
             made = not Path(out_dir).exists()
-            staging = Staging(out_dir, tag.name, overwrite=overwrite, checksum=checksum)
+            staging = Staging(out_dir, tag.name, sources=(ckpt_dir, tag), overwrite=overwrite, checksum=checksum)
         except (ValueError, OSError):  # reshard's errors, and a 'latest' that is not text
             return None
         return cls(tag, staging, files, made_out_dir=made)

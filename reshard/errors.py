@@ -53,8 +53,9 @@ class CheckpointError(ReshardError):
 
 
 class OutputError(ReshardError):
-    """The output could not be written (no space left, no permission, a file size limit). Nothing
-    was committed: the partial folder is removed and no finished-looking output is left."""
+    """The output could not be written (no space left, no permission, a file size limit), or must
+    not be: it would be, lie inside or contain the source it is read from. Nothing was committed:
+    the partial folder is removed and no finished-looking output is left."""
 
 
 class TopologyError(ReshardError):

@@ -64,7 +64,7 @@ from .offline_zero3 import reshard_zero3
 from .plan import Segment, TransferPlan
 from .planner import DefaultCost, Planner
 from .reports import ReshardReport, written
-from .target_layout import TargetLayout, target_stage_maps, target_tp_maps
+from .target_layout import TargetLayout, layout_sources, target_stage_maps, target_tp_maps
 from .topology import Topology
 from .workers import run_with_progress
 
@@ -350,9 +350,6 @@ def reshard(
     stage = ck.zero_stage if zero_stage is None else zero_stage
     if stage not in (1, 2):
         raise ReshardError(f"target ZeRO stage {stage!r} is not supported (only 1 and 2, which share one file format)")
-    if (Path(out_dir) / ck.tag_dir.name).resolve() == ck.tag_dir.resolve():
-        raise ReshardError(f"{ck.tag_dir}: the output would replace the source it is read from; "
-                           "choose another output folder")
     src = Zero12Source(ck)
     if src.pipe:
         maps, uc_info, origin = target_stage_maps(src, tp, pp, layout, stage)
@@ -364,7 +361,9 @@ def reshard(
         mp = tp
     tgt = _Target(src, maps, mp, dp)
     cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
+    staging = open_staging(cluster, out_dir, ck.tag_dir.name, sources=(*ck.sources, *layout_sources(layout)),
+                           overwrite=overwrite,
+                           checksum=checksum)
     writer = _Writer(src, tgt, stage, uc_info, staging, Planner(_same_tp_rank(src.mp, mp, ck.tp, tp)), tp, pp)
     esize = src.dtype.itemsize
     jobs: list[OutputJob] = [ArchiveJob(dsw.model_file(t), sum(g.total for g in tgt.groups[t]) * esize,

@@ -339,11 +339,9 @@ def write(ck: DeepSpeedCheckpoint, out_dir: str | Path, tgt: ExpertTarget, *, st
           source_ep: int, note: str, workers: int, overwrite: bool, progress: Callable[[int, int], None] | bool | None,
           checksum: str, cluster: Cluster | None) -> ReshardReport:
     """Plan and write ``tgt``'s files (the per-expert ones copied) into ``out_dir/<tag>``."""
-    if (Path(out_dir) / ck.tag_dir.name).resolve() == ck.tag_dir.resolve():
-        raise ReshardError(f"{ck.tag_dir}: the output would replace the source it is read from; "
-                           "choose another output folder")
     cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
+    staging = open_staging(cluster, out_dir, ck.tag_dir.name, sources=ck.sources, overwrite=overwrite,
+                           checksum=checksum)
     writer = _Writer(ck, tgt, staging, stage)
     jobs: list[tuple[int, Callable[[], None]]] = [(ck.model_files[0].stat().st_size, writer.model)]
     jobs += [(sum(g.partition for g in tgt.groups) * 4 * len(STATES), lambda d=d: writer.optim(d))

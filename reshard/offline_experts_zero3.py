@@ -259,13 +259,11 @@ def reshard_autoep_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, ep: in
     ``out_dir/<tag>``, plus ``out_dir/latest``."""
     stage = 3 if zero_stage is None else zero_stage
     check(ck, ep, dp, tp, pp, stage)
-    if (Path(out_dir) / ck.tag_dir.name).resolve() == ck.tag_dir.resolve():
-        raise ReshardError(f"{ck.tag_dir}: the output would replace the source it is read from; "
-                           "choose another output folder")
     src = _In(ck)
     tgt = _Out(src, ep, dp)
     cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
+    staging = open_staging(cluster, out_dir, ck.tag_dir.name, sources=ck.sources, overwrite=overwrite,
+                           checksum=checksum)
     writer = _AutoEPWriter(src, tgt, staging)
 
     def run(mine: list[Callable[[], None]]) -> None:

@@ -49,7 +49,7 @@ from .layouts.zero import FlatGroup
 from .plan import Segment
 from .planner import DefaultCost, Planner
 from .reports import ReshardReport, written
-from .target_layout import target_tp_maps
+from .target_layout import layout_sources, target_tp_maps
 from .topology import Topology
 from .workers import run_with_progress
 
@@ -369,14 +369,13 @@ def reshard_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, tp: int, dp: 
     (``target_layout.target_tp_maps``). Under a launcher (or with ``cluster``) every process
     writes a share of the files and the commit is collective, as for ZeRO-1/2 (``reshard.cluster``)."""
     stage = _target(ck, pp, zero_stage)
-    if (Path(out_dir) / ck.tag_dir.name).resolve() == ck.tag_dir.resolve():
-        raise ReshardError(f"{ck.tag_dir}: the output would replace the source it is read from; "
-                           "choose another output folder")
     src: Source = _Zero3In(ck) if ck.zero_stage == 3 else _Zero12In(ck)
     maps, uc_info, origin = target_tp_maps(src, tp, layout)  # type: ignore[arg-type]  # reads .ck and .names
     tgt: Target = _Zero3Out(src, maps, tp, dp) if stage == 3 else _Zero12Out(src, maps, tp, dp, stage)
     cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.tag_dir.name, overwrite=overwrite, checksum=checksum)
+    staging = open_staging(cluster, out_dir, ck.tag_dir.name, sources=(*ck.sources, *layout_sources(layout)),
+                           overwrite=overwrite,
+                           checksum=checksum)
     writer = _Writer(src, tgt, staging, uc_info if tp > 1 else None)
 
     def run(mine: list[Callable[[], None]]) -> None:

@@ -94,6 +94,7 @@ def reshard_dcp_files(ckpt_dir: str | Path, out_dir: str | Path, *, files: int, 
         raise ReshardError(f"--files must be at least 1, got {files}")
     ck = DcpCheckpoint.open(ckpt_dir)
     cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.path.name, overwrite=overwrite, checksum=checksum)
+    staging = open_staging(cluster, out_dir, ck.path.name, sources=(Path(ckpt_dir), ck.path), overwrite=overwrite,
+                           checksum=checksum)
     reshard_dcp(ck, cluster, staging, files=files, workers=workers)
     return finish_report(cluster, staging, DcpTensors(ck), "dcp", None, {"files": files})

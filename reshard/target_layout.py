@@ -30,7 +30,13 @@ from .layouts.recognize import recognize
 
 TargetLayout = str | Path | Mapping[str, Any] | None
 
-__all__ = ["TargetLayout", "target_stage_maps", "target_tp_maps"]
+__all__ = ["TargetLayout", "layout_sources", "target_stage_maps", "target_tp_maps"]
+
+
+def layout_sources(layout: TargetLayout) -> tuple[Path, ...]:
+    """The paths a ``layout=`` reads (a checkpoint folder or a map document), which the output
+    must not touch any more than the source."""
+    return (Path(layout),) if isinstance(layout, (str, Path)) and layout != "geometry" and Path(layout).exists() else ()
 
 
 def _match_map(maps: Mapping[str, ParamMap], name: str) -> ParamMap | None:

@@ -122,7 +122,7 @@ def test_staged_writes_of_mapped_bytes_are_the_bytes(tmp_path, monkeypatch):
     src.write_bytes(data.numpy().tobytes())
     with open(src, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    staging = Staging(tmp_path / "out", "tag")
+    staging = Staging(tmp_path / "out", "tag", sources=())
     with staging.open("a.bin") as out:
         out.write(b"head")
         out.write(memoryview(mapped)[100:100 + (3 << 20)])

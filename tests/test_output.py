@@ -53,7 +53,7 @@ def test_written_checksums_equal_the_files(tmp_path, monkeypatch):
     obj = {"param": torch.randn(700_000, generator=gen), "small": torch.arange(10),
            "bf16": torch.randn(3, 600_000, generator=gen).bfloat16(), "empty": torch.empty(0), "step": 3}
     for checksum in ("crc32", "sha256"):
-        staging = Staging(tmp_path / checksum, "tag", checksum=checksum)
+        staging = Staging(tmp_path / checksum, "tag", sources=(), checksum=checksum)
         with staging.open("torch.pt") as f:
             save(obj, f)
         with staging.open("raw.bin") as f:  # large writes with no descriptor after them
@@ -78,7 +78,7 @@ def test_a_reused_writable_buffer_is_checksummed_as_written(tmp_path, monkeypatc
     real = crc.Crc32.extend
     monkeypatch.setattr(crc.Crc32, "extend", lambda self, c, n: (combined.append(n), real(self, c, n)))
     for checksum in ("crc32", "sha256"):
-        staging = Staging(tmp_path / checksum, "tag", checksum=checksum)
+        staging = Staging(tmp_path / checksum, "tag", sources=(), checksum=checksum)
         buf = bytearray(3 << 20)
         with staging.open("reused.bin") as f:
             for fill in (1, 2, 3):
@@ -113,7 +113,7 @@ def test_writeback_is_started_off_the_workers_thread(tmp_path, monkeypatch):
         seen.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, nbytes))
 
     monkeypatch.setattr(output, "_hint_writeback", slow_hint)
-    staging = Staging(tmp_path / "out", "t")
+    staging = Staging(tmp_path / "out", "t", sources=())
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(1 << 16))
     staging.copy(src, "a.bin")  # returns although the hint is held

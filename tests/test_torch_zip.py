@@ -402,7 +402,7 @@ def test_other_misuse_is_refused():
 
 
 def test_a_failed_file_in_staging_is_abandoned(tmp_path):
-    staging = Staging(tmp_path, "tag")
+    staging = Staging(tmp_path, "tag", sources=())
     with pytest.raises(OutputError, match="storage '0'"), staging.open("bad.pt") as f:
         save({"x": tensor(torch.float32, (4,), [b"\0" * 4])}, f)
     staging.abandon()
@@ -422,7 +422,7 @@ def test_staging_checksums_stay_right_when_chunks_reuse_buffers(tmp_path, checks
     obj = {"big": tensor(torch.float32, big.shape, lambda out, s: out.copy_(big[s:s + out.numel()])),
            "one": tensor(torch.float32, one.shape, lambda out, s: out.copy_(one[s:s + out.numel()])),
            "mapped": tensor(torch.float32, big.shape, big)}
-    staging = Staging(tmp_path, "tag", checksum=checksum)
+    staging = Staging(tmp_path, "tag", sources=(), checksum=checksum)
     with staging.open("m.pt") as f:
         save(obj, f, chunk_bytes=1 << 20)
     final = staging.commit({}, latest_name=None)
@@ -457,7 +457,7 @@ def test_windows_written_straight_from_mapped_sources_are_torch_save(tmp_path):
     used = []
     direct = fill.direct
     fill.direct = lambda *a: used.append(r := direct(*a)) or r  # type: ignore[method-assign]
-    staging = Staging(tmp_path / "out", "tag")
+    staging = Staging(tmp_path / "out", "tag", sources=())
     with staging.open("x.pt") as f:
         save(tensor(torch.float32, (total,), fill), f, chunk_bytes=4 << 20)
     final = staging.commit({}, None)

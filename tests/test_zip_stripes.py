@@ -47,7 +47,7 @@ def _cuttable(obj, seen=None):
 
 
 def _in_stripes(tmp_path, obj, stripes: int, seed: int, **kw) -> bytes:
-    staging = Staging(tmp_path / f"out{seed}-{stripes}", "tag")
+    staging = Staging(tmp_path / f"out{seed}-{stripes}", "tag", sources=())
     archive = Archive(staging, "f.pt", obj, stripes, **kw)
     order = list(range(archive.stripes))
     rng = random.Random(seed)
@@ -90,7 +90,7 @@ def _big(n: int = 5000):
 def test_large_storages_cut_at_pages_are_torch_save(tmp_path, stripes):
     real, refs = _big()
     assert _in_stripes(tmp_path, refs, stripes, stripes, chunk_bytes=3000) == _torch_bytes(real)
-    archive = Archive(Staging(tmp_path / "layout", "tag"), "f.pt", _big()[1], stripes)
+    archive = Archive(Staging(tmp_path / "layout", "tag", sources=()), "f.pt", _big()[1], stripes)
     inner = [(archive.offsets[k] + c) for k, row in enumerate(archive.cuts) for c in row
              if 0 < c < archive.slots[k].nbytes]
     assert all(at % 4096 == 0 for at in inner)  # no two stripes share a page of the file
@@ -100,7 +100,7 @@ def test_large_storages_cut_at_pages_are_torch_save(tmp_path, stripes):
 
 def test_a_stripe_not_written_is_named(tmp_path):
     real, refs = _big()
-    staging = Staging(tmp_path / "out", "tag")
+    staging = Staging(tmp_path / "out", "tag", sources=())
     archive = Archive(staging, "f.pt", refs, 4)
     written = [w for i in (0, 1, 3) for w in archive.write_stripe(i)]
     with pytest.raises(OutputError, match=r"f\.pt: storage '\d' \(t\d\): bytes from \d+ on were not written"):
@@ -109,7 +109,7 @@ def test_a_stripe_not_written_is_named(tmp_path):
 
 def test_a_stripe_written_twice_is_refused(tmp_path):
     real, refs = _big()
-    staging = Staging(tmp_path / "out", "tag")
+    staging = Staging(tmp_path / "out", "tag", sources=())
     archive = Archive(staging, "f.pt", refs, 3)
     written = [w for i in (0, 1, 1, 2) for w in archive.write_stripe(i)]
     with pytest.raises(OutputError, match=r"f\.pt: storage '\d' \(\w+\): bytes from \d+ on were written twice"):

@@ -68,7 +68,13 @@ class DeepSpeedCheckpoint:
     z3_model_files: dict[tuple[int, int], Path] = field(default_factory=dict)
     pp: int = 1
     layer_files: dict[tuple[int, int], Path] = field(default_factory=dict)  # (layer, TP rank) -> file
+    opened_from: Path | None = None  # the path the user gave: the tag folder, or its parent with 'latest'
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        """The paths this checkpoint is read from, which no output may touch."""
+        return (self.tag_dir,) if self.opened_from is None else (self.opened_from, self.tag_dir)
 
     @property
     def mp(self) -> int:
@@ -104,7 +110,7 @@ class DeepSpeedCheckpoint:
                 f"{tag}: expected mp_rank_00..{mp - 1:02d}_model_states.pt for {mp} model-parallel ranks, "
                 f"found ranks {sorted(model)}"
             )
-        ck = cls(tag, stage, mp, dp, model, optim, z3, layer_files=layers)
+        ck = cls(tag, stage, mp, dp, model, optim, z3, layer_files=layers, opened_from=Path(path))
         ck._cache[("optim", 0, 0)] = first
         pp = ck._pipeline_stages(mp)
         ck.pp, ck.tp = pp, mp // pp

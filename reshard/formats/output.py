@@ -17,7 +17,7 @@ import queue
 import shutil
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -36,18 +36,50 @@ def new_checksum(name: str):
     return Crc32() if name == "crc32" else hashlib.sha256()
 
 
-class Staging:
-    """The hidden folder an output is built in. ``join``: another process of the same job created
-    it (``reshard.cluster``); use it as it is."""
+LATEST_NAMES = ("latest", "latest_universal")  # what a commit may write beside the tag folder
 
-    def __init__(self, out_dir: str | Path, tag: str, *, overwrite: bool = False, checksum: str = "crc32",
-                 join: bool = False) -> None:
+
+_RELATIONS = ("replace", "be written inside", "replace a folder that contains")
+
+
+def _relation(written: Path, source: Path) -> str | None:
+    """How an output path would destroy a source path (both resolved), or ``None`` if it would not."""
+    if written == source:
+        return "replace"
+    if source in written.parents:
+        return "be written inside"
+    if written in source.parents:
+        return "replace a folder that contains"
+    return None
+
+
+def refuse_overwriting_sources(written: Iterable[str | Path], sources: Iterable[str | Path]) -> None:
+    """Refuse an output any of whose ``written`` paths is, lies inside or contains one of the
+    ``sources`` a job reads (compared after resolving symbolic links), before anything is
+    written: with ``--overwrite`` such an output would delete the checkpoint it is made from."""
+    resolved = [(Path(s), Path(s).resolve()) for s in sources]
+    clashes = [(how, w, s) for w in written for s, rs in resolved
+               if (how := _relation(Path(w).resolve(), rs)) is not None]
+    if clashes:  # the plainest one: 'replace' before 'inside' before 'contains'
+        how, w, s = min(clashes, key=lambda c: _RELATIONS.index(c[0]))
+        raise OutputError(f"{w}: the output would {how} the source {s} it is read from; choose an OUT_DIR outside "
+                          "the source")
+
+
+class Staging:
+    """The hidden folder an output is built in. ``sources``: every path the job reads from, which
+    no output path may be, lie inside or contain (:func:`refuse_overwriting_sources`). ``join``:
+    another process of the same job created it (``reshard.cluster``); use it as it is."""
+
+    def __init__(self, out_dir: str | Path, tag: str, *, sources: Iterable[str | Path], overwrite: bool = False,
+                 checksum: str = "crc32", join: bool = False) -> None:
         new_checksum(checksum)  # refuse a bad name before touching the disk
         self.checksum = checksum
         self.out_dir = Path(out_dir)
         self.tag = tag
         self.final = self.out_dir / tag
         self.tmp = self.out_dir / f".reshard-partial-{tag}"
+        refuse_overwriting_sources([self.final, self.tmp, *(self.out_dir / n for n in LATEST_NAMES)], sources)
         self.overwrite = overwrite
         self.digests: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
@@ -57,7 +89,8 @@ class Staging:
                                   "process must see the output folder at the same path (a shared file system)")
             return
         if self.final.exists() and not overwrite:
-            raise CheckpointError(f"{self.final}: already exists (pass overwrite to replace it)")
+            raise CheckpointError(f"{self.final}: already exists (pass --overwrite, or overwrite=True from Python, "
+                                  "to replace it)")
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if self.tmp.exists():  # left by a run that was killed
