@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m reshard.demo
+	$(BIN)/python -m reshard.present.demo
 
 test: $(STAMP)
 	$(BIN)/ruff check reshard tests benchmarks scripts

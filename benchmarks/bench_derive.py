@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import best_of, row
-from reshard.derive import derive
+from reshard.layouts.derive import derive
 
 TP = 8
 Split = Callable[[torch.Tensor, int], torch.Tensor]

@@ -1,5 +1,5 @@
 """Distributed transfer: a ~100M-parameter Llama-shaped model TP=4 -> TP=2 x DP=2 (target global
-rank = dp * 2 + tp) across 4 gloo processes on this machine, ``reshard.dist.transfer`` vs
+rank = dp * 2 + tp) across 4 gloo processes on this machine, ``reshard.execute.live.transfer`` vs
 (a) the wire floor (``benchmarks.wire_floor``: the same bytes between the same peers, one
 pre-packed buffer per peer, plain ``isend``/``irecv``), (b) all-gathering every full parameter
 then slicing locally and (c) DTensor ``redistribute`` on the layouts DTensor can express, all
@@ -136,8 +136,8 @@ def _worker(rank: int, workdir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from reshard.dist import Workspace, transfer
-    from reshard.planner import plan_for_rank, plan_model
+    from reshard.execute.live import Workspace, transfer
+    from reshard.plan.planner import plan_for_rank, plan_model
 
     torch.set_num_threads(1)
     # DTensor logs a warning per redistribute of nested shards; the result says what it does

@@ -27,8 +27,8 @@ from benchmarks.common import row
 from reshard import ModelPlan, ParamMap, model_plan_to_dict, plan_model
 from reshard.layouts import even_sizes, replicated, split, zero12_group_layout
 from reshard.layouts.compose import ZeroComposer
-from reshard.planner import plan_for_rank
-from reshard.topology import Topology
+from reshard.layouts.topology import Topology
+from reshard.plan.planner import plan_for_rank
 
 HIDDEN, INTER, EXPERTS, LAYERS, VOCAB = 8192, 4864, 64, 128, 163840
 

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.bench_convert import DATA, _run, cp_sync, ds_to_universal_cmd, ensure_checkpoint, startup
 from benchmarks.common import row
-from reshard.formats.safe_load import load
+from reshard.storage.safe_load import load
 
 
 def _read_back(ucp: str, dp: int) -> float:

@@ -7,7 +7,7 @@ import time
 
 from benchmarks.common import best_of, row
 from benchmarks.models import llama_maps
-from reshard.planner import Planner, plan_model
+from reshard.plan.planner import Planner, plan_model
 
 
 def bench_llama70b() -> list[str]:

@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.bench_convert import DATA, _run, cp_sync, ds_to_universal_cmd, ensure_checkpoint, settle
 from benchmarks.common import row
-from reshard.formats.safe_load import load
+from reshard.storage.safe_load import load
 
 
 def _read_back(ucp: Path, dp: int) -> float:

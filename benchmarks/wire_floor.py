@@ -10,7 +10,7 @@ A timed step around it (barrier, call, barrier) has the same boundaries as a tim
 
 :class:`FloorWithCopies` adds the copies no executor can avoid when it fills real target shards:
 the plan's local segments, and every remote segment whose target side is made of runs shorter
-than ``reshard.schedule.MIN_DIRECT_BYTES`` (a column block of a row-major shard: one message
+than ``reshard.execute.schedule.MIN_DIRECT_BYTES`` (a column block of a row-major shard: one message
 per run would cost more than the copy), copied out of the received buffer; both into target
 shards allocated before timing. It is the floor for ``transfer(..., out=targets)``.
 """
@@ -23,10 +23,10 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from reshard.execute.schedule import MIN_DIRECT_BYTES
 from reshard.ir import View, prod, row_major_strides
 from reshard.ir.apply import flatten, strided_copy
-from reshard.plan import ModelPlan, Segment
-from reshard.schedule import MIN_DIRECT_BYTES
+from reshard.plan.values import ModelPlan, Segment
 
 Link = tuple[int, int]  # (source rank, destination rank)
 

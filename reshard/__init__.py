@@ -31,30 +31,30 @@ if _as_command():
 
 # Public name -> (module, attribute; None: the module itself), imported on first use (PEP 562):
 # a command loads only what it runs, and ``reshard convert`` starts copying files before torch
-# has loaded (``reshard.early_copies``).
+# has loaded (``reshard.jobs.early_copies``).
 _EXPORTS = {
     "layouts": (".layouts", None),
-    "convert": (".convert", "convert"),
-    "derive": (".derive", "derive"),
+    "convert": (".jobs.convert", "convert"),
+    "derive": (".layouts.derive", "derive"),
     **{name: (".errors", name) for name in (
         "CheckpointError", "MapError", "MapFormatError", "NotAffineError", "OutputError", "PlanError",
         "PlotUnavailable", "ReplicaMismatchError", "ReshardError", "ShardError", "TopologyError")},
-    "apply_model_plan": (".execute", "apply_model_plan"),
-    "apply_plan": (".execute", "apply_plan"),
-    "verify": (".formats.output", "verify"),
+    "apply_model_plan": (".execute.local", "apply_model_plan"),
+    "apply_plan": (".execute.local", "apply_plan"),
+    "verify": (".storage.staging", "verify"),
     **{name: (".ir", name) for name in (
         "ParamMap", "Piece", "Shard", "View", "canonicalize", "check", "maps_from_document", "maps_to_document",
         "piece", "uncovered")},
-    "reshard_checkpoint": (".offline", "reshard"),
-    **{name: (".plan", name) for name in ("ModelPlan", "PlanStats", "Segment", "TransferPlan", "Unfilled")},
-    **{name: (".plan_format", name) for name in (
+    "reshard_checkpoint": (".jobs.offline", "reshard"),
+    **{name: (".plan.values", name) for name in ("ModelPlan", "PlanStats", "Segment", "TransferPlan", "Unfilled")},
+    **{name: (".plan.serial", name) for name in (
         "model_plan_from_dict", "model_plan_to_dict", "plan_from_dict", "plan_to_dict")},
-    **{name: (".planner", name) for name in ("CostModel", "DefaultCost", "plan", "plan_for_rank", "plan_model")},
-    **{name: (".reports", name) for name in ("ConvertReport", "ReshardReport")},
-    "reshard_dcp_files": (".reshard_dcp", "reshard_dcp_files"),
-    "TopologyPlan": (".retarget", "TopologyPlan"),
-    "plan_topology": (".retarget", "plan_topology"),
-    "Topology": (".topology", "Topology"),
+    **{name: (".plan.planner", name) for name in ("CostModel", "DefaultCost", "plan", "plan_for_rank", "plan_model")},
+    **{name: (".jobs.reports", name) for name in ("ConvertReport", "ReshardReport")},
+    "reshard_dcp_files": (".jobs.reshard_dcp", "reshard_dcp_files"),
+    "TopologyPlan": (".plan.retarget", "TopologyPlan"),
+    "plan_topology": (".plan.retarget", "plan_topology"),
+    "Topology": (".layouts.topology", "Topology"),
 }
 
 

@@ -14,9 +14,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .cluster import DEFAULT_TIMEOUT_S
 from .errors import ReshardError, in_context
-from .formats.output import CHECKSUMS
+from .jobs.cluster import DEFAULT_TIMEOUT_S
+from .storage.staging import CHECKSUMS
 
 DESCRIPTION = """\
 Move distributed-training checkpoints between parallel topologies exactly, through an affine map
@@ -77,11 +77,11 @@ def _all_ranks(src, view: str) -> range:
 
 
 def _cmd_inspect(args) -> int:
-    from .describe import format_inspect, inspect_document, summarize
-    from .formats.sources import open_source, select
+    from .formats.detect import open_source, select
+    from .present.describe import format_inspect, inspect_document, summarize
 
     if args.png:
-        from .viz import require_matplotlib
+        from .present.viz import require_matplotlib
 
         require_matplotlib()
     src = open_source(args.target)
@@ -101,7 +101,7 @@ def _cmd_inspect(args) -> int:
     else:
         print("\n".join(format_inspect(src, view, summaries, ranks, args.element_size, zero)))
     if args.png:
-        from .viz import draw_map
+        from .present.viz import draw_map
 
         name = names[0]
         topology = src.description + {"tp": " · TP map", "composed": " · TP∘ZeRO composed"}.get(view, "")
@@ -116,7 +116,7 @@ def _cmd_inspect(args) -> int:
 
 def _cmd_plan(args) -> int:
     if args.png:
-        from .viz import require_matplotlib
+        from .present.viz import require_matplotlib
 
         require_matplotlib()
     if args.to is not None:
@@ -127,10 +127,10 @@ def _cmd_plan(args) -> int:
 def _plan_between(args) -> int:
     """``reshard plan SOURCE --to TARGET``: two map documents, or anything ``open_source`` reads
     whose maps are on ranks of one job (a DCP folder: its storage ranks)."""
-    from .describe import stats_lines, write_plan_png
-    from .formats.sources import open_source
-    from .plan_format import model_plan_to_dict
-    from .planner import DefaultCost, plan_model
+    from .formats.detect import open_source
+    from .plan.planner import DefaultCost, plan_model
+    from .plan.serial import model_plan_to_dict
+    from .present.describe import stats_lines, write_plan_png
 
     src, tgt = open_source(args.source).maps, open_source(args.to).maps
     if len(src) == 1 and len(tgt) == 1:  # one map each: the same parameter, whatever the files' names
@@ -149,10 +149,10 @@ def _plan_between(args) -> int:
 
 def _plan_to_topology(args) -> int:
     """``reshard plan SOURCE --tp T [--dp D]``: the source's layouts rebuilt at the target."""
-    from .describe import plan_document, stats_lines, write_plan_png
     from .errors import PlanError
-    from .formats.sources import open_source
-    from .retarget import plan_topology
+    from .formats.detect import open_source
+    from .plan.retarget import plan_topology
+    from .present.describe import plan_document, stats_lines, write_plan_png
 
     src = open_source(args.source)
     if src.kind == "dcp":
@@ -187,7 +187,7 @@ def _plan_to_topology(args) -> int:
 @contextlib.contextmanager
 def _cluster(args):
     """This process's place in a ``torchrun`` launch (alone without one), ended afterwards."""
-    from .cluster import Cluster
+    from .jobs.cluster import Cluster
 
     cluster = Cluster.from_env(args.timeout)
     try:
@@ -204,17 +204,17 @@ def _report(report) -> None:
 
 def _start_early_copies(args) -> None:
     """One process converting to the universal layout: start copying the checkpoint's model-state
-    files now, while the command's modules (torch) load (``reshard.early_copies``)."""
+    files now, while the command's modules (torch) load (``reshard.jobs.early_copies``)."""
     if args.format != "ucp" or os.environ.get("WORLD_SIZE", "1") != "1":
         return
-    from .early_copies import EarlyCopies
+    from .jobs.early_copies import EarlyCopies
 
     args.early_copies = EarlyCopies.start(args.ckpt_dir, args.out_dir, overwrite=args.overwrite,
                                           checksum=args.checksum)
 
 
 def _cmd_convert(args) -> int:
-    from .convert import convert
+    from .jobs.convert import convert
 
     early = args.early_copies
     try:
@@ -232,8 +232,8 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_reshard(args) -> int:
-    from .formats.dcp import is_dcp
-    from .offline import reshard
+    from .formats.dcp.reader import is_dcp
+    from .jobs.offline import reshard
 
     if is_dcp(Path(args.ckpt_dir)):
         return _reshard_dcp(args)
@@ -250,7 +250,7 @@ def _cmd_reshard(args) -> int:
 
 
 def _reshard_dcp(args) -> int:
-    from .reshard_dcp import reshard_dcp_files
+    from .jobs.reshard_dcp import reshard_dcp_files
 
     if args.files is None:
         raise ReshardError(f"{args.ckpt_dir}: a DCP checkpoint is laid out again with --files N (N loading ranks)")
@@ -264,7 +264,7 @@ def _reshard_dcp(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from .formats.output import verify
+    from .storage.staging import verify
 
     doc = verify(args.out_dir)
     print(f"{args.out_dir}: {len(doc['files'])} files match the manifest")
@@ -272,7 +272,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .demo import main
+    from .present.demo import main
 
     main()
     return 0
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--composed", action="store_true",
                      help="DeepSpeed: show the TP maps composed with the ZeRO split, over global ranks")
     _figures(ins)
-    ins.set_defaults(fn=_cmd_inspect, imports=("reshard.describe", "reshard.formats.sources"))
+    ins.set_defaults(fn=_cmd_inspect, imports=("reshard.present.describe", "reshard.formats.detect"))
 
     pl = sub.add_parser("plan", help="plan a move without moving data: to a topology (--tp) or a map document (--to)",
                         description="Plan a move without moving data. Either --tp (the source's layouts rebuilt "
@@ -332,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--allow-inexact-scale", action="store_true",
                     help="accept rescaling by factors that are not powers of two (they round)")
     _figures(pl)
-    pl.set_defaults(fn=_cmd_plan, imports=("reshard.describe", "reshard.formats.sources", "reshard.planner",
-                                         "reshard.plan_format", "reshard.retarget"))
+    pl.set_defaults(fn=_cmd_plan, imports=("reshard.present.describe", "reshard.formats.detect", "reshard.plan.planner",
+                                         "reshard.plan.serial", "reshard.plan.retarget"))
 
     cv = sub.add_parser("convert", help="DeepSpeed or DCP checkpoint -> universal checkpoint, safetensors or DCP")
     cv.add_argument("ckpt_dir", help="a DeepSpeed tag folder (or its parent holding 'latest'), a PyTorch DCP folder "
@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what to do when ranks hold different copies of a replicated block (default: fail)")
     cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit (default 5)")
     _output(cv)
-    cv.set_defaults(fn=_cmd_convert, imports=("reshard.convert", "reshard.convert_dcp"), early_copies=None)
+    cv.set_defaults(fn=_cmd_convert, imports=("reshard.jobs.convert", "reshard.jobs.convert_dcp"), early_copies=None)
 
     rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP (x PP) "
                         "topology, ZeRO-3 (TP=1) at another DP or between ZeRO-3 and ZeRO-1/2, loadable by "
@@ -372,13 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")
     _output(rs)
-    rs.set_defaults(fn=_cmd_reshard, imports=("reshard.offline", "reshard.reshard_dcp"))
+    rs.set_defaults(fn=_cmd_reshard, imports=("reshard.jobs.offline", "reshard.jobs.reshard_dcp"))
 
     vf = sub.add_parser("verify", help="check a reshard output folder against its checksum manifest")
     vf.add_argument("out_dir", help="an output tag folder holding reshard-manifest.json")
-    vf.set_defaults(fn=_cmd_verify, imports=("reshard.formats.output",))
+    vf.set_defaults(fn=_cmd_verify, imports=("reshard.storage.staging",))
     d = sub.add_parser("demo", help="a tour: derive layouts, plan, reshard and convert a committed fixture")
-    d.set_defaults(fn=_cmd_demo, imports=("reshard.demo",))
+    d.set_defaults(fn=_cmd_demo, imports=("reshard.present.demo",))
     return p
 
 

@@ -1,4 +1,4 @@
-"""One offline job over several processes (``reshard.cluster``): real processes joined by gloo,
+"""One offline job over several processes (``reshard.jobs.cluster``): real processes joined by gloo,
 launched by ``torchrun`` or by hand with the ``torch.distributed`` environment (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), on one machine.
 
@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.cluster import Cluster
+from reshard.jobs.cluster import Cluster
 from tests.dsconv import FIXTURES
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -121,7 +121,7 @@ def test_two_nodes_write_what_one_process_writes(tmp_path):
 # A process that dies after writing its first optimizer file: the others must notice and stop.
 _KILL_ONE = textwrap.dedent("""
     import os, sys
-    from reshard.formats import zip_stripes
+    from reshard.storage import zip_stripes
     from reshard.cli import main
     if os.environ["RANK"] == os.environ["DIE_RANK"]:
         real = zip_stripes.Archive.write_stripe
@@ -184,7 +184,7 @@ def test_shares_are_disjoint_complete_and_balanced(sizes, world):
 
 
 def test_a_store_that_never_opens_is_reported_within_the_timeout():
-    from reshard.cluster import _wait_for_port
+    from reshard.jobs.cluster import _wait_for_port
 
     with pytest.raises(RuntimeError, match=r"process 0's store at 127\.0\.0\.1:\d+ did not open within 0\.2 s"):
         _wait_for_port("127.0.0.1", _port(), 0.2)
@@ -192,8 +192,8 @@ def test_a_store_that_never_opens_is_reported_within_the_timeout():
 
 @pytest.mark.parametrize("value", ["0", "-5", "64MiB"])
 def test_a_bad_stripe_size_is_refused(value, monkeypatch):
-    from reshard.cluster import stripe_bytes
     from reshard.errors import ReshardError
+    from reshard.jobs.cluster import stripe_bytes
 
     monkeypatch.setenv("RESHARD_STRIPE_BYTES", value)
     with pytest.raises(ReshardError, match="RESHARD_STRIPE_BYTES must be a positive number of bytes"):

@@ -15,10 +15,10 @@ import torch
 
 from reshard import CheckpointError, ReplicaMismatchError
 from reshard.cli import main as cli
-from reshard.convert import convert
-from reshard.formats.output import verify
-from reshard.formats.pickling import save
-from reshard.formats.safe_load import load
+from reshard.jobs.convert import convert
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
+from reshard.storage.staging import verify
 from tests.dsconv import FIXTURES, tag_dir
 
 BIGCODE_DRIFTED = [f"transformer.h.{i}.attn.c_attn.{k}" for i in (0, 1) for k in ("weight", "bias")]
@@ -53,7 +53,7 @@ def test_replica_drift_resolved_by_explicit_policy(tmp_path):
     tag = tag_dir("gpt_bigcode_tp2")
     name = "transformer.h.0.attn.c_attn.weight"
     f = load(report.out_dir / "zero" / name / "fp32.pt")["param"]
-    from reshard.formats.deepspeed import DeepSpeedCheckpoint
+    from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 
     ck = DeepSpeedCheckpoint.open(tag)
     rank0 = ck.tp_shard(name, 0, "fp32", ck.tp_map(name).map.shards[0].shape)
@@ -156,7 +156,7 @@ def test_unknown_optimizer_state_layout(tmp_path):
 
 KILL_SCRIPT = """
 import os, signal, sys
-from reshard.convert import convert
+from reshard.jobs.convert import convert
 def progress(done, total):
     if done == 5:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -231,7 +231,7 @@ def test_parent_folder_with_latest_and_tag_folder_give_the_same_output(tmp_path)
 
 def test_whole_fragment_is_handed_on_without_a_copy():
     """A parameter inside one DP rank's flat partition is written straight from the mapped file."""
-    from reshard.formats.deepspeed import DeepSpeedCheckpoint
+    from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 
     ck = DeepSpeedCheckpoint.open(FIXTURES / "llama_zero1_dp2")
     whole = [n for n in ck.names if ck.zero_map(n, 0)[1].identity_rank is not None]
@@ -296,7 +296,7 @@ def test_manifest_checksums_are_those_of_the_files(checksum, tmp_path):
 def test_pipeline_checkpoint_reads_stages_and_layer_files(tmp_path):
     """A deepspeed.pipe checkpoint: two stages, each its own model-parallel rank file, weights in
     layer files. The layer files' weights are the converted fp32 masters in the model dtype."""
-    from reshard.formats.deepspeed import DeepSpeedCheckpoint
+    from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 
     for name, dtype in (("pipe_pp2_dp2", torch.float32), ("pipe_pp2_dp2_bf16_odd", torch.bfloat16)):
         ck = DeepSpeedCheckpoint.open(FIXTURES / name)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.convert import convert
-from reshard.formats.safe_load import load
+from reshard.jobs.convert import convert
+from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, ds_to_universal
 
 pytest.importorskip("deepspeed")

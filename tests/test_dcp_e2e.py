@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from reshard import convert
-from reshard.formats.dcp import DcpCheckpoint
-from reshard.formats.safe_load import load
-from reshard.reshard_dcp import reshard_dcp_files
+from reshard.formats.dcp.reader import DcpCheckpoint
+from reshard.jobs.reshard_dcp import reshard_dcp_files
+from reshard.storage.safe_load import load
 from tests.dcp_jobs import FIXTURES, run_fsdp_job
 from tests.dsconv import tag_dir
 

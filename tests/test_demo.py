@@ -1,4 +1,4 @@
-"""reshard.demo: ``make demo`` runs end to end, and its bit-for-bit comparison of universal
+"""reshard.present.demo: ``make demo`` runs end to end, and its bit-for-bit comparison of universal
 checkpoints catches what it claims to (a flipped bit, a signed zero, a missing state)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import demo
-from reshard.demo import DemoFailed, compare_universal
+from reshard.present import demo
+from reshard.present.demo import DemoFailed, compare_universal
 
 
 def test_demo_runs_and_writes_its_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard import NotAffineError, canonicalize
-from reshard.derive import derive
+from reshard.layouts.derive import derive
 from tests.irgen import grid_map, replicated_map, segmented_map
 
 

@@ -1,4 +1,4 @@
-"""``reshard.dist.transfer`` in real gloo jobs: 4 spawned processes, no mocks.
+"""``reshard.execute.live.transfer`` in real gloo jobs: 4 spawned processes, no mocks.
 
 One job runs every case in turn (spawning is the expensive part on a small machine). Each rank
 plans locally, cuts its source shards from a full tensor drawn from a shared seed, calls
@@ -21,11 +21,11 @@ import torch
 
 from reshard import ParamMap, PlanError, ShardError
 from reshard import layouts as L
+from reshard.execute.schedule import MIN_DIRECT_BYTES, Item, messages, schedule
 from reshard.ir import View, prod, row_major_strides
 from reshard.ir.apply import view_of
-from reshard.plan import Segment
-from reshard.planner import ModelPlan, plan, plan_for_rank, plan_model
-from reshard.schedule import MIN_DIRECT_BYTES, Item, messages, schedule
+from reshard.plan.planner import ModelPlan, plan, plan_for_rank, plan_model
+from reshard.plan.values import Segment
 from tests.irgen import (
     flat_map,
     fragment,
@@ -144,7 +144,7 @@ def _run_single(rank: int, src: ParamMap, tgt: ParamMap, dtype: torch.dtype, *, 
 
 
 def dist_transfer(*args, **kw):
-    from reshard.dist import transfer
+    from reshard.execute.live import transfer
 
     return transfer(*args, **kw)
 
@@ -174,7 +174,7 @@ def case_llama_rounds(rank: int) -> dict:
 
 def case_workspace(rank: int) -> dict:
     """Two calls share one Workspace: the second reuses the first's staging memory."""
-    from reshard.dist import Workspace
+    from reshard.execute.live import Workspace
 
     src, tgt = llama_pair()
     ws = Workspace()
@@ -324,7 +324,7 @@ def _expert_maps(ep: int) -> dict[str, ParamMap]:
     """AutoEP expert parameters at EP ``ep`` over 4 ranks, each EP rank's experts cut by ZeRO over
     its expert-data-parallel group (EDP = 4 / ep; EP rank of global rank d is d % ep), as
     ``offline_experts`` composes them; plus one dense parameter flat over all 4."""
-    from reshard.topology import Topology
+    from reshard.layouts.topology import Topology
 
     edp = WORLD // ep
     shapes = {"w1": (8, 6, 5), "w2": (8, 5, 6), "w3": (8, 6, 5)}
@@ -842,7 +842,7 @@ def _check_link(items: list[Item], msgs, esizes: list[int], min_bytes: int) -> s
 def test_per_link_cuts_agree_at_both_ends_and_respect_budgets(budget):
     """``schedule_links`` from each rank's own plan: the two ends of every link cut it into the
     same rounds, each round within the link's budget, every remote element once."""
-    from reshard.schedule import schedule_links
+    from reshard.execute.schedule import schedule_links
 
     src, tgt = llama_pair()
     es = {n: torch.empty((), dtype=llama_dtype(n)).element_size() for n in src}

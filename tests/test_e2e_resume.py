@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from reshard.formats.safe_load import load  # noqa: E402
+from reshard.storage.safe_load import load  # noqa: E402
 from tests.dsconv import FIXTURES  # noqa: E402
 from tests.e2e.digest import differences, digest  # noqa: E402
 from tests.e2e.plan import (  # noqa: E402

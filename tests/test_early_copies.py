@@ -1,4 +1,4 @@
-"""``reshard convert`` starts copying model-state files before torch loads (``reshard.early_copies``):
+"""``reshard convert`` starts copying model-state files before torch loads (``reshard.jobs.early_copies``):
 the command's output is byte for byte the library's, copies it does not keep are dropped, and a
 conversion that fails afterwards leaves nothing behind."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from reshard.convert import convert
-from reshard.early_copies import EarlyCopies
-from reshard.formats.output import verify
+from reshard.jobs.convert import convert
+from reshard.jobs.early_copies import EarlyCopies
+from reshard.storage.staging import verify
 from tests.dsconv import FIXTURES
 
 
@@ -46,7 +46,7 @@ def test_the_command_writes_what_the_library_writes(fixture, tmp_path):
 def test_the_copies_start_before_torch_loads(tmp_path):
     probe = (
         "import sys; sys.argv = ['reshard', 'convert', sys.argv[1], sys.argv[2]]\n"
-        "from reshard import early_copies\n"
+        "from reshard.jobs import early_copies\n"
         "real = early_copies.EarlyCopies._run\n"
         "def run(self):\n"
         "    print('torch loaded when the copies started:', 'torch' in sys.modules, flush=True)\n"
@@ -99,7 +99,7 @@ def test_the_thread_only_has_a_head_start(tmp_path, monkeypatch):
     abandoning stops what has not begun."""
     import threading
 
-    from reshard.formats import output
+    from reshard.storage import staging as output
 
     tag = tmp_path / "ckpt" / "global_step1"
     tag.mkdir(parents=True)

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from reshard import CheckpointError, ReshardError, apply_plan, canonicalize
-from reshard.convert import convert
-from reshard.formats.deepspeed import DeepSpeedCheckpoint
-from reshard.formats.pickling import save
-from reshard.formats.safe_load import load
-from reshard.formats.sources import open_source
+from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from reshard.formats.detect import open_source
 from reshard.ir.param_map import map_from_dict
+from reshard.jobs.convert import convert
+from reshard.jobs.offline import reshard
+from reshard.jobs.offline_experts import ds_affine_entry
 from reshard.layouts import autoep_placement
-from reshard.offline import reshard
-from reshard.offline_experts import ds_affine_entry
-from reshard.planner import plan
+from reshard.plan.planner import plan
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir
 from tests.test_convert_parity import _same
 
@@ -137,7 +137,7 @@ def test_convert_is_ds_to_universal(tmp_path: Path):
     assert_same_as_ds_to_universal(ours, theirs, "zero/model.layers.0.mlp.experts.w1/exp_avg_sq.pt")
 
 
-# -- reshard reshard to another EP degree (reshard/offline_experts.py) ---------------------------
+# -- reshard reshard to another EP degree (reshard/jobs/offline_experts.py) ---------------------------
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 

@@ -19,11 +19,11 @@ import torch
 
 from reshard import CheckpointError
 from reshard.cli import main as cli
-from reshard.convert import convert
-from reshard.formats.deepspeed import DeepSpeedCheckpoint
-from reshard.formats.pickling import save
-from reshard.formats.safe_load import load
-from reshard.offline import reshard
+from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from reshard.jobs.convert import convert
+from reshard.jobs.offline import reshard
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir
 from tests.test_convert_parity import _same
 from tests.test_experts import _diff_files, assert_same_as_ds_to_universal

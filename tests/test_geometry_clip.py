@@ -113,8 +113,8 @@ def flat_parts(draw):
 def test_window_fill_writes_every_element_of_an_uninitialised_buffer(case, window):
     """``WindowFill`` declares ``zeroes_gaps``: fed windows full of garbage (NaN), as the streamed
     writer then does, it still yields the segments' values and zeros everywhere else."""
-    from reshard.execute import WindowFill
-    from reshard.plan import Segment
+    from reshard.execute.local import WindowFill
+    from reshard.plan.values import Segment
 
     dsts, size = case
     source = torch.arange(1, 40, dtype=torch.float32)

@@ -15,8 +15,7 @@ import torch
 
 from reshard import apply_plan, plan_topology
 from reshard.cli import main as cli
-from reshard.formats.safe_load import load
-from reshard.formats.sources import open_source
+from reshard.formats.detect import open_source
 from reshard.ir import maps_to_document
 from reshard.layouts import (
     bigcode_mqa,
@@ -28,6 +27,7 @@ from reshard.layouts import (
     sub_params,
 )
 from reshard.layouts.recognize import recognize
+from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES
 from tests.irgen import padded_vocab_map, replicated_map, segmented_map
 
@@ -211,7 +211,7 @@ def test_inspect_zero_split_and_composed_view(capsys):
 
 
 def test_inspect_universal_checkpoint(tmp_path, capsys):
-    from reshard.convert import convert
+    from reshard.jobs.convert import convert
 
     convert(FIXTURES / "llama_tp2", tmp_path)
     full = _llama_full_shapes()
@@ -255,7 +255,7 @@ def _png(path: Path):
 
 def _pixel(shape2d: tuple[int, int], row: float, col: float, rect) -> tuple[int, int]:
     """Image (y, x) of the point (row, col) of the drawn grid of F."""
-    from reshard.viz import MAP_PNG_SIZE
+    from reshard.present.viz import MAP_PNG_SIZE
 
     w, h = MAP_PNG_SIZE
     rows, cols = shape2d
@@ -281,7 +281,7 @@ def _colours_in(img, shape2d, rows: tuple[float, float], cols: tuple[float, floa
 
 def test_png_bigcode_replicated_block_carries_every_holder(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from reshard.viz import AXES_RECT, MAP_PNG_SIZE, rank_colors
+    from reshard.present.viz import AXES_RECT, MAP_PNG_SIZE, rank_colors
 
     m = bigcode_mqa((48, 8), 4, n_embd=32)
     out = tmp_path / "bigcode.png"
@@ -299,7 +299,7 @@ def test_png_bigcode_replicated_block_carries_every_holder(tmp_path, capsys):
 
 def test_png_padding_greyed_and_1d(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from reshard.viz import AXES_RECT, AXES_RECT_1D, MAP_PNG_SIZE, rank_colors
+    from reshard.present.viz import AXES_RECT, AXES_RECT_1D, MAP_PNG_SIZE, rank_colors
 
     path = _doc(tmp_path, {"embed.weight": padded_vocab((45, 8), 4), "bias": prescaled_bias((8,), 2)})
     out = tmp_path / "vocab.png"
@@ -322,7 +322,7 @@ def test_png_deepspeed_composed_and_big_f(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     import time
 
-    from reshard.viz import MAP_PNG_SIZE, draw_map
+    from reshard.present.viz import MAP_PNG_SIZE, draw_map
 
     out = tmp_path / "zero.png"
     rc, _, err = _run(capsys, "inspect", FIXTURES / "llama_tp2_dp2", "--composed", "--param", "layers.0.mlp.down_proj.weight",
@@ -447,7 +447,7 @@ def test_plan_family_names_and_refusals(tmp_path, capsys):
 
 def test_plan_two_documents_form_still_works_and_draws(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from reshard.viz import PLAN_PNG_SIZE
+    from reshard.present.viz import PLAN_PNG_SIZE
 
     src = _doc(tmp_path, {"w": bigcode_mqa((48, 8), 4, n_embd=32)}, "src.json")
     tgt = _doc(tmp_path, {"w": bigcode_mqa((48, 8), 2, n_embd=32)}, "tgt.json")

@@ -32,7 +32,7 @@ from reshard.layouts import (
     zero12_from_slice_mappings,
     zero12_group,
 )
-from reshard.topology import Topology
+from reshard.layouts.topology import Topology
 from tests import oracles
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from reshard import canonicalize
-from reshard.derive import derive
 from reshard.layouts import (
     autotp_split,
     bigcode_mqa,
@@ -19,6 +18,7 @@ from reshard.layouts import (
     shared_qk_o_proj,
     shared_qk_value,
 )
+from reshard.layouts.derive import derive
 from tests import oracles
 
 

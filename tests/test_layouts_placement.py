@@ -1,5 +1,5 @@
 """Expert placement (DeepSpeed AutoEP's descriptor and its affine lowering), pipeline stage
-placement, and the global rank order of ``reshard.topology.Topology`` against DeepSpeed's."""
+placement, and the global rank order of ``reshard.layouts.topology.Topology`` against DeepSpeed's."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from reshard.formats.pickling import save
-from reshard.formats.safe_load import load
-from reshard.memory import HUGEPAGE_MIN_BYTES, empty, own_bytes, release
+from reshard.execute.memory import HUGEPAGE_MIN_BYTES, empty, own_bytes, release
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux")
 
@@ -80,7 +80,7 @@ def test_file_bytes_finds_mapped_bytes_and_refuses_written_pages(tmp_path):
     copy-on-write page no longer equals the file)."""
     import mmap
 
-    from reshard.memory import file_bytes
+    from reshard.execute.memory import file_bytes
 
     path = tmp_path / "data.bin"
     data = bytes(range(256)) * 64 * 1024  # 16 MiB
@@ -111,7 +111,7 @@ def test_staged_writes_of_mapped_bytes_are_the_bytes(tmp_path, monkeypatch):
     import os
     import zlib
 
-    from reshard.formats.output import Staging
+    from reshard.storage.staging import Staging
 
     calls = []
     real = os.copy_file_range
@@ -145,8 +145,8 @@ def test_stale_entries_in_the_table_of_mappings_are_never_trusted(tmp_path):
 
     import numpy as np
 
-    from reshard import memory
-    from reshard.memory import file_bytes
+    from reshard.execute import memory
+    from reshard.execute.memory import file_bytes
 
     path = tmp_path / "data.bin"
     path.write_bytes(bytes(range(256)) * (16 << 12))  # 4 MiB

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from reshard import CheckpointError
-from reshard.convert import convert
-from reshard.formats.deepspeed import STATES, DeepSpeedCheckpoint
-from reshard.formats.safe_load import load
-from reshard.formats.sources import open_source
+from reshard.formats.deepspeed.checkpoint import STATES, DeepSpeedCheckpoint
+from reshard.formats.detect import open_source
+from reshard.jobs.convert import convert
+from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir
 
 NAME = "moe_ep2"

@@ -1,5 +1,5 @@
 """``reshard reshard --ep`` of a classic ``deepspeed.moe.layer.MoE`` checkpoint (issue #12;
-``reshard/offline_moe.py``): ``moe_ep2`` (EP 2 x DP 2, 4 experts, 2 MoE layers) written at other
+``reshard/jobs/offline_moe.py``): ``moe_ep2`` (EP 2 x DP 2, 4 experts, 2 MoE layers) written at other
 (EP, DP) as DeepSpeed 0.19.8 saves them there, round trips, universal conversion of the output,
 refusals, and a real DeepSpeed job resuming the output natively (e2e)."""
 
@@ -16,11 +16,11 @@ import torch
 
 from reshard import CheckpointError, ReshardError
 from reshard.cli import main as cli
-from reshard.convert import convert
-from reshard.formats.deepspeed import STATES, DeepSpeedCheckpoint
-from reshard.formats.pickling import save
-from reshard.formats.safe_load import load
-from reshard.offline import reshard
+from reshard.formats.deepspeed.checkpoint import STATES, DeepSpeedCheckpoint
+from reshard.jobs.convert import convert
+from reshard.jobs.offline import reshard
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, tag_dir
 from tests.test_convert_parity import _same
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.convert import convert
-from reshard.formats.deepspeed import STATES, DeepSpeedCheckpoint
-from reshard.formats.safe_load import load
-from reshard.offline import reshard
+from reshard.formats.deepspeed.checkpoint import STATES, DeepSpeedCheckpoint
+from reshard.jobs.convert import convert
+from reshard.jobs.offline import reshard
+from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, tag_dir
 from tests.test_convert_parity import _same
 

@@ -1,4 +1,4 @@
-"""reshard.offline: a DeepSpeed ZeRO-1/2 checkpoint rewritten at another TP x DP topology.
+"""reshard.jobs.offline: a DeepSpeed ZeRO-1/2 checkpoint rewritten at another TP x DP topology.
 
 Fast tests (no DeepSpeed job):
 
@@ -36,16 +36,16 @@ import pytest
 import torch
 
 from reshard import CheckpointError, OutputError, ReshardError
-from reshard.convert import convert
-from reshard.formats import deepspeed_writer as dsw
-from reshard.formats import torch_zip
-from reshard.formats.deepspeed import DeepSpeedCheckpoint
-from reshard.formats.output import verify
-from reshard.formats.pickling import save as save_whole
-from reshard.formats.safe_load import FragmentAddress, load
-from reshard.formats.torch_zip import TensorRef
+from reshard.formats.deepspeed import writer as dsw
+from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.ir.piece import prod
-from reshard.offline import reshard
+from reshard.jobs.convert import convert
+from reshard.jobs.offline import reshard
+from reshard.storage import torch_zip
+from reshard.storage.pickling import save as save_whole
+from reshard.storage.safe_load import FragmentAddress, load
+from reshard.storage.staging import verify
+from reshard.storage.torch_zip import TensorRef
 from tests.dsconv import FIXTURES, tag_dir
 
 TAG = "global_step3"
@@ -357,7 +357,7 @@ def test_layout_from_a_map_document(tmp_path, source_universal):
 def test_tp_change_needs_a_recorded_tp_layout(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "llama_tp2", src)
-    from reshard.formats.pickling import save
+    from reshard.storage.pickling import save
 
     for t in (0, 1):
         path = src / TAG / f"mp_rank_{t:02d}_model_states.pt"
@@ -410,7 +410,7 @@ def test_truncated_source_partition_is_refused(tmp_path):
     obj = load(path, mmap=False)
     obj["optimizer_state_dict"]["single_partition_of_fp32_groups"][0] = \
         obj["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][:-5].clone()
-    from reshard.formats.pickling import save
+    from reshard.storage.pickling import save
 
     save(obj, path)
     with pytest.raises(CheckpointError, match=r"fp32 partition has 14667 elements"):
@@ -425,7 +425,7 @@ def test_unknown_zero_layout_is_refused(tmp_path):
     mappings = obj["optimizer_state_dict"]["param_slice_mappings"][0]
     first = next(iter(mappings))
     mappings[first] = FragmentAddress(numel=mappings[first].numel, start=mappings[first].start + 8)
-    from reshard.formats.pickling import save
+    from reshard.storage.pickling import save
 
     save(obj, path)
     with pytest.raises(CheckpointError, match=r"param_slice_mappings differ from DeepSpeed 0.19.8's"):
@@ -437,7 +437,7 @@ def test_unknown_zero_layout_is_refused(tmp_path):
 
 def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
     """The disk fills while an optimizer file's stripe is written (``formats.zip_stripes``)."""
-    from reshard.formats import zip_stripes
+    from reshard.storage import zip_stripes
 
     real = zip_stripes._pwrite
 
@@ -520,7 +520,7 @@ def test_streamed_files_are_byte_identical_to_saving_the_built_tensors(source, k
     placeholders filled window by window from the plan. Each file, at tiny and odd chunk sizes
     and as written (in stripes of at most a few KiB, by two workers), is byte for byte what
     ``torch.save`` writes for the same object built in memory."""
-    from reshard.formats import zip_stripes
+    from reshard.storage import zip_stripes
 
     laid_out, references = zip_stripes.Archive.__init__, []
 
@@ -565,7 +565,7 @@ def _sane(report: dict, tp: int, dp: int, universal: bool) -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("source,tp,dp", E2E, ids=[f"{s}-to-tp{t}dp{d}" for s, t, d in E2E])
 def test_deepspeed_loads_it_natively_and_trains_as_from_universal(source, tp, dp, e2e):
-    """reshard.offline of ``source`` to TP=tp x DP=dp, loaded with DeepSpeed's ordinary
+    """reshard.jobs.offline of ``source`` to TP=tp x DP=dp, loaded with DeepSpeed's ordinary
     load_checkpoint, against ds_to_universal of ``source`` loaded with load_universal there."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")

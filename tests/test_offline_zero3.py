@@ -1,6 +1,6 @@
-"""reshard.offline with ZeRO-3 at either end (TP=1): a ZeRO-3 checkpoint at another DP size or at
+"""reshard.jobs.offline with ZeRO-3 at either end (TP=1): a ZeRO-3 checkpoint at another DP size or at
 ZeRO stage 1/2, or a ZeRO-1/2 one at ZeRO-3, written as DeepSpeed 0.19.8 saves it there
-(``reshard.offline_zero3``), in fp32 and bf16. AutoTP x ZeRO-3: ``tests/test_zero3_tp.py``.
+(``reshard.jobs.offline_zero3``), in fp32 and bf16. AutoTP x ZeRO-3: ``tests/test_zero3_tp.py``.
 
 Fast tests (no DeepSpeed job):
 
@@ -40,13 +40,13 @@ import pytest
 import torch
 
 from reshard import CheckpointError, OutputError, ReshardError
-from reshard.convert import convert
-from reshard.formats.deepspeed import DeepSpeedCheckpoint
-from reshard.formats.deepspeed_zero3 import SubGroup, sub_groups
-from reshard.formats.output import verify
-from reshard.formats.pickling import save
-from reshard.formats.safe_load import load
-from reshard.offline import reshard
+from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from reshard.formats.deepspeed.zero3 import SubGroup, sub_groups
+from reshard.jobs.convert import convert
+from reshard.jobs.offline import reshard
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
+from reshard.storage.staging import verify
 from tests.dsconv import FIXTURES, tag_dir
 
 SOURCE = "llama_zero3_dp2"
@@ -332,7 +332,7 @@ def test_sub_groups_not_by_deepspeeds_rule_are_refused(tmp_path):
 
 
 def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
-    import reshard.offline_zero3 as off
+    import reshard.jobs.offline_zero3 as off
 
     real, calls = off.save, []
 
@@ -349,7 +349,7 @@ def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
 
 
 def test_processes_write_what_one_process_writes(tmp_path):
-    """Under ``torchrun`` (``reshard.cluster``) 3 processes share the files, each optimizer file
+    """Under ``torchrun`` (``reshard.jobs.cluster``) 3 processes share the files, each optimizer file
     written in stripes by several of them, and commit together: the output is byte-identical to one
     process's, manifest included."""
     import filecmp
@@ -482,8 +482,8 @@ def test_stage_changes_it_cannot_write_are_refused(source, kwargs, match, tmp_pa
 def test_streamed_flat_group_is_what_torch_saves(tmp_path):
     """A placeholder fp32 flat group with its ``ds_id`` (``AttrTensorRef``) is written byte for byte
     as ``torch.save`` writes the real tensor with that attribute."""
-    from reshard.formats import torch_zip
-    from reshard.formats.deepspeed_zero3 import AttrTensorRef
+    from reshard.formats.deepspeed.zero3 import AttrTensorRef
+    from reshard.storage import torch_zip
 
     data = torch.randn(1000)
     real = data.clone().requires_grad_(True)

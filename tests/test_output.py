@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.formats.crc import crc32, crc32_combine
-from reshard.formats.output import Staging
-from reshard.formats.pickling import save
+from reshard.storage.crc import crc32, crc32_combine
+from reshard.storage.pickling import save
+from reshard.storage.staging import Staging
 
 
 @settings(max_examples=200, deadline=None)
@@ -44,7 +44,7 @@ def _manifest_entry(staging: Staging, rel: str) -> dict:
 def test_written_checksums_equal_the_files(tmp_path, monkeypatch):
     """Large torch records take their CRC from torch's data descriptor; every other write is read.
     Either way the manifest holds the CRC (or SHA-256) of the bytes on disk."""
-    from reshard.formats import crc
+    from reshard.storage import crc
 
     combined = []
     real = crc.Crc32.extend
@@ -72,7 +72,7 @@ def test_a_reused_writable_buffer_is_checksummed_as_written(tmp_path, monkeypatc
     """A caller may refill a writable buffer as soon as ``write`` returns: it is checksummed at
     once, never held back for a later descriptor. Read-only views (torch's) still take the
     record's CRC from the descriptor."""
-    from reshard.formats import crc
+    from reshard.storage import crc
 
     combined = []
     real = crc.Crc32.extend
@@ -104,7 +104,7 @@ def test_writeback_is_started_off_the_workers_thread(tmp_path, monkeypatch):
     import os
     import threading
 
-    from reshard.formats import output
+    from reshard.storage import staging as output
 
     release, seen = threading.Event(), []
 

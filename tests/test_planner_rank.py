@@ -24,7 +24,7 @@ from reshard.layouts import (
     zero12_group_layout,
 )
 from reshard.layouts.compose import ZeroComposer
-from reshard.planner import Planner, plan_for_rank
+from reshard.plan.planner import Planner, plan_for_rank
 from tests.irgen import layouts, shapes
 
 HIDDEN, INTER = 16, 12

@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import OutputError, ReshardError
-from reshard.formats.output import Staging, verify
-from reshard.formats.pickling import save as reshard_save
-from reshard.formats.safe_load import FragmentAddress, ZeroStageEnum
-from reshard.formats.safe_load import load as safe_load
-from reshard.formats.torch_zip import Storage, TorchZipWriter, save, tensor
+from reshard.storage.pickling import save as reshard_save
+from reshard.storage.safe_load import FragmentAddress, ZeroStageEnum
+from reshard.storage.safe_load import load as safe_load
+from reshard.storage.staging import Staging, verify
+from reshard.storage.torch_zip import Storage, TorchZipWriter, save, tensor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8, torch.int32,
           torch.float64, torch.uint16, torch.float8_e4m3fn]
@@ -436,9 +436,9 @@ def test_windows_written_straight_from_mapped_sources_are_torch_save(tmp_path):
     (memory-mapped) slices and zero gaps instead of filling a buffer; the file is still exactly
     ``torch.save`` of the tensor the segments build, with a strided segment and a scaled one
     falling back to the buffer in their windows."""
-    from reshard.execute import WindowFill
+    from reshard.execute.local import WindowFill
     from reshard.ir.piece import View
-    from reshard.plan import Segment
+    from reshard.plan.values import Segment
 
     n = 7 << 20  # 28 MiB of float32
     src = torch.randn(n, generator=torch.Generator().manual_seed(1))

@@ -29,12 +29,12 @@ import pytest
 import torch
 
 from reshard import CheckpointError, ReshardError
-from reshard.convert import convert
-from reshard.formats.deepspeed import DeepSpeedCheckpoint
-from reshard.formats.output import verify
-from reshard.formats.pickling import save
-from reshard.formats.safe_load import load
-from reshard.offline import reshard
+from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from reshard.jobs.convert import convert
+from reshard.jobs.offline import reshard
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
+from reshard.storage.staging import verify
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir
 
 pytest.importorskip("deepspeed")

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import OutputError
-from reshard.formats.output import Staging
-from reshard.formats.torch_zip import Storage
-from reshard.formats.zip_stripes import Archive
+from reshard.storage.staging import Staging
+from reshard.storage.torch_zip import Storage
+from reshard.storage.zip_stripes import Archive
 from tests.test_torch_zip import _torch_bytes, objects
 
 

@@ -41,8 +41,8 @@ from ..ir.geometry import merge_dims, range_boxes
 from ..ir.param_map import ParamMap
 from ..ir.piece import Piece, View, prod, row_major_strides
 from ..ir.shard import Shard
-from ..topology import Topology
 from ._core import flat_ranges
+from .topology import Topology
 from .tp import replicated
 from .zero import FlatGroup
 

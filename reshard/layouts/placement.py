@@ -7,8 +7,8 @@ from typing import Any
 
 from ..errors import MapError
 from ..ir.param_map import ParamMap
-from ..topology import Topology
 from ._core import as_shape, dim_blocks, global_ranks
+from .topology import Topology
 from .tp import replicated
 
 __all__ = [

@@ -12,7 +12,7 @@ runs a job the first time one of its reports is asked for::
 
     e2e.report("reshard", LLAMA, tp=2, dp=1)          # reshard.convert of LLAMA, load_universal
     e2e.report("ds_to_universal", LLAMA, tp=2, dp=1)  # DeepSpeed's ds_to_universal, load_universal
-    e2e.report("resharded", "llama_zero1_dp2", tp=1, dp=4)  # reshard.offline there, native load
+    e2e.report("resharded", "llama_zero1_dp2", tp=1, dp=4)  # reshard.jobs.offline there, native load
     e2e.report("resaved", ZERO3, tp=1, dp=3)  # DeepSpeed's own native save there, native load
     e2e.pipe_report("resharded", pp=2, dp=1)["losses"]
 
@@ -31,10 +31,10 @@ from typing import NamedTuple
 
 import torch
 
-from reshard.convert import convert
-from reshard.formats.pickling import save
-from reshard.formats.safe_load import load
-from reshard.offline import reshard
+from reshard.jobs.convert import convert
+from reshard.jobs.offline import reshard
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, ds_to_universal
 from tests.e2e.launch import (
     LaunchError,
@@ -59,7 +59,7 @@ SOURCE_TOPOLOGY = (2, 2)
 EXP_AVG_PERTURB = ("model.layers.1.mlp.down_proj.weight", "exp_avg", (5, 60), "one float32 ulp up")
 FP32_PERTURB = ("lm_head.weight", "fp32", (70, 3), "+1e-3")
 
-# tests/test_offline.py: (source, tp, dp) resharded by reshard.offline and loaded natively, next to
+# tests/test_offline.py: (source, tp, dp) resharded by reshard.jobs.offline and loaded natively, next to
 # ds_to_universal of the source loaded with load_universal at the same topology; and the pipeline
 # fixture resharded to (pp, dp), the same two ways.
 RESHARD_TARGETS = [(LLAMA, 1, 2), (LLAMA, 2, 1), ("llama_zero1_dp2", 1, 4)]
@@ -82,7 +82,7 @@ PIPE_TARGETS = [(1, 2), (2, 1)]
 class Load(NamedTuple):
     """One checkpoint resumed at one topology. ``kind``: ``reshard`` (reshard.convert of
     ``source``), ``ds_to_universal``, ``perturbed`` (the negative control's copy of ``reshard``),
-    ``resharded`` (reshard.offline of ``source`` to this topology, DeepSpeed's native loader),
+    ``resharded`` (reshard.jobs.offline of ``source`` to this topology, DeepSpeed's native loader),
     ``resaved`` (DeepSpeed's native save of ``ds_to_universal`` loaded at this topology, native
     loader; made by that load earlier in the same job) or ``source`` (the fixture itself, native
     loader)."""
@@ -201,7 +201,7 @@ class E2E:
         return self._once(("perturbed",), make)
 
     def resharded(self, source: str, tp: int, dp: int, zero: int = 0) -> Path:
-        """``reshard.offline`` of fixture ``source`` to TP=``tp`` x DP=``dp`` (at ZeRO stage
+        """``reshard.jobs.offline`` of fixture ``source`` to TP=``tp`` x DP=``dp`` (at ZeRO stage
         ``zero``, when not 0)."""
         sfx = f"_zero{zero}" if zero else ""
         return self._once(("resharded", source, tp, dp, zero), lambda: reshard(
@@ -221,7 +221,7 @@ class E2E:
                           lambda: restage(self.ds_ucp(source), self.root / f"ds_{source}_as_zero{zero}", zero))
 
     def pipe_resharded(self, pp: int, dp: int) -> Path:
-        """``reshard.offline`` of :data:`PIPE` to PP=``pp`` x DP=``dp``: the *tag* folder."""
+        """``reshard.jobs.offline`` of :data:`PIPE` to PP=``pp`` x DP=``dp``: the *tag* folder."""
         return self._once(("pipe_resharded", pp, dp), lambda: reshard(
             FIXTURES / PIPE, self.root / f"resharded_{PIPE}_pp{pp}dp{dp}", tp=1, pp=pp, dp=dp).out_dir)
 

@@ -1,0 +1,500 @@
+"""Read a DeepSpeed 0.19.8 checkpoint tag folder: which files exist, the topology they imply,
+and per parameter the maps (TP, then ZeRO) and the tensors they describe. Files are opened
+memory-mapped, so a parameter's bytes are read only when it is converted.
+
+Files are numbered by *model-parallel rank* ``m``: ``mp_rank_MM_model_states.pt`` and
+``zero_pp_rank_D_mp_rank_MM_optim_states.pt``. Without pipeline parallelism ``m`` is the TP
+rank. A pipeline-parallel checkpoint (``deepspeed.pipe``) names parameters ``"<layer>.<name>"``
+and keeps module weights in layer files, one per layer and TP rank: ``layer_LL-model_states.pt``
+without a model axis, ``layer_LL-model_TT-model_states.pt`` over
+``PipeModelDataParallelTopology`` (Megatron-DeepSpeed), ``TT`` the TP (slice) rank. Each
+parameter lives in one stage, and TP rank ``t`` of stage ``s`` is ``m = s * tp + t`` (the grid's
+model-parallel rank: its index among the ranks of one DP index, pipe-major; checked on
+``tests/fixtures/deepspeed/tp_pipe_tp2_pp2``). ``checkpoint_parallel_dimensions`` tells stages
+from TP ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError, ReshardError, in_context
+from ...execute.memory import empty, own_bytes, release
+from ...ir.param_map import ParamMap
+from ...ir.piece import prod
+from ...layouts import compose_zero, zero3, zero12_from_slice_mappings
+from ...layouts.topology import Topology
+from ...storage.safe_load import load
+from . import experts as deepspeed_experts
+from . import lowering
+from . import moe as deepspeed_moe
+from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE, resolve_tag_dir
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+SCALE_POWER = {"fp32": 1, "exp_avg": -1, "exp_avg_sq": -2}
+
+
+def _grid(files: dict[tuple[int, int], Path], what: str, folder: Path) -> tuple[int, int]:
+    tps = sorted({t for t, _ in files})
+    dps = sorted({d for _, d in files})
+    tp, dp = len(tps), len(dps)
+    missing = [(t, d) for t in range(tp) for d in range(dp) if (t, d) not in files]
+    if tps != list(range(tp)) or dps != list(range(dp)) or missing:
+        want = [f"tp {t} dp {d}" for t, d in missing] or ["ranks numbered 0.. without gaps"]
+        raise CheckpointError(f"{folder}: {what} files are missing for {', '.join(want[:4])}")
+    return tp, dp
+
+
+@dataclass
+class Fragment:
+    """Where one parameter's elements sit in one (tp, dp) rank's flat optimizer partition."""
+
+    group: int
+    start: int
+    numel: int
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    tag_dir: Path
+    zero_stage: int
+    tp: int
+    dp: int
+    model_files: dict[int, Path]
+    optim_files: dict[tuple[int, int], Path]
+    z3_model_files: dict[tuple[int, int], Path] = field(default_factory=dict)
+    pp: int = 1
+    layer_files: dict[tuple[int, int], Path] = field(default_factory=dict)  # (layer, TP rank) -> file
+    opened_from: Path | None = None  # the path the user gave: the tag folder, or its parent with 'latest'
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        """The paths this checkpoint is read from, which no output may touch."""
+        return (self.tag_dir,) if self.opened_from is None else (self.opened_from, self.tag_dir)
+
+    @property
+    def mp(self) -> int:
+        """Model-parallel ranks (files per DP rank): pipeline stages x TP ranks."""
+        return self.pp * self.tp
+
+    # -- opening ----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path) -> DeepSpeedCheckpoint:
+        tag = resolve_tag_dir(path)
+        names = sorted(f.name for f in tag.iterdir())
+        layer_matches = [(m, n) for n in names if (m := LAYER_RE.match(n))]
+        layers = {(int(m.group(1)), int(m.group(2) or 0)): tag / n for m, n in layer_matches}
+        tp_named = any(m.group(2) is not None for m, _ in layer_matches)
+        if tp_named and any(m.group(2) is None for m, _ in layer_matches):
+            raise CheckpointError(f"{tag}: layer files both with and without a TP rank (layer_LL-model_TT) in their "
+                                  "names: not one pipeline x tensor parallel checkpoint")
+        model = {int(m.group(1)): tag / n for n in names if (m := MODEL_RE.match(n))}
+        optim = {(int(m.group(3)), int(m.group(2))): tag / n for n in names if (m := OPTIM_RE.match(n))}
+        z3 = {(int(m.group(2)), int(m.group(1))): tag / n for n in names if (m := Z3_MODEL_RE.match(n))}
+        if not optim:
+            raise CheckpointError(f"{tag}: no zero_pp_rank_*_optim_states.pt files (optimizer states missing)")
+        mp, dp = _grid(optim, "optimizer state", tag)
+        first = load(optim[(0, 0)])
+        osd = _get(first, "optimizer_state_dict", optim[(0, 0)])
+        stage = int(_get(osd, "zero_stage", optim[(0, 0)]))
+        if stage == 3:
+            if _grid(z3, "ZeRO-3 model state", tag) != (mp, dp):
+                raise CheckpointError(f"{tag}: ZeRO-3 model and optimizer files disagree on the topology")
+            model = {t: z3[(t, 0)] for t in range(mp)}
+        elif sorted(model) != list(range(mp)):
+            raise CheckpointError(
+                f"{tag}: expected mp_rank_00..{mp - 1:02d}_model_states.pt for {mp} model-parallel ranks, "
+                f"found ranks {sorted(model)}"
+            )
+        ck = cls(tag, stage, mp, dp, model, optim, z3, layer_files=layers, opened_from=Path(path))
+        ck._cache[("optim", 0, 0)] = first
+        pp = ck._pipeline_stages(mp)
+        ck.pp, ck.tp = pp, mp // pp
+        ck._check_layer_grid()
+        if ck.tp > 1 and ck.layer_files and not ck.uc_info:
+            # Megatron-style TP records its layouts only there (client_state of save_checkpoint);
+            # DeepSpeed's converter would concatenate everything on dim 0 without a word
+            raise CheckpointError(f"{ck.model_files[0]}: a pipeline checkpoint at TP={ck.tp} without "
+                                  "universal_checkpoint_info does not record how its parameters split over TP ranks")
+        return ck
+
+    def _check_layer_grid(self) -> None:
+        """Every layer has one file per TP rank, numbered 0..TP-1 (file names only; contents:
+        :meth:`check_layer_files`)."""
+        by_layer: dict[int, list[int]] = {}
+        for layer, t in sorted(self.layer_files):
+            by_layer.setdefault(layer, []).append(t)
+        for layer, ranks in by_layer.items():
+            if ranks != list(range(self.tp)):
+                path = self.layer_files[(layer, ranks[-1])]
+                raise CheckpointError(
+                    f"{path}: layer {layer} has files for TP ranks {ranks}, but the model-state files describe a "
+                    f"pipeline x tensor parallel topology of PP={self.pp}, TP={self.tp}: one file per TP rank expected")
+
+    def _pipeline_stages(self, mp: int) -> int:
+        """Pipeline stages, from ``checkpoint_parallel_dimensions`` (what DeepSpeed records)."""
+        dims = self.model_state(0).get("checkpoint_parallel_dimensions")
+        if not isinstance(dims, dict) or "pp_degree" not in dims:
+            return 1
+        pp, tp = dims.get("pp_degree"), dims.get("tp_degree", 1)
+        if not all(isinstance(x, int) and x >= 1 for x in (pp, tp)) or pp * tp != mp:
+            raise CheckpointError(f"{self.model_files[0]}: checkpoint_parallel_dimensions {dims} disagree with "
+                                  f"the {mp} model-parallel rank files")
+        return pp
+
+    # -- raw files ----------------------------------------------------------------------------
+    def model_state(self, tp: int) -> dict:
+        key = ("model", tp)
+        if key not in self._cache:
+            self._cache[key] = _as_dict(load(self.model_files[tp]), self.model_files[tp])
+        return self._cache[key]
+
+    def optim_state(self, tp: int, dp: int) -> dict:
+        key = ("optim", tp, dp)
+        if key not in self._cache:
+            self._cache[key] = _as_dict(load(self.optim_files[(tp, dp)]), self.optim_files[(tp, dp)])
+        return self._cache[key]
+
+    def osd(self, tp: int, dp: int) -> dict:
+        return _get(self.optim_state(tp, dp), "optimizer_state_dict", self.optim_files[(tp, dp)])
+
+    @cached_property
+    def uc_info(self) -> dict:
+        info = self.model_state(0).get("universal_checkpoint_info")
+        return info if isinstance(info, dict) else {}
+
+    @cached_property
+    def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per model-parallel rank: ``{name: shard shape}`` over all groups, in model order."""
+        out = []
+        for t in range(self.mp):
+            groups = _get(self.model_state(t), "param_shapes", self.model_files[t])
+            groups = groups if isinstance(groups, list) else [groups]
+            out.append({n: tuple(s) for g in groups for n, s in g.items()})
+        return out
+
+    @cached_property
+    def _stage(self) -> dict[str, int]:
+        """Pipeline stage of every parameter (all 0 without pipeline parallelism)."""
+        out: dict[str, int] = {}
+        for m, shapes in enumerate(self.param_shapes):
+            for n in shapes:
+                out.setdefault(n, m // self.tp)
+        return out
+
+    def stage_of(self, name: str) -> int:
+        """The pipeline stage holding ``name`` (0 without pipeline parallelism)."""
+        return self._stage.get(name, 0)
+
+    def mp_rank(self, name: str, t: int) -> int:
+        """The model-parallel rank (file index) of TP rank ``t`` of ``name``'s stage."""
+        return self.stage_of(name) * self.tp + t
+
+    @cached_property
+    def names(self) -> list[str]:
+        """Every parameter, in model-parallel rank 0's order, then any only other ranks hold
+        (later pipeline stages; a TP rank holding none of an unevenly split parameter lists no
+        shape for it)."""
+        seen = dict.fromkeys(self.param_shapes[0])
+        for shapes in self.param_shapes[1:]:
+            seen.update(dict.fromkeys(shapes))
+        if self.experts is not None:  # AutoEP's router aliases: module weights only
+            seen.update(dict.fromkeys(self.experts.aliases))
+        if self.moe is not None:  # classic MoE: global expert names replace the local ones
+            return [n for n in seen if n not in self.moe.local_names] + list(self.moe.params)
+        return list(seen)
+
+    # -- AutoEP experts (hooks into formats/deepspeed_experts.py) -------------------------------
+    @cached_property
+    def experts(self) -> deepspeed_experts.AutoEP | None:
+        """The AutoEP expert parameters, or ``None`` without ``ds_autoep_layers``."""
+        return deepspeed_experts.read(self)
+
+    def expert(self, name: str) -> deepspeed_experts.ExpertParam | None:
+        return None if self.experts is None else self.experts.params.get(name)
+
+    # -- classic MoE experts (hooks into formats/deepspeed_moe.py) ---------------------------------
+    @cached_property
+    def moe(self) -> deepspeed_moe.ClassicMoE | None:
+        """The classic ``deepspeed.moe.layer.MoE`` experts, or ``None`` without ``num_experts``."""
+        return deepspeed_moe.read(self)
+
+    def moe_param(self, name: str) -> deepspeed_moe.MoEParam | None:
+        return None if self.moe is None else self.moe.params.get(name)
+
+    def _alias(self, name: str) -> bool:
+        return self.experts is not None and name in self.experts.aliases
+
+    # -- maps ---------------------------------------------------------------------------------
+    def tp_map(self, name: str) -> lowering.Lowered:
+        """``name``'s model-parallel map: over TP ranks, or for an AutoEP expert over EP ranks."""
+        if (p := self.expert(name)) is not None:
+            return deepspeed_experts.lowered(p)
+        if (q := self.moe_param(name)) is not None:
+            return deepspeed_moe.lowered(q)
+        if self._alias(name):  # a module weight the optimizer does not own: as ds_to_universal, no extra keys
+            shape = tuple(self.model_state(0)["module"][name].shape)
+            return lowering.Lowered(lowering.lower_replicated([shape]), "module only")
+        shapes = [self.param_shapes[self.mp_rank(name, t)].get(name) for t in range(self.tp)]
+        try:
+            return lowering.lower(name, shapes, self.uc_info)
+        except ReshardError as e:
+            raise in_context(e, f"{self.tag_dir}: parameter {name!r}") from None
+
+    @cached_property
+    def _zero_index(self) -> dict[int, dict[str, tuple[int, ParamMap]]]:
+        """Per model-parallel rank: name -> (group, map of the TP shard over DP fragments)."""
+        out: dict[int, dict[str, tuple[int, ParamMap]]] = {}
+        for t in range(self.mp):
+            out[t] = {}
+            if self.zero_stage == 3:
+                for g, group in enumerate(self._z3_groups(t)):
+                    if self.experts is not None and g in self.experts.groups:
+                        continue  # cut over expert-data-parallel groups: deepspeed_experts
+                    for name, shape in group.items():
+                        out[t][name] = (g, zero3(tuple(shape), self.dp, shard="fragment"))
+                continue
+            groups = len(_get(self.osd(t, 0), "param_slice_mappings", self.optim_files[(t, 0)]))
+            for g in range(groups):
+                if self.experts is not None and g in self.experts.groups:
+                    continue  # partitioned over expert-data-parallel groups: deepspeed_experts
+                if self.moe is not None and g in self.moe.groups:
+                    continue  # the same, for classic MoE: deepspeed_moe
+                mappings = [self.osd(t, d)["param_slice_mappings"][g] for d in range(self.dp)]
+                paddings = [self.osd(t, d)["group_paddings"][g] for d in range(self.dp)]
+                try:
+                    maps = zero12_from_slice_mappings(self.param_shapes[t], mappings, paddings, self.dp,
+                                                      shard="fragment")
+                except ReshardError as e:
+                    raise CheckpointError(f"{self.optim_files[(t, 0)]}: group {g}: {e}") from None
+                for name, m in maps.items():
+                    out[t][name] = (g, m)
+        return out
+
+    def zero_map(self, name: str, tp: int) -> tuple[int, ParamMap] | None:
+        """``(group, map)`` of TP rank ``tp``'s shard of ``name`` over its DP fragments, or
+        ``None`` where that rank holds none of it."""
+        if (q := self.moe_param(name)) is not None:  # TP = 1: the whole expert, over its EP rank's DP ranks
+            return (q.group, deepspeed_moe.dp_map(self, q)) if tp == 0 else None
+        return self._zero_index[self.mp_rank(name, tp)].get(name)
+
+    def zero_map_at(self, name: str, m: int) -> tuple[int, ParamMap] | None:
+        """As :meth:`zero_map`, for model-parallel rank (file index) ``m``."""
+        return self._zero_index[m].get(name)
+
+    def composite_map(self, name: str, model_map: ParamMap, *, stages: bool = False) -> ParamMap:
+        """``model_map`` composed with the ZeRO split of each of its shards, over global ranks
+        ``dp_rank * R + r`` (DeepSpeed's order; R model-parallel ranks). ``model_map``'s ranks
+        are the TP ranks of ``name``'s stage, or with ``stages`` the model-parallel ranks (file
+        indices: stages x TP) of a stage map."""
+        if (p := self.expert(name)) is not None:
+            return deepspeed_experts.composite(self, p, model_map)
+        if (q := self.moe_param(name)) is not None:
+            return deepspeed_moe.composite(self, q, model_map)
+        if self._alias(name):
+            return model_map  # in no optimizer partition: only in rank 0's model-state file
+        ranks = self.mp if stages else self.tp
+        zero = {}
+        for r in model_map.ranks:
+            entry = self._zero_index[r if stages else self.mp_rank(name, r)].get(name)
+            zero[r] = None if entry is None else entry[1]
+        try:
+            return compose_zero(model_map, zero, Topology(1, self.dp, ranks))
+        except ReshardError as e:
+            raise in_context(e, f"{self.tag_dir}: parameter {name!r}: composing its model-parallel map with the "
+                                "ZeRO split") from None
+
+    def check_steps(self) -> None:
+        """Every rank's optimizer must be at the same step (DeepSpeed asserts the same)."""
+        steps = set()
+        for (t, d), path in self.optim_files.items():
+            osd = self.osd(t, d)
+            try:
+                outer = osd["optimizer_state_dict"] if self.zero_stage == 3 else osd["base_optimizer_state"]
+                for s in outer["state"].values():
+                    if "step" in s:
+                        steps.add(float(s["step"]))
+            except (KeyError, TypeError, AttributeError, ValueError):
+                raise CheckpointError(f"{path}: optimizer state has an unknown layout (no per-group 'state')") \
+                    from None
+        if len(steps) > 1:
+            raise CheckpointError(f"{self.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
+
+    def has_optimizer_state(self, name: str) -> bool:
+        if self.expert(name) is not None or self.moe_param(name) is not None:
+            return True
+        return any(name in self._zero_index[m] for m in range(self.mp))
+
+    # -- tensors ------------------------------------------------------------------------------
+    def flat_state(self, t: int, d: int, group: int, state: str) -> torch.Tensor:
+        """Rank (model-parallel ``t``, dp ``d``)'s flat partition of one state of one parameter
+        group (memory-mapped)."""
+        osd = self.osd(t, d)
+        path = self.optim_files[(t, d)]
+        if self.zero_stage == 3:
+            if state == "fp32":
+                return _get(osd, "fp32_flat_groups", path)[group]
+            return _get(_get(osd, "optimizer_state_dict", path), "state", path)[group][state]
+        if state == "fp32":
+            return _get(osd, "single_partition_of_fp32_groups", path)[group]
+        base = _get(osd, "base_optimizer_state", path)
+        try:
+            return base["state"][group][state]
+        except (KeyError, IndexError, TypeError):
+            raise CheckpointError(f"{path}: optimizer state has no {state!r} for group {group} "
+                                  "(an unknown optimizer state layout)") from None
+
+    def _z3_offset(self, t: int, name: str) -> int:
+        """Start of ``name``'s partition in its ZeRO-3 flat group: partitions of
+        ``ceil(numel / dp)`` elements laid out in model order."""
+        key = ("z3off", t)
+        if key not in self._cache:
+            out = {}
+            for group in self._z3_groups(t):
+                off = 0
+                for n, shape in group.items():
+                    out[n] = off
+                    off += -(-prod(shape) // self.dp)
+            self._cache[key] = out
+        return self._cache[key][name]
+
+    def _z3_groups(self, t: int) -> list[dict]:
+        groups = _get(self.model_state(t), "param_shapes", self.model_files[t])
+        return groups if isinstance(groups, list) else [groups]
+
+    def tp_shard(self, name: str, t: int, state: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """TP rank ``t``'s shard of ``name`` (of ``shape``) for one state, rebuilt from its DP
+        fragments. Where one fragment is the whole shard, it is returned as it lies in the
+        memory-mapped file (a view, not a copy). For an AutoEP expert ``t`` is the EP rank."""
+        if (p := self.expert(name)) is not None:
+            return deepspeed_experts.shard(self, p, t, state)
+        if (q := self.moe_param(name)) is not None:
+            return deepspeed_moe.shard(self, q, state)
+        tp_rank, t = t, self.mp_rank(name, t)
+        if name not in self._zero_index[t]:
+            if prod(shape) == 0:  # a rank holding none of an unevenly split parameter
+                return torch.empty(shape, dtype=torch.float32)
+            raise CheckpointError(f"{self.optim_files[(t, 0)]}: no optimizer fragments for {name!r}, "
+                                  f"whose TP rank {tp_rank} shard has shape {list(shape)}")
+        group, zmap = self._zero_index[t][name]
+
+        def where(d: int) -> tuple[int, int, int, int]:
+            start = self._z3_offset(t, name) if self.zero_stage == 3 else self._fragment_start(t, d, group, name)
+            return t, d, group, start
+
+        return self.gather(zmap, shape, state, where, f"{name} (tp rank {tp_rank}, {state})")
+
+    def gather(self, zmap: ParamMap, shape: tuple[int, ...], state: str,
+               where: Callable[[int], tuple[int, int, int, int]], label: str) -> torch.Tensor:
+        """The shard ``zmap`` describes, for one state, rebuilt from its fragments in the flat
+        partitions: ``where(k)`` gives map rank ``k``'s ``(model-parallel rank, DP rank, group,
+        first element)``. Where one fragment is the whole shard, it is returned as it lies in the
+        memory-mapped file (a view, not a copy; the caller releases its pages once written)."""
+        frags = {}
+        for k in zmap.ranks:
+            t, d, group, start = where(k)
+            flat = self.flat_state(t, d, group, state)
+            n = zmap.shards[k].numel
+            if flat.numel() < start + n:
+                raise CheckpointError(f"{self.optim_files[(t, d)]}: {label}: fragment [{start}, {start + n}) lies past "
+                                      f"the flat {state} partition of {flat.numel()} elements: truncated or corrupt")
+            frags[k] = flat.narrow(0, start, n)
+        if zmap.identity_rank is not None:
+            return own_bytes(frags[zmap.identity_rank].detach()).view(shape)
+        try:
+            shard = zmap.rebuild(frags, out=empty(zmap.numel, frags[zmap.ranks[0]].dtype)).view(shape)
+        except ReshardError as e:
+            raise CheckpointError(f"{self.tag_dir}: {label}: {e}") from None
+        for frag in frags.values():  # each fragment is read once: let its pages go
+            release(frag)
+        return shard
+
+    def _fragment_start(self, t: int, d: int, group: int, name: str) -> int:
+        return int(self.osd(t, d)["param_slice_mappings"][group][name].start)
+
+    def step(self, name: str) -> Any:
+        if (p := self.expert(name)) is not None:
+            return deepspeed_experts.step(self, p)
+        if (q := self.moe_param(name)) is not None:
+            return deepspeed_moe.step(self, q)
+        t = next(m for m in range(self.mp) if name in self._zero_index[m])
+        group = self._zero_index[t][name][0]
+        osd = self.osd(t, 0)
+        path = self.optim_files[(t, 0)]
+        state = (_get(osd, "optimizer_state_dict", path) if self.zero_stage == 3
+                 else _get(osd, "base_optimizer_state", path))["state"]
+        return state[group].get("step") if group in state else None
+
+    def module_tensor(self, name: str, t: int) -> torch.Tensor | None:
+        """TP rank ``t``'s module weight of ``name``: from the model-state file, or for a
+        pipeline module (``"<layer>.<name>"``) from that layer's file of TP rank ``t``."""
+        module = self.model_state(self.mp_rank(name, t)).get("module") or {}
+        if name in module or not self.layer_files:
+            return module.get(name)
+        layer, _, key = name.partition(".")
+        path = self.layer_files.get((int(layer), t)) if layer.isdigit() else None
+        return None if path is None else self.layer_state(path).get(key)
+
+    def layer_state(self, path: Path) -> dict:
+        """One layer file's state dict (memory-mapped, read once)."""
+        cache = ("layer", path)
+        if cache not in self._cache:
+            self._cache[cache] = _as_dict(load(path), path)
+        return self._cache[cache]
+
+    def check_layer_files(self) -> None:
+        """A pipeline checkpoint's layer files hold exactly the parameters its model-state files
+        record for their layer and TP rank, with the same shapes: a file disagreeing with the
+        metadata is refused naming it, the parameter and the rank."""
+        want: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
+        for name in self.names:
+            layer, _, key = name.partition(".")
+            if not layer.isdigit():
+                raise CheckpointError(f"{self.model_files[self.mp_rank(name, 0)]}: parameter {name!r} of a pipeline "
+                                      "checkpoint is not named '<layer>.<name>'")
+            for t in range(self.tp):
+                shape = self.param_shapes[self.mp_rank(name, t)].get(name)
+                want.setdefault((int(layer), t), {})[key] = shape
+        for (layer, t), keys in want.items():
+            m = self.stage_of(f"{layer}.{next(iter(keys))}") * self.tp + t
+            path = self.layer_files.get((layer, t))
+            if path is None:
+                raise CheckpointError(f"{self.tag_dir}: no layer file for layer {layer}, TP rank {t} (parameters "
+                                      f"{sorted(keys)[:3]} of {self.model_files[m].name})")
+            state = self.layer_state(path)
+            for key, shape in keys.items():
+                got = state.get(key)
+                if not isinstance(got, torch.Tensor):
+                    raise CheckpointError(f"{path}: no tensor for parameter '{layer}.{key}' (TP rank {t}, "
+                                          f"model-parallel rank {m}), which {self.model_files[m].name} records")
+                if shape is not None and tuple(got.shape) != tuple(shape):
+                    raise CheckpointError(f"{path}: parameter '{layer}.{key}' (TP rank {t}, model-parallel rank {m}) "
+                                          f"has shape {list(got.shape)}, {self.model_files[m].name} records "
+                                          f"{list(shape)}")
+            extra = [k for k in state if k not in keys]
+            if extra:
+                raise CheckpointError(f"{path}: holds {extra[:3]} (TP rank {t}), which {self.model_files[m].name} "
+                                      "does not record as optimized parameters (frozen parameters or buffers are not "
+                                      "supported)")
+        for (layer, t), path in sorted(self.layer_files.items()):  # a layer without parameters holds nothing
+            if (layer, t) not in want and self.layer_state(path):
+                raise CheckpointError(f"{path}: holds {list(self.layer_state(path))[:3]} (TP rank {t}), but no "
+                                      f"model-state file records a parameter of layer {layer}")
+
+
+def _as_dict(x: Any, path: Path) -> dict:
+    if not isinstance(x, dict):
+        raise CheckpointError(f"{path}: expected a dict at the top level, got {type(x).__name__}")
+    return x
+
+
+def _get(d: Any, key: str, path: Path) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise CheckpointError(f"{path}: missing {key!r} (not a DeepSpeed 0.19.8 checkpoint, or an unknown layout)")
+    return d[key]

@@ -1,0 +1,368 @@
+"""DeepSpeed AutoEP experts in a ZeRO-1/2 checkpoint: their maps and their optimizer fragments.
+
+AutoEP (``"expert_parallel": {"enabled": true, "autoep_size": N}``) replaces each MoE block's
+experts by fused ``<prefix>.w1/w2/w3`` parameters of shape ``[local experts, ...]``. The model
+state records per MoE layer (``ds_autoep_layers``) an ``expert_placement`` descriptor: which global
+experts each EP rank holds, in order. The experts form their own optimizer parameter group,
+partitioned over the *expert-data-parallel* (EDP) group of each EP rank rather than over all DP
+ranks: by default the DP ranks are cut into runs of ``ep`` consecutive ranks, EP rank ``e`` is
+``d % ep`` and its EDP group is ``e, e + ep, ...`` (``use_data_before_expert_parallelism``:
+``e = d // edp`` and the group is consecutive). docs/deepspeed-checkpoints.md §11 shows the files.
+
+The lowering (docs/spec.md §7.1): an expert parameter's F is ``[num_experts, ...]`` and its map
+has one piece per run of experts an EP rank holds (``layouts.autoep_placement``), located on that
+EP rank; composed with each EP rank's ZeRO split over its EDP group, the map's ranks are the
+global (DP) ranks whose flat partitions hold the fragments.
+
+Under ZeRO-3 (DeepSpeed's ``checkpoint_format: "zero3_partitioned"``, version 1) every DP rank
+writes its own ``zero_pp_rank_D_mp_rank_00_model_states.pt`` (``ds_autoep_layers`` as that rank
+sees it) and no per-expert files; each fused expert parameter of EP rank ``e`` is a ZeRO-3
+parameter partitioned on its own over ``e``'s EDP group (``zero3(local shape, edp)``), in an
+optimizer sub-group of its own whose ``ds_zero_partition_groups`` entry records the partition
+count, rank and the global ranks of the group (docs/deepspeed-checkpoints.md §11.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError, ReshardError
+from ...ir.canonical import canonicalize
+from ...ir.param_map import ParamMap, map_from_dict
+from ...ir.piece import prod
+from ...layouts import autoep_placement, compose_zero, zero3, zero12_from_slice_mappings
+from ...layouts.topology import Topology
+from ...layouts.zero import zero3_partition_numel
+from ...storage.safe_load import load
+from .lowering import Lowered
+
+# a ``formats.deepspeed.DeepSpeedCheckpoint``, which imports this module (its hooks call these)
+DeepSpeedCheckpoint = Any
+
+LAYERS_KEY = "ds_autoep_layers"
+WEIGHTS = ("w1", "w2", "w3")  # the fused expert parameters AutoEP creates per layer
+# the keys ds_to_universal writes beside ``param`` for an expert parameter
+UCP_EXTRA = ("cat_dim", "is_expert_param", "ep_num_experts")
+Z3_FORMAT = ("zero3_partitioned", 1)  # checkpoint_format, checkpoint_format_version of a ZeRO-3 entry
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertParam:
+    """One fused expert parameter: its F, where its experts are, and its optimizer group."""
+
+    name: str
+    layer: int  # moe_layer_id
+    full_shape: tuple[int, ...]  # [num_experts, ...]
+    experts_by_rank: tuple[tuple[int, ...], ...]  # EP rank -> global experts, in shard order
+    descriptor: Mapping[str, Any]  # DeepSpeed's expert_placement, as written
+    group: int  # optimizer parameter group index
+
+    @property
+    def ep(self) -> int:
+        return len(self.experts_by_rank)
+
+    def shard_shape(self, e: int) -> tuple[int, ...]:
+        return (len(self.experts_by_rank[e]),) + self.full_shape[1:]
+
+
+@dataclass(frozen=True, slots=True)
+class AutoEP:
+    """The AutoEP experts of a checkpoint (``ck.experts``)."""
+
+    params: Mapping[str, ExpertParam]
+    groups: frozenset[int]  # optimizer groups holding experts (partitioned over EDP groups)
+    ep: int
+    edp: int
+    data_before_expert: bool
+    aliases: tuple[str, ...]  # module entries the optimizer does not own (router aliases)
+
+    def members(self, e: int) -> list[int]:
+        """EP rank ``e``'s EDP group: its DP ranks in EDP rank order."""
+        if self.data_before_expert:
+            return [e * self.edp + k for k in range(self.edp)]
+        return [e + k * self.ep for k in range(self.edp)]
+
+    def global_rank(self, e: int, k: int) -> int:
+        return self.members(e)[k]
+
+
+def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
+    """The experts ``ck`` records in ``ds_autoep_layers``, checked against the optimizer files;
+    ``None`` without AutoEP."""
+    state, path = ck.model_state(0), ck.model_files[0]
+    layers = state.get(LAYERS_KEY)
+    if layers is None:
+        return None
+    where = f"{path}: {LAYERS_KEY}"
+    if ck.mp != 1:
+        raise CheckpointError(f"{where}: AutoEP experts are read only from checkpoints without tensor or pipeline "
+                              f"parallelism (this one: ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp})")
+    if not isinstance(layers, list) or not layers:
+        raise CheckpointError(f"{where}: expected a non-empty list of layer entries, got {type(layers).__name__}")
+    if ck.zero_stage == 3:
+        _check_z3_format(layers, where)
+    groups = _param_groups(state, path)
+    params: dict[str, ExpertParam] = {}
+    for i, layer in enumerate(layers):
+        for p in _layer_params(layer, groups, f"{where}[{i}]"):
+            if p.name in params:
+                raise CheckpointError(f"{where}: expert parameter {p.name!r} is described twice")
+            params[p.name] = p
+    eps = {p.ep for p in params.values()}
+    if len(eps) != 1 or ck.dp % next(iter(eps)):
+        raise CheckpointError(f"{where}: EP sizes {sorted(eps)} do not divide the DP size {ck.dp} as one EP group")
+    ep = eps.pop()
+    edp = ck.dp // ep
+    for i, layer in enumerate(layers):  # what DeepSpeed records of the writing rank's EDP group
+        size = layer.get("expert_data_parallel_world_size")
+        if size is not None and size != edp:
+            raise CheckpointError(f"{where}[{i}]: expert_data_parallel_world_size is {size}, but DP={ck.dp} over "
+                                  f"EP={ep} leaves EDP={edp}")
+    expert_groups = frozenset(p.group for p in params.values())
+    for g in expert_groups:
+        strays = [n for n in groups[g] if n not in params]
+        if strays:
+            raise CheckpointError(f"{path}: optimizer group {g} holds experts and also {strays[:3]}, which "
+                                  f"{LAYERS_KEY} does not describe")
+    cfg = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
+    owned = {n for g in groups for n in g}
+    # under ZeRO-3 the router alias is a 0-element placeholder: nothing to convert (ds_to_universal
+    # writes nothing for it either); the module placeholders are carried as they are
+    aliases = () if ck.zero_stage == 3 else tuple(n for n in (state.get("module") or {}) if n not in owned)
+    ax = AutoEP(params, expert_groups, ep, edp, bool(cfg.get("use_data_before_expert_parallelism", False)), aliases)
+    if ck.zero_stage == 3:
+        _check_z3_partitions(ck, ax, len(groups))
+    return ax
+
+
+def _check_z3_format(layers: list, where: str) -> None:
+    """Every layer entry must be DeepSpeed's partition-native ZeRO-3 format, version 1."""
+    for i, layer in enumerate(layers):
+        got = (layer.get("checkpoint_format"), layer.get("checkpoint_format_version")) \
+            if isinstance(layer, Mapping) else None
+        if got != Z3_FORMAT:
+            raise CheckpointError(f"{where}[{i}]: a ZeRO-3 AutoEP layer entry has checkpoint_format "
+                                  f"{got!r}; only DeepSpeed 0.19.8's {Z3_FORMAT!r} is known")
+
+
+def _check_z3_partitions(ck: DeepSpeedCheckpoint, ax: AutoEP, n_sub: int) -> None:
+    """Each DP rank's ``ds_zero_partition_groups`` (one entry per sub-group) must say what the
+    layout says: dense sub-groups cut over all DP ranks, expert sub-groups over the rank's EDP
+    group, in the EDP order ``ax.members`` gives; and the model-state files must agree."""
+    for d in range(ck.dp):
+        path = ck.optim_files[(0, d)]
+        recorded = ck.osd(0, d).get("ds_zero_partition_groups")
+        if not isinstance(recorded, list) or len(recorded) != n_sub:
+            raise CheckpointError(f"{path}: ds_zero_partition_groups should list the {n_sub} sub-groups of "
+                                  f"param_shapes (DeepSpeed's AutoEP ZeRO-3 metadata), got {recorded!r:.200}")
+        e = next(e for e in range(ax.ep) if d in ax.members(e))
+        for k, entry in enumerate(recorded):
+            if k in ax.groups:
+                members = ax.members(e)
+                want = {"sub_group": k, "partition_count": ax.edp, "partition_rank": members.index(d),
+                        "partition_ranks": members, "families": ["autoep_expert"]}
+            else:
+                want = {"sub_group": k, "partition_count": ck.dp, "partition_rank": d,
+                        "partition_ranks": list(range(ck.dp)), "families": ["replicated"]}
+            got = {key: entry.get(key) for key in want} if isinstance(entry, Mapping) else entry
+            if got != want:
+                order = "use_data_before_expert_parallelism" if ax.data_before_expert else "expert before data"
+                raise CheckpointError(f"{path}: ds_zero_partition_groups[{k}] is {got!r}, but DP rank {d} (EP rank "
+                                      f"{e}, EDP groups in DeepSpeed's {order} order) should have {want!r}")
+        if d:  # every rank's model states: the same parameters and shapes, its own EP rank
+            ms = load(ck.z3_model_files[(0, d)])
+            if _param_groups(ms, ck.z3_model_files[(0, d)]) != _param_groups(ck.model_state(0), ck.model_files[0]):
+                raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: param_shapes differ from DP rank 0's")
+            ranks = {entry.get("ep_rank") for entry in ms.get(LAYERS_KEY) or []}
+            if ranks != {e}:
+                raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: {LAYERS_KEY} records EP rank(s) {sorted(ranks)}, "
+                                      f"the partition groups say DP rank {d} is EP rank {e}")
+
+
+def _param_groups(state: dict, path: Any) -> list[dict[str, tuple[int, ...]]]:
+    groups = state.get("param_shapes")
+    groups = groups if isinstance(groups, list) else [groups]
+    if not all(isinstance(g, Mapping) for g in groups):
+        raise CheckpointError(f"{path}: param_shapes is not a list of {{name: shape}} groups")
+    return [{n: tuple(s) for n, s in g.items()} for g in groups]
+
+
+def _layer_params(layer: Any, groups: list[dict], where: str) -> list[ExpertParam]:
+    """The fused parameters of one ``ds_autoep_layers`` entry."""
+    if not isinstance(layer, Mapping):
+        raise CheckpointError(f"{where}: expected a dict, got {type(layer).__name__}")
+    prefix, desc = layer.get("expert_key_prefix"), layer.get("expert_placement")
+    if not isinstance(prefix, str) or not prefix or not isinstance(desc, Mapping):
+        raise CheckpointError(f"{where}: needs 'expert_key_prefix' and an 'expert_placement' descriptor "
+                              "(AutoEP placement descriptor version 1)")
+    affine = (layer.get("affine_maps") or {}).get("params", {})
+    out = []
+    for w in WEIGHTS:
+        name = f"{prefix}.{w}"
+        g = next((i for i, grp in enumerate(groups) if name in grp), None)
+        if g is None:
+            raise CheckpointError(f"{where}: expert parameter {name!r} is in no param_shapes group")
+        local = groups[g][name]
+        full = (int(layer.get("num_experts", -1)),) + local[1:]
+        try:
+            m = autoep_placement(desc, full)
+        except ReshardError as e:
+            raise CheckpointError(f"{where}: {name}: {e}") from None
+        by_rank = tuple(tuple(x["experts"]) for x in sorted(desc["ranks"], key=lambda x: x["rank"]))
+        ep_rank = layer.get("ep_rank", 0)
+        if m.shards[ep_rank].shape != local:
+            raise CheckpointError(f"{where}: {name}: param_shapes gives EP rank {ep_rank} shape {list(local)}, the "
+                                  f"placement {list(m.shards[ep_rank].shape)}")
+        if name in affine:
+            _same_as_deepspeed(m, affine[name], f"{where}: {name}")
+        out.append(ExpertParam(name, int(layer.get("moe_layer_id", -1)), full, by_rank, desc, g))
+    return out
+
+
+def _same_as_deepspeed(ours: ParamMap, entry: Any, where: str) -> None:
+    """DeepSpeed's own ``affine_maps`` entry must describe the layout the placement gives."""
+    try:
+        theirs = map_from_dict(entry, "affine_maps")
+    except ReshardError as e:
+        raise CheckpointError(f"{where}: malformed affine_maps entry: {e}") from None
+    if canonicalize(theirs) != canonicalize(ours):
+        raise CheckpointError(f"{where}: affine_maps disagrees with the expert_placement descriptor")
+
+
+# -- maps and tensors ----------------------------------------------------------------------------
+
+
+def lowered(p: ExpertParam) -> Lowered:
+    """The expert map over EP ranks, with the keys ``ds_to_universal`` writes beside ``param``."""
+    m = autoep_placement(p.descriptor, p.full_shape)
+    return Lowered(m, "experts", {"cat_dim": 0, "is_expert_param": True, "ep_num_experts": p.full_shape[0]})
+
+
+def zero_map(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int) -> ParamMap:
+    """EP rank ``e``'s shard of ``p`` over its EDP group's fragments (ranks: EDP ranks)."""
+    if ck.zero_stage == 3:  # a ZeRO-3 parameter of its own, cut over the EDP group
+        return zero3(p.shard_shape(e), ck.experts.edp, shard="fragment")
+    maps = _group_maps(ck, p.group, e)
+    if p.name not in maps:
+        raise CheckpointError(f"{ck.optim_files[(0, ck.experts.members(e)[0])]}: no fragments of {p.name!r} "
+                              f"(EP rank {e})")
+    return maps[p.name]
+
+
+def _group_maps(ck: DeepSpeedCheckpoint, group: int, e: int) -> dict[str, ParamMap]:
+    """The ZeRO maps of one expert group on EP rank ``e``, built once per checkpoint."""
+    key = ("expert_zero", group, e)
+    if key not in ck._cache:
+        ax = ck.experts
+        members = ax.members(e)
+        osds = [ck.osd(0, d) for d in members]
+        for d, o in zip(members, osds):  # DeepSpeed's count of the group's partitions: the EDP size
+            counts = o.get("partition_count")
+            if isinstance(counts, (list, tuple)) and len(counts) > group and counts[group] != ax.edp:
+                raise CheckpointError(f"{ck.optim_files[(0, d)]}: partition_count {list(counts)} cuts expert group "
+                                      f"{group} into {counts[group]} partitions, but its EDP group has {ax.edp} ranks")
+        try:
+            shapes = {n: q.shard_shape(e) for n, q in ax.params.items() if q.group == group}
+            ck._cache[key] = zero12_from_slice_mappings(
+                shapes, [o["param_slice_mappings"][group] for o in osds], [o["group_paddings"][group] for o in osds],
+                ax.edp, shard="fragment")
+        except (ReshardError, KeyError, IndexError, TypeError) as err:
+            order = "use_data_before_expert_parallelism" if ax.data_before_expert else "expert before data"
+            raise CheckpointError(f"{ck.optim_files[(0, members[0])]}: expert group {group} of EP rank {e} "
+                                  f"(DP ranks {members}, EDP groups in DeepSpeed's {order} order): {err}") from None
+    return ck._cache[key]
+
+
+def z3_offset(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int) -> int:
+    """Under ZeRO-3: where ``p``'s partition starts in EP rank ``e``'s flat sub-group (the
+    partitions of the sub-group's parameters, ``ceil(numel / edp)`` each, in order)."""
+    off, ax = 0, ck.experts
+    for name in ck.model_state(0)["param_shapes"][p.group]:
+        if name == p.name:
+            return off
+        off += zero3_partition_numel(prod(ax.params[name].shard_shape(e)), ax.edp)
+    raise CheckpointError(f"{ck.model_files[0]}: {p.name!r} is not in sub-group {p.group}")
+
+
+def start(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int, d: int) -> int:
+    """First element of ``p``'s fragment in DP rank ``d``'s flat partition of its group."""
+    if ck.zero_stage == 3:
+        return z3_offset(ck, p, e)
+    return int(ck.osd(0, d)["param_slice_mappings"][p.group][p.name].start)
+
+
+def shard(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int, state: str) -> torch.Tensor:
+    """EP rank ``e``'s local experts of ``p`` for one state, from its EDP fragments."""
+    zmap, members = zero_map(ck, p, e), ck.experts.members(e)
+
+    def where(k: int) -> tuple[int, int, int, int]:
+        d = members[k]
+        return 0, d, p.group, start(ck, p, e, d)
+
+    return ck.gather(zmap, p.shard_shape(e), state, where, f"{p.name} (EP rank {e}, {state})")
+
+
+def composite(ck: DeepSpeedCheckpoint, p: ExpertParam, model_map: ParamMap) -> ParamMap:
+    """The expert map composed with each EP rank's EDP split, over global (DP) ranks."""
+    ax = ck.experts
+    zero = {e: zero_map(ck, p, e) for e in model_map.ranks}
+    m = compose_zero(model_map, zero, Topology(1, ax.edp, ax.ep))  # rank k * ep + e
+    return m.with_ranks({k * ax.ep + e: ax.global_rank(e, k) for e in range(ax.ep) for k in range(ax.edp)})
+
+
+def step(ck: DeepSpeedCheckpoint, p: ExpertParam) -> Any:
+    d = ck.experts.members(0)[0]
+    state = ck.osd(0, d)["optimizer_state_dict" if ck.zero_stage == 3 else "base_optimizer_state"]["state"]
+    return state[p.group].get("step") if p.group in state else None
+
+
+
+# what ds_to_universal keeps of each layer entry in the universal model state (its
+# ``AUTOEP_METADATA_FIELDS``): the placement descriptor and affine maps are dropped there
+UCP_LAYER_FIELDS = ("moe_layer_id", "module_path", "expert_key_prefix", "num_experts", "num_local_experts", "ep_size")
+UCP_EXPERT_PATTERNS = [r"\.experts\.w[123]$"]
+
+
+UCP_Z3_EXPERT_PATTERNS = [r".*\.experts\.w[123]$"]  # what its ZeRO-3 path writes instead
+
+
+def universal_model_state_z3(path: Any) -> dict:
+    """A ZeRO-3 DP rank's model state as ``ds_to_universal`` rewrites it under AutoEP:
+    ``universal_checkpoint_info`` (created if missing) gets the expert pattern and, as the very
+    same object, the file's own ``ds_autoep_layers``; the rest is the file's, as loaded."""
+    state = load(path, mmap=False)
+    info = state.setdefault("universal_checkpoint_info", {})
+    info["expert_parameter_patterns"] = list(UCP_Z3_EXPERT_PATTERNS)
+    info[LAYERS_KEY] = state.get(LAYERS_KEY)
+    return state
+
+
+def universal_model_state(ck: DeepSpeedCheckpoint, m: int) -> dict:
+    """Model-parallel rank ``m``'s model state as ``ds_to_universal`` rewrites it under AutoEP:
+    ``universal_checkpoint_info`` gains its expert pattern and a projection of every file's
+    ``ds_autoep_layers`` (one entry per expert prefix); the rest is the file's, as loaded."""
+    layers: dict[str, dict] = {}
+    for r in range(ck.mp):
+        for entry in ck.model_state(r).get(LAYERS_KEY) or []:
+            layers.setdefault(entry["expert_key_prefix"], {k: entry[k] for k in UCP_LAYER_FIELDS if k in entry})
+    state = load(ck.model_files[m], mmap=False)  # a fresh copy: the cached state stays as read
+    info = state.setdefault("universal_checkpoint_info", {})
+    info["expert_parameter_patterns"] = list(UCP_EXPERT_PATTERNS)
+    info[LAYERS_KEY] = list(layers.values())
+    return state
+
+
+def edp_elements(ck: DeepSpeedCheckpoint) -> dict[int, int]:
+    """``{dp_rank: elements}``: how much of the expert parameters lies in each DP rank's flat
+    partitions of the expert optimizer groups (EP rank ``e``'s shards, cut over its EDP group)."""
+    ax = ck.experts
+    out = dict.fromkeys(range(ck.dp), 0)
+    for p in ax.params.values():
+        for e in range(ax.ep):
+            for k, s in zero_map(ck, p, e).shards.items():
+                out[ax.global_rank(e, k)] += s.numel
+    return out

@@ -1,0 +1,450 @@
+"""Output folders that are never half-written: build in a hidden sibling, checksum, rename.
+
+A conversion writes into ``OUT/.reshard-partial-<tag>``; only when every file is written does a
+manifest of checksums go in and the folder get renamed to ``OUT/<tag>``. A killed run leaves only
+the hidden folder, which the next run removes. ``verify`` re-checks a finished folder."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import io
+import json
+import mmap
+import os
+import queue
+import shutil
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import CheckpointError, OutputError, ReshardError
+from .crc import Crc32
+
+MANIFEST = "reshard-manifest.json"
+
+
+CHECKSUMS = ("crc32", "sha256")
+
+
+def new_checksum(name: str):
+    if name not in CHECKSUMS:
+        raise ReshardError(f"checksum must be one of {list(CHECKSUMS)}, got {name!r}")
+    return Crc32() if name == "crc32" else hashlib.sha256()
+
+
+LATEST_NAMES = ("latest", "latest_universal")  # what a commit may write beside the tag folder
+
+
+_RELATIONS = ("replace", "be written inside", "replace a folder that contains")
+
+
+def _relation(written: Path, source: Path) -> str | None:
+    """How an output path would destroy a source path (both resolved), or ``None`` if it would not."""
+    if written == source:
+        return "replace"
+    if source in written.parents:
+        return "be written inside"
+    if written in source.parents:
+        return "replace a folder that contains"
+    return None
+
+
+def refuse_overwriting_sources(written: Iterable[str | Path], sources: Iterable[str | Path]) -> None:
+    """Refuse an output any of whose ``written`` paths is, lies inside or contains one of the
+    ``sources`` a job reads (compared after resolving symbolic links), before anything is
+    written: with ``--overwrite`` such an output would delete the checkpoint it is made from."""
+    resolved = [(Path(s), Path(s).resolve()) for s in sources]
+    clashes = [(how, w, s) for w in written for s, rs in resolved
+               if (how := _relation(Path(w).resolve(), rs)) is not None]
+    if clashes:  # the plainest one: 'replace' before 'inside' before 'contains'
+        how, w, s = min(clashes, key=lambda c: _RELATIONS.index(c[0]))
+        raise OutputError(f"{w}: the output would {how} the source {s} it is read from; choose an OUT_DIR outside "
+                          "the source")
+
+
+class Staging:
+    """The hidden folder an output is built in. ``sources``: every path the job reads from, which
+    no output path may be, lie inside or contain (:func:`refuse_overwriting_sources`). ``join``:
+    another process of the same job created it (``reshard.jobs.cluster``); use it as it is."""
+
+    def __init__(self, out_dir: str | Path, tag: str, *, sources: Iterable[str | Path], overwrite: bool = False,
+                 checksum: str = "crc32", join: bool = False) -> None:
+        new_checksum(checksum)  # refuse a bad name before touching the disk
+        self.checksum = checksum
+        self.out_dir = Path(out_dir)
+        self.tag = tag
+        self.final = self.out_dir / tag
+        self.tmp = self.out_dir / f".reshard-partial-{tag}"
+        refuse_overwriting_sources([self.final, self.tmp, *(self.out_dir / n for n in LATEST_NAMES)], sources)
+        self.overwrite = overwrite
+        self.digests: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        if join:
+            if not self.tmp.is_dir():
+                raise OutputError(f"{self.tmp}: the job's staging folder is not visible from this process; every "
+                                  "process must see the output folder at the same path (a shared file system)")
+            return
+        if self.final.exists() and not overwrite:
+            raise CheckpointError(f"{self.final}: already exists (pass --overwrite, or overwrite=True from Python, "
+                                  "to replace it)")
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if self.tmp.exists():  # left by a run that was killed
+                shutil.rmtree(self.tmp)
+            self.tmp.mkdir()
+        except OSError as e:
+            raise OutputError(f"{self.tmp}: cannot create the output folder ({e.strerror or e})") from None
+
+    def path(self, rel: str) -> Path:
+        p = self.tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    @contextlib.contextmanager
+    def open(self, rel: str) -> Iterator[BinaryIO]:
+        """A file to write that checksums its bytes on the way out, so the manifest costs no
+        second read. A failed write raises :class:`OutputError` naming the file and the reason
+        (torch's writer would otherwise report it as an unrelated zip position error)."""
+        with self.writing(rel):
+            f = _HashingWriter(open(self.path(rel), "wb", buffering=0), new_checksum(self.checksum))
+            try:
+                yield f
+                f.flush()
+            except RuntimeError:
+                if f.error is None:
+                    raise
+                raise f.error from None
+            finally:
+                f.raw.close()
+        start_writeback(self.tmp / rel)
+        self.record(rel, f.size, f.hash.hexdigest())
+
+    def record(self, rel: str, size: int, digest: str) -> None:
+        """The size and checksum of finished file ``rel``, for the manifest."""
+        with self._lock:
+            self.digests[rel] = {"size": size, self.checksum: digest}
+
+    def forget(self, rel: str) -> None:
+        """Drop the recorded checksum of ``rel``: the file is about to be written again."""
+        with self._lock:
+            self.digests.pop(rel, None)
+
+    @contextlib.contextmanager
+    def writing(self, rel: str) -> Iterator[None]:
+        """Turn an OS error while writing ``rel`` (by any writer) into :class:`OutputError`."""
+        try:
+            yield
+        except OSError as e:
+            raise OutputError(f"{self.tmp / rel}: cannot write the output ({e.strerror or e}); "
+                              "nothing was committed") from None
+
+    def copy(self, src: Path, rel: str) -> None:
+        """A verbatim copy of ``src``: in the kernel where it can (``copy_file_range``, no trip
+        through user memory), checksummed from a read-only mapping of the source."""
+        if not hasattr(os, "copy_file_range"):
+            with open(src, "rb") as fin, self.open(rel) as fout:
+                while chunk := fin.read(1 << 24):
+                    fout.write(chunk)
+            return
+        with open(src, "rb") as fin, self.writing(rel), open(self.path(rel), "wb") as fout:
+            size = os.fstat(fin.fileno()).st_size
+            digest = _checksum_fd(fin.fileno(), size, self.checksum)
+            done = 0
+            while done < size:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), min(size - done, 1 << 30))
+                if n == 0:
+                    raise CheckpointError(f"{src}: changed size while being copied")
+                done += n
+        start_writeback(self.tmp / rel)
+        self.record(rel, size, digest)
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def commit(self, meta: dict[str, Any], latest_name: str | None) -> Path:
+        """Checksum, make durable, rename into place. Every file is fsynced before the rename, so
+        even a power loss cannot leave a finished-looking folder with missing data."""
+        with self.writing(MANIFEST):
+            return self._commit(meta, latest_name)
+
+    def _commit(self, meta: dict[str, Any], latest_name: str | None) -> Path:
+        _WRITEBACK.drain()  # the hints name paths inside the folder about to be renamed
+        files = {}
+        for p in sorted(self.tmp.rglob("*")):
+            if p.is_file():
+                rel = p.relative_to(self.tmp).as_posix()
+                known = self.digests.get(rel)
+                if known is None:  # written by path(): checksum it now
+                    known = {"size": p.stat().st_size, self.checksum: _checksum(p, self.checksum)}
+                _fsync(p)  # cheap by now: writeback started when the file was closed
+                files[rel] = known
+        doc = dict(meta, files=files)
+        (self.tmp / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        _fsync(self.tmp / MANIFEST)
+        if self.final.exists():
+            old = self.out_dir / f".reshard-old-{self.tag}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(self.final, old)
+            shutil.rmtree(old)
+        os.replace(self.tmp, self.final)
+        if latest_name:
+            _atomic_write(self.out_dir / latest_name, self.tag)
+        return self.final
+
+
+def _checksum(p: Path, name: str) -> str:
+    h = new_checksum(name)
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _checksum_fd(fd: int, size: int, name: str) -> str:
+    h = new_checksum(name)
+    if size:
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+            if hasattr(m, "madvise"):
+                m.madvise(mmap.MADV_SEQUENTIAL)
+            view = memoryview(m)
+            try:
+                for off in range(0, size, 1 << 24):
+                    h.update(view[off:off + (1 << 24)])
+                    if hasattr(m, "madvise"):  # mapped pages count as resident: let them go
+                        m.madvise(mmap.MADV_DONTNEED, off, min(1 << 24, size - off))
+            finally:
+                view.release()
+    return h.hexdigest()
+
+
+def _fsync(p: Path) -> None:
+    with open(p, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _hint_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing bytes ``offset .. offset + nbytes`` (0: to the end) of
+    ``fd`` back now, so the fsync at commit finds little left to wait for. Linux's
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` does just that; elsewhere POSIX_FADV_DONTNEED does
+    it too on Linux-like kernels, at the extra cost of dropping the pages from the cache."""
+    if _SYNC_FILE_RANGE is not None:
+        if _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0:
+            return
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+
+
+class _Writeback:
+    """Starts the writeback of finished byte ranges from a thread of its own.
+
+    ``sync_file_range`` submits the I/O before it returns, and waits while the device's request
+    queue is full: called by the workers themselves, it held them for 0.7 s of a 2 s convert
+    while they had CPU work left. Workers now hand a range over and go on. The thread opens the
+    file by path (never a descriptor a worker is about to close); a file removed or renamed in
+    the meantime is skipped, since the hint only saves time: commit's fsync makes every byte
+    durable either way."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._pid = -1  # the thread's process; a forked child starts its own
+
+    def submit(self, path: str, offset: int, nbytes: int) -> None:
+        with self._idle:
+            if self._pid != os.getpid():
+                self._pid, self._pending, self._queue = os.getpid(), 0, queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(self._queue,), name="reshard-writeback", daemon=True).start()
+            self._pending += 1
+        self._queue.put((path, offset, nbytes))
+
+    def drain(self) -> None:
+        """Return once every range handed over so far has been submitted (or skipped)."""
+        with self._idle:
+            if self._pid == os.getpid():
+                self._idle.wait_for(lambda: self._pending == 0)
+
+    def _run(self, q: queue.SimpleQueue) -> None:
+        while True:
+            path, offset, nbytes = q.get()
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                pass
+            else:
+                try:
+                    _hint_writeback(fd, offset, nbytes)
+                finally:
+                    os.close(fd)
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+
+_WRITEBACK = _Writeback()
+
+
+def start_writeback(path: str | Path, offset: int = 0, nbytes: int = 0) -> None:
+    """Have bytes ``offset .. offset + nbytes`` (0: to the end) of finished file ``path`` start
+    going to disk now, asynchronously, without waiting for the device (:class:`_Writeback`)."""
+    _WRITEBACK.submit(os.fspath(path), offset, nbytes)
+
+
+def _sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE = _sync_file_range()
+
+
+_DEFER = 1 << 20  # records at least this large take their CRC from torch's data descriptor
+_DIRECT = 1 << 20  # writes at least this large from a mapped file go file to file
+
+
+class _HashingWriter:
+    """Writes through to ``raw`` and checksums what it writes.
+
+    torch's zip writer follows every record with a data descriptor holding the record's CRC-32
+    and size. With a CRC-32 checksum, a large write is therefore not read a second time: when
+    the next write is a descriptor of exactly its size, the record's CRC is combined into the
+    file's (``crc.crc32_combine``); otherwise it is read as usual. ``verify`` recomputes every
+    byte, so a descriptor that disagreed with the data would still be caught.
+
+    Only a read-only buffer is held back that way (torch's writer hands over read-only views of
+    the tensor it saves, unchanged until the save ends); a writable one is checksummed at once,
+    so a caller may refill its buffer as soon as ``write`` returns (``torch_zip`` does)."""
+
+    def __init__(self, raw: BinaryIO, hasher) -> None:
+        self.raw = raw
+        self.hash = hasher
+        self.size = 0
+        self.error: OSError | None = None
+        self.pending: memoryview | None = None  # written, not yet checksummed
+        self.combines = isinstance(hasher, Crc32)
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        try:
+            done = copy_mapped(view, self.raw.fileno()) if len(view) >= _DIRECT else 0
+            while done < len(view):  # an unbuffered write may be short: finish it
+                done += self.raw.write(view[done:])
+        except OSError as e:
+            self.error = e  # torch's zip writer turns this into a RuntimeError of its own
+            raise
+        self._account(view)
+        self.size += len(view)
+        return len(view)
+
+    def _account(self, view: memoryview) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            crc = _descriptor_crc(view, len(pending))
+            if crc is None:
+                self.hash.update(pending)
+            else:
+                self.hash.extend(crc, len(pending))
+        if self.combines and len(view) >= _DEFER and view.readonly:
+            self.pending = view
+        else:
+            self.hash.update(view)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.hash.update(self.pending)
+            self.pending = None
+        self.raw.flush()
+
+
+def copy_mapped(view: memoryview, dst: int, at: int | None = None) -> int:
+    """Bytes of ``view`` copied by the kernel to file ``dst`` (at its position, or at offset
+    ``at``) from the file they are mapped from, if they are (``memory.file_bytes``):
+    ``copy_file_range`` moves them page cache to page cache, where ``write`` from the mapping
+    pays a user-space copy and its page faults. 0 when not mapped or the kernel cannot (another
+    file system, no such call): then the caller writes them all."""
+    from ..execute.memory import (
+        file_bytes,  # loads torch: not at import (``reshard.jobs.early_copies`` runs before it)
+    )
+
+    where = file_bytes(view)
+    if where is None:
+        return 0
+    path, offset = where
+    done = 0
+    src = os.open(path, os.O_RDONLY)
+    try:
+        while done < len(view):
+            n = os.copy_file_range(src, dst, len(view) - done, offset + done, None if at is None else at + done)
+            if n == 0:
+                break
+            done += n
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        if done:
+            raise
+    finally:
+        os.close(src)
+    return done
+
+
+def _descriptor_crc(view: memoryview, size: int) -> int | None:
+    """The CRC-32 in a zip data descriptor (``PK\\x07\\x08``, CRC, sizes; 32- or 64-bit sizes)
+    for a record of ``size`` bytes, or ``None`` if ``view`` is not one."""
+    if len(view) not in (16, 24) or view[:4] != b"PK\x07\x08":
+        return None
+    usize = view[12:16] if len(view) == 16 else view[16:24]
+    if int.from_bytes(usize, "little") != size:
+        return None
+    return int.from_bytes(view[4:8], "little")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def verify(folder: str | Path) -> dict[str, Any]:
+    """Re-check every file against the manifest; raise CheckpointError naming the first fault."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        tags = [p for p in folder.iterdir() if (p / MANIFEST).is_file()] if folder.is_dir() else []
+        if len(tags) != 1:
+            raise CheckpointError(f"{folder}: no {MANIFEST} (not a finished reshard output)")
+        folder = tags[0]
+    try:
+        doc = json.loads((folder / MANIFEST).read_text())
+        files = doc["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder / MANIFEST}: unreadable manifest ({e})") from None
+    for rel, want in files.items():
+        p = folder / rel
+        if not p.is_file():
+            raise CheckpointError(f"{p}: listed in the manifest but missing")
+        algo = next((a for a in CHECKSUMS if a in want), None) if isinstance(want, dict) else None
+        if algo is None or "size" not in want:
+            raise CheckpointError(f"{folder / MANIFEST}: entry for {rel!r} has no size or known checksum "
+                                  f"({list(CHECKSUMS)})")
+        if p.stat().st_size != want["size"] or _checksum(p, algo) != want[algo]:
+            raise CheckpointError(f"{p}: content differs from the manifest's {algo} checksum")
+    extra = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                   if p.is_file() and p.name != MANIFEST and p.relative_to(folder).as_posix() not in files)
+    if extra:
+        raise CheckpointError(f"{folder}: files not in the manifest: {extra[:5]}")
+    return doc
