@@ -213,6 +213,17 @@ def _start_early_copies(args) -> None:
                                           checksum=args.checksum)
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _dtype(args):
+    if getattr(args, "dtype", None) is None:
+        return None
+    import torch
+
+    return getattr(torch, DTYPES[args.dtype])
+
+
 def _cmd_convert(args) -> int:
     from .jobs.convert import convert
 
@@ -222,7 +233,8 @@ def _cmd_convert(args) -> int:
             report = convert(args.ckpt_dir, args.out_dir, fmt=args.format, workers=args.workers,
                              on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
                              checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
-                             rename=args.rename, with_optimizer=args.with_optimizer, early_copies=early)
+                             rename=args.rename, with_optimizer=args.with_optimizer, dtype=_dtype(args),
+                             early_copies=early)
     except BaseException:
         if early is not None:
             early.abandon()
@@ -232,33 +244,13 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_reshard(args) -> int:
-    from .formats.dcp.reader import is_dcp
-    from .jobs.offline import reshard
+    from .jobs.convert import reshard
 
-    if is_dcp(Path(args.ckpt_dir)):
-        return _reshard_dcp(args)
-    if args.files is not None:
-        raise ReshardError(f"{args.ckpt_dir}: --files N goes with a DCP checkpoint (a folder with .metadata)")
-    if args.tp is None and args.ep is None:  # expert checkpoints (--ep) are resharded at TP = 1
-        raise ReshardError("reshard of a DeepSpeed checkpoint needs --tp")
     with _cluster(args) as cluster:
-        report = reshard(args.ckpt_dir, args.out_dir, tp=1 if args.tp is None else args.tp, dp=args.dp, pp=args.pp,
-                         zero_stage=args.zero_stage, layout=args.layout, workers=args.workers,
-                         overwrite=args.overwrite, checksum=args.checksum, cluster=cluster, ep=args.ep)
-    _report(report)
-    return 0
-
-
-def _reshard_dcp(args) -> int:
-    from .jobs.reshard_dcp import reshard_dcp_files
-
-    if args.files is None:
-        raise ReshardError(f"{args.ckpt_dir}: a DCP checkpoint is laid out again with --files N (N loading ranks)")
-    if any(v is not None for v in (args.tp, args.dp, args.zero_stage, args.layout, args.ep)):
-        raise ReshardError("--tp/--dp/--zero-stage/--layout go with DeepSpeed checkpoints; a DCP checkpoint takes --files")
-    with _cluster(args) as cluster:
-        report = reshard_dcp_files(args.ckpt_dir, args.out_dir, files=args.files, workers=args.workers,
-                                   overwrite=args.overwrite, checksum=args.checksum, cluster=cluster)
+        report = reshard(args.ckpt_dir, args.out_dir, to=args.to, tp=args.tp, dp=args.dp, pp=args.pp,
+                         zero_stage=args.zero_stage, ep=args.ep, files=args.files, layout=args.layout,
+                         dtype=_dtype(args), workers=args.workers, overwrite=args.overwrite, checksum=args.checksum,
+                         cluster=cluster, on_replica_mismatch=args.on_replica_mismatch)
     _report(report)
     return 0
 
@@ -349,8 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--on-replica-mismatch", default="error", metavar="{error,rank:N,mean}",
                     help="what to do when ranks hold different copies of a replicated block (default: fail)")
     cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit (default 5)")
+    cv.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="safetensors: cast the weights (default: fp32 masters where the source has them, else the "
+                    "stored dtype)")
     _output(cv)
-    cv.set_defaults(fn=_cmd_convert, imports=("reshard.jobs.convert", "reshard.jobs.convert_dcp"), early_copies=None)
+    cv.set_defaults(fn=_cmd_convert, imports=("reshard.jobs.convert",), early_copies=None)
 
     rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP (x PP) "
                         "topology, ZeRO-3 (TP=1) at another DP or between ZeRO-3 and ZeRO-1/2, loadable by "
@@ -358,11 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--files N)")
     rs.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
     rs.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest")
-    rs.add_argument("--tp", type=_positive, default=None, help="target TP degree (DeepSpeed; required there)")
+    rs.add_argument("--tp", type=_positive, default=None, help="target TP degree of a DeepSpeed target (default: the source's)")
     rs.add_argument("--files", type=_positive, default=None, metavar="N",
                     help="a DCP checkpoint: lay it out for N loading ranks (one file per rank of an N-way FSDP mesh)")
     rs.add_argument("--dp", type=_positive, default=None, help="target DP degree (default: the source's)")
-    rs.add_argument("--pp", type=_positive, default=1,
+    rs.add_argument("--pp", type=_positive, default=None,
                     help="target pipeline stages of a deepspeed.pipe checkpoint: its own count, or 1 to merge them")
     rs.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
                     help="target ZeRO stage (default: the source's)")
@@ -371,8 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the source's)")
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")
+    rs.add_argument("--to", choices=("deepspeed", "dcp"), default=None,
+                    help="target format (default: dcp with --files, else deepspeed)")
+    rs.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="DeepSpeed target from a non-DeepSpeed source: the training dtype (default: the source's)")
+    rs.add_argument("--on-replica-mismatch", default="error", metavar="{error,rank:N,mean}",
+                    help="where the target merges copies of a replicated block (another TP degree) and they differ: "
+                    "fail (default), or take rank N's copy, or their mean")
     _output(rs)
-    rs.set_defaults(fn=_cmd_reshard, imports=("reshard.jobs.offline", "reshard.jobs.reshard_dcp"))
+    rs.set_defaults(fn=_cmd_reshard, imports=("reshard.jobs.convert",))
 
     vf = sub.add_parser("verify", help="check a reshard output folder against its checksum manifest")
     vf.add_argument("out_dir", help="an output tag folder holding reshard-manifest.json")

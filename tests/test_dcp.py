@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reshard import CheckpointError, ReshardError, convert
-from reshard.formats.dcp.reader import METADATA, DcpCheckpoint
-from reshard.formats.dcp.writer import DcpFile
+from reshard.formats.dcp.checkpoint import METADATA, DcpCheckpoint
+from reshard.formats.dcp.records import DcpFile
+from reshard.formats.dcp.writer import fsdp_chunks, target_chunks
 from reshard.ir.piece import prod
-from reshard.jobs.reshard_dcp import fsdp_chunks, reshard_dcp_files, target_chunks
+from reshard.jobs.convert import reshard as reshard_dcp_files
 from reshard.storage.safe_load import load
 from reshard.storage.staging import verify
 from tests.dsconv import ds_to_universal, tag_dir
@@ -253,7 +254,7 @@ def test_planted_pickle_in_a_value_is_refused(tmp_path: Path) -> None:
         f = DcpFile(fh, "__0_0.distcp")
         f.tensor("model.w", (0,), torch.float32, (4,), torch.arange(4.0))
         f.value("optim.param_groups.0.lr", _Planted(marker))
-    from reshard.formats.dcp.writer import TensorSpec, metadata_bytes
+    from reshard.formats.dcp.records import TensorSpec, metadata_bytes
 
     (folder / METADATA).write_bytes(metadata_bytes(
         {"model.w": TensorSpec(torch.float32, (4,), (((0,), (4,)),))}, ["optim.param_groups.0.lr"], f.records,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from reshard import convert
-from reshard.formats.dcp.reader import DcpCheckpoint
-from reshard.jobs.reshard_dcp import reshard_dcp_files
+from reshard.formats.dcp.checkpoint import DcpCheckpoint
+from reshard.jobs.convert import reshard as reshard_dcp_files
 from reshard.storage.safe_load import load
 from tests.dcp_jobs import FIXTURES, run_fsdp_job
 from tests.dsconv import tag_dir

@@ -12,11 +12,10 @@ import torch
 
 from reshard import CheckpointError, ReshardError, apply_plan, canonicalize
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from reshard.formats.deepspeed.target_experts import ds_affine_entry
 from reshard.formats.detect import open_source
 from reshard.ir.param_map import map_from_dict
-from reshard.jobs.convert import convert
-from reshard.jobs.offline import reshard
-from reshard.jobs.offline_experts import ds_affine_entry
+from reshard.jobs.convert import convert, reshard
 from reshard.layouts import autoep_placement
 from reshard.plan.planner import plan
 from reshard.storage.pickling import save

@@ -21,8 +21,7 @@ import torch
 
 from reshard import CheckpointError, ReshardError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
-from reshard.jobs.convert import convert
-from reshard.jobs.offline import reshard
+from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir

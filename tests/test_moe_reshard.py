@@ -17,8 +17,7 @@ import torch
 from reshard import CheckpointError, ReshardError
 from reshard.cli import main as cli
 from reshard.formats.deepspeed.checkpoint import STATES, DeepSpeedCheckpoint
-from reshard.jobs.convert import convert
-from reshard.jobs.offline import reshard
+from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, tag_dir

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from reshard.formats.deepspeed.checkpoint import STATES, DeepSpeedCheckpoint
-from reshard.jobs.convert import convert
-from reshard.jobs.offline import reshard
+from reshard.jobs.convert import convert, reshard
 from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, tag_dir
 from tests.test_convert_parity import _same

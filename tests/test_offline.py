@@ -36,11 +36,10 @@ import pytest
 import torch
 
 from reshard import CheckpointError, OutputError, ReshardError
-from reshard.formats.deepspeed import writer as dsw
+from reshard.formats.deepspeed import zero12 as dsw
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.ir.piece import prod
-from reshard.jobs.convert import convert
-from reshard.jobs.offline import reshard
+from reshard.jobs.convert import convert, reshard
 from reshard.storage import torch_zip
 from reshard.storage.pickling import save as save_whole
 from reshard.storage.safe_load import FragmentAddress, load

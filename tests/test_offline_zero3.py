@@ -42,8 +42,7 @@ import torch
 from reshard import CheckpointError, OutputError, ReshardError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.formats.deepspeed.zero3 import SubGroup, sub_groups
-from reshard.jobs.convert import convert
-from reshard.jobs.offline import reshard
+from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
 from reshard.storage.staging import verify
@@ -332,7 +331,7 @@ def test_sub_groups_not_by_deepspeeds_rule_are_refused(tmp_path):
 
 
 def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
-    import reshard.jobs.offline_zero3 as off
+    import reshard.formats.deepspeed.target_zero3 as off
 
     real, calls = off.save, []
 

@@ -13,8 +13,7 @@ import pytest
 
 from reshard import OutputError
 from reshard.cli import main
-from reshard.jobs.convert import convert
-from reshard.jobs.offline import reshard
+from reshard.jobs.convert import convert, reshard
 from tests.dsconv import FIXTURES
 
 DCP_FIXTURES = FIXTURES.parent / "dcp"
@@ -97,7 +96,7 @@ def test_convert_dcp_refuses_its_source(workspace, fmt: str) -> None:
 
 def test_reshard_dcp_and_convert_universal_refuse_their_source(workspace, tmp_path: Path) -> None:
     src = workspace("dcp", "llama_fsdp2_ws2")
-    from reshard.jobs.reshard_dcp import reshard_dcp_files
+    from reshard.jobs.convert import reshard as reshard_dcp_files
 
     for _, given, out in _outputs(src, "dcp"):
         _refused(lambda given=given, out=out: reshard_dcp_files(given, out, files=2, overwrite=True), src)

@@ -40,11 +40,11 @@ def test_every_public_name_resolves_to_its_object():
     for name in reshard.__all__:
         assert getattr(reshard, name) is not None
     from reshard.jobs.convert import convert
-    from reshard.jobs.offline import reshard as offline_reshard
+    from reshard.jobs.convert import reshard as reshard_fn
     from reshard.layouts.derive import derive
 
     # a submodule named like its function: the package's name stays the function
-    assert reshard.convert is convert and reshard.derive is derive and reshard.reshard_checkpoint is offline_reshard
+    assert reshard.convert is convert and reshard.derive is derive and reshard.reshard is reshard_fn
     assert "convert" in dir(reshard)
     assert not hasattr(reshard, "no_such_name")
 
@@ -52,7 +52,7 @@ def test_every_public_name_resolves_to_its_object():
 def test_the_command_freezes_what_its_modules_made():
     probe = ("import gc, sys; sys.argv = ['reshard', 'convert', 'in', 'out']; import reshard.cli as cli; "
              "cli._cmd_convert = lambda args: print(gc.isenabled(), gc.get_freeze_count() > 100_000, "
-             "'torch' in sys.modules, 'reshard.jobs.offline' in sys.modules) or 0; cli.run()")
+             "'torch' in sys.modules, 'reshard.formats.deepspeed.writer' in sys.modules) or 0; cli.run()")
     assert _run("-c", probe) == ["True", "True", "True", "False"]
     # python -m reshard, as torchrun starts it: the collector is off from the package's import on
     assert _run("-m", "reshard", "--help")[:2] == ["usage:", "reshard"]

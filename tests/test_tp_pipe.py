@@ -30,8 +30,7 @@ import torch
 
 from reshard import CheckpointError, ReshardError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
-from reshard.jobs.convert import convert
-from reshard.jobs.offline import reshard
+from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
 from reshard.storage.staging import verify

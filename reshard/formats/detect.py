@@ -18,13 +18,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CheckpointError, MapFormatError, ReshardError, in_context
+from ..errors import MapFormatError, ReshardError, in_context
 from ..ir.canonical import canonicalize
 from ..ir.param_map import ParamMap, map_from_dict, maps_from_document
-from ..layouts import replicated
-from ..storage.safe_load import load
-from .dcp.reader import DcpCheckpoint, is_dcp
 from .deepspeed.checkpoint import DeepSpeedCheckpoint
+from .registry import open_reader
 
 __all__ = ["Source", "open_source", "select"]
 
@@ -68,19 +66,22 @@ class Source:
 
 
 def open_source(path: str | Path) -> Source:
-    """Read a map document, a DeepSpeed checkpoint folder, a universal checkpoint folder or a DCP
-    folder."""
+    """Read a map document, or any checkpoint reshard reads (``registry.open_reader``)."""
     p = Path(path)
-    if p.is_file():
+    if p.is_file() and p.suffix != ".safetensors":
         return _open_maps(p)
-    if not p.is_dir():
+    if not p.exists():
         raise ReshardError(f"{p}: no such file or folder")
-    if is_dcp(p):
-        return _open_dcp(p)
-    ucp = _universal_dir(p)
-    if ucp is not None:
-        return _open_universal(p, ucp)
-    return _open_deepspeed(p)
+    reader = open_reader(p)
+    if reader.format == "deepspeed":
+        return _open_deepspeed(reader.ck, p)
+    if reader.format == "dcp":
+        ck = reader.ck
+        maps = {key: ck.param_map(key) for key in ck.tensors}
+        return Source(str(p), "dcp", maps, reader.description)
+    maps = {n: reader.map(n, reader.states(n)[0]) for n in reader.names}
+    kind = "universal" if reader.format == "universal" else "maps"
+    return Source(str(p), kind, maps, reader.description)
 
 
 def _open_maps(p: Path) -> Source:
@@ -97,43 +98,7 @@ def _open_maps(p: Path) -> Source:
     return Source(str(p), "maps", {n: canonicalize(m) for n, m in maps.items()}, "map document")
 
 
-def _universal_dir(p: Path) -> Path | None:
-    if (p / "zero").is_dir():
-        return p
-    latest = p / "latest_universal"
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if tag and "/" not in tag and (p / tag / "zero").is_dir():
-            return p / tag
-        raise CheckpointError(f"{latest}: names tag {tag!r}, but {p / tag / 'zero'} is missing")
-    return None
-
-
-def _open_universal(path: Path, tag_dir: Path) -> Source:
-    maps = {}
-    for d in sorted(q for q in (tag_dir / "zero").iterdir() if q.is_dir()):
-        f = d / "fp32.pt"
-        if not f.is_file():
-            continue
-        obj = load(f)
-        t = obj.get("param") if isinstance(obj, dict) else obj
-        if not hasattr(t, "shape"):
-            raise CheckpointError(f"{f}: expected a tensor or a dict with 'param', got {type(obj).__name__}")
-        maps[d.name] = replicated(tuple(t.shape), 1)
-    if not maps:
-        raise CheckpointError(f"{tag_dir}: no zero/<param>/fp32.pt files: not a universal checkpoint")
-    return Source(str(path), "universal", maps, "universal checkpoint")
-
-
-def _open_dcp(path: Path) -> Source:
-    ck = DcpCheckpoint.open(path)
-    maps = {key: ck.param_map(key) for key in ck.tensors}
-    ranks = sorted({c.rank for e in ck.tensors.values() for c in e.chunks})
-    return Source(str(path), "dcp", maps, f"PyTorch DCP checkpoint, {len(ranks)} storage ranks")
-
-
-def _open_deepspeed(path: Path) -> Source:
-    ck = DeepSpeedCheckpoint.open(path)
+def _open_deepspeed(ck: DeepSpeedCheckpoint, path: Path) -> Source:
     maps, families = {}, {}
     for name in ck.names:
         low = ck.tp_map(name)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import errors
 from ..errors import OutputError, ReshardError
-from ..storage.staging import Staging
+from ..storage.staging import ArchiveJob, Staging
 
 if TYPE_CHECKING:  # zip_stripes loads torch; the command line imports this module before it may
     from ..storage.zip_stripes import Archive, Written
@@ -191,19 +191,6 @@ def open_staging(cluster: Cluster, out_dir: str | Path, tag: str, *, sources: Se
     return staging
 
 
-@dataclass(frozen=True, slots=True)
-class ArchiveJob:
-    """An output ``torch.save`` archive (``rel`` in the staging folder, about ``size`` bytes)
-    written in stripes (``formats.zip_stripes``) that processes and their workers share as if each
-    were a job of its own, so one large file no longer sets the pace. ``build()`` returns the
-    object to save (with ``torch_zip`` placeholders); it runs after the job's planning, once in
-    every process that writes a stripe of the archive or finishes it."""
-
-    rel: str
-    size: int
-    build: Callable[[], Any]
-
-
 class _Stripes:
     """One archive's stripes in this process: its layout, built on first use, and what was written."""
 
@@ -283,9 +270,9 @@ def run_share(cluster: Cluster, staging: Staging, jobs: Sequence[OutputJob],
         archives.extend(found)
         run([units[i][1] for i in cluster.share([size for size, _ in units])])
 
-    _agreed(cluster, staging, mine)
+    agreed(cluster, staging, mine)
     if archives:
-        _agreed(cluster, staging, lambda: _finish(cluster, archives))
+        agreed(cluster, staging, lambda: _finish(cluster, archives))
 
 
 def _finish(cluster: Cluster, archives: list[_Stripes]) -> None:
@@ -296,7 +283,9 @@ def _finish(cluster: Cluster, archives: list[_Stripes]) -> None:
             stripes.archive().finish([w for per_process in written for w in per_process[j]])
 
 
-def _agreed(cluster: Cluster, staging: Staging, step: Callable[[], None]) -> None:
+def agreed(cluster: Cluster, staging: Staging, step: Callable[[], None]) -> None:
+    """Run ``step`` here, then agree with every process on how it went: on any failure anywhere
+    the staging folder is removed and every process raises the same error."""
     try:
         step()
     except BaseException as e:

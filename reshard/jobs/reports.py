@@ -1,17 +1,19 @@
-"""What a job returns: ``reshard convert``'s and ``reshard reshard``'s reports, which print as the
-command's last line(s). Their own module so every job (``convert``, ``offline``, ``offline_zero3``)
-builds the same report without importing another job."""
+"""What a job returns: the one report every route builds (``jobs.engine.run``), printed as the
+command's last line(s)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ConvertReport", "Drift", "ReshardReport"]
+__all__ = ["Drift", "Report"]
 
 
 @dataclass
 class Drift:
+    """One parameter state whose replicated copies differ between (TP) ranks."""
+
     param: str
     state: str
     ranks: tuple[int, ...]
@@ -21,21 +23,44 @@ class Drift:
         return f"{self.param} ({self.state}): ranks {list(self.ranks)} differ by up to {self.max_abs_diff:g}"
 
 
+def _topology(x: dict[str, Any]) -> str:
+    text = f"TP={x['tp']} x DP={x['dp']}" + (f" x PP={x['pp']}" if x.get("pp", 1) > 1 else "")
+    if "zero_stage" in x:
+        text += f" ZeRO-{x['zero_stage']}"
+    return text
+
+
 @dataclass
-class ConvertReport:
+class Report:
+    """``source`` and ``target`` are the two topologies (``{"tp", "dp", "pp", "zero_stage", ...}``;
+    ``{}`` for a format without one), ``source_description`` the source in words."""
+
     out_dir: Path
+    source: dict[str, Any]
+    target: dict[str, Any]
     params: int
     files: int
     bytes_written: int
-    policy: str
+    segments: int = 0
+    elements_read: int = 0
+    policy: str = "error"
     drift: list[Drift] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    source_description: str = ""
+    target_format: str = ""
 
     def __str__(self) -> str:
-        lines = [f"wrote {self.out_dir} ({self.params} parameters, {self.files} files, "
-                 f"{self.bytes_written / 2**20:.1f} MiB)"]
+        size = f"{self.params} parameters, {self.files} files, {self.bytes_written / 2**20:.1f} MiB"
+        if "tp" in self.source and "tp" in self.target:
+            head = (f"wrote {self.out_dir}: {_topology(self.source)} -> {_topology(self.target)} ({size}, "
+                    f"{self.segments} plan segments)")
+        else:
+            head = f"wrote {self.out_dir} ({size})"
+        lines = [head]
         if self.drift:
             lines.append(f"replica drift resolved by '{self.policy}' (recorded in the manifest):")
             lines += [f"  {d}" for d in self.drift]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -44,25 +69,3 @@ def written(folder: Path, *, manifest: bool = True) -> tuple[int, int]:
     manifest)."""
     files = [p for p in folder.rglob("*") if p.is_file() and (manifest or p.name != "reshard-manifest.json")]
     return len(files), sum(p.stat().st_size for p in files)
-
-
-@dataclass
-class ReshardReport:
-    out_dir: Path
-    source: dict
-    target: dict
-    params: int
-    files: int
-    bytes_written: int
-    segments: int
-    elements_read: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        def topo(x: dict) -> str:
-            return f"TP={x['tp']} x DP={x['dp']}" + (f" x PP={x['pp']}" if x.get("pp", 1) > 1 else "")
-
-        s, t = self.source, self.target
-        return (f"wrote {self.out_dir}: {topo(s)} ZeRO-{s['zero_stage']} -> {topo(t)} "
-                f"ZeRO-{t['zero_stage']} ({self.params} parameters, {self.files} files, "
-                f"{self.bytes_written / 2**20:.1f} MiB, {self.segments} plan segments)")

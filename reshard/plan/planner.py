@@ -57,10 +57,11 @@ class DefaultCost:
 
     ranks_per_node: int | None = None
     prefer: Callable[[int, int], bool] | None = None
+    local: bool = True  # a holder numbered like the target rank is the same process (live); not so between files
 
     def choose(self, holders: Sequence[int], dst_rank: int, numel: int, sent: Mapping[int, int],
                peers: frozenset[int] = frozenset(), salt: int = 0) -> int:
-        if dst_rank in holders:
+        if self.local and dst_rank in holders:
             return dst_rank
         pool = list(holders)
         if self.prefer is not None:
@@ -418,9 +419,10 @@ class Planner:
     _checked: set = field(default_factory=set)
 
     def plan(self, source: ParamMap, target: ParamMap, *, salt: int = 0,
-             ranks: frozenset[int] | None = None) -> TransferPlan:
+             ranks: frozenset[int] | None = None, cost: CostModel | None = None) -> TransferPlan:
         """The plan of one parameter (``salt`` rotates its tie-breaks, see :class:`DefaultCost`);
-        with ``ranks``, only the segments and unfilled regions involving those ranks."""
+        with ``ranks``, only the segments and unfilled regions involving those ranks; ``cost``,
+        this plan's own choice of holders (the geometry is shared whatever the cost)."""
         key = (source, target)
         got = self._geo.get(key)
         if got is None:
@@ -431,7 +433,7 @@ class Planner:
                         self._checked.add(m)
             got = self._geo[key] = self._geometry(source, target)
         geo, names = got
-        picks = _choose(geo, self.cost, salt)
+        picks = _choose(geo, cost or self.cost, salt)
         pkey = (key, picks, ranks)
         plan = self._plans.get(pkey)
         if plan is None:

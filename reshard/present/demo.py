@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .. import ParamMap, apply_plan, convert, derive, plan, plan_topology, reshard_checkpoint, verify
+from .. import ParamMap, apply_plan, convert, derive, plan, plan_topology, reshard, verify
 from ..formats.detect import open_source
 from .describe import stats_lines, write_plan_png
 
@@ -178,7 +178,7 @@ def reshard_tour(out: Path = OUT) -> None:
     # 1. Rewrite the checkpoint at the new topology, as DeepSpeed would have saved it there
     #    (engine.load_checkpoint loads it natively). TP=1 needs no target layout: every
     #    parameter is whole on its one TP rank.
-    resharded = reshard_checkpoint(FIXTURE, out / f"tp{tp}_dp{dp}", tp=tp, dp=dp, overwrite=True)
+    resharded = reshard(FIXTURE, out / f"tp{tp}_dp{dp}", tp=tp, dp=dp, overwrite=True)
     verify(resharded.out_dir)  # re-reads every file written against its checksum manifest
     print(f"  reshard  {topology(resharded.source)} -> {topology(resharded.target)}: "
           f"{resharded.params} parameters, {resharded.files} files, {size(resharded.bytes_written)} "

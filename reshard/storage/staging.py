@@ -17,7 +17,8 @@ import queue
 import shutil
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -64,6 +65,19 @@ def refuse_overwriting_sources(written: Iterable[str | Path], sources: Iterable[
         how, w, s = min(clashes, key=lambda c: _RELATIONS.index(c[0]))
         raise OutputError(f"{w}: the output would {how} the source {s} it is read from; choose an OUT_DIR outside "
                           "the source")
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveJob:
+    """An output ``torch.save`` archive (``rel`` in the staging folder, about ``size`` bytes)
+    written in stripes (``storage.zip_stripes``) that processes and their workers share as if each
+    were a job of its own, so one large file no longer sets the pace. ``build()`` returns the
+    object to save (with ``torch_zip`` placeholders); it runs after the job's planning, once in
+    every process that writes a stripe of the archive or finishes it."""
+
+    rel: str
+    size: int
+    build: Callable[[], Any]
 
 
 class Staging:

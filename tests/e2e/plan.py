@@ -31,8 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from reshard.jobs.convert import convert
-from reshard.jobs.offline import reshard
+from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, ds_to_universal

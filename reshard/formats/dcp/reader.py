@@ -1,541 +1,107 @@
-"""Reading a PyTorch Distributed Checkpoint (DCP) folder: ``.metadata`` plus ``__R_N.distcp`` files,
-as ``torch.distributed.checkpoint`` writes them (FSDP2, FSDP x TP, torchtitan, plain ``dcp.save``).
-
-``.metadata`` is a pickle. It is read by an unpickler that admits only DCP's inert metadata records
-(and ``torch.Size``, dtypes, layouts, paths); anything else is refused before it can run. Each
-tensor entry lists its chunks, boxes of the full tensor; the storage index says where each chunk's
-bytes lie (file, offset, length): an embedded ``torch.save`` archive. A chunk is read by parsing
-that archive's directory and pickle (again only tensor records admitted) and mapping its bytes from
-the file, so only the bytes used are paged in.
-
-Lowering (``docs/spec.md``, DCP section): a tensor's map has one piece per chunk, a box, located on
-the storage rank that wrote it (the ``R`` of ``__R_N.distcp``). A rank's shard is its chunk; a rank
-that wrote several chunks of one tensor holds them end to end, flat. Chunks must tile the tensor:
-an overlap or a hole is a :class:`CheckpointError` naming the file and the tensor.
-
-Keys follow DCP's flattening of ``{"model": ..., "optim": ...}``: ``model.<fqn>``,
-``optim.state.<fqn>.<state>``, ``optim.param_groups.<i>.<key>``. A checkpoint of a bare state dict
-(no ``model.`` prefix) is read with each tensor key as a parameter name.
-"""
+"""A PyTorch DCP checkpoint as the engine reads it: each tensor entry's chunks are its map over
+the storage ranks that wrote them (``formats.dcp.checkpoint``), each rank's shard its chunk, as
+mapped. ``model.<fqn>`` is a parameter's ``weight``, ``optim.state.<fqn>.<s>`` its state ``s``
+(Adam's ``exp_avg``, ``exp_avg_sq``, ``step``, or any other the optimizer keeps); every tensor
+entry is also readable by its own key as the state ``raw``, which a DCP target laid out again
+uses to keep every entry exactly (``formats.dcp.writer``)."""
 
 from __future__ import annotations
 
-import collections
-import io
-import mmap
-import os
-import pathlib
-import pickle
-import re
-import struct
-import zipfile
-from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ...errors import CheckpointError, ReshardError
+from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
-from ...ir.piece import Piece, View, prod, row_major_strides
-from ...layouts._core import box_piece, finish
+from .checkpoint import MODEL, OPTIM_STATE, DcpCheckpoint
 
-__all__ = ["METADATA", "Chunk", "DcpCheckpoint", "TensorEntry", "is_dcp", "read_metadata"]
+__all__ = ["RAW", "DcpReader"]
 
-METADATA = ".metadata"
-MODEL, OPTIM_STATE, PARAM_GROUPS = "model.", "optim.state.", "optim.param_groups."
-
-_DCP = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    (_DCP, "Metadata"), (_DCP, "TensorStorageMetadata"), (_DCP, "ChunkStorageMetadata"),
-    (_DCP, "BytesStorageMetadata"), (_DCP, "MetadataIndex"), (_DCP, "TensorProperties"),
-    (_DCP, "StorageMeta"), (_DCP, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-}
+RAW = "raw"  # a tensor entry by its own key
 
 
-def is_dcp(path: Path) -> bool:
-    return (path / METADATA).is_file()
+class DcpReader:
+    format = "dcp"
 
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata records and the plain values they hold; nothing that can run code."""
-
-    def __init__(self, f: Any, where: Path) -> None:
-        super().__init__(f)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _ALLOWED:
-            if module == "pathlib":
-                return getattr(pathlib, name)
-            return super().find_class(module, name)
-        raise CheckpointError(f"{self.where}: refuses to unpickle {module}.{name}: not one of DCP's metadata "
-                              "classes (loading it could run code)")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise CheckpointError(f"{self.where}: unexpected persistent reference in DCP metadata")
-
-
-def read_metadata(path: Path) -> Any:
-    """The ``Metadata`` record of a DCP folder, read without running anything it names."""
-    f = path / METADATA
-    try:
-        raw = f.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{f}: cannot read ({e.strerror or e})") from None
-    try:
-        md = _MetadataUnpickler(io.BytesIO(raw), f).load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # a corrupt pickle raises almost anything; none of it may escape raw
-        raise CheckpointError(f"{f}: corrupt DCP metadata ({type(e).__name__}: {e})") from None
-    if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
-        raise CheckpointError(f"{f}: not a DCP Metadata record (got {type(md).__name__})")
-    return md
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One box of a tensor and where its ``torch.save`` record lies."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str  # relative to the checkpoint folder
-    offset: int
-    length: int
-    rank: int  # the storage rank that wrote it
-
-    @property
-    def numel(self) -> int:
-        return prod(self.sizes)
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
-
-
-_RANK = re.compile(r"__(\d+)_\d+\.distcp$")
-
-
-def _storage_rank(rel: str, files: list[str]) -> int:
-    m = _RANK.search(rel)
-    return int(m.group(1)) if m else files.index(rel)
-
-
-class DcpCheckpoint:
-    """A DCP folder: its tensor entries (with chunk locations), its non-tensor entries, and reads."""
-
-    def __init__(self, path: Path, tensors: dict[str, TensorEntry], objects: dict[str, tuple[str, int, int]],
-                 planner_data: dict[str, tuple]) -> None:
-        self.path = path
-        self.tensors = tensors
-        self.objects = objects
-        self.planner_data = planner_data
-        self._maps: dict[str, ParamMap] = {}
-        self._files: dict[str, mmap.mmap | bytes] = {}
-
-    # -- opening ---------------------------------------------------------------------------------
+    def __init__(self, ck: DcpCheckpoint, given: Path | None = None) -> None:
+        self.ck = ck
+        self.tag = ck.path.name
+        self.sources = (ck.path,) if given is None or Path(given) == ck.path else (Path(given), ck.path)
+        ranks = {c.rank for e in ck.tensors.values() for c in e.chunks}
+        self.description = f"PyTorch DCP checkpoint ({len(ranks)} storage ranks)"
+        self.topology: dict[str, int] = {}
+        self.names = ck.params
 
     @classmethod
-    def open(cls, path: str | Path) -> DcpCheckpoint:
-        p = Path(path)
-        md = read_metadata(p)
-        storage = _storage_index(p, md)
-        files = sorted({rel for rel, _, _ in storage.values()})
-        sizes = _file_sizes(p, files)
-        tensors, objects = {}, {}
-        for key, entry in md.state_dict_metadata.items():
-            if type(entry).__name__ == "BytesStorageMetadata":
-                loc = storage.get((key, None))
-                if loc is None:
-                    raise CheckpointError(f"{p / METADATA}: entry {key!r} has no storage record")
-                _check_extent(p, key, loc, sizes)
-                objects[key] = loc
-                continue
-            tensors[key] = _tensor_entry(p, key, entry, storage, sizes, files)
-        planner = md.planner_data if isinstance(md.planner_data, dict) else {}
-        return cls(p, tensors, objects, {k: tuple(v) for k, v in planner.items() if isinstance(v, (tuple, list))})
+    def open(cls, path: str | Path) -> DcpReader:
+        return cls(DcpCheckpoint.open(path), Path(path))
 
-    # -- names -----------------------------------------------------------------------------------
+    @cached_property
+    def _states(self) -> dict[str, tuple[str, ...]]:
+        """Each parameter's states, in the checkpoint's key order after ``weight``."""
+        params = set(self.names)
+        out: dict[str, list[str]] = {n: ["weight"] for n in self.names}
+        for key in self.ck.tensors:
+            if not key.startswith(OPTIM_STATE):
+                continue
+            fqn, _, state = key[len(OPTIM_STATE):].rpartition(".")
+            if fqn in params:
+                out[fqn].append(state)
+        return {n: tuple(s) for n, s in out.items()}
+
+    def key(self, name: str, state: str) -> str:
+        if state == RAW:
+            return name
+        if state == "weight":
+            return self.ck.param_key(name)
+        key = f"{OPTIM_STATE}{name}.{state}"
+        if key not in self.ck.tensors:
+            raise CheckpointError(f"{self.ck.path}: no tensor {key!r} in the DCP metadata")
+        return key
+
+    def check(self) -> None:
+        for key in self.ck.tensors:  # every entry's chunks tile its tensor
+            self.ck.param_map(key)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.ck.entry(self.ck.param_key(name)).shape)
+
+    def states(self, name: str) -> tuple[str, ...]:
+        return self._states.get(name, ()) + ((RAW,) if name in self.ck.tensors else ())
+
+    def dtype(self, name: str, state: str) -> torch.dtype:
+        return self.ck.entry(self.key(name, state)).dtype
+
+    def map(self, name: str, state: str) -> ParamMap:
+        return self.ck.param_map(self.key(name, state))
+
+    def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
+        return self.ck.shard(self.key(name, state), rank).reshape(-1)
+
+    def tp_index(self, name: str, state: str, rank: int) -> None:
+        return None
+
+    def step(self, name: str) -> Any:
+        key = self.ck.state_key(name, "step")
+        if key is None:
+            return None
+        return self.ck.full(key).clone() if key in self.ck.tensors else self.ck.object(key)
+
+    def extras(self, name: str) -> dict[str, Any]:
+        return {}
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.ck.param_groups
 
     @property
     def structured(self) -> bool:
-        """Whether keys follow ``{"model": ..., "optim": ...}`` (else each key is a parameter)."""
-        return any(k.startswith(MODEL) for k in self.tensors)
+        return self.ck.structured
 
-    @property
-    def params(self) -> list[str]:
-        """Parameter names (fqns), in the checkpoint's order."""
-        if not self.structured:
-            return list(self.tensors)
-        return [k[len(MODEL):] for k in self.tensors if k.startswith(MODEL)]
+    def raw_keys(self) -> list[str]:
+        """Every tensor entry, in the checkpoint's order."""
+        return list(self.ck.tensors)
 
-    def param_key(self, fqn: str) -> str:
-        return MODEL + fqn if self.structured else fqn
-
-    def state_key(self, fqn: str, state: str) -> str | None:
-        """The key of optimizer state ``state`` (``exp_avg``, ``exp_avg_sq``, ``step``) of ``fqn``."""
-        key = f"{OPTIM_STATE}{fqn}.{state}"
-        return key if key in self.tensors or key in self.objects else None
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """``optim.param_groups.<i>.<k>`` gathered into a list of dicts."""
-        groups: dict[int, dict[str, Any]] = {}
-        for key in self.objects:
-            if not key.startswith(PARAM_GROUPS):
-                continue
-            index, _, name = key[len(PARAM_GROUPS):].partition(".")
-            if not index.isdigit() or not name:
-                raise CheckpointError(f"{self.path / METADATA}: malformed parameter-group key {key!r}")
-            groups.setdefault(int(index), {})[name] = self.object(key)
-        return [groups[i] for i in sorted(groups)]
-
-    # -- maps and reads --------------------------------------------------------------------------
-
-    def entry(self, key: str) -> TensorEntry:
-        try:
-            return self.tensors[key]
-        except KeyError:
-            raise CheckpointError(f"{self.path}: no tensor {key!r} in the DCP metadata") from None
-
-    def param_map(self, key: str) -> ParamMap:
-        """``key``'s chunks as a map over the storage ranks (checked: chunks tile the tensor)."""
-        m = self._maps.get(key)
-        if m is None:
-            m = self._maps[key] = _lower(self.path, self.entry(key))
-        return m
-
-    def chunk(self, key: str, i: int) -> torch.Tensor:
-        """Chunk ``i`` of ``key``, memory-mapped from its file (read-only use)."""
-        e = self.entry(key)
-        c = e.chunks[i]
-        rec = _read_record(self._mapped(c.file), c, self.path / c.file, key)
-        if rec.dtype != e.dtype or tuple(rec.shape) != c.sizes:
-            raise CheckpointError(f"{self.path / c.file}: {key!r} chunk at {list(c.offsets)} holds a "
-                                  f"{rec.dtype} {list(rec.shape)} tensor, the metadata says {e.dtype} {list(c.sizes)}")
-        return rec
-
-    def shard(self, key: str, rank: int) -> torch.Tensor:
-        """Storage rank ``rank``'s shard of ``key``: its chunk, mapped; several chunks end to end,
-        flat (a copy)."""
-        idx = [i for i, c in enumerate(self.entry(key).chunks) if c.numel and c.rank == rank]
-        if not idx:
-            raise CheckpointError(f"{self.path}: storage rank {rank} holds no chunk of {key!r}")
-        parts = [self.chunk(key, i) for i in idx]
-        return parts[0] if len(parts) == 1 else torch.cat([t.reshape(-1) for t in parts])
-
-    def shards(self, key: str) -> dict[int, torch.Tensor]:
-        """Each storage rank's shard of ``key`` (:meth:`shard`)."""
-        ranks = sorted({c.rank for c in self.entry(key).chunks if c.numel})
-        return {r: self.shard(key, r) for r in ranks}
-
-    def full(self, key: str) -> torch.Tensor:
-        """The whole tensor ``key``; a single chunk covering it is returned as mapped, uncopied."""
-        e = self.entry(key)
-        live = [i for i, c in enumerate(e.chunks) if c.numel]
-        if len(live) == 1 and e.chunks[live[0]].sizes == e.shape:
-            return self.chunk(key, live[0])
-        if not e.shape or prod(e.shape) == 0:
-            return torch.zeros(e.shape, dtype=e.dtype)
-        f = self.param_map(key).rebuild(self.shards(key), verify=False)
-        self.release(key)  # F is a copy: the chunks' pages are done with
-        return f
-
-    def release(self, key: str) -> None:
-        """Drop the mapped pages of ``key``'s chunks from this process's resident set (they stay in
-        the page cache), so memory stays at about one tensor however many are read."""
-        for c in self.entry(key).chunks:
-            m = self._files.get(c.file)
-            lo, hi = -(-c.offset // mmap.PAGESIZE) * mmap.PAGESIZE, (c.offset + c.length) // mmap.PAGESIZE * mmap.PAGESIZE
-            if isinstance(m, mmap.mmap) and hi > lo:  # our own mapping of the file, alive: safe to drop
-                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-
-    def object(self, key: str) -> Any:
-        """A non-tensor entry (``torch.save``d by DCP), loaded weights-only."""
-        try:
-            rel, off, length = self.objects[key]
-        except KeyError:
-            raise CheckpointError(f"{self.path}: no entry {key!r} in the DCP metadata") from None
-        raw = self._mapped(rel)[off:off + length]
-        try:
-            return torch.load(io.BytesIO(raw), weights_only=True)
-        except Exception as e:  # noqa: BLE001 -- weights_only refusals and corrupt archives alike
-            raise CheckpointError(f"{self.path / rel}: entry {key!r} cannot be loaded weights-only "
-                                  f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
-
-    def _mapped(self, rel: str) -> mmap.mmap | bytes:
-        m = self._files.get(rel)
-        if m is None:
-            with open(self.path / rel, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                # a private mapping: pages come in as read, and nothing can write back to the file
-                m = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
-            self._files[rel] = m
-        return m
-
-
-# -- metadata checks ---------------------------------------------------------------------------
-
-
-def _storage_index(p: Path, md: Any) -> dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]]:
-    data = md.storage_data
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{p / METADATA}: has no storage index (storage_data is {type(data).__name__})")
-    out = {}
-    for index, info in data.items():
-        fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
-        rel, off, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
-        if not isinstance(fqn, str) or not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int):
-            raise CheckpointError(f"{p / METADATA}: malformed storage record {index!r}")
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{p / rel}: entry {fqn!r} is stored with transforms "
-                                  f"{list(info.transform_descriptors)} (compression/extensions), which reshard does not read")
-        if rel.startswith("/") or ".." in rel.replace("\\", "/").split("/"):
-            raise CheckpointError(f"{p / METADATA}: storage path {rel!r} leaves the checkpoint folder")
-        out[(fqn, None if offset is None else tuple(int(x) for x in offset))] = (rel, off, length)
-    return out
-
-
-def _file_sizes(p: Path, files: list[str]) -> dict[str, int | None]:
-    sizes: dict[str, int | None] = {}
-    for rel in files:
-        try:
-            sizes[rel] = (p / rel).stat().st_size
-        except OSError:
-            sizes[rel] = None
-    return sizes
-
-
-def _check_extent(p: Path, key: str, loc: tuple[str, int, int], sizes: dict[str, int | None]) -> None:
-    rel, off, length = loc
-    have = sizes.get(rel)
-    if have is None:
-        raise CheckpointError(f"{p / rel}: file is missing (it holds {key!r})")
-    if off < 0 or length < 0 or off + length > have:
-        raise CheckpointError(f"{p / rel}: truncated: {key!r} lies at bytes [{off}, {off + length}) "
-                              f"but the file has {have} bytes")
-
-
-def _tensor_entry(p: Path, key: str, entry: Any, storage: dict, sizes: dict[str, int | None],
-                  files: list[str]) -> TensorEntry:
-    props = getattr(entry, "properties", None)
-    dtype = getattr(props, "dtype", None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"{p / METADATA}: tensor {key!r} has no dtype")
-    shape = tuple(int(x) for x in entry.size)
-    chunks, seen = [], set()
-    for c in entry.chunks:
-        offsets, csizes = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
-        if (offsets, csizes) in seen:  # a replica listed twice: the storage index keeps one record of a box
-            continue
-        seen.add((offsets, csizes))
-        if len(offsets) != len(shape) or len(csizes) != len(shape) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, csizes, shape)):
-            raise CheckpointError(f"{p / METADATA}: tensor {key!r} {list(shape)} has a chunk at {list(offsets)} of "
-                                  f"size {list(csizes)} outside it")
-        loc = storage.get((key, offsets))
-        if loc is None:
-            raise CheckpointError(f"{p / METADATA}: tensor {key!r} chunk at {list(offsets)} has no storage record")
-        _check_extent(p, key, loc, sizes)
-        chunks.append(Chunk(offsets, csizes, loc[0], loc[1], loc[2], _storage_rank(loc[0], files)))
-    return TensorEntry(key, dtype, shape, tuple(chunks))
-
-
-def _lower(p: Path, e: TensorEntry) -> ParamMap:
-    """One box piece per chunk on its storage rank; then the tiling check."""
-    by_rank: dict[int, list[Chunk]] = {}
-    for c in e.chunks:
-        if c.numel:
-            by_rank.setdefault(c.rank, []).append(c)
-    shards = {}
-    for r, cs in by_rank.items():
-        if len(cs) == 1:
-            c = cs[0]
-            shards[r] = (c.sizes, [box_piece(e.shape, c.offsets, c.sizes, c.sizes, (0,) * len(c.sizes), (r,))])
-            continue
-        pieces, at = [], 0
-        for c in cs:  # several chunks of one rank: end to end, each a box of F flattened
-            pieces += _flat_box(e.shape, c, at, r)
-            at += c.numel
-        shards[r] = ((at,), pieces)
-    where = f"{p / METADATA}: tensor {e.key!r} {list(e.shape)}"
-    total = sum(c.numel for c in e.chunks)
-    if total > prod(e.shape):  # checked first: the map check would only say "already holds"
-        raise CheckpointError(f"{where}: chunks overlap ({total} elements in chunks, {prod(e.shape)} in the tensor)")
-    if not shards:
-        if prod(e.shape):
-            raise CheckpointError(f"{where}: has no chunks")
-        return finish(e.shape, {0: (e.shape, [])})
-    try:
-        m = finish(e.shape, shards)
-        holes = m.uncovered()
-    except ReshardError as err:
-        raise CheckpointError(f"{where}: chunks do not form a valid map ({err})") from None
-    if holes:
-        raise CheckpointError(f"{where}: chunks leave a hole at {holes[0]} (of {len(holes)})")
-    return m
-
-
-def _flat_box(shape: tuple[int, ...], c: Chunk, at: int, rank: int) -> list[Piece]:
-    """A chunk (a box of F, row-major) placed contiguously at ``at`` of a flat shard."""
-    fs, cs = row_major_strides(shape), row_major_strides(c.sizes)
-    return [Piece(c.sizes, View(sum(a * s for a, s in zip(c.offsets, fs)), fs), View(at, cs), frozenset((rank,)))]
-
-
-# -- chunk records -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageRef:
-    key: str
-    dtype: torch.dtype
-    nbytes_or_numel: int
-    untyped: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _TensorRecord:
-    storage: _StorageRef
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-# the legacy typed-storage names torch.save writes for each dtype (``_rebuild_tensor_v2`` records)
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
-}
-
-
-def _rebuild_v2(storage: _StorageRef, offset: int, size: Any, stride: Any, *_: Any) -> _TensorRecord:
-    return _TensorRecord(storage, int(offset), tuple(int(x) for x in size), tuple(int(x) for x in stride), storage.dtype)
-
-
-def _rebuild_v3(storage: _StorageRef, offset: int, size: Any, stride: Any, _grad: Any, _hooks: Any,
-                dtype: torch.dtype, *_: Any) -> _TensorRecord:
-    return _TensorRecord(storage, int(offset), tuple(int(x) for x in size), tuple(int(x) for x in stride), dtype)
-
-
-class _RecordUnpickler(pickle.Unpickler):
-    """The ``data.pkl`` of a one-tensor ``torch.save`` archive, admitting only tensor records."""
-
-    def __init__(self, f: Any, where: str) -> None:
-        super().__init__(f)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_v2
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_v3
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return ("typed", _STORAGE_DTYPES[name])
-        if module == "torch" and name == "UntypedStorage":
-            return ("untyped", torch.uint8)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointError(f"{self.where}: refuses to unpickle {module}.{name} in a tensor record")
-
-    def persistent_load(self, pid: Any) -> Any:
-        try:
-            _, (kind, dtype), key, _, n = pid
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{self.where}: malformed storage reference {pid!r}") from None
-        return _StorageRef(str(key), dtype, int(n), kind == "untyped")
-
-
-_LOCAL = struct.Struct("<4sHHHHHIIIHH")
-
-
-class _Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of a mapped file as a seekable file (for ``zipfile``)."""
-
-    def __init__(self, data: mmap.mmap | bytes, start: int, length: int) -> None:
-        self.data, self.start, self.length, self.pos = data, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        if n:
-            a = self.start + self.pos
-            memoryview(b)[:n] = self.data[a:a + n]
-        self.pos += n
-        return n
-
-
-def _safetensors_file(data: mmap.mmap | bytes) -> bool:
-    """Whether a file starts as safetensors does: a little-endian header length, then JSON."""
-    if len(data) < 9:
-        return False
-    n = int.from_bytes(data[:8], "little")
-    return 0 < n <= len(data) - 8 and data[8:9] == b"{"
-
-
-def _read_record(data: mmap.mmap | bytes, c: Chunk, f: Path, key: str) -> torch.Tensor:
-    """The tensor of the ``torch.save`` archive at ``c.offset``, as a view of the mapped file."""
-    where = f"{f}: {key!r} chunk at {list(c.offsets)}"
-    try:
-        zf = zipfile.ZipFile(_Window(data, c.offset, c.length))
-        infos = {i.filename.split("/", 1)[-1]: i for i in zf.infolist()}
-        pkl = zf.read(infos["data.pkl"])
-    except (zipfile.BadZipFile, KeyError, OSError, EOFError, struct.error) as e:
-        if _safetensors_file(data):
-            raise CheckpointError(f"{where}: the file is a safetensors file (DCP's serialization_format="
-                                  "SAFETENSORS, read by Hugging Face storage readers), which reshard does not read; "
-                                  "save with the default TORCH_SAVE format") from None
-        raise CheckpointError(f"{where}: not a torch.save record ({type(e).__name__}: {e})") from None
-    try:
-        rec = _RecordUnpickler(io.BytesIO(pkl), where).load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- a corrupt pickle raises almost anything
-        raise CheckpointError(f"{where}: corrupt tensor record ({type(e).__name__}: {e})") from None
-    if not isinstance(rec, _TensorRecord):
-        raise CheckpointError(f"{where}: holds a {type(rec).__name__}, not a tensor")
-    info = infos.get(f"data/{rec.storage.key}")
-    if info is None or info.compress_type != zipfile.ZIP_STORED:
-        raise CheckpointError(f"{where}: storage {rec.storage.key!r} is missing or compressed")
-    head = data[c.offset + info.header_offset:c.offset + info.header_offset + _LOCAL.size]
-    if len(head) != _LOCAL.size:
-        raise CheckpointError(f"{where}: truncated record")
-    fields = _LOCAL.unpack(head)
-    start = c.offset + info.header_offset + _LOCAL.size + fields[9] + fields[10]
-    itemsize = torch.empty((), dtype=rec.dtype).element_size()
-    if start + info.file_size > c.offset + c.length or info.file_size % itemsize:
-        raise CheckpointError(f"{where}: storage bytes run past the record")
-    # torch's archives align storages within the archive, but DCP packs archives end to end, so the
-    # bytes may sit at any file offset: frombuffer takes a byte offset and needs no alignment
-    flat = torch.frombuffer(data, dtype=rec.dtype, count=info.file_size // itemsize, offset=start) \
-        if info.file_size else torch.empty(0, dtype=rec.dtype)
-    try:
-        return flat.as_strided(rec.size, rec.stride, rec.offset)
-    except RuntimeError as e:
-        raise CheckpointError(f"{where}: tensor {list(rec.size)} does not fit its storage ({e})") from None
+    def weight_key_prefix(self) -> str:
+        return MODEL if self.ck.structured else ""

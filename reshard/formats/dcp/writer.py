@@ -1,110 +1,268 @@
-"""Writing a PyTorch Distributed Checkpoint (DCP) folder that ``torch.distributed.checkpoint.load``
-reads at any world size: ``.distcp`` files of ``torch.save`` records laid end to end, and a
-``.metadata`` pickle of DCP's own records (the reader is ``formats.dcp``; the format is described in
-``docs/dcp-checkpoints.md``).
+"""A PyTorch DCP checkpoint written from any source, which ``dcp.load`` reads at any world size
+into ``get_state_dict(model, optim)``: ``model.<name>`` (fp32), ``optim.state.<name>.{exp_avg,
+exp_avg_sq,step}`` and ``optim.param_groups.<i>.<key>``.
 
-Files are written independently (by any worker or process); each returns the storage records of
-what it wrote, and one process writes ``.metadata`` from all of them, last.
+* ``files=None``: one chunk per tensor, parameters gathered into files of about
+  ``max_file_bytes`` (``__i_0.distcp``), the parameter groups in a file of their own.
+* ``files=N``: laid out for N loading ranks: file ``__r_0.distcp`` holds rank ``r``'s dim-0
+  chunk of every tensor, as ``fully_shard`` splits (:func:`fsdp_chunks`), so an N-way FSDP job
+  reads every byte once. From a DCP source every entry is kept by its own key (the objects go
+  with rank 0's file); from any other, the keys above.
+
+Every chunk is streamed from the source fragments through the engine's plan; ``.metadata`` is
+written last, by one process, from every file's records (:meth:`DcpWriter.finish`).
 """
 
 from __future__ import annotations
 
-import io
-import pickle
-import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import re
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from functools import partial
+from typing import Any
 
 import torch
 
-from ...storage import torch_zip
+from ...errors import ReshardError
+from ...ir.piece import prod
+from ...layouts import replicated
+from ...layouts._core import box_piece
+from ...layouts._core import finish as finish_map
+from ..contract import BEST, MOMENTS, Buffer, Slot, Target
+from ..safetensors.io import plan_files
+from .reader import RAW
+from .records import DcpFile, Record, TensorSpec, metadata_bytes
 
-__all__ = ["DcpFile", "Record", "TensorSpec", "metadata_bytes"]
+__all__ = ["DcpWriter", "fsdp_chunks", "fsdp_map", "renamer"]
+
+
+def fsdp_chunks(shape: tuple[int, ...], n: int) -> list[tuple[int, int]]:
+    """``(start, rows)`` of dim 0 on each of ``n`` ranks, as ``fully_shard`` splits (``torch.chunk``:
+    ceil-sized chunks, the last ones shorter or empty); a 0-d tensor lives on rank 0."""
+    if not shape:
+        return [(0, 1)] + [(0, 0)] * (n - 1)
+    step = -(-shape[0] // n)
+    return [(min(r * step, shape[0]), max(0, min(shape[0], (r + 1) * step) - r * step)) for r in range(n)]
+
+
+def target_chunks(shape: tuple[int, ...], n: int) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``{rank: (offsets, sizes)}`` of the chunks a tensor is stored in for ``n`` loading ranks;
+    a tensor without elements is one empty chunk on rank 0 (as ``dcp.save`` stores it)."""
+    if not shape or not prod(shape):
+        return {0: ((0,) * len(shape), shape)}
+    return {r: ((start,) + (0,) * (len(shape) - 1), (rows, *shape[1:]))
+            for r, (start, rows) in enumerate(fsdp_chunks(shape, n)) if rows}
+
+
+def fsdp_map(shape: tuple[int, ...], n: int):
+    """The map of a tensor laid out for ``n`` FSDP ranks (:func:`target_chunks`)."""
+    shards = {}
+    for r, (offsets, sizes) in target_chunks(shape, n).items():
+        pieces = [box_piece(shape, offsets, sizes, sizes, (0,) * len(shape), (r,))] if prod(sizes) else []
+        shards[r] = (sizes, pieces)
+    return finish_map(shape, shards)
+
+
+def renamer(rules: Sequence[str]) -> Callable[[str], str]:
+    """``FROM=TO`` regex substitutions (``--rename``), applied in order."""
+    compiled = []
+    for rule in rules:
+        src, sep, dst = rule.partition("=")
+        if not sep or not src:
+            raise ReshardError(f"--rename takes FROM=TO (a regex and its replacement), got {rule!r}")
+        try:
+            compiled.append((re.compile(src), dst))
+        except re.error as e:
+            raise ReshardError(f"--rename {rule!r}: bad regex ({e})") from None
+
+    def rename(name: str) -> str:
+        for pattern, dst in compiled:
+            name = pattern.sub(dst, name)
+        return name
+
+    return rename
+
+
+def _as_step(step: Any) -> torch.Tensor:
+    """Adam's step as ``torch.optim`` keeps it (a float32 scalar tensor)."""
+    value = step.item() if isinstance(step, torch.Tensor) else step
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _path_of(key: str) -> tuple:
+    """The nested-dict path DCP's planners rebuild a flattened key from."""
+    if key.startswith("model."):
+        return ("model", key[len("model."):])
+    if key.startswith("optim.state."):
+        fqn, _, state = key[len("optim.state."):].rpartition(".")
+        return ("optim", "state", fqn, state)
+    if key.startswith("optim.param_groups."):
+        index, _, name = key[len("optim.param_groups."):].partition(".")
+        return ("optim", "param_groups", int(index), name)
+    return (key,)
+
+
+class DcpWriter:
+    format = "dcp"
+    latest = None
+    keeps_replicas = False
+
+    def __init__(self, reader: Any, *, files: int | None = None, max_file_bytes: int = 5 * 2**30,
+                 rename: Sequence[str] = ()) -> None:
+        if files is not None and (isinstance(files, bool) or not isinstance(files, int) or files < 1):
+            raise ReshardError(f"--files must be a positive integer, got {files!r}")
+        self.reader, self.files, self.max_file_bytes = reader, files, max_file_bytes
+        self.tag = reader.tag
+        self.native = reader.format == "dcp" and files is not None
+        if self.native and rename:
+            raise ReshardError("--rename goes with --format dcp from another format; a DCP checkpoint laid out "
+                               "again with --files keeps its keys")
+        rename_fn = renamer(rename)
+        self.new = {n: rename_fn(n) for n in reader.names}
+        dup = sorted({v for v in self.new.values() if list(self.new.values()).count(v) > 1})
+        if dup:
+            raise ReshardError(f"--rename maps several parameters to {dup[0]!r}")
+        self.entries = self._entries()
+        self.layout = {e.key: target_chunks(e.shape, files) if files is not None else {0: ((0,) * len(e.shape), e.shape)}
+                       for e in self.entries}
+        self._maps = {e.key: fsdp_map(e.shape, files) if files is not None else replicated(e.shape, 1)
+                      for e in self.entries}
+        self.records: list[Record] = []
+        self.specs: dict[str, TensorSpec] = {}
+        self.values: list[str] = []
+        self._lock = threading.Lock()
+
+    def _entries(self) -> list[_Entry]:
+        r = self.reader
+        if self.native:
+            return [_Entry(k, k, (RAW,), r.dtype(k, RAW), tuple(r.ck.entry(k).shape)) for k in r.raw_keys()]
+        out = []
+        for n in r.names:
+            have = r.states(n)
+            state = next((s for s in BEST if s in have), None)
+            if state is None:
+                raise ReshardError(f"{r.sources[-1]}: parameter {n!r} has no weights to write")
+            dtype = r.dtype(n, state)
+            out.append(_Entry(f"model.{self.new[n]}", n, BEST, torch.float32 if dtype.is_floating_point else dtype,
+                              r.shape(n)))
+            out += [_Entry(f"optim.state.{self.new[n]}.{m}", n, (m,), torch.float32, r.shape(n))
+                    for m in MOMENTS if m in have]
+        return out
+
+    def targets(self) -> list[Target]:
+        return [Target(e.name, e.want, self._maps[e.key]) for e in self.entries]
+
+    def meta(self) -> dict[str, Any]:
+        return {"target": "PyTorch DCP checkpoint", **({"files": self.files} if self.files is not None else {})}
+
+    def notes(self) -> list[str]:
+        return []
+
+    # -- files ---------------------------------------------------------------------------------
+    def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
+        if self.files is not None:
+            for e in self.entries:
+                self.specs[e.key] = TensorSpec(e.dtype, e.shape, tuple(self.layout[e.key].values()))
+            sizes = [sum(prod(lay[r][1]) for lay in self.layout.values() if r in lay) for r in range(self.files)]
+            return [(sizes[r] + 1, partial(self._rank_file, engine, staging, r)) for r in range(self.files)]
+        groups = plan_files([(n, (prod(self.reader.shape(n)) * 3,), torch.float32) for n in self.reader.names],
+                            self.max_file_bytes)
+        jobs = [(sum(prod(s) for _, s, _ in g), partial(self._whole_file, engine, staging, i, [n for n, _, _ in g]))
+                for i, g in enumerate(groups)]
+        jobs.append((1, partial(self._values_file, staging, f"__{len(groups)}_0.distcp")))
+        return jobs
+
+    def _put(self, engine: Any, f: DcpFile, e: _Entry, rank: int) -> None:
+        offsets, sizes = self.layout[e.key][rank]
+        buf = Buffer(f"{f.name}:{e.key}", e.dtype, prod(sizes), (Slot(0, e.name, e.want, self._maps[e.key], rank),))
+        f.tensor(e.key, offsets, e.dtype, sizes, engine.fill(buf))
+
+    def _rank_file(self, engine: Any, staging: Any, r: int) -> None:
+        """Loading rank ``r``'s chunk of every tensor (and on rank 0 the rest)."""
+        rel = f"__{r}_0.distcp"
+        with staging.open(rel) as out:
+            f = DcpFile(out, rel)
+            for e in self.entries:
+                if r in self.layout[e.key]:
+                    self._put(engine, f, e, r)
+            if r == 0 and self.native:
+                ck = self.reader.ck
+                for key in ck.objects:
+                    f.value(key, ck.object(key))
+                with self._lock:
+                    self.values.extend(ck.objects)
+            elif r == 0:
+                for n in self.reader.names:
+                    self._step(f, n)
+                self._groups(f)
+        self._record(f.records)
+
+    def _whole_file(self, engine: Any, staging: Any, i: int, members: list[str]) -> None:
+        """Each of ``members``: its weight, moments and step, one chunk each."""
+        rel = f"__{i}_0.distcp"
+        mine = set(members)
+        with staging.open(rel) as out:
+            f = DcpFile(out, rel)
+            for e in self.entries:
+                if e.name not in mine:
+                    continue
+                self._put(engine, f, e, 0)
+                with self._lock:
+                    self.specs[e.key] = TensorSpec(e.dtype, e.shape, (((0,) * len(e.shape), e.shape),))
+                if e is self._last[e.name]:
+                    self._step(f, e.name)
+        self._record(f.records)
+
+    @property
+    def _last(self) -> dict[str, _Entry]:
+        return {e.name: e for e in self.entries}
+
+    def _step(self, f: DcpFile, name: str) -> None:
+        step = self.reader.step(name)
+        if step is not None:
+            key = f"optim.state.{self.new[name]}.step"
+            f.tensor(key, (), torch.float32, (), _as_step(step))
+            with self._lock:
+                self.specs[key] = TensorSpec(torch.float32, (), (((), ()),))
+
+    def _groups(self, f: DcpFile) -> None:
+        for i, g in enumerate(self.reader.param_groups()):
+            for k, v in g.items():
+                f.value(f"optim.param_groups.{i}.{k}", [self.new[n] for n in v] if k == "params" else v)
+                with self._lock:
+                    self.values.append(f"optim.param_groups.{i}.{k}")
+
+    def _values_file(self, staging: Any, rel: str) -> None:
+        with staging.open(rel) as out:
+            f = DcpFile(out, rel)
+            self._groups(f)
+        self._record(f.records)
+
+    def _record(self, records: list[Record]) -> None:
+        with self._lock:
+            self.records.extend(records)
+
+    def finish(self, staging: Any, gather: Callable[[Any], list], rank: int) -> None:
+        """``.metadata``, by process 0, from every process's records (the same bytes whatever
+        the number of processes)."""
+        gathered = gather((self.records, self.specs, self.values))
+        if rank != 0:
+            return
+        records = [r for part in gathered for r in part[0]]
+        specs = {k: v for part in gathered for k, v in part[1].items()}
+        values = [k for part in gathered for k in part[2]]
+        planner = {k: _path_of(k) for k in sorted(list(specs) + values)}
+        with staging.open(".metadata") as out:
+            out.write(metadata_bytes(dict(sorted(specs.items())), sorted(values), records, planner))
 
 
 @dataclass(frozen=True, slots=True)
-class Record:
-    """Where one entry (a tensor chunk, or a non-tensor value) was written."""
+class _Entry:
+    """One tensor entry of the target: its key, the parameter and states it is made from."""
 
     key: str
-    offsets: tuple[int, ...] | None  # the chunk's offsets; None for a non-tensor value
-    file: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """A tensor entry of the metadata: dtype, full shape and the chunks it is stored in."""
-
+    name: str
+    want: tuple[str, ...]
     dtype: torch.dtype
     shape: tuple[int, ...]
-    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (offsets, sizes)
-
-
-Fill = Callable[[torch.Tensor, int], None]
-
-
-class DcpFile:
-    """One ``.distcp`` file, written front to back: tensor chunks and values, each a ``torch.save``
-    record as DCP's own writer makes them."""
-
-    def __init__(self, out: BinaryIO, name: str) -> None:
-        self.out, self.name, self.at = out, name, 0
-        self.records: list[Record] = []
-
-    def tensor(self, key: str, offsets: Sequence[int], dtype: torch.dtype, sizes: Sequence[int],
-               source: torch.Tensor | Fill) -> None:
-        """A chunk at ``offsets`` of tensor ``key``: a contiguous tensor, or ``fill(out, start)``
-        producing it window by window (``torch_zip.save``)."""
-        ref = torch_zip.tensor(dtype, tuple(sizes), source)
-        n = torch_zip.save(ref, self.out)
-        self.records.append(Record(key, tuple(offsets), self.name, self.at, n))
-        self.at += n
-
-    def value(self, key: str, value: Any) -> None:
-        """A non-tensor entry; DCP stores these with ``torch.save`` (read back weights-only)."""
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        self.out.write(buf.getbuffer())
-        n = buf.tell()
-        self.records.append(Record(key, None, self.name, self.at, n))
-        self.at += n
-
-
-def metadata_bytes(tensors: Mapping[str, TensorSpec], values: Iterable[str], records: Iterable[Record],
-                   planner_data: Mapping[str, tuple]) -> bytes:
-    """The ``.metadata`` pickle: DCP's own record classes, so ``dcp.load`` reads it as its own."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    # pickle shares equal objects by identity: interned names make the bytes the same whichever
-    # process built which record (a job over several processes writes what one process writes)
-    tensors = {sys.intern(k): v for k, v in tensors.items()}
-    values = [sys.intern(k) for k in values]
-    records = [Record(sys.intern(r.key), r.offsets, sys.intern(r.file), r.offset, r.length) for r in records]
-    planner_data = {sys.intern(k): tuple(sys.intern(x) if isinstance(x, str) else x for x in v)
-                    for k, v in planner_data.items()}
-    sd: dict[str, Any] = {}
-    for key, spec in tensors.items():
-        chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in spec.chunks]
-        sd[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), torch.Size(spec.shape), chunks)
-    for key in values:
-        sd[key] = BytesStorageMetadata()
-    index: dict[str, dict[tuple[int, ...], int]] = {
-        k: {tuple(o): i for i, (o, _) in enumerate(s.chunks)} for k, s in tensors.items()}
-    storage = {}
-    for r in sorted(records, key=lambda r: (r.file, r.offset)):
-        where = None if r.offsets is None else torch.Size(r.offsets)
-        i = None if r.offsets is None else index[r.key][r.offsets]
-        storage[MetadataIndex(r.key, where, i)] = _StorageInfo(r.file, r.offset, r.length)
-    md = Metadata(state_dict_metadata=sd, planner_data=dict(planner_data), storage_data=storage, version="1.0.0")
-    return pickle.dumps(md, protocol=4)

@@ -24,10 +24,26 @@ def resolve_tag_dir(path: str | Path) -> Path:
         return p
     latest = p / "latest"
     if latest.is_file():
-        tag = latest.read_text().strip()
-        if not tag or "/" in tag or tag in (".", ".."):
-            raise CheckpointError(f"{latest}: does not name a tag folder ({tag!r})")
+        tag = read_latest(latest)
         if not (p / tag).is_dir():
             raise CheckpointError(f"{latest}: names tag {tag!r}, but {p / tag} is missing")
         return resolve_tag_dir(p / tag)
     raise CheckpointError(f"{p}: no *model_states.pt files and no 'latest' file: not a DeepSpeed checkpoint")
+
+
+def read_latest(latest: Path) -> str:
+    """The tag a ``latest`` file names: one folder name of UTF-8 text, or a :class:`CheckpointError`."""
+    try:
+        raw = latest.read_bytes()[:4096]
+        tag = raw.decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{latest}: does not name a tag folder (unreadable or not UTF-8 text: {e})") from None
+    if not tag or "/" in tag or "\\" in tag or "\0" in tag or tag in (".", "..") or len(tag.encode()) > 255:
+        raise CheckpointError(f"{latest}: does not name a tag folder ({tag[:80]!r}{'...' if len(tag) > 80 else ''})")
+    return tag
+
+
+def is_deepspeed(p: Path) -> bool:
+    """Whether folder ``p`` looks like a DeepSpeed checkpoint: a tag folder of ``*model_states.pt``
+    files, or a parent with ``latest`` (its contents are checked when it is opened)."""
+    return any(p.glob("*model_states.pt")) or (p / "latest").is_file()

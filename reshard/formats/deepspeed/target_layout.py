@@ -24,7 +24,7 @@ from ...ir.param_map import ParamMap, maps_from_document
 from ...layouts import replicated
 from ...layouts.recognize import recognize
 from . import lowering
-from . import writer as dsw
+from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
 from .zero12 import Zero12Source
 
@@ -46,30 +46,36 @@ def _match_map(maps: Mapping[str, ParamMap], name: str) -> ParamMap | None:
     return maps.get(key)
 
 
-def target_tp_maps(src: Zero12Source, tp: int, layout: TargetLayout) -> tuple[dict[str, ParamMap], dict | None, str]:
+def target_tp_maps(ck: DeepSpeedCheckpoint | None, names: list[str], tp: int, layout: TargetLayout, *,
+                   source_maps: Mapping[str, ParamMap] | None = None) -> tuple[dict[str, ParamMap], dict | None, str]:
     """Target TP map of every parameter, the ``universal_checkpoint_info`` DeepSpeed would save
-    with them, and where they came from."""
-    ck = src.ck
-    source = {n: ck.tp_map(n).map for n in src.names}
-    src_info = ck.model_state(0).get("universal_checkpoint_info")
-    if ck.tp > 1 and tp != ck.tp and not src_info:
-        raise CheckpointError(f"{ck.tag_dir}: TP={ck.tp} checkpoint without universal_checkpoint_info: how its "
+    with them, and where they came from. The source's TP maps are ``ck``'s, or ``source_maps``
+    (a source without TP: F whole on one rank)."""
+    if ck is not None:
+        source = {n: ck.tp_map(n).map for n in names}
+        src_tp, src_info = ck.tp, ck.model_state(0).get("universal_checkpoint_info")
+        where = ck.tag_dir
+    else:
+        source, src_tp, src_info, where = dict(source_maps or {}), 1, None, "the source"
+    if src_tp > 1 and tp != src_tp and not src_info:
+        raise CheckpointError(f"{where}: TP={src_tp} checkpoint without universal_checkpoint_info: how its "
                               "parameters are split over TP ranks is not recorded, so TP cannot change")
     if layout is None:
-        if tp == ck.tp:
+        if tp == src_tp:
             return source, src_info, "kept (same TP degree)"
         if tp == 1:
             return {n: replicated(m.valid_shape, 1) for n, m in source.items()}, None, "whole (TP=1)"
         raise ReshardError(
-            f"changing TP from {ck.tp} to {tp} needs the layout DeepSpeed's AutoTP uses at TP={tp}, which the "
-            f"source does not record: pass layout= a DeepSpeed checkpoint of this model saved at TP={tp}, a map "
-            "document, or 'geometry' to rebuild the source layouts at the new degree from their geometry")
+            f"changing TP from {src_tp} to {tp} needs the layout DeepSpeed's AutoTP uses at TP={tp}, which the "
+            f"source does not record: pass --layout (layout=): a DeepSpeed checkpoint of this model saved at "
+            f"TP={tp}, a map document, or 'geometry' to rebuild the source layouts at the new degree from their "
+            "geometry")
     info = None
     if isinstance(layout, str) and layout == "geometry":
         maps = {}
         for n, m in source.items():
             try:
-                maps[n] = m if tp == ck.tp else (replicated(m.valid_shape, 1) if tp == 1 else recognize(m).build(tp))
+                maps[n] = m if tp == src_tp else (replicated(m.valid_shape, 1) if tp == 1 else recognize(m).build(tp))
             except ReshardError as e:
                 raise in_context(e, f"parameter {n!r}") from None
         origin = "rebuilt from the source geometry"
@@ -77,10 +83,10 @@ def target_tp_maps(src: Zero12Source, tp: int, layout: TargetLayout) -> tuple[di
         lck = DeepSpeedCheckpoint.open(layout)
         if lck.tp != tp:
             raise ReshardError(f"layout checkpoint {lck.tag_dir} is at TP={lck.tp}, the target is TP={tp}")
-        missing = [n for n in src.names if n not in set(lck.names)]
+        missing = [n for n in names if n not in set(lck.names)]
         if missing:
             raise ReshardError(f"layout checkpoint {lck.tag_dir} has no parameter {missing[0]!r}")
-        maps = {n: lck.tp_map(n).map for n in src.names}
+        maps = {n: lck.tp_map(n).map for n in names}
         info = lck.model_state(0).get("universal_checkpoint_info")
         origin = f"from {lck.tag_dir}"
         return _checked_maps(source, maps, tp), info, origin
@@ -97,7 +103,7 @@ def target_tp_maps(src: Zero12Source, tp: int, layout: TargetLayout) -> tuple[di
         if not isinstance(doc, Mapping) or not all(isinstance(m, ParamMap) for m in doc.values()):
             raise ReshardError("layout must be a checkpoint folder, a map document or {name: ParamMap}")
         maps = {}
-        for n in src.names:
+        for n in names:
             m = _match_map(doc, n)
             if m is None:
                 raise ReshardError(f"layout has no map for parameter {n!r}")

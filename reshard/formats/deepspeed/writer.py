@@ -1,236 +1,235 @@
-"""Write DeepSpeed 0.19.8 ZeRO-1/2 checkpoint files as DeepSpeed itself saves them.
+"""A DeepSpeed 0.19.8 checkpoint at a topology, written from any source, as DeepSpeed itself
+would have saved it there (so ``engine.load_checkpoint`` loads it natively, no universal
+checkpoint involved): ``OUT/<tag>`` and ``OUT/latest``.
 
-Everything here is a pure function of sizes and of the source checkpoint's own dictionaries; no
-tensor data is moved (``reshard.jobs.offline`` does that). What DeepSpeed 0.19.8 does, read from
-``deepspeed/runtime/zero/stage_1_and_2.py`` and ``runtime/engine.py`` and checked against
-checkpoints it saved at TP=1/2 x DP=1..4 (docs/deepspeed-checkpoints.md):
+:class:`DeepSpeedWriter` decides which layout the target takes and refuses, before any output
+folder exists, what it cannot write:
 
-* **Flat buffer, per parameter group and TP rank.** The group's trainable parameters, in
-  ``param_shapes`` order (model order, or the ``round_robin_gradients`` order, which this module
-  does not produce), are laid end to end. With ``zero_optimization.parameter_alignment`` each
-  parameter but the last is followed by zeros up to a multiple of ``16 // element_size`` elements
-  of the training dtype (``param_alignment_paddings``); without it (the default) there is no gap.
-  The whole is zero-padded to a multiple of ``nccl_start_alignment_factor * dp = 2 * dp`` and cut
-  into ``dp`` equal partitions (``get_data_parallel_partitions``; the alignment makes them equal).
-* **``group_paddings[g]``** is the padding inside *this* rank's partition: the partition size if
-  the partition starts at or past the end of the data, the overhang if the end falls inside it,
-  else 0.
-* **``single_partition_of_fp32_groups[g]``** is the fp32 partition without that padding
-  (``_get_groups_without_padding``); **``base_optimizer_state``** is ``torch.optim``'s own
-  ``state_dict()`` over the flat partition (rigid checkpoint), moments padding included.
-* **``param_slice_mappings[g]``**: for each parameter intersecting the partition, in flat order,
-  ``fragment_address(numel, start)`` with ``start`` counted from the start of the partition.
-* **Model states** (one file per TP rank, written by DP rank 0): ``module`` holds the training
-  dtype weights as views into one flat buffer per group in the layout above (so the file stores
-  that buffer once); ``param_shapes`` one ``OrderedDict`` of ``torch.Size`` per group;
-  ``shared_params`` is filled on global rank 0 only; ZeRO-2 writes ``frozen_param_shapes`` and
-  ``frozen_param_fragments`` as empty ``OrderedDict``s where ZeRO-1 writes ``None``; AutoTP at TP=1
-  attaches no ``universal_checkpoint_info``.
+* ZeRO-1/2 at TP x DP (x PP) (``target_zero12``), from a ZeRO-1/2, ZeRO-3 or non-DeepSpeed source;
+* ZeRO-3 at TP x DP (``target_zero3``);
+* AutoEP or classic MoE experts at another EP x DP (``target_experts``), AutoEP under ZeRO-3
+  (``experts_zero3``).
+
+The target's model-parallel maps come from ``target_layout``: the source's TP maps kept, whole at
+TP=1, or from ``layout=`` at another degree. From a DeepSpeed source every file is built on the
+source's own dictionaries (``templates.from_deepspeed``); from any other on those of a fresh ZeRO
+job (``templates.fresh``): moments the source lacks are zeros and Adam's step the source's or 0,
+as a fresh optimizer holds them (said in the report).
 """
 
 from __future__ import annotations
 
-import copy
-import math
-import re
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ...errors import CheckpointError
-from ...ir.param_map import ParamMap, map_to_dict
-from ...layouts.zero import FlatGroup, zero12_group_layout
-from ...storage.safe_load import FragmentAddress, ZeroStageEnum
-from ...storage.torch_zip import Storage, TensorRef
+from ...errors import CheckpointError, ReshardError
+from ...layouts import replicated
+from ...storage.staging import ArchiveJob
+from ..contract import BEST
+from . import templates
+from .target_layout import TargetLayout, layout_sources, target_stage_maps, target_tp_maps
+from .target_zero3 import Zero3Target
+from .target_zero12 import Zero12Target
 
-NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: "4-byte alignment/sizeof(fp16) = 2"
-
-# Keys of a ZeRO-1/2 optimizer_state_dict, in the order DeepSpeed 0.19.8 writes them.
-OSD_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "base_optimizer_state",
-            "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_alignment_paddings",
-            "partition_count", "ds_version", "param_slice_mappings")
-MOMENTS = ("exp_avg", "exp_avg_sq")
+__all__ = ["DeepSpeedWriter"]
 
 
-def model_file(tp_rank: int) -> str:
-    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+def _positive(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ReshardError(f"{what} must be a positive integer, got {value!r}")
+    return value
 
 
-def layer_file(layer: int, tp_rank: int) -> str:
-    """A pipeline module's weights of one layer and TP rank, as ``PipelineModule.ckpt_layer_path``
-    names them over a topology with a model axis (``PipeModelDataParallelTopology``)."""
-    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+class DeepSpeedWriter:
+    format = "deepspeed"
+    latest = "latest"
 
-
-def optim_file(tp_rank: int, dp_rank: int, *, bf16: bool = False) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
-
-
-def param_alignment(dtype: torch.dtype, enabled: bool) -> int:
-    """Per-parameter alignment in elements: ``16 // gcd(16, element_size)`` when
-    ``zero_optimization.parameter_alignment`` is on, else 1."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return 16 // math.gcd(16, size) if enabled else 1
-
-
-def flat_group(names: Sequence[str], shapes: Sequence[Sequence[int]], dp: int, *,
-                 param_align: int = 1) -> FlatGroup:
-    """DeepSpeed 0.19.8's flat layout of one ZeRO-1/2 parameter group over ``dp`` ranks."""
-    if dp < 1:
-        raise CheckpointError(f"dp must be positive, got {dp}")
-    return zero12_group_layout(shapes, dp, alignment=NCCL_START_ALIGNMENT_FACTOR * dp, param_alignment=param_align,
-                               names=names)
-
-
-def slice_mappings(group: FlatGroup, d: int) -> OrderedDict:
-    """``param_slice_mappings`` of partition ``d``: each parameter's fragment address in it."""
-    base = d * group.partition
-    return OrderedDict((group.names[i], FragmentAddress(numel=hi - lo, start=lo - base))
-                       for i, lo, hi in group.fragments(d))
-
-
-def check_source_group(group: FlatGroup, osds: Sequence[Mapping], g: int, where: str) -> None:
-    """Refuse a source whose recorded ZeRO layout is not the one :func:`flat_group` computes
-    (round-robin gradients, another DeepSpeed version): every later step relies on it."""
-    for d, osd in enumerate(osds):
-        got = [(n, int(f.numel), int(f.start)) for n, f in osd["param_slice_mappings"][g].items()]
-        want = [(n, int(f.numel), int(f.start)) for n, f in slice_mappings(group, d).items()]
-        if got != want:
-            diff = next(((a, b) for a, b in zip(got, want) if a != b), (got[len(want):][:1], want[len(got):][:1]))
-            raise CheckpointError(
-                f"{where}: dp rank {d} group {g}: param_slice_mappings differ from DeepSpeed 0.19.8's ZeRO-1/2 "
-                f"flat layout (recorded {diff[0]}, expected {diff[1]}); round_robin_gradients or an unknown "
-                "layout is not supported")
-        if int(osd["group_paddings"][g]) != group.tail_padding(d):
-            raise CheckpointError(f"{where}: dp rank {d} group {g}: group_paddings {osd['group_paddings'][g]}, "
-                                  f"expected {group.tail_padding(d)}")
-        recorded = osd.get("param_alignment_paddings")
-        if recorded is not None and [int(x) for x in recorded[g]] != group.param_paddings():
-            raise CheckpointError(f"{where}: dp rank {d} group {g}: param_alignment_paddings differ from the layout "
-                                  "parameter_alignment implies")
-
-
-# -- dictionaries --------------------------------------------------------------------------------
-
-
-def target_ds_config(cfg: Mapping | None, *, tp: int, dp: int, zero_stage: int) -> dict | None:
-    """The source's ds_config as it would read at the target topology: ZeRO stage, AutoTP size
-    (set when the source had a ``tensor_parallel`` section or the target uses TP), and a
-    ``train_batch_size`` recomputed for the new DP size when one is given."""
-    if cfg is None:
-        return None
-    out = copy.deepcopy(dict(cfg))
-    zo = out.get("zero_optimization")
-    if isinstance(zo, dict):
-        zo["stage"] = zero_stage
-    else:
-        out["zero_optimization"] = {"stage": zero_stage}
-    if "tensor_parallel" in out or tp > 1:
-        out["tensor_parallel"] = {**(out.get("tensor_parallel") or {}), "autotp_size": tp}
-    if "train_batch_size" in out:
-        micro = out.get("train_micro_batch_size_per_gpu")
-        gas = out.get("gradient_accumulation_steps", 1)
-        if isinstance(micro, int) and isinstance(gas, int):
-            out["train_batch_size"] = micro * gas * dp
+    def __init__(self, reader: Any, *, tp: int = 1, dp: int | None = None, pp: int = 1, zero_stage: int | None = None,
+                 ep: int | None = None, layout: TargetLayout = None, dtype: torch.dtype | None = None) -> None:
+        tp, pp = _positive(tp, "tp (--tp)"), _positive(pp, "pp (--pp)")
+        if dp is not None:
+            _positive(dp, "dp (--dp)")
+        if ep is not None:
+            _positive(ep, "ep (--ep)")
+        self.reader, self.tag = reader, reader.tag
+        self.extra_sources = layout_sources(layout)
+        self._notes: list[str] = []
+        self._source: dict[str, int] = {}
+        self.keeps_replicas = False
+        if reader.format == "deepspeed":
+            self._from_deepspeed(reader, tp, dp, pp, zero_stage, ep, layout)
         else:
-            out.pop("train_batch_size")
-    return out
+            self._from_any(reader, tp, dp or 1, pp, zero_stage, ep, layout, dtype)
 
-
-def affine_map_entry(maps: Mapping[str, ParamMap]) -> dict:
-    """``universal_checkpoint_info['affine_map']`` for TP maps: JSON format v1 with int rank keys
-    in memory, keyed ``^escaped\\.name$``, as DeepSpeed's AutoTP publishes it."""
-    params = {}
-    for name, m in maps.items():
-        d = map_to_dict(m)
-        d["ranks"] = {int(k): v for k, v in d["ranks"].items()}
-        params[rf"^{re.escape(name)}$"] = d
-    return {"version": 1, "params": params}
-
-
-def model_states(source: Mapping[str, Any], *, module: Mapping[str, torch.Tensor],
-                 param_shapes: list[OrderedDict], tp: int, dp: int, tp_rank: int, zero_stage: int,
-                 shared_params: Mapping[str, str], uc_info: dict | None, ds_config: dict | None,
-                 empty_params: Mapping[str, torch.Tensor] | None = None, pp: int = 1) -> dict:
-    """One ``mp_rank_XX_model_states.pt`` dict: the source's keys in the source's order, the
-    topology-dependent ones replaced. With ``pp`` stages (a ``deepspeed.pipe`` checkpoint) there
-    is one such file per stage and TP rank (``mp_rank = stage * tp + tp_rank``), and ``module`` is
-    ``None``: the weights are in the layer files."""
-    out: dict[str, Any] = {}
-    for key, value in source.items():
-        if key == "universal_checkpoint_info":
-            continue
-        out[key] = value
-    out["module"] = module
-    out["param_shapes"] = param_shapes
-    out["shared_params"] = dict(shared_params) if tp_rank == 0 else {}
-    # ZeRO-2 records parameters outside the optimizer -- here only zero-element TP shards -- as
-    # frozen ones; ZeRO-1 records nothing
-    empty = empty_params or {}
-    out["frozen_param_shapes"] = OrderedDict((n, t.shape) for n, t in empty.items()) if zero_stage == 2 else None
-    out["frozen_param_fragments"] = OrderedDict(empty.items()) if zero_stage == 2 else None
-    out["dp_world_size"] = dp
-    out["mp_world_size"] = tp * pp
-    dims = dict(source.get("checkpoint_parallel_dimensions") or {})
-    dims.update(pp_degree=pp, tp_degree=tp)
-    out["checkpoint_parallel_dimensions"] = dims
-    if "ds_config" in out:
-        out["ds_config"] = ds_config
-    if uc_info is not None:
-        out["universal_checkpoint_info"] = uc_info
-    return out
-
-
-def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: int,
-                 fp32: Sequence[torch.Tensor | Storage], moments: Sequence[Mapping[str, torch.Tensor | TensorRef]],
-                 zero_stage: int, ds_config: dict | None, uc_info: dict | None) -> dict:
-    """One ``zero_pp_rank_D_mp_rank_XX_optim_states.pt`` dict, built on a source optimizer file's
-    dict (its keys and order, loss scaler, hyper-parameters and ``step``). ``fp32[g]`` and
-    ``moments[g]`` are whole partitions (``groups[g].partition`` elements, padding zero): tensors,
-    or for ``torch_zip.save`` a :class:`~reshard.storage.torch_zip.Storage` and views of one."""
-    src = source["optimizer_state_dict"]
-    base = src["base_optimizer_state"]
-    state = {}
-    for g in range(len(groups)):
-        entry = {}
-        for key, value in base["state"].get(g, {}).items():
-            if key == "step":
-                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            elif key in MOMENTS:
-                entry[key] = moments[g][key]
-            else:
-                raise CheckpointError(f"optimizer state {key!r} of group {g} is not known to move with its "
-                                      "parameters (only step, exp_avg, exp_avg_sq)")
-        if entry:
-            state[g] = entry
-    lean = []  # a view of the padded partition, as DeepSpeed saves it (the file keeps the padding)
-    for g, group in enumerate(groups):
-        n = group.partition - group.tail_padding(d)
-        if isinstance(fp32[g], Storage):  # a placeholder the streamed writer fills: the same tensor
-            lean.append(fp32[g].view((n,), requires_grad=True))
+    # -- which layout --------------------------------------------------------------------------------
+    def _from_deepspeed(self, reader: Any, tp: int, dp: int | None, pp: int, stage: int | None, ep: int | None,
+                        layout: TargetLayout) -> None:
+        ck = reader.ck
+        dp = ck.dp if dp is None else dp
+        source = {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage}
+        if ck.zero_stage == 3 and ck.experts is not None:
+            self._autoep_zero3(ck, tp, dp, pp, stage, ep if ep is not None else ck.experts.ep)
+        elif ep is not None or (ck.zero_stage != 3 and (ck.experts is not None or ck.moe is not None)):
+            self._experts(ck, tp, dp, pp, stage, ep if ep is not None else (ck.experts or ck.moe).ep)
+        elif ck.zero_stage == 3 or stage == 3:
+            self._zero3_route(reader, tp, dp, pp, stage, layout)
         else:
-            lean.append(fp32[g].detach().requires_grad_(True)[:n])
-    osd: dict[str, Any] = {}
-    for key, value in src.items():
-        osd[key] = value
-    osd["base_optimizer_state"] = {"state": state, "param_groups": copy.deepcopy(base["param_groups"])}
-    osd["single_partition_of_fp32_groups"] = lean
-    osd["zero_stage"] = ZeroStageEnum(zero_stage)
-    osd["group_paddings"] = [group.tail_padding(d) for group in groups]
-    osd["param_alignment_paddings"] = [group.param_paddings() for group in groups]
-    osd["partition_count"] = [group.dp for group in groups]
-    osd["param_slice_mappings"] = [slice_mappings(group, d) for group in groups]
-    if "universal_checkpoint_info" in osd:
-        if uc_info is None:
-            del osd["universal_checkpoint_info"]
+            self._zero12_route(reader, tp, dp, pp, stage, layout)
+        if "ep" not in self._source:
+            self._source = source
+        self.keeps_replicas = self._target["tp"] == ck.tp
+
+    def _autoep_zero3(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
+        from .experts_zero3 import AutoEPZero3Source, AutoEPZero3Target, check_autoep_zero3
+
+        stage = 3 if stage is None else stage
+        check_autoep_zero3(ck, ep, dp, tp, pp, stage)
+        src = AutoEPZero3Source(ck)
+        tgt = AutoEPZero3Target(src, ep, dp)
+        tgt.bind(src)
+        self.kind = tgt
+        self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": 3, "ep": ck.experts.ep}
+        self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
+        self._notes += tgt.notes()
+
+    def _experts(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
+        from .target_experts import EXPERT_FILE, AutoEPTarget, ExpertFiles, MoETarget, check_autoep, check_moe
+
+        stage = ck.zero_stage if stage is None else stage
+        if ck.experts is None and ck.zero_stage != 3 and ck.moe is not None:
+            check_moe(ck, ep, dp, tp, pp, stage)
+            tgt = MoETarget(ck, ep, dp)
+            files = [ck.moe.files[k] for k in sorted(ck.moe.files)]
+            source_ep = ck.moe.ep
+            note = f"classic MoE experts at EP {ep} (EDP {tgt.edp}): EP rank e holds experts [e*L, (e+1)*L)"
         else:
-            osd["universal_checkpoint_info"] = uc_info
-    out: dict[str, Any] = {}
-    for key, value in source.items():
-        out[key] = value
-    out["optimizer_state_dict"] = osd
-    if "ds_config" in out:
-        out["ds_config"] = ds_config
-    return out
+            check_autoep(ck, ep, dp, tp, pp, stage)
+            files = sorted(ck.tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
+            want = {EXPERT_FILE.format(layer=p.layer, expert=x) for p in ck.experts.params.values()
+                    for x in range(p.full_shape[0])}
+            missing = sorted(want - {p.name for p in files})
+            if missing:
+                raise CheckpointError(f"{ck.tag_dir}: AutoEP per-expert files missing: {missing[:3]}")
+            tgt = AutoEPTarget(ck, ep, dp)
+            source_ep = ck.experts.ep
+            note = f"AutoEP experts at EP {ep} (EDP {tgt.edp}), uniform placement"
+        self.kind = ExpertFiles(ck, tgt, stage, files)
+        self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": source_ep}
+        self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
+        self._notes.append(note)
+
+    def _zero3_route(self, reader: Any, tp: int, dp: int, pp: int, stage: int | None, layout: TargetLayout) -> None:
+        """ZeRO-3 at either end: a ZeRO-3 source at stage 1, 2 or 3, or a ZeRO-1/2 one at stage 3."""
+        ck = reader.ck
+        stage = ck.zero_stage if stage is None else stage
+        if pp != 1:
+            raise ReshardError(f"{ck.tag_dir}: ZeRO-3 is resharded over TP and DP only (PP=1); got pp={pp}")
+        if ck.zero_stage == 3 and stage not in (1, 2, 3):
+            raise ReshardError(f"{ck.tag_dir}: a ZeRO-3 checkpoint is written at ZeRO stage 1, 2 or 3, not {stage!r}")
+        if ck.zero_stage != 3 and (ck.zero_stage not in (1, 2) or stage != 3):
+            raise ReshardError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage} -> {stage!r} is not written here (ZeRO-1/2 "
+                               "-> ZeRO-3 only)")
+        if ck.zero_stage != 3 and reader.zero12.pipe:
+            raise ReshardError(f"{ck.tag_dir}: only a ZeRO-1/2 checkpoint without pipeline stages is written at "
+                               f"ZeRO stage 3 (this one is TP={ck.tp} x PP={ck.pp})")
+        tpl = templates.from_deepspeed(reader)
+        maps, uc_info, origin = target_tp_maps(ck, tpl.names, tp, layout)
+        uc_info = uc_info if tp > 1 else None
+        if stage == 3:
+            self.kind = Zero3Target(tpl, maps, tp=tp, dp=dp, uc_info=uc_info, where=str(ck.model_files[0]))
+        else:
+            self.kind = Zero12Target(tpl, maps, tp=tp, dp=dp, pp=1, stage=stage, uc_info=uc_info)
+        self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage}
+        self.origin = "none (TP=1)" if tp == 1 and ck.tp == 1 else origin
+        self._notes += [] if tp == 1 and ck.tp == 1 else [f"target TP layout {origin}"]
+        if stage == 3:
+            self._notes += self.kind.notes()
+
+    def _zero12_route(self, reader: Any, tp: int, dp: int, pp: int, stage: int | None, layout: TargetLayout) -> None:
+        ck = reader.ck
+        if ck.zero_stage not in (1, 2):
+            raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage} checkpoints are not supported (only 1 "
+                                  "and 2); convert to a universal checkpoint with `reshard convert` instead")
+        stage = ck.zero_stage if stage is None else stage
+        if stage not in (1, 2):
+            raise ReshardError(f"target ZeRO stage {stage!r} is not supported (only 1 and 2, which share one file "
+                               "format)")
+        src = reader.zero12
+        tpl = templates.from_deepspeed(reader)
+        if src.pipe:
+            maps, uc_info, origin = target_stage_maps(src, tp, pp, layout, stage)
+        else:
+            if pp != 1:
+                raise ReshardError(f"{ck.tag_dir}: not a pipeline (deepspeed.pipe) checkpoint; pp={pp} needs one")
+            maps, uc_info, origin = target_tp_maps(ck, tpl.names, tp, layout)
+        self.kind = Zero12Target(tpl, maps, tp=tp, dp=dp, pp=pp, stage=stage, uc_info=uc_info, pipe=src.pipe,
+                                 layer_files=ck.layer_files, source_ck=ck)
+        self._target = {"tp": tp, "dp": dp, "pp": pp, "zero_stage": stage}
+        self.origin = origin
+        self._notes.append(f"target TP layout {origin}")
+
+    def _from_any(self, reader: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int | None,
+                  layout: TargetLayout, dtype: torch.dtype | None) -> None:
+        """A non-DeepSpeed source: the files of a fresh ZeRO job over its parameters."""
+        where = reader.sources[-1]
+        if pp != 1 or ep is not None:
+            raise ReshardError(f"{where}: a {reader.description} records no pipeline stages or experts; it is "
+                               "written as DeepSpeed at --tp/--dp/--zero-stage only (pp=1, no ep)")
+        stage = 1 if stage is None else stage
+        if stage not in (1, 2, 3):
+            raise ReshardError(f"target ZeRO stage {stage!r} must be 1, 2 or 3")
+        first = reader.names[0]
+        have = reader.states(first)
+        own = reader.dtype(first, next(s for s in BEST if s in have))
+        steps = [reader.step(n) for n in reader.names]
+        step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
+        tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step)
+        if tp == 1:
+            maps = {n: replicated(reader.shape(n), 1) for n in reader.names}
+            origin, uc_info = "whole (TP=1)", None
+        else:
+            if layout is None:
+                raise ReshardError(f"{where}: a {reader.description} does not record how its parameters split over "
+                                   f"TP ranks; TP={tp} needs the layout: pass --layout (a DeepSpeed checkpoint of "
+                                   f"this model saved at TP={tp}, a map document, or 'geometry')")
+            maps, uc_info, origin = target_tp_maps(None, tpl.names, tp, layout,
+                                                   source_maps={n: replicated(reader.shape(n), 1) for n in reader.names})
+        if stage == 3:
+            self.kind = Zero3Target(tpl, maps, tp=tp, dp=dp, uc_info=uc_info, where=str(where))
+        else:
+            self.kind = Zero12Target(tpl, maps, tp=tp, dp=dp, pp=1, stage=stage, uc_info=uc_info)
+        self._source = dict(reader.topology)
+        self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage}
+        self.origin = origin
+        missing = [m for m in ("exp_avg", "exp_avg_sq") if not any(m in reader.states(n) for n in reader.names)]
+        self._notes.append(f"the files of a fresh DeepSpeed ZeRO-{stage} job (DeepSpeed 0.19.8) over the source's "
+                           f"parameters, training dtype {tpl.dtype}, Adam step {int(step)}"
+                           + (f"; {' and '.join(missing)} zero, as a fresh optimizer holds them" if missing else ""))
+
+    # -- the contract ----------------------------------------------------------------------------
+    def targets(self) -> list:
+        return self.kind.targets()
+
+    def tp_index(self, rank: int) -> int:
+        return self.kind.tp_index(rank) if hasattr(self.kind, "tp_index") else 0
+
+    def jobs(self, engine: Any, staging: Any) -> list:
+        kind = self.kind
+        if isinstance(kind, Zero3Target):
+            model = self.reader.ck.model_files[0].stat().st_size if self.reader.format == "deepspeed" else 1 << 16
+            return kind.jobs(engine, staging, ArchiveJob, model)
+        if isinstance(kind, Zero12Target):
+            return kind.jobs(engine, staging, ArchiveJob)
+        if hasattr(kind, "bind"):  # AutoEP under ZeRO-3
+            return kind.jobs(engine, staging, ArchiveJob)
+        return kind.jobs(engine, staging)
+
+    def meta(self) -> dict[str, Any]:
+        out = {"target": "DeepSpeed checkpoint", "source_topology": self._source, "target_topology": self._target}
+        if hasattr(self, "origin"):
+            out["target_tp_layout"] = self.origin
+        return out
+
+    def notes(self) -> list[str]:
+        return list(self._notes)

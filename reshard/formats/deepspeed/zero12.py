@@ -1,22 +1,248 @@
-"""A DeepSpeed ZeRO-1/2 checkpoint as ``reshard reshard`` reads it: its parameter groups per
-model-parallel rank, checked against DeepSpeed 0.19.8's flat-buffer rule (``deepspeed_writer``)
-before anything is written, and each parameter's model-parallel map (a TP map, or for a
-``deepspeed.pipe`` checkpoint a stage map: its TP map on its stage's model-parallel ranks
-``stage * tp + t``, nothing on the other stages').
+"""DeepSpeed 0.19.8 ZeRO-1/2 checkpoint files: read and checked (:class:`Zero12Source`), and the
+dictionaries of the files a target writes (no tensor data moves here; the engine fills them).
+
+A ZeRO-1/2 source, as every route reads it: its parameter groups per model-parallel rank, checked
+against DeepSpeed 0.19.8's flat-buffer rule before anything is written, and each parameter's
+model-parallel map (a TP map, or for a ``deepspeed.pipe`` checkpoint a stage map: its TP map on its
+stage's model-parallel ranks ``stage * tp + t``, nothing on the other stages').
+
+What DeepSpeed 0.19.8 writes, read from ``deepspeed/runtime/zero/stage_1_and_2.py`` and
+``runtime/engine.py`` and checked against checkpoints it saved at TP=1/2 x DP=1..4
+(docs/deepspeed-checkpoints.md):
+
+
+* **Flat buffer, per parameter group and TP rank.** The group's trainable parameters, in
+  ``param_shapes`` order (model order, or the ``round_robin_gradients`` order, which this module
+  does not produce), are laid end to end. With ``zero_optimization.parameter_alignment`` each
+  parameter but the last is followed by zeros up to a multiple of ``16 // element_size`` elements
+  of the training dtype (``param_alignment_paddings``); without it (the default) there is no gap.
+  The whole is zero-padded to a multiple of ``nccl_start_alignment_factor * dp = 2 * dp`` and cut
+  into ``dp`` equal partitions (``get_data_parallel_partitions``; the alignment makes them equal).
+* **``group_paddings[g]``** is the padding inside *this* rank's partition: the partition size if
+  the partition starts at or past the end of the data, the overhang if the end falls inside it,
+  else 0.
+* **``single_partition_of_fp32_groups[g]``** is the fp32 partition without that padding
+  (``_get_groups_without_padding``); **``base_optimizer_state``** is ``torch.optim``'s own
+  ``state_dict()`` over the flat partition (rigid checkpoint), moments padding included.
+* **``param_slice_mappings[g]``**: for each parameter intersecting the partition, in flat order,
+  ``fragment_address(numel, start)`` with ``start`` counted from the start of the partition.
+* **Model states** (one file per TP rank, written by DP rank 0): ``module`` holds the training
+  dtype weights as views into one flat buffer per group in the layout above (so the file stores
+  that buffer once); ``param_shapes`` one ``OrderedDict`` of ``torch.Size`` per group;
+  ``shared_params`` is filled on global rank 0 only; ZeRO-2 writes ``frozen_param_shapes`` and
+  ``frozen_param_fragments`` as empty ``OrderedDict``s where ZeRO-1 writes ``None``; AutoTP at TP=1
+  attaches no ``universal_checkpoint_info``.
 """
 
 from __future__ import annotations
 
+import copy
+import math
+import re
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
 
 from ...errors import CheckpointError
-from ...ir.param_map import ParamMap
+from ...ir.param_map import ParamMap, map_to_dict
 from ...ir.piece import prod
 from ...layouts.topology import Topology
-from . import writer as dsw
+from ...layouts.zero import FlatGroup, zero12_group_layout
+from ...storage.safe_load import FragmentAddress, ZeroStageEnum
+from ...storage.torch_zip import Storage, TensorRef
 from .checkpoint import DeepSpeedCheckpoint
 
-__all__ = ["Zero12Source"]
+NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: "4-byte alignment/sizeof(fp16) = 2"
+
+# Keys of a ZeRO-1/2 optimizer_state_dict, in the order DeepSpeed 0.19.8 writes them.
+OSD_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "base_optimizer_state",
+            "single_partition_of_fp32_groups", "zero_stage", "group_paddings", "param_alignment_paddings",
+            "partition_count", "ds_version", "param_slice_mappings")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def model_file(tp_rank: int) -> str:
+    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+
+
+def layer_file(layer: int, tp_rank: int) -> str:
+    """A pipeline module's weights of one layer and TP rank, as ``PipelineModule.ckpt_layer_path``
+    names them over a topology with a model axis (``PipeModelDataParallelTopology``)."""
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def optim_file(tp_rank: int, dp_rank: int, *, bf16: bool = False) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
+
+
+def param_alignment(dtype: torch.dtype, enabled: bool) -> int:
+    """Per-parameter alignment in elements: ``16 // gcd(16, element_size)`` when
+    ``zero_optimization.parameter_alignment`` is on, else 1."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return 16 // math.gcd(16, size) if enabled else 1
+
+
+def flat_group(names: Sequence[str], shapes: Sequence[Sequence[int]], dp: int, *,
+                 param_align: int = 1) -> FlatGroup:
+    """DeepSpeed 0.19.8's flat layout of one ZeRO-1/2 parameter group over ``dp`` ranks."""
+    if dp < 1:
+        raise CheckpointError(f"dp must be positive, got {dp}")
+    return zero12_group_layout(shapes, dp, alignment=NCCL_START_ALIGNMENT_FACTOR * dp, param_alignment=param_align,
+                               names=names)
+
+
+def slice_mappings(group: FlatGroup, d: int) -> OrderedDict:
+    """``param_slice_mappings`` of partition ``d``: each parameter's fragment address in it."""
+    base = d * group.partition
+    return OrderedDict((group.names[i], FragmentAddress(numel=hi - lo, start=lo - base))
+                       for i, lo, hi in group.fragments(d))
+
+
+def check_source_group(group: FlatGroup, osds: Sequence[Mapping], g: int, where: str) -> None:
+    """Refuse a source whose recorded ZeRO layout is not the one :func:`flat_group` computes
+    (round-robin gradients, another DeepSpeed version): every later step relies on it."""
+    for d, osd in enumerate(osds):
+        got = [(n, int(f.numel), int(f.start)) for n, f in osd["param_slice_mappings"][g].items()]
+        want = [(n, int(f.numel), int(f.start)) for n, f in slice_mappings(group, d).items()]
+        if got != want:
+            diff = next(((a, b) for a, b in zip(got, want) if a != b), (got[len(want):][:1], want[len(got):][:1]))
+            raise CheckpointError(
+                f"{where}: dp rank {d} group {g}: param_slice_mappings differ from DeepSpeed 0.19.8's ZeRO-1/2 "
+                f"flat layout (recorded {diff[0]}, expected {diff[1]}); round_robin_gradients or an unknown "
+                "layout is not supported")
+        if int(osd["group_paddings"][g]) != group.tail_padding(d):
+            raise CheckpointError(f"{where}: dp rank {d} group {g}: group_paddings {osd['group_paddings'][g]}, "
+                                  f"expected {group.tail_padding(d)}")
+        recorded = osd.get("param_alignment_paddings")
+        if recorded is not None and [int(x) for x in recorded[g]] != group.param_paddings():
+            raise CheckpointError(f"{where}: dp rank {d} group {g}: param_alignment_paddings differ from the layout "
+                                  "parameter_alignment implies")
+
+
+# -- dictionaries --------------------------------------------------------------------------------
+
+
+def target_ds_config(cfg: Mapping | None, *, tp: int, dp: int, zero_stage: int) -> dict | None:
+    """The source's ds_config as it would read at the target topology: ZeRO stage, AutoTP size
+    (set when the source had a ``tensor_parallel`` section or the target uses TP), and a
+    ``train_batch_size`` recomputed for the new DP size when one is given."""
+    if cfg is None:
+        return None
+    out = copy.deepcopy(dict(cfg))
+    zo = out.get("zero_optimization")
+    if isinstance(zo, dict):
+        zo["stage"] = zero_stage
+    else:
+        out["zero_optimization"] = {"stage": zero_stage}
+    if "tensor_parallel" in out or tp > 1:
+        out["tensor_parallel"] = {**(out.get("tensor_parallel") or {}), "autotp_size": tp}
+    if "train_batch_size" in out:
+        micro = out.get("train_micro_batch_size_per_gpu")
+        gas = out.get("gradient_accumulation_steps", 1)
+        if isinstance(micro, int) and isinstance(gas, int):
+            out["train_batch_size"] = micro * gas * dp
+        else:
+            out.pop("train_batch_size")
+    return out
+
+
+def affine_map_entry(maps: Mapping[str, ParamMap]) -> dict:
+    """``universal_checkpoint_info['affine_map']`` for TP maps: JSON format v1 with int rank keys
+    in memory, keyed ``^escaped\\.name$``, as DeepSpeed's AutoTP publishes it."""
+    params = {}
+    for name, m in maps.items():
+        d = map_to_dict(m)
+        d["ranks"] = {int(k): v for k, v in d["ranks"].items()}
+        params[rf"^{re.escape(name)}$"] = d
+    return {"version": 1, "params": params}
+
+
+def model_states(source: Mapping[str, Any], *, module: Mapping[str, torch.Tensor],
+                 param_shapes: list[OrderedDict], tp: int, dp: int, tp_rank: int, zero_stage: int,
+                 shared_params: Mapping[str, str], uc_info: dict | None, ds_config: dict | None,
+                 empty_params: Mapping[str, torch.Tensor] | None = None, pp: int = 1) -> dict:
+    """One ``mp_rank_XX_model_states.pt`` dict: the source's keys in the source's order, the
+    topology-dependent ones replaced. With ``pp`` stages (a ``deepspeed.pipe`` checkpoint) there
+    is one such file per stage and TP rank (``mp_rank = stage * tp + tp_rank``), and ``module`` is
+    ``None``: the weights are in the layer files."""
+    out: dict[str, Any] = {}
+    for key, value in source.items():
+        if key == "universal_checkpoint_info":
+            continue
+        out[key] = value
+    out["module"] = module
+    out["param_shapes"] = param_shapes
+    out["shared_params"] = dict(shared_params) if tp_rank == 0 else {}
+    # ZeRO-2 records parameters outside the optimizer -- here only zero-element TP shards -- as
+    # frozen ones; ZeRO-1 records nothing
+    empty = empty_params or {}
+    out["frozen_param_shapes"] = OrderedDict((n, t.shape) for n, t in empty.items()) if zero_stage == 2 else None
+    out["frozen_param_fragments"] = OrderedDict(empty.items()) if zero_stage == 2 else None
+    out["dp_world_size"] = dp
+    out["mp_world_size"] = tp * pp
+    dims = dict(source.get("checkpoint_parallel_dimensions") or {})
+    dims.update(pp_degree=pp, tp_degree=tp)
+    out["checkpoint_parallel_dimensions"] = dims
+    if "ds_config" in out:
+        out["ds_config"] = ds_config
+    if uc_info is not None:
+        out["universal_checkpoint_info"] = uc_info
+    return out
+
+
+def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: int,
+                 fp32: Sequence[torch.Tensor | Storage], moments: Sequence[Mapping[str, torch.Tensor | TensorRef]],
+                 zero_stage: int, ds_config: dict | None, uc_info: dict | None) -> dict:
+    """One ``zero_pp_rank_D_mp_rank_XX_optim_states.pt`` dict, built on a source optimizer file's
+    dict (its keys and order, loss scaler, hyper-parameters and ``step``). ``fp32[g]`` and
+    ``moments[g]`` are whole partitions (``groups[g].partition`` elements, padding zero): tensors,
+    or for ``torch_zip.save`` a :class:`~reshard.storage.torch_zip.Storage` and views of one."""
+    src = source["optimizer_state_dict"]
+    base = src["base_optimizer_state"]
+    state = {}
+    for g in range(len(groups)):
+        entry = {}
+        for key, value in base["state"].get(g, {}).items():
+            if key == "step":
+                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            elif key in MOMENTS:
+                entry[key] = moments[g][key]
+            else:
+                raise CheckpointError(f"optimizer state {key!r} of group {g} is not known to move with its "
+                                      "parameters (only step, exp_avg, exp_avg_sq)")
+        if entry:
+            state[g] = entry
+    lean = []  # a view of the padded partition, as DeepSpeed saves it (the file keeps the padding)
+    for g, group in enumerate(groups):
+        n = group.partition - group.tail_padding(d)
+        if isinstance(fp32[g], Storage):  # a placeholder the streamed writer fills: the same tensor
+            lean.append(fp32[g].view((n,), requires_grad=True))
+        else:
+            lean.append(fp32[g].detach().requires_grad_(True)[:n])
+    osd: dict[str, Any] = {}
+    for key, value in src.items():
+        osd[key] = value
+    osd["base_optimizer_state"] = {"state": state, "param_groups": copy.deepcopy(base["param_groups"])}
+    osd["single_partition_of_fp32_groups"] = lean
+    osd["zero_stage"] = ZeroStageEnum(zero_stage)
+    osd["group_paddings"] = [group.tail_padding(d) for group in groups]
+    osd["param_alignment_paddings"] = [group.param_paddings() for group in groups]
+    osd["partition_count"] = [group.dp for group in groups]
+    osd["param_slice_mappings"] = [slice_mappings(group, d) for group in groups]
+    if "universal_checkpoint_info" in osd:
+        if uc_info is None:
+            del osd["universal_checkpoint_info"]
+        else:
+            osd["universal_checkpoint_info"] = uc_info
+    out: dict[str, Any] = {}
+    for key, value in source.items():
+        out[key] = value
+    out["optimizer_state_dict"] = osd
+    if "ds_config" in out:
+        out["ds_config"] = ds_config
+    return out
 
 
 class Zero12Source:
@@ -68,7 +294,7 @@ class Zero12Source:
             raise CheckpointError(f"{ck.model_files[0]}: the module state holds none of the optimized parameters")
         self.dtype = first.dtype
         self.param_alignment_enabled = bool(zo.get("parameter_alignment", False))
-        self.param_align = dsw.param_alignment(self.dtype, self.param_alignment_enabled)
+        self.param_align = param_alignment(self.dtype, self.param_alignment_enabled)
         self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
         self._check_groups()
         self._check_rest(ms0)
@@ -94,8 +320,8 @@ class Zero12Source:
                                           f"the model states record {self.n_groups}")
             for g in range(self.n_groups):
                 names, shapes = list(self.groups[t][g]), list(self.groups[t][g].values())
-                group = dsw.flat_group(names, shapes, ck.dp, param_align=self.param_align)
-                dsw.check_source_group(group, osds, g, f"{ck.tag_dir} (tp rank {t})")
+                group = flat_group(names, shapes, ck.dp, param_align=self.param_align)
+                check_source_group(group, osds, g, f"{ck.tag_dir} (tp rank {t})")
                 for d in range(ck.dp):
                     lean = ck.osd(t, d)["single_partition_of_fp32_groups"][g].numel()
                     want = group.partition - group.tail_padding(d)

@@ -16,7 +16,7 @@ DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
           torch.bool: "BOOL"}
 
 
-class SafetensorsWriter:
+class SafetensorsFile:
     """Writes to ``path`` (a file it creates) or to an open binary file (which the caller closes)."""
 
     def __init__(self, path: Path | BinaryIO, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
@@ -47,18 +47,32 @@ class SafetensorsWriter:
     def write_fill(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    fill: Callable[[torch.Tensor, int], None], chunk_bytes: int = 16 << 20) -> None:
         """Write tensor ``name`` window by window: ``fill(out, start)`` puts elements ``start`` on
-        into the zeroed 1-D ``out`` (as ``torch_zip`` sources do); memory is one window."""
+        into the 1-D ``out`` (as ``torch_zip`` sources do; windows a ``WindowFill`` can hand over as
+        its sources' own slices are written from them, a mapped file's by the kernel); memory is
+        one window."""
+        from ...execute.memory import release
+        from ...storage.torch_zip import Storage, filled
+
         want = self.expected[self.index]
         if (name, tuple(shape), dtype) != want:
             raise ValueError(f"safetensors writer expected {want}, got {name} {tuple(shape)} {dtype}")
         self.index += 1
-        numel = torch.Size(shape).numel()
-        buf = torch.empty(max(1, min(numel, chunk_bytes // dtype.itemsize)), dtype=dtype)
-        for start in range(0, numel, buf.numel()):
-            out = buf[:min(buf.numel(), numel - start)]
-            out.zero_()
-            fill(out, start)
-            self.f.write(memoryview(out.view(torch.uint8).numpy()).cast("B"))
+        storage = Storage(dtype, torch.Size(shape).numel(), fill, label=name)
+        buffers: list[torch.Tensor] = []
+
+        def buffer(i: int, nbytes: int) -> torch.Tensor:
+            while len(buffers) <= i % 2:
+                buffers.append(torch.empty(0, dtype=torch.uint8))
+            if buffers[i % 2].numel() < nbytes:
+                buffers[i % 2] = torch.empty(nbytes, dtype=torch.uint8)
+            return buffers[i % 2][:nbytes]
+
+        for chunk, mapped in filled(storage, fill, 0, storage.numel, chunk_bytes, buffer):
+            if isinstance(chunk, torch.Tensor):
+                chunk = memoryview(chunk.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+            self.f.write(chunk)
+            if mapped is not None:
+                release(mapped)
 
     def close(self) -> None:
         if self.index != len(self.expected):

@@ -1,26 +1,29 @@
-"""Offline resharding of a DeepSpeed checkpoint with experts (ZeRO-1/2, TP = PP = 1) to another
-expert-parallel (EP) degree and world size, as DeepSpeed 0.19.8 saves it there (issue #12).
+"""DeepSpeed checkpoints with experts (ZeRO-1/2, TP = PP = 1) at another expert-parallel (EP)
+degree and world size, as DeepSpeed 0.19.8 saves them there: AutoEP's fused experts and classic
+``deepspeed.moe.layer.MoE`` experts.
 
-The machinery is shared by AutoEP (here) and classic ``deepspeed.moe.layer.MoE`` experts
-(``reshard.jobs.offline_moe``): an :class:`ExpertTarget` says where each expert parameter lives at the
-target, and :func:`write` plans and streams the files. Each expert parameter's source composite
--- its placement map over EP ranks composed with every EP rank's ZeRO split over its
-expert-data-parallel (EDP) group (``formats.deepspeed_experts`` / ``deepspeed_moe``) -- is planned
-against the target's composite built the same way at the target EP / EDP, so every expert's fp32
-master and both Adam moments move with it. Dense parameters are planned between their ZeRO splits
-over all DP ranks, as ``reshard.jobs.offline`` does at TP = 1. The optimizer partitions are streamed
-from the plans' segments (``execute.WindowFill``).
+An :class:`ExpertTarget` says where each expert parameter lives at the target, and
+:class:`ExpertFiles` lays out the files. Each expert parameter's target composite -- its placement
+map over the target EP ranks composed with every EP rank's ZeRO split over its expert-data-parallel
+(EDP) group -- is a slot of each DP rank's optimizer partition of the expert group, so every
+expert's fp32 master and both Adam moments move with it; dense parameters are split over all DP
+ranks, as ZeRO-1/2 at TP = 1 splits them.
 
-AutoEP: the experts are placed as AutoEP places them at the target EP
-(``legacy_uniform_autoep_placement_descriptor``: EP rank ``e`` holds experts ``[e * L, (e + 1) *
-L)``, ``L = num_experts / ep``). What DeepSpeed writes at the target
-(docs/deepspeed-checkpoints.md §11): the per-expert files
-``layer_L_expert_E_mp_rank_00_model_states.pt`` (independent of EP: copied); one
-``mp_rank_00_model_states.pt`` whose ``param_shapes`` give the expert group EP-local shapes and
-whose ``ds_autoep_layers`` (also in ``universal_checkpoint_info``) describe EP rank 0's view at
-the target EP; one optimizer file per DP rank, the expert group partitioned over its EDP group
-(``partition_count`` ``[dp, edp]``). Optimizer ``param_groups`` are the source's, as DeepSpeed
-keeps them across ``load_universal`` (the expert group keeps its name, e.g. ``ep_size_2``).
+AutoEP places experts uniformly at the target (``legacy_uniform_autoep_placement_descriptor``: EP
+rank ``e`` holds experts ``[e * L, (e + 1) * L)``, ``L = num_experts / ep``). What DeepSpeed writes
+(docs/deepspeed-checkpoints.md §11): the per-expert files ``layer_L_expert_E_mp_rank_00_model_states.pt``
+(independent of EP: copied); one ``mp_rank_00_model_states.pt`` whose ``param_shapes`` give the
+expert group EP-local shapes and whose ``ds_autoep_layers`` (also in ``universal_checkpoint_info``)
+describe EP rank 0's view at the target EP; one optimizer file per DP rank, the expert group
+partitioned over its EDP group (``partition_count`` ``[dp, edp]``). Optimizer ``param_groups`` are
+the source's, as DeepSpeed keeps them across ``load_universal``.
+
+Classic MoE (§12): EP rank ``e`` holds global experts ``[e * L, (e + 1) * L)`` under the *local*
+names ``<prefix>.deepspeed_experts.<j>.<sub>``; each global expert parameter is one parameter of F,
+whose target map is all of F on EP rank ``x // L``, composed with the target EDP split of the local
+name ``x % L``. The optimizer group of the experts is named ``ep_size_<ep>``: DeepSpeed's ZeRO-1/2
+``load_state_dict`` hands the saved ``param_groups`` to ``torch.optim``, which replaces the live
+groups' ``name``, and ``stage_1_and_2`` looks the expert process groups up by that name.
 """
 
 from __future__ import annotations
@@ -28,27 +31,25 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import __version__
-from ..errors import CheckpointError, ReshardError, in_context
-from ..execute.local import WindowFill
-from ..formats.deepspeed import experts as dse
-from ..formats.deepspeed import writer as dsw
-from ..formats.deepspeed.checkpoint import SCALE_POWER, STATES, DeepSpeedCheckpoint
-from ..ir.param_map import ParamMap
-from ..layouts import autoep_placement, compose_zero
-from ..layouts.topology import Topology
-from ..layouts.zero import FlatGroup
-from ..plan.planner import Planner
-from ..plan.values import Segment
-from ..storage.torch_zip import Storage, save
-from .cluster import Cluster, commit, open_staging, run_share
-from .reports import ReshardReport, written
-from .workers import run_with_progress
+from ...errors import CheckpointError, ReshardError
+from ...ir.param_map import ParamMap
+from ...ir.piece import row_major_strides
+from ...layouts import autoep_placement, compose_zero, replicated
+from ...layouts.topology import Topology
+from ...layouts.zero import FlatGroup
+from ...storage.torch_zip import save
+from ..contract import MOMENTS, OPTIMIZER, Buffer, Slot, Target
+from . import experts as dse
+from . import zero12 as dsw
+from .checkpoint import DeepSpeedCheckpoint
+from .moe import LOCAL_RE, _param_groups
+
+__all__ = ["AutoEPTarget", "ExpertFiles", "MoETarget", "check_autoep", "check_moe", "ds_affine_entry",
+           "uniform_placement"]
 
 EXPERT_FILE = "layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
 
@@ -60,19 +61,12 @@ def uniform_placement(num_experts: int, ep: int) -> dict:
             "ranks": [{"rank": e, "experts": list(range(e * local, (e + 1) * local))} for e in range(ep)]}
 
 
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    out = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        out[i] = out[i + 1] * shape[i + 1]
-    return out
-
-
 def ds_affine_entry(desc: dict, full_shape: tuple[int, ...]) -> dict:
     """A placement's ``affine_maps`` entry exactly as DeepSpeed writes it
     (``autoep_placement_to_affine_map(...).to_dict()``): one piece per run of consecutive experts
     on one holder, full-rank strides, not the canonical (dimension-merged) form reshard keeps."""
     full_shape = tuple(int(x) for x in full_shape)
-    rest, per = full_shape[1:], _strides(full_shape)[0] if full_shape else 1
+    rest, per = full_shape[1:], list(row_major_strides(full_shape))[0] if full_shape else 1
     holders: dict[int, list[int]] = {}
     for r in desc["ranks"]:
         for x in r["experts"]:
@@ -85,8 +79,8 @@ def ds_affine_entry(desc: dict, full_shape: tuple[int, ...]) -> dict:
             if j < len(experts) and experts[j] == experts[j - 1] + 1 and holders[experts[j]] == holders[experts[j - 1]] \
                     and len(holders[experts[j]]) == 1:
                 continue
-            pieces.append({"shape": [j - start, *rest], "source": [experts[start] * per, _strides(full_shape)],
-                           "dest": [start * per, _strides(shard)], "locations": sorted(holders[experts[start]])})
+            pieces.append({"shape": [j - start, *rest], "source": [experts[start] * per, list(row_major_strides(full_shape))],
+                           "dest": [start * per, list(row_major_strides(shard))], "locations": sorted(holders[experts[start]])})
             start = j
         ranks[r["rank"]] = {"shard_shape": list(shard), "pieces": pieces}
     return {"logical_shape": list(full_shape), "ranks": ranks}
@@ -174,7 +168,7 @@ class ExpertTarget:
         return comp.with_ranks({k * self.ep + e: self.ax.members(e)[k] for e in m.ranks for k in range(self.edp)})
 
 
-class _AutoEPTarget(ExpertTarget):
+class AutoEPTarget(ExpertTarget):
     def __init__(self, ck: DeepSpeedCheckpoint, ep: int, dp: int) -> None:
         self.placements: dict[int, dict] = {}  # moe layer -> descriptor
         self.maps: dict[str, ParamMap] = {}  # expert name -> placement map over target EP ranks
@@ -233,7 +227,7 @@ def check_target(ck: DeepSpeedCheckpoint, what: str, ep: int, dp: int, tp: int, 
         raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
 
 
-def _check(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
+def check_autoep(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
     ax = ck.experts
     if ax is None:
         raise ReshardError(f"{ck.model_files[0]}: ep= needs an AutoEP checkpoint (ds_autoep_layers) or a classic MoE "
@@ -250,60 +244,135 @@ def _check(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: i
     ck.check_steps()
 
 
-class _Writer:
-    def __init__(self, ck: DeepSpeedCheckpoint, tgt: ExpertTarget, staging: Any, stage: int) -> None:
-        self.ck, self.tgt, self.staging, self.stage = ck, tgt, staging, stage
+
+
+def _split(name: str) -> tuple[str, int, str]:
+    m = LOCAL_RE.match(name)
+    if m is None:  # deepspeed_moe.read only admits names that match
+        raise CheckpointError(f"internal: {name!r} is not a classic MoE expert parameter name")
+    return m["prefix"], int(m["local"]), m["sub"]
+
+
+class MoETarget(ExpertTarget):
+    """Classic MoE experts at EP ``ep`` x world ``dp``: EP rank ``e`` holds ``[e * L, (e + 1) * L)``."""
+
+    def __init__(self, ck: DeepSpeedCheckpoint, ep: int, dp: int) -> None:
+        ax, path = ck.moe, ck.model_files[0]
+        counts = ck.model_state(0)["num_experts"]
+        self.layout: dict[int, dict[str, list[str]]] = {}  # group -> prefix -> subs, in model order
+        self.local: dict[str, int] = {}  # prefix -> local experts per EP rank at the target
+        self.src_local: dict[str, int] = {}  # ... and at the source
+        for p in ax.params.values():
+            prefix, _, sub = _split(p.name)
+            subs = self.layout.setdefault(p.group, {}).setdefault(prefix, [])
+            if sub not in subs:
+                subs.append(sub)
+            self.local[prefix], self.src_local[prefix] = counts[p.layer] // ep, counts[p.layer] // ax.ep
+        src_groups = _param_groups(ck.model_state(0), path)
+        for g, by_prefix in self.layout.items():  # the target's order is the source's at another L
+            src_order = [f"{prefix}.{j}.{sub}" for prefix, subs in by_prefix.items()
+                         for j in range(self.src_local[prefix]) for sub in subs]
+            if list(src_groups[g]) != src_order:
+                raise CheckpointError(f"{path}: param_shapes group {g} does not list the experts in DeepSpeed's model "
+                                      f"order (MoE layer, local expert, parameter); cannot tell the target order")
+        self.slots: dict[str, tuple[int, int]] = {}
+        self.fills: dict[tuple[int, int, int], str] = {}  # (group, position, target EP rank) -> global name
+        super().__init__(ck, ax, ep, dp)
+        for g in self.layout:
+            position = {n: i for i, n in enumerate(self.groups[g].names)}
+            for name, p in ax.params.items():
+                if p.group != g:
+                    continue
+                prefix, x, sub = _split(name)
+                i = position[f"{prefix}.{x % self.local[prefix]}.{sub}"]
+                self.slots[name] = (g, i)
+                self.fills[(g, i, x // self.local[prefix])] = name
+
+    def expert_group(self, g: int) -> tuple[list[str], list[tuple[int, ...]]]:
+        names = [f"{prefix}.{j}.{sub}" for prefix, subs in self.layout[g].items()
+                 for j in range(self.local[prefix]) for sub in subs]
+        return names, [self.src_groups[g][f"{prefix}.0.{sub}"] for prefix, subs in self.layout[g].items()
+                       for _ in range(self.local[prefix]) for sub in subs]
+
+    def expert_names(self) -> list[str]:
+        return list(self.slots)
+
+    def expert_slot(self, name: str) -> tuple[int, int]:
+        return self.slots[name]
+
+    def expert_map(self, name: str) -> ParamMap:
+        p = self.src.params[name]
+        return replicated(p.shape, [p.expert // self.local[_split(name)[0]]])
+
+    def fill_name(self, g: int, i: int, d: int) -> str:
+        if g not in self.src.groups:
+            return self.groups[g].names[i]
+        return self.fills[(g, i, self.ep_of[d])]
+
+    def src_slot(self, name: str) -> tuple[int, str]:
+        p = self.src.params.get(name)
+        return (p.group, p.local) if p is not None else super().src_slot(name)
+
+    def param_groups(self, groups: list[dict]) -> list[dict]:
+        out = list(groups)
+        for g in self.src.groups:
+            out[g] = {**groups[g], "name": f"ep_size_{self.ep}"}
+        return out
+
+
+def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
+    ax, path = ck.moe, ck.model_files[0]
+    check_target(ck, "classic MoE", ep, dp, tp, pp, stage)
+    counts = ck.model_state(0)["num_experts"]
+    for p in ax.params.values():
+        if counts[p.layer] % ep:
+            raise ReshardError(f"{path}: MoE layer {p.layer} ({_split(p.name)[0]}): {counts[p.layer]} experts do not "
+                               f"split evenly over ep={ep}")
+    try:
+        groups = ck.optim_state(0, 0)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{ck.optim_files[(0, 0)]}: no optimizer param_groups ({e!r})") from None
+    for g in sorted(ax.groups):
+        group = groups[g] if g < len(groups) and isinstance(groups[g], dict) else {}
+        if not group.get("moe") or group.get("name") != f"ep_size_{ax.ep}":
+            raise CheckpointError(f"{ck.optim_files[(0, 0)]}: optimizer group {g} holds the experts but is not "
+                                  f"DeepSpeed's MoE group (moe: True, name 'ep_size_{ax.ep}'): "
+                                  f"{ {k: group.get(k) for k in ('name', 'moe')} }")
+    ck.check_steps()
+
+
+class ExpertFiles:
+    """The files of an expert checkpoint at the target ``tgt`` (ZeRO stage ``stage``): one
+    optimizer file per DP rank, the model states, and the per-expert files copied."""
+
+    def __init__(self, ck: DeepSpeedCheckpoint, tgt: ExpertTarget, stage: int, expert_files: list) -> None:
+        self.ck, self.tgt, self.stage, self.expert_files = ck, tgt, stage, expert_files
         ms0 = ck.model_state(0)
         self.ds_config = tgt.ds_config(dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=tgt.dp, zero_stage=stage))
-        self.src_maps = {n: ck.composite_map(n, ck.tp_map(n).map) for n in tgt.names}
-        self.plans: dict[str, dict[int, list[Segment]]] = {}
-        self.segments = 0
-        self.read = 0
+        self._composites = {n: tgt.composite(n) for n in tgt.names}
 
-    def plan_all(self) -> None:
-        planner = Planner()
-        for name, src in self.src_maps.items():
-            try:
-                p = planner.plan(src, self.tgt.composite(name))
-            except ReshardError as e:
-                raise in_context(e, f"parameter {name!r}") from None
-            self.plans[name] = {}
-            for s in p.segments:
-                self.plans[name].setdefault(s.dst_rank, []).append(s)
-            self.segments += len(p.segments)
+    def targets(self) -> list[Target]:
+        return [Target(n, (s,), self._composites[n]) for n in self.tgt.names for s in OPTIMIZER]
 
-    def _fill(self, parts: list[tuple[int, Segment, str]], state: str) -> WindowFill:
-        ck = self.ck
-
-        def fragment(s: Segment, name: str) -> torch.Tensor:
-            g, key = self.tgt.src_slot(name)
-            start = int(ck.osd(0, s.src_rank)["param_slice_mappings"][g][key].start)
-            return ck.flat_state(0, s.src_rank, g, state).narrow(0, start, self.src_maps[name].shards[s.src_rank].numel)
-
-        return WindowFill([(off, s, lambda s=s, n=n: fragment(s, n)) for off, s, n in parts],
-                          scale_power=SCALE_POWER[state])
-
-    def optim(self, d: int) -> None:
+    def optim(self, engine: Any, staging: Any, d: int) -> None:
         """Target DP rank ``d``'s optimizer file: the dense group's partition ``d``, the expert
         group's partition of ``d``'s EDP rank."""
         tgt = self.tgt
+        bf16 = any(p.name.startswith("bf16_") for p in self.ck.optim_files.values())  # as the source names them
+        rel = dsw.optim_file(0, d, bf16=bf16)
         fp32, moments, qs = [], [], []
         for g, grp in enumerate(tgt.groups):
             q = tgt.partition_of(g, d)
             qs.append(q)
-            parts = []
-            for i, lo, hi in grp.fragments(q):
+            slots = []
+            for i, lo, _ in grp.fragments(q):
                 name = tgt.fill_name(g, i, d)
-                segs = self.plans[name].get(d, [])
-                if sum(s.numel for s in segs) != hi - lo:
-                    raise CheckpointError(f"internal: plan for {name!r} fills {sum(s.numel for s in segs)} "
-                                          f"of {hi - lo} elements of target rank {d}")
-                parts += [(lo - q * grp.partition, s, name) for s in segs]
-                self.read += len(STATES) * (hi - lo)
-            flats = {st: Storage(torch.float32, grp.partition, self._fill(parts, st), label=f"{st} of group {g}")
-                     for st in STATES}
+                slots.append((lo - q * grp.partition, name))
+            flats = {st: engine.storage(Buffer(f"{rel}:{st}:{g}", torch.float32, grp.partition,
+                                               tuple(Slot(off, n, (st,), self._composites[n], d) for off, n in slots)))
+                     for st in OPTIMIZER}
             fp32.append(flats["fp32"])
-            moments.append({k: flats[k].view((grp.partition,)) for k in dsw.MOMENTS})
+            moments.append({k: flats[k].view((grp.partition,)) for k in MOMENTS})
         obj = dsw.optim_states(self.ck.optim_state(0, 0), groups=tgt.groups, d=d, fp32=fp32, moments=moments,
                                zero_stage=self.stage, ds_config=self.ds_config, uc_info=None)
         osd = obj["optimizer_state_dict"]
@@ -314,11 +383,10 @@ class _Writer:
             osd["param_slice_mappings"][g] = dsw.slice_mappings(grp, q)
             osd["single_partition_of_fp32_groups"][g] = fp32[g].view((grp.partition - grp.tail_padding(q),),
                                                                      requires_grad=True)
-        bf16 = any(p.name.startswith("bf16_") for p in self.ck.optim_files.values())  # as the source names them
-        with self.staging.open(dsw.optim_file(0, d, bf16=bf16)) as f:
+        with staging.open(rel) as f:
             save(obj, f)
 
-    def model(self) -> None:
+    def model(self, staging: Any) -> None:
         """``mp_rank_00_model_states.pt``: the source's, with the target's expert group in
         ``param_shapes`` (EP rank 0's), topology and whatever else the target replaces."""
         ck, tgt = self.ck, self.tgt
@@ -331,56 +399,14 @@ class _Writer:
                                dp=tgt.dp, tp_rank=0, zero_stage=self.stage, shared_params=ms0.get("shared_params") or {},
                                uc_info=uc, ds_config=self.ds_config)
         obj.update(extras)
-        with self.staging.open(dsw.model_file(0)) as f:
+        with staging.open(dsw.model_file(0)) as f:
             save(obj, f)
 
-
-def write(ck: DeepSpeedCheckpoint, out_dir: str | Path, tgt: ExpertTarget, *, stage: int, expert_files: list[Path],
-          source_ep: int, note: str, workers: int, overwrite: bool, progress: Callable[[int, int], None] | bool | None,
-          checksum: str, cluster: Cluster | None) -> ReshardReport:
-    """Plan and write ``tgt``'s files (the per-expert ones copied) into ``out_dir/<tag>``."""
-    cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.tag_dir.name, sources=ck.sources, overwrite=overwrite,
-                           checksum=checksum)
-    writer = _Writer(ck, tgt, staging, stage)
-    jobs: list[tuple[int, Callable[[], None]]] = [(ck.model_files[0].stat().st_size, writer.model)]
-    jobs += [(sum(g.partition for g in tgt.groups) * 4 * len(STATES), lambda d=d: writer.optim(d))
-             for d in range(tgt.dp)]
-    jobs += [(p.stat().st_size, lambda p=p: staging.copy(p, p.name)) for p in expert_files]  # the same at any EP
-
-    def run(mine: list[Callable[[], None]]) -> None:
-        writer.plan_all()
-        run_with_progress(mine, workers, progress, "file", "reshard reshard")
-
-    run_share(cluster, staging, jobs, run)
-    meta = {
-        "reshard_version": __version__,
-        "format": "deepspeed",
-        "source": str(ck.tag_dir),
-        "source_topology": {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": source_ep},
-        "target_topology": {"tp": 1, "dp": tgt.dp, "pp": 1, "zero_stage": stage, "ep": tgt.ep},
-    }
-    final = commit(cluster, staging, meta, latest_name="latest")
-    read = sum(cluster.gather(writer.read))
-    return ReshardReport(final, meta["source_topology"], meta["target_topology"], len(writer.src_maps),
-                         *written(final), writer.segments, read, [note])
-
-
-def reshard_experts(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, ep: int, dp: int, tp: int = 1, pp: int = 1,
-                    zero_stage: int | None = None, workers: int = 1, overwrite: bool = False,
-                    progress: Callable[[int, int], None] | bool | None = None, checksum: str = "crc32",
-                    cluster: Cluster | None = None) -> ReshardReport:
-    """``reshard.jobs.offline.reshard`` for an AutoEP checkpoint: write it at EP ``ep`` x world ``dp``
-    (a classic MoE one goes to ``offline_moe.reshard_moe``)."""
-    stage = ck.zero_stage if zero_stage is None else zero_stage
-    _check(ck, ep, dp, tp, pp, stage)
-    experts = sorted(ck.tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
-    want = {EXPERT_FILE.format(layer=p.layer, expert=x) for p in ck.experts.params.values()
-            for x in range(p.full_shape[0])}
-    missing = sorted(want - {p.name for p in experts})
-    if missing:  # checked before the staging folder exists, so a refusal leaves nothing behind
-        raise CheckpointError(f"{ck.tag_dir}: AutoEP per-expert files missing: {missing[:3]}")
-    tgt = _AutoEPTarget(ck, ep, dp)
-    return write(ck, out_dir, tgt, stage=stage, expert_files=experts, source_ep=ck.experts.ep,
-                 note=f"AutoEP experts at EP {ep} (EDP {tgt.edp}), uniform placement", workers=workers,
-                 overwrite=overwrite, progress=progress, checksum=checksum, cluster=cluster)
+    def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
+        tgt = self.tgt
+        jobs: list[tuple[int, Callable[[], None]]] = [(self.ck.model_files[0].stat().st_size,
+                                                       lambda: self.model(staging))]
+        jobs += [(sum(g.partition for g in tgt.groups) * 4 * len(OPTIMIZER), lambda d=d: self.optim(engine, staging, d))
+                 for d in range(tgt.dp)]
+        jobs += [(p.stat().st_size, lambda p=p: staging.copy(p, p.name)) for p in self.expert_files]  # the same at any EP
+        return jobs

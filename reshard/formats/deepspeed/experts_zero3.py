@@ -1,4 +1,4 @@
-"""Offline resharding of a DeepSpeed AutoEP checkpoint saved under ZeRO-3 (TP = PP = 1) to another
+"""A DeepSpeed AutoEP checkpoint saved under ZeRO-3 (TP = PP = 1) to another
 expert-parallel (EP) degree and world size at ZeRO-3, as DeepSpeed 0.19.8 saves it there
 (issue #12; the files: docs/deepspeed-checkpoints.md §11.1).
 
@@ -8,7 +8,7 @@ expert-data-parallel (EDP) group of ``W / E`` ranks (``zero3(EP-local shape, W /
 parameter's source composite (its placement map over EP ranks composed with those splits,
 ``formats.deepspeed_experts``) is planned against the target composite built the same way at the
 target ``E`` x ``W`` with AutoEP's uniform placement, and the flat sub-group partitions are
-streamed from the plans' segments by ``offline_zero3``'s writer. What changes with the topology,
+slots of each rank's flat buffers, which the engine fills. What changes with the topology,
 as DeepSpeed writes it: per DP rank a model-state file whose ``param_shapes`` has the EP-local
 expert shapes (plain tuples) and whose ``ds_autoep_layers`` (also in
 ``universal_checkpoint_info``) are that rank's view (EP rank, EDP rank and size, placement,
@@ -22,28 +22,24 @@ import copy
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import __version__
-from ..errors import CheckpointError, ReshardError
-from ..formats.deepspeed import experts as dse
-from ..formats.deepspeed import zero3 as z3
-from ..formats.deepspeed.checkpoint import DeepSpeedCheckpoint
-from ..ir.param_map import ParamMap
-from ..ir.piece import prod
-from ..layouts import autoep_placement, compose_zero, zero3
-from ..layouts.topology import Topology
-from ..storage.torch_zip import save
-from .cluster import ArchiveJob, Cluster, OutputJob, commit, open_staging, run_share
-from .offline_experts import ds_affine_entry, uniform_placement
-from .offline_zero3 import _Writer
-from .reports import ReshardReport
-from .workers import run_with_progress
+from ...errors import CheckpointError, ReshardError
+from ...ir.param_map import ParamMap
+from ...ir.piece import prod
+from ...layouts import autoep_placement, compose_zero, zero3
+from ...layouts.topology import Topology
+from ...storage.torch_zip import save
+from ..contract import MOMENTS, OPTIMIZER, Buffer, Slot, Target
+from . import experts as dse
+from . import zero3 as z3
+from . import zero12 as dsw
+from .checkpoint import DeepSpeedCheckpoint
+from .target_experts import ds_affine_entry, uniform_placement
 
-__all__ = ["reshard_autoep_zero3"]
+__all__ = ["AutoEPZero3Source", "AutoEPZero3Target", "check_autoep_zero3"]
 
 
 def _ds_ids(ck: DeepSpeedCheckpoint, ax: dse.AutoEP, names: list[str]) -> tuple[dict[str, int], bool]:
@@ -72,8 +68,8 @@ def _ds_ids(ck: DeepSpeedCheckpoint, ax: dse.AutoEP, names: list[str]) -> tuple[
     return ids, exact
 
 
-class _In:
-    """The ZeRO-3 AutoEP source as ``offline_zero3._Writer`` reads it."""
+class AutoEPZero3Source:
+    """A ZeRO-3 AutoEP source's groups, sub-groups and parameter ids, checked."""
 
     tp = 1
 
@@ -89,7 +85,6 @@ class _In:
         self.states = z3.STATES
         self.ds_ids, self.ds_ids_exact = _ds_ids(ck, self.ax, self.names)
         self.ep_of = {d: e for e in range(self.ax.ep) for d in self.ax.members(e)}
-        self.maps = {n: ck.composite_map(n, ck.tp_map(n).map) for n in self.names}
 
     def _groups(self, subs: list[dict]) -> list[list[str]]:
         """Optimizer parameter groups (names in order) from the sub-groups and param_groups."""
@@ -109,27 +104,12 @@ class _In:
         self.expert_groups = {g for g, lst in enumerate(lists) if lst[0] in self.ax.groups}
         return groups
 
-    def map(self, name: str) -> ParamMap:
-        return self.maps[name]
-
-    def fragment(self, rank: int, name: str, state: str) -> torch.Tensor:
-        ck, p = self.ck, self.ax.params.get(name)
-        n = self.maps[name].shards[rank].numel
-        if p is not None:
-            return ck.flat_state(0, rank, p.group, state).narrow(0, dse.start(ck, p, self.ep_of[rank], rank), n)
-        k = next(k for k, sg in enumerate(self.template["param_shapes"]) if name in sg)
-        return ck.flat_state(0, rank, k, state).narrow(0, ck._z3_offset(0, name), n)
-
-    def optim_source(self) -> dict:
-        return self.ck.optim_state(0, 0)
-
-
-class _Out:
+class AutoEPZero3Target:
     """ZeRO-3 at EP ``ep`` x world ``dp``: sub-groups, maps and each rank's flat buffers."""
 
     tp, stage = 1, 3
 
-    def __init__(self, src: _In, ep: int, dp: int) -> None:
+    def __init__(self, src: AutoEPZero3Source, ep: int, dp: int) -> None:
         self.ep, self.dp, self.edp = ep, dp, dp // ep
         self.topology = Topology(1, dp, 1)
         self.ax = dataclasses.replace(src.ax, ep=ep, edp=dp // ep)  # the source's EDP order at the new sizes
@@ -190,44 +170,60 @@ class _Out:
             out["affine_maps"] = {**copy.deepcopy(entry["affine_maps"]), "params": params}
         return out
 
+    # -- the files -------------------------------------------------------------------------------
+    def bind(self, src: AutoEPZero3Source) -> None:
+        self.src = src
+        cfg = dsw.target_ds_config(src.cfg, tp=1, dp=self.dp, zero_stage=3)
+        if isinstance(cfg, dict) and isinstance(cfg.get("expert_parallel"), dict):
+            cfg["expert_parallel"]["autoep_size"] = self.ep
+        self.ds_config = cfg
+        self._maps = {n: self.map(n) for n in src.names}
 
-class _AutoEPWriter(_Writer):
-    def __init__(self, src: _In, tgt: _Out, staging: Any) -> None:
-        super().__init__(src, tgt, staging, None)  # type: ignore[arg-type]
-        if isinstance(self.ds_config, dict) and isinstance(self.ds_config.get("expert_parallel"), dict):
-            self.ds_config["expert_parallel"]["autoep_size"] = tgt.ep
+    def targets(self) -> list[Target]:
+        return [Target(n, (s,), self._maps[n]) for n in self.src.names for s in OPTIMIZER]
 
-    def z3_optim(self, t: int, d: int) -> Any:
-        src, tgt = self.src, self.tgt
-        fp32, moments = self.flats(0, d)
-        obj = z3.optim_states(src.optim_source(), subs=tgt.subs[0], dp=tgt.dp, fp32=fp32, moments=moments,
+    def optim(self, engine: Any, d: int) -> dict:
+        src, rel = self.src, z3.optim_file(d, bf16=self.src.bf16)
+        fp32, moments = [], []
+        for k, sg in enumerate(self.subs[0]):
+            slots = [(off, n) for n, off in zip(sg.names, sg.offsets) if d in self._maps[n].shards]
+            bufs = {s: engine.storage(Buffer(f"{rel}:{s}:{k}", torch.float32, sg.numel,
+                                             tuple(Slot(off, n, (s,), self._maps[n], d) for off, n in slots)))
+                    for s in OPTIMIZER}
+            fp32.append(bufs["fp32"])
+            moments.append({m: bufs[m].view((sg.numel,)) for m in MOMENTS})
+        obj = z3.optim_states(src.ck.optim_state(0, 0), subs=self.subs[0], dp=self.dp, fp32=fp32, moments=moments,
                               ds_ids=src.ds_ids, ds_config=self.ds_config)
-        osd = obj["optimizer_state_dict"]
-        osd["ds_zero_partition_groups"] = tgt.partition_groups(d, f"ep_size_{tgt.ep}")
+        obj["optimizer_state_dict"]["ds_zero_partition_groups"] = self.partition_groups(d, f"ep_size_{self.ep}")
         return obj
 
-    def jobs(self) -> list[OutputJob]:
-        tgt, n_states = self.tgt, len(self.src.states)
-        model = self.src.ck.model_files[0].stat().st_size
-        optim = sum(sg.numel for sg in tgt.subs[0]) * 4 * n_states
-        return ([ArchiveJob(z3.optim_file(d, bf16=self.src.bf16), optim, lambda d=d: self.z3_optim(0, d))
-                 for d in range(tgt.dp)] + [(model, lambda d=d: self.z3_model(0, d)) for d in range(tgt.dp)])
-
-    def z3_model(self, t: int, d: int) -> None:
-        src, tgt = self.src, self.tgt
-        template = src.template
-        layers = [tgt.layer(entry, d) for entry in template[dse.LAYERS_KEY]]
+    def model(self, staging: Any, d: int) -> None:
+        template = self.src.template
+        layers = [self.layer(entry, d) for entry in template[dse.LAYERS_KEY]]
         uc = copy.deepcopy(dict(template.get("universal_checkpoint_info") or {}))
         uc[dse.LAYERS_KEY] = copy.deepcopy(layers)  # its own copy, as DeepSpeed's save clones the state
-        obj = z3.model_states(template, subs=tgt.subs[0], d=d, dp=tgt.dp, ds_config=self.ds_config, uc_info=uc)
+        obj = z3.model_states(template, subs=self.subs[0], d=d, dp=self.dp, ds_config=self.ds_config, uc_info=uc)
         # plain tuples: DeepSpeed's AutoEP save passes the state through clone_tensors_for_torch_save
-        obj["param_shapes"] = [OrderedDict((n, tuple(s)) for n, s in zip(sg.names, sg.shapes)) for sg in tgt.subs[0]]
+        obj["param_shapes"] = [OrderedDict((n, tuple(s)) for n, s in zip(sg.names, sg.shapes)) for sg in self.subs[0]]
         obj[dse.LAYERS_KEY] = layers
-        with self.staging.open(z3.model_file(d)) as f:
+        with staging.open(z3.model_file(d)) as f:
             save(obj, f)
 
+    def jobs(self, engine: Any, staging: Any, archive: Callable[..., Any]) -> list:
+        model = self.src.ck.model_files[0].stat().st_size
+        optim = sum(sg.numel for sg in self.subs[0]) * 4 * len(OPTIMIZER)
+        return ([archive(z3.optim_file(d, bf16=self.src.bf16), optim, lambda d=d: self.optim(engine, d))
+                 for d in range(self.dp)] + [(model, lambda d=d: self.model(staging, d)) for d in range(self.dp)])
 
-def check(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
+    def notes(self) -> list[str]:
+        notes = [f"AutoEP experts at EP {self.ep} (EDP {self.edp}), uniform placement, ZeRO-3"]
+        if not self.src.ds_ids_exact:
+            notes.append("the source's ds_id names do not match the parameter order reshard derives; the written "
+                         "ds_id attributes are a best guess (DeepSpeed's loader does not read them)")
+        return notes
+
+
+def check_autoep_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
     """What this writer refuses, before anything is written."""
     if tp != 1 or pp != 1:
         raise ReshardError(f"{ck.tag_dir}: AutoEP ZeRO-3 checkpoints are resharded at TP = PP = 1 only "
@@ -251,30 +247,3 @@ def check(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: in
     ck.check_steps()
 
 
-def reshard_autoep_zero3(ck: DeepSpeedCheckpoint, out_dir: str | Path, *, ep: int, dp: int, tp: int = 1,
-                         pp: int = 1, zero_stage: int | None = None, workers: int = 1, overwrite: bool = False,
-                         progress: Callable[[int, int], None] | bool | None = None, checksum: str = "crc32",
-                         cluster: Cluster | None = None) -> ReshardReport:
-    """Write the ZeRO-3 AutoEP checkpoint ``ck`` at EP ``ep`` x world ``dp`` (ZeRO-3) into
-    ``out_dir/<tag>``, plus ``out_dir/latest``."""
-    stage = 3 if zero_stage is None else zero_stage
-    check(ck, ep, dp, tp, pp, stage)
-    src = _In(ck)
-    tgt = _Out(src, ep, dp)
-    cluster = cluster or Cluster.from_env()
-    staging = open_staging(cluster, out_dir, ck.tag_dir.name, sources=ck.sources, overwrite=overwrite,
-                           checksum=checksum)
-    writer = _AutoEPWriter(src, tgt, staging)
-
-    def run(mine: list[Callable[[], None]]) -> None:
-        writer.plan_all()
-        run_with_progress(mine, workers, progress, "file", "reshard reshard")
-
-    run_share(cluster, staging, writer.jobs(), run)
-    source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": 3, "ep": ck.experts.ep}
-    target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
-    meta = {"reshard_version": __version__, "format": "deepspeed", "source": str(ck.tag_dir),
-            "source_topology": source, "target_topology": target}
-    final = commit(cluster, staging, meta, latest_name="latest")
-    notes = [f"AutoEP experts at EP {ep} (EDP {tgt.edp}), uniform placement, ZeRO-3"]
-    return writer.report(cluster, final, source, target, notes, "do not match the parameter order reshard derives")

@@ -1,0 +1,236 @@
+"""A DeepSpeed 0.19.8 checkpoint as the engine reads it (``formats.contract.Reader``): every kind
+(ZeRO-1/2/3, AutoTP, ``deepspeed.pipe`` stages, TP x PP, AutoEP, classic MoE) is one map per
+parameter state and the fragments of the files that hold it.
+
+* ``weight``, the module's training-dtype weights: a parameter's TP map on its pipeline stage's
+  model-parallel ranks ``m = stage * tp + t`` (its *stage map*), whose shard on ``m`` is the
+  module tensor of ``mp_rank_MM`` (or of the stage's layer file). ZeRO-3 files hold placeholders,
+  and expert weights live in per-expert files: there the state is not offered, and whoever needs
+  it casts the master (``formats.contract.MODULE``).
+* ``fp32``, ``exp_avg``, ``exp_avg_sq``: the stage map composed with the ZeRO split of each shard
+  (``DeepSpeedCheckpoint.composite_map``), over global ranks ``dp_rank * mp + m``, whose shard on a
+  rank is the parameter's fragment of that rank's flat partition, as it lies in the mapped file.
+
+Everything is checked before the engine opens an output folder (:meth:`DeepSpeedReader.check`):
+the flat layout of every ZeRO-1/2 and ZeRO-3 partition against DeepSpeed's rule and the files'
+own ``param_slice_mappings``, every partition's length and dtype, the layer files of a pipeline,
+the experts' placement and partitions, the optimizer steps.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError
+from ...ir.param_map import ParamMap
+from .checkpoint import DeepSpeedCheckpoint
+from .zero3 import Zero3Source
+from .zero12 import Zero12Source
+
+__all__ = ["DeepSpeedReader", "optimizer_state"]
+
+OPTIMIZER = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+class DeepSpeedReader:
+    format = "deepspeed"
+
+    def __init__(self, ck: DeepSpeedCheckpoint) -> None:
+        self.ck = ck
+        self.tag = ck.tag_dir.name
+        self.sources = ck.sources
+        pp = f" PP={ck.pp}" if ck.pp > 1 else ""
+        ep = (ck.experts or ck.moe)
+        self.description = f"DeepSpeed TP={ck.tp} DP={ck.dp}{pp} ZeRO-{ck.zero_stage}" + (f" EP={ep.ep}" if ep else "")
+        self.topology = {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage,
+                         **({"ep": ep.ep} if ep else {})}
+        self.tp = ck.tp
+        self._maps: dict[tuple[str, str], ParamMap] = {}
+
+    @classmethod
+    def open(cls, path: str | Path) -> DeepSpeedReader:
+        return cls(DeepSpeedCheckpoint.open(path))
+
+    # -- what the engine reads -------------------------------------------------------------------
+    @cached_property
+    def names(self) -> list[str]:
+        return self.ck.names
+
+    @cached_property
+    def _kind(self) -> str:
+        ck = self.ck
+        if ck.experts is not None:
+            return "autoep"
+        if ck.moe is not None:
+            return "moe"
+        return "zero3" if ck.zero_stage == 3 else "zero12"
+
+    @cached_property
+    def zero12(self) -> Zero12Source | None:
+        """The ZeRO-1/2 source's groups, checked against DeepSpeed's layout rule."""
+        return Zero12Source(self.ck) if self._kind == "zero12" else None
+
+    @cached_property
+    def zero3(self) -> Zero3Source | None:
+        return Zero3Source(self.ck) if self._kind == "zero3" else None
+
+    def check(self) -> None:
+        """Every check that can refuse this checkpoint, for every route alike."""
+        ck = self.ck
+        if self._kind == "zero12":
+            assert self.zero12 is not None
+        elif self._kind == "zero3":
+            assert self.zero3 is not None
+        else:
+            ck.check_steps()
+        for name in self.names:  # every map lowers and composes
+            for state in self.states(name):
+                self.map(name, state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.ck.tp_map(name).map.valid_shape)
+
+    def states(self, name: str) -> tuple[str, ...]:
+        ck = self.ck
+        optim = OPTIMIZER if ck.has_optimizer_state(name) else ()
+        if self._kind == "zero3" and self.zero3 is not None and not self.zero3.has_moments:
+            optim = ("fp32",)
+        module = ck.zero_stage != 3 and ck.expert(name) is None and ck.moe_param(name) is None
+        return (("weight",) if module else ()) + optim
+
+    def dtype(self, name: str, state: str) -> torch.dtype:
+        if state == "weight":
+            return self.module_dtype
+        return torch.float32
+
+    @cached_property
+    def module_dtype(self) -> torch.dtype:
+        """The training dtype: the module weights' (ZeRO-3: its placeholders')."""
+        ck = self.ck
+        for n in self.names:
+            w = ck.module_tensor(n, 0) if ck.zero_stage != 3 else (ck.model_state(0).get("module") or {}).get(n)
+            if isinstance(w, torch.Tensor):
+                return w.dtype
+        return torch.float32
+
+    def stage_map(self, name: str) -> ParamMap:
+        """``name``'s TP map on its stage's model-parallel ranks ``stage * tp + t``."""
+        ck = self.ck
+        m = ck.tp_map(name).map
+        base = ck.stage_of(name) * ck.tp
+        return m if base == 0 else m.with_ranks({t: base + t for t in m.ranks})
+
+    def map(self, name: str, state: str) -> ParamMap:
+        kind = "weight" if state == "weight" else "optimizer"
+        key = (name, kind)
+        m = self._maps.get(key)
+        if m is None:
+            stage = self.stage_map(name)
+            m = stage if kind == "weight" else self.ck.composite_map(name, stage, stages=True)
+            self._maps[key] = m
+        return m
+
+    def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
+        if state == "weight":
+            return self._module(name, rank)
+        return self._partition(name, state, rank)
+
+    def tp_index(self, name: str, state: str, rank: int) -> int:
+        """The TP rank a (model-parallel or global) rank's copy belongs to: ``rank % mp % tp``."""
+        return rank % self.ck.mp % self.ck.tp
+
+    def step(self, name: str) -> Any:
+        return self.ck.step(name) if self.ck.has_optimizer_state(name) else None
+
+    def extras(self, name: str) -> dict[str, Any]:
+        return dict(self.ck.tp_map(name).extra)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        groups = [dict(g) for g in optimizer_state(self.ck)["param_groups"]]
+        members: dict[int, list[str]] = {}
+        for n in self.names:
+            z = self.ck.zero_map(n, 0) if self.ck.has_optimizer_state(n) else None
+            members.setdefault(0 if z is None else z[0], []).append(n)
+        for i, g in enumerate(groups):
+            g["params"] = members.get(i, [])
+        return groups
+
+    # -- where the bytes lie -------------------------------------------------------------------
+    def _module(self, name: str, m: int) -> torch.Tensor:
+        """Model-parallel rank ``m``'s module weight of ``name``, flat (memory-mapped): from its
+        model-state file, or a pipeline checkpoint's layer file of that TP rank."""
+        ck = self.ck
+        t = m % ck.tp
+        shard = ck.module_tensor(name, t)
+        where = ck.model_files[m]
+        if ck.layer_files:
+            where = ck.layer_files.get((int(name.partition(".")[0]), t), where)
+        if shard is None:
+            raise CheckpointError(f"{where}: module has no {name!r} (model-parallel rank {m})")
+        if shard.dtype != self.module_dtype:
+            raise CheckpointError(f"{where}: {name} (model-parallel rank {m}) is {shard.dtype}, other weights "
+                                  f"{self.module_dtype}: mixed training dtypes are not supported")
+        want = self.map(name, "weight").shard(m).numel
+        if shard.numel() != want:
+            raise CheckpointError(f"{where}: {name} (model-parallel rank {m}) has {shard.numel()} elements, its "
+                                  f"recorded shape {list(self.map(name, 'weight').shard(m).shape)} {want}")
+        return shard.detach().reshape(-1)
+
+    def _partition(self, name: str, state: str, g: int) -> torch.Tensor:
+        """Global rank ``g``'s fragment of ``name`` in its flat ``state`` partition, as mapped."""
+        ck = self.ck
+        d, m = divmod(g, ck.mp)
+        group, start = self._where(name, m, d)
+        flat = ck.flat_state(m, d, group, state)
+        n = self.map(name, state).shard(g).numel
+        path = ck.optim_files[(m, d)]
+        if not isinstance(flat, torch.Tensor) or flat.dim() != 1:
+            got = list(flat.shape) if isinstance(flat, torch.Tensor) else type(flat).__name__
+            raise CheckpointError(f"{path}: the flat {state} partition of group {group} is {got}, not 1-D: not a "
+                                  "DeepSpeed 0.19.8 file")
+        if flat.numel() < start + n:
+            raise CheckpointError(f"{path}: {name} ({state}, dp rank {d}, model-parallel rank {m}): fragment "
+                                  f"[{start}, {start + n}) lies past the flat partition of {flat.numel()} elements: "
+                                  "truncated or corrupt")
+        return flat.narrow(0, start, n)
+
+    def _where(self, name: str, m: int, d: int) -> tuple[int, int]:
+        """(group or sub-group, first element) of ``name``'s fragment in rank (``m``, ``d``)'s files."""
+        ck = self.ck
+        if (p := ck.expert(name)) is not None:
+            from .experts import start
+
+            e = next(e for e in range(ck.experts.ep) if d in ck.experts.members(e))
+            return p.group, start(ck, p, e, d)
+        if (q := ck.moe_param(name)) is not None:
+            return q.group, int(ck.osd(0, d)["param_slice_mappings"][q.group][q.local].start)
+        entry = ck.zero_map_at(name, m)
+        if entry is None:
+            raise CheckpointError(f"{ck.optim_files[(m, d)]}: no optimizer fragments for {name!r}")
+        group = entry[0]
+        if ck.zero_stage == 3:
+            return group, ck._z3_offset(m, name)
+        return group, int(ck.osd(m, d)["param_slice_mappings"][group][name].start)
+
+
+def optimizer_state(ck: DeepSpeedCheckpoint) -> dict:
+    """What ``ds_to_universal`` keeps of rank 0's optimizer file: the unsharded entries and the
+    parameter groups."""
+    osd = ck.osd(0, 0)
+    try:
+        if ck.zero_stage == 3:
+            out = dict(osd)
+            out["param_groups"] = osd["optimizer_state_dict"]["param_groups"]
+            return out
+        sharded = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+        out = {k: v for k, v in osd.items() if k not in sharded}
+        out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
+        if ck.experts is not None:  # DeepSpeed's ZeROCheckpoint sets every group's count to DP (experts' is EDP)
+            out["partition_count"] = [ck.dp] * len(out["partition_count"])
+        return out
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{ck.optim_files[(0, 0)]}: optimizer state has no 'param_groups'") from None

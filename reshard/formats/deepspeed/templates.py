@@ -1,0 +1,181 @@
+"""What a DeepSpeed target takes from its source beside the tensors: the dictionaries its files
+are built on (rank 0's model and optimizer states, in the flavour of the target's ZeRO stage), the
+optimizer's parameter groups, the training dtype, the configuration, the buffers and tied weights.
+
+From a DeepSpeed checkpoint these are its own, recast between ZeRO-1/2 and ZeRO-3 where the stage
+changes (``zero3.optim_source_from_zero12`` and back), so a target at the source's topology is the
+source byte for byte. From any other source (a universal, DCP or safetensors checkpoint) they are
+what DeepSpeed 0.19.8 saves for a fresh ZeRO job of the same parameters with ``torch.optim.AdamW``
+(:func:`fresh`): the loss scaler of an fp32/bf16 job, the source's parameter groups (or AdamW's
+defaults where it has none), an empty ``ds_config`` and no scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError
+from ...storage.safe_load import LossScaler, ZeroStageEnum
+from . import zero3 as z3
+from .zero12 import param_alignment
+
+__all__ = ["Templates", "fresh", "from_deepspeed"]
+
+DS_VERSION = "0.19.8"
+# torch.optim.AdamW's param_group keys and defaults (torch 2.13), in its order
+ADAMW = {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08, "weight_decay": 0.01, "amsgrad": False,
+         "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+         "decoupled_weight_decay": True}
+
+
+@dataclass
+class Templates:
+    stage: int  # the ZeRO stage whose flavour ``model`` and ``optim`` have
+    model: dict  # (TP 0, DP 0)'s model states
+    optim: dict  # (TP 0, DP 0)'s optimizer file
+    group_names: list[list[str]]  # the optimizer's parameter groups, by name, in flat-buffer order
+    dtype: torch.dtype  # the training dtype
+    cfg: dict | None
+    shared: dict[str, str]  # tied aliases -> their parameter
+    bf16: bool  # optimizer files named bf16_...
+    ds_ids: dict[str, int]
+    ds_ids_exact: bool
+    native: bool = True  # from a DeepSpeed checkpoint (else fresh)
+    buffers: Mapping[str, Any] = field(default_factory=dict)  # per source TP rank: buffer rule (native)
+    source_tp: int = 1
+    buffer_source: Any = None  # a DeepSpeedCheckpoint whose TP ranks' buffers a ZeRO-1/2 target copies
+
+    @property
+    def names(self) -> list[str]:
+        return [n for g in self.group_names for n in g]
+
+    @property
+    def has_moments(self) -> bool:
+        return bool(self._z12_state() or self._z3_state())
+
+    def _z12_state(self) -> dict:
+        if self.stage == 3:
+            return {}
+        return self.optim["optimizer_state_dict"]["base_optimizer_state"]["state"].get(0, {})
+
+    def _z3_state(self) -> dict:
+        if self.stage != 3:
+            return {}
+        return self.optim["optimizer_state_dict"]["optimizer_state_dict"]["state"].get(0, {})
+
+    @property
+    def param_align(self) -> int:
+        zo = (self.cfg or {}).get("zero_optimization") if isinstance(self.cfg, dict) else None
+        return param_alignment(self.dtype, bool((zo or {}).get("parameter_alignment", False)))
+
+    def model_z3(self) -> dict:
+        """The model states a ZeRO-3 file is built on."""
+        if self.stage == 3:
+            return self.model
+        return z3.model_template_from_zero12(self.model, params=self.names, shared=self.shared, dtype=self.dtype)
+
+    def optim_z3(self) -> dict:
+        return self.optim if self.stage == 3 else z3.optim_source_from_zero12(self.optim)
+
+    def optim_z12(self) -> dict:
+        if self.stage != 3:
+            return self.optim
+        clip = self.cfg.get("gradient_clipping", 0.0) if isinstance(self.cfg, dict) else 0.0
+        return z3.optim_source_from_zero3(self.optim, clip_grad=clip)
+
+    def buffer(self, key: str, value: torch.Tensor, t: int, tp: int) -> torch.Tensor:
+        """A non-parameter module entry of target TP rank ``t`` (of ``tp``): at an unchanged TP
+        degree the same TP rank's, else (AutoTP leaves buffers whole on every TP rank) the one
+        every source rank holds alike. ZeRO-3 and fresh sources hold buffers whole."""
+        ck = self.buffer_source
+        if ck is None:
+            return value
+        if ck.tp == tp:
+            return (ck.model_state(t).get("module") or {})[key].clone()
+        for r in range(1, ck.tp):
+            other = (ck.model_state(r).get("module") or {}).get(key)
+            if other is None or other.shape != value.shape or not torch.equal(other, value):
+                raise CheckpointError(f"{ck.model_files[r]}: buffer {key!r} differs from TP rank 0's; cannot tell "
+                                      "how it is split")
+        return value.clone()
+
+
+def from_deepspeed(reader: Any) -> Templates:
+    """A DeepSpeed source's own dictionaries (ZeRO-1/2 or ZeRO-3, no experts)."""
+    ck = reader.ck
+    if ck.zero_stage == 3:
+        src = reader.zero3
+        return Templates(3, src.template, ck.optim_state(0, 0), src.group_names, _z3_dtype(src), src.cfg,
+                         dict(src.template.get("shared_params") or {}), src.bf16, src.ds_ids, src.ds_ids_exact,
+                         source_tp=ck.tp)
+    src = reader.zero12
+    ms0 = ck.model_state(0)
+    module = [k for k in (ms0.get("module") or {}) if k in src.group_of]
+    exact = sorted(module) == sorted(src.names)  # ZeRO-3 numbers parameters (ds_id) in model order
+    ids = {n: i for i, n in enumerate(module if exact else src.names)}
+    return Templates(ck.zero_stage, ms0, ck.optim_state(0, 0), src.order, src.dtype, ms0.get("ds_config"),
+                     dict(src.shared), src.bf16, ids, exact, source_tp=ck.tp, buffer_source=ck)
+
+
+def _z3_dtype(src: Any) -> torch.dtype:
+    """The training dtype: that of the module's parameter placeholders (all alike)."""
+    module = src.template.get("module") or {}
+    dtypes = {module[n].dtype for n in src.names if isinstance(module.get(n), torch.Tensor)}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{src.ck.model_files[0]}: the module's parameter placeholders have dtypes "
+                              f"{sorted(map(str, dtypes))}; expected one training dtype")
+    return dtypes.pop()
+
+
+def _groups(reader: Any, names: Sequence[str]) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """The source's parameter groups (names, hyper-parameters), or one AdamW group of all."""
+    groups = [dict(g) for g in reader.param_groups()]
+    if not groups:
+        return [list(names)], [dict(ADAMW)]
+    listed = [[n for n in g.get("params", []) if n in set(names)] for g in groups]
+    missing = [n for n in names if not any(n in lst for lst in listed)]
+    if missing:
+        listed[0] = listed[0] + missing
+    hyper = [{**ADAMW, **{k: v for k, v in g.items() if k != "params"}} for g in groups]
+    return listed, hyper
+
+
+def fresh(reader: Any, *, stage: int, dtype: torch.dtype, step: float) -> Templates:
+    """The dictionaries DeepSpeed 0.19.8 saves for a fresh ZeRO job over ``reader``'s parameters,
+    after ``step`` optimizer steps."""
+    names = list(reader.names)
+    group_names, hyper = _groups(reader, names)
+    step_t = torch.tensor(float(step))
+    shapes = [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in group_names]
+    model = {"module": OrderedDict((n, torch.empty(0, dtype=dtype)) for n in names), "buffer_names": [],
+             "optimizer": None, "param_shapes": shapes, "frozen_param_shapes": None, "shared_params": {},
+             "frozen_param_fragments": None, "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
+             "skipped_steps": 0, "global_steps": int(step), "global_samples": 0, "dp_world_size": 1,
+             "mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+             "ds_config": {}, "ds_version": DS_VERSION}
+    scaler = LossScaler.__new__(LossScaler)
+    scaler.__setstate__({"cur_scale": 1.0, "dynamic": False})
+    if stage == 3:
+        state = {k: {"step": step_t.clone(), "exp_avg": None, "exp_avg_sq": None} for k in range(len(group_names))}
+        osd = {"zero_stage": ZeroStageEnum(3), "loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
+               "partition_count": None,
+               "optimizer_state_dict": {"state": state, "param_groups": [{**h, "params": [g]} for g, h in
+                                                                         enumerate(hyper)]},
+               "fp32_flat_groups": []}
+    else:
+        state = {g: {"step": step_t.clone(), "exp_avg": None, "exp_avg_sq": None} for g in range(len(group_names))}
+        osd = {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False, "clip_grad": 0.0,
+               "base_optimizer_state": {"state": state, "param_groups": [{**h, "params": [g]}
+                                                                         for g, h in enumerate(hyper)]},
+               "single_partition_of_fp32_groups": [], "zero_stage": ZeroStageEnum(stage), "group_paddings": [],
+               "param_alignment_paddings": [], "partition_count": [], "ds_version": DS_VERSION,
+               "param_slice_mappings": []}
+    optim = {"optimizer_state_dict": osd, "ds_config": {}, "ds_version": DS_VERSION}
+    ids = {n: i for i, n in enumerate(names)}
+    return Templates(stage, model, optim, group_names, dtype, {}, {}, dtype == torch.bfloat16, ids, True,
+                     native=False)

@@ -1,0 +1,102 @@
+"""Every format's reader and writer, by name: the one place a path is recognised as a checkpoint
+(:func:`open_reader`) and a target format is made (:func:`make_writer`). A new format is one
+reader and one writer added here; every route between formats is the engine's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, ReshardError
+from .contract import Reader
+
+__all__ = ["FORMATS", "make_writer", "open_reader", "source_format"]
+
+# target formats: their names on the command line
+FORMATS = ("ucp", "safetensors", "dcp", "deepspeed")
+
+
+def source_format(path: Path) -> str | None:
+    """Which format the checkpoint at ``path`` is in, from its files' names alone (no torch)."""
+    from .dcp.checkpoint import METADATA
+    from .deepspeed.files import is_deepspeed
+    from .safetensors.reader import is_safetensors
+    from .universal.reader import universal_dir
+
+    if path.is_dir() and (path / METADATA).is_file():
+        return "dcp"
+    if path.is_dir() and universal_dir(path) is not None:
+        return "universal"
+    if is_safetensors(path):
+        return "safetensors"
+    if path.is_dir() and is_deepspeed(path):
+        return "deepspeed"
+    return None
+
+
+def open_reader(path: str | Path) -> Reader:
+    """The checkpoint at ``path`` (any format reshard reads), opened and checked: everything
+    that can refuse it is refused here, before any output folder exists."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or folder")
+    kind = source_format(p)
+    if kind == "dcp":
+        from .dcp.reader import DcpReader
+
+        reader: Any = DcpReader.open(p)
+    elif kind == "universal":
+        from .universal.reader import UniversalReader
+
+        reader = UniversalReader(p)
+    elif kind == "safetensors":
+        from .safetensors.reader import SafetensorsReader
+
+        reader = SafetensorsReader(p)
+    elif kind == "deepspeed":
+        from .deepspeed.reader import DeepSpeedReader
+
+        reader = DeepSpeedReader.open(p)
+    else:
+        raise CheckpointError(f"{p}: not a checkpoint reshard reads: no DeepSpeed 'latest' or "
+                              "zero_pp_rank_*_optim_states.pt, no DCP .metadata, no universal zero/ folder, no "
+                              "model.safetensors or model.safetensors.index.json")
+    reader.check()
+    return reader
+
+
+def make_writer(fmt: str, reader: Reader, **options: Any) -> Any:
+    """The target of format ``fmt`` laid out from ``reader``'s source; options a format does
+    not take are refused by name."""
+    if fmt == "ucp":
+        from .universal.writer import UniversalWriter
+
+        return UniversalWriter(reader, **_only(options, fmt, "early"))
+    if fmt == "safetensors":
+        from .safetensors.writer import SafetensorsWriter
+
+        return SafetensorsWriter(reader, **_only(options, fmt, "max_file_bytes", "dtype", "with_optimizer"))
+    if fmt == "dcp":
+        from .dcp.writer import DcpWriter
+
+        return DcpWriter(reader, **_only(options, fmt, "files", "max_file_bytes", "rename"))
+    if fmt == "deepspeed":
+        from .deepspeed.writer import DeepSpeedWriter
+
+        return DeepSpeedWriter(reader, **_only(options, fmt, "tp", "dp", "pp", "zero_stage", "ep", "layout", "dtype"))
+    raise ReshardError(f"unknown target format {fmt!r}; reshard writes {', '.join(FORMATS)}")
+
+
+_FLAGS = {"early": "", "max_file_bytes": "--max-file-gb", "dtype": "--dtype", "with_optimizer": "--with-optimizer",
+          "files": "--files", "rename": "--rename", "tp": "--tp", "dp": "--dp", "pp": "--pp",
+          "zero_stage": "--zero-stage", "ep": "--ep", "layout": "--layout"}
+
+
+def _only(options: dict[str, Any], fmt: str, *allowed: str) -> dict[str, Any]:
+    """The options ``fmt`` takes; one it does not (given, not None) is refused by its flag."""
+    options = {k: v for k, v in options.items() if v is not None}
+    extra = [k for k in options if k not in allowed]
+    if extra:
+        flags = ", ".join(_FLAGS.get(k, k) or k for k in extra)
+        raise ReshardError(f"{flags} do(es) not apply to the {fmt!r} target format")
+    return {k: v for k, v in options.items() if k in allowed}

@@ -1,0 +1,204 @@
+"""A Hugging Face ``save_pretrained`` folder (``model.safetensors``, or shards listed by
+``model.safetensors.index.json``), or any safetensors file, as the engine reads it: each tensor is a
+parameter's ``weight``, F whole on one rank, mapped from its file.
+
+Headers are checked before anything is read: every entry's dtype is known, its byte range has
+exactly its shape's size and lies inside the file's data, no two ranges overlap, and the index
+names only files inside the folder that hold the tensors it says. safetensors carries no
+checksum, so the bytes themselves cannot be verified.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError
+from ...ir.param_map import ParamMap
+from ...ir.piece import prod
+from ...layouts import replicated
+from .io import DTYPES
+
+__all__ = ["INDEX", "SafetensorsReader", "is_safetensors"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 << 20  # safetensors' own limit
+
+
+def is_safetensors(p: Path) -> bool:
+    return p.is_file() and p.suffix == ".safetensors" or p.is_dir() and ((p / INDEX).is_file() or (p / SINGLE).is_file())
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the file
+
+
+def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
+    """The tensors of one safetensors file (checked against the file's size) and its metadata."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: {size} bytes: too short for a safetensors header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{path}: header of {n} bytes does not fit the file's {size}: truncated or "
+                                      "not a safetensors file")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    base, spans, out = 8 + n, [], {}
+    for name, e in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(e, dict) or not isinstance(e.get("shape"), list) or not isinstance(e.get("data_offsets"), list):
+            raise CheckpointError(f"{where}: malformed header entry {e!r:.200}")
+        dtype = NAMES.get(e.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{where}: dtype {e.get('dtype')!r} is not one reshard reads ({sorted(NAMES)})")
+        shape = e["shape"]
+        lo_hi = e["data_offsets"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape + lo_hi) or len(lo_hi) != 2:
+            raise CheckpointError(f"{where}: shape {shape} / data_offsets {lo_hi} are not non-negative integers")
+        lo, hi = lo_hi
+        if hi - lo != prod(tuple(shape)) * dtype.itemsize or base + hi > size:
+            raise CheckpointError(f"{where}: bytes [{lo}, {hi}) do not hold a {dtype} {shape} tensor inside the "
+                                  f"file's {size - base} data bytes: truncated or corrupt")
+        spans.append((lo, hi, name))
+        out[name] = _Entry(path, dtype, tuple(shape), base + lo)
+    spans.sort()
+    for (_, a_hi, a), (b_lo, _, b) in zip(spans, spans[1:]):
+        if b_lo < a_hi:
+            raise CheckpointError(f"{path}: tensors {a!r} and {b!r} overlap in the file")
+    return dict(sorted(out.items(), key=lambda kv: kv[1].start)), meta if isinstance(meta, dict) else {}
+
+
+class SafetensorsReader:
+    format = "safetensors"
+
+    def __init__(self, path: str | Path) -> None:
+        p = Path(path)
+        self.folder = p if p.is_dir() else p.parent
+        self.tag = self.folder.name if p.is_dir() else p.stem
+        self.sources = (p,)
+        self.entries: dict[str, _Entry] = {}
+        for f in self._files(p):
+            tensors, _ = read_header(f)
+            for name, e in tensors.items():
+                if name in self.entries:
+                    raise CheckpointError(f"{f}: tensor {name!r} is also in {self.entries[name].file.name}")
+                self.entries[name] = e
+        if not self.entries:
+            raise CheckpointError(f"{p}: holds no tensors")
+        self.names = list(self.entries)
+        self.description = f"safetensors weights ({len(self.names)} tensors)"
+        self.topology: dict[str, int] = {}
+        self._maps: dict[str, ParamMap] = {}
+        self._mapped: dict[Path, mmap.mmap] = {}
+
+    def _files(self, p: Path) -> list[Path]:
+        if p.is_file():
+            return [p]
+        index = p / INDEX
+        if not index.is_file():
+            if not (p / SINGLE).is_file():
+                raise CheckpointError(f"{p}: no {SINGLE} and no {INDEX}: not a Hugging Face safetensors folder")
+            return [p / SINGLE]
+        try:
+            doc = json.loads(index.read_text())
+            weight_map = doc["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("'weight_map' is not an object")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e})") from None
+        files = []
+        for name, rel in weight_map.items():
+            if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+                raise CheckpointError(f"{index}: weight_map[{name!r}] = {rel!r} is not a file in the folder")
+            if rel not in files:
+                files.append(rel)
+        missing = [rel for rel in files if not (p / rel).is_file()]
+        if missing:
+            raise CheckpointError(f"{p / missing[0]}: file is missing ({INDEX} lists it)")
+        self._index = {n: p / rel for n, rel in weight_map.items()}
+        return [p / rel for rel in files]
+
+    def check(self) -> None:
+        index = getattr(self, "_index", None)
+        if index is None:
+            return
+        for name, f in index.items():
+            e = self.entries.get(name)
+            if e is None or e.file != f:
+                raise CheckpointError(f"{self.folder / INDEX}: says {name!r} is in {f.name}, "
+                                      f"{'which does not hold it' if e is None else 'but ' + e.file.name + ' does'}")
+        extra = [n for n in self.entries if n not in index]
+        if extra:
+            raise CheckpointError(f"{self.entries[extra[0]].file}: holds {extra[0]!r}, which {INDEX} does not list")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+    def states(self, name: str) -> tuple[str, ...]:
+        return ("weight",)
+
+    def dtype(self, name: str, state: str) -> torch.dtype:
+        return self.entries[name].dtype
+
+    def map(self, name: str, state: str) -> ParamMap:
+        m = self._maps.get(name)
+        if m is None:
+            m = self._maps[name] = replicated(self.entries[name].shape, 1)
+        return m
+
+    def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
+        e = self.entries[name]
+        n = prod(e.shape)
+        if not n:
+            return torch.empty(0, dtype=e.dtype)
+        return torch.frombuffer(self._map(e.file), dtype=e.dtype, count=n, offset=e.start)
+
+    def _map(self, f: Path) -> mmap.mmap:
+        m = self._mapped.get(f)
+        if m is None:
+            with open(f, "rb") as fh:  # a private mapping: nothing can write back to the file
+                m = self._mapped[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        return m
+
+    def tp_index(self, name: str, state: str, rank: int) -> None:
+        return None
+
+    def step(self, name: str) -> Any:
+        return None
+
+    def extras(self, name: str) -> dict[str, Any]:
+        return {}
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return []
+
+    @cached_property
+    def config(self) -> dict[str, Any] | None:
+        """The folder's ``config.json``, where there is one."""
+        f = self.folder / "config.json"
+        try:
+            return json.loads(f.read_text()) if f.is_file() else None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{f}: unreadable ({e})") from None
