@@ -24,7 +24,7 @@ import time
 import tracemalloc
 
 from benchmarks.common import row
-from reshard import ModelPlan, ParamMap, model_plan_to_dict, plan_model
+from reshard import ModelPlan, ParamMap, plan_model
 from reshard.layouts import even_sizes, replicated, split, zero12_group_layout
 from reshard.layouts.compose import ZeroComposer
 from reshard.layouts.topology import Topology
@@ -127,7 +127,7 @@ def _name(src: Topology, tgt: Topology) -> str:
 def main(layers: int = LAYERS, sample: int = 24) -> list[str]:
     src, tgt = Topology(pp=8, dp=16, tp=8), Topology(pp=16, dp=32, tp=4)
     parts, source, target, mp = whole(src, tgt, layers)
-    size = len(json.dumps(model_plan_to_dict(mp), separators=(",", ":")))
+    size = len(json.dumps(mp.to_dict(), separators=(",", ":")))
     st = mp.stats(element_size=2)
     elements = sum(math.prod(m.logical_shape) for m in source.values())
     out = [f"MoE {layers} layers, {EXPERTS} experts: {elements / 1e12:.2f}T parameters in {len(source):,} tensors, "

@@ -77,8 +77,8 @@ def _all_ranks(src, view: str) -> range:
 
 
 def _cmd_inspect(args) -> int:
-    from .formats.detect import open_source, select
     from .present.describe import format_inspect, inspect_document, summarize
+    from .present.inspected import open_source, select
 
     if args.png:
         from .present.viz import require_matplotlib
@@ -127,10 +127,10 @@ def _cmd_plan(args) -> int:
 def _plan_between(args) -> int:
     """``reshard plan SOURCE --to TARGET``: two map documents, or anything ``open_source`` reads
     whose maps are on ranks of one job (a DCP folder: its storage ranks)."""
-    from .formats.detect import open_source
     from .plan.planner import DefaultCost, plan_model
-    from .plan.serial import model_plan_to_dict
+    from .plan.values import model_plan_to_dict
     from .present.describe import stats_lines, write_plan_png
+    from .present.inspected import open_source
 
     src, tgt = open_source(args.source).maps, open_source(args.to).maps
     if len(src) == 1 and len(tgt) == 1:  # one map each: the same parameter, whatever the files' names
@@ -150,9 +150,9 @@ def _plan_between(args) -> int:
 def _plan_to_topology(args) -> int:
     """``reshard plan SOURCE --tp T [--dp D]``: the source's layouts rebuilt at the target."""
     from .errors import PlanError
-    from .formats.detect import open_source
     from .plan.retarget import plan_topology
     from .present.describe import plan_document, stats_lines, write_plan_png
+    from .present.inspected import open_source
 
     src = open_source(args.source)
     if src.kind == "dcp":
@@ -197,9 +197,11 @@ def _cluster(args):
 
 
 def _report(report) -> None:
-    """Every process of a launch finishes with the same report; one prints it."""
+    """Every process of a launch finishes with the same report; one prints it, and its notes."""
     if int(os.environ.get("RANK", "0") or 0) == 0:
         print(report)
+        for note in report.notes:
+            print(f"  note: {note}")
 
 
 def _start_early_copies(args) -> None:
@@ -306,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--composed", action="store_true",
                      help="DeepSpeed: show the TP maps composed with the ZeRO split, over global ranks")
     _figures(ins)
-    ins.set_defaults(fn=_cmd_inspect, imports=("reshard.present.describe", "reshard.formats.detect"))
+    ins.set_defaults(fn=_cmd_inspect, imports=("reshard.present.describe", "reshard.present.inspected"))
 
     pl = sub.add_parser("plan", help="plan a move without moving data: to a topology (--tp) or a map document (--to)",
                         description="Plan a move without moving data. Either --tp (the source's layouts rebuilt "
@@ -324,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--allow-inexact-scale", action="store_true",
                     help="accept rescaling by factors that are not powers of two (they round)")
     _figures(pl)
-    pl.set_defaults(fn=_cmd_plan, imports=("reshard.present.describe", "reshard.formats.detect", "reshard.plan.planner",
-                                         "reshard.plan.serial", "reshard.plan.retarget"))
+    pl.set_defaults(fn=_cmd_plan, imports=("reshard.present.describe", "reshard.present.inspected", "reshard.plan.planner",
+                                         "reshard.plan.retarget"))
 
     cv = sub.add_parser("convert", help="DeepSpeed or DCP checkpoint -> universal checkpoint, safetensors or DCP")
     cv.add_argument("ckpt_dir", help="a DeepSpeed tag folder (or its parent holding 'latest'), a PyTorch DCP folder "

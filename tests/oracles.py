@@ -239,7 +239,7 @@ def verify(
     """The map is canonical and valid, extracts exactly the ``expected`` shards from ``full`` (the
     independent as_strided helper and ``m.extract`` agree), and the shards rebuild F; with
     ``deepspeed``, DeepSpeed's ``ParamAffineMap`` loads the map and does the same."""
-    from reshard import canonicalize
+    from reshard.ir import canonicalize
 
     assert canonicalize(m) == m, "builder output is not canonical"
     coverage(m)

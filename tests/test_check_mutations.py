@@ -25,7 +25,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from reshard import MapError, ParamMap, Piece, Shard, View, layouts
+from reshard import ParamMap, Piece, Shard, View, layouts
+from reshard.errors import MapError
 from tests import irgen
 
 EXAMPLES = int(os.environ.get("RESHARD_EXAMPLES", "200"))

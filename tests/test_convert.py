@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError, ReplicaMismatchError
 from reshard.cli import main as cli
+from reshard.errors import CheckpointError, ReplicaMismatchError
 from reshard.jobs.convert import convert
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load

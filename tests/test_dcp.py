@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reshard import CheckpointError, ReshardError, convert
+from reshard import ReshardError, convert
+from reshard.errors import CheckpointError
 from reshard.formats.dcp.checkpoint import METADATA, DcpCheckpoint
 from reshard.formats.dcp.records import DcpFile
 from reshard.formats.dcp.writer import fsdp_chunks, target_chunks
@@ -340,9 +341,13 @@ def test_a_box_listed_twice_is_one_replica(source: Path, tmp_path: Path) -> None
     assert torch.equal(ck.full("model.embed.weight"), _state()["model"]["embed.weight"])
 
 
-def test_wrong_source_or_target_kind(source: Path, tmp_path: Path) -> None:
-    with pytest.raises(ReshardError, match="already a DCP checkpoint"):
-        convert(source, tmp_path / "o", fmt="dcp")
+def test_dcp_to_dcp_is_a_route_and_bad_renames_are_refused(source: Path, tmp_path: Path) -> None:
+    """DCP -> DCP (one chunk per tensor) is a route like any other: every tensor comes back."""
+    out = convert(source, tmp_path / "o", fmt="dcp").out_dir
+    a, b = DcpCheckpoint.open(source), DcpCheckpoint.open(out)
+    assert set(a.tensors) <= set(b.tensors)
+    for key in a.tensors:
+        assert torch.equal(a.full(key).float(), b.full(key))
     with pytest.raises(ReshardError, match="--rename takes FROM=TO"):
         convert(tag_dir("llama_zero1_dp2"), tmp_path / "o", fmt="dcp", rename=["nope"])
 
@@ -361,7 +366,10 @@ def test_cli_inspect_plan_and_reshard(source: Path, tmp_path: Path, capsys) -> N
     assert main(["plan", source, "--to", out]) == 0
     assert "segments" in capsys.readouterr().out
     assert main(["reshard", source, tmp_path / "o2", "--files", "2", "--tp", "2"]) == 2
-    assert main(["reshard", tag_dir("llama_zero1_dp2"), tmp_path / "o3", "--files", "2"]) == 2
+    # a DeepSpeed checkpoint laid out as DCP for 2 loading ranks: a route like any other
+    assert main(["reshard", tag_dir("llama_zero1_dp2"), tmp_path / "o3", "--files", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "o3" / "global_step3").iterdir() if p.suffix == ".distcp") == [
+        "__0_0.distcp", "__1_0.distcp"]
     assert main(["plan", source, "--tp", "2"]) == 2
 
 

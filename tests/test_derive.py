@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard import NotAffineError, canonicalize
+from reshard.errors import NotAffineError
+from reshard.ir import canonicalize
 from reshard.layouts.derive import derive
 from tests.irgen import grid_map, replicated_map, segmented_map
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import ParamMap, PlanError, ShardError
+from reshard import ParamMap
 from reshard import layouts as L
+from reshard.errors import PlanError, ShardError
 from reshard.execute.schedule import MIN_DIRECT_BYTES, Item, messages, schedule
 from reshard.ir import View, prod, row_major_strides
 from reshard.ir.apply import view_of

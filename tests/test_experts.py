@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError, ReshardError, apply_plan, canonicalize
+from reshard import ReshardError, apply_plan
+from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.formats.deepspeed.target_experts import ds_affine_entry
-from reshard.formats.detect import open_source
+from reshard.ir import canonicalize
 from reshard.ir.param_map import map_from_dict
 from reshard.jobs.convert import convert, reshard
 from reshard.layouts import autoep_placement
 from reshard.plan.planner import plan
+from reshard.present.inspected import open_source
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError
 from reshard.cli import main as cli
+from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import apply_plan, plan_topology
+from reshard import apply_plan
 from reshard.cli import main as cli
-from reshard.formats.detect import open_source
 from reshard.ir import maps_to_document
 from reshard.layouts import (
     bigcode_mqa,
@@ -27,6 +26,8 @@ from reshard.layouts import (
     sub_params,
 )
 from reshard.layouts.recognize import recognize
+from reshard.plan.retarget import plan_topology
+from reshard.present.inspected import open_source
 from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES
 from tests.irgen import padded_vocab_map, replicated_map, segmented_map

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from reshard import ParamMap, canonicalize
+from reshard import ParamMap
+from reshard.ir import canonicalize
 from tests.irgen import flat_map, grid_map, random_tensor, replicated_map, segmented_map
 
 affine = pytest.importorskip("deepspeed.checkpoint.affine")

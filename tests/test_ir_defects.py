@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from reshard import MapError, MapFormatError, ParamMap, ReplicaMismatchError, ShardError
+from reshard import ParamMap
+from reshard.errors import MapError, MapFormatError, ReplicaMismatchError, ShardError
 from tests.irgen import grid_map, segmented_map
 
 # A valid 2-rank column split of an 4x6 F, as JSON.

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard import ParamMap, canonicalize
+from reshard import ParamMap
+from reshard.ir import canonicalize
 from tests.irgen import DTYPES, fragment, layouts, random_tensor
 
 SETTINGS = settings(max_examples=int(__import__("os").environ.get("RESHARD_EXAMPLES", "150")), deadline=None)
@@ -83,7 +84,7 @@ def test_shard_views_into_larger_storage():
 
 
 def test_rebuild_verifies_replicas_and_names_the_difference():
-    from reshard import ReplicaMismatchError
+    from reshard.errors import ReplicaMismatchError
     from tests.irgen import segmented_map
 
     m = segmented_map((8, 4), 0, [(4, False), (4, True)], 2)
@@ -157,7 +158,7 @@ def test_identity_rank_examples():
 def test_rebuild_into_a_given_buffer():
     import pytest
 
-    from reshard import ShardError
+    from reshard.errors import ShardError
     from tests.irgen import grid_map
 
     m = grid_map((6, 4), {0: [3, 3]})

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import MapError, ParamMap, canonicalize
-from reshard.ir import prod
+from reshard import ParamMap
+from reshard.errors import MapError
+from reshard.ir import canonicalize, prod
 from reshard.layouts import (
     autotp_split,
     bigcode_mqa,

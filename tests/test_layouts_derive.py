@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reshard import canonicalize
+from reshard.ir import canonicalize
 from reshard.layouts import (
     autotp_split,
     bigcode_mqa,

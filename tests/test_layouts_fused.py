@@ -9,7 +9,9 @@ import itertools
 import pytest
 import torch
 
-from reshard import MapError, ParamMap, canonicalize
+from reshard import ParamMap
+from reshard.errors import MapError
+from reshard.ir import canonicalize
 from reshard.layouts import (
     bigcode_mqa,
     codegen_qkv,

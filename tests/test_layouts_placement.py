@@ -9,8 +9,11 @@ import random
 import pytest
 import torch
 
-from reshard import MapError, ParamMap, Topology, TopologyError, canonicalize
+from reshard import ParamMap
+from reshard.errors import MapError, TopologyError
+from reshard.ir import canonicalize
 from reshard.layouts import autoep_placement, expert_placement, pipeline_stage, uniform_experts
+from reshard.layouts.topology import Topology
 from tests import oracles
 
 autoep = pytest.importorskip("deepspeed.checkpoint.autoep_affine")

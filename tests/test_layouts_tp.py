@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from reshard import MapError
+from reshard.errors import MapError
 from reshard.layouts import (
     autotp_shard_sizes,
     autotp_split,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import MapError
+from reshard.errors import MapError
 from reshard.ir import prod
 from reshard.layouts import (
     round_robin_order,

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError
+from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.checkpoint import STATES, DeepSpeedCheckpoint
-from reshard.formats.detect import open_source
 from reshard.jobs.convert import convert
+from reshard.present.inspected import open_source
 from reshard.storage.safe_load import load
 from tests.dsconv import FIXTURES, ds_to_universal, tag_dir
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError, ReshardError
+from reshard import ReshardError
 from reshard.cli import main as cli
+from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.checkpoint import STATES, DeepSpeedCheckpoint
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save

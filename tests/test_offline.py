@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError, OutputError, ReshardError
+from reshard import ReshardError
+from reshard.errors import CheckpointError, OutputError
 from reshard.formats.deepspeed import zero12 as dsw
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.ir.piece import prod
@@ -336,7 +337,7 @@ def test_layout_from_a_map_document(tmp_path, source_universal):
     universal_checkpoint_info.affine_map describes it, and it converts to the same tensors."""
     import json
 
-    from reshard import maps_to_document
+    from reshard.ir import maps_to_document
 
     ck = DeepSpeedCheckpoint.open(FIXTURES / "llama_tp2_dp2")
     doc = tmp_path / "tp2.json"

@@ -39,7 +39,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError, OutputError, ReshardError
+from reshard import ReshardError
+from reshard.errors import CheckpointError, OutputError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.formats.deepspeed.zero3 import SubGroup, sub_groups
 from reshard.jobs.convert import convert, reshard

@@ -10,18 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard import (
-    DefaultCost,
-    ParamMap,
-    PlanError,
-    apply_plan,
-    model_plan_from_dict,
-    model_plan_to_dict,
-    plan,
-    plan_from_dict,
-    plan_model,
-    plan_to_dict,
-)
+from reshard import ParamMap, apply_plan, plan, plan_model
+from reshard.errors import PlanError
+from reshard.plan.planner import DefaultCost
+from reshard.plan.values import model_plan_from_dict, model_plan_to_dict, plan_from_dict, plan_to_dict
 from tests.irgen import (
     DTYPES,
     grid_map,

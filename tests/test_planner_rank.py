@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard import DefaultCost, MapError, ParamMap, PlanError, Topology, apply_plan, plan_model
+from reshard import ParamMap, apply_plan, plan_model
+from reshard.errors import MapError, PlanError
 from reshard.layouts import (
     compose,
     even_sizes,
@@ -24,7 +25,8 @@ from reshard.layouts import (
     zero12_group_layout,
 )
 from reshard.layouts.compose import ZeroComposer
-from reshard.plan.planner import Planner, plan_for_rank
+from reshard.layouts.topology import Topology
+from reshard.plan.planner import DefaultCost, Planner, plan_for_rank
 from tests.irgen import layouts, shapes
 
 HIDDEN, INTER = 16, 12

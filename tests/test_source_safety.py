@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from reshard import OutputError
 from reshard.cli import main
+from reshard.errors import OutputError
 from reshard.jobs.convert import convert, reshard
 from tests.dsconv import FIXTURES
 

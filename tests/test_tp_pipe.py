@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import CheckpointError, ReshardError
+from reshard import ReshardError
+from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save

@@ -58,9 +58,9 @@ def open_reader(path: str | Path) -> Reader:
 
         reader = DeepSpeedReader.open(p)
     else:
-        raise CheckpointError(f"{p}: not a checkpoint reshard reads: no DeepSpeed 'latest' or "
-                              "zero_pp_rank_*_optim_states.pt, no DCP .metadata, no universal zero/ folder, no "
-                              "model.safetensors or model.safetensors.index.json")
+        raise CheckpointError(f"{p}: not a DeepSpeed checkpoint (no 'latest', no *model_states.pt), nor a PyTorch "
+                              "DCP one (.metadata), a universal one (zero/) or Hugging Face safetensors "
+                              "(model.safetensors, model.safetensors.index.json)")
     reader.check()
     return reader
 

@@ -60,7 +60,6 @@ class Report:
         if self.drift:
             lines.append(f"replica drift resolved by '{self.policy}' (recorded in the manifest):")
             lines += [f"  {d}" for d in self.drift]
-        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from .. import ParamMap, apply_plan, convert, derive, plan, plan_topology, reshard, verify
-from ..formats.detect import open_source
 from .describe import stats_lines, write_plan_png
+from .inspected import open_source
 
 ELEMENT_SIZE = 4  # the fixture is fp32
 

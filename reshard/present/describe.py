@@ -9,12 +9,12 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..formats.detect import Source
 from ..ir.canonical import canonicalize
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
 from ..plan.retarget import TopologyPlan
 from ..plan.values import ModelPlan
+from .inspected import Inspected
 from .viz import draw_plan, human_bytes, ranks_label
 
 JSON_VERSION = 1
@@ -98,7 +98,7 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
             for r in rows]
 
 
-def format_inspect(src: Source, view: str, summaries: list[Summary], ranks: list[int], element_size: int,
+def format_inspect(src: Inspected, view: str, summaries: list[Summary], ranks: list[int], element_size: int,
                    zero: dict[str, dict[int, dict[int, int]]] | None) -> list[str]:
     lines = [f"{src.path}: {src.description}" + _view_text(src, view)]
     lines.append(f"ranks {ranks_label(ranks)}; element size {element_size} bytes; "
@@ -126,7 +126,7 @@ def format_inspect(src: Source, view: str, summaries: list[Summary], ranks: list
     return lines
 
 
-def _view_text(src: Source, view: str) -> str:
+def _view_text(src: Inspected, view: str) -> str:
     if view == "tp":
         return f"; TP maps over TP ranks 0-{src.tp - 1}"
     if view == "composed":
@@ -136,7 +136,7 @@ def _view_text(src: Source, view: str) -> str:
     return ""
 
 
-def _zero_lines(src: Source, zero: dict[str, dict[int, dict[int, int]]]) -> list[str]:
+def _zero_lines(src: Inspected, zero: dict[str, dict[int, dict[int, int]]]) -> list[str]:
     per = _zero_totals(zero)
     if src.dp == 1:
         head = f"ZeRO-{src.zero_stage} over DP=1: each TP shard's optimizer state is on its one rank (no split)"
@@ -156,7 +156,7 @@ def _zero_lines(src: Source, zero: dict[str, dict[int, dict[int, int]]]) -> list
     return out
 
 
-def _expert_lines(src: Source) -> list[str]:
+def _expert_lines(src: Inspected) -> list[str]:
     """An AutoEP checkpoint's expert groups: EP, EDP, the DP ranks of each EDP group and the
     expert elements each DP rank's partition holds."""
     ck = src.checkpoint
@@ -203,7 +203,7 @@ def _keyed(d: Mapping[int, object]) -> dict[str, object]:
     return {str(k): v for k, v in sorted(d.items())}
 
 
-def inspect_document(src: Source, view: str, summaries: list[Summary], ranks: list[int], element_size: int,
+def inspect_document(src: Inspected, view: str, summaries: list[Summary], ranks: list[int], element_size: int,
                      zero: dict[str, dict[int, dict[int, int]]] | None) -> dict:
     """The ``--json`` document of ``inspect`` (keys in the module docstring)."""
     params = []
@@ -257,7 +257,7 @@ def stats_lines(mp: ModelPlan, element_size: int) -> list[str]:
     return lines
 
 
-def plan_document(src: Source, tplan: TopologyPlan, element_size: int) -> dict:
+def plan_document(src: Inspected, tplan: TopologyPlan, element_size: int) -> dict:
     """The ``--json`` document of ``plan SOURCE --tp T`` (keys in the module docstring)."""
     st = tplan.plan.stats(element_size=element_size)
     sr, dr, mat = bytes_matrix(tplan.plan, tplan.source_maps, tplan.target_maps, element_size)

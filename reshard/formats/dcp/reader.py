@@ -30,7 +30,7 @@ class DcpReader:
         self.tag = ck.path.name
         self.sources = (ck.path,) if given is None or Path(given) == ck.path else (Path(given), ck.path)
         ranks = {c.rank for e in ck.tensors.values() for c in e.chunks}
-        self.description = f"PyTorch DCP checkpoint ({len(ranks)} storage ranks)"
+        self.description = f"PyTorch DCP checkpoint, {len(ranks)} storage ranks"
         self.topology: dict[str, int] = {}
         self.names = ck.params
 

@@ -193,10 +193,19 @@ class DeepSpeedReader:
             raise CheckpointError(f"{path}: the flat {state} partition of group {group} is {got}, not 1-D: not a "
                                   "DeepSpeed 0.19.8 file")
         if flat.numel() < start + n:
-            raise CheckpointError(f"{path}: {name} ({state}, dp rank {d}, model-parallel rank {m}): fragment "
-                                  f"[{start}, {start + n}) lies past the flat partition of {flat.numel()} elements: "
-                                  "truncated or corrupt")
+            raise CheckpointError(f"{path}: {self._label(name, state, m, d)}: fragment [{start}, {start + n}) lies past "
+                                  f"the flat {state} partition of {flat.numel()} elements: truncated or corrupt")
         return flat.narrow(0, start, n)
+
+    def _label(self, name: str, state: str, m: int, d: int) -> str:
+        """``name`` on the rank whose fragment it is, as messages name it."""
+        ck = self.ck
+        if ck.expert(name) is not None:
+            e = next(e for e in range(ck.experts.ep) if d in ck.experts.members(e))
+            return f"{name} (EP rank {e}, {state})"
+        if (q := ck.moe_param(name)) is not None:
+            return f"{q.local} ({name}, {state})"
+        return f"{name} (tp rank {m % ck.tp}, {state})"
 
     def _where(self, name: str, m: int, d: int) -> tuple[int, int]:
         """(group or sub-group, first element) of ``name``'s fragment in rank (``m``, ``d``)'s files."""

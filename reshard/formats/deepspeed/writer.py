@@ -37,7 +37,7 @@ __all__ = ["DeepSpeedWriter"]
 
 def _positive(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ReshardError(f"{what} must be a positive integer, got {value!r}")
+        raise ReshardError(f"{what} must be a positive integer (--{what.replace('_', '-')}), got {value!r}")
     return value
 
 
@@ -47,11 +47,11 @@ class DeepSpeedWriter:
 
     def __init__(self, reader: Any, *, tp: int = 1, dp: int | None = None, pp: int = 1, zero_stage: int | None = None,
                  ep: int | None = None, layout: TargetLayout = None, dtype: torch.dtype | None = None) -> None:
-        tp, pp = _positive(tp, "tp (--tp)"), _positive(pp, "pp (--pp)")
+        tp, pp = _positive(tp, "tp"), _positive(pp, "pp")
         if dp is not None:
-            _positive(dp, "dp (--dp)")
+            _positive(dp, "dp")
         if ep is not None:
-            _positive(ep, "ep (--ep)")
+            _positive(ep, "ep")
         self.reader, self.tag = reader, reader.tag
         self.extra_sources = layout_sources(layout)
         self._notes: list[str] = []

@@ -1,10 +1,10 @@
 """Open whatever a user points ``reshard inspect`` or ``reshard plan`` at: a map document (JSON),
-a DeepSpeed checkpoint folder, or a universal checkpoint folder, as a :class:`Source` -- its
+a DeepSpeed checkpoint folder, or a universal checkpoint folder, as a :class:`Inspected` -- its
 maps by parameter name and what is known of its topology.
 
 * A map document holds one map, or ``{"version": 1, "params": {name: map}}``.
 * A DeepSpeed checkpoint is a tag folder, or its parent with ``latest``; its maps are the TP maps
-  (the ZeRO split is reached through :meth:`Source.zero_fragments` / :meth:`Source.composed_map`).
+  (the ZeRO split is reached through :meth:`Inspected.zero_fragments` / :meth:`Inspected.composed_map`).
 * A universal checkpoint is a tag folder holding ``zero/<param>/fp32.pt``, or its parent with
   ``latest_universal``; each parameter is F itself on one rank.
 * A PyTorch DCP folder (``.metadata``) lists every tensor entry (weights and optimizer states) by
@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MapFormatError, ReshardError, in_context
+from ..formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from ..formats.registry import open_reader
 from ..ir.canonical import canonicalize
 from ..ir.param_map import ParamMap, map_from_dict, maps_from_document
-from .deepspeed.checkpoint import DeepSpeedCheckpoint
-from .registry import open_reader
 
-__all__ = ["Source", "open_source", "select"]
+__all__ = ["Inspected", "open_source", "select"]
 
 
 @dataclass
-class Source:
+class Inspected:
     """The maps a TARGET/SOURCE path describes, with what is known of its topology."""
 
     path: str
@@ -65,7 +65,7 @@ class Source:
         return self.checkpoint
 
 
-def open_source(path: str | Path) -> Source:
+def open_source(path: str | Path) -> Inspected:
     """Read a map document, or any checkpoint reshard reads (``registry.open_reader``)."""
     p = Path(path)
     if p.is_file() and p.suffix != ".safetensors":
@@ -78,13 +78,13 @@ def open_source(path: str | Path) -> Source:
     if reader.format == "dcp":
         ck = reader.ck
         maps = {key: ck.param_map(key) for key in ck.tensors}
-        return Source(str(p), "dcp", maps, reader.description)
+        return Inspected(str(p), "dcp", maps, reader.description)
     maps = {n: reader.map(n, reader.states(n)[0]) for n in reader.names}
     kind = "universal" if reader.format == "universal" else "maps"
-    return Source(str(p), kind, maps, reader.description)
+    return Inspected(str(p), kind, maps, reader.description)
 
 
-def _open_maps(p: Path) -> Source:
+def _open_maps(p: Path) -> Inspected:
     try:
         doc = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -95,10 +95,10 @@ def _open_maps(p: Path) -> Source:
         raise MapFormatError(e.path, f"{e.reason} (in {p})") from None
     for name, m in maps.items():
         _checked(m, f"{p}: parameter {name!r}")
-    return Source(str(p), "maps", {n: canonicalize(m) for n, m in maps.items()}, "map document")
+    return Inspected(str(p), "maps", {n: canonicalize(m) for n, m in maps.items()}, "map document")
 
 
-def _open_deepspeed(ck: DeepSpeedCheckpoint, path: Path) -> Source:
+def _open_deepspeed(ck: DeepSpeedCheckpoint, path: Path) -> Inspected:
     maps, families = {}, {}
     for name in ck.names:
         low = ck.tp_map(name)
@@ -106,7 +106,7 @@ def _open_deepspeed(ck: DeepSpeedCheckpoint, path: Path) -> Source:
         maps[name] = canonicalize(low.map)
         families[name] = low.family
     description = f"DeepSpeed TP={ck.tp} DP={ck.dp}{f' PP={ck.pp}' if ck.pp > 1 else ''} ZeRO-{ck.zero_stage}"
-    return Source(str(path), "deepspeed", maps, description, ck.tp, ck.dp, ck.zero_stage, families, ck)
+    return Inspected(str(path), "deepspeed", maps, description, ck.tp, ck.dp, ck.zero_stage, families, ck)
 
 
 def _checked(m: ParamMap, where: str) -> None:
@@ -116,7 +116,7 @@ def _checked(m: ParamMap, where: str) -> None:
         raise in_context(e, where) from None
 
 
-def select(src: Source, param: str | None) -> list[str]:
+def select(src: Inspected, param: str | None) -> list[str]:
     """The parameter names to show: all, or the one ``param`` names: exactly, else as the only name
     ending in ``.param``, else as the only name containing it."""
     if param is None:
