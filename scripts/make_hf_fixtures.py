@@ -173,10 +173,20 @@ def compare_with_previous(dest: Path, new_files: dict) -> dict:
             "removed": sorted(set(old) - set(new_files))}
 
 
+def hf_job_env() -> dict[str, str]:
+    """``ds_launch.job_env`` plus a torch-extensions folder of this interpreter's environment:
+    DeepSpeed JIT-builds its CPU all-reduce op (``deepspeed_shm_comm``) into
+    ``~/.cache/torch_extensions`` by default, a folder every virtual environment on the machine
+    shares; two environments alternating there rebuild it each time (about a minute on 2 cores)."""
+    env = job_env(SCRIPTS)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    return env
+
+
 def launch(cmd: list[str], cwd: Path, log_path: Path, timeout_s: float) -> float:
     t0 = time.time()
     try:
-        rc = run_job(cmd, cwd=cwd, env=job_env(SCRIPTS), log_path=log_path, timeout_s=timeout_s)
+        rc = run_job(cmd, cwd=cwd, env=hf_job_env(), log_path=log_path, timeout_s=timeout_s)
     except TimeoutError:
         raise RuntimeError(f"launch timed out after {timeout_s}s (log: {log_path})") from None
     seconds = time.time() - t0
