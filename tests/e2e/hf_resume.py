@@ -111,7 +111,10 @@ def main(argv=None) -> int:
     trainer = None
     try:
         model = R.build_model(recipe)
-        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        # the checkpoint's tokenizer when it has one (Trainer does not read it on resume), else the recipe's
+        from_checkpoint = (checkpoint / "tokenizer_config.json").is_file()
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint)) if from_checkpoint else R.build_tokenizer()
+        report["tokenizer"] = "checkpoint" if from_checkpoint else "recipe"
         trainer = Trainer(model=model, args=args, train_dataset=R.build_dataset(recipe),
                           data_collator=default_data_collator, processing_class=tokenizer)
         trainer.train(resume_from_checkpoint=str(checkpoint))
