@@ -1,0 +1,450 @@
+#!/usr/bin/env python
+"""Build the real Megatron-Core checkpoint fixtures under ``tests/fixtures/megatron/``.
+
+Each fixture is a tiny Megatron ``GPTModel`` (Llama-like: RMSNorm, SwiGLU, RoPE, GQA, untied
+embeddings, no biases) trained for 3 steps with Adam by Megatron-LM's own ``train_step`` on CPU
+(``gloo``) and saved by Megatron-LM's own ``save_checkpoint`` -- both from the
+``megatron.training`` package that ships in the megatron-core 0.19.2 wheel -- then reloaded by
+Megatron itself at TP=1, PP=1 (``scripts/megatron_oracle.py``) to give the oracle data.
+
+It runs in a separate venv, never reshard's own (megatron-core is no dependency of reshard)::
+
+    /work/venvs/megatron/bin/python scripts/make_megatron_fixtures.py            # all fixtures
+    /work/venvs/megatron/bin/python scripts/make_megatron_fixtures.py --only torch_dist_tp2_pp2
+    /work/venvs/megatron/bin/python scripts/make_megatron_fixtures.py --list
+    python scripts/make_megatron_fixtures.py --venv-help    # how to make that venv
+
+``--venv DIR`` (or ``$MEGATRON_VENV``) names the venv whose ``torchrun`` runs the jobs (default
+``/work/venvs/megatron``); this script itself needs only the standard library plus, for the
+checks it runs on what was written, that venv's torch and safetensors (so run it with that
+venv's python).
+
+A fixture folder holds the ``--save`` folder exactly as Megatron wrote it
+(``latest_checkpointed_iteration.txt`` and ``iter_0000003/``), a ``fixture.json`` (the recipe:
+Megatron-LM command line, topology, model and optimizer settings, seeds, per-rank losses, the
+pickled globals of every pickle, the size and sha256 of every file) and ``oracle/`` (Megatron's
+own TP=1/PP=1 reload: weights, Adam moments, forward logits; see ``megatron_oracle.py``).
+
+Jobs run in ``/tmp/reshard-megatron-fixtures/<name>/`` (a fixed path, since the saved ``args``
+record ``--save``); a fixture is swapped into place only when the job, the oracle reloads and
+the checks all succeeded, so a failure leaves the existing fixture alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ds_launch import job_env, root_cause, run_job  # noqa: E402
+from make_fixtures import pickle_bytes_globals  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+WORKER = SCRIPTS / "_fixture_megatron.py"
+ORACLE = SCRIPTS / "megatron_oracle.py"
+DEFAULT_OUT = REPO / "tests" / "fixtures" / "megatron"
+DEFAULT_VENV = os.environ.get("MEGATRON_VENV", "/work/venvs/megatron")
+WORK_ROOT = Path("/tmp/reshard-megatron-fixtures")
+STEPS = 3
+LAUNCH_TIMEOUT_S = 600
+
+VENV_HELP = """\
+The Megatron venv (CPU only; megatron-core 0.19.2 declares Python >= 3.12, but its cp311 wheel
+runs on 3.11 with the typing.override shim in scripts/_megatron_cpu.py):
+
+    python3.11 -m venv /work/venvs/megatron
+    /work/venvs/megatron/bin/pip install torch==2.13.0      # FIRST, the CPU build (local wheel here;
+        # elsewhere: --index-url https://download.pytorch.org/whl/cpu); an unpinned torch pulls CUDA
+    /work/venvs/megatron/bin/pip download --no-deps --ignore-requires-python megatron-core==0.19.2 -d /tmp/mc
+    /work/venvs/megatron/bin/pip install --no-deps --ignore-requires-python /tmp/mc/megatron_core-0.19.2-*.whl
+    /work/venvs/megatron/bin/pip install numpy packaging einops psutil safetensors transformers==5.24.0
+
+No Transformer Engine, apex, triton, tensorstore or zarr is needed. Then:
+
+    /work/venvs/megatron/bin/python scripts/make_megatron_fixtures.py [--only NAME]
+"""
+
+# --------------------------------------------------------------------------------------------
+# The model and the training recipe (Megatron-LM command-line flags)
+# --------------------------------------------------------------------------------------------
+
+# Pairwise distinct sizes, so a swapped or transposed axis cannot go unnoticed: hidden 24,
+# head dim (kv_channels) 10, q rows 4*10 = 40, QKV rows (4 + 2*2)*10 = 80, ffn 36 (fc1 rows 72),
+# vocab 120 padded to 128 (make_vocab_size_divisible_by 64 -> a multiple of 64*TP).
+MODEL_ARGV = [
+    "--hidden-size", "24", "--num-attention-heads", "4", "--kv-channels", "10",
+    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "36",
+    "--seq-length", "16", "--max-position-embeddings", "16",
+    "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--rotary-base", "10000",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--vocab-size", "120", "--tokenizer-type", "NullTokenizer", "--make-vocab-size-divisible-by", "64",
+    "--init-method-std", "0.02",
+]
+TRAIN_ARGV = [
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(STEPS),
+    "--optimizer", "adam", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+    "--lr-warmup-iters", "1", "--weight-decay", "0.01", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+    "--adam-eps", "1e-8", "--clip-grad", "1.0", "--seed", "1234",
+    "--save-interval", str(STEPS),
+]
+# What running Megatron-LM on CPU takes (see _megatron_cpu.py / _megatron_common.py).
+CPU_ARGV = [
+    "--transformer-impl", "local", "--use-cpu-initialization", "--distributed-backend", "gloo",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+    "--no-rope-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+]
+
+
+@dataclass
+class Fixture:
+    name: str
+    description: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    layers: int = 2
+    ckpt_format: str = "torch_dist"
+    distopt: bool = False
+    fully_reshardable: bool = False
+    moe: bool = False
+    extra_argv: list[str] = field(default_factory=list)
+    # (tp, pp, dp, ep) reloads compared against the TP=1/PP=1 oracle (Megatron's own resharding)
+    cross_checks: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def argv(self, save: Path) -> list[str]:
+        a = ["--num-layers", str(self.layers),
+             "--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+             *MODEL_ARGV, *TRAIN_ARGV, *CPU_ARGV,
+             "--save", str(save), "--ckpt-format", self.ckpt_format]
+        if self.ep > 1 or self.moe:
+            a += ["--expert-model-parallel-size", str(self.ep)]
+        if self.distopt:
+            a.append("--use-distributed-optimizer")
+        if self.fully_reshardable:
+            a.append("--dist-ckpt-optim-fully-reshardable")
+        return a + self.extra_argv
+
+    def optimizer_loads_at_tp1(self) -> bool:
+        """Megatron refuses a TP/PP change for a dp_reshardable distributed optimizer, and any
+        topology change for a legacy checkpoint; with experts, EP=2 -> EP=1 changes the
+        optimizer's param groups (and the chained optimizer), so it cannot load those either."""
+        if self.ep > 1:
+            return False
+        if self.ckpt_format == "torch":
+            return self.tp == 1 and self.pp == 1
+        if self.distopt and not self.fully_reshardable:
+            return self.tp == 1 and self.pp == 1 and self.ep == 1
+        return True
+
+    def optimizer_reload_topology(self) -> tuple[int, int, int, int]:
+        """Where the optimizer is reloaded when not at TP=1/PP=1: the saved TP, PP and EP with
+        the smallest DP that holds EP."""
+        return (self.tp, self.pp, self.ep, self.ep)
+
+    def model_reload_topology(self) -> tuple[int, int, int, int]:
+        """Where the oracle reloads the model: TP=1/PP=1, except for legacy checkpoints (Megatron
+        reads those only at the topology that wrote them)."""
+        if self.ckpt_format == "torch":
+            return (self.tp, self.pp, 1, 1)
+        return (1, 1, 1, 1)
+
+
+MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
+            "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", "1e-2"]
+
+FIXTURES = {f.name: f for f in [
+    Fixture("torch_dist_tp2_pp2", "TP=2 x PP=2, DP=1; plain (non-distributed) Adam; torch_dist",
+            tp=2, pp=2, layers=4, cross_checks=[(2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1)]),
+    Fixture("torch_dist_tp2_dp2_distopt", "TP=2 x DP=2; distributed optimizer, dp_reshardable (default); torch_dist",
+            tp=2, dp=2, distopt=True, cross_checks=[(2, 1, 2, 1)]),
+    Fixture("torch_dist_pp2_dp2_distopt", "PP=2 x DP=2; distributed optimizer, dp_reshardable; torch_dist",
+            pp=2, dp=2, distopt=True, cross_checks=[(1, 2, 2, 1)]),
+    Fixture("torch_dist_dp2_fully_reshardable",
+            "DP=2; distributed optimizer with --dist-ckpt-optim-fully-reshardable; torch_dist",
+            dp=2, distopt=True, fully_reshardable=True, cross_checks=[(2, 1, 1, 1)]),
+    Fixture("torch_dist_dp2_distopt_bf16",
+            "DP=2; --bf16 with fp32 grad accumulation; distributed optimizer, dp_reshardable "
+            "(bucket 'param' = the fp32 main parameters); torch_dist",
+            dp=2, distopt=True, extra_argv=["--bf16", "--accumulate-allreduce-grads-in-fp32"]),
+    Fixture("legacy_tp2_pp2", "TP=2 x PP=2, DP=1; plain Adam; legacy --ckpt-format torch",
+            tp=2, pp=2, layers=4, ckpt_format="torch"),
+    Fixture("legacy_dp2_distopt", "DP=2; distributed optimizer; legacy --ckpt-format torch (distrib_optim.pt)",
+            dp=2, distopt=True, ckpt_format="torch"),
+    Fixture("torch_dist_moe_ep2", "MoE (4 experts, top-2, SequentialMLP), EP=2 x DP=2 (world 2); plain Adam; torch_dist",
+            dp=2, ep=2, moe=True, extra_argv=MOE_ARGV, cross_checks=[(1, 1, 2, 2)]),
+    Fixture("torch_dist_moe_ep2_distopt",
+            "MoE (4 experts, top-2, SequentialMLP), EP=2 x DP=2 (world 2); distributed optimizer; torch_dist",
+            dp=2, ep=2, moe=True, distopt=True, extra_argv=MOE_ARGV),
+]}
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+def _torchrun(venv: Path) -> Path:
+    return venv / "bin" / "torchrun"
+
+
+def _env() -> dict[str, str]:
+    env = job_env(SCRIPTS)
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # validate_args wants it with TP > 1 (pre-Blackwell)
+    return env
+
+
+def _run(cmd: list[str], log: Path, what: str) -> float:
+    t0 = time.monotonic()
+    rc = run_job(cmd, cwd=REPO, env=_env(), log_path=log, timeout_s=LAUNCH_TIMEOUT_S)
+    if rc != 0:
+        lines = log.read_text(errors="replace").splitlines()
+        raise RuntimeError(f"{what} failed (exit {rc}): {root_cause(lines)}; log: {log}")
+    return time.monotonic() - t0
+
+
+def _oracle(venv: Path, ckpt: Path, out: Path, topo, *, no_optim: bool, forward: bool, log: Path) -> float:
+    tp, pp, dp, ep = topo
+    cmd = [str(venv / "bin" / "python"), str(ORACLE), str(ckpt), "--out", str(out), "--venv", str(venv),
+           "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(ep)]
+    if no_optim:
+        cmd.append("--no-optim")
+    if forward:
+        cmd.append("--forward")
+    return _run(cmd, log, f"oracle reload at tp{tp} pp{pp} dp{dp} ep{ep}")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _zip_pickle_globals(data: bytes) -> list[str]:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        (pkl,) = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        return pickle_bytes_globals(zf.read(pkl))
+
+
+def pickle_report(iter_dir: Path) -> dict:
+    """The globals of every pickle in a checkpoint (read with pickletools; nothing is loaded)."""
+    report: dict[str, list[str]] = {}
+    meta = iter_dir / ".metadata"
+    if meta.exists():
+        import pickle  # noqa: F401  (the .metadata pickle itself is loaded with torch's classes)
+
+        from torch.distributed.checkpoint import FileSystemReader
+
+        report[".metadata"] = pickle_bytes_globals(meta.read_bytes())
+        md = FileSystemReader(str(iter_dir)).read_metadata()
+        for idx, info in md.storage_data.items():
+            if idx.offset is not None:
+                continue  # tensor records: torch.save archives of one tensor
+            with open(iter_dir / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                record = f.read(info.length)
+            base = idx.fqn.split("/")[0]
+            report.setdefault(base, [])
+            report[base] = sorted(set(report[base]) | set(_zip_pickle_globals(record)))
+        tensor_globals: set[str] = set()
+        for idx, info in list(md.storage_data.items()):
+            if idx.offset is None:
+                continue
+            with open(iter_dir / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                tensor_globals |= set(_zip_pickle_globals(f.read(info.length)))
+        report["<tensor records>"] = sorted(tensor_globals)
+    for pt in sorted(iter_dir.rglob("*.pt")):
+        report[str(pt.relative_to(iter_dir))] = _zip_pickle_globals(pt.read_bytes())
+    return report
+
+
+def _files(root: Path) -> dict:
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": sha256(p)}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "fixture.json"}
+
+
+def _compare(a_dir: Path, b_dir: Path, filename: str) -> dict:
+    """Max |a - b| over the tensors two oracle dumps share (and which names differ)."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(a_dir / filename)), load_file(str(b_dir / filename))
+    common = sorted(set(a) & set(b))
+    worst = max((float((a[k] - b[k]).abs().max()) for k in common if a[k].shape == b[k].shape), default=0.0)
+    return {"tensors": len(common), "only_in_reference": sorted(set(a) - set(b)),
+            "only_here": sorted(set(b) - set(a)),
+            "shape_mismatch": [k for k in common if a[k].shape != b[k].shape], "max_abs_diff": worst}
+
+
+def _versions(venv: Path) -> dict:
+    code = ("import torch, importlib.metadata as m; print(torch.__version__); "
+            "print(m.version('megatron-core')); import sys; print(sys.version.split()[0])")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, check=True)
+    torch_v, mcore_v, py_v = out.stdout.split()
+    return {"torch": torch_v, "megatron_core": mcore_v, "python": py_v}
+
+
+def generate(fx: Fixture, out_root: Path, venv: Path) -> dict:
+    work = WORK_ROOT / fx.name
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    save = work / "ckpt"
+    reports = work / "reports"
+    spec = {"mlm_argv": fx.argv(save), "steps": STEPS, "report_dir": str(reports)}
+    (work / "spec.json").write_text(json.dumps(spec, indent=1))
+    t_train = _run([str(_torchrun(venv)), "--standalone", f"--nproc-per-node={fx.world}", str(WORKER),
+                    str(work / "spec.json")], work / "train.log", f"{fx.name} training job")
+    tracker = save / "latest_checkpointed_iteration.txt"
+    if not tracker.exists() or tracker.read_text().strip() != str(STEPS):
+        raise RuntimeError(f"{fx.name}: no {tracker} saying {STEPS}")
+
+    # Megatron's own reloads: the model (and forward logits) at TP=1/PP=1; the optimizer there
+    # too where Megatron allows it, else at the saved TP/PP with DP=1.
+    oracle = work / "oracle"
+    topo = fx.model_reload_topology()
+    optim_here = fx.optimizer_loads_at_tp1() or topo != (1, 1, 1, 1)
+    times = {"train_s": round(t_train, 1)}
+    times["oracle_s"] = round(_oracle(venv, save, oracle, topo, no_optim=not optim_here, forward=True,
+                                      log=work / "oracle.log"), 1)
+    if not optim_here:
+        side = work / "oracle_optim"
+        times["oracle_optimizer_s"] = round(_oracle(venv, save, side, fx.optimizer_reload_topology(), no_optim=False,
+                                                    forward=False, log=work / "oracle_optim.log"), 1)
+        shutil.copy(side / "optimizer.safetensors", oracle / "optimizer.safetensors")
+        info = json.loads((side / "oracle.json").read_text())
+        for k in ("names", "key_shapes"):
+            info.pop(k, None)
+        (oracle / "optimizer.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+        check = _compare(oracle, side, "model.safetensors")
+        if check["max_abs_diff"] != 0.0 or check["only_here"] or check["only_in_reference"]:
+            raise RuntimeError(f"{fx.name}: the two reloads disagree on the model: {check}")
+
+    cross = []
+    for i, ctopo in enumerate(fx.cross_checks):
+        cdir = work / f"cross_{i}"
+        dt = _oracle(venv, save, cdir, ctopo, no_optim=False, forward=True, log=work / f"cross_{i}.log")
+        entry = {"tp": ctopo[0], "pp": ctopo[1], "dp": ctopo[2], "ep": ctopo[3], "seconds": round(dt, 1),
+                 "model": _compare(oracle, cdir, "model.safetensors"),
+                 "forward": _compare(oracle, cdir, "forward.safetensors")}
+        if (cdir / "optimizer.safetensors").exists() and (oracle / "optimizer.safetensors").exists():
+            entry["optimizer"] = _compare(oracle, cdir, "optimizer.safetensors")
+        cross.append(entry)
+
+    # The fixture folder: what Megatron wrote, the oracle, fixture.json.
+    stage = work / "fixture"
+    shutil.copytree(save, stage)
+    shutil.copytree(oracle, stage / "oracle")
+    ranks = sorted((json.loads(p.read_text()) for p in reports.glob("rank*.json")), key=lambda r: r["rank"])
+    recipe = {
+        "name": fx.name,
+        "description": fx.description,
+        "format": "megatron-" + fx.ckpt_format,
+        "checkpoint_dir": ".",
+        "iteration": STEPS,
+        "made_by": "scripts/make_megatron_fixtures.py (Megatron-LM save_checkpoint from the megatron-core wheel)",
+        "regenerate": f"{venv}/bin/python scripts/make_megatron_fixtures.py --only {fx.name}",
+        "versions": _versions(venv),
+        "topology": {"world": fx.world, "tp": fx.tp, "pp": fx.pp, "dp": fx.dp, "ep": fx.ep,
+                     "layers": fx.layers, "layers_per_stage": fx.layers // fx.pp},
+        "optimizer": {"type": "adam", "distributed": fx.distopt,
+                      "dist_ckpt_sharding": ("fully_reshardable" if fx.fully_reshardable else "dp_reshardable")
+                      if fx.distopt else None,
+                      "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style": "cosine", "lr_warmup_iters": 1,
+                      "weight_decay": 0.01, "betas": [0.9, 0.95], "eps": 1e-8, "clip_grad": 1.0},
+        "seeds": {"megatron --seed": 1234, "per stage": "seed + 100 * pp_rank (Megatron's _set_random_seed)",
+                  "data": "_megatron_common.DATA_SEED + step", "forward batch": "megatron_oracle.FORWARD_SEED"},
+        "steps": STEPS,
+        "data": "step s: torch.randint(0, 120, (4, 17), generator=torch.Generator().manual_seed(4321 + s)); "
+                "DP rank d takes rows [2d, 2d + 2) (DP=1: both microbatches); tokens = [:, :-1], labels = [:, 1:]",
+        "mlm_argv": [a if a != str(save) else "<save>" for a in fx.argv(save)],
+        "save_path_in_args": str(save),
+        "ranks": ranks,
+        "losses_last_stage": next((r["losses"] for r in ranks if r["losses"]), []),
+        "timing": times,
+        "oracle": {"model_reload_topology": dict(zip(("tp", "pp", "dp", "ep"), topo, strict=True)),
+                   "optimizer_in": "oracle/optimizer.safetensors" if (oracle / "optimizer.safetensors").exists()
+                   else None,
+                   "optimizer_reload": "oracle/optimizer.json" if not optim_here else "oracle/oracle.json"},
+        "oracle_cross_checks": cross,
+        "pickle_globals": pickle_report(stage / f"iter_{STEPS:07d}"),
+        "files": _files(stage),
+    }
+    for entry in cross:
+        for what in ("model", "forward", "optimizer"):
+            c = entry.get(what)
+            if c and (c["max_abs_diff"] != 0.0 or c["shape_mismatch"] or c["only_here"] or c["only_in_reference"]):
+                print(f"  note: {fx.name} reload at {entry['tp'], entry['pp'], entry['dp'], entry['ep']} "
+                      f"differs in {what}: {c}", flush=True)
+    (stage / "fixture.json").write_text(json.dumps(recipe, indent=1) + "\n")
+
+    dest = out_root / fx.name
+    if dest.exists():
+        shutil.rmtree(dest)
+    out_root.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(stage), str(dest))
+    return recipe
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", action="append", default=[], metavar="NAME", help="make only this fixture (repeatable)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--venv", type=Path, default=Path(DEFAULT_VENV),
+                   help="the Megatron venv (default $MEGATRON_VENV or %(default)s)")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--venv-help", action="store_true", help="print how to create the Megatron venv")
+    p.add_argument("--keep-work", action="store_true", help=f"keep {WORK_ROOT}/<name> afterwards")
+    opts = p.parse_args(argv)
+    if opts.venv_help:
+        print(VENV_HELP)
+        return 0
+    if opts.list:
+        for f in FIXTURES.values():
+            print(f"{f.name:34s} world {f.world}  {f.description}")
+        return 0
+    if not _torchrun(opts.venv).exists():
+        print(f"no Megatron venv at {opts.venv} (no bin/torchrun).\n\n{VENV_HELP}", file=sys.stderr)
+        return 2
+    names = opts.only or list(FIXTURES)
+    unknown = [n for n in names if n not in FIXTURES]
+    if unknown:
+        p.error(f"unknown fixture(s) {unknown}; --list shows them")
+    failed = []
+    for name in names:
+        t0 = time.monotonic()
+        print(f"{name}: world {FIXTURES[name].world} ...", flush=True)
+        try:
+            recipe = generate(FIXTURES[name], opts.out, opts.venv)
+        except Exception as e:  # noqa: BLE001 - report and go on with the others
+            print(f"{name}: FAILED: {e}", flush=True)
+            failed.append(name)
+            continue
+        size = sum(v["size"] for v in recipe["files"].values())
+        print(f"{name}: ok in {time.monotonic() - t0:.0f}s ({recipe['timing']}), {size / 1e6:.2f} MB, "
+              f"losses {recipe['losses_last_stage']}", flush=True)
+        if not opts.keep_work:
+            shutil.rmtree(WORK_ROOT / name, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
