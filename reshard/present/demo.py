@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .. import ParamMap, apply_plan, convert, derive, plan, plan_topology, reshard, verify
+from .. import ParamMap, apply_plan, convert, derive, plan, reshard, verify
+from ..plan.retarget import plan_topology
 from .describe import stats_lines, write_plan_png
 from .inspected import open_source
 
