@@ -34,7 +34,6 @@ import torch
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
-from tests.dsconv import FIXTURES, ds_to_universal
 from tests.e2e.launch import (
     LaunchError,
     model_spec_from_fixture,
@@ -42,6 +41,7 @@ from tests.e2e.launch import (
     resume_many,
     resume_pipe_many,
 )
+from tests.support.dsconv import FIXTURES, ds_to_universal
 
 STEPS = 2
 LLAMA = "llama_tp2_dp2"  # TP=2 x DP=2, ZeRO-1

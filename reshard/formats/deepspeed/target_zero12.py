@@ -28,7 +28,7 @@ from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import compose_zero
 from ...layouts.topology import Topology
-from ..contract import MODULE, MOMENTS, Buffer, Slot, Target
+from ..contract import BEST, MODULE, MOMENTS, Buffer, Slot, Target
 from . import zero12 as dsw
 from .templates import Templates
 
@@ -87,7 +87,7 @@ class Zero12Target:
         out = []
         for n in self.tpl.names:
             out.append(Target(n, MODULE, self.maps[n]))
-            out += [Target(n, (s,), self.composite(n)) for s in self.states]
+            out += [Target(n, _want(s), self.composite(n)) for s in self.states]
         return out
 
     def tp_index(self, rank: int) -> int:
@@ -102,7 +102,7 @@ class Zero12Target:
             base = d * grp.partition
             frags = [(lo - base, grp.names[i]) for i, lo, _ in grp.fragments(d)]
             bufs = {s: engine.storage(Buffer(f"{dsw.optim_file(t, d, bf16=self.tpl.bf16)}:{s}:{g}", torch.float32,
-                                             grp.partition, tuple(Slot(off, n, (s,), self.composite(n), rank)
+                                             grp.partition, tuple(Slot(off, n, _want(s), self.composite(n), rank)
                                                                   for off, n in frags)))
                     for s in self.states}
             fp32.append(bufs["fp32"])
@@ -185,3 +185,9 @@ class Zero12Target:
                 jobs += [archive(dsw.layer_file(L, t), self.layer_files[(L, 0)].stat().st_size // ck.tp,
                                  lambda L=L, t=t: self.layer(engine, L, t)) for L in layers for t in range(self.tp)]
         return jobs
+
+
+def _want(state: str) -> tuple[str, ...]:
+    """What an optimizer state's slot is made from: the master from the source's master, else its
+    weights (a source without an optimizer); a moment only from itself (else zeros)."""
+    return BEST if state == "fp32" else (state,)

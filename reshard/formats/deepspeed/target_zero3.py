@@ -22,7 +22,7 @@ from ...ir.piece import prod
 from ...layouts import compose_zero, zero3
 from ...layouts.topology import Topology
 from ...storage.torch_zip import save
-from ..contract import MOMENTS, Buffer, Slot, Target
+from ..contract import BEST, MOMENTS, Buffer, Slot, Target
 from . import zero3 as z3
 from . import zero12 as dsw
 from .templates import Templates
@@ -62,7 +62,7 @@ class Zero3Target:
         return m
 
     def targets(self) -> list[Target]:
-        return [Target(n, (s,), self.composite(n)) for n in self.tpl.names for s in self.states]
+        return [Target(n, _want(s), self.composite(n)) for n in self.tpl.names for s in self.states]
 
     def tp_index(self, rank: int) -> int:
         return rank % self.tp
@@ -73,7 +73,7 @@ class Zero3Target:
         for k, sg in enumerate(self.subs[t]):
             slots = [(off, n) for n, off in zip(sg.names, sg.offsets) if rank in self.composite(n).shards]
             bufs = {s: engine.storage(Buffer(f"{z3.optim_file(d, bf16=self.tpl.bf16, t=t)}:{s}:{k}", torch.float32,
-                                             sg.numel, tuple(Slot(off, n, (s,), self.composite(n), rank)
+                                             sg.numel, tuple(Slot(off, n, _want(s), self.composite(n), rank)
                                                              for off, n in slots)))
                     for s in self.states}
             fp32.append(bufs["fp32"])
@@ -100,3 +100,9 @@ class Zero3Target:
             notes.append("the source's ds_id names do not number its parameters consecutively; the written ds_id "
                          "attributes are a best guess (DeepSpeed's loader does not read them)")
         return notes
+
+
+def _want(state: str) -> tuple[str, ...]:
+    """What an optimizer state's slot is made from: the master from the source's master, else its
+    weights (a source without an optimizer); a moment only from itself (else zeros)."""
+    return BEST if state == "fp32" else (state,)

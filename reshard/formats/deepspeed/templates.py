@@ -133,11 +133,13 @@ def _z3_dtype(src: Any) -> torch.dtype:
 
 
 def _groups(reader: Any, names: Sequence[str]) -> tuple[list[list[str]], list[dict[str, Any]]]:
-    """The source's parameter groups (names, hyper-parameters), or one AdamW group of all."""
+    """The source's parameter groups (names in the model's order, hyper-parameters), or one AdamW
+    group of all."""
     groups = [dict(g) for g in reader.param_groups()]
     if not groups:
         return [list(names)], [dict(ADAMW)]
-    listed = [[n for n in g.get("params", []) if n in set(names)] for g in groups]
+    rank = {n: i for i, n in enumerate(names)}
+    listed = [sorted((n for n in g.get("params", []) if n in rank), key=rank.__getitem__) for g in groups]
     missing = [n for n in names if not any(n in lst for lst in listed)]
     if missing:
         listed[0] = listed[0] + missing
@@ -145,17 +147,17 @@ def _groups(reader: Any, names: Sequence[str]) -> tuple[list[list[str]], list[di
     return listed, hyper
 
 
-def fresh(reader: Any, *, stage: int, dtype: torch.dtype, step: float) -> Templates:
-    """The dictionaries DeepSpeed 0.19.8 saves for a fresh ZeRO job over ``reader``'s parameters,
-    after ``step`` optimizer steps."""
-    names = list(reader.names)
+def fresh(reader: Any, *, stage: int, dtype: torch.dtype, step: float, order: Sequence[str]) -> Templates:
+    """The dictionaries DeepSpeed 0.19.8 saves for a fresh ZeRO job over ``reader``'s parameters
+    (``order``: the model's), after ``step`` optimizer steps."""
+    names = list(order)
     group_names, hyper = _groups(reader, names)
     step_t = torch.tensor(float(step))
     shapes = [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in group_names]
     model = {"module": OrderedDict((n, torch.empty(0, dtype=dtype)) for n in names), "buffer_names": [],
              "optimizer": None, "param_shapes": shapes, "frozen_param_shapes": None, "shared_params": {},
              "frozen_param_fragments": None, "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
-             "skipped_steps": 0, "global_steps": int(step), "global_samples": 0, "dp_world_size": 1,
+             "skipped_steps": 0, "global_steps": int(step), "dp_world_size": 1,
              "mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
              "ds_config": {}, "ds_version": DS_VERSION}
     scaler = LossScaler.__new__(LossScaler)

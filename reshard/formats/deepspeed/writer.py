@@ -179,12 +179,13 @@ class DeepSpeedWriter:
         stage = 1 if stage is None else stage
         if stage not in (1, 2, 3):
             raise ReshardError(f"target ZeRO stage {stage!r} must be 1, 2 or 3")
+        order = _model_order(reader)
         first = reader.names[0]
         have = reader.states(first)
         own = reader.dtype(first, next(s for s in BEST if s in have))
         steps = [reader.step(n) for n in reader.names]
         step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
-        tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step)
+        tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order)
         if tp == 1:
             maps = {n: replicated(reader.shape(n), 1) for n in reader.names}
             origin, uc_info = "whole (TP=1)", None
@@ -233,3 +234,18 @@ class DeepSpeedWriter:
 
     def notes(self) -> list[str]:
         return list(self._notes)
+
+
+def _model_order(reader: Any) -> list[str]:
+    """The order a DeepSpeed engine flattens the source's parameters in: its model's. A format that
+    does not keep it (safetensors) must be able to tell it otherwise (``model_order``), or the files
+    would load into the wrong parameters."""
+    ask = getattr(reader, "model_order", None)
+    if ask is None:
+        return list(reader.names)
+    order = ask()
+    if order is None:
+        raise ReshardError(f"{reader.sources[-1]}: a {reader.description} does not record the model's parameter "
+                           "order, which DeepSpeed's flat ZeRO buffers follow: it needs the folder's config.json and "
+                           "transformers installed to build the model's order")
+    return order

@@ -194,6 +194,27 @@ class SafetensorsReader:
     def param_groups(self) -> list[dict[str, Any]]:
         return []
 
+    def model_order(self) -> list[str] | None:
+        """The model's parameter order (what a DeepSpeed target flattens in), which safetensors
+        headers do not keep: from ``config.json``'s architecture, built by transformers on the meta
+        device (no weights, no remote code); ``None`` when neither can tell."""
+        if self.config is None:
+            return None
+        try:
+            import transformers
+        except ImportError:
+            return None
+        try:
+            config = transformers.AutoConfig.from_pretrained(self.folder, local_files_only=True)
+            arch = (config.architectures or [None])[0]
+            cls = getattr(transformers, arch) if arch else transformers.AutoModelForCausalLM
+            with torch.device("meta"):
+                model = cls(config) if arch else cls.from_config(config)
+        except Exception:  # noqa: BLE001 -- an architecture transformers cannot build: order unknown
+            return None
+        names = [n for n, _ in model.named_parameters()]
+        return [n for n in names if n in self.entries] + [n for n in self.names if n not in set(names)]
+
     @cached_property
     def config(self) -> dict[str, Any] | None:
         """The folder's ``config.json``, where there is one."""

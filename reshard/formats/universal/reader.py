@@ -50,7 +50,10 @@ class UniversalReader:
         if tag_dir is None:
             raise CheckpointError(f"{p}: no zero/ folder and no {LATEST}: not a universal checkpoint")
         self.tag_dir, self.root = tag_dir, tag_dir / "zero"
-        self.names = sorted(d.name for d in self.root.iterdir() if (d / "fp32.pt").is_file())
+        found = {d.name for d in self.root.iterdir() if (d / "fp32.pt").is_file()}
+        # the model's order (what a DeepSpeed target flattens in): the model states' param_shapes
+        ordered = [n for n in self._recorded if n in found]
+        self.names = ordered + sorted(found - set(ordered))
         if not self.names:
             raise CheckpointError(f"{tag_dir}: no zero/<param>/fp32.pt files: not a universal checkpoint")
         self.tag = tag_dir.name

@@ -1,0 +1,209 @@
+"""AutoEP experts (issue #12): the ``mixtral_autoep_ep2`` fixture read through the IR, its maps
+checked, its universal conversion against DeepSpeed's own ``ds_to_universal``, and ``reshard
+reshard`` to another EP degree (``ep=``) against what DeepSpeed saves there and in a real job."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard import ReshardError, apply_plan
+from reshard.errors import CheckpointError
+from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from reshard.formats.deepspeed.target_experts import ds_affine_entry
+from reshard.ir import canonicalize
+from reshard.ir.param_map import map_from_dict
+from reshard.jobs.convert import convert, reshard
+from reshard.layouts import autoep_placement
+from reshard.plan.planner import plan
+from reshard.present.inspected import open_source
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
+from tests.support.compare import assert_same_as_ds_to_universal
+from tests.support.compare import diff_files as _diff_files
+from tests.support.dsconv import FIXTURES, ds_to_universal, tag_dir
+
+NAME = "mixtral_autoep_ep2"
+EXPERTS = [f"model.layers.{layer}.mlp.experts.{w}" for layer in (0, 1) for w in ("w1", "w2", "w3")]
+
+
+@pytest.fixture(scope="module")
+def ck() -> DeepSpeedCheckpoint:
+    return DeepSpeedCheckpoint.open(FIXTURES / NAME)
+
+
+def test_reads_the_placement(ck):
+    ax = ck.experts
+    assert (ax.ep, ax.edp, ax.data_before_expert) == (2, 1, False)
+    assert sorted(ax.params) == sorted(EXPERTS)
+    assert ax.aliases == ("model.layers.0.mlp.gate.gate.weight", "model.layers.1.mlp.gate.gate.weight")
+    p = ax.params["model.layers.0.mlp.experts.w2"]
+    assert p.full_shape == (4, 32, 48) and p.experts_by_rank == ((0, 1), (2, 3)) and p.group == 1
+    assert [ax.members(e) for e in range(2)] == [[0], [1]]
+
+
+def test_expert_map_is_deepspeeds_affine_map(ck):
+    layers = ck.model_state(0)["ds_autoep_layers"]
+    for name in EXPERTS:
+        low = ck.tp_map(name)
+        low.map.check()
+        assert low.family == "experts"
+        entry = layers[int(name.split(".")[2])]["affine_maps"]["params"][name]
+        assert canonicalize(low.map) == canonicalize(map_from_dict(entry))
+        # one piece per EP rank, located on that rank alone: experts 2r, 2r + 1
+        for r, shard in low.map.shards.items():
+            assert [p.locations for p in shard.pieces] == [frozenset({r})]
+            assert shard.pieces[0].source.offset == 2 * r * 48 * 32
+
+
+def test_every_map_checks_and_composes(ck):
+    for name in ck.names:
+        m = ck.tp_map(name).map
+        m.check()
+        ck.composite_map(name, m).check()
+    comp = ck.composite_map(EXPERTS[0], ck.tp_map(EXPERTS[0]).map)
+    assert comp.ranks == (0, 1)  # EP rank e is DP rank e (EDP groups of one)
+
+
+def test_shards_are_the_expert_files(ck):
+    """The fp32 master of EP rank e equals the per-expert files DeepSpeed wrote."""
+    for name in EXPERTS:
+        layer = int(name.split(".")[2])
+        for e, experts in enumerate(ck.experts.params[name].experts_by_rank):
+            shard = ck.tp_shard(name, e, "fp32", ck.tp_map(name).map.shards[e].shape)
+            for i, x in enumerate(experts):
+                sd = load(tag_dir(NAME) / f"layer_{layer}_expert_{x}_mp_rank_00_model_states.pt")
+                assert torch.equal(shard[i], sd[f"{name}.{x}"])
+
+
+def test_inspect():
+    src = open_source(FIXTURES / NAME)
+    assert src.families[EXPERTS[0]] == "experts"
+    assert src.maps[EXPERTS[0]].ranks == (0, 1)
+
+
+def test_placement_lowering_non_uniform_and_plans():
+    desc = {"version": 1, "num_experts": 4, "ep_size": 2,
+            "ranks": [{"rank": 0, "experts": [0, 3]}, {"rank": 1, "experts": [1, 2]}]}
+    m = autoep_placement(desc, (4, 3, 2))
+    m.check()
+    assert [len(s.pieces) for s in m.shards.values()] == [1, 1]  # experts 0, 3: one strided piece
+    one = autoep_placement({"version": 1, "num_experts": 4, "ep_size": 1,
+                            "ranks": [{"rank": 0, "experts": [0, 1, 2, 3]}]}, (4, 3, 2))
+    f = torch.arange(24.0).reshape(4, 3, 2)
+    shards = {r: m.extract(f, r) for r in m.ranks}
+    assert torch.equal(shards[0][1], f[3])
+    moved = apply_plan(plan(m, one), shards)  # EP 2 -> EP 1: every expert to rank 0
+    assert torch.equal(moved[0].reshape(4, 3, 2), f)
+
+
+def test_refuses_a_placement_disagreeing_with_affine_maps(tmp_path: Path):
+    root = tmp_path / NAME
+    shutil.copytree(FIXTURES / NAME, root)
+    path = root / "global_step3" / "mp_rank_00_model_states.pt"
+    sd = load(path, mmap=False)
+    sd["ds_autoep_layers"][1]["expert_placement"]["ranks"] = [{"rank": 0, "experts": [2, 3]},
+                                                              {"rank": 1, "experts": [0, 1]}]
+    save(sd, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt.*model.layers.1.mlp.experts.w1.*affine_maps"):
+        _ = DeepSpeedCheckpoint.open(root).experts
+
+
+def test_convert_is_ds_to_universal(tmp_path: Path):
+    pytest.importorskip("deepspeed")
+    theirs = ds_to_universal(NAME, tmp_path / "ds")
+    ours = convert(FIXTURES / NAME, tmp_path / "reshard").out_dir
+    assert_same_as_ds_to_universal(ours, theirs, "zero/model.layers.0.mlp.experts.w1/exp_avg_sq.pt")
+
+
+# -- reshard reshard to another EP degree (reshard/jobs/offline_experts.py) ---------------------------
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def _full(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
+    """The logical tensor of one state, rebuilt from every EP (or DP) rank's shard."""
+    m = ck.tp_map(name).map
+    return m.rebuild({r: ck.tp_shard(name, r, state, m.shards[r].shape) for r in m.ranks})
+
+
+def test_affine_entry_is_deepspeeds(ck):
+    for entry in ck.model_state(0)["ds_autoep_layers"]:
+        for name, theirs in entry["affine_maps"]["params"].items():
+            assert ds_affine_entry(entry["expert_placement"], ck.experts.params[name].full_shape) == theirs
+
+
+@pytest.mark.parametrize("ep,dp", [(1, 1), (1, 2), (2, 4), (4, 4)])
+def test_experts_and_their_optimizer_state_move_together(ck, ep, dp, tmp_path):
+    out = reshard(FIXTURES / NAME, tmp_path, tp=1, dp=dp, ep=ep).out_dir
+    new = DeepSpeedCheckpoint.open(out)
+    ax = new.experts
+    assert (ax.ep, ax.edp, new.dp) == (ep, dp // ep, dp)
+    local = 4 // ep
+    assert ax.params[EXPERTS[0]].experts_by_rank == tuple(tuple(range(e * local, (e + 1) * local)) for e in range(ep))
+    for name in ck.names:
+        for state in STATES if ck.has_optimizer_state(name) else ():
+            assert torch.equal(_full(new, name, state), _full(ck, name, state)), (name, state)
+    assert {str(new.step(n)) for n in EXPERTS} == {str(ck.step(n)) for n in EXPERTS} == {"tensor(3.)"}
+    for p in tag_dir(NAME).glob("layer_*_expert_*"):  # the per-expert files are the same at any EP
+        assert (out / p.name).read_bytes() == p.read_bytes()
+
+
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"tp": 1, "dp": 3, "ep": 2}, r"ep=2 must divide the target world size dp=3"),
+    ({"tp": 1, "dp": 3, "ep": 3}, r"4 experts do not split evenly over ep=3"),
+    ({"tp": 2, "dp": 2, "ep": 2}, r"TP = PP = 1 only"),
+    ({"tp": 1, "dp": 2, "ep": 2, "zero_stage": 2}, r"keeps the source's ZeRO stage 1"),
+])
+def test_targets_it_cannot_write_are_refused(kwargs, match, tmp_path):
+    with pytest.raises(ReshardError, match=match):
+        reshard(FIXTURES / NAME, tmp_path, **kwargs)
+    assert not any(tmp_path.iterdir())
+
+
+def test_ep_on_a_checkpoint_without_experts_is_refused(tmp_path):
+    with pytest.raises(ReshardError, match="needs an AutoEP checkpoint"):
+        reshard(FIXTURES / "llama_zero1_dp2", tmp_path, tp=1, ep=2)
+
+
+@pytest.mark.e2e
+def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(tmp_path):
+    """One real job per world size: DeepSpeed resumes ds_to_universal's output at the target EP and
+    saves it natively, then resumes reshard's output; files, losses and layout-free digests agree."""
+    pytest.importorskip("deepspeed")
+    from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
+
+    ucp = ds_to_universal(NAME, tmp_path / "ucp")
+    (ucp.parent / "latest_universal").write_text(ucp.name)
+    spec = model_spec_from_fixture(FIXTURES / NAME)
+    for world, ep in ((1, 1), (4, 2)):
+        spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
+        ours = reshard(FIXTURES / NAME, tmp_path / f"ours_{world}", tp=1, dp=world, ep=ep).out_dir
+        native = tmp_path / f"native_{world}"
+        loads = [resume_load("deepspeed", ucp.parent, model_spec=spec, tp=1, dp=world, universal=True,
+                             save_dir=native),
+                 resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=world, universal=False)]
+        reports = resume_many(loads, world_size=world, workdir=tmp_path / f"job_{world}")
+        theirs, mine = reports["deepspeed"], reports["reshard"]
+        _diff_files(ours, native / ours.name)
+        assert mine["global_steps_after_load"] == theirs["global_steps_after_load"] == 3
+        assert mine["optimizer_step_after_load"] == theirs["optimizer_step_after_load"] == [3.0]
+        assert mine["ranks_agree"] and theirs["ranks_agree"]
+        assert mine["layouts"][EXPERTS[0]] == "autoep"
+        assert mine["digests"] == theirs["digests"], f"EP {ep} x world {world}"
+        assert mine["losses"] == theirs["losses"], f"EP {ep} x world {world}"
+
+
+def test_reshard_refuses_a_missing_expert_file_and_leaves_nothing(tmp_path: Path):
+    root = tmp_path / "src"
+    shutil.copytree(FIXTURES / NAME, root)
+    tag = root / (root / "latest").read_text().strip()
+    (tag / "layer_1_expert_2_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"per-expert files missing: \['layer_1_expert_2_mp_rank_00"):
+        reshard(root, tmp_path / "out", tp=1, dp=1, ep=1)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
