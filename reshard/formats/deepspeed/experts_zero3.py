@@ -24,20 +24,20 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import autoep_placement, compose_zero, zero3
 from ...layouts.topology import Topology
 from ...storage.torch_zip import save
-from ..contract import MOMENTS, OPTIMIZER, Buffer, Slot, Target
+from ..contract import OPTIMIZER, Target
 from . import experts as dse
 from . import zero3 as z3
 from . import zero12 as dsw
+from .buffers import partition
 from .checkpoint import DeepSpeedCheckpoint
 from .target_experts import ds_affine_entry, uniform_placement
+from .templates import ds_id_notes
 
 __all__ = ["AutoEPZero3Source", "AutoEPZero3Target", "check_autoep_zero3"]
 
@@ -186,12 +186,10 @@ class AutoEPZero3Target:
         src, rel = self.src, z3.optim_file(d, bf16=self.src.bf16)
         fp32, moments = [], []
         for k, sg in enumerate(self.subs[0]):
-            slots = [(off, n) for n, off in zip(sg.names, sg.offsets) if d in self._maps[n].shards]
-            bufs = {s: engine.storage(Buffer(f"{rel}:{s}:{k}", torch.float32, sg.numel,
-                                             tuple(Slot(off, n, (s,), self._maps[n], d) for off, n in slots)))
-                    for s in OPTIMIZER}
-            fp32.append(bufs["fp32"])
-            moments.append({m: bufs[m].view((sg.numel,)) for m in MOMENTS})
+            frags = [(off, n) for n, off in zip(sg.names, sg.offsets) if d in self._maps[n].shards]
+            flat, views = partition(engine, f"{rel}:{k}", sg.numel, frags, self._maps.__getitem__, d, OPTIMIZER)
+            fp32.append(flat)
+            moments.append(views)
         obj = z3.optim_states(src.ck.optim_state(0, 0), subs=self.subs[0], dp=self.dp, fp32=fp32, moments=moments,
                               ds_ids=src.ds_ids, ds_config=self.ds_config)
         obj["optimizer_state_dict"]["ds_zero_partition_groups"] = self.partition_groups(d, f"ep_size_{self.ep}")
@@ -217,10 +215,7 @@ class AutoEPZero3Target:
 
     def notes(self) -> list[str]:
         notes = [f"AutoEP experts at EP {self.ep} (EDP {self.edp}), uniform placement, ZeRO-3"]
-        if not self.src.ds_ids_exact:
-            notes.append("the source's ds_id names do not match the parameter order reshard derives; the written "
-                         "ds_id attributes are a best guess (DeepSpeed's loader does not read them)")
-        return notes
+        return notes + ds_id_notes(self.src.ds_ids_exact, "do not match the parameter order reshard derives")
 
 
 def check_autoep_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:

@@ -33,8 +33,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
 from ...ir.piece import row_major_strides
@@ -42,9 +40,10 @@ from ...layouts import autoep_placement, compose_zero, replicated
 from ...layouts.topology import Topology
 from ...layouts.zero import FlatGroup
 from ...storage.torch_zip import save
-from ..contract import MOMENTS, OPTIMIZER, Buffer, Slot, Target
+from ..contract import OPTIMIZER, Target
 from . import experts as dse
 from . import zero12 as dsw
+from .buffers import partition
 from .checkpoint import DeepSpeedCheckpoint
 from .moe import LOCAL_RE, _param_groups
 
@@ -364,15 +363,11 @@ class ExpertFiles:
         for g, grp in enumerate(tgt.groups):
             q = tgt.partition_of(g, d)
             qs.append(q)
-            slots = []
-            for i, lo, _ in grp.fragments(q):
-                name = tgt.fill_name(g, i, d)
-                slots.append((lo - q * grp.partition, name))
-            flats = {st: engine.storage(Buffer(f"{rel}:{st}:{g}", torch.float32, grp.partition,
-                                               tuple(Slot(off, n, (st,), self._composites[n], d) for off, n in slots)))
-                     for st in OPTIMIZER}
-            fp32.append(flats["fp32"])
-            moments.append({k: flats[k].view((grp.partition,)) for k in MOMENTS})
+            frags = [(lo - q * grp.partition, tgt.fill_name(g, i, d)) for i, lo, _ in grp.fragments(q)]
+            flat, views = partition(engine, f"{rel}:{g}", grp.partition, frags, self._composites.__getitem__, d,
+                                    OPTIMIZER)
+            fp32.append(flat)
+            moments.append(views)
         obj = dsw.optim_states(self.ck.optim_state(0, 0), groups=tgt.groups, d=d, fp32=fp32, moments=moments,
                                zero_stage=self.stage, ds_config=self.ds_config, uc_info=None)
         osd = obj["optimizer_state_dict"]

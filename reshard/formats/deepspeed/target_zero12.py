@@ -28,8 +28,9 @@ from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import compose_zero
 from ...layouts.topology import Topology
-from ..contract import BEST, MODULE, MOMENTS, Buffer, Slot, Target
+from ..contract import MODULE, MOMENTS, Buffer, Slot, Target
 from . import zero12 as dsw
+from .buffers import partition, want
 from .templates import Templates
 
 __all__ = ["Zero12Target"]
@@ -87,7 +88,7 @@ class Zero12Target:
         out = []
         for n in self.tpl.names:
             out.append(Target(n, MODULE, self.maps[n]))
-            out += [Target(n, _want(s), self.composite(n)) for s in self.states]
+            out += [Target(n, want(s), self.composite(n)) for s in self.states]
         return out
 
     def tp_index(self, rank: int) -> int:
@@ -101,12 +102,10 @@ class Zero12Target:
         for g, grp in enumerate(self.groups[t]):
             base = d * grp.partition
             frags = [(lo - base, grp.names[i]) for i, lo, _ in grp.fragments(d)]
-            bufs = {s: engine.storage(Buffer(f"{dsw.optim_file(t, d, bf16=self.tpl.bf16)}:{s}:{g}", torch.float32,
-                                             grp.partition, tuple(Slot(off, n, _want(s), self.composite(n), rank)
-                                                                  for off, n in frags)))
-                    for s in self.states}
-            fp32.append(bufs["fp32"])
-            moments.append({k: bufs[k].view((grp.partition,)) for k in MOMENTS if k in bufs})
+            flat, views = partition(engine, f"{dsw.optim_file(t, d, bf16=self.tpl.bf16)}:{g}", grp.partition, frags,
+                                    self.composite, rank, self.states)
+            fp32.append(flat)
+            moments.append(views)
         return dsw.optim_states(self.tpl.optim_z12(), groups=self.groups[t], d=d, fp32=fp32, moments=moments,
                                 zero_stage=self.stage, ds_config=self.ds_config, uc_info=self.uc_info)
 
@@ -186,8 +185,3 @@ class Zero12Target:
                                  lambda L=L, t=t: self.layer(engine, L, t)) for L in layers for t in range(self.tp)]
         return jobs
 
-
-def _want(state: str) -> tuple[str, ...]:
-    """What an optimizer state's slot is made from: the master from the source's master, else its
-    weights (a source without an optimizer); a moment only from itself (else zeros)."""
-    return BEST if state == "fp32" else (state,)

@@ -14,18 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ...errors import ReshardError
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import compose_zero, zero3
 from ...layouts.topology import Topology
 from ...storage.torch_zip import save
-from ..contract import BEST, MOMENTS, Buffer, Slot, Target
+from ..contract import MOMENTS, Target
 from . import zero3 as z3
 from . import zero12 as dsw
-from .templates import Templates
+from .buffers import partition, want
+from .templates import Templates, ds_id_notes
 
 __all__ = ["Zero3Target"]
 
@@ -62,7 +61,7 @@ class Zero3Target:
         return m
 
     def targets(self) -> list[Target]:
-        return [Target(n, _want(s), self.composite(n)) for n in self.tpl.names for s in self.states]
+        return [Target(n, want(s), self.composite(n)) for n in self.tpl.names for s in self.states]
 
     def tp_index(self, rank: int) -> int:
         return rank % self.tp
@@ -71,13 +70,11 @@ class Zero3Target:
         rank = self.topology.rank(0, d, t)
         fp32, moments = [], []
         for k, sg in enumerate(self.subs[t]):
-            slots = [(off, n) for n, off in zip(sg.names, sg.offsets) if rank in self.composite(n).shards]
-            bufs = {s: engine.storage(Buffer(f"{z3.optim_file(d, bf16=self.tpl.bf16, t=t)}:{s}:{k}", torch.float32,
-                                             sg.numel, tuple(Slot(off, n, _want(s), self.composite(n), rank)
-                                                             for off, n in slots)))
-                    for s in self.states}
-            fp32.append(bufs["fp32"])
-            moments.append({m: bufs[m].view((sg.numel,)) for m in MOMENTS if m in bufs})
+            frags = [(off, n) for n, off in zip(sg.names, sg.offsets) if rank in self.composite(n).shards]
+            flat, views = partition(engine, f"{z3.optim_file(d, bf16=self.tpl.bf16, t=t)}:{k}", sg.numel, frags,
+                                    self.composite, rank, self.states)
+            fp32.append(flat)
+            moments.append(views)
         return z3.optim_states(self.tpl.optim_z3(), subs=self.subs[t], dp=self.dp, fp32=fp32,
                                moments=moments if len(self.states) > 1 else None, ds_ids=self.tpl.ds_ids,
                                ds_config=self.ds_config)
@@ -96,13 +93,5 @@ class Zero3Target:
 
     def notes(self) -> list[str]:
         notes = [f"{len(self.subs[0])} sub-group(s) per rank (sub_group_size {self.sub_group_size})"]
-        if not self.tpl.ds_ids_exact:
-            notes.append("the source's ds_id names do not number its parameters consecutively; the written ds_id "
-                         "attributes are a best guess (DeepSpeed's loader does not read them)")
-        return notes
+        return notes + ds_id_notes(self.tpl.ds_ids_exact, "do not number its parameters consecutively")
 
-
-def _want(state: str) -> tuple[str, ...]:
-    """What an optimizer state's slot is made from: the master from the source's master, else its
-    weights (a source without an optimizer); a moment only from itself (else zeros)."""
-    return BEST if state == "fp32" else (state,)

@@ -24,7 +24,7 @@ from ...storage.safe_load import LossScaler, ZeroStageEnum
 from . import zero3 as z3
 from .zero12 import param_alignment
 
-__all__ = ["Templates", "fresh", "from_deepspeed"]
+__all__ = ["Templates", "ds_id_notes", "fresh", "from_deepspeed"]
 
 DS_VERSION = "0.19.8"
 # torch.optim.AdamW's param_group keys and defaults (torch 2.13), in its order
@@ -181,3 +181,11 @@ def fresh(reader: Any, *, stage: int, dtype: torch.dtype, step: float, order: Se
     ids = {n: i for i, n in enumerate(names)}
     return Templates(stage, model, optim, group_names, dtype, {}, {}, dtype == torch.bfloat16, ids, True,
                      native=False)
+
+
+def ds_id_notes(exact: bool, why: str) -> list[str]:
+    """The report's word on ZeRO-3's ``ds_id`` attributes, when the source's do not tell them."""
+    if exact:
+        return []
+    return [f"the source's ds_id names {why}; the written ds_id attributes are a best guess (DeepSpeed's loader "
+            "does not read them)"]
