@@ -236,7 +236,7 @@ def _cmd_convert(args) -> int:
                              on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
                              checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
                              rename=args.rename, with_optimizer=args.with_optimizer, dtype=_dtype(args),
-                             early_copies=early)
+                             hf_config=args.hf_config, early_copies=early)
     except BaseException:
         if early is not None:
             early.abandon()
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("ckpt_dir", help="a DeepSpeed tag folder (or its parent holding 'latest'), a PyTorch DCP folder "
                     "(with .metadata) or, for --format dcp, a universal checkpoint")
     cv.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> (and OUT_DIR/latest_universal for ucp)")
-    cv.add_argument("--format", choices=["ucp", "safetensors", "dcp"], default="ucp",
+    cv.add_argument("--format", choices=["ucp", "safetensors", "hf", "dcp"], default="ucp",
                     help="DeepSpeed's universal checkpoint (default), HF-style safetensors weights, or a PyTorch "
                     "DCP checkpoint that dcp.load reads at any world size")
     cv.add_argument("--rename", action="append", default=[], metavar="FROM=TO",
@@ -344,8 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what to do when ranks hold different copies of a replicated block (default: fail)")
     cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit (default 5)")
     cv.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="safetensors: cast the weights (default: fp32 masters where the source has them, else the "
-                    "stored dtype)")
+                    help="safetensors / hf: cast the weights (default: hf the config's dtype; safetensors fp32 "
+                    "masters where the source has them, else the stored dtype)")
+    cv.add_argument("--hf-config", default=None, metavar="DIR",
+                    help="--format hf: the folder of the model's config.json (and tokenizer files), where the "
+                    "checkpoint has none beside it")
     _output(cv)
     cv.set_defaults(fn=_cmd_convert, imports=("reshard.jobs.convert",), early_copies=None)
 

@@ -13,24 +13,27 @@ from .contract import Reader
 __all__ = ["FORMATS", "make_writer", "open_reader", "source_format"]
 
 # target formats: their names on the command line
-FORMATS = ("ucp", "safetensors", "dcp", "deepspeed")
+FORMATS = ("ucp", "safetensors", "hf", "dcp", "deepspeed")
 
 
 def source_format(path: Path) -> str | None:
     """Which format the checkpoint at ``path`` is in, from its files' names alone (no torch)."""
     from .dcp.checkpoint import METADATA
     from .deepspeed.files import is_deepspeed
+    from .hf.accelerate import accelerate_folders
     from .safetensors.reader import is_safetensors
     from .universal.reader import universal_dir
 
+    if accelerate_folders(path) is not None:
+        return "accelerate"
     if path.is_dir() and (path / METADATA).is_file():
         return "dcp"
     if path.is_dir() and universal_dir(path) is not None:
         return "universal"
+    if path.is_dir() and is_deepspeed(path):  # before safetensors: a Trainer ZeRO-2 checkpoint holds both
+        return "deepspeed"
     if is_safetensors(path):
         return "safetensors"
-    if path.is_dir() and is_deepspeed(path):
-        return "deepspeed"
     return None
 
 
@@ -41,10 +44,14 @@ def open_reader(path: str | Path) -> Reader:
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
     kind = source_format(p)
-    if kind == "dcp":
+    if kind == "accelerate":
+        from .hf.accelerate import open_accelerate
+
+        reader: Any = open_accelerate(p)
+    elif kind == "dcp":
         from .dcp.reader import DcpReader
 
-        reader: Any = DcpReader.open(p)
+        reader = DcpReader.open(p)
     elif kind == "universal":
         from .universal.reader import UniversalReader
 
@@ -58,6 +65,9 @@ def open_reader(path: str | Path) -> Reader:
 
         reader = DeepSpeedReader.open(p)
     else:
+        from .hf.trainer import refuse_output_dir
+
+        refuse_output_dir(p)
         raise CheckpointError(f"{p}: not a DeepSpeed checkpoint (no 'latest', no *model_states.pt), nor a PyTorch "
                               "DCP one (.metadata), a universal one (zero/) or Hugging Face safetensors "
                               "(model.safetensors, model.safetensors.index.json)")
@@ -76,20 +86,27 @@ def make_writer(fmt: str, reader: Reader, **options: Any) -> Any:
         from .safetensors.writer import SafetensorsWriter
 
         return SafetensorsWriter(reader, **_only(options, fmt, "max_file_bytes", "dtype", "with_optimizer"))
+    if fmt == "hf":
+        from .hf.writer import HfWriter
+
+        return HfWriter(reader, **_only(options, fmt, "max_file_bytes", "dtype", "hf_config"))
     if fmt == "dcp":
         from .dcp.writer import DcpWriter
 
         return DcpWriter(reader, **_only(options, fmt, "files", "max_file_bytes", "rename"))
     if fmt == "deepspeed":
         from .deepspeed.writer import DeepSpeedWriter
+        from .hf.trainer import TrainerWriter, trainer_folder
 
-        return DeepSpeedWriter(reader, **_only(options, fmt, "tp", "dp", "pp", "zero_stage", "ep", "layout", "dtype"))
+        writer = DeepSpeedWriter(reader, **_only(options, fmt, "tp", "dp", "pp", "zero_stage", "ep", "layout", "dtype"))
+        folder = trainer_folder(reader) if reader.format == "deepspeed" else None
+        return writer if folder is None else TrainerWriter(writer, folder)  # a Trainer checkpoint at the target
     raise ReshardError(f"unknown target format {fmt!r}; reshard writes {', '.join(FORMATS)}")
 
 
 _FLAGS = {"early": "", "max_file_bytes": "--max-file-gb", "dtype": "--dtype", "with_optimizer": "--with-optimizer",
           "files": "--files", "rename": "--rename", "tp": "--tp", "dp": "--dp", "pp": "--pp",
-          "zero_stage": "--zero-stage", "ep": "--ep", "layout": "--layout"}
+          "zero_stage": "--zero-stage", "ep": "--ep", "layout": "--layout", "hf_config": "--hf-config"}
 
 
 def _only(options: dict[str, Any], fmt: str, *allowed: str) -> dict[str, Any]:

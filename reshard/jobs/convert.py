@@ -19,7 +19,7 @@ from .reports import Report
 
 __all__ = ["CONVERT_FORMATS", "convert", "reshard"]
 
-CONVERT_FORMATS = ("ucp", "safetensors", "dcp")
+CONVERT_FORMATS = ("ucp", "safetensors", "hf", "dcp")
 
 
 def convert(
@@ -37,12 +37,15 @@ def convert(
     rename: Sequence[str] = (),
     with_optimizer: bool = False,
     dtype: torch.dtype | None = None,
+    hf_config: str | Path | None = None,
     early_copies: Any = None,
 ) -> Report:
     """Convert the checkpoint at ``ckpt_dir`` (DeepSpeed, universal, DCP or safetensors) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``),
     HF-style safetensors (``"safetensors"``; ``with_optimizer`` adds the Adam moments in the universal
-    layout) or a PyTorch DCP checkpoint (``"dcp"``, names changed by the ``rename`` ``FROM=TO``
+    layout), a Hugging Face model folder ``from_pretrained`` loads as it stands, written into
+    ``out_dir`` itself (``"hf"``: ``config.json`` and tokenizer files carried from beside the source,
+    or from ``hf_config``; ``dtype`` default the config's) or a PyTorch DCP checkpoint (``"dcp"``, names changed by the ``rename`` ``FROM=TO``
     regexes). Every file's ``checksum`` (``"crc32"`` or ``"sha256"``) goes into the output's
     manifest, which ``reshard verify`` re-checks. Launched by ``torchrun`` (or with ``cluster``),
     every process writes a share of the files and the commit is collective (``jobs.cluster``).
@@ -65,9 +68,12 @@ def convert(
     options: dict[str, Any] = {"ucp": {"early": early},
                                "safetensors": {"max_file_bytes": max_file_bytes, "dtype": dtype,
                                                "with_optimizer": with_optimizer or None},
+                               "hf": {"max_file_bytes": max_file_bytes, "dtype": dtype, "hf_config": hf_config},
                                "dcp": {"max_file_bytes": max_file_bytes, "rename": tuple(rename) or None}}[fmt]
     if fmt != "dcp" and rename:
         raise ReshardError("--rename goes with --format dcp")
+    if fmt != "hf" and hf_config is not None:
+        raise ReshardError("--hf-config goes with --format hf")
     if fmt != "safetensors" and with_optimizer:
         raise ReshardError("--with-optimizer goes with --format safetensors (the moments beside the weights)")
     writer = make_writer(fmt, reader, **options)

@@ -253,8 +253,9 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
         raise _drift_error(reader, drift)
     engine.plan_all(targets)
     cluster = cluster or Cluster.from_env()
-    if staging is None:
-        staging = open_staging(cluster, out_dir, writer.tag, sources=(*reader.sources, *extra_sources),
+    if staging is None:  # a writer without a tag writes the output folder itself (a model folder)
+        parent, tag = (Path(out_dir), writer.tag) if writer.tag is not None else (Path(out_dir).parent, Path(out_dir).name)
+        staging = open_staging(cluster, parent, tag, sources=(*reader.sources, *extra_sources),
                                overwrite=overwrite, checksum=checksum)
     try:
         jobs = writer.jobs(engine, staging)

@@ -210,6 +210,32 @@ class Staging:
         return self.final
 
 
+class Prefixed:
+    """A staging folder seen from one of its sub-folders: every ``rel`` a writer gives is
+    ``prefix/rel`` in the folder (a DeepSpeed tag folder inside a Trainer checkpoint)."""
+
+    def __init__(self, staging: Staging, prefix: str) -> None:
+        self.staging, self.prefix = staging, prefix.rstrip("/") + "/"
+        self.checksum, self.tmp = staging.checksum, staging.tmp
+
+    def path(self, rel: str) -> Path:
+        return self.staging.path(self.prefix + rel)
+
+    def open(self, rel: str):
+        return self.staging.open(self.prefix + rel)
+
+    def writing(self, rel: str):
+        return self.staging.writing(self.prefix + rel)
+
+    def copy(self, src: Path, rel: str) -> None:
+        self.staging.copy(src, self.prefix + rel)
+
+    def record(self, rel: str, size: int, digest: str) -> None:
+        self.staging.record(self.prefix + rel, size, digest)
+
+    def forget(self, rel: str) -> None:
+        self.staging.forget(self.prefix + rel)
+
 def _checksum(p: Path, name: str) -> str:
     h = new_checksum(name)
     with open(p, "rb") as f:

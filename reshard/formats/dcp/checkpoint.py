@@ -44,6 +44,7 @@ __all__ = ["METADATA", "Chunk", "DcpCheckpoint", "TensorEntry", "is_dcp", "read_
 
 METADATA = ".metadata"
 MODEL, OPTIM_STATE, PARAM_GROUPS = "model.", "optim.state.", "optim.param_groups."
+OPTIMIZERS = ("optim.", "optimizer.")  # torch's get_state_dict wrapper key; Accelerate's save_fsdp_optimizer
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -142,6 +143,9 @@ class DcpCheckpoint:
         self.planner_data = planner_data
         self._maps: dict[str, ParamMap] = {}
         self._files: dict[str, mmap.mmap | bytes] = {}
+        keys = [*tensors, *objects]
+        self.optim = next((o for o in OPTIMIZERS if any(k.startswith(o + "state.") or k.startswith(o + "param_groups.")
+                                                        for k in keys)), OPTIMIZERS[0])
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -175,8 +179,8 @@ class DcpCheckpoint:
     @property
     def params(self) -> list[str]:
         """Parameter names (fqns), in the checkpoint's order."""
-        if not self.structured:
-            return list(self.tensors)
+        if not self.structured:  # a bare state dict; an optimizer's own entries are no parameters
+            return [k for k in self.tensors if not k.startswith(f"{self.optim}state.")]
         return [k[len(MODEL):] for k in self.tensors if k.startswith(MODEL)]
 
     def param_key(self, fqn: str) -> str:
@@ -184,7 +188,7 @@ class DcpCheckpoint:
 
     def state_key(self, fqn: str, state: str) -> str | None:
         """The key of optimizer state ``state`` (``exp_avg``, ``exp_avg_sq``, ``step``) of ``fqn``."""
-        key = f"{OPTIM_STATE}{fqn}.{state}"
+        key = f"{self.optim}state.{fqn}.{state}"
         return key if key in self.tensors or key in self.objects else None
 
     @property
@@ -192,9 +196,10 @@ class DcpCheckpoint:
         """``optim.param_groups.<i>.<k>`` gathered into a list of dicts."""
         groups: dict[int, dict[str, Any]] = {}
         for key in self.objects:
-            if not key.startswith(PARAM_GROUPS):
+            prefix = f"{self.optim}param_groups."
+            if not key.startswith(prefix):
                 continue
-            index, _, name = key[len(PARAM_GROUPS):].partition(".")
+            index, _, name = key[len(prefix):].partition(".")
             if not index.isdigit() or not name:
                 raise CheckpointError(f"{self.path / METADATA}: malformed parameter-group key {key!r}")
             groups.setdefault(int(index), {})[name] = self.object(key)

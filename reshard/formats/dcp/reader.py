@@ -15,7 +15,7 @@ import torch
 
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
-from .checkpoint import MODEL, OPTIM_STATE, DcpCheckpoint
+from .checkpoint import DcpCheckpoint
 
 __all__ = ["RAW", "DcpReader"]
 
@@ -25,10 +25,13 @@ RAW = "raw"  # a tensor entry by its own key
 class DcpReader:
     format = "dcp"
 
-    def __init__(self, ck: DcpCheckpoint, given: Path | None = None) -> None:
+    def __init__(self, ck: DcpCheckpoint, given: Path | None = None, optim: DcpCheckpoint | None = None) -> None:
         self.ck = ck
+        self.optim = optim or ck  # where the optimizer's entries are (Accelerate keeps them in a folder of their own)
         self.tag = ck.path.name
         self.sources = (ck.path,) if given is None or Path(given) == ck.path else (Path(given), ck.path)
+        if optim is not None:
+            self.sources += (optim.path,)
         ranks = {c.rank for e in ck.tensors.values() for c in e.chunks}
         self.description = f"PyTorch DCP checkpoint, {len(ranks)} storage ranks"
         self.topology: dict[str, int] = {}
@@ -43,27 +46,34 @@ class DcpReader:
         """Each parameter's states, in the checkpoint's key order after ``weight``."""
         params = set(self.names)
         out: dict[str, list[str]] = {n: ["weight"] for n in self.names}
-        for key in self.ck.tensors:
-            if not key.startswith(OPTIM_STATE):
+        prefix = f"{self.optim.optim}state."
+        for key in self.optim.tensors:
+            if not key.startswith(prefix):
                 continue
-            fqn, _, state = key[len(OPTIM_STATE):].rpartition(".")
+            fqn, _, state = key[len(prefix):].rpartition(".")
             if fqn in params:
                 out[fqn].append(state)
         return {n: tuple(s) for n, s in out.items()}
 
-    def key(self, name: str, state: str) -> str:
+    def _where(self, name: str, state: str) -> tuple[DcpCheckpoint, str]:
+        """(checkpoint, key) of one state's entry."""
         if state == RAW:
-            return name
+            return self.ck, name
         if state == "weight":
-            return self.ck.param_key(name)
-        key = f"{OPTIM_STATE}{name}.{state}"
-        if key not in self.ck.tensors:
-            raise CheckpointError(f"{self.ck.path}: no tensor {key!r} in the DCP metadata")
-        return key
+            return self.ck, self.ck.param_key(name)
+        key = f"{self.optim.optim}state.{name}.{state}"
+        if key not in self.optim.tensors:
+            raise CheckpointError(f"{self.optim.path}: no tensor {key!r} in the DCP metadata")
+        return self.optim, key
 
     def check(self) -> None:
-        for key in self.ck.tensors:  # every entry's chunks tile its tensor
-            self.ck.param_map(key)
+        if not self.names:
+            raise CheckpointError(f"{self.ck.path}: holds no model entries, only {sorted(self.ck.tensors)[:2]}...: an "
+                                  "optimizer's folder? Point at the checkpoint folder (Accelerate: the one holding "
+                                  "pytorch_model_fsdp_0/ and optimizer_0/)")
+        for ck in {id(self.ck): self.ck, id(self.optim): self.optim}.values():
+            for key in ck.tensors:  # every entry's chunks tile its tensor
+                ck.param_map(key)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.ck.entry(self.ck.param_key(name)).shape)
@@ -72,36 +82,33 @@ class DcpReader:
         return self._states.get(name, ()) + ((RAW,) if name in self.ck.tensors else ())
 
     def dtype(self, name: str, state: str) -> torch.dtype:
-        return self.ck.entry(self.key(name, state)).dtype
+        ck, key = self._where(name, state)
+        return ck.entry(key).dtype
 
     def map(self, name: str, state: str) -> ParamMap:
-        return self.ck.param_map(self.key(name, state))
+        ck, key = self._where(name, state)
+        return ck.param_map(key)
 
     def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
-        return self.ck.shard(self.key(name, state), rank).reshape(-1)
+        ck, key = self._where(name, state)
+        return ck.shard(key, rank).reshape(-1)
 
     def tp_index(self, name: str, state: str, rank: int) -> None:
         return None
 
     def step(self, name: str) -> Any:
-        key = self.ck.state_key(name, "step")
+        ck = self.optim
+        key = ck.state_key(name, "step")
         if key is None:
             return None
-        return self.ck.full(key).clone() if key in self.ck.tensors else self.ck.object(key)
+        return ck.full(key).clone() if key in ck.tensors else ck.object(key)
 
     def extras(self, name: str) -> dict[str, Any]:
         return {}
 
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.ck.param_groups
-
-    @property
-    def structured(self) -> bool:
-        return self.ck.structured
+        return self.optim.param_groups
 
     def raw_keys(self) -> list[str]:
         """Every tensor entry, in the checkpoint's order."""
         return list(self.ck.tensors)
-
-    def weight_key_prefix(self) -> str:
-        return MODEL if self.ck.structured else ""

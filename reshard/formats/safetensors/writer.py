@@ -33,31 +33,38 @@ class SafetensorsWriter:
     keeps_replicas = False
 
     def __init__(self, reader: Any, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
-                 with_optimizer: bool = False) -> None:
+                 with_optimizer: bool = False, names: dict[str, str] | None = None, index: bool = True) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise ReshardError(f"--dtype {dtype} is not a safetensors dtype")
         self.reader, self.tag = reader, reader.tag
         masters = any("fp32" in reader.states(n) for n in reader.names)
+        # each parameter's name in the files (``names``: a subset of the source's, renamed)
+        self.names = {n: n for n in reader.names} if names is None else dict(names)
+        self.source = {out: n for n, out in self.names.items()}
         self.specs = []
-        for n in reader.names:
+        for n in self.names:
             have = reader.states(n)
             state = next((s for s in BEST if s in have), None)
             if state is None:
                 raise ReshardError(f"{reader.sources[-1]}: parameter {n!r} has no weights to write")
             own = torch.float32 if masters else reader.dtype(n, state)
-            self.specs.append((n, reader.shape(n), dtype or own))
+            self.specs.append((self.names[n], reader.shape(n), dtype or own))
         self.groups = plan_files(self.specs, max_file_bytes)
+        self.index = index or len(self.groups) > 1  # save_pretrained writes one only for shards
         self.fnames = ["model.safetensors"] if len(self.groups) == 1 else [
             f"model-{i + 1:05d}-of-{len(self.groups):05d}.safetensors" for i in range(len(self.groups))]
-        self._maps = {n: replicated(shape, 1) for n, shape, _ in self.specs}
+        self._maps = {out: replicated(shape, 1) for out, shape, _ in self.specs}
         self.moments = None
+        if with_optimizer and not any(m in reader.states(n) for n in reader.names for m in ("exp_avg", "exp_avg_sq")):
+            raise ReshardError(f"{reader.sources[-1]}: --with-optimizer, but the {reader.description} holds no "
+                               "optimizer state (no Adam moments) to write")
         if with_optimizer:
             from ..universal.writer import UniversalWriter
 
             self.moments = UniversalWriter(reader, moments_only=True)
 
     def targets(self) -> list[Target]:
-        out = [Target(n, BEST, self._maps[n]) for n, _, _ in self.specs]
+        out = [Target(self.source[o], BEST, self._maps[o]) for o, _, _ in self.specs]
         return out + (self.moments.targets() if self.moments is not None else [])
 
     def meta(self) -> dict[str, Any]:
@@ -68,7 +75,8 @@ class SafetensorsWriter:
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
         jobs = [(_size(g), partial(self._file, engine, staging, f, g)) for f, g in zip(self.fnames, self.groups)]
-        jobs.append((1, partial(self._index, staging)))
+        if self.index:
+            jobs.append((1, partial(self._index, staging)))
         if self.moments is not None:
             jobs += self.moments.jobs(engine, staging)
         return jobs
@@ -77,8 +85,8 @@ class SafetensorsWriter:
         with staging.open(fname) as out:
             w = SafetensorsFile(out, group)
             for name, shape, dtype in group:
-                buf = Buffer(f"{fname}:{name}", dtype, prod(shape), (Slot(0, name, BEST, self._maps[name], 0),))
-                w.write_fill(name, shape, dtype, engine.fill(buf))
+                slot = Slot(0, self.source[name], BEST, self._maps[name], 0)
+                w.write_fill(name, shape, dtype, engine.fill(Buffer(f"{fname}:{name}", dtype, prod(shape), (slot,))))
             w.close()
 
     def _index(self, staging: Any) -> None:

@@ -1,0 +1,138 @@
+"""A Hugging Face model folder that ``from_pretrained`` and ``AutoTokenizer.from_pretrained`` load as
+they stand, written from any source (``--format hf``): the weights directly in ``OUT``
+(``model.safetensors``, or shards with ``model.safetensors.index.json`` past ``max_file_bytes``, as
+``save_pretrained`` names them), ``config.json`` and the tokenizer and generation files beside them.
+
+* **Where the config comes from**: ``hf_config`` (a folder holding ``config.json``), else the
+  folder the source sits in or beside (a Trainer ``checkpoint-N`` keeps them next to ``latest``),
+  else the source's own metadata where it records the architecture (``reader.hf_config()``:
+  Megatron's ``args``). Without one the export is refused: ``from_pretrained`` could not load it.
+* **Dtype**: ``dtype``, else the config's (``dtype`` / ``torch_dtype``), cast from the most precise
+  weights the source holds (fp32 masters where there are some); ``config.json`` then says the
+  dtype the weights have.
+* **Tied embeddings** (``tie_word_embeddings``): written once, as ``save_pretrained`` does -- the
+  input embedding kept, ``lm_head.weight`` left out -- on every route (a DCP source holds both).
+* **Names** are HF's: a prefix every name shares (``module.`` of a DDP/DeepSpeed wrapper) is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import ReshardError
+from ..safetensors.writer import SafetensorsWriter
+
+__all__ = ["HfWriter", "metadata_folder"]
+
+# what a model folder holds beside its weights, carried as they are (the config may be rewritten)
+CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+           "added_tokens.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NAMES = {v: k for k, v in DTYPES.items()}
+TIED = ("lm_head.weight", "model.embed_tokens.weight")  # (alias save_pretrained drops, the weight kept)
+
+
+def metadata_folder(reader: Any, hf_config: str | Path | None) -> Path | None:
+    """The folder holding the model's ``config.json``: the one given, else the first of the
+    source's folders (or their parents) that has one."""
+    if hf_config is not None:
+        p = Path(hf_config)
+        p = p.parent if p.is_file() else p
+        if not (p / "config.json").is_file():
+            raise ReshardError(f"{hf_config}: no config.json there (--hf-config takes the folder of a model's "
+                               "config.json)")
+        return p
+    for src in reader.sources:
+        for folder in (Path(src), Path(src).parent):
+            if (folder / "config.json").is_file():
+                return folder
+    return None
+
+
+class HfWriter:
+    format = "hf"
+    latest = None
+    keeps_replicas = False
+    tag = None  # the output folder itself is the model folder
+
+    def __init__(self, reader: Any, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+                 hf_config: str | Path | None = None) -> None:
+        self.reader = reader
+        self.folder = metadata_folder(reader, hf_config)
+        self.config = self._config()
+        dtype = dtype or DTYPES.get(str(self.config.get("dtype") or self.config.get("torch_dtype")))
+        names = list(reader.names)
+        prefix = _shared_prefix(names)
+        out = {n: n[len(prefix):] for n in names}
+        self.tied = bool(self.config.get("tie_word_embeddings")) and TIED[0] in out.values() and \
+            TIED[1] in out.values()
+        if self.tied:
+            out = {n: o for n, o in out.items() if o != TIED[0]}
+        self.inner = SafetensorsWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, names=out, index=False)
+        self.dtype = self.inner.specs[0][2] if self.inner.specs else torch.float32
+        self.carried = [f for f in CARRIED if self.folder is not None and (self.folder / f).is_file() and
+                        f != "config.json"]
+        self.prefix = prefix
+
+    def _config(self) -> dict[str, Any]:
+        if self.folder is not None:
+            try:
+                return json.loads((self.folder / "config.json").read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ReshardError(f"{self.folder / 'config.json'}: unreadable ({e})") from None
+        made = getattr(self.reader, "hf_config", None)
+        config = made() if made is not None else None
+        if not config:
+            raise ReshardError(f"{self.reader.sources[-1]}: no config.json beside the checkpoint and the source "
+                               "does not record its architecture; pass --hf-config DIR (a folder with the model's "
+                               "config.json)")
+        return config
+
+    def targets(self) -> list:
+        return self.inner.targets()
+
+    def meta(self) -> dict[str, Any]:
+        return {"target": "Hugging Face model folder"}
+
+    def notes(self) -> list[str]:
+        files = len(self.inner.fnames)
+        where = f"from {self.folder}" if self.folder is not None else "built from the source's metadata"
+        return [f"HF export: {len(self.inner.specs)} tensors in {files} safetensors file(s), {NAMES.get(self.dtype, self.dtype)}"
+                + (", tied lm_head.weight written once (as model.embed_tokens.weight)" if self.tied else "")
+                + (f", names without the prefix {self.prefix!r}" if self.prefix else "")
+                + f"; config.json {where}"
+                + (f"; carried: {', '.join(self.carried)}" if self.carried else "")]
+
+    def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
+        jobs = self.inner.jobs(engine, staging)
+        jobs.append((1, partial(self._write_config, staging)))
+        jobs += [(1, partial(staging.copy, self.folder / f, f)) for f in self.carried]
+        return jobs
+
+    def _write_config(self, staging: Any) -> None:
+        """``config.json``: as it is where it says the weights' dtype, else with that dtype."""
+        config = dict(self.config)
+        name = NAMES.get(self.dtype)
+        if self.folder is not None and config.get("dtype", config.get("torch_dtype")) == name:
+            staging.copy(self.folder / "config.json", "config.json")
+            return
+        for key in ("dtype", "torch_dtype"):
+            if key in config or key == "dtype":
+                config[key] = name
+        with staging.open("config.json") as out:  # save_pretrained's layout of the file
+            out.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _shared_prefix(names: list[str]) -> str:
+    """``module.`` when every name starts with it (a wrapper's prefix), else nothing."""
+    for prefix in ("module.",):
+        if names and all(n.startswith(prefix) for n in names):
+            return prefix
+    return ""

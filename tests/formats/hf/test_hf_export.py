@@ -1,0 +1,93 @@
+"""``reshard convert CKPT OUT --format hf``: a folder ``from_pretrained`` loads as it stands, from the
+checkpoints HF Trainer + DeepSpeed (ZeRO-2/3, fp32/bf16, a tied Qwen2) and Accelerate's FSDP save
+functions wrote (``tests/fixtures/hf``, made by ``scripts/make_hf_fixtures.py``).
+
+Every weight equals the live model's at save time (``reference/``, taken from the job), or its
+bf16 rounding with ``--dtype bf16``; the loaded model's logits on the recorded probe equal the
+live model's, bit for bit; nothing is copied by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.cli import main
+from reshard.errors import ReshardError
+from reshard.jobs.convert import convert
+from tests.support.paths import HF
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+TRAINER = ["trainer_llama_zero3", "trainer_llama_zero2", "trainer_llama_zero3_bf16", "trainer_llama_zero2_bf16",
+           "trainer_qwen2_tied_zero2", "trainer_qwen2_tied_zero3"]
+
+
+def _reference(name: str) -> dict[str, Path]:
+    fx = json.loads((HF / name / "fixture.json").read_text())
+    files = fx["checkpoints"]["checkpoint-3"]["reference_files"] if "checkpoints" in fx else fx["reference_files"]
+    return {k: HF / name / v for k, v in files.items()}
+
+
+def _load(out: Path):
+    # the live model ran eager attention (the recipe's): the same kernels, the same bits
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    return model.eval(), tokenizer
+
+
+def _check(model, ref: dict[str, Path], dtype: torch.dtype | None = None) -> None:
+    want = load_file(ref["model"])
+    got = model.state_dict()
+    for name, w in want.items():
+        w = w if dtype is None else load_file(ref.get("fp32", ref["model"])).get(name, w).to(dtype)
+        assert got[name].dtype == w.dtype and torch.equal(got[name], w), name
+    if dtype is None:  # the live model's logits, on the probe it was given at save time
+        probe = load_file(ref["logits"])
+        with torch.no_grad():
+            logits = model(probe["input_ids"]).logits
+        assert torch.equal(logits, probe["logits"].to(logits.dtype))
+
+
+@pytest.mark.parametrize("name", TRAINER)
+def test_trainer_checkpoints_export_as_folders_from_pretrained_loads(name, tmp_path):
+    out = tmp_path / "exported"
+    report = convert(HF / name / "checkpoint-3", out, fmt="hf")
+    assert report.out_dir == out
+    model, tokenizer = _load(out)
+    _check(model, _reference(name))
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= files
+    tied = "qwen2_tied" in name
+    assert ("lm_head.weight" in load_file(out / "model.safetensors")) is not tied  # written once, as save_pretrained
+    assert any("HF export" in n for n in report.notes)
+
+
+def test_dtype_casts_the_fp32_masters(tmp_path):
+    out = tmp_path / "bf16"
+    convert(HF / "trainer_llama_zero3" / "checkpoint-3", out, fmt="hf", dtype=torch.bfloat16)
+    model, _ = _load(out)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    want = load_file(_reference("trainer_llama_zero3").get("fp32", _reference("trainer_llama_zero3")["model"]))
+    for name, t in model.state_dict().items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, want[name].to(torch.bfloat16)), name
+
+
+def test_accelerate_fsdp_export_takes_the_config_it_is_given(tmp_path):
+    src = HF / "accelerate_fsdp_llama" / "checkpoint-3" / "pytorch_model_fsdp_0"
+    with pytest.raises(ReshardError, match="--hf-config"):
+        convert(src, tmp_path / "no", fmt="hf")
+    assert not (tmp_path / "no").exists()
+    out = tmp_path / "fsdp"
+    convert(src, out, fmt="hf", hf_config=HF / "accelerate_fsdp_llama" / "hf_files")
+    model, _ = _load(out)
+    _check(model, _reference("accelerate_fsdp_llama"))
+
+
+def test_the_command_exports_in_one_line(tmp_path, capsys):
+    assert main(["convert", HF / "trainer_llama_zero2" / "checkpoint-3", tmp_path / "x", "--format", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert "HF export: 21 tensors" in out and "config.json from" in out
