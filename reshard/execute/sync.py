@@ -293,10 +293,11 @@ class WeightSync:
         except RuntimeError as e:
             failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         self._done.zero_()
-        self._done[self.me] = 1 if failed else 0
+        if failed:
+            self._done[self.me].fill_(1)  # a view: no tensor is made
         self._collective(lambda: dist.all_reduce(self._done, op=dist.ReduceOp.MAX, group=self.group))
-        if failed or self._done.any():
-            bad = [r for r, v in enumerate(self._done.tolist()) if v]
+        bad = [r for r, v in enumerate(self._done.tolist()) if v]
+        if failed or bad:
             self._broken = failed or f"rank(s) {bad} failed"
             raise TransferError(f"WeightSync: push {self.pushes + 1} failed on rank(s) {bad} of the group"
                                 + (f"; rank {self.me}: {failed}" if failed else ""))
