@@ -60,7 +60,7 @@ def dtensor_map(shape: Sequence[int], mesh_ranks: Sequence, placements: Sequence
                 starts[d] += lo
                 ext[d] = hi - lo
             elif kind != "Replicate":
-                raise MapError(f"{name}: placement {pl} on mesh dim {k} has no map here (only Shard and Replicate)")
+                raise MapError(f"{name}: placement {kind} ({pl}) on mesh dim {k} has no map (only Shard and Replicate do)")
         boxes[int(rank)] = (tuple(starts), tuple(ext))
     holders: dict[tuple, set[int]] = {}
     for r, box in boxes.items():

@@ -31,7 +31,7 @@ def engine_slices(full: dict[str, torch.Tensor], cfg, tp: int, rank: int) -> dic
     TP exceeds the head count), ``gate_up_proj`` = ``[gate_r; up_r]``, ``o_proj``/``down_proj`` column
     chunks, embedding and head padded to a multiple of 64 rows then chunked, norms whole."""
     hq, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     out = {}
     for name, t in full.items():
         if "embed_tokens" in name or name == "lm_head.weight":
@@ -75,7 +75,7 @@ def tp_forward(w: dict[str, torch.Tensor], ids: torch.Tensor, cfg, tp: int, rank
 
     w = {n: t.to(dtype) for n, t in w.items()}
     hq, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     qh, kh = hq // tp, len(kv_heads_of(rank, tp, kv))
     emb = w["model.embed_tokens.weight"]
     lo = rank * emb.shape[0]
