@@ -34,7 +34,7 @@ from ..ir.piece import View, prod, row_major_strides
 from ..plan.values import TransferPlan
 from .schedule import Link, Message, Part, messages, schedule, schedule_links
 
-__all__ = ["Param", "Program", "RoundProgram", "compile_program", "run_loopback"]
+__all__ = ["Loopback", "Param", "Program", "RoundProgram", "compile_program", "run_loopback", "simulate"]
 
 _ALIGN = 16  # staging slices start aligned for any element size
 
@@ -340,34 +340,46 @@ def run_loopback(programs: Mapping[int, Program], bound: Mapping[int, Bound], wi
                     run_copy(c, bound[r], wire)
 
 
-def simulate(source_maps: Mapping, targets: Mapping, wire: torch.dtype, sources: Mapping[int, Mapping[str, torch.Tensor]],
-             into: Mapping[int, Mapping[str, torch.Tensor]], limit: int | None = None) -> dict[int, Program]:
+class Loopback:
     """A whole push of a job, every rank in this process (:func:`run_loopback`): each rank plans
     its own share (``plan_for_rank``), cuts its rounds and compiles its program exactly as
     ``WeightSync`` does, from ``source_maps`` and ``targets`` (name -> ``Placed``, plan ranks), and
-    fills ``into[rank]`` (flat views of engine tensors by name) from ``sources[rank]``. Returns the
-    programs (their byte counts are what each rank moves)."""
-    from ..plan.planner import plan_for_rank
+    each :meth:`run` fills ``into[rank]`` (engine tensors by name) from ``sources[rank]`` (shards
+    by name). ``programs`` hold each rank's byte counts; staging is allocated once, here."""
 
-    tgt = {n: t.map for n, t in targets.items()}
-    esize = torch.empty((), dtype=wire).element_size()
-    ranks = sorted({r for m in source_maps.values() for r in m.ranks} | {r for m in tgt.values() for r in m.ranks})
-    plans = {r: plan_for_rank(source_maps, tgt, r) for r in ranks}
-    names = {r: sorted(plans[r].params) for r in ranks}
-    degree = {r: len(peers_of([plans[r].params[n] for n in names[r]], r)) for r in ranks}
-    device = next((t.device for d in sources.values() for t in d.values()), torch.device("cpu"))
-    programs, bound = {}, {}
-    for r in ranks:
-        rounds, small = rounds_for([plans[r].params[n] for n in names[r]], r, esize, limit, degree.__getitem__)
-        if small:
-            raise ValueError(f"max_inflight_bytes={limit} cannot hold one element on links {small}")
-        mine = sources.get(r, {})
-        params = [Param(n, plans[r].params[n], targets[n].into if r in targets[n].offsets else None,
-                        targets[n].offsets.get(r, 0), mine[n].dtype if n in mine else None) for n in names[r]]
-        programs[r] = prog = compile_program(params, rounds, r, wire)
-        staging = torch.empty(prog.staging_bytes, dtype=torch.uint8, device=device)
-        index = {n: k for k, n in enumerate(names[r])}
-        bound[r] = Bound({index[n]: t.reshape(-1) for n, t in sources.get(r, {}).items()},
-                         {n: t.view(-1) for n, t in into.get(r, {}).items()}, staging, prog.scratch_at)
-    run_loopback(programs, bound, wire)
-    return programs
+    def __init__(self, source_maps: Mapping, targets: Mapping, wire: torch.dtype,
+                 sources: Mapping[int, Mapping[str, torch.Tensor]], into: Mapping[int, Mapping[str, torch.Tensor]],
+                 limit: int | None = None) -> None:
+        from ..plan.planner import plan_for_rank
+
+        tgt = {n: t.map for n, t in targets.items()}
+        esize = torch.empty((), dtype=wire).element_size()
+        ranks = sorted({r for m in source_maps.values() for r in m.ranks} | {r for m in tgt.values() for r in m.ranks})
+        plans = {r: plan_for_rank(source_maps, tgt, r) for r in ranks}
+        names = {r: sorted(plans[r].params) for r in ranks}
+        degree = {r: len(peers_of([plans[r].params[n] for n in names[r]], r)) for r in ranks}
+        device = next((t.device for d in sources.values() for t in d.values()), torch.device("cpu"))
+        self.wire, self.programs, self.bound = wire, {}, {}
+        for r in ranks:
+            rounds, small = rounds_for([plans[r].params[n] for n in names[r]], r, esize, limit, degree.__getitem__)
+            if small:
+                raise ValueError(f"max_inflight_bytes={limit} cannot hold one element on links {small}")
+            mine = sources.get(r, {})
+            params = [Param(n, plans[r].params[n], targets[n].into if r in targets[n].offsets else None,
+                            targets[n].offsets.get(r, 0), mine[n].dtype if n in mine else None) for n in names[r]]
+            self.programs[r] = prog = compile_program(params, rounds, r, wire)
+            staging = torch.empty(prog.staging_bytes, dtype=torch.uint8, device=device)
+            index = {n: k for k, n in enumerate(names[r])}
+            self.bound[r] = Bound({index[n]: t.reshape(-1) for n, t in mine.items()},
+                                  {n: t.view(-1) for n, t in into.get(r, {}).items()}, staging, prog.scratch_at)
+
+    def run(self) -> None:
+        run_loopback(self.programs, self.bound, self.wire)
+
+
+def simulate(source_maps: Mapping, targets: Mapping, wire: torch.dtype, sources: Mapping[int, Mapping[str, torch.Tensor]],
+             into: Mapping[int, Mapping[str, torch.Tensor]], limit: int | None = None) -> dict[int, Program]:
+    """One push of :class:`Loopback`; returns the programs."""
+    job = Loopback(source_maps, targets, wire, sources, into, limit)
+    job.run()
+    return job.programs
