@@ -109,6 +109,14 @@ def test_vocab_padding_rules(vocab, tp, rows, per_rank_rows):
         assert torch.equal(m.extract(full, r), padded.chunk(tp)[r])
 
 
+def test_mapping_document_pads_per_rank_on_request():
+    _, shapes = _llama(4, 2, 2, 4, 4, 101)
+    vllm = inference_targets(LLAMA_VLLM, shapes, tp=4, num_heads=4, num_kv_heads=2)
+    tg = inference_targets(LLAMA_VLLM, shapes, tp=4, num_heads=4, num_kv_heads=2, pad_per_rank=True)
+    assert vllm["lm_head.weight"].map.logical_shape == (128, 4) and vllm["lm_head.weight"].shapes[0] == (32, 4)
+    assert tg["lm_head.weight"].map.logical_shape == (256, 4) and tg["lm_head.weight"].shapes[0] == (64, 4)
+
+
 def test_vocab_that_tp_cannot_split_is_refused():
     with pytest.raises(MapError, match="does not split evenly over tp 3"):
         vocab_padded_rows(100, 3)

@@ -207,7 +207,8 @@ class WeightSync:
             return
         gathered: list[object] = [None] * self.world
         self._collective(lambda: dist.all_gather_object(gathered, lines, group=self.group))
-        every = [line for g in gathered for line in (g or [])]  # type: ignore[union-attr]
+        # both ends of a link report a disagreement between them: each line once, in rank order
+        every = list(dict.fromkeys(line for g in gathered for line in (g or [])))  # type: ignore[union-attr]
         raise error(f"WeightSync: {what}:\n  " + "\n  ".join(every))
 
     # -- push -------------------------------------------------------------------------------------

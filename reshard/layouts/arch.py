@@ -109,7 +109,7 @@ def _match(rules, name: str) -> tuple[str, dict[str, Any]] | None:
 def inference_targets(doc: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], *, tp: int,
                       num_heads: int | None = None, num_kv_heads: int | None = None, ep: int = 1,
                       ranks: Sequence[int] | Sequence[Sequence[int]] | None = None, pad_to: int = 64,
-                      placement: str = "linear") -> dict[str, Placed]:
+                      pad_per_rank: bool = False, placement: str = "linear") -> dict[str, Placed]:
     """The engine's target, by source name, of every parameter in ``shapes`` (source name ->
     full shape), laid out as ``doc`` says at tensor-parallel degree ``tp`` (experts: ``ep`` EP
     ranks × ``tp / ep`` TP ranks over the same ranks). ``ranks`` are the engine's global ranks
@@ -135,7 +135,7 @@ def inference_targets(doc: Mapping[str, Any], shapes: Mapping[str, Sequence[int]
         if rule["layout"] in ("qkv", "merged"):
             fused.setdefault(to, {})[rule.get("part")] = name
     cfg = {"tp": tp, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "ep": ep, "pad_to": pad_to,
-           "placement": placement}
+           "pad_per_rank": pad_per_rank, "placement": placement}
     local: dict[str, Placed] = {}
     for name, (to, rule) in matched.items():
         if name in local:
@@ -161,7 +161,7 @@ def _single(layout: str, shape: tuple[int, ...], cfg: Mapping[str, Any]):
     if layout == "row":
         return row_parallel(shape, tp)
     if layout == "vocab":
-        return vocab_parallel_padded(shape, tp, pad_to=cfg["pad_to"])
+        return vocab_parallel_padded(shape, tp, pad_to=cfg["pad_to"], per_rank=cfg["pad_per_rank"])
     ep = cfg["ep"]
     if tp % ep:
         raise MapError(f"ep {ep} does not divide tp {tp}")

@@ -68,7 +68,7 @@ class Trainer:
         self.ranks, self.seed = ranks, seed
 
     def step(self, k: int) -> None:
-        g = torch.Generator().manual_seed(1000 * self.seed + 10 * k + self.ranks.index(int(os.environ["SYNC_RANK"])))
+        g = torch.Generator().manual_seed(1000 * self.seed + 10 * k + self.ranks.index(torch.distributed.get_rank()))
         ids = torch.randint(0, config().vocab_size, (2, 12), generator=g)
         self.model(input_ids=ids, labels=ids).loss.backward()
         self.opt.step()
@@ -145,7 +145,11 @@ def check_engine(rank: int, ranks: list[int], engine, full, group, *, previous=N
 def _push_record(sync, push, profile: bool, planned) -> dict:
     """Run one push; what it allocated (under the profiler) and planned, and its byte counts."""
     before = planned[0]
-    allocs, nbytes = _profiled(push) if profile else (push(), (None, None))[1]
+    if profile:
+        allocs, nbytes = _profiled(push)
+    else:
+        push()
+        allocs, nbytes = None, None
     return {"allocs": allocs, "alloc_bytes": nbytes, "planner_calls": planned[0] - before,
             "stats": dict(sync.stats), "workspace": sync.workspace.nbytes}
 
@@ -229,6 +233,7 @@ def phase_refusal(rank: int, workdir: Path, state, engine_group) -> dict:
         bad_shape = {**engine, qkv: torch.empty(t.shape[0] + 1, t.shape[1], dtype=t.dtype)}
     rec["shape"] = _raises(lambda: sync.push(local, into=bad_shape))
     rec["after"] = _raises(lambda: sync.push(local, into=engine))
+    rec.update(_bounded_and_disagreeing(rank, local, engine, tg))
     if trainer is not None:
         full = trainer.full()
         if rank == TRAINER[0]:
@@ -237,6 +242,22 @@ def phase_refusal(rank: int, workdir: Path, state, engine_group) -> dict:
     if engine is not None:
         rec["check"] = check_engine(rank, ENGINE, engine, torch.load(workdir / "refusal.pt"), engine_group)
     return rec
+
+
+def _bounded_and_disagreeing(rank: int, local, engine, tg) -> dict:
+    """A sync whose rounds are bounded (4 KiB in flight per rank) fills a second copy of the engine
+    with the same bits; a sync for which rank 3 holds other target maps is refused everywhere."""
+    from reshard.execute.sync import WeightSync
+
+    maps, shapes = source_maps(TRAINER)
+    bounded = WeightSync(maps, tg, torch.bfloat16, max_inflight_bytes=4096)
+    copy = engine_tensors(tg, rank) if engine is not None else None
+    bounded.push(local, into=copy)
+    same = all(torch.equal(_bits(copy[n].detach()), _bits(t.detach())) for n, t in (engine or {}).items())
+    other = targets(shapes, 2, ENGINE[::-1]) if rank == 3 else tg
+    return {"bounded_same": same, "bounded_rounds": bounded.stats["rounds"],
+            "bounded_staging": bounded.stats["staging_bytes"],
+            "disagree": _raises(lambda: WeightSync(maps, other, torch.bfloat16))}
 
 
 def phase_kill(rank: int, state) -> dict:
@@ -266,7 +287,6 @@ def worker(rank: int, workdir: str) -> None:
 
     from reshard.plan import planner
 
-    os.environ["SYNC_RANK"] = str(rank)
     torch.set_num_threads(1)
     # the world's own timeout is long (phases are unbalanced on a small machine); the syncs run
     # on groups with a short one, which bounds how long a dead peer can keep a rank waiting

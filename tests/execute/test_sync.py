@@ -138,6 +138,19 @@ def test_changed_dtype_or_shape_is_refused_on_every_rank(job):
         assert recs[r]["check"]["errors"] == []
 
 
+def test_bounded_rounds_fill_the_same_bits_and_disagreeing_plans_are_refused_everywhere(job):
+    recs = _phase(job, "refusal", range(J.WORLD))
+    msgs = set()
+    for r, rec in recs.items():
+        assert rec["bounded_same"], f"rank {r}: bounded rounds gave other bits"
+        assert rec["bounded_rounds"] > 3 and rec["bounded_staging"] <= 4096 + 64, f"rank {r}: {rec}"
+        got = rec["disagree"]
+        assert got["raised"] == "PlanError" and "disagree on what moves between them" in got["message"], got
+        msgs.add(got["message"])
+    (msg,) = msgs
+    assert "ranks 3 and 4" in msg and "ranks 3 and 5" in msg and msg.count("ranks 3 and 4") == 1
+
+
 def test_a_rank_killed_mid_push_makes_every_other_rank_raise(job):
     recs = job["phases"].get("kill", {})
     survivors = [r for r in range(J.WORLD) if r != J.VICTIM]
