@@ -13,6 +13,7 @@ from benchmarks import (
     bench_moe,
     bench_offline,
     bench_planner,
+    bench_sync,
     bench_zero3,
 )
 from benchmarks.common import machine
@@ -21,7 +22,7 @@ from benchmarks.common import machine
 def main() -> None:
     warnings.filterwarnings("ignore")
     print(f"machine: {machine()}")
-    for mod in (bench_ir, bench_derive, bench_planner, bench_moe, bench_dist, bench_convert, bench_offline,
+    for mod in (bench_ir, bench_derive, bench_planner, bench_moe, bench_dist, bench_sync, bench_convert, bench_offline,
                 bench_zero3, bench_dcp):
         print(f"\n== {mod.__name__} ==")
         for line in mod.main():

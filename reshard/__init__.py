@@ -44,6 +44,7 @@ _EXPORTS = {
     "plan_for_rank": (".plan.planner", "plan_for_rank"),
     "apply_plan": (".execute.local", "apply_plan"),
     "transfer": (".execute.live", "transfer"),
+    "WeightSync": (".execute.sync", "WeightSync"),
     **{name: (".ir", name) for name in ("ParamMap", "Piece", "Shard", "View")},
     **{name: (".plan.values", name) for name in ("ModelPlan", "TransferPlan")},
     "Report": (".jobs.reports", "Report"),
@@ -97,4 +98,5 @@ __all__ = [
     "TransferPlan",
     "verify",
     "View",
+    "WeightSync",
 ]

@@ -62,6 +62,12 @@ class TopologyError(ReshardError):
     """A topology (TP x DP x PP x EP sizes, or a rank or index within one) is impossible."""
 
 
+class TransferError(ReshardError):
+    """A live move could not finish: a peer died, or a collective failed or timed out, during a
+    ``WeightSync.push``. Raised on every surviving rank (within the process group's timeout); the
+    process group is not usable afterwards."""
+
+
 class PlotUnavailable(ReshardError):
     """A picture was asked for (``--png``) but matplotlib is not installed."""
 
