@@ -98,7 +98,7 @@ def test_fixture_holds_the_zero1_fixtures_state(source_universal, tmp_path):
 @pytest.mark.parametrize("name", [SOURCE, BF16])
 def test_convert_is_bit_identical_to_ds_to_universal(name, tmp_path):
     pytest.importorskip("deepspeed")
-    from tests.formats.deepspeed.test_convert_parity import _same as same_value
+    from tests.support.compare import same as same_value
     from tests.support.dsconv import ds_to_universal
 
     theirs = ds_to_universal(name, tmp_path / "ds")
