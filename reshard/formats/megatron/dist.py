@@ -257,8 +257,14 @@ class DistSource:
         return Lowered(m, fragment, lambda n: entries[n][0].tp)
 
     # -- progress ----------------------------------------------------------------------------------
-    def step(self) -> Any:
+    def _optimizers(self) -> list[dict]:
+        """The common state's optimizer entries: one, or the dense and expert ones of a chained
+        optimizer (``{0: ..., 1: ...}``)."""
         opt = self.common.get("optimizer") or {}
+        return [opt[k] for k in sorted(opt)] if opt and all(isinstance(k, int) for k in opt) else [opt]
+
+    def step(self) -> Any:
+        opt = self._optimizers()[0]
         if self.sharding == "adam":
             return (opt.get("state") or {}).get("common_step")
         if self.sharding == "fully_reshardable":
@@ -269,15 +275,18 @@ class DistSource:
         return groups[0].get("step") if groups else None
 
     def param_groups(self) -> list[dict[str, Any]]:
-        opt = self.common.get("optimizer") or {}
-        if self.sharding == "adam":
-            groups = opt.get("param_groups") or []
-        elif self.sharding == "fully_reshardable":
-            groups = (opt.get("optimizer") or {}).get("param_groups") or []
-        else:
-            keys = sorted(k for k in self.ck.objects if k.endswith(".optimizer/shard_0_1"))
-            groups = (self.obj(keys[0]).get("param_groups") or []) if keys else []
-        return [dict(g) for g in groups]
+        """Every optimizer's groups (dense, then experts'), in order."""
+        if self.sharding == "dp_reshardable":
+            keys = [k for k in self.ck.objects if k.endswith(".optimizer/shard_0_1")]
+            firsts = {}
+            for k in sorted(keys):
+                firsts.setdefault(k.split("optimizer.distributed")[0], k)  # one per chained optimizer
+            return [dict(g) for k in sorted(firsts.values()) for g in (self.obj(k).get("param_groups") or [])]
+        groups = []
+        for opt in self._optimizers():
+            found = opt.get("param_groups") if self.sharding == "adam" else (opt.get("optimizer") or {}).get("param_groups")
+            groups += [dict(g) for g in found or []]
+        return groups
 
     @property
     def files(self) -> list[Path]:
