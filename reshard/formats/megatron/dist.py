@@ -62,6 +62,12 @@ def _open(iter_dir: Path) -> dcp.DcpCheckpoint:
     storage = dcp._storage_index(iter_dir, md)
     files = sorted({rel for rel, _, _ in storage.values()})
     sizes = dcp._file_sizes(iter_dir, files)
+    for rel in files:  # said before any entry is read: which rank's file, and one key it holds
+        if sizes.get(rel) is None:
+            holds = next(fqn for (fqn, _), (r, _, _) in storage.items() if r == rel)
+            m = dcp._RANK.search(rel)
+            who = f"global rank {m.group(1)}'s file" if m else "a file .metadata names"
+            raise CheckpointError(f"{iter_dir / rel}: file is missing ({who}; it holds {holds!r})")
     tensors, objects = {}, {}
     for key, entry in md.state_dict_metadata.items():
         if type(entry).__name__ == "BytesStorageMetadata":

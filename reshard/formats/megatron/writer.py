@@ -74,6 +74,9 @@ class MegatronWriter:
             self._from_megatron(reader, tp, pp, dp, ep, optimizer, dtype)
         else:
             self._from_hf(reader, tp, pp, dp, ep, optimizer, dtype)
+        if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
+            raise ReshardError("--optimizer dp_reshardable with tied embeddings over several pipeline stages (the "
+                               "last stage's bucket holds a copy of the embedding): not written by reshard")
         self.tag = reader.tag
         self.folder = iteration_folder(self.iteration)
         self.layout = TargetLayout(self.arch, buckets=self.kind == "dp_reshardable", vocab_rows=self.vocab_rows)

@@ -76,7 +76,7 @@ def _common(iter_dir) -> dict:
 def test_missing_distcp_file(tmp_path):
     src = _copy(tmp_path, "torch_dist_tp2_pp2")
     (src / "iter_0000003" / "__3_0.distcp").unlink()
-    _refused(src, tmp_path, "__3_0.distcp", "missing")
+    _refused(src, tmp_path, "__3_0.distcp", "missing", "global rank 3")
 
 
 def test_truncated_distcp_file(tmp_path):
