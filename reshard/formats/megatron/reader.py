@@ -163,14 +163,14 @@ class MegatronReader:
         return self.src.step() if len(self.states(name)) > 1 else None
 
     def param_groups(self) -> list[dict[str, Any]]:
-        """Megatron's groups (weight decay, then none), ``params`` the names in each."""
+        """Megatron's groups (weight decay, then none; with experts the expert optimizer's two
+        after the dense one's), ``params`` the names in each."""
         groups = self.src.param_groups()
         if not groups:
             return []
-        decay = [n for n in self.names if self._decays(n)]
-        rest = [n for n in self.names if not self._decays(n)]
-        for g, members in zip(groups, (decay, rest)):
-            g["params"] = members
+        for g in groups:  # experts to the expert optimizer's groups, each name by its weight decay
+            expert, decay = bool(g.get("is_expert_parallel")), g.get("wd_mult", 1.0) != 0
+            g["params"] = [n for n in self.names if self._spec(n).expert == expert and self._decays(n) == decay]
         return groups
 
     def _decays(self, name: str) -> bool:

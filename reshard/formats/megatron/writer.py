@@ -114,10 +114,11 @@ class MegatronWriter:
         self.dtype = reader.dtype(reader.names[0], "weight")
         self.hf = None if self.native else self._hf_names(reader)
         self.vocab_rows = self._vocab_rows(reader)
-        groups = reader.src.param_groups()
-        self.groups = [groups[:2], groups[2:4]] if arch.experts and len(groups) >= 4 else [groups or default_groups(args)]
-        if arch.experts and len(self.groups) == 1:
-            self.groups.append(default_groups(args, expert=True))
+        groups = reader.src.param_groups()  # dense optimizer's, then the experts' (is_expert_parallel)
+        dense = [g for g in groups if not g.get("is_expert_parallel")] or default_groups(args)
+        self.groups = [dense]
+        if arch.experts:
+            self.groups.append([g for g in groups if g.get("is_expert_parallel")] or default_groups(args, expert=True))
         self.step = self._step(reader)
 
     def _from_hf(self, reader: Any, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,

@@ -34,11 +34,12 @@ def _export(fixture: str, out) -> tuple:
     return report.out_dir, reader
 
 
-@pytest.mark.parametrize("fixture", ["torch_dist_tp2_pp2", "legacy_tp2_pp2", "torch_dist_tp2_dp2_distopt"])
+@pytest.mark.parametrize("fixture", ["torch_dist_tp2_pp2", "legacy_tp2_pp2", "torch_dist_tp2_dp2_distopt",
+                                     "torch_dist_moe_ep2"])
 def test_hf_export_loads_and_gives_megatron_logits(tmp_path, fixture):
     folder, reader = _export(fixture, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    assert type(model).__name__ == "LlamaForCausalLM"
+    assert type(model).__name__ == ("MixtralForCausalLM" if reader.arch.experts else "LlamaForCausalLM")
     sd = model.state_dict()
     written = load_file(str(folder / "model.safetensors"))
     assert set(written) == {k for k in sd if "rotary" not in k}
