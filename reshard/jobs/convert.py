@@ -39,6 +39,7 @@ def convert(
     dtype: torch.dtype | None = None,
     hf_config: str | Path | None = None,
     early_copies: Any = None,
+    names: str | None = None,
 ) -> Report:
     """Convert the checkpoint at ``ckpt_dir`` (DeepSpeed, universal, DCP or safetensors) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``),
@@ -54,11 +55,14 @@ def convert(
     staging folder (``jobs.early_copies``, started by the command line before torch loads). They
     serve one process converting a DeepSpeed checkpoint to ``"ucp"``, from ``ckpt_dir`` to
     ``out_dir``; for any other conversion they are abandoned first. The caller abandons them if
-    this raises."""
+    this raises.
+
+    ``names``: the parameter names a Megatron source is read under (``"megatron"`` or ``"hf"``;
+    default: HF names for safetensors, Megatron's keys for the other formats)."""
     if fmt not in CONVERT_FORMATS:
         raise ReshardError(f"format (--format) must be one of {', '.join(CONVERT_FORMATS)}, got {fmt!r}")
     Policy.parse(on_replica_mismatch)
-    reader = open_reader(ckpt_dir)
+    reader = open_reader(ckpt_dir, route=fmt, names=names)
     cluster = cluster or Cluster.from_env()
     early = early_copies
     if early is not None and (reader.format != "deepspeed" or fmt != "ucp" or cluster.world > 1
@@ -101,6 +105,7 @@ def reshard(
     checksum: str = "crc32",
     cluster: Cluster | None = None,
     on_replica_mismatch: str = "error",
+    optimizer: str | None = None,
 ) -> Report:
     """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``: a
     DeepSpeed checkpoint (``to="deepspeed"``, the default) at TP=``tp`` x DP=``dp`` (x PP=``pp``)
@@ -109,8 +114,11 @@ def reshard(
     ``files`` loading ranks (``to="dcp"``, the default with ``files``). A TP degree the source
     does not record takes its layout from ``layout`` (a DeepSpeed checkpoint at that degree, a map
     document, or ``"geometry"``). Where the target merges copies of a replicated block (another TP
-    degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep."""
-    reader = open_reader(ckpt_dir)
+    degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep. Or a
+    Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP), from a
+    Megatron source or an HF one, its optimizer state laid out as ``optimizer`` says
+    (``formats.megatron.writer``)."""
+    reader = open_reader(ckpt_dir, route=to)
     to = to or ("dcp" if files is not None else "deepspeed")
     if to == "dcp":
         if files is None:
@@ -122,9 +130,12 @@ def reshard(
             tp = reader.topology.get("tp", 1) if reader.format == "deepspeed" and ep is None else 1
         options = {"files": files, "tp": tp, "dp": dp, "pp": pp if pp is not None else 1, "zero_stage": zero_stage,
                    "ep": ep, "layout": layout, "dtype": dtype}
+    elif to == "megatron":
+        options = {"files": files, "zero_stage": zero_stage, "layout": layout, "tp": tp, "dp": dp, "pp": pp, "ep": ep,
+                   "optimizer": optimizer, "dtype": dtype}
     else:
-        raise ReshardError(f"reshard writes 'deepspeed' (--tp/--dp/--pp/--zero-stage/--ep) or 'dcp' (--files), "
-                           f"not {to!r}; other formats have no topology: use convert")
+        raise ReshardError(f"reshard writes 'deepspeed' (--tp/--dp/--pp/--zero-stage/--ep), 'dcp' (--files) or "
+                           f"'megatron' (--tp/--pp/--dp), not {to!r}; other formats have no topology: use convert")
     writer = make_writer(to, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
