@@ -28,10 +28,10 @@ LOGITS_ATOL = 1e-5
 
 
 def _export(fixture: str, out) -> tuple:
-    report = convert(FIXTURES / fixture, out, fmt="safetensors")
-    reader = MegatronReader.open(FIXTURES / fixture, names="hf")
-    (report.out_dir / "config.json").write_text(json.dumps(reader.hf_config(), indent=1))
-    return report.out_dir, reader
+    """``--format hf``: the folder as the command writes it, config.json built from Megatron's args."""
+    report = convert(FIXTURES / fixture, out / "hf", fmt="hf")
+    assert (report.out_dir / "config.json").is_file()
+    return report.out_dir, MegatronReader.open(FIXTURES / fixture, names="hf")
 
 
 @pytest.mark.parametrize("fixture", ["torch_dist_tp2_pp2", "legacy_tp2_pp2", "torch_dist_tp2_dp2_distopt",
