@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.reshard-installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-all bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +18,11 @@ demo: $(STAMP)
 	$(BIN)/python -m reshard.present.demo
 
 test: $(STAMP)
+	$(BIN)/ruff check reshard tests benchmarks scripts
+	$(BIN)/python -m pytest -m "not slow"
+
+# everything make test runs, and the 3-4-rank end-to-end variants (marked slow): ~+4 min here
+test-all: $(STAMP)
 	$(BIN)/ruff check reshard tests benchmarks scripts
 	$(BIN)/python -m pytest
 

@@ -75,6 +75,8 @@ ZERO3_TARGETS = [(ZERO3, 1, 3)]
 ZERO3_BF16 = "llama_zero3_dp2_bf16"
 ZERO3_STAGE_TARGETS = [(ZERO3_BF16, 1, 1, 3), (ZERO3_BF16, 1, 1, 2), ("llama_zero1_dp2_bf16", 1, 1, 3),
                        (ZERO3_BF16, 1, 3, 3), (ZERO3, 1, 3, 1), ("llama_zero2_dp2", 1, 3, 3)]
+# make test runs the first of them (bf16, one rank); the others are in the slow tier (make test-all)
+ZERO3_STAGE_QUICK = ZERO3_STAGE_TARGETS[:1]
 PIPE_TARGETS = [(1, 2), (2, 1)]
 
 
@@ -107,16 +109,19 @@ class Load(NamedTuple):
         return self.kind in ("reshard", "ds_to_universal", "perturbed")
 
 
-def llama_loads() -> list[Load]:
-    """Every ``resume_train.py`` load the e2e tests check, each once."""
+def llama_loads(slow: bool = True) -> list[Load]:
+    """Every ``resume_train.py`` load the e2e tests check, each once; without ``slow``, not those
+    of the tests marked slow (the loads of 4 ranks, all but :data:`ZERO3_STAGE_QUICK`)."""
     loads = [Load(route, LLAMA, tp, dp) for tp, dp in UCP_TOPOLOGIES
              for route in ("reshard", "ds_to_universal")]
-    loads += [Load("perturbed", LLAMA, *NEGATIVE_TOPOLOGY), Load("source", LLAMA, *SOURCE_TOPOLOGY)]
+    loads += [Load("perturbed", LLAMA, *NEGATIVE_TOPOLOGY)] + [Load("source", LLAMA, *SOURCE_TOPOLOGY)] * slow
     for source, tp, dp in RESHARD_TARGETS:
+        if not slow and tp * dp > 3:
+            continue
         loads += [Load("resharded", source, tp, dp), Load("ds_to_universal", source, tp, dp)]
     for source, tp, dp in ZERO3_TARGETS:  # the save precedes the load of it
         loads += [Load(kind, source, tp, dp) for kind in ("ds_to_universal", "resharded", "resaved")]
-    for source, tp, dp, zero in ZERO3_STAGE_TARGETS:
+    for source, tp, dp, zero in (ZERO3_STAGE_TARGETS if slow else ZERO3_STAGE_QUICK):
         loads += [Load(kind, source, tp, dp, zero_target(source, zero)) for kind in ("ds_to_universal", "resharded",
                                                                                     "resaved")]
     return list(dict.fromkeys(loads))
@@ -162,12 +167,12 @@ class E2E:
     """The e2e inputs and job reports of one test session, under ``root``; everything is made or
     run on first use and kept. A job that failed raises its error again for every report of it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, slow: bool = True) -> None:
         self.root = Path(root)
         self._dirs: dict[tuple, Path] = {}
         self._reports: dict[str, dict] = {}
         self._failed: dict[str, LaunchError] = {}
-        self._jobs = group_into_jobs(llama_loads())
+        self._jobs = group_into_jobs(llama_loads(slow))
 
     def _once(self, key: tuple, make) -> Path:
         if key not in self._dirs:

@@ -71,10 +71,10 @@ def _torchrun(out: Path, nproc: int, *args: str, nodes: int = 1, source: Path = 
 
 
 @pytest.mark.parametrize("args,nproc", [
-    (("reshard", "--tp", "1", "--dp", "4"), 4),
+    pytest.param(("reshard", "--tp", "1", "--dp", "4"), 4, marks=pytest.mark.slow),
     (("reshard", "--tp", "2", "--dp", "3", "--workers", "2"), 3),
     (("convert",), 3),
-    (("convert", "--format", "safetensors", "--max-file-gb", "0.0001"), 2),
+    pytest.param(("convert", "--format", "safetensors", "--max-file-gb", "0.0001"), 2, marks=pytest.mark.slow),
 ], ids=["reshard-4", "reshard-3-workers", "convert-3", "safetensors-2"])
 def test_processes_write_what_one_process_writes(args, nproc, tmp_path):
     single = _single(tmp_path, *args)
@@ -86,7 +86,8 @@ def test_processes_write_what_one_process_writes(args, nproc, tmp_path):
 @pytest.mark.parametrize("args,source", [
     (("convert", "--format", "dcp", "--max-file-gb", "0.0002"), SOURCE),
     (("reshard", "--files", "3"), DCP_SOURCE),
-    (("convert", "--format", "safetensors", "--max-file-gb", "0.0001"), DCP_SOURCE),
+    pytest.param(("convert", "--format", "safetensors", "--max-file-gb", "0.0001"), DCP_SOURCE,
+                 marks=pytest.mark.slow),
 ], ids=["deepspeed-to-dcp", "dcp-files-3", "dcp-to-safetensors"])
 def test_dcp_jobs_over_processes_write_what_one_process_writes(args, source, tmp_path):
     single = _single(tmp_path, *args, source=source)
@@ -97,7 +98,7 @@ def test_dcp_jobs_over_processes_write_what_one_process_writes(args, source, tmp
 
 @pytest.mark.parametrize("args,nproc", [
     (("reshard", "--tp", "1", "--dp", "4"), 3),
-    (("reshard", "--tp", "2", "--dp", "3", "--workers", "2"), 2),
+    pytest.param(("reshard", "--tp", "2", "--dp", "3", "--workers", "2"), 2, marks=pytest.mark.slow),
 ], ids=["reshard-3", "reshard-2-workers"])
 def test_files_striped_over_processes_are_what_one_process_writes(args, nproc, tmp_path):
     """Stripes of 4 KiB: every output archive is written by several processes (and threads),

@@ -170,6 +170,7 @@ def test_negative_control_digests_catch_small_changes(e2e: E2E, resumed):
     assert report["digest_summary"]["after_steps"] != baseline["digest_summary"]["after_steps"]
 
 
+@pytest.mark.slow  # a 4-rank job of its own
 def test_native_resume_of_the_source_holds_the_same_state(resumed):
     """Oracle independent of both converters: DeepSpeed's native loader, resuming the *source*
     checkpoint at its own topology (TP=2 x DP=2), holds exactly the state both converted

@@ -27,6 +27,7 @@ from tests.support.dsconv import tag_dir
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow  # a 3-rank FSDP2 job and the 4-rank DeepSpeed job of tests/e2e/plan.py
 def test_deepspeed_to_dcp_loads_in_fsdp2_at_world_size_3(e2e, tmp_path: Path) -> None:
     out = convert(tag_dir("llama_zero1_dp2"), tmp_path / "dcp", fmt="dcp").out_dir
     rep = run_fsdp_job("load", 3, out, steps=2, batch_dp=3)

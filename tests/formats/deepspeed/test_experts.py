@@ -172,8 +172,9 @@ def test_ep_on_a_checkpoint_without_experts_is_refused(tmp_path):
 
 
 @pytest.mark.e2e
-def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(tmp_path):
-    """One real job per world size: DeepSpeed resumes ds_to_universal's output at the target EP and
+@pytest.mark.parametrize("world,ep", [(1, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(world, ep, tmp_path):
+    """One real job at ``world`` ranks: DeepSpeed resumes ds_to_universal's output at the target EP and
     saves it natively, then resumes reshard's output; files, losses and layout-free digests agree."""
     pytest.importorskip("deepspeed")
     from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
@@ -181,22 +182,21 @@ def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(tmp_path)
     ucp = ds_to_universal(NAME, tmp_path / "ucp")
     (ucp.parent / "latest_universal").write_text(ucp.name)
     spec = model_spec_from_fixture(FIXTURES / NAME)
-    for world, ep in ((1, 1), (4, 2)):
-        spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
-        ours = reshard(FIXTURES / NAME, tmp_path / f"ours_{world}", tp=1, dp=world, ep=ep).out_dir
-        native = tmp_path / f"native_{world}"
-        loads = [resume_load("deepspeed", ucp.parent, model_spec=spec, tp=1, dp=world, universal=True,
-                             save_dir=native),
-                 resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=world, universal=False)]
-        reports = resume_many(loads, world_size=world, workdir=tmp_path / f"job_{world}")
-        theirs, mine = reports["deepspeed"], reports["reshard"]
-        _diff_files(ours, native / ours.name)
-        assert mine["global_steps_after_load"] == theirs["global_steps_after_load"] == 3
-        assert mine["optimizer_step_after_load"] == theirs["optimizer_step_after_load"] == [3.0]
-        assert mine["ranks_agree"] and theirs["ranks_agree"]
-        assert mine["layouts"][EXPERTS[0]] == "autoep"
-        assert mine["digests"] == theirs["digests"], f"EP {ep} x world {world}"
-        assert mine["losses"] == theirs["losses"], f"EP {ep} x world {world}"
+    spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
+    ours = reshard(FIXTURES / NAME, tmp_path / f"ours_{world}", tp=1, dp=world, ep=ep).out_dir
+    native = tmp_path / f"native_{world}"
+    loads = [resume_load("deepspeed", ucp.parent, model_spec=spec, tp=1, dp=world, universal=True,
+                         save_dir=native),
+             resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=world, universal=False)]
+    reports = resume_many(loads, world_size=world, workdir=tmp_path / f"job_{world}")
+    theirs, mine = reports["deepspeed"], reports["reshard"]
+    _diff_files(ours, native / ours.name)
+    assert mine["global_steps_after_load"] == theirs["global_steps_after_load"] == 3
+    assert mine["optimizer_step_after_load"] == theirs["optimizer_step_after_load"] == [3.0]
+    assert mine["ranks_agree"] and theirs["ranks_agree"]
+    assert mine["layouts"][EXPERTS[0]] == "autoep"
+    assert mine["digests"] == theirs["digests"], f"EP {ep} x world {world}"
+    assert mine["losses"] == theirs["losses"], f"EP {ep} x world {world}"
 
 
 def test_reshard_refuses_a_missing_expert_file_and_leaves_nothing(tmp_path: Path):

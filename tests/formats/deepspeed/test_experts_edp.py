@@ -250,7 +250,7 @@ def test_inspect_summarises_the_expert_groups(capsys):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("world,ep", [(2, 2), (1, 1)])  # (4, 1) passes too, but takes 45-85 s more
+@pytest.mark.parametrize("world,ep", [(2, 2), pytest.param(1, 1, marks=pytest.mark.slow)])  # (4, 1) passes too, but takes 45-85 s more
 def test_deepspeed_resumes_the_resharded_edp_source_as_its_own_checkpoint(world, ep, ucp, tmp_path):
     """One real job per target: DeepSpeed resumes ds_to_universal's output of the EDP=2 source at
     EP ``ep`` x world ``world`` and saves it natively, then resumes reshard's output there; files

@@ -201,6 +201,7 @@ LOSS_RTOL = 1e-6  # see the e2e test's docstring
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # test_moe_reshard resumes the fp32 MoE source in make test
 def test_deepspeed_resumes_the_resharded_bf16_moe_natively(tmp_path):
     """``moe_ep2_bf16_zero2`` resharded to EP 1 x DP 2 (EDP 2): DeepSpeed resumes it with its
     ordinary ``load_checkpoint`` (bf16, ZeRO-2) in one world-2 job beside the reference, its native

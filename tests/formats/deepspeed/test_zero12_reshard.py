@@ -541,7 +541,8 @@ def test_streamed_files_are_byte_identical_to_saving_the_built_tensors(source, k
 
 from tests.e2e.plan import PIPE_TARGETS, RESHARD_TARGETS  # noqa: E402
 
-E2E = RESHARD_TARGETS  # (source, tp, dp)
+# (source, tp, dp); the 4-rank job is in the slow tier (``make test-all``): 4 ranks on 2 cores
+E2E = [pytest.param(*t, marks=[pytest.mark.slow] if t[1] * t[2] > 3 else []) for t in RESHARD_TARGETS]
 STEPS = 2
 
 
@@ -555,7 +556,7 @@ def _sane(report: dict, tp: int, dp: int, universal: bool) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("source,tp,dp", E2E, ids=[f"{s}-to-tp{t}dp{d}" for s, t, d in E2E])
+@pytest.mark.parametrize("source,tp,dp", E2E, ids=[f"{s}-to-tp{t}dp{d}" for s, t, d in RESHARD_TARGETS])
 def test_deepspeed_loads_it_natively_and_trains_as_from_universal(source, tp, dp, e2e):
     """reshard.jobs.offline of ``source`` to TP=tp x DP=dp, loaded with DeepSpeed's ordinary
     load_checkpoint, against ds_to_universal of ``source`` loaded with load_universal there."""

@@ -444,7 +444,7 @@ def test_streamed_flat_group_is_what_torch_saves(tmp_path):
 
 # -- end to end: DeepSpeed loads it natively ------------------------------------------------------
 
-from tests.e2e.plan import ZERO3_STAGE_TARGETS, ZERO3_TARGETS, zero_target  # noqa: E402
+from tests.e2e.plan import ZERO3_STAGE_QUICK, ZERO3_STAGE_TARGETS, ZERO3_TARGETS, zero_target  # noqa: E402
 
 STEPS = 2
 
@@ -505,7 +505,9 @@ def test_deepspeed_loads_it_natively_and_trains_as_from_its_own_save(source, tp,
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("source,tp,dp,stage", ZERO3_STAGE_TARGETS,
+@pytest.mark.parametrize("source,tp,dp,stage",
+                         [pytest.param(*t, marks=[] if t in ZERO3_STAGE_QUICK else [pytest.mark.slow])
+                          for t in ZERO3_STAGE_TARGETS],
                          ids=[f"{s}-to-dp{d}-zero{z}" for s, _, d, z in ZERO3_STAGE_TARGETS])
 def test_bf16_and_other_stages_load_natively_as_deepspeeds_own_save(source, tp, dp, stage, e2e):
     """bf16 ZeRO-3 at other DP sizes, ZeRO-3 -> ZeRO-1/2 and ZeRO-1/2 -> ZeRO-3: as above. Across
