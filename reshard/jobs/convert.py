@@ -12,14 +12,31 @@ from typing import Any
 import torch
 
 from ..errors import ReshardError
+from ..formats.contract import Reader
 from ..formats.registry import make_writer, open_reader
+from ..storage import verified
 from .cluster import Cluster
 from .engine import Policy, run
 from .reports import Report
 
-__all__ = ["CONVERT_FORMATS", "convert", "reshard"]
+__all__ = ["CONVERT_FORMATS", "VERIFY", "convert", "reshard"]
 
 CONVERT_FORMATS = ("ucp", "safetensors", "hf", "dcp")
+VERIFY = ("records", "deep")  # --verify: every record read checked (the default); and module weights vs masters
+
+
+def _open(ckpt_dir: str | Path, verify: str) -> tuple[Reader, list[str]]:
+    """The source, opened and checked (``--verify deep``: also its module weights against its
+    masters, ``jobs.deep_check``), and what the report says of the checks."""
+    if verify not in VERIFY:
+        raise ReshardError(f"verify (--verify) must be one of {', '.join(VERIFY)}, got {verify!r}")
+    reader = open_reader(ckpt_dir)
+    notes = []
+    if verify == "deep":
+        from .deep_check import deep_check
+
+        notes.append(str(deep_check(reader)))
+    return reader, notes
 
 
 def convert(
@@ -39,6 +56,8 @@ def convert(
     dtype: torch.dtype | None = None,
     hf_config: str | Path | None = None,
     early_copies: Any = None,
+    verify_source: bool = True,
+    verify: str = "records",
 ) -> Report:
     """Convert the checkpoint at ``ckpt_dir`` (DeepSpeed, universal, DCP or safetensors) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``),
@@ -54,15 +73,32 @@ def convert(
     staging folder (``jobs.early_copies``, started by the command line before torch loads). They
     serve one process converting a DeepSpeed checkpoint to ``"ucp"``, from ``ckpt_dir`` to
     ``out_dir``; for any other conversion they are abandoned first. The caller abandons them if
-    this raises."""
+    this raises.
+
+    ``verify_source`` (``--no-verify-source`` turns it off): every byte read from a ``torch.save``
+    record, and every file copied verbatim, is checked against its CRC-32 (``storage.verified``);
+    the manifest records whether (``source_verified``). ``verify="deep"`` (``--verify deep``) also
+    compares module weights with the masters they were cast from (``jobs.deep_check``)."""
     if fmt not in CONVERT_FORMATS:
         raise ReshardError(f"format (--format) must be one of {', '.join(CONVERT_FORMATS)}, got {fmt!r}")
     Policy.parse(on_replica_mismatch)
-    reader = open_reader(ckpt_dir)
+    with verified.verifying(verify_source):
+        reader, notes = _open(ckpt_dir, verify)
+        return _convert(reader, out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
+                        overwrite=overwrite, max_file_bytes=max_file_bytes, progress=progress, checksum=checksum,
+                        cluster=cluster, rename=rename, with_optimizer=with_optimizer, dtype=dtype,
+                        hf_config=hf_config, early_copies=early_copies, notes=notes)
+
+
+def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_replica_mismatch: str,
+             overwrite: bool, max_file_bytes: int, progress: Any, checksum: str, cluster: Cluster | None,
+             rename: Sequence[str], with_optimizer: bool, dtype: torch.dtype | None, hf_config: str | Path | None,
+             early_copies: Any, notes: list[str]) -> Report:
     cluster = cluster or Cluster.from_env()
     early = early_copies
     if early is not None and (reader.format != "deepspeed" or fmt != "ucp" or cluster.world > 1
-                              or early.tag_dir != reader.ck.tag_dir or early.staging.out_dir != Path(out_dir)):
+                              or early.tag_dir != reader.ck.tag_dir or early.staging.out_dir != Path(out_dir)
+                              or early.staging.verify_source != verified.enabled()):
         early.abandon()  # of another route, source, output or process count: as without them
         early = None
     options: dict[str, Any] = {"ucp": {"early": early},
@@ -79,7 +115,7 @@ def convert(
     writer = make_writer(fmt, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
-               staging=early.staging if early is not None else None)
+               staging=early.staging if early is not None else None, notes=notes)
 
 
 def reshard(
@@ -101,6 +137,8 @@ def reshard(
     checksum: str = "crc32",
     cluster: Cluster | None = None,
     on_replica_mismatch: str = "error",
+    verify_source: bool = True,
+    verify: str = "records",
 ) -> Report:
     """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``: a
     DeepSpeed checkpoint (``to="deepspeed"``, the default) at TP=``tp`` x DP=``dp`` (x PP=``pp``)
@@ -109,8 +147,20 @@ def reshard(
     ``files`` loading ranks (``to="dcp"``, the default with ``files``). A TP degree the source
     does not record takes its layout from ``layout`` (a DeepSpeed checkpoint at that degree, a map
     document, or ``"geometry"``). Where the target merges copies of a replicated block (another TP
-    degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep."""
-    reader = open_reader(ckpt_dir)
+    degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep.
+    ``verify_source`` and ``verify`` as for :func:`convert`."""
+    with verified.verifying(verify_source):
+        reader, notes = _open(ckpt_dir, verify)
+        return _reshard(reader, ckpt_dir, out_dir, to=to, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, ep=ep,
+                        files=files, layout=layout, dtype=dtype, workers=workers, overwrite=overwrite,
+                        progress=progress, checksum=checksum, cluster=cluster,
+                        on_replica_mismatch=on_replica_mismatch, notes=notes)
+
+
+def _reshard(reader: Reader, ckpt_dir: str | Path, out_dir: str | Path, *, to: str | None, tp: int | None,
+             dp: int | None, pp: int | None, zero_stage: int | None, ep: int | None, files: int | None, layout: Any,
+             dtype: torch.dtype | None, workers: int, overwrite: bool, progress: Any, checksum: str,
+             cluster: Cluster | None, on_replica_mismatch: str, notes: list[str]) -> Report:
     to = to or ("dcp" if files is not None else "deepspeed")
     if to == "dcp":
         if files is None:
@@ -128,4 +178,4 @@ def reshard(
     writer = make_writer(to, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
-               extra_sources=getattr(writer, "extra_sources", ()))
+               extra_sources=getattr(writer, "extra_sources", ()), notes=notes)
