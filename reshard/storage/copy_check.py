@@ -36,8 +36,8 @@ def digest(fd: int, size: int, hasher: Any, src: Path, *, verify: bool = True) -
     """The checksum (``hasher``: a ``Crc32`` or a ``hashlib`` object) of the file open as ``fd``,
     of ``size`` bytes, and with ``verify`` the file checked on the way (module doc)."""
     if not size:
-        if verify and _claims_archive(src.name):
-            raise CheckpointError(f"{src}: empty (0 bytes), not a torch.save archive")
+        if verify and (_claims_archive(src.name) or src.name.endswith(".json")):
+            raise CheckpointError(f"{src}: empty (0 bytes), not {'JSON' if src.name.endswith('.json') else 'a torch.save archive'}")
         return hasher.hexdigest()
     with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
         if hasattr(m, "madvise"):

@@ -108,6 +108,7 @@ class Staging:
             raise CheckpointError(f"{self.final}: already exists (pass --overwrite, or overwrite=True from Python, "
                                   "to replace it)")
         try:
+            self.made_out_dir = not self.out_dir.exists()  # abandon() removes it again, if left empty
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if self.tmp.exists():  # left by a run that was killed
                 shutil.rmtree(self.tmp)
@@ -188,8 +189,15 @@ class Staging:
         start_writeback(self.tmp / rel)
         self.record(rel, size, digest)
 
+    made_out_dir = False
+
     def abandon(self) -> None:
+        """Remove the staging folder, and the output folder this job made for it if nothing else
+        is in it: a failed job leaves nothing behind."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.made_out_dir:
+            with contextlib.suppress(OSError):  # not empty: someone else's files
+                self.out_dir.rmdir()
 
     def commit(self, meta: dict[str, Any], latest_name: str | None) -> Path:
         """Checksum, make durable, rename into place. Every file is fsynced before the rename, so

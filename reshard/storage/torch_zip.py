@@ -335,9 +335,7 @@ class TorchZipWriter:
         return slot
 
     def write(self, data: Any, source: torch.Tensor | None = None) -> None:
-        """Append bytes (a buffer or a contiguous CPU tensor) to the current storage. ``source``:
-        the tensor a buffer is the bytes of, when they may be a mapped source's (their CRC then
-        also serves the source's check, ``storage.verified``)."""
+        """Append bytes (a buffer or a contiguous CPU tensor; ``source``: the tensor a buffer views)."""
         self._check("storage")
         view = _byte_view(data)
         slot = self._current
@@ -493,8 +491,7 @@ def _archive_name(path: str) -> str:
 
 
 def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: list[torch.Tensor]) -> None:
-    if slot.memory is not None:  # already in memory: one write, as torch does
-        # read-only, as torch's: a sink may defer its CRC to the descriptor
+    if slot.memory is not None:  # already in memory: one write, read-only as torch's (a sink may defer its CRC)
         w.write(_byte_view(slot.memory).toreadonly(), slot.memory)
         return
     storage = slot.storage

@@ -34,7 +34,8 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 def trainer_folder(reader: Any) -> Path | None:
     """The Trainer checkpoint folder (it holds ``trainer_state.json``) the source was read from."""
     for src in reader.sources:
-        if (Path(src) / "trainer_state.json").is_file():
+        state = Path(src) / "trainer_state.json"
+        if state.exists() or state.is_symlink():  # not a regular file: its copy refuses it, never dropped
             return Path(src)
     return None
 
@@ -70,7 +71,8 @@ class TrainerWriter:
         old = sorted((int(m[1] or 0), f) for f in folder.iterdir() if (m := RNG_RE.match(f.name)))
         self.rng = [] if not old else [(("rng_state.pth" if self.world == 1 else f"rng_state_{r}.pth"),
                                         old[r % len(old)][1]) for r in range(self.world)]
-        self.carried = [f for f in (*STATE_FILES, *CARRIED) if (folder / f).is_file()]
+        # a name that is there but no regular file is carried too: its copy refuses it (never a silent omission)
+        self.carried = [f for f in (*STATE_FILES, *CARRIED) if (folder / f).exists() or (folder / f).is_symlink()]
 
     def tp_index(self, rank: int) -> int:
         return self.inner.tp_index(rank)

@@ -1,0 +1,43 @@
+"""``python -m tests.fuzz [--seed S] [--budget N] [--work DIR]``: the large fuzz run (``make fuzz``),
+printing the classification table; exits 1 if any run failed (silent wrong output, traceback,
+hang, partial folder left, pickle ran, a refusal naming no file)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.fuzz.harness import FAILURES, generate, run_cases, sources, table
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.fuzz")
+    p.add_argument("--seed", type=int, default=20261201)
+    p.add_argument("--budget", type=int, default=520, help="damaged checkpoints (default 520)")
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="reshard-fuzz-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        cases = generate(args.seed, args.budget, sources(work))
+        done = [0]
+
+        def progress(o) -> None:
+            done[0] += 1
+            if o.cls in FAILURES:
+                print(f"  [{o.cls}] case {o.case.index} {o.case.source.name}: {o.detail[:300]}", flush=True)
+            elif done[0] % 200 == 0:
+                print(f"  {done[0]} runs, {time.perf_counter() - t:.0f} s", flush=True)
+
+        outcomes = run_cases(cases, work, progress)
+        print(f"seed {args.seed}, budget {args.budget}, {time.perf_counter() - t:.0f} s")
+        print(table(outcomes))
+    return 1 if any(o.cls in FAILURES for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
