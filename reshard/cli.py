@@ -236,7 +236,7 @@ def _cmd_convert(args) -> int:
                              on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
                              checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
                              rename=args.rename, with_optimizer=args.with_optimizer, dtype=_dtype(args),
-                             hf_config=args.hf_config, early_copies=early)
+                             hf_config=args.hf_config, early_copies=early, names=args.names)
     except BaseException:
         if early is not None:
             early.abandon()
@@ -252,7 +252,7 @@ def _cmd_reshard(args) -> int:
         report = reshard(args.ckpt_dir, args.out_dir, to=args.to, tp=args.tp, dp=args.dp, pp=args.pp,
                          zero_stage=args.zero_stage, ep=args.ep, files=args.files, layout=args.layout,
                          dtype=_dtype(args), workers=args.workers, overwrite=args.overwrite, checksum=args.checksum,
-                         cluster=cluster, on_replica_mismatch=args.on_replica_mismatch)
+                         cluster=cluster, on_replica_mismatch=args.on_replica_mismatch, optimizer=args.optimizer)
     _report(report)
     return 0
 
@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--hf-config", default=None, metavar="DIR",
                     help="--format hf: the folder of the model's config.json (and tokenizer files), where the "
                     "checkpoint has none beside it")
+    cv.add_argument("--names", choices=("megatron", "hf"), default=None,
+                    help="a Megatron source: its own keys or Hugging Face names (default: hf for safetensors and "
+                    "hf, megatron otherwise)")
     _output(cv)
     cv.set_defaults(fn=_cmd_convert, imports=("reshard.jobs.convert",), early_copies=None)
 
@@ -371,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the source's)")
     rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
                     help="target TP layout when TP changes to a degree other than 1")
-    rs.add_argument("--to", choices=("deepspeed", "dcp"), default=None,
+    rs.add_argument("--optimizer", choices=("none", "adam", "dp_reshardable", "fully_reshardable"), default=None,
+                    help="a Megatron target: its optimizer state's layout (default: the source's; an HF source: none)")
+    rs.add_argument("--to", choices=("deepspeed", "dcp", "megatron"), default=None,
                     help="target format (default: dcp with --files, else deepspeed)")
     rs.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="DeepSpeed target from a non-DeepSpeed source: the training dtype (default: the source's)")

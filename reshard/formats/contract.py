@@ -19,7 +19,7 @@ fresh optimizer holds.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,7 +27,8 @@ import torch
 
 from ..ir.param_map import ParamMap
 
-__all__ = ["BEST", "MODULE", "MOMENTS", "SCALE_POWER", "STATES", "Buffer", "Reader", "Slot", "Writer"]
+__all__ = ["BEST", "MODULE", "MOMENTS", "OPTIMIZER", "SCALE_POWER", "STATES", "Buffer", "Reader", "Slot", "Target",
+           "Writer"]
 
 STATES = ("weight", "fp32", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -97,18 +98,16 @@ class Writer(Protocol):
     before any output folder exists."""
 
     format: str
-    tag: str
+    tag: str | None  # the folder the target is committed as, in the output folder
     latest: str | None  # the pointer file a commit writes beside the tag folder
     keeps_replicas: bool  # each target rank keeps its own copy of a replicated block (same TP)
 
     def targets(self) -> list[Target]: ...
-    def jobs(self, engine: Any) -> list: ...  # reshard.jobs.cluster.OutputJob
+    def jobs(self, engine: Any, staging: Any) -> list: ...  # (bytes, job) or storage.staging.ArchiveJob
     def meta(self) -> dict[str, Any]: ...  # what the manifest records of the target
-    def notes(self) -> list[str]: ...
+    def notes(self) -> list[str]: ...  # the report's words on what the target holds
 
+    # optional: ``finish(staging, gather, rank)``, run once every process wrote its files (DCP's
+    # .metadata); ``tp_index(rank)``, the TP rank of a target rank, where ``keeps_replicas``; a
+    # ``tag`` of ``None`` writes the output folder itself (a model folder, a Trainer checkpoint)
 
-@dataclass
-class Filled:
-    """What the engine reports of the buffers it filled: elements read per buffer key."""
-
-    reads: dict[str, int] = field(default_factory=dict)

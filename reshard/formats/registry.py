@@ -13,7 +13,7 @@ from .contract import Reader
 __all__ = ["FORMATS", "make_writer", "open_reader", "source_format"]
 
 # target formats: their names on the command line
-FORMATS = ("ucp", "safetensors", "hf", "dcp", "deepspeed")
+FORMATS = ("ucp", "safetensors", "hf", "dcp", "deepspeed", "megatron")
 
 
 def source_format(path: Path) -> str | None:
@@ -21,9 +21,12 @@ def source_format(path: Path) -> str | None:
     from .dcp.checkpoint import METADATA
     from .deepspeed.files import is_deepspeed
     from .hf.accelerate import accelerate_folders
+    from .megatron.files import is_megatron
     from .safetensors.reader import is_safetensors
     from .universal.reader import universal_dir
 
+    if is_megatron(path):  # before DCP: a torch_dist iteration folder holds a .metadata too
+        return "megatron"
     if accelerate_folders(path) is not None:
         return "accelerate"
     if path.is_dir() and (path / METADATA).is_file():
@@ -37,17 +40,30 @@ def source_format(path: Path) -> str | None:
     return None
 
 
-def open_reader(path: str | Path) -> Reader:
+# the parameter names a Megatron source is read under, by target format: Hugging Face names for
+# safetensors (an HF export), Megatron's own keys for every other target
+MEGATRON_NAMES = {"safetensors": "hf", "hf": "hf"}
+
+
+def open_reader(path: str | Path, *, route: str | None = None, names: str | None = None) -> Reader:
     """The checkpoint at ``path`` (any format reshard reads), opened and checked: everything
-    that can refuse it is refused here, before any output folder exists."""
+    that can refuse it is refused here, before any output folder exists. ``route`` (the target
+    format) picks the names a Megatron source is read under (``MEGATRON_NAMES``) unless ``names``
+    (``"megatron"`` or ``"hf"``) says."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
     kind = source_format(p)
-    if kind == "accelerate":
+    if names is not None and kind != "megatron":
+        raise ReshardError(f"{p}: --names chooses the names of a Megatron source; this is {kind or 'no known'} format")
+    if kind == "megatron":
+        from .megatron.reader import MegatronReader
+
+        reader: Any = MegatronReader.open(p, names=names or MEGATRON_NAMES.get(route or "", "megatron"))
+    elif kind == "accelerate":
         from .hf.accelerate import open_accelerate
 
-        reader: Any = open_accelerate(p)
+        reader = open_accelerate(p)
     elif kind == "dcp":
         from .dcp.reader import DcpReader
 
@@ -69,7 +85,8 @@ def open_reader(path: str | Path) -> Reader:
 
         refuse_output_dir(p)
         raise CheckpointError(f"{p}: not a DeepSpeed checkpoint (no 'latest', no *model_states.pt), nor a PyTorch "
-                              "DCP one (.metadata), a universal one (zero/) or Hugging Face safetensors "
+                              "DCP one (.metadata), a universal one (zero/), a Megatron one "
+                              "(latest_checkpointed_iteration.txt, iter_*) or Hugging Face safetensors "
                               "(model.safetensors, model.safetensors.index.json)")
     reader.check()
     return reader
@@ -101,12 +118,17 @@ def make_writer(fmt: str, reader: Reader, **options: Any) -> Any:
         writer = DeepSpeedWriter(reader, **_only(options, fmt, "tp", "dp", "pp", "zero_stage", "ep", "layout", "dtype"))
         folder = trainer_folder(reader) if reader.format == "deepspeed" else None
         return writer if folder is None else TrainerWriter(writer, folder)  # a Trainer checkpoint at the target
+    if fmt == "megatron":
+        from .megatron.writer import MegatronWriter
+
+        return MegatronWriter(reader, **_only(options, fmt, "tp", "pp", "dp", "ep", "optimizer", "dtype"))
     raise ReshardError(f"unknown target format {fmt!r}; reshard writes {', '.join(FORMATS)}")
 
 
 _FLAGS = {"early": "", "max_file_bytes": "--max-file-gb", "dtype": "--dtype", "with_optimizer": "--with-optimizer",
           "files": "--files", "rename": "--rename", "tp": "--tp", "dp": "--dp", "pp": "--pp",
-          "zero_stage": "--zero-stage", "ep": "--ep", "layout": "--layout", "hf_config": "--hf-config"}
+          "zero_stage": "--zero-stage", "ep": "--ep", "layout": "--layout", "hf_config": "--hf-config",
+          "optimizer": "--optimizer"}
 
 
 def _only(options: dict[str, Any], fmt: str, *allowed: str) -> dict[str, Any]:

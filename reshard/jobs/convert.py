@@ -25,12 +25,12 @@ CONVERT_FORMATS = ("ucp", "safetensors", "hf", "dcp")
 VERIFY = ("records", "deep")  # --verify: every record read checked (the default); and module weights vs masters
 
 
-def _open(ckpt_dir: str | Path, verify: str) -> tuple[Reader, list[str]]:
+def _open(ckpt_dir: str | Path, verify: str, **how: Any) -> tuple[Reader, list[str]]:
     """The source, opened and checked (``--verify deep``: also its module weights against its
     masters, ``jobs.deep_check``), and what the report says of the checks."""
     if verify not in VERIFY:
         raise ReshardError(f"verify (--verify) must be one of {', '.join(VERIFY)}, got {verify!r}")
-    reader = open_reader(ckpt_dir)
+    reader = open_reader(ckpt_dir, **how)
     notes = []
     if verify == "deep":
         from .deep_check import deep_check
@@ -56,6 +56,7 @@ def convert(
     dtype: torch.dtype | None = None,
     hf_config: str | Path | None = None,
     early_copies: Any = None,
+    names: str | None = None,
     verify_source: bool = True,
     verify: str = "records",
 ) -> Report:
@@ -75,6 +76,9 @@ def convert(
     ``out_dir``; for any other conversion they are abandoned first. The caller abandons them if
     this raises.
 
+    ``names``: the parameter names a Megatron source is read under (``"megatron"`` or ``"hf"``;
+    default: HF names for safetensors, Megatron's keys for the other formats).
+
     ``verify_source`` (``--no-verify-source`` turns it off): every byte read from a ``torch.save``
     record, and every file copied verbatim, is checked against its CRC-32 (``storage.verified``);
     the manifest records whether (``source_verified``). ``verify="deep"`` (``--verify deep``) also
@@ -83,7 +87,7 @@ def convert(
         raise ReshardError(f"format (--format) must be one of {', '.join(CONVERT_FORMATS)}, got {fmt!r}")
     Policy.parse(on_replica_mismatch)
     with verified.verifying(verify_source):
-        reader, notes = _open(ckpt_dir, verify)
+        reader, notes = _open(ckpt_dir, verify, route=fmt, names=names)
         return _convert(reader, out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
                         overwrite=overwrite, max_file_bytes=max_file_bytes, progress=progress, checksum=checksum,
                         cluster=cluster, rename=rename, with_optimizer=with_optimizer, dtype=dtype,
@@ -137,6 +141,7 @@ def reshard(
     checksum: str = "crc32",
     cluster: Cluster | None = None,
     on_replica_mismatch: str = "error",
+    optimizer: str | None = None,
     verify_source: bool = True,
     verify: str = "records",
 ) -> Report:
@@ -147,20 +152,23 @@ def reshard(
     ``files`` loading ranks (``to="dcp"``, the default with ``files``). A TP degree the source
     does not record takes its layout from ``layout`` (a DeepSpeed checkpoint at that degree, a map
     document, or ``"geometry"``). Where the target merges copies of a replicated block (another TP
-    degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep.
-    ``verify_source`` and ``verify`` as for :func:`convert`."""
+    degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep. Or a
+    Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP), from a
+    Megatron source or an HF one, its optimizer state laid out as ``optimizer`` says
+    (``formats.megatron.writer``). ``verify_source`` and ``verify`` as for :func:`convert`."""
     with verified.verifying(verify_source):
-        reader, notes = _open(ckpt_dir, verify)
+        reader, notes = _open(ckpt_dir, verify, route=to)
         return _reshard(reader, ckpt_dir, out_dir, to=to, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, ep=ep,
                         files=files, layout=layout, dtype=dtype, workers=workers, overwrite=overwrite,
                         progress=progress, checksum=checksum, cluster=cluster,
-                        on_replica_mismatch=on_replica_mismatch, notes=notes)
+                        on_replica_mismatch=on_replica_mismatch, optimizer=optimizer, notes=notes)
 
 
 def _reshard(reader: Reader, ckpt_dir: str | Path, out_dir: str | Path, *, to: str | None, tp: int | None,
              dp: int | None, pp: int | None, zero_stage: int | None, ep: int | None, files: int | None, layout: Any,
              dtype: torch.dtype | None, workers: int, overwrite: bool, progress: Any, checksum: str,
-             cluster: Cluster | None, on_replica_mismatch: str, notes: list[str]) -> Report:
+             cluster: Cluster | None, on_replica_mismatch: str, optimizer: str | None,
+             notes: list[str]) -> Report:
     to = to or ("dcp" if files is not None else "deepspeed")
     if to == "dcp":
         if files is None:
@@ -172,9 +180,12 @@ def _reshard(reader: Reader, ckpt_dir: str | Path, out_dir: str | Path, *, to: s
             tp = reader.topology.get("tp", 1) if reader.format == "deepspeed" and ep is None else 1
         options = {"files": files, "tp": tp, "dp": dp, "pp": pp if pp is not None else 1, "zero_stage": zero_stage,
                    "ep": ep, "layout": layout, "dtype": dtype}
+    elif to == "megatron":
+        options = {"files": files, "zero_stage": zero_stage, "layout": layout, "tp": tp, "dp": dp, "pp": pp, "ep": ep,
+                   "optimizer": optimizer, "dtype": dtype}
     else:
-        raise ReshardError(f"reshard writes 'deepspeed' (--tp/--dp/--pp/--zero-stage/--ep) or 'dcp' (--files), "
-                           f"not {to!r}; other formats have no topology: use convert")
+        raise ReshardError(f"reshard writes 'deepspeed' (--tp/--dp/--pp/--zero-stage/--ep), 'dcp' (--files) or "
+                           f"'megatron' (--tp/--pp/--dp), not {to!r}; other formats have no topology: use convert")
     writer = make_writer(to, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,

@@ -70,7 +70,6 @@ class Policy:
 @dataclass(frozen=True, slots=True)
 class _Planned:
     state: str  # the source state the slot is made from
-    source: ParamMap
     by_rank: dict[int, list[Segment]]
 
 
@@ -78,10 +77,12 @@ class Engine:
     """Plans and fills for one job. Plans are made once per (parameter, wanted states, target
     map), before staging (:meth:`plan_all`); buffers are filled from them by any worker."""
 
-    def __init__(self, reader: Reader, *, keeps_replicas: bool, policy: Policy | None = None) -> None:
+    def __init__(self, reader: Reader, *, keeps_replicas: bool, policy: Policy | None = None,
+                 target_tp: Callable[[int], int] | None = None) -> None:
         self.reader = reader
         self.policy = policy or Policy.parse("error")
         self.keeps_replicas = keeps_replicas
+        self.target_tp = target_tp or (lambda rank: 0)  # the TP rank a target rank is (writers that keep TP)
         self._planner = Planner()
         self._plans: dict[tuple[str, tuple[str, ...], int], _Planned | None] = {}
         self._overrides: dict[tuple[str, str], tuple[ParamMap, torch.Tensor]] = {}
@@ -108,8 +109,6 @@ class Engine:
             return DefaultCost(prefer=lambda holder, dst: tp_of(holder) == self.target_tp(dst), local=False)
         return DefaultCost(local=False)
 
-    target_tp: Callable[[int], int | None] = staticmethod(lambda rank: None)  # set by writers that keep replicas
-
     def plan_all(self, targets: Iterable[Target]) -> None:
         for t in targets:
             self._plan(t.name, tuple(t.want), t.map)
@@ -134,7 +133,7 @@ class Engine:
             by_rank: dict[int, list[Segment]] = defaultdict(list)
             for s in p.segments:
                 by_rank[s.dst_rank].append(s)
-            planned = _Planned(state, source, dict(by_rank))
+            planned = _Planned(state, dict(by_rank))
             with self._lock:
                 self.segments += len(p.segments)
         with self._lock:
@@ -255,8 +254,8 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
     ``notes``: what the report says beside the writer's (the checks the command ran)."""
     policy = Policy.parse(on_replica_mismatch)
     verified.forget_pending()  # what an earlier job left unchecked is not this one's
-    engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy)
-    engine.target_tp = getattr(writer, "tp_index", engine.target_tp)
+    engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy,
+                    target_tp=getattr(writer, "tp_index", None))
     targets = writer.targets()
     drift = engine.check_replicas(targets)
     if drift and policy.kind == "error":

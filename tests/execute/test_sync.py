@@ -20,7 +20,7 @@ from reshard import layouts as L
 from reshard.execute.sync_program import simulate
 from reshard.layouts.inference import Placed, engine_shapes, placed
 from reshard.plan.planner import plan_model
-from tests.execute import sync_job as J
+from tests.support import sync_job as J
 
 JOB_TIMEOUT_S = 240  # the whole job; about 40 s here
 

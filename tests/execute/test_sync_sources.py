@@ -17,9 +17,10 @@ from reshard.execute.sources import dtensor_map, reader_sources, zero3_shard, ze
 from reshard.execute.sync_program import simulate
 from reshard.layouts.arch import LLAMA_VLLM, inference_targets
 from reshard.layouts.inference import engine_shapes
-from tests.execute.vllm_ref import engine_slices
+from tests.support.paths import REPO
+from tests.support.vllm_ref import engine_slices
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = REPO / "tests" / "fixtures"
 
 
 def _local(full: torch.Tensor, dims: list[int], placements, coord) -> torch.Tensor:

@@ -112,3 +112,17 @@ def full_state(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
     """The logical tensor of one state, rebuilt from every EP (or TP) rank's shard."""
     m = ck.tp_map(name).map
     return m.rebuild({r: ck.tp_shard(name, r, state, m.shards[r].shape) for r in m.ranks})
+
+
+def skeleton(obj):
+    """``obj`` with tensors as (dtype, shape), without the step counters and the Adam state (a fresh
+    engine has taken no step, so its ``base_optimizer_state.state`` is empty): the file's layout."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", str(obj.dtype), tuple(obj.shape))
+    if isinstance(obj, dict):
+        return [(k, skeleton(v)) for k, v in obj.items() if k not in ("global_steps", "global_samples", "state")]
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [skeleton(v) for v in obj])
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return (type(obj).__name__, skeleton(vars(obj)))
+    return obj

@@ -152,10 +152,13 @@ def fresh(reader: Any, *, stage: int, dtype: torch.dtype, step: float, order: Se
     (``order``: the model's), after ``step`` optimizer steps."""
     names = list(order)
     group_names, hyper = _groups(reader, names)
+    tied = dict(getattr(reader, "tied", dict)())  # aliases the module holds beside their weight
     step_t = torch.tensor(float(step))
     shapes = [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in group_names]
-    model = {"module": OrderedDict((n, torch.empty(0, dtype=dtype)) for n in names), "buffer_names": [],
-             "optimizer": None, "param_shapes": shapes, "frozen_param_shapes": None, "shared_params": {},
+    module = OrderedDict((n, torch.empty(0, dtype=dtype)) for n in names)
+    module.update((alias, module[weight]) for alias, weight in tied.items())
+    model = {"module": module, "buffer_names": [],
+             "optimizer": None, "param_shapes": shapes, "frozen_param_shapes": None, "shared_params": tied,
              "frozen_param_fragments": None, "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
              "skipped_steps": 0, "global_steps": int(step), "dp_world_size": 1,
              "mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
@@ -179,7 +182,7 @@ def fresh(reader: Any, *, stage: int, dtype: torch.dtype, step: float, order: Se
                "param_slice_mappings": []}
     optim = {"optimizer_state_dict": osd, "ds_config": {}, "ds_version": DS_VERSION}
     ids = {n: i for i, n in enumerate(names)}
-    return Templates(stage, model, optim, group_names, dtype, {}, {}, dtype == torch.bfloat16, ids, True,
+    return Templates(stage, model, optim, group_names, dtype, {}, tied, dtype == torch.bfloat16, ids, True,
                      native=False)
 
 

@@ -185,6 +185,12 @@ def model_states(source: Mapping[str, Any], *, module: Mapping[str, torch.Tensor
     dims = dict(source.get("checkpoint_parallel_dimensions") or {})
     dims.update(pp_degree=pp, tp_degree=tp)
     out["checkpoint_parallel_dimensions"] = dims
+    return with_config(out, ds_config, uc_info)
+
+
+def with_config(out: dict, ds_config: dict | None, uc_info: dict | None) -> dict:
+    """A model-states dict with the target's ``ds_config`` (where the source records one) and
+    ``universal_checkpoint_info`` (last, as DeepSpeed saves it)."""
     if "ds_config" in out:
         out["ds_config"] = ds_config
     if uc_info is not None:

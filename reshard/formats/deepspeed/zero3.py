@@ -45,6 +45,7 @@ from ...layouts.zero import zero3_partition_numel
 from ...storage.safe_load import ZeroStageEnum, load
 from ...storage.torch_zip import Storage, TensorRef
 from .checkpoint import DeepSpeedCheckpoint
+from .zero12 import with_config
 
 __all__ = ["AttrTensorRef", "SubGroup", "Zero3Source", "model_file", "model_states", "model_template_from_zero12",
            "optim_file", "optim_source_from_zero3", "optim_source_from_zero12", "optim_states", "sub_groups"]
@@ -386,11 +387,7 @@ def model_states(template: Mapping[str, Any], *, subs: Sequence[SubGroup], d: in
     if "checkpoint_parallel_dimensions" in out:
         out["checkpoint_parallel_dimensions"] = {**(out["checkpoint_parallel_dimensions"] or {}),
                                                  "pp_degree": 1, "tp_degree": tp}
-    if "ds_config" in out:
-        out["ds_config"] = ds_config
-    if uc_info is not None:
-        out["universal_checkpoint_info"] = uc_info
-    return out
+    return with_config(out, ds_config, uc_info)
 
 
 def optim_states(source: Mapping[str, Any], *, subs: Sequence[SubGroup], dp: int,

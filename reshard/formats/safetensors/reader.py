@@ -215,6 +215,14 @@ class SafetensorsReader:
         names = [n for n, _ in model.named_parameters()]
         return [n for n in names if n in self.entries] + [n for n in self.names if n not in set(names)]
 
+    def tied(self) -> dict[str, str]:
+        """Tied aliases ``save_pretrained`` left out (``tie_word_embeddings``): ``{alias: weight}``."""
+        cfg = self.config or {}
+        if cfg.get("tie_word_embeddings") and "lm_head.weight" not in self.entries \
+                and "model.embed_tokens.weight" in self.entries:
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return {}
+
     @cached_property
     def config(self) -> dict[str, Any] | None:
         """The folder's ``config.json``, where there is one."""

@@ -22,6 +22,7 @@ from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
 from tests.support.compare import same as _same
+from tests.support.compare import skeleton as _skeleton
 from tests.support.dsconv import FIXTURES, tag_dir
 
 NAME = "moe_ep2"
@@ -263,15 +264,3 @@ def test_deepspeed_resumes_the_resharded_moe_natively(tmp_path):
 STEPS_RTOL = 1e-4  # observed: <= 2e-6 (the after-step digests' weighted sums)
 
 
-def _skeleton(obj):
-    """``obj`` with tensors as (dtype, shape), without the step counters and the Adam state (a fresh
-    engine has taken no step, so its ``base_optimizer_state.state`` is empty): the file's layout."""
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", str(obj.dtype), tuple(obj.shape))
-    if isinstance(obj, dict):
-        return [(k, _skeleton(v)) for k, v in obj.items() if k not in ("global_steps", "global_samples", "state")]
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, [_skeleton(v) for v in obj])
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        return (type(obj).__name__, _skeleton(vars(obj)))
-    return obj

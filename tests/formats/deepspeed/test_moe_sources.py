@@ -217,7 +217,7 @@ def test_deepspeed_resumes_the_resharded_bf16_moe_natively(tmp_path):
     apart (observed: weighted sums of the moments up to 5% apart, signed sums that cancel)."""
     pytest.importorskip("deepspeed")
     from tests.e2e.launch import resume_moe_many
-    from tests.formats.deepspeed.test_moe_reshard import _skeleton
+    from tests.support.compare import skeleton as _skeleton
 
     name = "moe_ep2_bf16_zero2"
     fx = json.loads((FIXTURES / name / "fixture.json").read_text())

@@ -31,8 +31,8 @@ def universal(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name,world", [("trainer_llama_zero3", 1), ("trainer_llama_zero3", 4),
-                                        ("trainer_llama_zero2", 1), ("trainer_qwen2_tied_zero2", 4)])
+# ZeRO-3 down to one rank, and a tied ZeRO-2 model up to four (each pair of launches ~40-50 s here)
+@pytest.mark.parametrize("name,world", [("trainer_llama_zero3", 1), ("trainer_qwen2_tied_zero2", 4)])
 def test_a_resharded_trainer_checkpoint_resumes_as_deepspeeds_universal_route(name, world, universal, tmp_path):
     from tests.e2e.hf_launch import resume
 

@@ -122,7 +122,7 @@ def check_engine(rank: int, ranks: list[int], engine, full, group, *, previous=N
     TP forward against HF's (float64, same bf16 weights; and, for contrast, the previous step's)."""
     from transformers import LlamaForCausalLM
 
-    from tests.execute.vllm_ref import engine_slices, tp_forward
+    from tests.support.vllm_ref import engine_slices, tp_forward
 
     cfg, tp, local = config(), len(ranks), ranks.index(rank)
     want = engine_slices({n: t.to(torch.bfloat16) for n, t in full.items()}, cfg, tp, local)

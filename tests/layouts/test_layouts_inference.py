@@ -23,7 +23,7 @@ from reshard.layouts.inference import (
     vocab_parallel_padded,
 )
 from reshard.layouts.tp import split
-from tests.execute.vllm_ref import engine_slices
+from tests.support.vllm_ref import engine_slices
 
 
 def _assemble(targets, full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:

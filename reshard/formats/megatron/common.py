@@ -1,0 +1,117 @@
+"""What a ``torch_dist`` target holds besides tensors (docs/megatron-checkpoints.md §2.5, §2.7):
+``common_state`` with ``args`` updated for the target topology and optimizer layout, the
+optimizer entries of each layout, and the per-layer ``_extra_state`` placeholders.
+
+From a Megatron source its own ``common_state`` (or a legacy file's top-level entries) is the
+template: only the parallel sizes, the padded vocabulary, the optimizer layout and what depends on
+them change. From any other source the ``args`` are built from the HF config
+(``hfconfig.args_from_hf``) and the checkpoint is a ``release`` one (iteration 0; Megatron then
+loads the model only, as after Megatron-Bridge's import).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from .model import EXTRA_MODULES, Arch
+
+__all__ = ["KINDS", "args_for", "buffer_dtype", "common_state", "default_groups", "extra_state_keys"]
+
+KINDS = ("none", "adam", "dp_reshardable", "fully_reshardable")
+
+
+def buffer_dtype(args: Any) -> tuple[torch.dtype, torch.dtype]:
+    """The DDP buffer's (param dtype, grad dtype): the bucket keys' ``dtype_`` part."""
+    params = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
+        else torch.float32
+    grad = torch.float32 if (getattr(args, "accumulate_allreduce_grads_in_fp32", False) or params == torch.float32) \
+        else params
+    return params, grad
+
+
+def args_for(args: Any, arch: Arch, kind: str) -> Any:
+    """``args`` with the target's parallel sizes, padded vocabulary and optimizer layout."""
+    out = copy.copy(args)
+    world = arch.tp * arch.pp * arch.dp
+    updates = dict(tensor_model_parallel_size=arch.tp, pipeline_model_parallel_size=arch.pp,
+                   data_parallel_size=arch.dp, world_size=world, expert_model_parallel_size=arch.ep,
+                   expert_tensor_parallel_size=arch.etp, padded_vocab_size=arch.padded_vocab, ckpt_format="torch_dist",
+                   use_distributed_optimizer=kind in ("dp_reshardable", "fully_reshardable"),
+                   dist_ckpt_optim_fully_reshardable=kind == "fully_reshardable")
+    if kind == "none":
+        updates.pop("use_distributed_optimizer")
+        updates.pop("dist_ckpt_optim_fully_reshardable")
+    for k, v in updates.items():
+        setattr(out, k, v)
+    return out
+
+
+def default_groups(args: Any, expert: bool = False) -> list[dict[str, Any]]:
+    """Megatron's two parameter groups (weight decay, none) from ``args``, as a fresh run has."""
+    def group(wd_mult: float) -> dict[str, Any]:
+        lr = float(getattr(args, "lr", 1e-4) or 1e-4)
+        return {"is_expert_parallel": expert, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
+                "is_decoupled_lr": False, "max_lr": lr, "min_lr": float(getattr(args, "min_lr", 0.0) or 0.0), "lr": lr,
+                "betas": (float(getattr(args, "adam_beta1", 0.9)), float(getattr(args, "adam_beta2", 0.999))),
+                "eps": float(getattr(args, "adam_eps", 1e-8)),
+                "weight_decay": float(getattr(args, "weight_decay", 0.01)) * wd_mult, "amsgrad": False,
+                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                "decoupled_weight_decay": True}
+    return [group(1.0), group(0.0)]
+
+
+def _optimizer_entry(kind: str, groups: list[dict], step: float) -> dict[str, Any]:
+    plain = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups]
+    if kind == "adam":
+        return {"state": {"common_step": torch.tensor(float(step))}, "param_groups": plain}
+    if kind == "fully_reshardable":
+        return {"optimizer": {"param_groups": [dict(g, step=float(step)) for g in plain]},
+                "param_state_sharding_type": "fully_reshardable"}
+    return {"param_state_sharding_type": "dp_reshardable"}
+
+
+def content_metadata(kind: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    if kind in ("dp_reshardable", "fully_reshardable"):
+        meta["distrib_optim_sharding_type"] = kind
+    if kind == "fully_reshardable":
+        meta["distrib_optim_fully_reshardable_mem_efficient"] = False
+    meta.update(singleton_local_shards=False, chained_optim_avoid_prefix=True)
+    return meta
+
+
+def common_state(template: dict | None, args: Any, arch: Arch, kind: str, groups: list[list[dict]],
+                 step: float, iteration: int) -> dict[str, Any]:
+    """The target's ``common_state``: the source's (``template``) with the target's args and
+    optimizer entries, or a fresh one. ``groups``: the param groups of each optimizer (dense,
+    and experts' with experts)."""
+    out: dict[str, Any] = {}
+    keep = ("checkpoint_version", "iteration", "opt_param_scheduler", "rerun_state_machine",
+            "num_floating_point_operations_so_far")
+    for k in keep:
+        if template is not None and k in template:
+            out[k] = template[k]
+    out["args"] = args
+    out.setdefault("checkpoint_version", 3.0)
+    out["iteration"] = iteration
+    if kind != "none":
+        entries = [_optimizer_entry(kind, g, step) for g in groups]
+        out["optimizer"] = entries[0] if len(entries) == 1 else dict(enumerate(entries))
+    out.setdefault("num_floating_point_operations_so_far", 0.0)
+    out["content_metadata"] = content_metadata(kind)
+    order = ["args", "checkpoint_version", "iteration", "optimizer", "opt_param_scheduler", "rerun_state_machine",
+             "num_floating_point_operations_so_far", "content_metadata"]
+    return {k: out[k] for k in order if k in out}
+
+
+def extra_state_keys(arch: Arch) -> list[str]:
+    """The local spec's ``_extra_state`` object keys: one per layer and module (``None`` values)."""
+    mods = [m for m in EXTRA_MODULES if not (arch.experts and m.startswith("decoder.layers.mlp.linear_fc"))]
+    out = [f"{m}._extra_state/shard_{i}_{arch.layers}" for m in mods for i in range(arch.layers)]
+    if arch.experts:
+        out += [f"decoder.layers.mlp.experts.experts.{w}._extra_state/shard_{i}.{e}_{arch.layers}.{arch.experts}"
+                for w in ("linear_fc1", "linear_fc2") for i in range(arch.layers) for e in range(arch.experts)]
+    return out

@@ -1,0 +1,118 @@
+"""The two directions between Megatron's ``args`` and a transformers ``config.json`` for
+Llama / Qwen2-style GQA models (Mixtral with experts):
+
+* :func:`hf_config`: the ``config.json`` of a Hugging Face export of a Megatron model;
+* :func:`args_from_hf`: the ``argparse.Namespace`` a Megatron-LM ``load_checkpoint`` needs
+  (``--use-checkpoint-args`` takes the model shape from it) for an HF import. Model fields come
+  from the config; parallel sizes from the target; training fields are Megatron-LM's defaults,
+  which a training command line overrides (documented in docs/megatron-checkpoints.md §8).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from ...errors import ReshardError
+from .model import Arch
+
+__all__ = ["args_from_hf", "hf_config"]
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _refuse(args: Any, field: str, bad: Any, what: str) -> None:
+    value = getattr(args, field, None)
+    if bad(value):
+        raise ReshardError(f"args.{field} = {value!r}: {what} has no Llama/Qwen2 config")
+
+
+def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of the HF model Megatron's ``args`` describe (refused where no Llama,
+    Qwen2 or Mixtral model computes the same function)."""
+    _refuse(args, "swiglu", lambda v: not v, "a non-SwiGLU MLP")
+    _refuse(args, "normalization", lambda v: v != "RMSNorm", "a non-RMSNorm model")
+    _refuse(args, "position_embedding_type", lambda v: v != "rope", "a model without RoPE")
+    _refuse(args, "rotary_interleaved", bool, "interleaved RoPE")
+    _refuse(args, "rotary_percent", lambda v: v not in (None, 1.0), "partial RoPE")
+    _refuse(args, "use_rope_scaling", bool, "RoPE scaling")
+    _refuse(args, "apply_layernorm_1p", bool, "a zero-centred norm")
+    _refuse(args, "layernorm_zero_centered_gamma", bool, "a zero-centred norm")
+    eps = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", 1e-5)
+    base = {
+        "hidden_size": arch.hidden, "intermediate_size": arch.ffn, "num_hidden_layers": arch.layers,
+        "num_attention_heads": arch.heads, "num_key_value_heads": arch.groups, "head_dim": arch.head_dim,
+        "vocab_size": arch.vocab, "max_position_embeddings": int(getattr(args, "max_position_embeddings", 0) or 4096),
+        "rms_norm_eps": float(eps), "hidden_act": "silu", "tie_word_embeddings": arch.tied,
+        "rope_parameters": {"rope_theta": float(getattr(args, "rotary_base", 10000) or 10000), "rope_type": "default"},
+        "attention_dropout": 0.0, "dtype": _DTYPES.get(dtype, "float32"), "torch_dtype": _DTYPES.get(dtype, "float32"),
+        "initializer_range": float(getattr(args, "init_method_std", 0.02) or 0.02), "use_cache": True,
+    }
+    if arch.experts:
+        base.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=arch.moe_ffn,
+                    num_local_experts=arch.experts, num_experts_per_tok=int(getattr(args, "moe_router_topk", 2)))
+    elif arch.qkv_bias:
+        base.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+                    sliding_window=None, max_window_layers=arch.layers)
+    else:
+        base.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
+                    pretraining_tp=1)
+    return base
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
+        raise ReshardError(f"config.json: RoPE scaling {params or cfg.get('rope_scaling')} is not imported by reshard")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's ``_vocab_size_with_padding``."""
+    m = divisible_by * tp
+    return -(-vocab // m) * m
+
+
+def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, divisible_by: int = 128) -> argparse.Namespace:
+    """Megatron-LM ``args`` for the HF model ``cfg`` at TP x PP x DP (see the module doc)."""
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if cfg.get("model_type") not in ("llama", "qwen2", "mistral"):
+        raise ReshardError(f"config.json: model_type {cfg.get('model_type')!r} ({arch}): reshard imports Llama, "
+                           "Qwen2 and Mistral models into Megatron")
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (cfg.get("sliding_window") and cfg.get(
+            "use_sliding_window")):
+        raise ReshardError(f"config.json ({arch}): a non-SwiGLU MLP, MLP biases or sliding windows are not imported")
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    groups = int(cfg.get("num_key_value_heads") or heads)
+    qkv_bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias"))
+    vocab = int(cfg["vocab_size"])
+    seq = int(cfg.get("max_position_embeddings") or 4096)
+    bf16, fp16 = dtype == torch.bfloat16, dtype == torch.float16
+    fields = dict(
+        num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden, ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_attention_heads=heads, group_query_attention=groups != heads, num_query_groups=groups,
+        kv_channels=int(cfg.get("head_dim") or hidden // heads), max_position_embeddings=seq, seq_length=seq,
+        position_embedding_type="rope", add_position_embedding=False, use_rotary_position_embeddings=True,
+        rotary_base=int(_rope_theta(cfg)) if _rope_theta(cfg).is_integer() else _rope_theta(cfg), rotary_percent=1.0,
+        rotary_interleaved=False, use_rope_scaling=False, swiglu=True, squared_relu=False, openai_gelu=False,
+        normalization="RMSNorm", norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)), apply_layernorm_1p=False,
+        layernorm_zero_centered_gamma=False, add_bias_linear=False, disable_bias_linear=True, add_qkv_bias=qkv_bias,
+        untie_embeddings_and_output_weights=not bool(cfg.get("tie_word_embeddings", False)),
+        apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0, qk_layernorm=False,
+        multi_latent_attention=False, num_experts=None, vocab_size=vocab, make_vocab_size_divisible_by=divisible_by,
+        padded_vocab_size=padded_vocab(vocab, divisible_by, tp),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp, world_size=tp * pp * dp,
+        expert_model_parallel_size=1, expert_tensor_parallel_size=tp, context_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None, bf16=bf16, fp16=fp16, params_dtype=dtype,
+        accumulate_allreduce_grads_in_fp32=bf16 or fp16, ckpt_format="torch_dist", use_distributed_optimizer=False,
+        transformer_impl="local", init_method_std=float(cfg.get("initializer_range", 0.02)),
+        tokenizer_type="NullTokenizer", iteration=0, consumed_train_samples=0, skipped_train_samples=0,
+        consumed_valid_samples=0,
+        # training fields: Megatron-LM's defaults (a training command line sets its own)
+        optimizer="adam", lr=1e-4, min_lr=0.0, lr_decay_style="linear", weight_decay=0.01, adam_beta1=0.9,
+        adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, seed=1234, micro_batch_size=1, global_batch_size=1,
+        train_iters=1, lr_warmup_iters=0,
+    )
+    return argparse.Namespace(**fields)

@@ -1,0 +1,250 @@
+"""Hugging Face names for Megatron keys, from an **architecture mapping document** (data:
+``llama.json`` beside this module, or any dict of the same form), consumed by one generic function.
+
+Each document entry maps one Megatron key to HF names: its stacked axes become ``{layer}``
+(``{expert}``) in the names, a ``split`` cuts one layer's tensor along ``dim`` into ``groups``
+repeats of ``sizes`` rows with part ``i`` of every group going to ``hf[i]`` (Megatron's grouped
+``[q_g k_g v_g]`` rows, SwiGLU's ``[gate; up]`` halves), ``vocab`` keeps only the ``vocab_size``
+rows of a padded vocabulary (the map's valid region) and ``when`` names a condition on the model
+(``qkv_bias``, ``swiglu``, ``untied``, ``experts``). Each HF name is then a list of *blocks*: a box
+of the key's stacked F and where it lands in the HF tensor.
+
+:func:`restrict` turns a key's map into an HF name's map: each shard's elements inside the
+name's blocks form contiguous runs of that shard, and every run becomes a shard of its own (a new
+rank label, remembered as ``(old label, lo, hi)``), so a fragment is ``shard[lo:hi]``, a view
+(the q rows of one query group of one TP chunk, say). Readers use it on the source's maps, the
+Megatron writer on its target's; no code is written per name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from ...errors import CheckpointError, MapError, ReshardError
+from ...ir.geometry import box_intersect, piece_blocks
+from ...ir.param_map import ParamMap
+from ...ir.piece import Piece, View, row_major_strides
+from ...layouts import compose, flat_ranges
+from ...layouts._core import finish
+from .model import Arch
+
+__all__ = ["Block", "HfParam", "hf_params", "load_document", "restrict"]
+
+LLAMA = Path(__file__).with_name("llama.json")
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """The box ``[start, start + size)`` of a key's F (``fixed`` leading axes of extent 1) lands
+    at ``hf_start`` of the HF tensor, the remaining axes one for one."""
+
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+    hf_start: tuple[int, ...]
+    fixed: int
+
+    @property
+    def box(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple((a, 1, n) for a, n in zip(self.start, self.size))
+
+
+@dataclass(frozen=True, slots=True)
+class HfParam:
+    """One HF tensor: the key it is cut from, its shape (padding included), its valid shape and
+    its blocks."""
+
+    name: str
+    key: str
+    shape: tuple[int, ...]
+    valid: tuple[int, ...]
+    blocks: tuple[Block, ...]
+
+
+@cache
+def _document(path: str) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ReshardError(f"{path}: unreadable architecture mapping document ({e})") from None
+    return doc
+
+
+def load_document(doc: str | Path | Mapping | None = None) -> dict:
+    """The mapping document: the built-in Llama one, a path, or a dict."""
+    if doc is None:
+        return _document(str(LLAMA))
+    if isinstance(doc, Mapping):
+        return dict(doc)
+    return _document(str(doc))
+
+
+def _sizes(arch: Arch) -> dict[str, int]:
+    return {"hidden": arch.hidden, "heads": arch.heads, "groups": arch.groups, "per_group": arch.per_group,
+            "head_dim": arch.head_dim, "q_group_rows": arch.per_group * arch.head_dim, "ffn": arch.ffn,
+            "moe_ffn": arch.moe_ffn, "experts": arch.experts}
+
+
+def _holds(arch: Arch, cond: str | list | None) -> bool:
+    if isinstance(cond, list):
+        return all(_holds(arch, c) for c in cond)
+    conds = {"qkv_bias": arch.qkv_bias, "swiglu": arch.swiglu, "untied": not arch.tied, "tied": arch.tied,
+             "experts": bool(arch.experts), "dense": not arch.experts, None: True}
+    if cond not in conds:
+        raise ReshardError(f"architecture mapping: unknown condition {cond!r} (one of {sorted(c for c in conds if c)})")
+    return conds[cond]
+
+
+def _size(value: Any, sizes: dict[str, int], what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value in sizes:
+        return sizes[value]
+    raise ReshardError(f"architecture mapping: {what} {value!r} is neither an integer nor one of {sorted(sizes)}")
+
+
+def hf_params(arch: Arch, doc: Mapping | None = None) -> list[HfParam]:
+    """Every HF tensor of ``arch`` under the mapping ``doc``, in HF model order (the entries' order,
+    each layer's entries together)."""
+    doc = load_document(doc)
+    sizes = _sizes(arch)
+    specs = {s.key: s for s in arch.keys()}
+    entries = [e for e in doc.get("params", []) if _holds(arch, e.get("when"))]
+    unmapped = sorted(set(specs) - {e["megatron"] for e in entries})
+    if unmapped:
+        raise ReshardError(f"architecture mapping: no entry for Megatron key {unmapped[0]!r} (of {len(unmapped)})")
+    per_index: dict[tuple[int, ...], list[HfParam]] = {}
+    head, tail, seen_layer = [], [], False
+    for e in entries:
+        spec = specs.get(e["megatron"])
+        if spec is None:
+            raise ReshardError(f"architecture mapping: {e['megatron']!r} is not a key of this model")
+        axes = e.get("index", ["layer", "expert"][:spec.stacked])
+        out = per_index if axes else None
+        for index in _indices(arch, len(axes)):
+            got = _entry(arch, spec, e, index, len(axes), sizes)
+            if out is None:
+                (tail if seen_layer else head).extend(got)
+            else:
+                out.setdefault(index, []).extend(got)
+        seen_layer = seen_layer or bool(axes)
+    return head + [p for ix in sorted(per_index) for p in per_index[ix]] + tail
+
+
+def _indices(arch: Arch, n: int) -> list[tuple[int, ...]]:
+    if n == 0:
+        return [()]
+    if n == 1:
+        return [(i,) for i in range(arch.layers)]
+    return [(i, x) for i in range(arch.layers) for x in range(arch.experts)]
+
+
+def _entry(arch: Arch, spec: Any, e: Mapping, index: tuple[int, ...], fixed: int, sizes: dict) -> list[HfParam]:
+    full = arch.full_shape(spec)
+    rest = full[fixed:]
+    names = e["hf"] if isinstance(e["hf"], list) else [e["hf"]]
+    fmt = {"layer": index[0] if index else None, "expert": index[1] if len(index) > 1 else None}
+    names = [n.format(**fmt) for n in names]
+    valid_rows = arch.vocab if e.get("vocab") else None
+    split = e.get("split")
+    if split is None:
+        start = tuple(index) + (0,) * len(rest)
+        valid = (valid_rows, *rest[1:]) if valid_rows is not None else rest
+        return [HfParam(names[0], spec.key, rest, valid, (Block(start, (1,) * fixed + rest, (0,) * len(rest), fixed),))]
+    dim = int(split["dim"])
+    groups = _size(split["groups"], sizes, "split groups")
+    parts = [_size(s, sizes, "split size") for s in split["sizes"]]
+    if len(parts) != len(names) or groups * sum(parts) != rest[dim]:
+        raise ReshardError(f"architecture mapping: {spec.key!r} splits dim {dim} ({rest[dim]}) into {groups} x "
+                           f"{parts} for {len(names)} names")
+    out = []
+    for i, (name, n) in enumerate(zip(names, parts)):
+        shape = rest[:dim] + (groups * n,) + rest[dim + 1:]
+        blocks = []
+        for g in range(groups):
+            start = [*index] + [0] * len(rest)
+            start[fixed + dim] = g * sum(parts) + sum(parts[:i])
+            size = [1] * fixed + list(rest)
+            size[fixed + dim] = n
+            hf_start = [0] * len(rest)
+            hf_start[dim] = g * n
+            blocks.append(Block(tuple(start), tuple(size), tuple(hf_start), fixed))
+        out.append(HfParam(name, spec.key, shape, shape, tuple(blocks)))
+    return out
+
+
+# -- restriction ---------------------------------------------------------------------------------
+
+
+def _runs(m: ParamMap, rank: int, blocks: tuple[Block, ...], where: str) -> list[tuple[int, int]]:
+    """The contiguous runs ``[lo, hi)`` of rank ``rank``'s shard whose elements lie in ``blocks``."""
+    spans = []
+    for p in m.shard(rank).pieces:
+        for b in piece_blocks(p, m.logical_shape):
+            for blk in blocks:
+                z = box_intersect(b.box, blk.box)
+                if z is None:
+                    continue
+                sub = b.sub(z)
+                n = 1
+                hi = sub.base + 1
+                for (_, _, count), st in zip(z, sub.strides):
+                    n *= count
+                    hi += (count - 1) * st
+                spans.append((sub.base, hi, n))
+    spans.sort()
+    runs: list[list[int]] = []
+    for lo, hi, n in spans:
+        if runs and lo <= runs[-1][1]:
+            if lo < runs[-1][1]:
+                raise MapError(f"{where}: rank {rank}'s elements overlap")
+            runs[-1][1], runs[-1][2] = hi, runs[-1][2] + n
+        else:
+            runs.append([lo, hi, n])
+    for lo, hi, n in runs:
+        if hi - lo != n:
+            raise MapError(f"{where}: the elements of rank {rank}'s shard in this name are not one contiguous run "
+                           f"([{lo}, {hi}) holds {n})")
+    return [(lo, hi) for lo, hi, _ in runs]
+
+
+def restrict(m: ParamMap, param: HfParam) -> tuple[ParamMap, dict[int, tuple[int, int, int]]]:
+    """``m`` (a map of ``param.key``'s F) seen as HF tensor ``param``: its map over new rank
+    labels, and each label's ``(label of m, lo, hi)``: the run of that shard it is."""
+    where = f"{param.key} -> {param.name}"
+    inner, origin = {}, {}
+    for r in m.ranks:
+        shard = m.shard(r)
+        ranges = {}
+        for lo, hi in _runs(m, r, param.blocks, where):
+            label = len(origin)
+            origin[label] = (r, lo, hi)
+            ranges[label] = (hi - lo, [(lo, 0, hi - lo)])
+        inner[r] = flat_ranges(shard.shape, ranges) if ranges else ParamMap(shard.shape, {})
+    try:
+        c = compose(m, inner)
+    except ReshardError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    hf_strides = row_major_strides(param.shape)
+    shards = {}
+    for label, (_, lo, hi) in origin.items():
+        pieces = []
+        for p in c.shard(label).pieces:
+            for b in piece_blocks(p, m.logical_shape):
+                for blk in param.blocks:
+                    z = box_intersect(b.box, blk.box)
+                    if z is None:
+                        continue
+                    sub = b.sub(z)
+                    k = blk.fixed
+                    coords = [h + (ax[0] - s) for h, ax, s in zip(blk.hf_start, z[k:], blk.start[k:])]
+                    pieces.append(Piece(tuple(ax[2] for ax in z[k:]),
+                                        View(sum(c_ * s for c_, s in zip(coords, hf_strides)),
+                                             tuple(ax[1] * s for ax, s in zip(z[k:], hf_strides))),
+                                        View(sub.base, sub.strides[k:]), p.locations, p.scale))
+        shards[label] = ((hi - lo,), pieces)
+    return finish(param.shape, shards, param.valid), origin

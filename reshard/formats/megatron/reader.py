@@ -1,0 +1,193 @@
+"""A Megatron-Core checkpoint (``torch_dist`` or legacy ``torch``) as the engine reads it
+(``formats.contract.Reader``), under one of two namings chosen when it is opened:
+
+* ``names="megatron"``: Megatron's own keys, stacked over layers (and experts), fused as Megatron
+  stores them (QKV grouped per query group, SwiGLU's fc1 ``[gate; up]``), the padded vocabulary
+  whole;
+* ``names="hf"``: Hugging Face names through an architecture mapping document (``hfmap``): per
+  layer, q/k/v per query group, gate/up halves, norms renamed, vocabulary padding outside the
+  valid region, ``lm_head`` only when the embeddings are untied.
+
+States: ``weight`` (the model keys), ``exp_avg``/``exp_avg_sq`` (plain Adam, either distributed
+optimizer layout, legacy files) and ``fp32`` (the distributed optimizer's main parameters). Each
+map is over rank labels whose shards lie contiguous in the files (``lowering``), so every fragment
+is a view of a mapped file. :meth:`MegatronReader.check` reads every header, object and map
+before any output folder exists.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError, ReshardError
+from ...ir.param_map import ParamMap
+from ..contract import STATES
+from .dist import DistSource
+from .files import Location, locate
+from .hfmap import HfParam, hf_params, restrict
+from .legacy import LegacySource
+from .lowering import Lowered
+from .model import EMBED, OUTPUT, Arch
+
+__all__ = ["NAMES", "MegatronReader"]
+
+NAMES = ("megatron", "hf")
+
+
+class MegatronReader:
+    format = "megatron"
+
+    def __init__(self, loc: Location, *, names: str = "megatron", mapping: Any = None, given: Path | None = None) -> None:
+        if names not in NAMES:
+            raise ReshardError(f"names (--names) must be 'megatron' or 'hf', got {names!r}")
+        self.loc, self.naming, self.mapping = loc, names, mapping
+        self.src: DistSource | LegacySource = DistSource(loc.iter_dir) if loc.fmt == "torch_dist" else LegacySource(loc.iter_dir)
+        self.arch: Arch = self.src.arch
+        self.args = self.src.args
+        self.tag = loc.save_dir.name
+        given = Path(given) if given is not None else loc.save_dir
+        self.sources = tuple(dict.fromkeys((given, loc.save_dir)))
+        a = self.arch
+        ep = f" EP={a.ep}" if a.experts else ""
+        self.description = (f"Megatron-Core {loc.fmt} checkpoint, TP={a.tp} PP={a.pp} DP={a.dp}{ep}, "
+                            f"optimizer {self.src.sharding}, {names} names")
+        self.topology = {"tp": a.tp, "pp": a.pp, "dp": a.dp, **({"ep": a.ep} if a.experts else {})}
+        self._vocab_rows = a.padded_vocab
+        self._maps: dict[tuple[str, str], Lowered] = {}
+
+    @classmethod
+    def open(cls, path: str | Path, *, names: str = "megatron", mapping: Any = None) -> MegatronReader:
+        return cls(locate(Path(path)), names=names, mapping=mapping, given=Path(path))
+
+    # -- names -----------------------------------------------------------------------------------
+    @cached_property
+    def hf(self) -> dict[str, HfParam]:
+        return {p.name: p for p in hf_params(self.arch, self.mapping)}
+
+    @cached_property
+    def specs(self) -> dict:
+        return {s.key: s for s in self.arch.keys()}
+
+    @cached_property
+    def names(self) -> list[str]:
+        return list(self.hf) if self.naming == "hf" else list(self.specs)
+
+    def _spec(self, name: str) -> Any:
+        key = self.hf[name].key if self.naming == "hf" else name
+        try:
+            return self.specs[key]
+        except KeyError:
+            raise CheckpointError(f"{self.loc.iter_dir}: no parameter {name!r}") from None
+
+    def clip_vocabulary(self, rows: int) -> None:
+        """Keep only the first ``rows`` rows of the padded vocabulary (Megatron names): the valid
+        region of the embedding and output maps, for a target padded to fewer rows (as Megatron's
+        own load into a smaller vocabulary truncates). ``rows`` is at least ``vocab_size``."""
+        if not self.arch.vocab <= rows <= self.arch.padded_vocab:
+            raise ReshardError(f"vocabulary rows {rows} outside [{self.arch.vocab}, {self.arch.padded_vocab}]")
+        self._vocab_rows = rows
+        for k in [k for k in self._maps if k[0] in (EMBED, OUTPUT)]:
+            del self._maps[k]
+
+    # -- the contract --------------------------------------------------------------------------
+    def check(self) -> None:
+        """Every check that can refuse the source: files, objects (restricted unpickling), key
+        shapes against args, and every map of every state."""
+        if isinstance(self.src, DistSource):
+            self.src.check_objects()
+        else:
+            self.src.check()
+        for name in self.names:
+            for state in self.states(name):
+                self.map(name, state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.map(name, "weight").valid_shape)
+
+    def states(self, name: str) -> tuple[str, ...]:
+        have = self.src.states(self._spec(name))
+        return tuple(s for s in STATES if s in have)
+
+    def dtype(self, name: str, state: str) -> torch.dtype:
+        if state != "weight":
+            return torch.float32
+        if isinstance(self.src, LegacySource):
+            return self.src.dtype
+        return self.src.ck.entry(self._spec(name).key).dtype
+
+    def lowered(self, name: str, state: str) -> Lowered:
+        got = self._maps.get((name, state))
+        if got is None:
+            got = self._maps[(name, state)] = self._lower(name, state)
+        return got
+
+    def _lower(self, name: str, state: str) -> Lowered:
+        if state not in self.states(name):
+            raise CheckpointError(f"{self.loc.iter_dir}: {name!r} has no {state} state")
+        spec = self._spec(name)
+        base = self.src.lowered(spec, state)
+        if self.naming == "hf":
+            m, origin = restrict(base.map, self.hf[name])
+
+            def fragment(label: int, base: Lowered = base, origin: dict = origin) -> torch.Tensor:
+                r, lo, hi = origin[label]
+                return base.fragment(r).narrow(0, lo, hi - lo)
+
+            return Lowered(m, fragment, lambda label: base.tp(origin[label][0]))
+        if spec.key in (EMBED, OUTPUT) and self._vocab_rows != base.map.valid_shape[0]:
+            m = base.map
+            return Lowered(ParamMap(m.logical_shape, m.shards, (self._vocab_rows, *m.logical_shape[1:])),
+                           base.fragment, base.tp)
+        return base
+
+    def map(self, name: str, state: str) -> ParamMap:
+        return self.lowered(name, state).map
+
+    def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
+        lw = self.lowered(name, state)
+        t = lw.fragment(rank)
+        want = lw.map.shard(rank).numel
+        if t.numel() != want:
+            raise CheckpointError(f"{self.loc.iter_dir}: {name} ({state}) shard {rank} has {t.numel()} elements, "
+                                  f"its map {want}")
+        return t
+
+    def tp_index(self, name: str, state: str, rank: int) -> int | None:
+        return self.lowered(name, state).tp(rank)
+
+    def step(self, name: str) -> Any:
+        return self.src.step() if len(self.states(name)) > 1 else None
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Megatron's groups (weight decay, then none; with experts the expert optimizer's two
+        after the dense one's), ``params`` the names in each."""
+        groups = self.src.param_groups()
+        if not groups:
+            return []
+        for g in groups:  # experts to the expert optimizer's groups, each name by its weight decay
+            expert, decay = bool(g.get("is_expert_parallel")), g.get("wd_mult", 1.0) != 0
+            g["params"] = [n for n in self.names if self._spec(n).expert == expert and self._decays(n) == decay]
+        return groups
+
+    def _decays(self, name: str) -> bool:
+        if self.naming == "hf":
+            return len(self.hf[name].shape) >= 2 and not name.endswith(".bias") and not name.endswith("norm.weight")
+        return self._spec(name).decay
+
+    def extras(self, name: str) -> dict[str, Any]:
+        return {}
+
+    # -- for a Hugging Face export -----------------------------------------------------------------
+    def hf_config(self) -> dict[str, Any]:
+        """A transformers ``config.json`` for this model (Llama / Qwen2 style, from ``args``)."""
+        from .hfconfig import hf_config
+
+        return hf_config(self.args, self.arch, self.dtype(self.names[0], "weight"))
+
+    @property
+    def iteration(self) -> int | None:
+        return self.loc.iteration

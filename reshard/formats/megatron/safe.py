@@ -1,0 +1,142 @@
+"""Megatron's pickles read without Megatron and without running anything they name, and written
+back under Megatron's own names (docs/megatron-checkpoints.md §4).
+
+Every object record (``common_state`` with its ``args``, ``rng_state``, the optimizer's objects)
+and every legacy ``.pt`` file is loaded with ``torch.load(weights_only=True)`` and an allow-list:
+``argparse.Namespace``, ``signal.Signals``, numpy's array rebuild, and inert stand-ins for the
+Megatron enums the files name (``ModelType``, ``AttnBackend``, ``InferenceCudaGraphScope``,
+``RerunMode``, ``RerunState``, ``RerunDiagnostic``). An enum member is pickled as ``GLOBAL cls;
+(value,) REDUCE``, so a stand-in only records its value; it pickles back the same way under the
+Megatron name (:func:`dumps`), so Megatron's own ``weights_only`` load reads what reshard writes.
+Any other global is refused with a :class:`CheckpointError` naming the file and the global.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import pickle
+import signal
+import types
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import CheckpointError
+
+__all__ = ["STAND_INS", "dumps", "load_bytes", "load_file", "safe_globals"]
+
+
+class _Member:
+    """A Megatron enum member, kept as its value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.value,))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.value == self.value  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__qualname__, self.value))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__module__}.{type(self).__qualname__}({self.value!r})>"
+
+
+def _stand_in(module: str, name: str) -> type:
+    cls = type(name, (_Member,), {"__slots__": ()})
+    cls.__module__, cls.__qualname__ = module, name
+    return cls
+
+
+ModelType = _stand_in("megatron.core.enums", "ModelType")
+AttnBackend = _stand_in("megatron.core.transformer.enums", "AttnBackend")
+InferenceCudaGraphScope = _stand_in("megatron.core.transformer.enums", "InferenceCudaGraphScope")
+RerunMode = _stand_in("megatron.core.rerun_state_machine", "RerunMode")
+RerunState = _stand_in("megatron.core.rerun_state_machine", "RerunState")
+RerunDiagnostic = _stand_in("megatron.core.rerun_state_machine", "RerunDiagnostic")
+STAND_INS = (ModelType, AttnBackend, InferenceCudaGraphScope, RerunMode, RerunState, RerunDiagnostic)
+
+_NUMPY: list[Any] = [np.ndarray, np.dtype, (np._core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+                     (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]
+for _cls in (getattr(np.dtypes, "UInt32DType", None), getattr(np.dtypes, "UInt8DType", None)):
+    if _cls is not None:
+        _NUMPY.append(_cls)
+_ALLOWED: list[Any] = [argparse.Namespace, signal.Signals, *STAND_INS, *_NUMPY]
+
+
+@contextlib.contextmanager
+def safe_globals() -> Iterator[None]:
+    """Within: ``torch.load(weights_only=True)`` admits the allow-list above as well."""
+    with torch.serialization.safe_globals(_ALLOWED):
+        yield
+
+
+def _refusal(where: str, e: Exception) -> CheckpointError:
+    text = str(e)
+    for marker in ("Unsupported global: GLOBAL ", "GLOBAL "):
+        if marker in text:
+            name = text.split(marker, 1)[1].split()[0]
+            return CheckpointError(f"{where}: refuses to unpickle {name}, which is not on reshard's allow-list of "
+                                   "Megatron checkpoint globals (loading it could run code)")
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return CheckpointError(f"{where}: cannot be unpickled safely ({first})")
+
+
+def load_bytes(raw: bytes | memoryview, where: str) -> Any:
+    """A ``torch.save`` record (an object of a ``.distcp`` file), loaded weights-only."""
+    try:
+        with safe_globals():
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise _refusal(where, e) from None
+    except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, KeyError, TypeError,
+            AttributeError) as e:
+        raise CheckpointError(f"{where}: corrupt or truncated record ({type(e).__name__}: {e})") from None
+
+
+def load_file(path: Path) -> Any:
+    """A legacy ``.pt`` file, loaded weights-only with its tensors memory-mapped."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file is missing")
+    try:
+        with safe_globals():
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise _refusal(str(path), e) from None
+    except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, KeyError, TypeError,
+            AttributeError) as e:
+        raise CheckpointError(f"{path}: cannot be read as a torch checkpoint; truncated or corrupt "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
+
+
+_PATHS = {cls: (cls.__module__, cls.__qualname__) for cls in STAND_INS}
+
+
+class _Pickler(pickle._Pickler):  # the pure-Python pickler exposes save_global
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        path = _PATHS.get(obj) if isinstance(obj, type) else None
+        if path is None:
+            return super().save_global(obj, name)
+        self.write(pickle.GLOBAL + f"{path[0]}\n{path[1]}\n".encode())
+        self.memoize(obj)
+
+
+_PICKLE = types.SimpleNamespace(Pickler=_Pickler, Unpickler=pickle.Unpickler, __name__="reshard_megatron_pickle")
+
+
+def dumps(value: Any) -> bytes:
+    """``torch.save(value)`` as bytes, stand-ins under Megatron's names."""
+    buf = io.BytesIO()
+    torch.save(value, buf, pickle_module=_PICKLE)
+    return buf.getvalue()

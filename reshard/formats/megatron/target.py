@@ -1,0 +1,129 @@
+"""The chunks of a ``torch_dist`` target at TP x PP x DP (x EP), and their maps over rank labels
+(a label per chunk, as the reader lowers a source):
+
+* model keys (and plain Adam's / ``fully_reshardable``'s states, chunked alike): one chunk per
+  (layer[, expert], TP part) -- two per TP rank for SwiGLU's fc1 -- in the file of the rank that
+  holds it at DP rank 0 (an expert's: its EP rank's first DP rank);
+* ``dp_reshardable`` buckets: per model-parallel rank (and, with experts, per expert rank) one
+  bucket laid out as Megatron does (``model.bucket_layout``), cut into one chunk per parameter
+  range and gap of each DP rank's shard, in that DP rank's file; a key's map is its local map
+  composed with the ranges (``lowering.composite``); gap chunks have no slots (zeros).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...ir.param_map import ParamMap
+from .lowering import chunk_map, composite, local_map
+from .model import EMBED, OUTPUT, Arch, KeySpec, LocalParam, bucket_layout
+
+__all__ = ["BucketChunk", "Bucket", "ModelChunk", "TargetLayout"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChunk:
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int  # the file (global rank) it is written to
+    label: int  # its shard in the key's map
+
+
+@dataclass(frozen=True, slots=True)
+class BucketChunk:
+    start: int
+    end: int
+    rank: int
+    param: LocalParam | None  # None: a gap
+    label: int  # its shard in the parameter's bucket map (-1 for a gap)
+    at: int  # where it starts in the local parameter
+
+
+@dataclass(slots=True)
+class Bucket:
+    """One DDP buffer's single bucket of one model-parallel (or expert) rank."""
+
+    prefix: str
+    m: int
+    numel: int
+    unpadded: int
+    chunks: list[BucketChunk] = field(default_factory=list)
+
+
+class TargetLayout:
+    """Every chunk of the target and each key's maps (``weight`` chunks, ``bucket`` ranges)."""
+
+    def __init__(self, arch: Arch, *, buckets: bool, vocab_rows: int) -> None:
+        self.arch, self.vocab_rows = arch, vocab_rows
+        self._local: dict = {}
+        self.model: dict[str, list[ModelChunk]] = {s.key: self._model_chunks(s) for s in arch.keys()}
+        self.maps = {s.key: self._chunk_map(s) for s in arch.keys()}
+        self.buckets: list[Bucket] = self._buckets() if buckets else []
+        self.bucket_maps: dict[str, ParamMap] = self._bucket_maps() if buckets else {}
+
+    def _model_chunks(self, s: KeySpec) -> list[ModelChunk]:
+        a, out = self.arch, []
+        for lp in a.locals_of(s):
+            if s.split == "rep" and lp.tp:
+                continue
+            pp = a.stage_of(s, lp.index)
+            dp = (lp.index[1] // (a.experts // a.ep)) if s.expert else 0
+            rank = a.rank(lp.tp, pp, dp)
+            for offsets, sizes in lp.parts:
+                out.append(ModelChunk(s.key, offsets, sizes, rank, len(out)))
+        return out
+
+    def _chunk_map(self, s: KeySpec) -> ParamMap:
+        m = chunk_map(self.arch.full_shape(s), [(c.offsets, c.sizes) for c in self.model[s.key]], s.key)
+        if s.key in (EMBED, OUTPUT) and self.vocab_rows != m.logical_shape[0]:
+            m = ParamMap(m.logical_shape, m.shards, (self.vocab_rows, *m.logical_shape[1:]))
+        return m
+
+    def _groups(self) -> list[tuple[str, int, list[LocalParam], int, list[int]]]:
+        """(prefix, m, parameters in registration order, DP group size, rank of each DP shard)."""
+        a = self.arch
+        dense = "chained_0." if a.experts else ""
+        out = [(dense, t + a.tp * pp, a.stage_params(pp, t), a.dp, [a.rank(t, pp, d) for d in range(a.dp)])
+               for pp in range(a.pp) for t in range(a.tp)]
+        if a.experts:
+            out += [("chained_1.", t + a.etp * (ep + a.ep * pp), a.stage_params(pp, t, expert_rank=ep), a.edp,
+                     [a.rank(t, pp, ep + a.ep * k) for k in range(a.edp)])
+                    for pp in range(a.pp) for ep in range(a.ep) for t in range(a.etp)]
+        return out
+
+    def _buckets(self) -> list[Bucket]:
+        out, counters = [], {}
+        for prefix, m, params, dp, ranks in self._groups():
+            layout, unpadded, numel = bucket_layout(params, dp)
+            shard = numel // dp
+            cuts = sorted({0, unpadded} | {x for _, s, e in layout for x in (s, e)} |
+                          {k * shard for k in range(1, dp) if k * shard < unpadded})
+            b = Bucket(prefix, m, numel, unpadded)
+            for lo, hi in zip(cuts, cuts[1:]):
+                owner = next(((lp, s) for lp, s, e in layout if s <= lo and hi <= e), None)
+                if owner is None:
+                    b.chunks.append(BucketChunk(lo, hi, ranks[lo // shard], None, -1, 0))
+                    continue
+                lp, s = owner
+                n = counters.get(lp.spec.key, 0)
+                counters[lp.spec.key] = n + 1
+                b.chunks.append(BucketChunk(lo, hi, ranks[lo // shard], lp, n, lo - s))
+            out.append(b)
+        return out
+
+    def _bucket_maps(self) -> dict[str, ParamMap]:
+        frags: dict[str, dict[int, list[tuple[int, int, int]]]] = {}
+        for b in self.buckets:
+            for c in b.chunks:
+                if c.param is not None:
+                    frags.setdefault(c.param.spec.key, {}).setdefault(c.param.label, []).append(
+                        (c.label, c.at, c.at + c.end - c.start))
+        out = {}
+        for s in self.arch.keys():
+            outer, _ = local_map(self.arch, s, self._local)
+            m = composite(outer, frags.get(s.key, {}), f"target buckets of {s.key!r}")
+            if s.key in (EMBED, OUTPUT) and self.vocab_rows != m.logical_shape[0]:
+                m = ParamMap(m.logical_shape, m.shards, (self.vocab_rows, *m.logical_shape[1:]))
+            out[s.key] = m
+        return out

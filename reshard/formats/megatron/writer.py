@@ -1,0 +1,346 @@
+"""A Megatron-Core ``torch_dist`` checkpoint at TP x PP x DP (x EP), written from any source, as
+Megatron-LM's ``save_checkpoint`` lays it out closely enough that ``load_checkpoint`` (and
+``dist_checkpointing.load``) reads it at the target topology: ``OUT/<tag>/`` is a save folder
+holding ``latest_checkpointed_iteration.txt`` and ``iter_NNNNNNN/`` (``release/`` from a source
+without iterations): ``metadata.json``, one ``__R_0.distcp`` per global rank and ``.metadata``.
+
+* Model keys stacked over layers (and experts), one chunk per TP part (``target``); the
+  optimizer state as ``optimizer`` says: ``none``, plain ``adam`` (moments chunked as the model),
+  ``fully_reshardable`` (fp32 main parameters and moments chunked as the model) or
+  ``dp_reshardable`` (each model-parallel rank's bucket over its DP group, Megatron's layout).
+* From a Megatron source (its own names) every key's target map is planned against the source's
+  map of the same key. From any other source (Hugging Face names: safetensors, a Megatron source
+  read with HF names, ...) each target chunk is split by the architecture mapping document into
+  one slot per HF tensor block (``hfmap.restrict``): a QKV chunk is q, k and v slots per query
+  group, an fc1 chunk gate or up.
+* Objects: ``common_state`` (``common``), the ``_extra_state`` placeholders, and, where Megatron
+  would load them (TP and PP, or the whole job, unchanged), the source's ``rng_state`` and
+  rerun-state records copied as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from ...errors import ReshardError
+from ...ir.param_map import ParamMap
+from ..contract import BEST, MODULE, Buffer, Slot, Target
+from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
+from . import safe
+from .common import KINDS, args_for, buffer_dtype, common_state, default_groups, extra_state_keys
+from .files import TRACKER, iteration_folder
+from .hfconfig import args_from_hf, padded_vocab
+from .hfmap import hf_params, restrict
+from .model import EMBED, Arch
+from .target import TargetLayout
+
+__all__ = ["MegatronWriter"]
+
+METADATA_JSON = b'{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+_KIND_KEYS = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def _positive(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ReshardError(f"{what} must be a positive integer (--{what}), got {value!r}")
+    return value
+
+
+def _want(state: str) -> tuple[str, ...]:
+    return MODULE if state == "weight" else BEST if state == "fp32" else (state,)
+
+
+class MegatronWriter:
+    format = "megatron"
+    latest = None  # the tracker is inside the committed save folder
+    keeps_replicas = False  # torch_dist keeps one copy of each replicated block
+
+    def __init__(self, reader: Any, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
+                 ep: int | None = None, optimizer: str | None = None, dtype: torch.dtype | None = None) -> None:
+        self.reader = reader
+        self.native = reader.format == "megatron" and reader.naming == "megatron"
+        src = reader.arch if reader.format == "megatron" else None
+        tp = _positive(tp, "tp") if tp is not None else (src.tp if src else 1)
+        pp = _positive(pp, "pp") if pp is not None else (src.pp if src else 1)
+        dp = _positive(dp, "dp") if dp is not None else (src.dp if src else 1)
+        self._notes: list[str] = []
+        if reader.format == "megatron":
+            self._from_megatron(reader, tp, pp, dp, ep, optimizer, dtype)
+        else:
+            self._from_hf(reader, tp, pp, dp, ep, optimizer, dtype)
+        if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
+            raise ReshardError("--optimizer dp_reshardable with tied embeddings over several pipeline stages (the "
+                               "last stage's bucket holds a copy of the embedding): not written by reshard")
+        self.tag = reader.tag
+        self.folder = iteration_folder(self.iteration)
+        self.layout = TargetLayout(self.arch, buckets=self.kind == "dp_reshardable", vocab_rows=self.vocab_rows)
+        self.states = {"none": (), "adam": ("exp_avg", "exp_avg_sq"),
+                       "fully_reshardable": ("fp32", "exp_avg", "exp_avg_sq"),
+                       "dp_reshardable": ("fp32", "exp_avg", "exp_avg_sq")}[self.kind]
+        self._slots: dict[tuple[str, str], dict[int, list[Slot]]] = {}
+        self._targets: list[Target] = []
+        for spec in self.arch.keys():
+            self._plan_key(spec.key, "weight", self.layout.maps[spec.key])
+            for s in self.states:
+                m = self.layout.bucket_maps[spec.key] if self.kind == "dp_reshardable" else self.layout.maps[spec.key]
+                self._plan_key(spec.key, s, m)
+        self.records: list[Record] = []
+        self.specs: dict[str, TensorSpec] = {}
+        self._lock = threading.Lock()
+
+    # -- which target --------------------------------------------------------------------------
+    def _from_megatron(self, reader: Any, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,
+                       dtype: torch.dtype | None) -> None:
+        src, args = reader.arch, reader.args
+        if dtype is not None and dtype != reader.dtype(reader.names[0], "weight"):
+            raise ReshardError("--dtype: a Megatron target from a Megatron source keeps the source's training dtype")
+        divisible = int(getattr(args, "make_vocab_size_divisible_by", 128) or 128)
+        ep = ep if ep is not None else src.ep
+        arch = dataclasses.replace(src, tp=tp, pp=pp, dp=dp, ep=ep, etp=tp,
+                                   padded_vocab=padded_vocab(src.vocab, divisible, tp))
+        arch.check("target topology")
+        self.kind = optimizer or reader.src.sharding
+        self._check_kind()
+        self.arch = arch
+        self.iteration = reader.iteration
+        self.template = reader.src.common if hasattr(reader.src, "common") else reader.src.state_dict(0, 0)
+        self.args = args_for(args, arch, self.kind)
+        self.dtype = reader.dtype(reader.names[0], "weight")
+        self.hf = None if self.native else self._hf_names(reader)
+        self.vocab_rows = self._vocab_rows(reader)
+        groups = reader.src.param_groups()  # dense optimizer's, then the experts' (is_expert_parallel)
+        dense = [g for g in groups if not g.get("is_expert_parallel")] or default_groups(args)
+        self.groups = [dense]
+        if arch.experts:
+            self.groups.append([g for g in groups if g.get("is_expert_parallel")] or default_groups(args, expert=True))
+        self.step = self._step(reader)
+
+    def _from_hf(self, reader: Any, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,
+                 dtype: torch.dtype | None) -> None:
+        cfg = getattr(reader, "config", None)
+        if cfg is None and hasattr(reader, "hf_config"):
+            cfg = reader.hf_config()
+        if not isinstance(cfg, dict):
+            raise ReshardError(f"{reader.sources[-1]}: a Megatron target from a {reader.format} source needs the "
+                               "model's Hugging Face config.json beside its weights")
+        if ep not in (None, 1):
+            raise ReshardError("--ep: an HF model imported into Megatron is dense (EP=1)")
+        have = {reader.dtype(n, s) for n in reader.names for s in reader.states(n)[:1]}
+        dtype = dtype or (have.pop() if len(have) == 1 else torch.float32)
+        self.args = args_from_hf(cfg, tp=tp, pp=pp, dp=dp, dtype=dtype)
+        self.arch = Arch.from_args(self.args, f"{reader.sources[-1]}: config.json")
+        self.kind = optimizer or "none"
+        self._check_kind()
+        self.args = args_for(self.args, self.arch, self.kind)
+        self.iteration, self.template, self.dtype = None, None, dtype
+        self.hf = self._hf_names(reader)
+        self.vocab_rows = self.arch.vocab
+        self.groups = [default_groups(self.args)]
+        self.step = self._step(reader)
+        self._notes.append(f"args built from config.json (Megatron-LM defaults for training fields); a release "
+                           f"checkpoint, padded vocabulary {self.arch.padded_vocab}")
+
+    def _check_kind(self) -> None:
+        if self.kind not in KINDS:
+            raise ReshardError(f"optimizer (--optimizer) must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    def _hf_names(self, reader: Any) -> dict[str, list]:
+        """Each key's HF tensors, checked against the source's names and shapes."""
+        out: dict[str, list] = {}
+        have = set(reader.names)
+        for p in hf_params(self.arch, getattr(reader, "mapping", None)):
+            if p.name not in have:
+                raise ReshardError(f"{reader.sources[-1]}: has no {p.name!r}, which the Megatron model needs")
+            if tuple(reader.shape(p.name)) != tuple(p.valid):
+                raise ReshardError(f"{reader.sources[-1]}: {p.name!r} is {list(reader.shape(p.name))}, the config "
+                                   f"implies {list(p.valid)}")
+            out.setdefault(p.key, []).append(p)
+        extra = sorted(have - {p.name for ps in out.values() for p in ps})
+        if extra:
+            raise ReshardError(f"{reader.sources[-1]}: {extra[0]!r} (of {len(extra)}) has no Megatron key in the "
+                               "architecture mapping")
+        return out
+
+    def _vocab_rows(self, reader: Any) -> int:
+        if self.hf is not None:
+            return self.arch.vocab
+        rows = reader.shape(EMBED)[0]
+        if rows > self.arch.padded_vocab:  # fewer padding rows at the target: keep the first ones
+            reader.clip_vocabulary(self.arch.padded_vocab)
+            self._notes.append(f"padded vocabulary {rows} -> {self.arch.padded_vocab} rows (the first kept)")
+            return self.arch.padded_vocab
+        return rows
+
+    def _step(self, reader: Any) -> float:
+        for n in reader.names:
+            s = reader.step(n)
+            if s is not None:
+                return float(s.item() if isinstance(s, torch.Tensor) else s)
+        if self.kind != "none":
+            self._notes.append("the source holds no optimizer step: written as 0 with zero moments")
+        return 0.0
+
+    # -- targets and slots -----------------------------------------------------------------------
+    def _plan_key(self, key: str, state: str, m: ParamMap) -> None:
+        want = _want(state)
+        slots: dict[int, list[Slot]] = {}
+        if self.hf is None:
+            self._targets.append(Target(key, want, m))
+            slots = {r: [Slot(0, key, want, m, r)] for r in m.ranks}
+        else:
+            for p in self.hf[key]:
+                hm, origin = restrict(m, p)
+                self._targets.append(Target(p.name, want, hm))
+                for label, (r, lo, _) in origin.items():
+                    slots.setdefault(r, []).append(Slot(lo, p.name, want, hm, label))
+        self._slots[(key, state)] = slots
+
+    def targets(self) -> list[Target]:
+        return list(self._targets)
+
+    def meta(self) -> dict[str, Any]:
+        a = self.arch
+        return {"target": "Megatron-Core torch_dist checkpoint", "optimizer": self.kind,
+                "target_topology": {"tp": a.tp, "pp": a.pp, "dp": a.dp, **({"ep": a.ep} if a.experts else {})}}
+
+    def notes(self) -> list[str]:
+        return list(self._notes)
+
+    # -- files ---------------------------------------------------------------------------------
+    def _tensor_key(self, key: str, state: str) -> str:
+        if state == "weight":
+            return key
+        return f"optimizer.state.{_KIND_KEYS[state]}.{key}"
+
+    def _bucket_key(self, prefix: str, m: int, state: str) -> str:
+        return (f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_{buffer_dtype(self.args)}"
+                f".bucket_idx_0.{_KIND_KEYS[state]}")
+
+    def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
+        world = self.arch.tp * self.arch.pp * self.arch.dp
+        sizes = [1] * world
+        for chunks in self.layout.model.values():
+            for c in chunks:
+                n = 1
+                for x in c.sizes:
+                    n *= x
+                sizes[c.rank] += n * (1 + len(self.states) * (self.kind != "dp_reshardable"))
+        for b in self.layout.buckets:
+            for c in b.chunks:
+                sizes[c.rank] += (c.end - c.start) * 3
+        jobs = [(sizes[r] * 4, partial(self._rank_file, engine, staging, r)) for r in range(world)]
+        jobs.append((1, partial(self._small, staging)))
+        return jobs
+
+    def _small(self, staging: Any) -> None:
+        with staging.open(f"{self.folder}/metadata.json") as out:
+            out.write(METADATA_JSON)
+        with staging.open(TRACKER) as out:
+            out.write(("release" if self.iteration is None else str(self.iteration)).encode())
+
+    def _objects(self, r: int) -> list[tuple[str, bytes]]:
+        """The object records of global rank ``r``'s file (objects come first, as DCP writes them)."""
+        a, out = self.arch, []
+        if r == 0:
+            common = common_state(self.template, self.args, a, self.kind, self.groups, self.step,
+                                  self.iteration or 0)
+            out.append(("common_state/shard_0_1", safe.dumps([common])))
+            src = self.reader.src if self.reader.format == "megatron" else None
+            copied = getattr(src, "ck", None) is not None
+            for key in extra_state_keys(a):
+                out.append((key, src.raw(key) if copied and key in src.ck.objects else safe.dumps([None])))
+        if self.kind == "dp_reshardable":
+            dtypes = buffer_dtype(self.args)
+            for b in self.layout.buckets:
+                first = next(c.rank for c in b.chunks)
+                if first != r:
+                    continue
+                pre = f"{b.prefix}optimizer.distributed.dp_group_idx_{b.m}"
+                groups = self.groups[1 if b.prefix == "chained_1." else 0]
+                out += [(f"{pre}.optimizer/shard_0_1", safe.dumps([{"param_groups": [
+                            dict({k: v for k, v in g.items() if k != "params"}, step=self.step) for g in groups]}])),
+                        (f"{pre}.per_bucket_numel/shard_0_1", safe.dumps([[{dtypes: [b.numel]}]])),
+                        (f"{pre}.per_bucket_numel_unpadded/shard_0_1", safe.dumps([[{dtypes: [b.unpadded]}]]))]
+        out += self._copied(r)
+        return out
+
+    def _copied(self, r: int) -> list[tuple[str, bytes]]:
+        """The source's rng and rerun records, where Megatron would load them at the target."""
+        src = self.reader.src if self.reader.format == "megatron" else None
+        if getattr(src, "ck", None) is None:
+            return []
+        s, t = src.arch, self.arch
+        out = []
+        tp, dp, pp = r % t.tp, (r // t.tp) % t.dp, r // (t.tp * t.dp)
+        if (s.tp, s.pp) == (t.tp, t.pp) and dp == 0:
+            key = f"rng_state/shard_{pp}.{tp}_{t.pp}.{t.tp}"
+            if key in src.ck.objects:
+                out.append((key, src.raw(key)))
+        if (s.tp, s.pp, s.dp) == (t.tp, t.pp, t.dp):
+            key = f"rerun_state_machine_state/shard_{r}_{t.world}"
+            if key in src.ck.objects:
+                out.append((key, src.raw(key)))
+        return out
+
+    def _rank_file(self, engine: Any, staging: Any, r: int) -> None:
+        rel = f"{self.folder}/__{r}_0.distcp"
+        with staging.open(rel) as out:
+            f = DcpFile(out, rel.rsplit("/", 1)[1])
+            for key, raw in self._objects(r):
+                out.write(raw)
+                f.records.append(Record(key, None, f.name, f.at, len(raw)))
+                f.at += len(raw)
+            model_states = ("weight",) + (self.states if self.kind != "dp_reshardable" else ())
+            for key, chunks in self.layout.model.items():
+                for state in model_states:
+                    for c in chunks:
+                        if c.rank == r:
+                            self._chunk(engine, f, self._tensor_key(key, state), c.offsets, c.sizes,
+                                        self._dtype(state), self._slots[(key, state)].get(c.label, []),
+                                        self.layout.maps[key].logical_shape)
+            for b in self.layout.buckets:
+                for state in self.states:
+                    bkey = self._bucket_key(b.prefix, b.m, state)
+                    for c in b.chunks:
+                        if c.rank == r:
+                            slots = [] if c.param is None else self._slots[(c.param.spec.key, state)].get(c.label, [])
+                            self._chunk(engine, f, bkey, (c.start,), (c.end - c.start,), torch.float32, slots,
+                                        (b.unpadded,))
+        with self._lock:
+            self.records.extend(f.records)
+
+    def _dtype(self, state: str) -> torch.dtype:
+        return self.dtype if state == "weight" else torch.float32
+
+    def _chunk(self, engine: Any, f: DcpFile, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+               dtype: torch.dtype, slots: list[Slot], shape: tuple[int, ...]) -> None:
+        n = 1
+        for x in sizes:
+            n *= x
+        buf = Buffer(f"{f.name}:{key}@{list(offsets)}", dtype, n, tuple(slots))
+        f.tensor(key, offsets, dtype, sizes, engine.fill(buf))
+        with self._lock:
+            spec = self.specs.get(key)
+            chunks = (spec.chunks if spec else ()) + ((tuple(offsets), tuple(sizes)),)
+            self.specs[key] = TensorSpec(dtype, tuple(shape), chunks)
+
+    def finish(self, staging: Any, gather: Callable[[Any], list], rank: int) -> None:
+        """``.metadata``, by process 0, from every process's records."""
+        gathered = gather((self.records, self.specs))
+        if rank != 0:
+            return
+        records = [r for part in gathered for r in part[0]]
+        specs: dict[str, TensorSpec] = {}
+        for part in gathered:
+            for k, v in part[1].items():
+                old = specs.get(k)
+                specs[k] = v if old is None else TensorSpec(v.dtype, v.shape, tuple(dict.fromkeys(old.chunks + v.chunks)))
+        values = [r.key for r in records if r.offsets is None]
+        with staging.open(f"{self.folder}/.metadata") as out:
+            out.write(metadata_bytes(dict(sorted(specs.items())), values, records, {}))

@@ -1,0 +1,62 @@
+"""A run started from pretrained weights at a DeepSpeed topology: ``reshard reshard HF_FOLDER OUT
+--tp 1 --dp 2`` writes DeepSpeed's own ZeRO-1 files from a ``save_pretrained`` folder, and DeepSpeed
+0.19.8's ordinary ``engine.load_checkpoint`` loads them (one launch, world 2): its fp32 masters and
+module weights are the folder's weights bit for bit, its Adam moments zero and its step 0, as a
+fresh optimizer's, and it trains from there. A tied Qwen2 (``save_pretrained`` left out
+``lm_head.weight``) loads strictly: the alias is back in the module, sharing the embedding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reshard.jobs.convert import reshard
+from tests.e2e.digest import digest
+from tests.support.paths import DEEPSPEED, HF
+
+pytestmark = pytest.mark.e2e
+FOLDERS = ("pretrained_llama", "pretrained_qwen2_tied")
+
+
+def _spec(name: str) -> dict:
+    """The DeepSpeed job's model: the folder's own config, built as the fixtures' jobs build theirs."""
+    cfg = json.loads((HF / name / "config.json").read_text())
+    keep = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+            "vocab_size", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+            "pad_token_id", "head_dim", "rms_norm_eps")
+    ds = json.loads((DEEPSPEED / "llama_zero1_dp2" / "fixture.json").read_text())["ds_config"]
+    return {"model_type": cfg["model_type"], "model_config": {k: cfg[k] for k in keep if k in cfg}, "patches": [],
+            "seed": 1234, "seq_len": 16, "micro_batch": 2, "ds_config": ds}
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory) -> dict:
+    pytest.importorskip("deepspeed")
+    from tests.e2e.launch import resume_load, resume_many
+
+    tmp = tmp_path_factory.mktemp("hf_to_ds")
+    loads, reports = [], {}
+    for name in FOLDERS:
+        reports[name] = reshard(HF / name, tmp / name, tp=1, dp=2, zero_stage=1)
+        loads.append(resume_load(name, tmp / name, model_spec=_spec(name), tp=1, dp=2, universal=False,
+                                 zero_stage=1, steps=2))
+    return {"jobs": resume_many(loads, world_size=2), "reports": reports}
+
+
+@pytest.mark.parametrize("name", FOLDERS)
+def test_deepspeed_loads_pretrained_weights_as_a_fresh_run(loaded, name):
+    from safetensors.torch import load_file
+
+    job, report = loaded["jobs"][name], loaded["reports"][name]
+    assert "Adam step 0" in " ".join(report.notes) and "exp_avg" in " ".join(report.notes)
+    weights = load_file(HF / name / "model.safetensors")
+    after = job["digests"]["after_load"]
+    assert sorted(after) == sorted(weights)  # every parameter DeepSpeed optimizes, the tied one once
+    for n, w in weights.items():
+        want = digest(n, w.float())
+        assert after[n]["fp32"] == want and after[n]["module"] == want, n
+        assert after[n]["exp_avg"]["wsum"] == 0.0 and after[n]["exp_avg_sq"]["wsum"] == 0.0, n
+    assert job["optimizer_step_after_load"] == [0.0] and job["global_steps_after_load"] == 0
+    losses = job["losses_per_dp_rank"]["0"]
+    assert len(losses) == 2 and all(x == x for x in losses)  # it trains on from the pretrained weights

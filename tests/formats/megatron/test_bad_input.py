@@ -1,0 +1,154 @@
+"""Bad Megatron input is refused by a reshard error naming the file, tensor and rank, before any
+output folder exists: a missing or truncated file, a planted pickle in ``common_state`` or its
+``args`` (or a legacy file), stacked shapes that disagree with ``args``, an iteration folder the
+tracker does not name."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from reshard.errors import CheckpointError
+from reshard.formats.megatron import safe
+from reshard.jobs.convert import convert
+
+from .support import FIXTURES
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo planted",))
+
+
+def _copy(tmp_path, name: str):
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst, ignore=shutil.ignore_patterns("oracle"))
+    return dst
+
+
+def _refused(src, tmp_path, *needles: str) -> str:
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as e:
+        convert(src, out, fmt="safetensors")
+    text = str(e.value)
+    for n in needles:
+        assert n in text, f"{n!r} not in {text!r}"
+    assert not out.exists() or not any(out.iterdir()), "something that looks finished was left"
+    return text
+
+
+def _plant(iter_dir, key: str, value) -> None:
+    """Replace object ``key``'s record by ``torch.save([value])`` appended to rank 0's file."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    md = FileSystemReader(str(iter_dir)).read_metadata()
+    buf = io.BytesIO(safe.dumps([value]))
+    f = iter_dir / "__0_0.distcp"
+    at = f.stat().st_size
+    with open(f, "ab") as out:
+        out.write(buf.getvalue())
+    for idx in list(md.storage_data):
+        if idx.fqn == key:
+            md.storage_data[idx] = _StorageInfo("__0_0.distcp", at, len(buf.getvalue()))
+    with open(iter_dir / ".metadata", "wb") as out:
+        pickle.dump(md, out)
+
+
+def _save(sd: dict, f) -> None:
+    data = safe.dumps({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()} | {
+        "model": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd["model"].items()}})
+    f.write_bytes(data)
+
+
+def _common(iter_dir) -> dict:
+    from reshard.formats.megatron.dist import DistSource
+
+    return DistSource(iter_dir).common
+
+
+def test_missing_distcp_file(tmp_path):
+    src = _copy(tmp_path, "torch_dist_tp2_pp2")
+    (src / "iter_0000003" / "__3_0.distcp").unlink()
+    _refused(src, tmp_path, "__3_0.distcp", "missing", "global rank 3")
+
+
+def test_truncated_distcp_file(tmp_path):
+    src = _copy(tmp_path, "torch_dist_tp2_dp2_distopt")
+    f = src / "iter_0000003" / "__2_0.distcp"
+    os.truncate(f, f.stat().st_size // 2)
+    _refused(src, tmp_path, "__2_0.distcp", "truncated")
+
+
+def test_missing_legacy_rank_file(tmp_path):
+    src = _copy(tmp_path, "legacy_tp2_pp2")
+    (src / "iter_0000003" / "mp_rank_01_001" / "model_optim_rng.pt").unlink()
+    _refused(src, tmp_path, "mp_rank_01_001", "TP rank 1, PP rank 1")
+
+
+def test_truncated_legacy_file(tmp_path):
+    src = _copy(tmp_path, "legacy_dp2_distopt")
+    f = src / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt"
+    os.truncate(f, f.stat().st_size - 4096)
+    _refused(src, tmp_path, "distrib_optim.pt")
+
+
+def test_planted_pickle_in_common_state(tmp_path):
+    src = _copy(tmp_path, "torch_dist_tp2_pp2")
+    it = src / "iter_0000003"
+    common = _common(it)
+    common["optimizer"] = _Evil()
+    _plant(it, "common_state/shard_0_1", common)
+    _refused(src, tmp_path, "__0_0.distcp", "common_state", "system")
+
+
+def test_planted_pickle_in_args(tmp_path):
+    src = _copy(tmp_path, "torch_dist_dp2_fully_reshardable")
+    it = src / "iter_0000003"
+    common = _common(it)
+    common["args"].exit_signal = _Evil()
+    _plant(it, "common_state/shard_0_1", common)
+    _refused(src, tmp_path, "common_state", "system", "allow-list")
+
+
+def test_planted_pickle_in_a_legacy_file(tmp_path):
+    src = _copy(tmp_path, "legacy_tp2_pp2")
+    f = src / "iter_0000003" / "mp_rank_01_000" / "model_optim_rng.pt"
+    sd = safe.load_file(f)
+    sd["rng_state"] = [_Evil()]
+    _save(sd, f)
+    _refused(src, tmp_path, "mp_rank_01_000", "system")
+
+
+def test_stacked_shapes_disagreeing_with_args(tmp_path):
+    src = _copy(tmp_path, "torch_dist_tp2_pp2")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    args.num_layers = 6
+    common["args"] = args
+    _plant(it, "common_state/shard_0_1", common)
+    _refused(src, tmp_path, ".metadata", "decoder.layers.", "args imply", "[6,")
+
+
+def test_legacy_shapes_disagreeing_with_args(tmp_path):
+    src = _copy(tmp_path, "legacy_tp2_pp2")
+    for f in (src / "iter_0000003").glob("mp_rank_*/model_optim_rng.pt"):
+        sd = safe.load_file(f)
+        sd["args"].ffn_hidden_size = 40
+        _save(sd, f)
+    _refused(src, tmp_path, "mp_rank_00_000", "linear_fc1.weight", "TP rank 0")
+
+
+def test_iteration_folder_the_tracker_does_not_name(tmp_path):
+    src = _copy(tmp_path, "torch_dist_tp2_pp2")
+    shutil.copytree(src / "iter_0000003", src / "iter_0000002")
+    _refused(src / "iter_0000002", tmp_path, "latest_checkpointed_iteration.txt", "iter_0000003")
+    (src / "latest_checkpointed_iteration.txt").write_text("5")
+    _refused(src, tmp_path, "latest_checkpointed_iteration.txt", "iter_0000005", "missing")

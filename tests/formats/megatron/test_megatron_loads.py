@@ -1,0 +1,80 @@
+"""Opt-in: Megatron's own loader (``scripts/megatron_oracle.py``: Megatron-LM's
+``load_checkpoint`` at the target topology) reads what the writer wrote, and its reload equals
+Megatron's reload of the source (model and optimizer) -- or, from an HF source, what the reader
+reads of the output. Needs the Megatron venv; run with ``RESHARD_MEGATRON_ORACLE=1``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.formats.megatron.reader import MegatronReader
+from reshard.jobs.convert import reshard
+
+from .support import FIXTURES, HF_FIXTURES, full
+
+VENV = Path(os.environ.get("MEGATRON_VENV", "/work/venvs/megatron"))
+ORACLE = Path(__file__).resolve().parents[3] / "scripts" / "megatron_oracle.py"
+pytestmark = pytest.mark.skipif(os.environ.get("RESHARD_MEGATRON_ORACLE") != "1" or not (VENV / "bin" / "python").exists(),
+                                reason="opt-in: RESHARD_MEGATRON_ORACLE=1 and the Megatron venv")
+
+CASES = [  # (source, target topology, what Megatron loads)
+    ("torch_dist_tp2_pp2", dict(tp=1, pp=1, dp=1), True),
+    ("torch_dist_tp2_dp2_distopt", dict(tp=1, pp=1, dp=2), True),
+    ("legacy_tp2_pp2", dict(tp=2, pp=1, dp=1), True),
+    ("torch_dist_pp2_dp2_distopt", dict(tp=2, pp=2, dp=1, optimizer="fully_reshardable"), True),
+    ("torch_dist_dp2_distopt_bf16", dict(tp=2, pp=1, dp=1), True),
+    ("torch_dist_moe_ep2_distopt", dict(tp=1, pp=1, dp=2, ep=2), True),
+    ("torch_dist_tp2_pp2", dict(tp=2, pp=1, dp=2, optimizer="dp_reshardable"), True),
+    ("torch_dist_moe_ep2", dict(tp=1, pp=1, dp=1, ep=1), False),  # Megatron's EP=1 optimizer groups differ
+]
+
+
+def _megatron(ckpt: Path, out: Path, topology: dict, optim: bool) -> dict:
+    cmd = [str(VENV / "bin" / "python"), str(ORACLE), str(ckpt), "--out", str(out), "--venv", str(VENV),
+           "--tp", str(topology["tp"]), "--pp", str(topology["pp"]), "--dp", str(topology["dp"]),
+           "--ep", str(topology.get("ep", 1))] + ([] if optim else ["--no-optim"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    got = {"model": load_file(str(out / "model.safetensors"))}
+    if optim and (out / "optimizer.safetensors").exists():
+        got["optimizer"] = load_file(str(out / "optimizer.safetensors"))
+    return got
+
+
+@pytest.mark.parametrize("fixture,topology,optim", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_megatron_loads_the_resharded_checkpoint(tmp_path, fixture, topology, optim):
+    from safetensors.torch import load_file
+
+    out = reshard(FIXTURES / fixture, tmp_path / "ckpt", to="megatron", **topology).out_dir
+    got = _megatron(out, tmp_path / "reload", topology, optim)
+    ref = FIXTURES / fixture / "oracle"
+    model = load_file(str(ref / "model.safetensors"))
+    for part, tensors in got.items():
+        want = load_file(str(ref / f"{part}.safetensors"))
+        if part == "optimizer":  # a plain-Adam source written with fp32 masters: the masters are its weights
+            want.update({f"param.{k}": v.float() for k, v in model.items()
+                         if f"param.{k}" in tensors and f"param.{k}" not in want})
+        assert set(tensors) == set(want), (part, sorted(set(tensors) ^ set(want))[:4])
+        for k in want:
+            assert torch.equal(tensors[k], want[k]), (part, k)
+    print(f"{fixture} -> {topology}: Megatron reloads {', '.join(got)} equal to its reload of the source",
+          file=sys.stderr)
+
+
+def test_megatron_loads_an_hf_import(tmp_path):
+    out = reshard(HF_FIXTURES / "pretrained_llama", tmp_path / "ckpt", to="megatron", tp=2, pp=1).out_dir
+    got = _megatron(out, tmp_path / "reload", {"tp": 2, "pp": 1, "dp": 1}, False)["model"]
+    info = json.loads((tmp_path / "reload" / "oracle.json").read_text())
+    reader = MegatronReader.open(out)
+    for name, (key, idx) in info["names"].items():
+        mine = full(reader, key, "weight")[tuple(idx)]
+        assert torch.equal(got[name][:mine.shape[0]] if got[name].shape != mine.shape else got[name], mine), name

@@ -1,0 +1,71 @@
+"""Megatron -> Megatron at another TP/PP/DP (and optimizer layout): the output, read back by the
+reader, equals Megatron's own TP=1 reload of the source (weights, moments, fp32 masters)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reshard.errors import CheckpointError, ReshardError
+from reshard.formats.megatron.reader import MegatronReader
+from reshard.jobs.convert import reshard
+
+from .support import FIXTURES, compare_megatron
+
+CASES = [
+    ("torch_dist_tp2_pp2", dict(tp=1, pp=1, dp=1), "adam"),
+    ("torch_dist_tp2_dp2_distopt", dict(tp=1, pp=2, dp=2), "dp_reshardable"),
+    ("torch_dist_pp2_dp2_distopt", dict(tp=2, pp=1, dp=1), "dp_reshardable"),
+    ("torch_dist_dp2_fully_reshardable", dict(tp=2, pp=2, dp=1), "fully_reshardable"),
+    ("torch_dist_dp2_distopt_bf16", dict(tp=2, pp=1, dp=2), "dp_reshardable"),
+    ("legacy_tp2_pp2", dict(tp=1, pp=2, dp=2, optimizer="fully_reshardable"), "fully_reshardable"),
+    ("legacy_dp2_distopt", dict(tp=2, pp=2, dp=1), "dp_reshardable"),
+    ("torch_dist_moe_ep2_distopt", dict(tp=1, pp=1, dp=2), "dp_reshardable"),
+    ("torch_dist_moe_ep2", dict(tp=1, pp=1, dp=2, optimizer="adam"), "adam"),
+]
+
+
+@pytest.mark.parametrize("fixture,topology,kind", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_resharded_equals_the_oracle(tmp_path, fixture, topology, kind):
+    report = reshard(FIXTURES / fixture, tmp_path, to="megatron", **topology)
+    out = report.out_dir
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "3"
+    it = out / "iter_0000003"
+    assert (it / "metadata.json").read_bytes() == b'{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+    world = topology["tp"] * topology["pp"] * topology["dp"]
+    assert sorted(p.name for p in it.glob("*.distcp")) == sorted(f"__{r}_0.distcp" for r in range(world))
+    reader = MegatronReader.open(out)
+    reader.check()
+    assert reader.src.sharding == kind
+    assert (reader.arch.tp, reader.arch.pp, reader.arch.dp) == (topology["tp"], topology["pp"], topology["dp"])
+    assert compare_megatron(reader, fixture) > 0
+    manifest = json.loads((out / "reshard-manifest.json").read_text())
+    assert manifest["optimizer"] == kind
+
+
+def test_common_state_args_follow_the_target(tmp_path):
+    out = reshard(FIXTURES / "torch_dist_tp2_pp2", tmp_path, to="megatron", tp=1, pp=2, dp=2,
+                  optimizer="dp_reshardable").out_dir
+    r = MegatronReader.open(out)
+    a = r.args
+    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.data_parallel_size, a.world_size) == (1, 2, 2, 4)
+    assert a.use_distributed_optimizer and r.src.common["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    assert r.src.common["iteration"] == 3 and r.step(r.names[1]) == 3.0
+    # the rng states are kept only where Megatron would load them (TP and PP unchanged)
+    assert not any(k.startswith("rng_state") for k in r.src.ck.objects)
+
+
+def test_same_topology_keeps_rng_and_rerun_state(tmp_path):
+    out = reshard(FIXTURES / "torch_dist_tp2_dp2_distopt", tmp_path, to="megatron").out_dir
+    r = MegatronReader.open(out)
+    assert sum(k.startswith("rng_state") for k in r.src.ck.objects) == 2
+    assert sum(k.startswith("rerun_state_machine_state") for k in r.src.ck.objects) == 4
+
+
+def test_impossible_topologies_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="query groups do not divide over TP=4"):
+        reshard(FIXTURES / "torch_dist_tp2_pp2", tmp_path, to="megatron", tp=4)
+    with pytest.raises(ReshardError, match="optimizer"):
+        reshard(FIXTURES / "torch_dist_tp2_pp2", tmp_path, to="megatron", optimizer="sgd")
+    assert not any(tmp_path.iterdir())
