@@ -108,7 +108,9 @@ class Staging:
             raise CheckpointError(f"{self.final}: already exists (pass --overwrite, or overwrite=True from Python, "
                                   "to replace it)")
         try:
-            self.made_out_dir = not self.out_dir.exists()  # abandon() removes it again, if left empty
+            # abandon() removes what this job made again (the output folder and parents it had to make), if left empty
+            self.made_dirs = [d for d in (self.out_dir, *self.out_dir.parents) if not d.exists()]
+            self.made_out_dir = bool(self.made_dirs)
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if self.tmp.exists():  # left by a run that was killed
                 shutil.rmtree(self.tmp)
@@ -195,9 +197,11 @@ class Staging:
         """Remove the staging folder, and the output folder this job made for it if nothing else
         is in it: a failed job leaves nothing behind."""
         shutil.rmtree(self.tmp, ignore_errors=True)
-        if self.made_out_dir:
-            with contextlib.suppress(OSError):  # not empty: someone else's files
-                self.out_dir.rmdir()
+        for d in getattr(self, "made_dirs", ()):  # innermost first
+            try:
+                d.rmdir()
+            except OSError:  # not empty: someone else's files
+                break
 
     def commit(self, meta: dict[str, Any], latest_name: str | None) -> Path:
         """Checksum, make durable, rename into place. Every file is fsynced before the rename, so
@@ -484,16 +488,24 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def manifest_folder(folder: str | Path) -> Path | None:
+    """The output tag folder ``folder`` is (it holds the manifest) or holds (its one tag folder
+    with a manifest); None for anything else (a source checkpoint)."""
+    folder = Path(folder)
+    if (folder / MANIFEST).is_file():
+        return folder
+    tags = [p for p in folder.iterdir() if (p / MANIFEST).is_file()] if folder.is_dir() else []
+    return tags[0] if len(tags) == 1 else None
+
+
 def verify(folder: str | Path) -> dict[str, Any]:
     """Re-check every file against the manifest, and every ``torch.save`` archive in it as a copy
     is checked (structure, each record's CRC-32, what its pickle imports: ``storage.copy_check``,
     in the same pass); raise CheckpointError naming the first fault."""
-    folder = Path(folder)
-    if not (folder / MANIFEST).is_file():
-        tags = [p for p in folder.iterdir() if (p / MANIFEST).is_file()] if folder.is_dir() else []
-        if len(tags) != 1:
-            raise CheckpointError(f"{folder}: no {MANIFEST} (not a finished reshard output)")
-        folder = tags[0]
+    found = manifest_folder(folder)
+    if found is None:
+        raise CheckpointError(f"{folder}: no {MANIFEST} (not a finished reshard output)")
+    folder = found
     try:
         doc = json.loads((folder / MANIFEST).read_text())
         files = doc["files"]
