@@ -97,10 +97,23 @@ def _class_named_in(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load(path: str | Path, *, mmap: bool = True) -> Any:
+@dataclass(frozen=True)
+class AllowList:
+    """The globals an unpickler admits beside torch's weights-only set, and their name in a
+    refusal."""
+
+    globals: tuple[Any, ...]
+    name: str
+
+
+DEEPSPEED = AllowList(tuple(STAND_INS), "inert DeepSpeed helper classes")
+
+
+def load(path: str | Path, *, mmap: bool = True, allow: AllowList = DEEPSPEED) -> Any:
     """Load a checkpoint file safely. With ``mmap`` (the default), tensors stay on disk until
     read, so only the bytes actually used are paged in; their records are checked as they are
-    read (module doc). Without it the file is read whole and every record checked now."""
+    read (module doc). Without it the file is read whole and every record checked now.
+    ``allow``: the globals admitted (a format's stand-ins; DeepSpeed's by default)."""
     path = Path(path)
     if not path.is_file():
         kind = "missing" if not path.exists() and not path.is_symlink() else "not a regular file"
@@ -109,12 +122,12 @@ def load(path: str | Path, *, mmap: bool = True) -> Any:
         data = _read(path, mmap)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
-    return load_archive(path, data, whole=not mmap)
+    return load_archive(path, data, whole=not mmap, allow=allow)
 
 
-def load_bytes(data: bytes | bytearray, where: str | Path) -> Any:
+def load_bytes(data: bytes | bytearray | memoryview, where: str | Path, *, allow: AllowList = DEEPSPEED) -> Any:
     """A ``torch.save`` archive held in memory (a DCP entry), loaded and checked as a file is."""
-    return load_archive(Path(str(where)), verified.Bytes(data), whole=True)
+    return load_archive(Path(str(where)), verified.Bytes(data), whole=True, allow=allow)
 
 
 def _read(path: Path, mapped: bool) -> Any:
@@ -126,7 +139,7 @@ def _read(path: Path, mapped: bool) -> Any:
         return _mmap.mmap(f.fileno(), size, access=_mmap.ACCESS_COPY)
 
 
-def load_archive(path: Path, data: Any, *, whole: bool) -> Any:
+def load_archive(path: Path, data: Any, *, whole: bool, allow: AllowList = DEEPSPEED) -> Any:
     """The object of the archive ``data`` (a mapping of file ``path``, or its bytes)."""
     where = str(path)
     try:
@@ -140,7 +153,7 @@ def load_archive(path: Path, data: Any, *, whole: bool) -> Any:
     if verified.enabled():  # a corrupt pickle is refused by its CRC before anything unpickles it
         verified.check_one(checks["data.pkl"])
     _byteorder(index, data, where)
-    obj = _unpickle(index, data, mapped, where, bytes(data[pkl.start:pkl.start + pkl.size]))
+    obj = _unpickle(index, data, mapped, where, bytes(data[pkl.start:pkl.start + pkl.size]), allow)
     _label(obj, mapped)
     verified.check_records(checks.values(), small_only=not whole)
     return obj
@@ -153,7 +166,8 @@ def _byteorder(index: ZipIndex, data: Any, where: str) -> None:
                               "reshard reads little-endian archives only")
 
 
-def _unpickle(index: ZipIndex, data: Any, mapped: verified.MappedFile, where: str, pkl: bytes) -> Any:
+def _unpickle(index: ZipIndex, data: Any, mapped: verified.MappedFile, where: str, pkl: bytes,
+              allow: AllowList = DEEPSPEED) -> Any:
     """``data.pkl`` through torch's weights-only unpickler with the stand-ins allowed; every
     storage a view of exactly its record's bytes."""
     whole = torch.frombuffer(data, dtype=torch.uint8).untyped_storage() if len(data) else None
@@ -180,7 +194,7 @@ def _unpickle(index: ZipIndex, data: Any, mapped: verified.MappedFile, where: st
     unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pkl), encoding="utf-8")
     unpickler.persistent_load = persistent_load
     try:
-        with torch.serialization.safe_globals(STAND_INS):
+        with torch.serialization.safe_globals(list(allow.globals)):
             return unpickler.load()
     except CheckpointError:
         raise
@@ -188,7 +202,7 @@ def _unpickle(index: ZipIndex, data: Any, mapped: verified.MappedFile, where: st
         if "weights_only" in str(e) or "Unsupported global" in str(e) or "GLOBAL" in str(e):
             raise CheckpointError(
                 f"{where}: refuses to unpickle {_class_named_in(e)}, which is not on reshard's allow-list "
-                "of inert DeepSpeed helper classes (loading it could run code)"
+                f"of {allow.name} (loading it could run code)"
             ) from None
         raise CheckpointError(f"{where}: corrupt pickle ({_first_line(e)})") from None
     except Exception as e:  # noqa: BLE001 -- a corrupt pickle fails inside torch's unpickler in many ways

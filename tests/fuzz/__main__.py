@@ -1,4 +1,4 @@
-"""``python -m tests.fuzz [--seed S] [--budget N] [--work DIR]``: the large fuzz run (``make fuzz``),
+"""``python -m tests.fuzz [--seed S] [--budget N] [--work DIR] [--cases I,J]``: the large fuzz run (``make fuzz``),
 printing the classification table; exits 1 if any run failed (silent wrong output, traceback,
 hang, partial folder left, pickle ran, a refusal naming no file)."""
 
@@ -18,12 +18,17 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=20261201)
     p.add_argument("--budget", type=int, default=520, help="damaged checkpoints (default 520)")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    p.add_argument("--cases", default=None, metavar="I,J,...",
+                   help="run only these cases of the seed's list (a failure's case numbers, to re-check a fix)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="reshard-fuzz-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         cases = generate(args.seed, args.budget, sources(work))
+        if args.cases:
+            wanted = {int(i) for i in args.cases.split(",")}
+            cases = [c for c in cases if c.index in wanted]
         done = [0]
 
         def progress(o) -> None:

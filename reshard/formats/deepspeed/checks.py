@@ -143,11 +143,11 @@ def check_partitions(ck: Any, *, sizes: bool = True) -> None:
             if unknown:
                 raise CheckpointError(f"{where}: optimizer state {unknown[0]!r} is not known to move with its "
                                       "parameters (only step, exp_avg, exp_avg_sq)")
-            held.setdefault(tuple(k for k in MOMENTS if k in moments), where)
+            held.setdefault(tuple(k for k in ("step", *MOMENTS) if k in moments), where)
             if len(held) > 1:
                 (a, wa), (b, wb) = held.items()
-                raise CheckpointError(f"{wb}: holds the moments {list(b)}, {wa} holds {list(a)}: a moment is "
-                                      "missing (every group of every rank holds the same)")
+                raise CheckpointError(f"{wb}: holds the optimizer states {list(b)}, {wa} holds {list(a)}: a step or "
+                                      "moment is missing (every group of every rank holds the same)")
             for name in MOMENTS:
                 if name in moments:
                     _flat(moments[name], lean + pad if sizes else None, path, f"{name} of group {g}")

@@ -123,6 +123,9 @@ class LegacySource:
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != lp.shape:
             raise CheckpointError(f"{f}: optimizer state {i} ({name}, TP rank {lp.tp}) has no {state} of shape "
                                   f"{list(lp.shape)}")
+        if t.dtype != torch.float32:  # Megatron's Adam keeps its moments in fp32 whatever the weights' dtype
+            raise CheckpointError(f"{f}: optimizer state {i} ({name}, TP rank {lp.tp}): {state} is {t.dtype}, not "
+                                  "torch.float32")
         return t
 
     @cached_property
@@ -145,6 +148,8 @@ class LegacySource:
                     got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise CheckpointError(f"{g}: '{k}' is {got}, the bucket layout args imply [{unpadded}]: "
                                           "truncated or another layout")
+                if t.dtype != torch.float32:  # the distributed optimizer's main params and moments are fp32
+                    raise CheckpointError(f"{g}: '{k}' is {t.dtype}, not torch.float32 (TP rank {tp}, PP rank {pp})")
             out[(tp, pp)] = (buf, {(lp.spec.key, lp.label): (s, e) for lp, s, e in layout})
         return out
 
