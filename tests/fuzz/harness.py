@@ -172,7 +172,11 @@ def run_command(argv: list[str], timeout_s: float = TIMEOUT_S) -> Run:
     out, err = io.StringIO(), io.StringIO()
     try:
         with _deadline(timeout_s), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(argv)
+            parser = cli.build_parser()
+            args = parser.parse_args(argv)
+            if args.cmd == "convert":  # as the command does: model-state copies started before the job
+                cli._start_early_copies(args)
+            code = cli.main(parser=parser, args=args)
     except _Hang:
         return Run(None, out.getvalue(), err.getvalue(), "hang")
     except BaseException:  # noqa: BLE001 -- anything but a reshard error is what the suite looks for
@@ -266,7 +270,7 @@ class Runner:
         if run.error:
             return "traceback"
         left = [p for p in out.parent.rglob(".reshard-partial-*")] if out.parent.exists() else []
-        if left or (run.code != 0 and out.exists() and any(out.iterdir())):
+        if left or (run.code != 0 and out.exists()):  # a refusal leaves no folder at all, not even an empty one
             return "partial folder left"
         if run.code != 0:
             return "refused" if str(src) in run.stderr or str(scratch) in run.stderr else "refused, no file named"
@@ -318,6 +322,11 @@ def table(outcomes: list[Outcome]) -> str:
     lines.append("by mutation family: " + "; ".join(
         f"{fam}: " + ", ".join(f"{cls} {n}" for (f, cls), n in sorted(by_family.items()) if f == fam)
         for fam in sorted({f for f, _ in by_family})))
+    unseen = [o for o in outcomes if o.cls == "different, files cannot show"]
+    if unseen:
+        lines.append("")
+        lines.append("different output from damage the files cannot show:")
+        lines += [f"  case {o.case.index} ({o.case.source.name}): {o.detail}" for o in unseen]
     bad = [o for o in outcomes if o.cls in FAILURES]
     if bad:
         lines.append("")

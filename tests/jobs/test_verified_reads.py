@@ -256,3 +256,13 @@ def test_verify_a_source_with_swapped_optimizer_files_is_refused(tmp_path, capsy
     (tmp_path / "a").rename(b)
     code, err = _run(["verify", ck], capsys)
     assert code == 2 and str(ck) in err, err
+
+
+def test_verify_fails_on_an_output_holding_a_damaged_copy_made_without_verification(tmp_path, capsys):
+    ck = copy_fixture(DEEPSPEED / "llama_zero3_dp2", tmp_path)
+    victim = ck / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    flip_tensor(victim)
+    out = tmp_path / "out"
+    assert cli(["convert", str(ck), str(out), "--format", "ucp", "--no-verify-source"]) == 0
+    code, err = _run(["verify", out / TAG], capsys)
+    assert code == 2 and str(out / TAG / victim.name) in err and "CRC-32" in err and "without verification" in err, err
