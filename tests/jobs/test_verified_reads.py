@@ -19,7 +19,7 @@ from reshard.errors import CheckpointError
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
-from tests.support.damage import copy_fixture, flip_tensor, shift_central_offset, truncate
+from tests.support.damage import copy_fixture, flip_record, flip_tensor, shift_central_offset, truncate
 from tests.support.paths import DCP, DEEPSPEED, MEGATRON
 
 TAG = "global_step3"
@@ -84,18 +84,36 @@ def test_moved_central_directory_offset_is_refused(tmp_path, capsys):
     assert not out.exists()
 
 
+VERBATIM = {"zero3-rank1": ("llama_zero3_dp2", "zero_pp_rank_1_mp_rank_00_model_states.pt", False),
+            "mp-rank-early-copies": ("llama_zero1_dp2", "mp_rank_00_model_states.pt", True)}
+
+
+@pytest.mark.parametrize("which", sorted(VERBATIM))
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_a_damaged_file_copied_verbatim_is_refused(tmp_path, capsys, damage):
-    """ZeRO-3 model states of DP rank 1 go into a universal checkpoint as they are: checked while
-    copied, so a manifest never vouches for a damaged copy."""
-    ck = copy_fixture(DEEPSPEED / "llama_zero3_dp2", tmp_path)
-    victim = ck / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+def test_a_damaged_file_copied_verbatim_is_refused(tmp_path, capsys, damage, which):
+    """Model-state files go into a universal checkpoint as they are (ZeRO-3 ones of DP rank 1;
+    ``mp_rank`` ones, copied by the command before torch loads): checked while copied, so a
+    manifest never vouches for a damaged copy."""
+    fixture, name, early = VERBATIM[which]
+    ck = copy_fixture(DEEPSPEED / fixture, tmp_path)
+    victim = ck / TAG / name
     if damage == "truncate":
         truncate(victim, 4000)
     else:
-        flip_tensor(victim)
+        flip_record(victim, ".data/serialization_id")  # its tensors are empty (ZeRO-3)
     out = tmp_path / "out"
-    code, err = _run(["convert", ck, out, "--format", "ucp"], capsys)
+    argv = ["convert", str(ck), str(out), "--format", "ucp"]
+    if early:  # as `reshard convert` does: the copies start first (jobs.early_copies)
+        from reshard.cli import _start_early_copies, build_parser
+
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        _start_early_copies(args)
+        assert args.early_copies is not None
+        code = cli(parser=parser, args=args)
+        err = capsys.readouterr().err
+    else:
+        code, err = _run(argv, capsys)
     assert code == 2 and str(victim) in err, err
     assert not out.exists()
 
@@ -261,8 +279,17 @@ def test_verify_a_source_with_swapped_optimizer_files_is_refused(tmp_path, capsy
 def test_verify_fails_on_an_output_holding_a_damaged_copy_made_without_verification(tmp_path, capsys):
     ck = copy_fixture(DEEPSPEED / "llama_zero3_dp2", tmp_path)
     victim = ck / TAG / "zero_pp_rank_1_mp_rank_00_model_states.pt"
-    flip_tensor(victim)
+    flip_record(victim, ".data/serialization_id")  # its tensors are empty (ZeRO-3): a record nothing else reads
     out = tmp_path / "out"
     assert cli(["convert", str(ck), str(out), "--format", "ucp", "--no-verify-source"]) == 0
     code, err = _run(["verify", out / TAG], capsys)
     assert code == 2 and str(out / TAG / victim.name) in err and "CRC-32" in err and "without verification" in err, err
+
+
+def test_verify_deep_runs_the_deep_check_and_the_report_says_so(tmp_path, capsys):
+    assert cli(["reshard", str(DEEPSPEED / "llama_zero1_dp2"), str(tmp_path / "out"), "--dp", "1",
+                "--verify", "deep"]) == 0
+    printed = capsys.readouterr().out
+    assert "deep check:" in printed and "match their fp32 masters" in printed, printed
+    doc = json.loads((tmp_path / "out" / TAG / "reshard-manifest.json").read_text())
+    assert doc["source_verified"] is True

@@ -48,6 +48,12 @@ def flip_tensor(path: Path, base: int = 0, size: int | None = None) -> str:
     return rec.name
 
 
+def flip_record(path: Path, name: str) -> None:
+    """Flip one bit in record ``name`` (``.data/serialization_id``: read by nothing but a CRC check)."""
+    rec = records(path)[name]
+    flip(path, rec.start + rec.size // 2)
+
+
 def shift_central_offset(path: Path, by: int = 64) -> str:
     """Move the local-header offset of the largest tensor record's central-directory entry by
     ``by`` bytes (the flipped byte that makes ``torch.load(mmap=True)`` map other bytes);

@@ -69,8 +69,31 @@ class LegacySource:
             sd = self.first if f == self.files[min(self.files)] and (tp, pp) == min(self.files) else safe.load_file(f)
             if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict):
                 raise CheckpointError(f"{f}: not a Megatron model_optim_rng.pt (no 'model' state dict)")
+            self._saved_by(f, sd, tp, pp)
             self._sd[(tp, pp)] = sd
         return sd
+
+    def _saved_by(self, f: Path, sd: dict, tp: int, pp: int) -> None:
+        """The file's ``args.rank`` (the global rank that saved it) must be of the TP and PP rank
+        its folder names: Megatron's rank order keeps TP innermost, then CP, then DP and PP (or
+        PP and DP with ``use_tp_pp_dp_mapping``). Two same-shaped rank files swapped are refused."""
+        args = sd.get("args")
+        rank = getattr(args, "rank", None)
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            return
+        t, p = self.arch.tp, self.arch.pp
+        cp = getattr(args, "context_parallel_size", 1)
+        dp = getattr(args, "data_parallel_size", None)
+        if not isinstance(cp, int) or cp < 1:
+            cp = 1
+        if getattr(args, "use_tp_pp_dp_mapping", False):
+            want_pp: int | None = rank // (t * cp) % p
+        else:
+            want_pp = rank // (t * cp * dp) if isinstance(dp, int) and dp > 0 else None
+        if rank % t != tp or (want_pp is not None and want_pp != pp):
+            saved = f"TP rank {rank % t}" + (f", PP rank {want_pp}" if want_pp is not None else "")
+            raise CheckpointError(f"{f}: saved by global rank {rank} ({saved}), but it lies in the folder of TP rank "
+                                  f"{tp}, PP rank {pp}: rank files swapped or misplaced")
 
     # -- names -----------------------------------------------------------------------------------
     def _local_name(self, lp: LocalParam) -> str:

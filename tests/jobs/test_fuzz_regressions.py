@@ -1,0 +1,84 @@
+"""What the fuzz suite found (``python -m tests.fuzz --seed 20261201 --budget 520``), each case
+rebuilt from its committed fixture in ``tmp_path`` and refused by every command, naming the file,
+with no output folder left."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.cli import main as cli
+from reshard.formats.megatron import safe
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
+from tests.support.damage import copy_fixture, flip_tensor
+from tests.support.paths import DEEPSPEED, MEGATRON
+
+LEGACY_ITER = "iter_0000003"
+
+
+def _refused_by_all(argvs: list[list], victim: Path, tmp_path: Path, capsys, *needles: str) -> None:
+    for argv in argvs:
+        code = cli([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert code == 2 and str(victim) in err, (argv, err)
+        for n in needles:
+            assert re.search(n, err), (n, err)
+    assert not (tmp_path / "out").exists()
+
+
+def _convert_both(ck: Path, tmp_path: Path) -> list[list]:
+    return [["convert", ck, tmp_path / "out", "--format", fmt] for fmt in ("ucp", "safetensors")]
+
+
+def _legacy(sd_path: Path) -> dict:
+    from reshard.storage import safe_load
+
+    return safe_load.load(sd_path, mmap=False, allow=safe.ALLOW)
+
+
+@pytest.mark.parametrize("rank_dir", ["mp_rank_00_001", "mp_rank_01_000"])
+def test_legacy_megatron_flipped_tensor_record_is_refused(tmp_path, capsys, rank_dir):
+    """Cases 55 and 412: legacy files were read by torch.load, which checks no CRC."""
+    ck = copy_fixture(MEGATRON / "legacy_tp2_pp2", tmp_path)
+    victim = ck / LEGACY_ITER / rank_dir / "model_optim_rng.pt"
+    flip_tensor(victim)
+    _refused_by_all(_convert_both(ck, tmp_path), victim, tmp_path, capsys, "CRC-32")
+
+
+def test_legacy_megatron_moment_resaved_as_bf16_is_refused(tmp_path, capsys):
+    """Case 138: the distributed optimizer's exp_avg re-saved as bf16 was cast back silently."""
+    ck = copy_fixture(MEGATRON / "legacy_dp2_distopt", tmp_path)
+    victim = ck / LEGACY_ITER / "mp_rank_00" / "distrib_optim.pt"
+    obj = _legacy(victim)
+    (buf,) = obj[0].values()
+    buf["exp_avg"] = buf["exp_avg"].to(torch.bfloat16)
+    victim.write_bytes(safe.dumps(obj))
+    _refused_by_all([["convert", ck, tmp_path / "out", "--format", "ucp"]], victim, tmp_path, capsys,
+                    "exp_avg", "bfloat16")
+
+
+def test_legacy_megatron_tp_rank_files_swapped_are_refused(tmp_path, capsys):
+    """Cases 13, 202, 223: two TP ranks' files of one stage have the same shapes; each records
+    the global rank that saved it (``args.rank``)."""
+    ck = copy_fixture(MEGATRON / "legacy_tp2_pp2", tmp_path)
+    a, b = (ck / LEGACY_ITER / f"mp_rank_0{t}_000" / "model_optim_rng.pt" for t in (0, 1))
+    a.rename(tmp_path / "swap")
+    b.rename(a)
+    (tmp_path / "swap").rename(b)
+    _refused_by_all([*_convert_both(ck, tmp_path), ["inspect", ck]], a, tmp_path, capsys,
+                    "saved by global rank 1", "swapped")
+
+
+def test_zero_step_dropped_from_one_rank_is_refused(tmp_path, capsys):
+    """Case 484: rank 0's group 0 lost its step; the step of another rank was written instead."""
+    ck = copy_fixture(DEEPSPEED / "llama_zero1_dp2_bf16", tmp_path)
+    victim = ck / "global_step3" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    sd = load(victim, mmap=False)
+    del sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"]
+    save(sd, victim)
+    _refused_by_all([*_convert_both(ck, tmp_path), ["reshard", ck, tmp_path / "out", "--dp", "1"]], victim, tmp_path,
+                    capsys, "step or moment is missing")
