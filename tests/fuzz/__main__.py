@@ -18,6 +18,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=20261201)
     p.add_argument("--budget", type=int, default=520, help="damaged checkpoints (default 520)")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    p.add_argument("--trace", action="store_true", help="print each case as it starts")
     p.add_argument("--cases", default=None, metavar="I,J,...",
                    help="run only these cases of the seed's list (a failure's case numbers, to re-check a fix)")
     args = p.parse_args()
@@ -38,7 +39,10 @@ def main() -> int:
             elif done[0] % 200 == 0:
                 print(f"  {done[0]} runs, {time.perf_counter() - t:.0f} s", flush=True)
 
-        outcomes = run_cases(cases, work, progress)
+        def starting(c) -> None:
+            print(f"  case {c.index} {c.source.name} {c.mutation.family} {c.mutation.file}", flush=True)
+
+        outcomes = run_cases(cases, work, progress, starting if args.trace else None)
         print(f"seed {args.seed}, budget {args.budget}, {time.perf_counter() - t:.0f} s")
         print(table(outcomes))
     return 1 if any(o.cls in FAILURES for o in outcomes) else 0

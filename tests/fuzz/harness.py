@@ -295,10 +295,13 @@ def _carried_less(m: Mutation, got: dict[str, str], ref: dict[str, str]) -> bool
     return got == {k: v for k, v in ref.items() if Path(k).name != name}
 
 
-def run_cases(cases: Iterable[Case], work: Path, progress: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+def run_cases(cases: Iterable[Case], work: Path, progress: Callable[[Outcome], None] | None = None,
+              starting: Callable[[Case], None] | None = None) -> list[Outcome]:
     runner = Runner(work)
     outcomes = []
     for case in cases:
+        if starting:
+            starting(case)
         for o in runner.run(case):
             outcomes.append(o)
             if progress:

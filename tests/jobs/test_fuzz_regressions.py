@@ -82,3 +82,27 @@ def test_zero_step_dropped_from_one_rank_is_refused(tmp_path, capsys):
     save(sd, victim)
     _refused_by_all([*_convert_both(ck, tmp_path), ["reshard", ck, tmp_path / "out", "--dp", "1"]], victim, tmp_path,
                     capsys, "step or moment is missing")
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+def test_megatron_metadata_symlinked_to_a_device_is_refused(tmp_path, capsys):
+    """Seed 1, case 82: ``.metadata`` -> ``/dev/zero`` was read until memory ran out."""
+    ck = copy_fixture(MEGATRON / "torch_dist_tp2_dp2_distopt", tmp_path)
+    victim = ck / LEGACY_ITER / ".metadata"
+    victim.unlink()
+    victim.symlink_to("/dev/zero")
+    _refused_by_all([*_convert_both(ck, tmp_path), ["inspect", ck]], victim, tmp_path, capsys, "not a regular file")
+
+
+@pytest.mark.parametrize("fixture", ["moe_ep2", "mixtral_autoep_ep2"])
+def test_expert_checkpoint_dp_rank_optimizer_files_swapped_are_refused(tmp_path, capsys, fixture):
+    """Seed 1, case 382: with experts, no route checked the dense groups' recorded layout
+    against DeepSpeed's (only --verify deep caught the swap)."""
+    ck = copy_fixture(DEEPSPEED / fixture, tmp_path)
+    tag = ck / (ck / "latest").read_text().strip()
+    a, b = (next(tag.glob(f"*zero_pp_rank_{d}_mp_rank_00_optim_states.pt")) for d in (0, 1))
+    a.rename(tmp_path / "swap")
+    b.rename(a)
+    (tmp_path / "swap").rename(b)
+    _refused_by_all([*_convert_both(ck, tmp_path), ["reshard", ck, tmp_path / "out"], ["inspect", ck]], tag, tmp_path,
+                    capsys, "param_slice_mappings differ")

@@ -83,13 +83,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(f"{self.where}: unexpected persistent reference in DCP metadata")
 
 
+def read_regular(f: Path) -> bytes:
+    """The bytes of ``f``, which must be a regular file (a symlink to ``/dev/zero`` or a folder
+    is refused before a byte is read: it would never end, or fail unnamed)."""
+    try:
+        with open(f, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise CheckpointError(f"{f}: not a regular file (a folder, a device or a pipe)")
+            return fh.read()
+    except OSError as e:
+        raise CheckpointError(f"{f}: cannot read ({e.strerror or e})") from None
+
+
 def read_metadata(path: Path) -> Any:
     """The ``Metadata`` record of a DCP folder, read without running anything it names."""
     f = path / METADATA
-    try:
-        raw = f.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{f}: cannot read ({e.strerror or e})") from None
+    raw = read_regular(f)
     try:
         md = _MetadataUnpickler(io.BytesIO(raw), f).load()
     except CheckpointError:

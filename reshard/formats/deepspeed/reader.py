@@ -101,6 +101,8 @@ class DeepSpeedReader:
             checks.check_partitions(ck)
             checks.check_module_weights(ck, self.names, self.module_dtype)
             checks.check_expert_files(ck, self.module_dtype)
+            if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout is Zero12Source's
+                checks.check_dense_layouts(ck, self.module_dtype)
         for name in self.names:  # every map lowers and composes
             for state in self.states(name):
                 self.map(name, state)
