@@ -5,6 +5,7 @@ hang, partial folder left, pickle ran, a refusal naming no file)."""
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import tempfile
 import time
@@ -18,10 +19,16 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=20261201)
     p.add_argument("--budget", type=int, default=520, help="damaged checkpoints (default 520)")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    p.add_argument("--memory-gb", type=float, default=8.0,
+                   help="address-space limit of the run (default 8): an input that makes reshard allocate without "
+                   "bound fails as a MemoryError traceback instead of taking the machine's memory")
     p.add_argument("--trace", action="store_true", help="print each case as it starts")
     p.add_argument("--cases", default=None, metavar="I,J,...",
                    help="run only these cases of the seed's list (a failure's case numbers, to re-check a fix)")
     args = p.parse_args()
+    if args.memory_gb > 0:
+        limit, hard = int(args.memory_gb * 2**30), resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
     with tempfile.TemporaryDirectory(prefix="reshard-fuzz-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
