@@ -325,11 +325,12 @@ def table(outcomes: list[Outcome]) -> str:
     lines.append("by mutation family: " + "; ".join(
         f"{fam}: " + ", ".join(f"{cls} {n}" for (f, cls), n in sorted(by_family.items()) if f == fam)
         for fam in sorted({f for f, _ in by_family})))
-    unseen = [o for o in outcomes if o.cls == "different, files cannot show"]
-    if unseen:
-        lines.append("")
-        lines.append("different output from damage the files cannot show:")
-        lines += [f"  case {o.case.index} ({o.case.source.name}): {o.detail}" for o in unseen]
+    for cls in ("different, refused by --verify deep", "different, files cannot show"):
+        found = [o for o in outcomes if o.cls == cls]
+        if found:
+            lines.append("")
+            lines.append(f"{cls}:")
+            lines += [f"  case {o.case.index} ({o.case.source.name}): {o.detail}" for o in found]
     bad = [o for o in outcomes if o.cls in FAILURES]
     if bad:
         lines.append("")

@@ -106,3 +106,28 @@ def test_expert_checkpoint_dp_rank_optimizer_files_swapped_are_refused(tmp_path,
     (tmp_path / "swap").rename(b)
     _refused_by_all([*_convert_both(ck, tmp_path), ["reshard", ck, tmp_path / "out"], ["inspect", ck]], tag, tmp_path,
                     capsys, "param_slice_mappings differ")
+
+
+def test_universal_model_states_symlinked_to_a_device_is_refused(tmp_path, capsys):
+    """Seed 2, case 303: a model-state file beside ``zero/`` that is no regular file was skipped,
+    and with it the shapes it records."""
+    ucp = tmp_path / "ucp"
+    assert cli(["convert", str(DEEPSPEED / "llama_zero1_dp2"), str(ucp)]) == 0
+    capsys.readouterr()
+    victim = ucp / "global_step3" / "mp_rank_00_model_states.pt"
+    victim.unlink()
+    victim.symlink_to("/dev/zero")
+    _refused_by_all([*_convert_both(ucp, tmp_path), ["inspect", ucp]], victim, tmp_path, capsys, "not a regular file")
+
+
+def test_trainer_checkpoint_without_its_state_is_refused_by_reshard(tmp_path, capsys):
+    """Seed 2, case 217: without ``trainer_state.json`` a Trainer checkpoint was written as a bare
+    DeepSpeed one, its RNG states and Trainer files dropped."""
+    from tests.support.paths import HF
+
+    ck = copy_fixture(HF / "trainer_llama_zero2" / "checkpoint-3", tmp_path)
+    (ck / "trainer_state.json").unlink()
+    code = cli(["reshard", str(ck), str(tmp_path / "out" / "checkpoint-3"), "--dp", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and str(ck / "trainer_state.json") in err and "missing" in err, err
+    assert not (tmp_path / "out").exists()

@@ -37,6 +37,14 @@ def trainer_folder(reader: Any) -> Path | None:
         state = Path(src) / "trainer_state.json"
         if state.exists() or state.is_symlink():  # not a regular file: its copy refuses it, never dropped
             return Path(src)
+    for src in reader.sources:  # Trainer's other files without its state: written as DeepSpeed, they would be lost
+        p = Path(src)
+        held = [f for f in STATE_FILES[1:] if (p / f).exists() or (p / f).is_symlink()]
+        held += sorted(f.name for f in p.iterdir() if RNG_RE.match(f.name)) if p.is_dir() else []
+        if held:
+            raise CheckpointError(f"{p / 'trainer_state.json'}: missing, beside Trainer's {', '.join(held[:3])}: a "
+                                  "Trainer checkpoint without its state (restore it, or point at the DeepSpeed tag "
+                                  "folder to write the DeepSpeed files alone)")
     return None
 
 

@@ -228,6 +228,10 @@ class SafetensorsReader:
         """The folder's ``config.json``, where there is one."""
         f = self.folder / "config.json"
         try:
-            return json.loads(f.read_text()) if f.is_file() else None
+            if not f.is_file():
+                if f.exists() or f.is_symlink():  # a folder, a device, a broken link: never "no config"
+                    raise CheckpointError(f"{f}: not a regular file")
+                return None
+            return json.loads(f.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{f}: unreadable ({e})") from None

@@ -104,7 +104,7 @@ class UniversalReader:
         """Shapes the model-state files beside ``zero/`` record (``param_shapes``): a universal
         checkpoint of a ZeRO-3 job stores each F flat, and only these say its shape."""
         for f in sorted(self.tag_dir.glob("*model_states.pt")):
-            groups = load(f).get("param_shapes") if f.is_file() else None
+            groups = load(f).get("param_shapes")  # one that is not a regular file is refused, not skipped
             groups = groups if isinstance(groups, list) else [groups] if isinstance(groups, dict) else []
             return {n: tuple(int(x) for x in s) for g in groups if isinstance(g, dict) for n, s in g.items()}
         return {}
@@ -172,7 +172,8 @@ class UniversalReader:
     @cached_property
     def optimizer_state(self) -> dict:
         f = self.root / "optimizer_state.pt"
-        obj = load(f) if f.is_file() else {}
+        # absent is a checkpoint without one; anything else there (a folder, a device) is loaded, and refused
+        obj = load(f) if f.exists() or f.is_symlink() else {}
         if not isinstance(obj, dict):
             raise CheckpointError(f"{f}: expected a dict, got {type(obj).__name__}")
         return obj
