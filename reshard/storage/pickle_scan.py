@@ -10,7 +10,10 @@ the memo). ``refused`` says which of them a policy does not admit:
   ``OrderedDict``, DeepSpeed's helper classes);
 * ``"trainer"``: that, and what a Hugging Face Trainer pickles beside a checkpoint
   (``TrainingArguments`` and the classes it holds from ``transformers`` and ``accelerate``;
-  numpy's RNG state in ``rng_state*.pth``).
+  numpy's RNG state in ``rng_state*.pth``);
+* ``"megatron"``: the weights' set, and what a legacy Megatron file holds beside its tensors
+  (``args`` as an ``argparse.Namespace``, ``signal.Signals``, numpy's RNG state, and the Megatron
+  enums reshard loads as inert stand-ins: ``formats.megatron.safe``).
 
 Nothing here imports torch (the command's early copies run before it loads)."""
 
@@ -23,7 +26,7 @@ from ..errors import CheckpointError
 
 __all__ = ["POLICIES", "globals_in", "policy_for", "refused"]
 
-POLICIES = ("weights", "trainer")
+POLICIES = ("weights", "trainer", "megatron")
 
 _TORCH = {
     ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
@@ -46,12 +49,19 @@ _NUMPY = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", 
 _NUMPY_DTYPES = re.compile(r"^numpy\.dtypes$")
 _TRAINER_MODULES = ("transformers.", "accelerate.")
 _TRAINER_FILES = re.compile(r"^(?:training_args\.bin|rng_state(?:_\d+)?\.pth|scheduler\.pt|scaler\.pt)$")
+_MEGATRON_FILES = re.compile(r"^(?:model_optim_rng|distrib_optim)\.pt$")
+_MEGATRON = {("argparse", "Namespace"), ("signal", "Signals"), ("megatron.core.enums", "ModelType"),
+             ("megatron.core.transformer.enums", "AttnBackend"),
+             ("megatron.core.transformer.enums", "InferenceCudaGraphScope"),
+             ("megatron.core.rerun_state_machine", "RerunMode"), ("megatron.core.rerun_state_machine", "RerunState"),
+             ("megatron.core.rerun_state_machine", "RerunDiagnostic")}
 _STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
 
 
 def policy_for(name: str) -> str:
     """The policy a copied file's pickle is held to, by its file name."""
-    return "trainer" if _TRAINER_FILES.match(name.rsplit("/", 1)[-1]) else "weights"
+    base = name.rsplit("/", 1)[-1]
+    return "trainer" if _TRAINER_FILES.match(base) else "megatron" if _MEGATRON_FILES.match(base) else "weights"
 
 
 def globals_in(data: bytes, where: str) -> set[tuple[str, str]]:
@@ -95,8 +105,11 @@ def refused(found: set[tuple[str, str]], policy: str) -> list[str]:
     for module, name in found:
         if (module, name) in _TORCH or (module == "torch" and _TORCH_NAME.match(name)):
             continue
-        if policy == "trainer" and ((module, name) in _NUMPY or _NUMPY_DTYPES.match(module)
-                                    or module.startswith(_TRAINER_MODULES)):
+        if policy in ("trainer", "megatron") and ((module, name) in _NUMPY or _NUMPY_DTYPES.match(module)):
+            continue
+        if policy == "trainer" and module.startswith(_TRAINER_MODULES):
+            continue
+        if policy == "megatron" and (module, name) in _MEGATRON:
             continue
         out.append(f"{module}.{name}")
     return sorted(out)

@@ -250,17 +250,23 @@ def test_missing_param_slice_mappings_at_dp_rank_1_is_refused_by_every_command(t
 # -- reshard verify on a source -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fixture", [DEEPSPEED / "llama_zero1_dp2", DCP / "llama_fsdp2_ws2"])
-def test_verify_a_source_checks_its_records_and_runs_the_deep_check(tmp_path, capsys, fixture):
-    assert cli(["verify", str(fixture)]) == 0
+SOURCES = {"deepspeed": (DEEPSPEED / "llama_zero1_dp2", f"{TAG}/mp_rank_00_model_states.pt"),
+           "dcp": (DCP / "llama_fsdp2_ws2", None),
+           "megatron-legacy": (MEGATRON / "legacy_dp2_distopt", "iter_0000003/mp_rank_00/model_optim_rng.pt")}
+
+
+@pytest.mark.parametrize("kind", sorted(SOURCES))
+def test_verify_a_source_checks_its_records_and_runs_the_deep_check(tmp_path, capsys, kind):
+    fixture, rel = SOURCES[kind]
+    assert cli(["verify", str(fixture)]) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     assert "verified" in printed and "CRC-32" in printed and "deep check" in printed
     ck = copy_fixture(fixture, tmp_path)
-    if fixture.parent == DCP:
+    if rel is None:
         victim, offset, length = _distcp_record(ck)
         flip_tensor(victim, offset, length)
     else:
-        victim = ck / TAG / "mp_rank_00_model_states.pt"
+        victim = ck / rel
         flip_tensor(victim)
     code, err = _run(["verify", ck], capsys)
     assert code == 2 and str(victim) in err and "CRC-32" in err, err
