@@ -26,8 +26,7 @@ import torch
 from ...errors import CheckpointError
 from ...storage.safe_load import load
 
-__all__ = ["check_dense_layouts", "check_expert_files", "check_keys", "check_module_weights", "check_partitions",
-           "check_step"]
+__all__ = ["check_expert_files", "check_keys", "check_module_weights", "check_partitions", "check_step"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # what DeepSpeed 0.19.8's save_checkpoint writes into every model-state file (client state comes beside)
@@ -231,26 +230,3 @@ def check_expert_files(ck: Any, dtype: torch.dtype) -> None:
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
                 got = f"a {t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise CheckpointError(f"{path}: {k} is {got}; expected {dtype} of shape {list(shape)}")
-
-
-def check_dense_layouts(ck: Any, dtype: torch.dtype) -> None:
-    """ZeRO-1/2 with experts (AutoEP, classic MoE): every dense group's ``param_slice_mappings``
-    on every DP rank against DeepSpeed 0.19.8's flat layout of the group's ``param_shapes``, as
-    a dense checkpoint's (``zero12.Zero12Source``): two DP ranks' optimizer files swapped, or a
-    fragment start shifted, are refused rather than read at the wrong place. (The expert groups'
-    layouts are their EDP groups' own; swapped EP ranks' files of one shape are the deep check's.)"""
-    from .zero12 import check_source_group, flat_group, param_alignment
-
-    zo = (ck.model_state(0).get("ds_config") or {}).get("zero_optimization") or {}
-    align = param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
-    experts = set(ck.experts.groups if ck.experts is not None else ()) | set(ck.moe.groups if ck.moe is not None else ())
-    for t in range(ck.mp):
-        shapes = ck.model_state(t).get("param_shapes")
-        shapes = shapes if isinstance(shapes, list) else [shapes]
-        osds = [ck.osd(t, d) for d in range(ck.dp)]
-        for g, grp in enumerate(shapes):
-            if g in experts or not isinstance(grp, Mapping):
-                continue
-            group = flat_group(list(grp), [tuple(s) for s in grp.values()], ck.dp, param_align=align)
-            check_source_group(group, osds, g, f"{ck.tag_dir} (model-parallel rank {t}, files "
-                               f"{', '.join(ck.optim_files[(t, d)].name for d in range(ck.dp))})")

@@ -33,7 +33,7 @@ from .checkpoint import DeepSpeedCheckpoint
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
 from .zero3 import Zero3Source
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS
-from .zero12 import Zero12Source
+from .zero12 import Zero12Source, check_dense_layouts
 
 __all__ = ["DeepSpeedReader", "optimizer_state"]
 
@@ -102,7 +102,7 @@ class DeepSpeedReader:
             checks.check_module_weights(ck, self.names, self.module_dtype)
             checks.check_expert_files(ck, self.module_dtype)
             if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout is Zero12Source's
-                checks.check_dense_layouts(ck, self.module_dtype)
+                check_dense_layouts(ck, self.module_dtype)
         for name in self.names:  # every map lowers and composes
             for state in self.states(name):
                 self.map(name, state)
