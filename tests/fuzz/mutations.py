@@ -347,6 +347,8 @@ def _dcp_metadata(root, path, rng, m, pristine, scratch) -> str:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     c = entry.chunks[0]
+    if not len(entry.size) and how in ("shift", "resize", "size"):  # a 0-d tensor (a step) has no dimension to edit
+        how = "dtype"
     if how == "shift":
         entry.chunks[0] = ChunkStorageMetadata(torch.Size([c.offsets[0] + 1, *c.offsets[1:]]), c.sizes)
     elif how == "resize":

@@ -131,3 +131,24 @@ def test_trainer_checkpoint_without_its_state_is_refused_by_reshard(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and str(ck / "trainer_state.json") in err and "missing" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_safetensors_header_entry_dropped_is_refused(tmp_path, capsys):
+    """Seed 3, case 137: the tied embedding's header entry dropped from a safetensors file: its
+    bytes belonged to no entry, and every route wrote a model without it."""
+    import json
+    import struct
+
+    from tests.support.paths import HF
+
+    ck = copy_fixture(HF / "pretrained_qwen2_tied", tmp_path)
+    victim = ck / "model.safetensors"
+    raw = victim.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    del header["model.embed_tokens.weight"]
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    victim.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
+    _refused_by_all([*_convert_both(ck, tmp_path), ["reshard", ck, tmp_path / "out", "--tp", "1", "--dp", "2"],
+                     ["inspect", ck]], victim, tmp_path, capsys, "belong to no header entry")

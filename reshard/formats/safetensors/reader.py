@@ -87,6 +87,17 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
     for (_, a_hi, a), (b_lo, _, b) in zip(spans, spans[1:]):
         if b_lo < a_hi:
             raise CheckpointError(f"{path}: tensors {a!r} and {b!r} overlap in the file")
+    # as the safetensors library's own validation: the entries tile the data bytes exactly, from the first to
+    # the last (bytes no entry names are a tensor whose entry was lost, or another file's)
+    at = 0
+    for lo, hi, name in spans:
+        if lo != at:
+            raise CheckpointError(f"{path}: data bytes [{at}, {lo}) before tensor {name!r} belong to no header entry: "
+                                  "a header entry is missing or the file is corrupt")
+        at = hi
+    if base + at != size:
+        raise CheckpointError(f"{path}: data bytes [{at}, {size - base}) belong to no header entry: a header entry is "
+                              "missing, or the file has bytes appended")
     return dict(sorted(out.items(), key=lambda kv: kv[1].start)), meta if isinstance(meta, dict) else {}
 
 
