@@ -152,3 +152,15 @@ def test_safetensors_header_entry_dropped_is_refused(tmp_path, capsys):
     victim.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
     _refused_by_all([*_convert_both(ck, tmp_path), ["reshard", ck, tmp_path / "out", "--tp", "1", "--dp", "2"],
                      ["inspect", ck]], victim, tmp_path, capsys, "belong to no header entry")
+
+
+def test_moe_model_states_missing_ds_autoep_layers_is_refused(tmp_path, capsys):
+    """Seed 3, case 445: DeepSpeed writes ``ds_autoep_layers`` into every model-state file of a
+    checkpoint with experts; a file without it is not one DeepSpeed wrote, and was carried on."""
+    ck = copy_fixture(DEEPSPEED / "moe_ep2", tmp_path)
+    victim = ck / "global_step3" / "mp_rank_00_model_states.pt"
+    sd = load(victim, mmap=False)
+    del sd["ds_autoep_layers"]
+    save(sd, victim)
+    _refused_by_all([*_convert_both(ck, tmp_path), ["reshard", ck, tmp_path / "out"]], victim, tmp_path, capsys,
+                    "ds_autoep_layers")

@@ -88,9 +88,11 @@ def check_keys(ck: Any, osd_keys: tuple[str, ...]) -> None:
     exactly its entries (``osd_keys``: its stage's ``optimizer_state_dict``; a file missing one,
     or holding another, is not one DeepSpeed wrote, and some routes copy or rewrite it: refused by
     all)."""
+    # with experts (classic MoE, AutoEP) DeepSpeed 0.19.8 also writes ds_autoep_layers (None for classic MoE)
+    want = MODEL_KEYS + (("ds_autoep_layers",) if ck.moe is not None or ck.experts is not None else ())
     for path in sorted({*ck.model_files.values(), *ck.z3_model_files.values()}):
         state = ck.model_state_at(path)
-        missing = [k for k in MODEL_KEYS if k not in state]
+        missing = [k for k in want if k not in state]
         if missing:
             raise CheckpointError(f"{path}: missing {missing[:3]}, which DeepSpeed 0.19.8 writes into every "
                                   "model-state file: not a DeepSpeed 0.19.8 file, or damaged")
