@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.reshard-installed
 
-.PHONY: demo test test-all bench lint clean
+.PHONY: demo test test-all bench fuzz lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,13 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
+
+# The fuzz suite at a fixed seed: 520 damaged copies of the committed fixtures, every command on each
+# (docs/robustness.md); exits 1 on any traceback, hang, partial folder, pickle run or silent wrong output.
+FUZZ_SEED ?= 20261201
+FUZZ_BUDGET ?= 520
+fuzz: $(STAMP)
+	$(BIN)/python -m tests.fuzz --seed $(FUZZ_SEED) --budget $(FUZZ_BUDGET)
 
 lint: $(STAMP)
 	$(BIN)/ruff check reshard tests benchmarks scripts

@@ -52,6 +52,9 @@ def _ours(ckpt: Path, dp: int, workers: int, repeat: int) -> dict[str, tuple[flo
                   "-m", "reshard", "reshard", str(ckpt), str(out / "x"), "--tp", "1", "--dp", str(dp), "--workers", "1"],
         "convert": [sys.executable, "-m", "reshard.cli", "convert", str(ckpt), str(out / "x"), "--workers", str(workers)],
     }
+    # the cost of verified reads: one process and convert without them
+    cmds["one_unverified"] = [*cmds["one"], "--no-verify-source"]
+    cmds["convert_unverified"] = [*cmds["convert"], "--no-verify-source"]
     # the same two processes with each file kept whole (one stripe per file, as before stripes)
     cmds["whole"] = ["env", f"RESHARD_STRIPE_BYTES={1 << 40}", *cmds["plain"]]
     # what torchrun itself costs: its agent starting two workers that do nothing
@@ -90,6 +93,10 @@ def _rows(b: dict[str, tuple[float, float]], start: float) -> list[str]:
         row("  reshard convert vs the floor", conv, note=f"{conv / floor:.2f}x cp+sync, {conv / ffloor:.2f}x cp+fsync "
             f"(goal <= 1.15x); {(conv - start) / floor:.2f}x / {(conv - start) / ffloor:.2f}x less start-up"),
         row("  peak RSS reshard convert", b["convert"][1], unit="MiB"),
+        row("  1 process: --no-verify-source vs verified reads", b["one_unverified"][0], one,
+            note=f"(verified reads cost {100 * (one / b['one_unverified'][0] - 1):+.1f} %; goal <= 5 %)"),
+        row("  convert: --no-verify-source vs verified reads", b["convert_unverified"][0], conv,
+            note=f"(verified reads cost {100 * (conv / b['convert_unverified'][0] - 1):+.1f} %; goal <= 5 %)"),
     ]
 
 

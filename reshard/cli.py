@@ -29,8 +29,10 @@ of every parameter (docs/spec.md).
   reshard plan SOURCE --to TARGET.json       plan the move between two map documents
   reshard check MAPS.json                    validate a map document
   reshard verify OUT                         re-check an output folder against its manifest
+  reshard verify SRC                         check a source checkpoint: reader checks, CRCs, deep check
 """
 
+VERIFY = ("records", "deep")  # --verify (jobs.convert.VERIFY, without importing torch here)
 ELEMENT_SIZE = 4  # bytes per element in the figures of inspect and plan: fp32, what optimizer state is
 
 
@@ -212,7 +214,7 @@ def _start_early_copies(args) -> None:
     from .jobs.early_copies import EarlyCopies
 
     args.early_copies = EarlyCopies.start(args.ckpt_dir, args.out_dir, overwrite=args.overwrite,
-                                          checksum=args.checksum)
+                                          checksum=args.checksum, verify_source=args.verify_source)
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -236,7 +238,8 @@ def _cmd_convert(args) -> int:
                              on_replica_mismatch=args.on_replica_mismatch, overwrite=args.overwrite,
                              checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
                              rename=args.rename, with_optimizer=args.with_optimizer, dtype=_dtype(args),
-                             hf_config=args.hf_config, early_copies=early, names=args.names)
+                             hf_config=args.hf_config, early_copies=early, names=args.names,
+                             verify_source=args.verify_source, verify=args.verify)
     except BaseException:
         if early is not None:
             early.abandon()
@@ -252,16 +255,25 @@ def _cmd_reshard(args) -> int:
         report = reshard(args.ckpt_dir, args.out_dir, to=args.to, tp=args.tp, dp=args.dp, pp=args.pp,
                          zero_stage=args.zero_stage, ep=args.ep, files=args.files, layout=args.layout,
                          dtype=_dtype(args), workers=args.workers, overwrite=args.overwrite, checksum=args.checksum,
-                         cluster=cluster, on_replica_mismatch=args.on_replica_mismatch, optimizer=args.optimizer)
+                         cluster=cluster, on_replica_mismatch=args.on_replica_mismatch, optimizer=args.optimizer,
+                         verify_source=args.verify_source, verify=args.verify)
     _report(report)
     return 0
 
 
 def _cmd_verify(args) -> int:
-    from .storage.staging import verify
+    """An output folder (it holds a reshard manifest): every file against the manifest. A source
+    checkpoint (no manifest): the reader's checks, every record's CRC-32 and the deep check."""
+    from .storage.staging import MANIFEST, manifest_folder, verify
 
-    doc = verify(args.out_dir)
-    print(f"{args.out_dir}: {len(doc['files'])} files match the manifest")
+    p = Path(args.out_dir)
+    if manifest_folder(p) is not None or (p.is_dir() and any((c / MANIFEST).is_file() for c in p.iterdir())):
+        doc = verify(p)
+        print(f"{args.out_dir}: {len(doc['files'])} files match the manifest")
+        return 0
+    from .jobs.source_check import check_source
+
+    print("\n".join(check_source(p).lines()))
     return 0
 
 
@@ -284,6 +296,12 @@ def _output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output tag folder")
     p.add_argument("--checksum", choices=CHECKSUMS, default="crc32",
                    help="checksum of each file in the output manifest (default crc32)")
+    p.add_argument("--no-verify-source", dest="verify_source", action="store_false",
+                   help="do not check the source's records against their CRC-32s as they are read, nor the files "
+                   "copied verbatim (the report says so; the manifest records source_verified: false)")
+    p.add_argument("--verify", choices=VERIFY, default="records",
+                   help="records (default): every record read is checked against its CRC-32; deep: also the module "
+                   "weights against the fp32 masters they were cast from, where the source holds both")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="under torchrun: how long a process waits for the others before the job fails "
                    f"(default {DEFAULT_TIMEOUT_S:g})")
@@ -386,8 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     _output(rs)
     rs.set_defaults(fn=_cmd_reshard, imports=("reshard.jobs.convert",))
 
-    vf = sub.add_parser("verify", help="check a reshard output folder against its checksum manifest")
-    vf.add_argument("out_dir", help="an output tag folder holding reshard-manifest.json")
+    vf = sub.add_parser("verify", help="check a reshard output folder against its checksum manifest, or a source "
+                        "checkpoint: reader checks, every record's CRC-32, the deep check")
+    vf.add_argument("out_dir", metavar="PATH", help="an output tag folder holding reshard-manifest.json, or a source "
+                    "checkpoint folder (any format reshard reads)")
     vf.set_defaults(fn=_cmd_verify, imports=("reshard.storage.staging",))
     d = sub.add_parser("demo", help="a tour: derive layouts, plan, reshard and convert a committed fixture")
     d.set_defaults(fn=_cmd_demo, imports=("reshard.present.demo",))

@@ -176,18 +176,21 @@ def _first_line(e: BaseException) -> str:
 
 
 def open_staging(cluster: Cluster, out_dir: str | Path, tag: str, *, sources: Sequence[str | Path], overwrite: bool,
-                 checksum: str) -> Staging:
+                 checksum: str, verify_source: bool = True) -> Staging:
     """The job's staging folder: process 0 creates it (clearing what a killed run left), the others
-    join it once it exists. ``sources``: the paths the job reads, which the output must not touch."""
+    join it once it exists. ``sources``: the paths the job reads, which the output must not touch;
+    ``verify_source``: whether files copied verbatim are checked (``storage.copy_check``)."""
     staging, error = None, None
     if cluster.rank == 0:
         try:
-            staging = Staging(out_dir, tag, sources=sources, overwrite=overwrite, checksum=checksum)
+            staging = Staging(out_dir, tag, sources=sources, overwrite=overwrite, checksum=checksum,
+                              verify_source=verify_source)
         except ReshardError as e:
             error = e
     cluster.agree(error)
     if staging is None:
-        staging = Staging(out_dir, tag, sources=sources, overwrite=overwrite, checksum=checksum, join=True)
+        staging = Staging(out_dir, tag, sources=sources, overwrite=overwrite, checksum=checksum, join=True,
+                          verify_source=verify_source)
     return staging
 
 

@@ -12,14 +12,31 @@ from typing import Any
 import torch
 
 from ..errors import ReshardError
+from ..formats.contract import Reader
 from ..formats.registry import make_writer, open_reader
+from ..storage import verified
 from .cluster import Cluster
 from .engine import Policy, run
 from .reports import Report
 
-__all__ = ["CONVERT_FORMATS", "convert", "reshard"]
+__all__ = ["CONVERT_FORMATS", "VERIFY", "convert", "reshard"]
 
 CONVERT_FORMATS = ("ucp", "safetensors", "hf", "dcp")
+VERIFY = ("records", "deep")  # --verify: every record read checked (the default); and module weights vs masters
+
+
+def _open(ckpt_dir: str | Path, verify: str, **how: Any) -> tuple[Reader, list[str]]:
+    """The source, opened and checked (``--verify deep``: also its module weights against its
+    masters, ``jobs.deep_check``), and what the report says of the checks."""
+    if verify not in VERIFY:
+        raise ReshardError(f"verify (--verify) must be one of {', '.join(VERIFY)}, got {verify!r}")
+    reader = open_reader(ckpt_dir, **how)
+    notes = []
+    if verify == "deep":
+        from .deep_check import deep_check
+
+        notes.append(str(deep_check(reader)))
+    return reader, notes
 
 
 def convert(
@@ -40,6 +57,8 @@ def convert(
     hf_config: str | Path | None = None,
     early_copies: Any = None,
     names: str | None = None,
+    verify_source: bool = True,
+    verify: str = "records",
 ) -> Report:
     """Convert the checkpoint at ``ckpt_dir`` (DeepSpeed, universal, DCP or safetensors) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``),
@@ -58,15 +77,32 @@ def convert(
     this raises.
 
     ``names``: the parameter names a Megatron source is read under (``"megatron"`` or ``"hf"``;
-    default: HF names for safetensors, Megatron's keys for the other formats)."""
+    default: HF names for safetensors, Megatron's keys for the other formats).
+
+    ``verify_source`` (``--no-verify-source`` turns it off): every byte read from a ``torch.save``
+    record, and every file copied verbatim, is checked against its CRC-32 (``storage.verified``);
+    the manifest records whether (``source_verified``). ``verify="deep"`` (``--verify deep``) also
+    compares module weights with the masters they were cast from (``jobs.deep_check``)."""
     if fmt not in CONVERT_FORMATS:
         raise ReshardError(f"format (--format) must be one of {', '.join(CONVERT_FORMATS)}, got {fmt!r}")
     Policy.parse(on_replica_mismatch)
-    reader = open_reader(ckpt_dir, route=fmt, names=names)
+    with verified.verifying(verify_source):
+        reader, notes = _open(ckpt_dir, verify, route=fmt, names=names)
+        return _convert(reader, out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
+                        overwrite=overwrite, max_file_bytes=max_file_bytes, progress=progress, checksum=checksum,
+                        cluster=cluster, rename=rename, with_optimizer=with_optimizer, dtype=dtype,
+                        hf_config=hf_config, early_copies=early_copies, notes=notes)
+
+
+def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_replica_mismatch: str,
+             overwrite: bool, max_file_bytes: int, progress: Any, checksum: str, cluster: Cluster | None,
+             rename: Sequence[str], with_optimizer: bool, dtype: torch.dtype | None, hf_config: str | Path | None,
+             early_copies: Any, notes: list[str]) -> Report:
     cluster = cluster or Cluster.from_env()
     early = early_copies
     if early is not None and (reader.format != "deepspeed" or fmt != "ucp" or cluster.world > 1
-                              or early.tag_dir != reader.ck.tag_dir or early.staging.out_dir != Path(out_dir)):
+                              or early.tag_dir != reader.ck.tag_dir or early.staging.out_dir != Path(out_dir)
+                              or early.staging.verify_source != verified.enabled()):
         early.abandon()  # of another route, source, output or process count: as without them
         early = None
     options: dict[str, Any] = {"ucp": {"early": early},
@@ -83,7 +119,7 @@ def convert(
     writer = make_writer(fmt, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
-               staging=early.staging if early is not None else None)
+               staging=early.staging if early is not None else None, notes=notes)
 
 
 def reshard(
@@ -106,6 +142,8 @@ def reshard(
     cluster: Cluster | None = None,
     on_replica_mismatch: str = "error",
     optimizer: str | None = None,
+    verify_source: bool = True,
+    verify: str = "records",
 ) -> Report:
     """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``: a
     DeepSpeed checkpoint (``to="deepspeed"``, the default) at TP=``tp`` x DP=``dp`` (x PP=``pp``)
@@ -117,8 +155,20 @@ def reshard(
     degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep. Or a
     Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP), from a
     Megatron source or an HF one, its optimizer state laid out as ``optimizer`` says
-    (``formats.megatron.writer``)."""
-    reader = open_reader(ckpt_dir, route=to)
+    (``formats.megatron.writer``). ``verify_source`` and ``verify`` as for :func:`convert`."""
+    with verified.verifying(verify_source):
+        reader, notes = _open(ckpt_dir, verify, route=to)
+        return _reshard(reader, ckpt_dir, out_dir, to=to, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, ep=ep,
+                        files=files, layout=layout, dtype=dtype, workers=workers, overwrite=overwrite,
+                        progress=progress, checksum=checksum, cluster=cluster,
+                        on_replica_mismatch=on_replica_mismatch, optimizer=optimizer, notes=notes)
+
+
+def _reshard(reader: Reader, ckpt_dir: str | Path, out_dir: str | Path, *, to: str | None, tp: int | None,
+             dp: int | None, pp: int | None, zero_stage: int | None, ep: int | None, files: int | None, layout: Any,
+             dtype: torch.dtype | None, workers: int, overwrite: bool, progress: Any, checksum: str,
+             cluster: Cluster | None, on_replica_mismatch: str, optimizer: str | None,
+             notes: list[str]) -> Report:
     to = to or ("dcp" if files is not None else "deepspeed")
     if to == "dcp":
         if files is None:
@@ -139,4 +189,4 @@ def reshard(
     writer = make_writer(to, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
-               extra_sources=getattr(writer, "extra_sources", ()))
+               extra_sources=getattr(writer, "extra_sources", ()), notes=notes)

@@ -44,7 +44,8 @@ class EarlyCopies:
         self._thread.start()
 
     @classmethod
-    def start(cls, ckpt_dir: str | Path, out_dir: str | Path, *, overwrite: bool, checksum: str) -> EarlyCopies | None:
+    def start(cls, ckpt_dir: str | Path, out_dir: str | Path, *, overwrite: bool, checksum: str,
+              verify_source: bool = True) -> EarlyCopies | None:
         """Start copying the model-state files of the DeepSpeed checkpoint in ``ckpt_dir`` into a
         new staging folder for ``out_dir``; ``None`` (nothing started, nothing created) when
         there are none, or when anything is amiss: the conversion then reports it in its own
@@ -55,7 +56,8 @@ class EarlyCopies:
             if not files:
                 return None
             made = not Path(out_dir).exists()
-            staging = Staging(out_dir, tag.name, sources=(ckpt_dir, tag), overwrite=overwrite, checksum=checksum)
+            staging = Staging(out_dir, tag.name, sources=(ckpt_dir, tag), overwrite=overwrite, checksum=checksum,
+                              verify_source=verify_source)
         except (ValueError, OSError):  # reshard's errors, and a 'latest' that is not text
             return None
         return cls(tag, staging, files, made_out_dir=made)

@@ -37,6 +37,7 @@ from ..ir.param_map import ParamMap
 from ..layouts import replicated
 from ..plan.planner import DefaultCost, Planner
 from ..plan.values import Segment
+from ..storage import verified
 from ..storage.torch_zip import Storage
 from .cluster import Cluster, agreed, commit, open_staging, run_share
 from .reports import Drift, Report, written
@@ -148,7 +149,14 @@ class Engine:
         over = self._overrides.get((name, state))
         if over is not None:
             return over[1]
-        return self.reader.fragment(name, state, rank)
+        return self.read(name, state, rank)
+
+    def read(self, name: str, state: str, rank: int) -> torch.Tensor:
+        """The source fragment, its records marked as read: checked before the job commits
+        (``storage.verified``), by the CRCs the writers take as they copy it, or a read of its own."""
+        t = self.reader.fragment(name, state, rank)
+        verified.touch(t, f"{name} ({state}, rank {rank})")
+        return t
 
     # -- filling -------------------------------------------------------------------------------
     def fill(self, buffer: Buffer) -> WindowFill:
@@ -199,7 +207,7 @@ class Engine:
         return drift
 
     def _compare(self, name: str, state: str, m: ParamMap) -> Drift | None:
-        shards = {r: self.reader.fragment(name, state, r) for r in m.ranks}
+        shards = {r: self.read(name, state, r) for r in m.ranks}
         try:
             m.rebuild(shards, SCALE_POWER.get(state, 1), valid_only=True)
         except ReplicaMismatchError as e:
@@ -240,10 +248,12 @@ def _drift_error(reader: Reader, drift: list[Drift]) -> ReplicaMismatchError:
 def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1, overwrite: bool = False,
         checksum: str = "crc32", cluster: Cluster | None = None, progress: Any = None,
         on_replica_mismatch: str = "error", extra_sources: Sequence[Path] = (),
-        staging: Any = None) -> Report:
+        staging: Any = None, notes: Sequence[str] = ()) -> Report:
     """Write ``writer``'s target from ``reader``'s source into ``out_dir/<tag>`` (module doc).
-    ``staging``: a staging folder already opened for this job (the command's early copies)."""
+    ``staging``: a staging folder already opened for this job (the command's early copies);
+    ``notes``: what the report says beside the writer's (the checks the command ran)."""
     policy = Policy.parse(on_replica_mismatch)
+    verified.forget_pending()  # what an earlier job left unchecked is not this one's
     engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy,
                     target_tp=getattr(writer, "tp_index", None))
     targets = writer.targets()
@@ -255,24 +265,31 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
     if staging is None:  # a writer without a tag writes the output folder itself (a model folder)
         parent, tag = (Path(out_dir), writer.tag) if writer.tag is not None else (Path(out_dir).parent, Path(out_dir).name)
         staging = open_staging(cluster, parent, tag, sources=(*reader.sources, *extra_sources),
-                               overwrite=overwrite, checksum=checksum)
+                               overwrite=overwrite, checksum=checksum, verify_source=verified.enabled())
     try:
         jobs = writer.jobs(engine, staging)
     except BaseException:
         if cluster.rank == 0:  # every process builds the same jobs, so every one fails alike
             staging.abandon()
         raise
-    run_share(cluster, staging, jobs, lambda mine: run_with_progress(mine, workers, progress, "file",
-                                                                     f"reshard -> {writer.format}"))
+    def share(mine: list) -> None:
+        run_with_progress(mine, workers, progress, "file", f"reshard -> {writer.format}")
+        verified.finish()  # what this process read and the writers' CRCs did not check: before anything commits
+
+    run_share(cluster, staging, jobs, share)
     finish = getattr(writer, "finish", None)
     if finish is not None:  # what one process writes last, from every process's files (DCP's .metadata)
         agreed(cluster, staging, lambda: finish(staging, cluster.gather, cluster.rank))
     meta = {"reshard_version": __version__, "format": writer.format, "source": str(reader.sources[-1]),
             "source_format": reader.format, "source_topology": reader.topology, **writer.meta(),
-            "on_replica_mismatch": policy.text, "replica_drift": [str(d) for d in drift]}
+            "on_replica_mismatch": policy.text, "replica_drift": [str(d) for d in drift],
+            "source_verified": verified.enabled()}
     final = commit(cluster, staging, meta, writer.latest)
     reads = {k: v for part in cluster.gather(engine.reads) for k, v in part.items()}
-    notes = list(writer.notes())
+    notes = [*notes, *writer.notes()]
+    if not verified.enabled():
+        notes.append("source not verified (--no-verify-source): its records' CRC-32s were not checked, and the "
+                     "manifest says so (source_verified: false)")
     for state in ("exp_avg", "exp_avg_sq"):
         if engine.missing.get(state):
             notes.append(f"the source holds no {state}: written as zeros, as a fresh optimizer holds them "

@@ -11,7 +11,6 @@ import ctypes
 import hashlib
 import io
 import json
-import mmap
 import os
 import queue
 import shutil
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, OutputError, ReshardError
+from .copy_check import digest as checked_digest
+from .copy_check import regular
 from .crc import Crc32
 
 MANIFEST = "reshard-manifest.json"
@@ -86,9 +87,10 @@ class Staging:
     another process of the same job created it (``reshard.jobs.cluster``); use it as it is."""
 
     def __init__(self, out_dir: str | Path, tag: str, *, sources: Iterable[str | Path], overwrite: bool = False,
-                 checksum: str = "crc32", join: bool = False) -> None:
+                 checksum: str = "crc32", join: bool = False, verify_source: bool = True) -> None:
         new_checksum(checksum)  # refuse a bad name before touching the disk
         self.checksum = checksum
+        self.verify_source = verify_source  # check the files copied verbatim (storage.copy_check)
         self.out_dir = Path(out_dir)
         self.tag = tag
         self.final = self.out_dir / tag
@@ -106,6 +108,9 @@ class Staging:
             raise CheckpointError(f"{self.final}: already exists (pass --overwrite, or overwrite=True from Python, "
                                   "to replace it)")
         try:
+            # abandon() removes what this job made again (the output folder and parents it had to make), if left empty
+            self.made_dirs = [d for d in (self.out_dir, *self.out_dir.parents) if not d.exists()]
+            self.made_out_dir = bool(self.made_dirs)
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if self.tmp.exists():  # left by a run that was killed
                 shutil.rmtree(self.tmp)
@@ -158,26 +163,45 @@ class Staging:
 
     def copy(self, src: Path, rel: str) -> None:
         """A verbatim copy of ``src``: in the kernel where it can (``copy_file_range``, no trip
-        through user memory), checksummed from a read-only mapping of the source."""
-        if not hasattr(os, "copy_file_range"):
-            with open(src, "rb") as fin, self.open(rel) as fout:
-                while chunk := fin.read(1 << 24):
-                    fout.write(chunk)
-            return
-        with open(src, "rb") as fin, self.writing(rel), open(self.path(rel), "wb") as fout:
-            size = os.fstat(fin.fileno()).st_size
-            digest = _checksum_fd(fin.fileno(), size, self.checksum)
-            done = 0
-            while done < size:
-                n = os.copy_file_range(fin.fileno(), fout.fileno(), min(size - done, 1 << 30))
-                if n == 0:
-                    raise CheckpointError(f"{src}: changed size while being copied")
-                done += n
+        through user memory), checksummed from a read-only mapping of the source, which is checked
+        on the way (``storage.copy_check``: an archive's structure, every record's CRC-32 and what
+        its pickle imports; JSON that it parses) unless the job does not verify its source."""
+        try:
+            fin = open(src, "rb")
+        except OSError as e:  # a folder where a file should be, a broken link, no permission
+            raise CheckpointError(f"{src}: cannot be read ({e.strerror or e}); not copied") from None
+        with fin:
+            try:
+                size = regular(src, fin.fileno())
+                digest = checked_digest(fin.fileno(), size, new_checksum(self.checksum), src, verify=self.verify_source)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}; not copied into the output") from None
+            if not hasattr(os, "copy_file_range"):
+                fin.seek(0)
+                with self.writing(rel), open(self.path(rel), "wb") as fout:
+                    shutil.copyfileobj(fin, fout, 1 << 24)
+            else:
+                with self.writing(rel), open(self.path(rel), "wb") as fout:
+                    done = 0
+                    while done < size:
+                        n = os.copy_file_range(fin.fileno(), fout.fileno(), min(size - done, 1 << 30), done, None)
+                        if n == 0:
+                            raise CheckpointError(f"{src}: changed size while being copied")
+                        done += n
         start_writeback(self.tmp / rel)
         self.record(rel, size, digest)
 
+    made_out_dir = False
+
     def abandon(self) -> None:
+        """Remove the staging folder, and the output folder this job made for it if nothing else
+        is in it: a failed job leaves nothing behind."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        for d in getattr(self, "made_dirs", ()):  # innermost first
+            try:
+                d.rmdir()
+            except OSError:  # not empty: someone else's files
+                break
 
     def commit(self, meta: dict[str, Any], latest_name: str | None) -> Path:
         """Checksum, make durable, rename into place. Every file is fsynced before the rename, so
@@ -230,6 +254,10 @@ class Prefixed:
     def copy(self, src: Path, rel: str) -> None:
         self.staging.copy(src, self.prefix + rel)
 
+    @property
+    def verify_source(self) -> bool:
+        return self.staging.verify_source
+
     def record(self, rel: str, size: int, digest: str) -> None:
         self.staging.record(self.prefix + rel, size, digest)
 
@@ -244,21 +272,23 @@ def _checksum(p: Path, name: str) -> str:
     return h.hexdigest()
 
 
-def _checksum_fd(fd: int, size: int, name: str) -> str:
-    h = new_checksum(name)
-    if size:
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
-            if hasattr(m, "madvise"):
-                m.madvise(mmap.MADV_SEQUENTIAL)
-            view = memoryview(m)
+def _check_file(p: Path, algo: str, want: dict[str, Any]) -> None:
+    """``p`` against its manifest entry, and as an archive (``storage.copy_check``): a file that
+    differs from the manifest is named as such first; one that matches it but is a corrupt
+    archive was committed so (a copy made with --no-verify-source)."""
+    try:
+        with open(p, "rb") as f:
+            size = regular(p, f.fileno())
             try:
-                for off in range(0, size, 1 << 24):
-                    h.update(view[off:off + (1 << 24)])
-                    if hasattr(m, "madvise"):  # mapped pages count as resident: let them go
-                        m.madvise(mmap.MADV_DONTNEED, off, min(1 << 24, size - off))
-            finally:
-                view.release()
-    return h.hexdigest()
+                got, fault = checked_digest(f.fileno(), size, new_checksum(algo), p), None
+            except CheckpointError as e:
+                got, fault = checked_digest(f.fileno(), size, new_checksum(algo), p, verify=False), e
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot be read ({e.strerror or e})") from None
+    if size != want["size"] or got != want[algo]:
+        raise CheckpointError(f"{p}: content differs from the manifest's {algo} checksum")
+    if fault is not None:
+        raise CheckpointError(f"{fault} (it matches the manifest: it was committed so, copied without verification)")
 
 
 def _fsync(p: Path) -> None:
@@ -458,14 +488,24 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def verify(folder: str | Path) -> dict[str, Any]:
-    """Re-check every file against the manifest; raise CheckpointError naming the first fault."""
+def manifest_folder(folder: str | Path) -> Path | None:
+    """The output tag folder ``folder`` is (it holds the manifest) or holds (its one tag folder
+    with a manifest); None for anything else (a source checkpoint)."""
     folder = Path(folder)
-    if not (folder / MANIFEST).is_file():
-        tags = [p for p in folder.iterdir() if (p / MANIFEST).is_file()] if folder.is_dir() else []
-        if len(tags) != 1:
-            raise CheckpointError(f"{folder}: no {MANIFEST} (not a finished reshard output)")
-        folder = tags[0]
+    if (folder / MANIFEST).is_file():
+        return folder
+    tags = [p for p in folder.iterdir() if (p / MANIFEST).is_file()] if folder.is_dir() else []
+    return tags[0] if len(tags) == 1 else None
+
+
+def verify(folder: str | Path) -> dict[str, Any]:
+    """Re-check every file against the manifest, and every ``torch.save`` archive in it as a copy
+    is checked (structure, each record's CRC-32, what its pickle imports: ``storage.copy_check``,
+    in the same pass); raise CheckpointError naming the first fault."""
+    found = manifest_folder(folder)
+    if found is None:
+        raise CheckpointError(f"{folder}: no {MANIFEST} (not a finished reshard output)")
+    folder = found
     try:
         doc = json.loads((folder / MANIFEST).read_text())
         files = doc["files"]
@@ -481,8 +521,7 @@ def verify(folder: str | Path) -> dict[str, Any]:
         if algo is None or "size" not in want:
             raise CheckpointError(f"{folder / MANIFEST}: entry for {rel!r} has no size or known checksum "
                                   f"({list(CHECKSUMS)})")
-        if p.stat().st_size != want["size"] or _checksum(p, algo) != want[algo]:
-            raise CheckpointError(f"{p}: content differs from the manifest's {algo} checksum")
+        _check_file(p, algo, want)
     extra = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
                    if p.is_file() and p.name != MANIFEST and p.relative_to(folder).as_posix() not in files)
     if extra:

@@ -61,6 +61,7 @@ import torch
 
 from ..errors import OutputError, ReshardError
 from ..execute.memory import release
+from . import verified
 from .crc import crc32, crc32_combine
 from .pickling import Pickler
 
@@ -333,8 +334,8 @@ class TorchZipWriter:
         self._current, self._state = slot, "storage"
         return slot
 
-    def write(self, data: Any) -> None:
-        """Append bytes (a buffer or a contiguous CPU tensor) to the current storage."""
+    def write(self, data: Any, source: torch.Tensor | None = None) -> None:
+        """Append bytes (a buffer or a contiguous CPU tensor; ``source``: the tensor a buffer views)."""
         self._check("storage")
         view = _byte_view(data)
         slot = self._current
@@ -344,7 +345,7 @@ class TorchZipWriter:
                                    f"{self._done + len(view)} were supplied"))
         if len(self._head) < 8:
             self._head += view[: 8 - len(self._head)].tobytes()
-        self._crc = crc32(view, self._crc)
+        self._crc = verified.extend(self._crc, view, data if isinstance(data, torch.Tensor) else source)
         self._emit(view)
         self._done += len(view)
 
@@ -490,8 +491,8 @@ def _archive_name(path: str) -> str:
 
 
 def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: list[torch.Tensor]) -> None:
-    if slot.memory is not None:  # already in memory: one write, as torch does
-        w.write(_byte_view(slot.memory).toreadonly())  # as torch: a sink may defer its CRC to the descriptor
+    if slot.memory is not None:  # already in memory: one write, read-only as torch's (a sink may defer its CRC)
+        w.write(_byte_view(slot.memory).toreadonly(), slot.memory)
         return
     storage = slot.storage
     assert storage is not None

@@ -30,7 +30,8 @@ import torch
 
 from ..errors import OutputError
 from ..execute.memory import release
-from .crc import Crc32, crc32, crc32_combine
+from . import verified
+from .crc import Crc32, crc32_combine
 from .pickling import Pickler
 from .staging import Staging, copy_mapped, new_checksum, start_writeback
 from .torch_zip import (
@@ -200,7 +201,7 @@ class Archive:
         for view, keep in self._pieces(slot, a, b):
             if len(head) < 8 and a == 0:
                 head += bytes(view[: 8 - len(head)])
-            crc = crc32(view, crc)
+            crc = verified.extend(crc, view, keep)  # a mapped source's bytes: their CRC checks it too
             done = copy_mapped(view, fd, at) if len(view) >= (1 << 20) else 0
             if done < len(view):
                 _pwrite(fd, view[done:], at + done)
@@ -223,8 +224,10 @@ class Archive:
                 yield _byte_view(chunk), mapped
         elif isinstance(src, torch.Tensor) or _is_buffer(src):
             view = _byte_view(src)
+            flat = src.detach().reshape(-1).view(torch.uint8) if isinstance(src, torch.Tensor) else None
             for off in range(a, b, self.chunk_bytes):
-                yield view[off:min(b, off + self.chunk_bytes)], None
+                end = min(b, off + self.chunk_bytes)
+                yield view[off:end], None if flat is None else flat[off:end]  # a tensor's bytes: offered, released
         else:  # an iterator of chunks: only ever whole (see _item)
             for chunk in src:
                 yield _byte_view(chunk), None

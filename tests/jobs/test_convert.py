@@ -150,7 +150,7 @@ def test_unknown_optimizer_state_layout(tmp_path):
         del sd["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"]
 
     _rewrite(victim, edit)
-    with pytest.raises(CheckpointError, match=rf"{victim}: optimizer state has no 'exp_avg'"):
+    with pytest.raises(CheckpointError, match=rf"{victim}: group 0 holds \['step', 'exp_avg_sq'\]: a step or moment is missing"):
         convert(ck, tmp_path / "out")
 
 
@@ -272,7 +272,7 @@ def test_output_that_cannot_be_written_is_a_clear_error_and_leaves_nothing(tmp_p
     assert res.returncode == 2, res.stderr[-2000:]
     assert "cannot write the output (File too large)" in res.stderr and ".pt" in res.stderr
     assert "Traceback" not in res.stderr
-    assert list(out.iterdir()) == []  # partial folder removed, no latest_universal
+    assert not out.exists()  # partial folder removed, and the output folder the job made: nothing left
 
 
 @pytest.mark.parametrize("checksum", ["crc32", "sha256"])

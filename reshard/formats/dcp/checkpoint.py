@@ -20,15 +20,13 @@ Keys follow DCP's flattening of ``{"model": ..., "optim": ...}``: ``model.<fqn>`
 
 from __future__ import annotations
 
-import collections
 import io
 import mmap
 import os
 import pathlib
 import pickle
 import re
-import struct
-import zipfile
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,9 @@ from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
 from ...ir.piece import Piece, View, prod, row_major_strides
 from ...layouts._core import box_piece, finish
+from ...storage import verified
+from ...storage.safe_load import load_bytes
+from .chunks import read_record
 
 __all__ = ["METADATA", "Chunk", "DcpCheckpoint", "TensorEntry", "is_dcp", "read_metadata"]
 
@@ -82,13 +83,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(f"{self.where}: unexpected persistent reference in DCP metadata")
 
 
+def read_regular(f: Path) -> bytes:
+    """The bytes of ``f``, which must be a regular file (a symlink to ``/dev/zero`` or a folder
+    is refused before a byte is read: it would never end, or fail unnamed)."""
+    try:
+        with open(f, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise CheckpointError(f"{f}: not a regular file (a folder, a device or a pipe)")
+            return fh.read()
+    except OSError as e:
+        raise CheckpointError(f"{f}: cannot read ({e.strerror or e})") from None
+
+
 def read_metadata(path: Path) -> Any:
     """The ``Metadata`` record of a DCP folder, read without running anything it names."""
     f = path / METADATA
-    try:
-        raw = f.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{f}: cannot read ({e.strerror or e})") from None
+    raw = read_regular(f)
     try:
         md = _MetadataUnpickler(io.BytesIO(raw), f).load()
     except CheckpointError:
@@ -143,6 +153,7 @@ class DcpCheckpoint:
         self.planner_data = planner_data
         self._maps: dict[str, ParamMap] = {}
         self._files: dict[str, mmap.mmap | bytes] = {}
+        self._checked: dict[str, verified.MappedFile] = {}
         keys = [*tensors, *objects]
         self.optim = next((o for o in OPTIMIZERS if any(k.startswith(o + "state.") or k.startswith(o + "param_groups.")
                                                         for k in keys)), OPTIMIZERS[0])
@@ -224,10 +235,13 @@ class DcpCheckpoint:
         """Chunk ``i`` of ``key``, memory-mapped from its file (read-only use)."""
         e = self.entry(key)
         c = e.chunks[i]
-        rec = _read_record(self._mapped(c.file), c, self.path / c.file, key)
+        data = self._mapped(c.file)
+        rec = read_record(data, self._registered(c.file, data), c.offset, c.length,
+                          f"{self.path / c.file}: {key!r} chunk at {list(c.offsets)}")
         if rec.dtype != e.dtype or tuple(rec.shape) != c.sizes:
             raise CheckpointError(f"{self.path / c.file}: {key!r} chunk at {list(c.offsets)} holds a "
                                   f"{rec.dtype} {list(rec.shape)} tensor, the metadata says {e.dtype} {list(c.sizes)}")
+        verified.touch(rec, f"{key} chunk at {list(c.offsets)}")  # checked before the job commits
         return rec
 
     def shard(self, key: str, rank: int) -> torch.Tensor:
@@ -272,21 +286,34 @@ class DcpCheckpoint:
         except KeyError:
             raise CheckpointError(f"{self.path}: no entry {key!r} in the DCP metadata") from None
         raw = self._mapped(rel)[off:off + length]
-        try:
-            return torch.load(io.BytesIO(raw), weights_only=True)
-        except Exception as e:  # noqa: BLE001 -- weights_only refusals and corrupt archives alike
-            raise CheckpointError(f"{self.path / rel}: entry {key!r} cannot be loaded weights-only "
-                                  f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+        where = f"{self.path / rel}: entry {key!r}"
+        try:  # a torch.save archive of its own: checked and loaded weights-only, as a file is
+            return load_bytes(raw, where)
+        except CheckpointError as e:
+            detail = str(e).removeprefix(f"{where}: ")
+            raise CheckpointError(f"{where} cannot be loaded weights-only ({detail})") from None
 
     def _mapped(self, rel: str) -> mmap.mmap | bytes:
         m = self._files.get(rel)
         if m is None:
-            with open(self.path / rel, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                # a private mapping: pages come in as read, and nothing can write back to the file
-                m = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
+            try:
+                with open(self.path / rel, "rb") as fh:
+                    st = os.fstat(fh.fileno())
+                    if not stat.S_ISREG(st.st_mode):
+                        raise CheckpointError(f"{self.path / rel}: not a regular file (a folder or a device)")
+                    # a private mapping: pages come in as read, and nothing can write back to the file
+                    m = mmap.mmap(fh.fileno(), st.st_size, access=mmap.ACCESS_COPY) if st.st_size else b""
+            except OSError as e:
+                raise CheckpointError(f"{self.path / rel}: cannot be read ({e.strerror or e})") from None
             self._files[rel] = m
         return m
+
+    def _registered(self, rel: str, data: mmap.mmap | bytes) -> verified.MappedFile:
+        """The file's records, registered for checking as its chunks are read."""
+        f = self._checked.get(rel)
+        if f is None:
+            f = self._checked[rel] = verified.MappedFile(self.path / rel, data)
+        return f
 
 
 # -- metadata checks ---------------------------------------------------------------------------
@@ -395,152 +422,3 @@ def _flat_box(shape: tuple[int, ...], c: Chunk, at: int, rank: int) -> list[Piec
     """A chunk (a box of F, row-major) placed contiguously at ``at`` of a flat shard."""
     fs, cs = row_major_strides(shape), row_major_strides(c.sizes)
     return [Piece(c.sizes, View(sum(a * s for a, s in zip(c.offsets, fs)), fs), View(at, cs), frozenset((rank,)))]
-
-
-# -- chunk records -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageRef:
-    key: str
-    dtype: torch.dtype
-    nbytes_or_numel: int
-    untyped: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _TensorRecord:
-    storage: _StorageRef
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-# the legacy typed-storage names torch.save writes for each dtype (``_rebuild_tensor_v2`` records)
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
-}
-
-
-def _rebuild_v2(storage: _StorageRef, offset: int, size: Any, stride: Any, *_: Any) -> _TensorRecord:
-    return _TensorRecord(storage, int(offset), tuple(int(x) for x in size), tuple(int(x) for x in stride), storage.dtype)
-
-
-def _rebuild_v3(storage: _StorageRef, offset: int, size: Any, stride: Any, _grad: Any, _hooks: Any,
-                dtype: torch.dtype, *_: Any) -> _TensorRecord:
-    return _TensorRecord(storage, int(offset), tuple(int(x) for x in size), tuple(int(x) for x in stride), dtype)
-
-
-class _RecordUnpickler(pickle.Unpickler):
-    """The ``data.pkl`` of a one-tensor ``torch.save`` archive, admitting only tensor records."""
-
-    def __init__(self, f: Any, where: str) -> None:
-        super().__init__(f)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_v2
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_v3
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return ("typed", _STORAGE_DTYPES[name])
-        if module == "torch" and name == "UntypedStorage":
-            return ("untyped", torch.uint8)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointError(f"{self.where}: refuses to unpickle {module}.{name} in a tensor record")
-
-    def persistent_load(self, pid: Any) -> Any:
-        try:
-            _, (kind, dtype), key, _, n = pid
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{self.where}: malformed storage reference {pid!r}") from None
-        return _StorageRef(str(key), dtype, int(n), kind == "untyped")
-
-
-_LOCAL = struct.Struct("<4sHHHHHIIIHH")
-
-
-class _Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of a mapped file as a seekable file (for ``zipfile``)."""
-
-    def __init__(self, data: mmap.mmap | bytes, start: int, length: int) -> None:
-        self.data, self.start, self.length, self.pos = data, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.length + pos
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        if n:
-            a = self.start + self.pos
-            memoryview(b)[:n] = self.data[a:a + n]
-        self.pos += n
-        return n
-
-
-def _safetensors_file(data: mmap.mmap | bytes) -> bool:
-    """Whether a file starts as safetensors does: a little-endian header length, then JSON."""
-    if len(data) < 9:
-        return False
-    n = int.from_bytes(data[:8], "little")
-    return 0 < n <= len(data) - 8 and data[8:9] == b"{"
-
-
-def _read_record(data: mmap.mmap | bytes, c: Chunk, f: Path, key: str) -> torch.Tensor:
-    """The tensor of the ``torch.save`` archive at ``c.offset``, as a view of the mapped file."""
-    where = f"{f}: {key!r} chunk at {list(c.offsets)}"
-    try:
-        zf = zipfile.ZipFile(_Window(data, c.offset, c.length))
-        infos = {i.filename.split("/", 1)[-1]: i for i in zf.infolist()}
-        pkl = zf.read(infos["data.pkl"])
-    except (zipfile.BadZipFile, KeyError, OSError, EOFError, struct.error) as e:
-        if _safetensors_file(data):
-            raise CheckpointError(f"{where}: the file is a safetensors file (DCP's serialization_format="
-                                  "SAFETENSORS, read by Hugging Face storage readers), which reshard does not read; "
-                                  "save with the default TORCH_SAVE format") from None
-        raise CheckpointError(f"{where}: not a torch.save record ({type(e).__name__}: {e})") from None
-    try:
-        rec = _RecordUnpickler(io.BytesIO(pkl), where).load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- a corrupt pickle raises almost anything
-        raise CheckpointError(f"{where}: corrupt tensor record ({type(e).__name__}: {e})") from None
-    if not isinstance(rec, _TensorRecord):
-        raise CheckpointError(f"{where}: holds a {type(rec).__name__}, not a tensor")
-    info = infos.get(f"data/{rec.storage.key}")
-    if info is None or info.compress_type != zipfile.ZIP_STORED:
-        raise CheckpointError(f"{where}: storage {rec.storage.key!r} is missing or compressed")
-    head = data[c.offset + info.header_offset:c.offset + info.header_offset + _LOCAL.size]
-    if len(head) != _LOCAL.size:
-        raise CheckpointError(f"{where}: truncated record")
-    fields = _LOCAL.unpack(head)
-    start = c.offset + info.header_offset + _LOCAL.size + fields[9] + fields[10]
-    itemsize = torch.empty((), dtype=rec.dtype).element_size()
-    if start + info.file_size > c.offset + c.length or info.file_size % itemsize:
-        raise CheckpointError(f"{where}: storage bytes run past the record")
-    # torch's archives align storages within the archive, but DCP packs archives end to end, so the
-    # bytes may sit at any file offset: frombuffer takes a byte offset and needs no alignment
-    flat = torch.frombuffer(data, dtype=rec.dtype, count=info.file_size // itemsize, offset=start) \
-        if info.file_size else torch.empty(0, dtype=rec.dtype)
-    try:
-        return flat.as_strided(rec.size, rec.stride, rec.offset)
-    except RuntimeError as e:
-        raise CheckpointError(f"{where}: tensor {list(rec.size)} does not fit its storage ({e})") from None

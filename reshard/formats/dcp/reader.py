@@ -15,6 +15,7 @@ import torch
 
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
+from ...storage import verified
 from .checkpoint import DcpCheckpoint
 
 __all__ = ["RAW", "DcpReader"]
@@ -101,7 +102,11 @@ class DcpReader:
         key = ck.state_key(name, "step")
         if key is None:
             return None
-        return ck.full(key).clone() if key in ck.tensors else ck.object(key)
+        if key not in ck.tensors:
+            return ck.object(key)
+        full = ck.full(key)
+        verified.ensure(full, f"{key}")  # read outside the engine's fills: its record is checked now
+        return full.clone()
 
     def extras(self, name: str) -> dict[str, Any]:
         return {}

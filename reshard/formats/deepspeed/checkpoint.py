@@ -33,6 +33,7 @@ from ...storage.safe_load import load
 from . import experts as deepspeed_experts
 from . import lowering
 from . import moe as deepspeed_moe
+from .checks import check_step, shape_of
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE, resolve_tag_dir
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -155,6 +156,16 @@ class DeepSpeedCheckpoint:
             self._cache[key] = _as_dict(load(self.model_files[tp]), self.model_files[tp])
         return self._cache[key]
 
+    def model_state_at(self, path: Path) -> dict:
+        """The model-state file ``path`` of this tag (any rank's), loaded once."""
+        for t, p in self.model_files.items():
+            if p == path:
+                return self.model_state(t)
+        key = ("model_at", path)
+        if key not in self._cache:
+            self._cache[key] = _as_dict(load(path), path)
+        return self._cache[key]
+
     def optim_state(self, tp: int, dp: int) -> dict:
         key = ("optim", tp, dp)
         if key not in self._cache:
@@ -174,9 +185,8 @@ class DeepSpeedCheckpoint:
         """Per model-parallel rank: ``{name: shard shape}`` over all groups, in model order."""
         out = []
         for t in range(self.mp):
-            groups = _get(self.model_state(t), "param_shapes", self.model_files[t])
-            groups = groups if isinstance(groups, list) else [groups]
-            out.append({n: tuple(s) for g in groups for n, s in g.items()})
+            groups = self._z3_groups(t)
+            out.append({n: shape_of(s, n, self.model_files[t]) for g in groups for n, s in g.items()})
         return out
 
     @cached_property
@@ -319,6 +329,7 @@ class DeepSpeedCheckpoint:
                 outer = osd["optimizer_state_dict"] if self.zero_stage == 3 else osd["base_optimizer_state"]
                 for s in outer["state"].values():
                     if "step" in s:
+                        check_step(s["step"], path)
                         steps.add(float(s["step"]))
             except (KeyError, TypeError, AttributeError, ValueError):
                 raise CheckpointError(f"{path}: optimizer state has an unknown layout (no per-group 'state')") \
@@ -366,7 +377,13 @@ class DeepSpeedCheckpoint:
 
     def _z3_groups(self, t: int) -> list[dict]:
         groups = _get(self.model_state(t), "param_shapes", self.model_files[t])
-        return groups if isinstance(groups, list) else [groups]
+        groups = groups if isinstance(groups, list) else [groups]
+        if not all(isinstance(g, dict) for g in groups):
+            raise CheckpointError(f"{self.model_files[t]}: param_shapes is not a list of name -> shape dicts")
+        for g in groups:
+            for n, s in g.items():
+                shape_of(s, n, self.model_files[t])
+        return groups
 
     def tp_shard(self, name: str, t: int, state: str, shape: tuple[int, ...]) -> torch.Tensor:
         """TP rank ``t``'s shard of ``name`` (of ``shape``) for one state, rebuilt from its DP

@@ -28,7 +28,18 @@ def resolve_tag_dir(path: str | Path) -> Path:
         if not (p / tag).is_dir():
             raise CheckpointError(f"{latest}: names tag {tag!r}, but {p / tag} is missing")
         return resolve_tag_dir(p / tag)
+    if latest.exists() or latest.is_symlink():
+        raise CheckpointError(f"{latest}: not a regular file")
+    tags = tag_folders(p)
+    if tags:
+        raise CheckpointError(f"{p}: no 'latest' file naming one of its tag folders ({', '.join(t.name for t in tags[:3])}):"
+                              " point at the tag folder itself")
     raise CheckpointError(f"{p}: no *model_states.pt files and no 'latest' file: not a DeepSpeed checkpoint")
+
+
+def tag_folders(p: Path) -> list[Path]:
+    """The sub-folders of ``p`` holding model-state files (DeepSpeed tag folders), sorted."""
+    return sorted(q for q in p.iterdir() if q.is_dir() and any(q.glob("*model_states.pt"))) if p.is_dir() else []
 
 
 def read_latest(latest: Path) -> str:
@@ -46,4 +57,5 @@ def read_latest(latest: Path) -> str:
 def is_deepspeed(p: Path) -> bool:
     """Whether folder ``p`` looks like a DeepSpeed checkpoint: a tag folder of ``*model_states.pt``
     files, or a parent with ``latest`` (its contents are checked when it is opened)."""
-    return any(p.glob("*model_states.pt")) or (p / "latest").is_file()
+    latest = p / "latest"
+    return any(p.glob("*model_states.pt")) or latest.exists() or latest.is_symlink() or bool(tag_folders(p))

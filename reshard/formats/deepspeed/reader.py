@@ -27,9 +27,13 @@ import torch
 
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
+from ...storage import verified
+from . import checks
 from .checkpoint import DeepSpeedCheckpoint
+from .zero3 import OSD_KEYS as Z3_OSD_KEYS
 from .zero3 import Zero3Source
-from .zero12 import Zero12Source
+from .zero12 import OSD_KEYS as Z12_OSD_KEYS
+from .zero12 import Zero12Source, check_dense_layouts
 
 __all__ = ["DeepSpeedReader", "optimizer_state"]
 
@@ -79,14 +83,26 @@ class DeepSpeedReader:
         return Zero3Source(self.ck) if self._kind == "zero3" else None
 
     def check(self) -> None:
-        """Every check that can refuse this checkpoint, for every route alike."""
+        """Every check that can refuse this checkpoint, for every route alike (``inspect``,
+        ``convert``, ``reshard``): the files' tensors (``checks``), then each kind's layout rule."""
         ck = self.ck
+        checks.check_keys(ck, Z3_OSD_KEYS if ck.zero_stage == 3 else Z12_OSD_KEYS)
+        if ck.zero_stage != 3:  # first: the layout rules below take the partitions' types on trust
+            checks.check_partitions(ck, sizes=False)
         if self._kind == "zero12":
             assert self.zero12 is not None
         elif self._kind == "zero3":
             assert self.zero3 is not None
         else:
             ck.check_steps()
+        if ck.zero_stage == 3:
+            checks.check_z3_model_files(ck)
+        else:
+            checks.check_partitions(ck)
+            checks.check_module_weights(ck, self.names, self.module_dtype)
+            checks.check_expert_files(ck, self.module_dtype)
+            if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout is Zero12Source's
+                check_dense_layouts(ck, self.module_dtype)
         for name in self.names:  # every map lowers and composes
             for state in self.states(name):
                 self.map(name, state)
@@ -144,7 +160,10 @@ class DeepSpeedReader:
         return rank % self.ck.mp % self.ck.tp
 
     def step(self, name: str) -> Any:
-        return self.ck.step(name) if self.ck.has_optimizer_state(name) else None
+        step = self.ck.step(name) if self.ck.has_optimizer_state(name) else None
+        if isinstance(step, torch.Tensor):  # read outside the engine's fills: its record is checked now
+            verified.ensure(step, f"{name} (step)")
+        return step
 
     def extras(self, name: str) -> dict[str, Any]:
         return dict(self.ck.tp_map(name).extra)

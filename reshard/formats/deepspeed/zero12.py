@@ -121,6 +121,27 @@ def check_source_group(group: FlatGroup, osds: Sequence[Mapping], g: int, where:
                                   "parameter_alignment implies")
 
 
+def check_dense_layouts(ck: Any, dtype: torch.dtype) -> None:
+    """ZeRO-1/2 with experts (AutoEP, classic MoE): every dense group's ``param_slice_mappings``
+    on every DP rank against DeepSpeed 0.19.8's flat layout of the group's ``param_shapes``, as
+    a dense checkpoint's (``zero12.Zero12Source``): two DP ranks' optimizer files swapped, or a
+    fragment start shifted, are refused rather than read at the wrong place. (The expert groups'
+    layouts are their EDP groups' own; swapped EP ranks' files of one shape are the deep check's.)"""
+    zo = (ck.model_state(0).get("ds_config") or {}).get("zero_optimization") or {}
+    align = param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
+    experts = set(ck.experts.groups if ck.experts is not None else ()) | set(ck.moe.groups if ck.moe is not None else ())
+    for t in range(ck.mp):
+        shapes = ck.model_state(t).get("param_shapes")
+        shapes = shapes if isinstance(shapes, list) else [shapes]
+        osds = [ck.osd(t, d) for d in range(ck.dp)]
+        for g, grp in enumerate(shapes):
+            if g in experts or not isinstance(grp, Mapping):
+                continue
+            group = flat_group(list(grp), [tuple(s) for s in grp.values()], ck.dp, param_align=align)
+            check_source_group(group, osds, g, f"{ck.tag_dir} (model-parallel rank {t}, files "
+                               f"{', '.join(ck.optim_files[(t, d)].name for d in range(ck.dp))})")
+
+
 # -- dictionaries --------------------------------------------------------------------------------
 
 

@@ -34,8 +34,17 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 def trainer_folder(reader: Any) -> Path | None:
     """The Trainer checkpoint folder (it holds ``trainer_state.json``) the source was read from."""
     for src in reader.sources:
-        if (Path(src) / "trainer_state.json").is_file():
+        state = Path(src) / "trainer_state.json"
+        if state.exists() or state.is_symlink():  # not a regular file: its copy refuses it, never dropped
             return Path(src)
+    for src in reader.sources:  # Trainer's other files without its state: written as DeepSpeed, they would be lost
+        p = Path(src)
+        held = [f for f in STATE_FILES[1:] if (p / f).exists() or (p / f).is_symlink()]
+        held += sorted(f.name for f in p.iterdir() if RNG_RE.match(f.name)) if p.is_dir() else []
+        if held:
+            raise CheckpointError(f"{p / 'trainer_state.json'}: missing, beside Trainer's {', '.join(held[:3])}: a "
+                                  "Trainer checkpoint without its state (restore it, or point at the DeepSpeed tag "
+                                  "folder to write the DeepSpeed files alone)")
     return None
 
 
@@ -70,7 +79,8 @@ class TrainerWriter:
         old = sorted((int(m[1] or 0), f) for f in folder.iterdir() if (m := RNG_RE.match(f.name)))
         self.rng = [] if not old else [(("rng_state.pth" if self.world == 1 else f"rng_state_{r}.pth"),
                                         old[r % len(old)][1]) for r in range(self.world)]
-        self.carried = [f for f in (*STATE_FILES, *CARRIED) if (folder / f).is_file()]
+        # a name that is there but no regular file is carried too: its copy refuses it (never a silent omission)
+        self.carried = [f for f in (*STATE_FILES, *CARRIED) if (folder / f).exists() or (folder / f).is_symlink()]
 
     def tp_index(self, rank: int) -> int:
         return self.inner.tp_index(rank)

@@ -47,10 +47,7 @@ class _MegatronMetadataUnpickler(dcp._MetadataUnpickler):
 def _open(iter_dir: Path) -> dcp.DcpCheckpoint:
     """``DcpCheckpoint.open`` with Megatron's save plans admitted in ``.metadata``."""
     f = iter_dir / dcp.METADATA
-    try:
-        raw = f.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{f}: cannot read ({e.strerror or e})") from None
+    raw = dcp.read_regular(f)
     try:
         md = _MegatronMetadataUnpickler(io.BytesIO(raw), f).load()
     except CheckpointError:

@@ -69,8 +69,31 @@ class LegacySource:
             sd = self.first if f == self.files[min(self.files)] and (tp, pp) == min(self.files) else safe.load_file(f)
             if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict):
                 raise CheckpointError(f"{f}: not a Megatron model_optim_rng.pt (no 'model' state dict)")
+            self._saved_by(f, sd, tp, pp)
             self._sd[(tp, pp)] = sd
         return sd
+
+    def _saved_by(self, f: Path, sd: dict, tp: int, pp: int) -> None:
+        """The file's ``args.rank`` (the global rank that saved it) must be of the TP and PP rank
+        its folder names: Megatron's rank order keeps TP innermost, then CP, then DP and PP (or
+        PP and DP with ``use_tp_pp_dp_mapping``). Two same-shaped rank files swapped are refused."""
+        args = sd.get("args")
+        rank = getattr(args, "rank", None)
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            return
+        t, p = self.arch.tp, self.arch.pp
+        cp = getattr(args, "context_parallel_size", 1)
+        dp = getattr(args, "data_parallel_size", None)
+        if not isinstance(cp, int) or cp < 1:
+            cp = 1
+        if getattr(args, "use_tp_pp_dp_mapping", False):
+            want_pp: int | None = rank // (t * cp) % p
+        else:
+            want_pp = rank // (t * cp * dp) if isinstance(dp, int) and dp > 0 else None
+        if rank % t != tp or (want_pp is not None and want_pp != pp):
+            saved = f"TP rank {rank % t}" + (f", PP rank {want_pp}" if want_pp is not None else "")
+            raise CheckpointError(f"{f}: saved by global rank {rank} ({saved}), but it lies in the folder of TP rank "
+                                  f"{tp}, PP rank {pp}: rank files swapped or misplaced")
 
     # -- names -----------------------------------------------------------------------------------
     def _local_name(self, lp: LocalParam) -> str:
@@ -123,6 +146,9 @@ class LegacySource:
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != lp.shape:
             raise CheckpointError(f"{f}: optimizer state {i} ({name}, TP rank {lp.tp}) has no {state} of shape "
                                   f"{list(lp.shape)}")
+        if t.dtype != torch.float32:  # Megatron's Adam keeps its moments in fp32 whatever the weights' dtype
+            raise CheckpointError(f"{f}: optimizer state {i} ({name}, TP rank {lp.tp}): {state} is {t.dtype}, not "
+                                  "torch.float32")
         return t
 
     @cached_property
@@ -145,6 +171,8 @@ class LegacySource:
                     got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise CheckpointError(f"{g}: '{k}' is {got}, the bucket layout args imply [{unpadded}]: "
                                           "truncated or another layout")
+                if t.dtype != torch.float32:  # the distributed optimizer's main params and moments are fp32
+                    raise CheckpointError(f"{g}: '{k}' is {t.dtype}, not torch.float32 (TP rank {tp}, PP rank {pp})")
             out[(tp, pp)] = (buf, {(lp.spec.key, lp.label): (s, e) for lp, s, e in layout})
         return out
 

@@ -2,7 +2,8 @@
 back under Megatron's own names (docs/megatron-checkpoints.md §4).
 
 Every object record (``common_state`` with its ``args``, ``rng_state``, the optimizer's objects)
-and every legacy ``.pt`` file is loaded with ``torch.load(weights_only=True)`` and an allow-list:
+and every legacy ``.pt`` file is loaded by torch's weights-only unpickler (``storage.safe_load``: structure and
+CRC-32s checked) with an allow-list:
 ``argparse.Namespace``, ``signal.Signals``, numpy's array rebuild, and inert stand-ins for the
 Megatron enums the files name (``ModelType``, ``AttnBackend``, ``InferenceCudaGraphScope``,
 ``RerunMode``, ``RerunState``, ``RerunDiagnostic``). An enum member is pickled as ``GLOBAL cls;
@@ -19,7 +20,6 @@ import io
 import pickle
 import signal
 import types
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import CheckpointError
+from ...storage import safe_load
+from ...storage.safe_load import AllowList
 
 __all__ = ["STAND_INS", "dumps", "load_bytes", "load_file", "safe_globals"]
 
@@ -82,42 +83,20 @@ def safe_globals() -> Iterator[None]:
         yield
 
 
-def _refusal(where: str, e: Exception) -> CheckpointError:
-    text = str(e)
-    for marker in ("Unsupported global: GLOBAL ", "GLOBAL "):
-        if marker in text:
-            name = text.split(marker, 1)[1].split()[0]
-            return CheckpointError(f"{where}: refuses to unpickle {name}, which is not on reshard's allow-list of "
-                                   "Megatron checkpoint globals (loading it could run code)")
-    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    return CheckpointError(f"{where}: cannot be unpickled safely ({first})")
+ALLOW = AllowList(tuple(_ALLOWED), "Megatron checkpoint globals")
 
 
 def load_bytes(raw: bytes | memoryview, where: str) -> Any:
-    """A ``torch.save`` record (an object of a ``.distcp`` file), loaded weights-only."""
-    try:
-        with safe_globals():
-            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise _refusal(where, e) from None
-    except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, KeyError, TypeError,
-            AttributeError) as e:
-        raise CheckpointError(f"{where}: corrupt or truncated record ({type(e).__name__}: {e})") from None
+    """A ``torch.save`` record (an object of a ``.distcp`` file), loaded weights-only, its
+    structure and every record's CRC-32 checked (``storage.safe_load``)."""
+    return safe_load.load_bytes(raw, where, allow=ALLOW)
 
 
 def load_file(path: Path) -> Any:
-    """A legacy ``.pt`` file, loaded weights-only with its tensors memory-mapped."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file is missing")
-    try:
-        with safe_globals():
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        raise _refusal(str(path), e) from None
-    except (zipfile.BadZipFile, RuntimeError, EOFError, OSError, ValueError, KeyError, TypeError,
-            AttributeError) as e:
-        raise CheckpointError(f"{path}: cannot be read as a torch checkpoint; truncated or corrupt "
-                              f"({type(e).__name__}: {str(e)[:200]})") from None
+    """A legacy ``.pt`` file, loaded weights-only with its tensors memory-mapped; its structure
+    checked before anything is mapped and every record's CRC-32 as it is read
+    (``storage.safe_load``, ``storage.verified``)."""
+    return safe_load.load(path, allow=ALLOW)
 
 
 _PATHS = {cls: (cls.__module__, cls.__qualname__) for cls in STAND_INS}

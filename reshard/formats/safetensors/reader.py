@@ -87,6 +87,17 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
     for (_, a_hi, a), (b_lo, _, b) in zip(spans, spans[1:]):
         if b_lo < a_hi:
             raise CheckpointError(f"{path}: tensors {a!r} and {b!r} overlap in the file")
+    # as the safetensors library's own validation: the entries tile the data bytes exactly, from the first to
+    # the last (bytes no entry names are a tensor whose entry was lost, or another file's)
+    at = 0
+    for lo, hi, name in spans:
+        if lo != at:
+            raise CheckpointError(f"{path}: data bytes [{at}, {lo}) before tensor {name!r} belong to no header entry: "
+                                  "a header entry is missing or the file is corrupt")
+        at = hi
+    if base + at != size:
+        raise CheckpointError(f"{path}: data bytes [{at}, {size - base}) belong to no header entry: a header entry is "
+                              "missing, or the file has bytes appended")
     return dict(sorted(out.items(), key=lambda kv: kv[1].start)), meta if isinstance(meta, dict) else {}
 
 
@@ -228,6 +239,10 @@ class SafetensorsReader:
         """The folder's ``config.json``, where there is one."""
         f = self.folder / "config.json"
         try:
-            return json.loads(f.read_text()) if f.is_file() else None
+            if not f.is_file():
+                if f.exists() or f.is_symlink():  # a folder, a device, a broken link: never "no config"
+                    raise CheckpointError(f"{f}: not a regular file")
+                return None
+            return json.loads(f.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{f}: unreadable ({e})") from None

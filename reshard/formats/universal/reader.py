@@ -16,7 +16,9 @@ from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
+from ...storage import verified
 from ...storage.safe_load import load
+from ..deepspeed.checks import check_step
 
 __all__ = ["STATE_FILES", "UniversalReader", "universal_dir"]
 
@@ -50,7 +52,11 @@ class UniversalReader:
         if tag_dir is None:
             raise CheckpointError(f"{p}: no zero/ folder and no {LATEST}: not a universal checkpoint")
         self.tag_dir, self.root = tag_dir, tag_dir / "zero"
-        found = {d.name for d in self.root.iterdir() if (d / "fp32.pt").is_file()}
+        found = {d.name for d in self.root.iterdir() if d.is_dir()}
+        lacking = sorted(n for n in found if not (self.root / n / "fp32.pt").is_file())
+        if lacking:  # a parameter folder without its master: never "no such parameter"
+            raise CheckpointError(f"{self.root / lacking[0] / 'fp32.pt'}: missing (or not a regular file): the "
+                                  f"parameter's fp32 master ({len(lacking)} parameter(s) lack theirs)")
         # the model's order (what a DeepSpeed target flattens in): the model states' param_shapes
         ordered = [n for n in self._recorded if n in found]
         self.names = ordered + sorted(found - set(ordered))
@@ -61,22 +67,44 @@ class UniversalReader:
         self.description = "universal checkpoint"
         self.topology: dict[str, int] = {}
         self._maps: dict[str, ParamMap] = {}
+        unknown = [n for n in self._recorded if n not in found]
+        if unknown:
+            raise CheckpointError(f"{self.root / unknown[0]}: missing, but the model states beside zero/ record "
+                                  f"{unknown[0]!r} ({len(unknown)} parameter(s) missing)")
 
     def check(self) -> None:
+        """Every state file of every parameter: a float32 tensor (as ds_to_universal and reshard
+        write them; another dtype is refused, never cast) of F's elements, the moments in the
+        fp32 file's shape."""
+        kinds = {}
+        for name in self.names:  # every parameter the same states and a step, or none
+            kinds.setdefault((self.states(name), (self.root / name / "step.pt").is_file()), name)
+        if len(kinds) > 1:
+            (a, na), (b, nb) = list(kinds.items())[:2]
+            raise CheckpointError(f"{self.root}: parameters hold different optimizer states ({na!r}: {list(a[0])}"
+                                  f"{' + step' if a[1] else ''}; {nb!r}: {list(b[0])}{' + step' if b[1] else ''}): a "
+                                  "file is missing")
         for name in self.names:
             n = prod(self.shape(name))
+            stored = tuple(self._tensor(name, "fp32").shape)
+            self.step(name)
             for state in self.states(name):
                 t = self._tensor(name, state)
+                f = self.root / name / f"{state}.pt"
+                if t.dtype != torch.float32:
+                    raise CheckpointError(f"{f}: a {t.dtype} tensor; a universal checkpoint's {state} is float32 "
+                                          "(refused, not cast)")
                 if t.numel() != n:
-                    raise CheckpointError(f"{self.root / name / (state + '.pt')}: {t.numel()} elements, the "
-                                          f"parameter has {n} ({list(self.shape(name))})")
+                    raise CheckpointError(f"{f}: {t.numel()} elements, the parameter has {n} ({list(self.shape(name))})")
+                if tuple(t.shape) != stored:
+                    raise CheckpointError(f"{f}: shape {list(t.shape)}, fp32.pt's is {list(stored)}")
 
     @cached_property
     def _recorded(self) -> dict[str, tuple[int, ...]]:
         """Shapes the model-state files beside ``zero/`` record (``param_shapes``): a universal
         checkpoint of a ZeRO-3 job stores each F flat, and only these say its shape."""
         for f in sorted(self.tag_dir.glob("*model_states.pt")):
-            groups = load(f).get("param_shapes") if f.is_file() else None
+            groups = load(f).get("param_shapes")  # one that is not a regular file is refused, not skipped
             groups = groups if isinstance(groups, list) else [groups] if isinstance(groups, dict) else []
             return {n: tuple(int(x) for x in s) for g in groups if isinstance(g, dict) for n, s in g.items()}
         return {}
@@ -97,7 +125,14 @@ class UniversalReader:
         return stored
 
     def states(self, name: str) -> tuple[str, ...]:
-        return tuple(s for s in STATE_FILES if (self.root / name / f"{s}.pt").is_file())
+        out = []
+        for s in STATE_FILES:
+            f = self.root / name / f"{s}.pt"
+            if f.is_file():
+                out.append(s)
+            elif f.exists() or f.is_symlink():  # a folder, a device, a broken link: never "no such state"
+                raise CheckpointError(f"{f}: not a regular file")
+        return tuple(out)
 
     def dtype(self, name: str, state: str) -> torch.dtype:
         return self._tensor(name, state).dtype
@@ -120,7 +155,15 @@ class UniversalReader:
 
     def step(self, name: str) -> Any:
         f = self.root / name / "step.pt"
-        return load(f) if f.is_file() else None
+        if not f.is_file():
+            if f.exists() or f.is_symlink():
+                raise CheckpointError(f"{f}: not a regular file")
+            return None
+        step = load(f)
+        check_step(step, f)
+        if isinstance(step, torch.Tensor):  # read outside the engine's fills: its record is checked now
+            verified.ensure(step, f"{name} (step)")
+        return step
 
     def extras(self, name: str) -> dict[str, Any]:
         obj = load(self.root / name / "fp32.pt")
@@ -129,7 +172,8 @@ class UniversalReader:
     @cached_property
     def optimizer_state(self) -> dict:
         f = self.root / "optimizer_state.pt"
-        obj = load(f) if f.is_file() else {}
+        # absent is a checkpoint without one; anything else there (a folder, a device) is loaded, and refused
+        obj = load(f) if f.exists() or f.is_symlink() else {}
         if not isinstance(obj, dict):
             raise CheckpointError(f"{f}: expected a dict, got {type(obj).__name__}")
         return obj

@@ -1,0 +1,412 @@
+"""Damaged copies of a checkpoint folder: each mutation family of the robustness issue, applied to
+one file (or two, or the folder) of a fresh copy, deterministically from a seeded generator.
+
+A mutation is ``(family, target, params)``; :func:`apply` performs it on a copy and returns a
+line describing exactly what was done. ``CANNOT_SHOW`` lists what the files themselves cannot
+reveal (safetensors carries no checksum; two same-sized rank files swapped where no rank is
+recorded and no deep check is possible)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.storage import pickling
+from reshard.storage.safe_load import load
+from reshard.storage.zip_index import is_zip, read_index
+
+ARCHIVE_FAMILIES = ("flip_tensor", "flip_pkl", "flip_local_header", "flip_central", "resave_shape", "resave_dtype",
+                    "resave_keys", "planted_pickle")
+FILE_FAMILIES = ("truncate", "empty", "delete", "flip_bytes", "symlink_same", "symlink_junk", "symlink_dir",
+                 "symlink_dev")
+FOLDER_FAMILIES = ("swap", "latest_garbage", "dcp_metadata", "safetensors_header", "safetensors_data")
+FAMILIES = ARCHIVE_FAMILIES + FILE_FAMILIES + FOLDER_FAMILIES
+CANNOT_SHOW = ("safetensors_data",)  # no checksum in the format: a flipped tensor byte is a valid file
+UNSEEN = "[files cannot show]"  # in a description: damage no file can reveal (what the family alone does not say)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    family: str
+    file: str  # relative to the checkpoint folder ("" for a folder-wide one)
+    seed: int
+    other: str = ""  # a second file (swap)
+    note: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+class Planted:
+    """A pickle that would run ``touch MARKER`` when loaded (the payload of planted pickles)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def files_of(root: Path) -> list[str]:
+    """Every regular file of a checkpoint folder (relative, sorted)."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def kind_of(path: Path) -> str:
+    name = path.name
+    if name == ".metadata":
+        return "dcp_metadata"
+    if name.endswith(".distcp"):
+        return "distcp"
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    if name in ("latest", "latest_universal"):
+        return "latest"
+    if name.endswith(".json"):
+        return "json"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return "archive" if is_zip(head) else "other"
+
+
+def candidates(root: Path, family: str) -> list[str]:
+    """The files of ``root`` a family applies to."""
+    files = files_of(root)
+    kinds = {f: kind_of(root / f) for f in files}
+    if family in ARCHIVE_FAMILIES:
+        out = [f for f in files if kinds[f] == "archive"]
+        if family.startswith("resave") or family == "planted_pickle":
+            out = [f for f in out if _loads(root / f)]
+        return out
+    if family in FILE_FAMILIES:
+        return files
+    if family == "swap":
+        return [f for f in files if _twin(f, files)]
+    if family == "latest_garbage":
+        return [f for f in files if kinds[f] == "latest"]
+    if family == "dcp_metadata":
+        return [f for f in files if kinds[f] == "dcp_metadata"]
+    if family.startswith("safetensors"):
+        return [f for f in files if kinds[f] == "safetensors"]
+    raise ValueError(family)
+
+
+def _loads(path: Path) -> bool:
+    try:
+        load(path, mmap=False)
+        return True
+    except ValueError:
+        return False
+
+
+def _twin(f: str, files: list[str]) -> str | None:
+    """A file named as ``f`` with another rank number in it (the first such), or None."""
+    import re
+
+    digits = list(re.finditer(r"\d+", f))
+    for m in digits:
+        for g in files:
+            if g != f and len(g) == len(f) and g[:m.start()] == f[:m.start()] and g[m.end():] == f[m.end():]:
+                return g
+    return None
+
+
+def apply(root: Path, m: Mutation, pristine: Path, scratch: Path) -> str:
+    """Perform ``m`` on the checkpoint copy at ``root``; ``pristine`` is the undamaged folder
+    (outside the copy), ``scratch`` a folder for what symlinks point at and the marker."""
+    rng = random.Random(m.seed)
+    path = root / m.file
+    fn = globals()[f"_{m.family}"]
+    return fn(root, path, rng, m, pristine, scratch)
+
+
+# -- whole files ------------------------------------------------------------------------------------
+
+
+def _truncate(root, path, rng, m, pristine, scratch) -> str:
+    size = path.stat().st_size
+    at = rng.randrange(size) if size else 0
+    with open(path, "r+b") as f:
+        f.truncate(at)
+    return f"{m.file} truncated to {at} of {size} bytes"
+
+
+def _empty(root, path, rng, m, pristine, scratch) -> str:
+    path.write_bytes(b"")
+    return f"{m.file} emptied"
+
+
+def _delete(root, path, rng, m, pristine, scratch) -> str:
+    path.unlink()
+    return f"{m.file} deleted"
+
+
+def _flip(path: Path, lo: int, hi: int, rng: random.Random) -> tuple[int, int]:
+    at = rng.randrange(lo, hi)
+    bit = rng.randrange(8)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ (1 << bit)]))
+    return at, bit
+
+
+def _flip_bytes(root, path, rng, m, pristine, scratch) -> str:
+    size = path.stat().st_size
+    if not size:
+        return _empty(root, path, rng, m, pristine, scratch)
+    at, bit = _flip(path, 0, size, rng)
+    unseen = ""
+    if path.suffix == ".safetensors" and at >= 8 + struct.unpack("<Q", (pristine / m.file).read_bytes()[:8])[0]:
+        unseen = f" {UNSEEN}: a tensor byte of safetensors, which has no checksum"
+    return f"{m.file}: bit {bit} of byte {at} flipped{unseen}"
+
+
+def _symlink(path: Path, target: Path) -> None:
+    path.unlink()
+    path.symlink_to(target)
+
+
+def _symlink_same(root, path, rng, m, pristine, scratch) -> str:
+    _symlink(path, (pristine / m.file).resolve())
+    return f"{m.file} -> the undamaged file, outside the folder"
+
+
+def _symlink_junk(root, path, rng, m, pristine, scratch) -> str:
+    junk = scratch / f"junk-{m.seed}{path.suffix}"
+    junk.write_bytes(rng.randbytes(rng.randrange(1, 4096)))
+    _symlink(path, junk)
+    return f"{m.file} -> a junk file outside the folder"
+
+
+def _symlink_dir(root, path, rng, m, pristine, scratch) -> str:
+    d = scratch / "a-folder"
+    d.mkdir(exist_ok=True)
+    _symlink(path, d)
+    return f"{m.file} -> a folder"
+
+
+def _symlink_dev(root, path, rng, m, pristine, scratch) -> str:
+    _symlink(path, Path("/dev/zero"))
+    return f"{m.file} -> /dev/zero"
+
+
+# -- torch archives -----------------------------------------------------------------------------------
+
+
+def _index(path: Path):
+    data = path.read_bytes()
+    return read_index(lambda at, n: data[at:at + n], len(data), str(path))
+
+
+def _flip_tensor(root, path, rng, m, pristine, scratch) -> str:
+    index = _index(path)
+    recs = [r for n, r in index.records.items() if n.startswith("data/") and r.size]
+    if not recs:
+        return _flip_pkl(root, path, rng, m, pristine, scratch)
+    rec = rng.choice(recs)
+    at, bit = _flip(path, rec.start, rec.start + rec.size, rng)
+    return f"{m.file}: bit {bit} of byte {at - rec.start} of record {rec.name} flipped"
+
+
+def _flip_pkl(root, path, rng, m, pristine, scratch) -> str:
+    rec = _index(path).records["data.pkl"]
+    at, bit = _flip(path, rec.start, rec.start + rec.size, rng)
+    return f"{m.file}: bit {bit} of byte {at - rec.start} of data.pkl flipped"
+
+
+def _flip_local_header(root, path, rng, m, pristine, scratch) -> str:
+    rec = rng.choice(list(_index(path).records.values()))
+    at, bit = _flip(path, rec.header, rec.start, rng)
+    return f"{m.file}: bit {bit} of byte {at - rec.header} of {rec.name}'s local header flipped"
+
+
+def _flip_central(root, path, rng, m, pristine, scratch) -> str:
+    index = _index(path)
+    at, bit = _flip(path, index.directory, index.size, rng)
+    return f"{m.file}: bit {bit} of byte {at - index.directory} of the central directory / end records flipped"
+
+
+def _places(obj: Any, at: str = "") -> list[tuple[Any, Any, str]]:
+    """(container, key, path) of every tensor and dict entry inside ``obj``."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.append((obj, k, f"{at}.{k}"))
+            out += _places(v, f"{at}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out.append((obj, i, f"{at}[{i}]"))
+            out += _places(v, f"{at}[{i}]")
+    return out
+
+
+def _resave(path: Path, obj: Any) -> None:
+    pickling.save(obj, path)
+
+
+def _tensors(obj: Any) -> list[tuple[Any, Any, str]]:
+    return [p for p in _places(obj) if isinstance(p[0][p[1]], torch.Tensor) and p[0][p[1]].numel()]
+
+
+def _resave_shape(root, path, rng, m, pristine, scratch) -> str:
+    obj = load(path, mmap=False)
+    places = _tensors(obj)
+    if not places:
+        return _resave_keys(root, path, rng, m, pristine, scratch)
+    box, key, at = rng.choice(places)
+    t = box[key].detach().clone()
+    how = rng.choice(["1xN", "Nx1", "shorter", "longer"])
+    flat = t.reshape(-1)
+    box[key] = {"1xN": lambda: flat.reshape(1, -1), "Nx1": lambda: flat.reshape(-1, 1),
+                "shorter": lambda: flat[:-1].clone(), "longer": lambda: torch.cat([flat, flat[:1]])}[how]()
+    _resave(path, obj)
+    return f"{m.file}: {at} re-saved {how} ({list(t.shape)} -> {list(box[key].shape)})"
+
+
+def _resave_dtype(root, path, rng, m, pristine, scratch) -> str:
+    obj = load(path, mmap=False)
+    places = _tensors(obj)
+    if not places:
+        return _resave_keys(root, path, rng, m, pristine, scratch)
+    box, key, at = rng.choice(places)
+    old = box[key].dtype
+    new = rng.choice([d for d in (torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.float32) if d != old])
+    box[key] = box[key].detach().to(new)
+    _resave(path, obj)
+    return f"{m.file}: {at} re-saved as {new} (was {old})"
+
+
+def _resave_keys(root, path, rng, m, pristine, scratch) -> str:
+    obj = load(path, mmap=False)
+    # a state dict's key set (a dict holding tensors), or the file's own entries
+    dicts = [p for p in _places(obj) if isinstance(p[0], dict) and (p[0] is obj or any(
+        isinstance(v, torch.Tensor) for v in p[0].values()))]
+    if not dicts:
+        return _flip_pkl(root, path, rng, m, pristine, scratch)
+    box, key, at = rng.choice(dicts)
+    # a file's own entries may include a job's client state: one more is no damage, one missing is
+    how = rng.choice(["drop", "rename"] if box is obj else ["drop", "rename", "add"])
+    if how == "drop":
+        del box[key]
+    elif how == "rename":
+        box[f"{key}_renamed" if isinstance(key, str) else key + 1000] = box.pop(key)
+    else:
+        box["unexpected_key"] = torch.zeros(3)
+    _resave(path, obj)
+    return f"{m.file}: key {at} {how}{'ped' if how == 'drop' else 'd' if how == 'rename' else 'ed beside'}"
+
+
+def _planted_pickle(root, path, rng, m, pristine, scratch) -> str:
+    marker = scratch / "PICKLE-RAN"
+    obj = load(path, mmap=False)
+    if isinstance(obj, dict) and rng.random() < 0.7:
+        obj["payload"] = Planted(marker)
+        how = "beside its content"
+    else:
+        obj = {"payload": Planted(marker), "content": obj}
+        how = "wrapping its content"
+    torch.save(obj, path, pickle_module=pickling.pickle_module)
+    return f"{m.file}: an os.system pickle planted {how}"
+
+
+# -- folder-wide ----------------------------------------------------------------------------------------
+
+
+def _swap(root, path, rng, m, pristine, scratch) -> str:
+    other = root / m.other
+    tmp = path.with_name(path.name + ".swap")
+    path.rename(tmp)
+    other.rename(path)
+    tmp.rename(other)
+    return f"{m.file} and {m.other} swapped"
+
+
+def _latest_garbage(root, path, rng, m, pristine, scratch) -> str:
+    how = rng.choice(["not utf-8", "300 chars", "missing tag", "empty", "slash", "dotdot", "nul"])
+    data = {"not utf-8": b"\xff\xfe\x80global\xc3", "300 chars": b"g" * 300, "missing tag": b"global_step999",
+            "empty": b"", "slash": b"../../etc", "dotdot": b"..", "nul": b"global\x00step"}[how]
+    path.write_bytes(data)
+    return f"{m.file}: {how} ({data[:20]!r})"
+
+
+def _dcp_metadata(root, path, rng, m, pristine, scratch) -> str:
+    md = pickle.loads(path.read_bytes())  # our own undamaged fixture: trusted here
+    keys = [k for k, e in md.state_dict_metadata.items() if hasattr(e, "chunks") and e.chunks]
+    key = rng.choice(keys)
+    entry = md.state_dict_metadata[key]
+    how = rng.choice(["shift", "resize", "drop", "dtype", "size", "storage_offset", "storage_length", "duplicate",
+                      "planted"])
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    c = entry.chunks[0]
+    if not len(entry.size) and how in ("shift", "resize", "size"):  # a 0-d tensor (a step) has no dimension to edit
+        how = "dtype"
+    if how == "shift":
+        entry.chunks[0] = ChunkStorageMetadata(torch.Size([c.offsets[0] + 1, *c.offsets[1:]]), c.sizes)
+    elif how == "resize":
+        entry.chunks[0] = ChunkStorageMetadata(c.offsets, torch.Size([max(0, c.sizes[0] - 1), *c.sizes[1:]]))
+    elif how == "drop":
+        entry.chunks.pop(0)
+    elif how == "dtype":
+        entry.properties.dtype = torch.float16 if entry.properties.dtype != torch.float16 else torch.float32
+    elif how == "size":
+        entry.size = torch.Size([entry.size[0] + 1, *entry.size[1:]])
+    elif how == "duplicate":
+        entry.chunks.append(entry.chunks[0])
+    elif how == "planted":
+        md.planner_data = {key: Planted(scratch / "PICKLE-RAN")}
+    else:
+        idx = next(k for k in md.storage_data if k.fqn == key)
+        info = md.storage_data[idx]
+        if how == "storage_offset":
+            info.offset += rng.choice([-1, 1, 64])
+        else:
+            info.length += rng.choice([-1, 1])
+    path.write_bytes(pickle.dumps(md))
+    return f".metadata: {key} {how}"
+
+
+def _safetensors_header(root, path, rng, m, pristine, scratch) -> str:
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    names = [k for k in header if k != "__metadata__"]
+    name = rng.choice(names)
+    how = rng.choice(["shape", "dtype", "offsets", "drop", "flip"])
+    e = header[name]
+    if how == "flip":
+        at, bit = _flip(path, 8, 8 + n, rng)
+        return f"{m.file}: bit {bit} of header byte {at} flipped"
+    if how == "shape":
+        e["shape"] = [*e["shape"][:-1], e["shape"][-1] + 1] if e["shape"] else [2]
+    elif how == "dtype":
+        e["dtype"] = {"F32": "BF16", "BF16": "F32", "F16": "F32"}.get(e["dtype"], "F32")
+    elif how == "offsets":
+        e["data_offsets"] = [e["data_offsets"][0] + 4, e["data_offsets"][1] + 4]
+    else:
+        del header[name]
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
+    return f"{m.file}: header entry {name} {how}"
+
+
+def _safetensors_data(root, path, rng, m, pristine, scratch) -> str:
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    if len(raw) <= 8 + n:
+        return _safetensors_header(root, path, rng, m, pristine, scratch)
+    at, bit = _flip(path, 8 + n, len(raw), rng)
+    return f"{m.file}: bit {bit} of tensor byte {at - 8 - n} flipped (safetensors has no checksum)"
+
+
+def copy_folder(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, symlinks=True)
