@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import pytest
@@ -10,6 +11,10 @@ import pytest
 # One thread per process, as the fixtures were made: two xdist workers and the ranks they launch
 # share 2 cores, and oversubscribed OpenMP pools burn them waiting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed JIT-builds its CPU all-reduce op on first use: one build per virtual environment, shared
+# by every launch (the default ~/.cache folder is shared by every environment here, and each one
+# taking a turn there rebuilds it)
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 if TYPE_CHECKING:
     from tests.e2e.plan import E2E
@@ -26,15 +31,40 @@ def e2e(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return E2E(tmp_path_factory.mktemp("e2e"), slow=slow)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, ``pyproject.toml``): one work unit per test
-    module, so that its module-scoped fixtures are built once, and one for every test of the
-    session-scoped ``e2e`` jobs, which are shared across modules; the units holding end-to-end
-    (``e2e``-marked) tests go first, so that the long ones do not start last."""
-    def group(item: pytest.Item) -> str:
-        return "e2e-jobs" if "e2e" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+# The test modules whose tests share the session's ``e2e`` jobs: one xdist work unit, so that each
+# job runs once (collection refuses a module that uses the fixture and is not listed here).
+E2E_MODULES = frozenset({
+    "tests/jobs/test_e2e_resume.py",
+    "tests/formats/deepspeed/test_zero12_reshard.py",
+    "tests/formats/deepspeed/test_zero3_reshard.py",
+    "tests/formats/dcp/test_dcp_e2e.py",
+})
 
-    heavy = {group(i) for i in items if i.get_closest_marker("e2e")}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda i: group(i) not in heavy)  # stable: the order within each part is kept
+
+def _unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, so that module-scoped fixtures are built once, or
+    one unit for all of :data:`E2E_MODULES`."""
+    module = nodeid.split("::")[0]
+    return "e2e-jobs" if module in E2E_MODULES else module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The units holding end-to-end (``e2e``-marked) tests go first, so that the long ones do not
+    start last (``--no-loadscope-reorder`` keeps this order)."""
+    stray = sorted({i.nodeid.split("::")[0] for i in items if "e2e" in getattr(i, "fixturenames", ())} - E2E_MODULES)
+    if stray:
+        raise pytest.UsageError(f"{', '.join(stray)} use the e2e fixture: add them to E2E_MODULES in tests/conftest.py")
+    heavy = {_unit(i.nodeid) for i in items if i.get_closest_marker("e2e")}
+    items.sort(key=lambda i: _unit(i.nodeid) not in heavy)  # stable: the order within each part is kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``-n 2 --dist loadscope`` (``pyproject.toml``), its scopes being :func:`_unit`'s."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ByUnit(config, log)
