@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	# The machine carries a CPU build of torch 2.13.0; pinning it here keeps pip from pulling a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test,plot]'
+	# DeepSpeed JIT-builds its CPU all-reduce op on first use: once here, where the tests look for it
+	# (tests/conftest.py), rather than under a lock both test workers wait on
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(BIN)/python -c "from deepspeed.accelerator import \
+	get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" > /dev/null
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -72,7 +72,7 @@ def _torchrun(out: Path, nproc: int, *args: str, nodes: int = 1, source: Path = 
 
 @pytest.mark.parametrize("args,nproc", [
     pytest.param(("reshard", "--tp", "1", "--dp", "4"), 4, marks=pytest.mark.slow),
-    (("reshard", "--tp", "2", "--dp", "3", "--workers", "2"), 3),
+    pytest.param(("reshard", "--tp", "2", "--dp", "3", "--workers", "2"), 3, marks=pytest.mark.slow),
     (("convert",), 3),
     pytest.param(("convert", "--format", "safetensors", "--max-file-gb", "0.0001"), 2, marks=pytest.mark.slow),
 ], ids=["reshard-4", "reshard-3-workers", "convert-3", "safetensors-2"])
@@ -85,7 +85,7 @@ def test_processes_write_what_one_process_writes(args, nproc, tmp_path):
 
 @pytest.mark.parametrize("args,source", [
     (("convert", "--format", "dcp", "--max-file-gb", "0.0002"), SOURCE),
-    (("reshard", "--files", "3"), DCP_SOURCE),
+    pytest.param(("reshard", "--files", "3"), DCP_SOURCE, marks=pytest.mark.slow),
     pytest.param(("convert", "--format", "safetensors", "--max-file-gb", "0.0001"), DCP_SOURCE,
                  marks=pytest.mark.slow),
 ], ids=["deepspeed-to-dcp", "dcp-files-3", "dcp-to-safetensors"])

@@ -162,7 +162,7 @@ def test_same_recipe_as_the_deepspeed_fixture(name: str, deepspeed: str) -> None
     assert set(fx["digests"]) <= strings
 
 
-@pytest.fixture(scope="module", params=NAMES)
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=[pytest.mark.slow] if i else []) for i, n in enumerate(NAMES)])
 def loaded_at_three(request) -> tuple[str, dict]:
     return request.param, run_fsdp_job("load", 3, FIXTURES / request.param, steps=1)
 
