@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/ruff check reshard tests benchmarks scripts
 	$(BIN)/python -m pytest -m "not slow"
 
-# everything make test runs, and the 3-4-rank end-to-end variants (marked slow): ~+4 min here
+# everything make test runs, and the end-to-end variants marked slow (3-4 ranks, a second dtype or stage)
 test-all: $(STAMP)
 	$(BIN)/ruff check reshard tests benchmarks scripts
 	$(BIN)/python -m pytest
