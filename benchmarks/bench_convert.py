@@ -28,8 +28,9 @@ def ensure_checkpoint(name: str = "llama_200m_zero1_dp2", flag: str = "--bench-2
 
 # A fresh wrapper process per command, so its children's peak RSS is this command's alone
 # (the largest process of the tree: ds_to_universal's worker pool included).
-_WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-         "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+_WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); u = resource.getrusage("
+         "resource.RUSAGE_CHILDREN); print('PEAK_KIB', u.ru_maxrss, 'CPU_S', u.ru_utime + u.ru_stime); "
+         "sys.exit(r.returncode)")
 
 
 def settle() -> None:
@@ -41,6 +42,12 @@ def settle() -> None:
 
 def _run(cmd: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB) of a command."""
+    wall, peak, _ = _measure(cmd)
+    return wall, peak
+
+
+def _measure(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (MiB) and CPU seconds (user + system, the command's process tree)."""
     settle()
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", _WRAP, *cmd], capture_output=True, text=True, cwd=ROOT,
@@ -48,8 +55,33 @@ def _run(cmd: list[str]) -> tuple[float, float]:
     wall = time.perf_counter() - t
     if res.returncode:
         raise RuntimeError(f"{cmd} failed:\n{res.stderr[-3000:]}")
-    peak = int(res.stdout.rsplit("PEAK_KIB", 1)[1].split()[0])
-    return wall, peak / 1024
+    peak, _, cpu = res.stdout.rsplit("PEAK_KIB", 1)[1].split()[:3]
+    return wall, int(peak) / 1024, float(cpu)
+
+
+def verify_cost(cmd: list[str], out: Path, pairs: int = 5) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``((wall, cpu), (wall, cpu))``, the best of ``pairs`` for ``cmd`` with verified reads (the
+    default) and with ``--no-verify-source``, the two alternating. A difference of a few percent
+    is within one run's disk noise here (write-back of the previous output), hence more pairs than
+    the other rows and CPU seconds beside wall time: the CPU the checks add is what they cost."""
+    best = {True: [float("inf")] * 2, False: [float("inf")] * 2}
+    for _ in range(pairs):
+        for verified in (True, False):
+            _drop_out(out)
+            wall, _, cpu = _measure(cmd if verified else [*cmd, "--no-verify-source"])
+            best[verified] = [min(best[verified][0], wall), min(best[verified][1], cpu)]
+    _drop_out(out)
+    return (best[True][0], best[True][1]), (best[False][0], best[False][1])
+
+
+def verify_rows(label: str, cost: tuple[tuple[float, float], tuple[float, float]], pairs: int) -> list[str]:
+    (wall, cpu), (wall0, cpu0) = cost
+    return [
+        row(f"  {label}: --no-verify-source vs verified reads (wall)", wall0, wall,
+            note=f"(verified reads cost {100 * (wall / wall0 - 1):+.1f} %, best of {pairs} pairs; goal <= 5 %)"),
+        row(f"  {label}: the same, CPU seconds (user + system)", cpu0, cpu,
+            note=f"(verified reads cost {100 * (cpu / cpu0 - 1):+.1f} % CPU)"),
+    ]
 
 
 def _drop_out(p: Path) -> None:
@@ -116,18 +148,17 @@ def ds_to_universal_cmd(tag: Path, out: Path, workers: int) -> list[str]:
             "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
 
 
-def main(workers: int = 2, repeat: int = 2) -> list[str]:
+def main(workers: int = 2, repeat: int = 2, pairs: int = 5) -> list[str]:
     ckpt = ensure_checkpoint()
     tag = ckpt / (ckpt / "latest").read_text().strip()
     out = DATA / "out"
     _drop_out(out)
     ours_cmd = [sys.executable, "-m", "reshard.cli", "convert", str(ckpt), str(out / "reshard"),
                 "--workers", str(workers)]
-    unverified_cmd = [*ours_cmd, "--no-verify-source"]  # the cost of verified reads: the same without them
     ds_cmd = ds_to_universal_cmd(tag, out / "ds" / tag.name, workers)
     inputs = [p for p in tag.iterdir() if p.is_file()]
     in_bytes = sum(p.stat().st_size for p in inputs)
-    ours = peer = floor = copy = fcopy = unverified = float("inf")
+    ours = peer = floor = copy = fcopy = float("inf")
     ours_rss = peer_rss = 0.0
     for _ in range(repeat):  # best of `repeat`, the tools alternating
         _drop_out(out / "reshard")
@@ -135,13 +166,13 @@ def main(workers: int = 2, repeat: int = 2) -> list[str]:
         ours, ours_rss = min(ours, wall), max(ours_rss, rss)
         out_bytes = sum(p.stat().st_size for p in (out / "reshard").rglob("*") if p.is_file())
         _drop_out(out / "reshard")
-        unverified = min(unverified, _run(unverified_cmd)[0])
         floor = min(floor, _io_floor(inputs, out_bytes, out / "floor.bin"))
         copy = min(copy, cp_sync(tag, out / "copy"))
         fcopy = min(fcopy, cp_sync(tag, out / "copy", files_only=True))
         _drop_out(out / "ds")
         wall, rss = _run(ds_cmd)
         peer, peer_rss = min(peer, wall), max(peer_rss, rss)
+    cost = verify_cost(ours_cmd, out / "reshard", pairs)
     _drop_out(out)
     start = startup()
     return [
@@ -149,8 +180,7 @@ def main(workers: int = 2, repeat: int = 2) -> list[str]:
         f"best of {repeat}, page cache flushed before each timed command",
         row("convert: reshard vs ds_to_universal (wall)", ours, peer, note="(goal >= 3x)"),
         row("  peak RSS reshard vs ds_to_universal", ours_rss, peer_rss, unit="MiB", note="(ratio = peer/ours)"),
-        row("  --no-verify-source vs verified reads (the default)", unverified, ours,
-            note=f"(verified reads cost {100 * (ours / unverified - 1):+.1f} %; goal <= 5 %)"),
+        *verify_rows("convert", cost, pairs),
         row("  I/O floor (read inputs once + write outputs once)", floor,
             note=f"reshard is {ours / floor:.2f}x the floor (goal within 2x)"),
         row("  copy floor: cp -r + sync of the checkpoint", copy,

@@ -21,7 +21,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_convert import DATA, _run, cp_sync, ds_to_universal_cmd, ensure_checkpoint, startup
+from benchmarks.bench_convert import (
+    DATA,
+    _run,
+    cp_sync,
+    ds_to_universal_cmd,
+    ensure_checkpoint,
+    startup,
+    verify_cost,
+    verify_rows,
+)
 from benchmarks.common import row
 from reshard.storage.safe_load import load
 
@@ -37,6 +46,12 @@ def _read_back(ucp: str, dp: int) -> float:
     return time.perf_counter() - t
 
 
+def _one(ckpt: Path, out: Path, dp: int, workers: int) -> list[str]:
+    """``reshard reshard`` in one process."""
+    return [sys.executable, "-m", "reshard.cli", "reshard", str(ckpt), str(out), "--tp", "1", "--dp", str(dp),
+            "--workers", str(workers)]
+
+
 def _ours(ckpt: Path, dp: int, workers: int, repeat: int) -> dict[str, tuple[float, float]]:
     """Best of ``repeat`` (wall, peak RSS) for one process, two processes, ``reshard convert`` and
     the two copy floors, the commands alternating so that they share the machine's state."""
@@ -44,17 +59,13 @@ def _ours(ckpt: Path, dp: int, workers: int, repeat: int) -> dict[str, tuple[flo
     out = DATA / "out-offline"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     cmds = {
-        "one": [sys.executable, "-m", "reshard.cli", "reshard", str(ckpt), str(out / "x"), "--tp", "1", "--dp", str(dp),
-                "--workers", str(workers)],
+        "one": _one(ckpt, out / "x", dp, workers),
         "two": [torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "reshard", "reshard", str(ckpt),
                 str(out / "x"), "--tp", "1", "--dp", str(dp), "--workers", "1"],
         "plain": [sys.executable, str(Path(__file__).with_name("launch_plain.py")), "2", "29534", "--", sys.executable,
                   "-m", "reshard", "reshard", str(ckpt), str(out / "x"), "--tp", "1", "--dp", str(dp), "--workers", "1"],
         "convert": [sys.executable, "-m", "reshard.cli", "convert", str(ckpt), str(out / "x"), "--workers", str(workers)],
     }
-    # the cost of verified reads: one process and convert without them
-    cmds["one_unverified"] = [*cmds["one"], "--no-verify-source"]
-    cmds["convert_unverified"] = [*cmds["convert"], "--no-verify-source"]
     # the same two processes with each file kept whole (one stripe per file, as before stripes)
     cmds["whole"] = ["env", f"RESHARD_STRIPE_BYTES={1 << 40}", *cmds["plain"]]
     # what torchrun itself costs: its agent starting two workers that do nothing
@@ -93,10 +104,6 @@ def _rows(b: dict[str, tuple[float, float]], start: float) -> list[str]:
         row("  reshard convert vs the floor", conv, note=f"{conv / floor:.2f}x cp+sync, {conv / ffloor:.2f}x cp+fsync "
             f"(goal <= 1.15x); {(conv - start) / floor:.2f}x / {(conv - start) / ffloor:.2f}x less start-up"),
         row("  peak RSS reshard convert", b["convert"][1], unit="MiB"),
-        row("  1 process: --no-verify-source vs verified reads", b["one_unverified"][0], one,
-            note=f"(verified reads cost {100 * (one / b['one_unverified'][0] - 1):+.1f} %; goal <= 5 %)"),
-        row("  convert: --no-verify-source vs verified reads", b["convert_unverified"][0], conv,
-            note=f"(verified reads cost {100 * (conv / b['convert_unverified'][0] - 1):+.1f} %; goal <= 5 %)"),
     ]
 
 
@@ -106,6 +113,8 @@ def main(workers: int = 2, dp: int = 4, repeat: int = 2) -> list[str]:
     out = DATA / "out-offline"
     shutil.rmtree(out, ignore_errors=True)
     b = _ours(ckpt, dp, workers, repeat)
+    pairs = 5
+    cost = verify_cost(_one(ckpt, out / "x", dp, workers), out / "x", pairs)
     conv, conv_rss = _run(ds_to_universal_cmd(tag, out / "ds" / tag.name, workers))
     back = _read_back(str(out / "ds" / tag.name), dp)
     shutil.rmtree(out, ignore_errors=True)
@@ -119,6 +128,7 @@ def main(workers: int = 2, dp: int = 4, repeat: int = 2) -> list[str]:
             note=f"(peer: convert {conv:.1f} s + read back {back:.1f} s)"),
         row("  peak RSS reshard vs ds_to_universal", ours_rss, conv_rss, unit="MiB", note="(ratio = peer/ours)"),
         *_rows(b, start),
+        *verify_rows("reshard, 1 process", cost, pairs),
         f"~400M checkpoint ({gib:.2f} GiB), DP=2 -> DP={dp}:",
         *_rows(_ours(big, dp, workers, repeat), start),
     ]
