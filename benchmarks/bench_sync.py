@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from benchmarks.common import spawn_ranks
 
 TRAINER, ENGINE = [0, 1], [2, 3]
 WORLD = 4
@@ -248,21 +248,8 @@ def _lines(every: list[dict]) -> list[str]:
 
 
 def main() -> list[str]:
-    with tempfile.TemporaryDirectory() as workdir:
-        ctx = multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, workdir), daemon=True) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 900
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        path = Path(workdir) / "result.json"
-        if not path.exists():
-            return [f"bench_sync: workers failed (exit codes {[p.exitcode for p in procs]})"]
-        return _lines(json.loads(path.read_text()))
+    res = spawn_ranks(_worker, WORLD, 900, "bench_sync")
+    return [res] if isinstance(res, str) else _lines(res)
 
 
 # -- --gpu ---------------------------------------------------------------------------------------------
