@@ -10,7 +10,6 @@ JSON line per case, and the tests below assert on those lines in the parent. A j
 from __future__ import annotations
 
 import json
-import multiprocessing
 import time
 import traceback
 from datetime import timedelta
@@ -36,6 +35,7 @@ from tests.support.irgen import (
     replicated_map,
     segmented_map,
 )
+from tests.support.spawn import run_ranks
 
 WORLD = 4
 JOB_TIMEOUT_S = 120  # the whole job; normally ~10 s
@@ -483,25 +483,8 @@ def _worker(rank: int, workdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> dict:
-    workdir = tmp_path_factory.mktemp("dist")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, str(workdir)), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()  # only the processes this fixture started
-        procs[r].join(5)
-    by_case: dict[str, dict[int, dict]] = {}
-    for r in range(WORLD):
-        path = workdir / f"rank{r}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            rec = json.loads(line)
-            by_case.setdefault(rec.pop("case"), {})[r] = rec
-    return {"cases": by_case, "hung": hung, "exitcodes": [p.exitcode for p in procs]}
+    job = run_ranks(_worker, WORLD, tmp_path_factory.mktemp("dist"), JOB_TIMEOUT_S, "case")
+    return {"cases": job.pop("records"), **job}
 
 
 def _records(job: dict, case) -> dict[int, dict]:

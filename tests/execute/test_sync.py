@@ -7,10 +7,6 @@ plain torch, no mocks); the others run a whole push of many ranks in this proces
 
 from __future__ import annotations
 
-import json
-import multiprocessing
-import time
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,31 +17,15 @@ from reshard.execute.sync_program import simulate
 from reshard.layouts.inference import Placed, engine_shapes, placed
 from reshard.plan.planner import plan_model
 from tests.support import sync_job as J
+from tests.support.spawn import run_ranks
 
 JOB_TIMEOUT_S = 240  # the whole job; about 40 s here
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> dict:
-    workdir = tmp_path_factory.mktemp("sync")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=J.worker, args=(r, str(workdir)), daemon=True) for r in range(J.WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()  # only the processes this fixture started
-        procs[r].join(5)
-    phases: dict[str, dict[int, dict]] = {}
-    for r in range(J.WORLD):
-        path = workdir / f"rank{r}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            rec = json.loads(line)
-            phases.setdefault(rec.pop("phase"), {})[r] = rec
-    return {"phases": phases, "hung": hung, "exitcodes": [p.exitcode for p in procs]}
+    job = run_ranks(J.worker, J.WORLD, tmp_path_factory.mktemp("sync"), JOB_TIMEOUT_S, "phase")
+    return {"phases": job.pop("records"), **job}
 
 
 def _phase(job, name: str, ranks) -> dict[int, dict]:
