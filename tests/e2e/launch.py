@@ -265,3 +265,30 @@ def _run_loads(script: Path, loads: list[dict], *, world_size: int, port: int | 
         cleanup_shm(port)
         if own:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def assert_autoep_resume_parity(fixture: str, ucp: Path, work: Path, *, ep: int, world: int, expert: str) -> None:
+    """One real job: DeepSpeed resumes ``ucp`` (its own ``ds_to_universal`` of AutoEP ``fixture``)
+    at EP ``ep`` x ``world`` ranks and saves it natively, then resumes reshard's output of the
+    fixture there. The files (but ds_config) equal DeepSpeed's native save; steps, layouts,
+    layout-free digests and losses agree."""
+    from reshard.jobs.convert import reshard
+    from tests.support.compare import diff_files
+    from tests.support.dsconv import FIXTURES
+
+    (ucp.parent / "latest_universal").write_text(ucp.name)
+    spec = model_spec_from_fixture(FIXTURES / fixture)
+    spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
+    ours = reshard(FIXTURES / fixture, work / "ours", tp=1, dp=world, ep=ep).out_dir
+    native = work / "native"
+    loads = [resume_load("deepspeed", ucp.parent, model_spec=spec, tp=1, dp=world, universal=True, save_dir=native),
+             resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=world, universal=False)]
+    reports = resume_many(loads, world_size=world, workdir=work / "job")
+    theirs, mine = reports["deepspeed"], reports["reshard"]
+    diff_files(ours, native / ours.name)
+    assert mine["global_steps_after_load"] == theirs["global_steps_after_load"] == 3
+    assert mine["optimizer_step_after_load"] == theirs["optimizer_step_after_load"] == [3.0]
+    assert mine["ranks_agree"] and theirs["ranks_agree"]
+    assert mine["layouts"][expert] == "autoep"
+    assert mine["digests"] == theirs["digests"], f"EP {ep} x world {world}"
+    assert mine["losses"] == theirs["losses"], f"EP {ep} x world {world}"

@@ -24,7 +24,6 @@ from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
 from tests.support.compare import assert_same_as_ds_to_universal
-from tests.support.compare import diff_files as _diff_files
 from tests.support.compare import full_state as _full
 from tests.support.compare import same as _same
 from tests.support.dsconv import FIXTURES, ds_to_universal, tag_dir
@@ -255,21 +254,6 @@ def test_deepspeed_resumes_the_resharded_edp_source_as_its_own_checkpoint(world,
     """One real job per target: DeepSpeed resumes ds_to_universal's output of the EDP=2 source at
     EP ``ep`` x world ``world`` and saves it natively, then resumes reshard's output there; files
     (but ds_config), losses and layout-free digests agree."""
-    from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
+    from tests.e2e.launch import assert_autoep_resume_parity
 
-    (ucp.parent / "latest_universal").write_text(ucp.name)
-    spec = model_spec_from_fixture(FIXTURES / NAME)
-    spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
-    ours = reshard(FIXTURES / NAME, tmp_path / "ours", tp=1, dp=world, ep=ep).out_dir
-    native = tmp_path / "native"
-    loads = [resume_load("deepspeed", ucp.parent, model_spec=spec, tp=1, dp=world, universal=True, save_dir=native),
-             resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=world, universal=False)]
-    reports = resume_many(loads, world_size=world, workdir=tmp_path / "job")
-    theirs, mine = reports["deepspeed"], reports["reshard"]
-    _diff_files(ours, native / ours.name)
-    assert mine["global_steps_after_load"] == theirs["global_steps_after_load"] == 3
-    assert mine["optimizer_step_after_load"] == theirs["optimizer_step_after_load"] == [3.0]
-    assert mine["ranks_agree"] and theirs["ranks_agree"]
-    assert mine["layouts"][EXPERTS[0]] == "autoep"
-    assert mine["digests"] == theirs["digests"], f"EP {ep} x world {world}"
-    assert mine["losses"] == theirs["losses"], f"EP {ep} x world {world}"
+    assert_autoep_resume_parity(NAME, ucp, tmp_path, ep=ep, world=world, expert=EXPERTS[0])
