@@ -209,6 +209,18 @@ def _unpickle(index: ZipIndex, data: Any, mapped: verified.MappedFile, where: st
         raise CheckpointError(f"{where}: corrupt pickle in data.pkl ({type(e).__name__}: {_first_line(e)})") from None
 
 
+def unpickle_with(unpickler: pickle.Unpickler, where: str | Path, what: str) -> Any:
+    """``unpickler.load()`` for an unpickler that admits only what its ``find_class`` allows (DCP
+    metadata and chunk records): a corrupt pickle raises almost anything, and all of it becomes a
+    :class:`CheckpointError` naming ``where`` and ``what`` it was meant to be."""
+    try:
+        return unpickler.load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a corrupt pickle raises almost anything; none of it may escape raw
+        raise CheckpointError(f"{where}: corrupt {what} ({type(e).__name__}: {e})") from None
+
+
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 

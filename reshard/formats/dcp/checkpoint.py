@@ -38,7 +38,7 @@ from ...ir.param_map import ParamMap
 from ...ir.piece import Piece, View, prod, row_major_strides
 from ...layouts._core import box_piece, finish
 from ...storage import verified
-from ...storage.safe_load import load_bytes
+from ...storage.safe_load import load_bytes, unpickle_with
 from .chunks import read_record
 
 __all__ = ["METADATA", "Chunk", "DcpCheckpoint", "TensorEntry", "is_dcp", "read_metadata"]
@@ -95,16 +95,11 @@ def read_regular(f: Path) -> bytes:
         raise CheckpointError(f"{f}: cannot read ({e.strerror or e})") from None
 
 
-def read_metadata(path: Path) -> Any:
-    """The ``Metadata`` record of a DCP folder, read without running anything it names."""
+def read_metadata(path: Path, unpickler: type[pickle.Unpickler] | None = None) -> Any:
+    """The ``Metadata`` record of a DCP folder, read without running anything it names
+    (``unpickler``: a subclass of ``_MetadataUnpickler`` that admits more, as Megatron's plans)."""
     f = path / METADATA
-    raw = read_regular(f)
-    try:
-        md = _MetadataUnpickler(io.BytesIO(raw), f).load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # a corrupt pickle raises almost anything; none of it may escape raw
-        raise CheckpointError(f"{f}: corrupt DCP metadata ({type(e).__name__}: {e})") from None
+    md = unpickle_with((unpickler or _MetadataUnpickler)(io.BytesIO(read_regular(f)), f), f, "DCP metadata")
     if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
         raise CheckpointError(f"{f}: not a DCP Metadata record (got {type(md).__name__})")
     return md

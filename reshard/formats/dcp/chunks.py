@@ -20,6 +20,7 @@ import torch
 
 from ...errors import CheckpointError
 from ...storage import verified
+from ...storage.safe_load import unpickle_with
 from ...storage.zip_index import read_index
 
 __all__ = ["read_record"]
@@ -139,12 +140,7 @@ def read_record(data: mmap.mmap | bytes, mapped: verified.MappedFile, offset: in
 
 
 def _unpickle(pkl: bytes, where: str) -> _TensorRecord:
-    try:
-        rec = _RecordUnpickler(io.BytesIO(pkl), where).load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- a corrupt pickle raises almost anything
-        raise CheckpointError(f"{where}: corrupt tensor record ({type(e).__name__}: {e})") from None
+    rec = unpickle_with(_RecordUnpickler(io.BytesIO(pkl), where), where, "tensor record")
     if not isinstance(rec, _TensorRecord):
         raise CheckpointError(f"{where}: holds a {type(rec).__name__}, not a tensor")
     return rec

@@ -8,7 +8,6 @@ and the optimizer layouts: plain Adam and ``fully_reshardable`` states chunked a
 
 from __future__ import annotations
 
-import io
 import re
 from functools import cached_property
 from pathlib import Path
@@ -47,15 +46,7 @@ class _MegatronMetadataUnpickler(dcp._MetadataUnpickler):
 def _open(iter_dir: Path) -> dcp.DcpCheckpoint:
     """``DcpCheckpoint.open`` with Megatron's save plans admitted in ``.metadata``."""
     f = iter_dir / dcp.METADATA
-    raw = dcp.read_regular(f)
-    try:
-        md = _MegatronMetadataUnpickler(io.BytesIO(raw), f).load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- a corrupt pickle raises almost anything
-        raise CheckpointError(f"{f}: corrupt DCP metadata ({type(e).__name__}: {e})") from None
-    if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
-        raise CheckpointError(f"{f}: not a DCP Metadata record (got {type(md).__name__})")
+    md = dcp.read_metadata(iter_dir, _MegatronMetadataUnpickler)
     storage = dcp._storage_index(iter_dir, md)
     files = sorted({rel for rel, _, _ in storage.values()})
     sizes = dcp._file_sizes(iter_dir, files)
