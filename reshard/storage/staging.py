@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import io
 import json
@@ -176,18 +177,12 @@ class Staging:
                 digest = checked_digest(fin.fileno(), size, new_checksum(self.checksum), src, verify=self.verify_source)
             except CheckpointError as e:
                 raise CheckpointError(f"{e}; not copied into the output") from None
-            if not hasattr(os, "copy_file_range"):
-                fin.seek(0)
-                with self.writing(rel), open(self.path(rel), "wb") as fout:
-                    shutil.copyfileobj(fin, fout, 1 << 24)
-            else:
-                with self.writing(rel), open(self.path(rel), "wb") as fout:
-                    done = 0
-                    while done < size:
-                        n = os.copy_file_range(fin.fileno(), fout.fileno(), min(size - done, 1 << 30), done, None)
-                        if n == 0:
-                            raise CheckpointError(f"{src}: changed size while being copied")
-                        done += n
+            with self.writing(rel), open(self.path(rel), "wb") as fout:
+                done = _kernel_copy(fin.fileno(), fout.fileno(), size)
+                fin.seek(done)  # what the kernel could not copy (another file system): through user memory
+                shutil.copyfileobj(fin, fout, 1 << 24)
+                if fout.tell() != size:
+                    raise CheckpointError(f"{src}: changed size while being copied")
         start_writeback(self.tmp / rel)
         self.record(rel, size, digest)
 
@@ -439,6 +434,28 @@ class _HashingWriter:
             self.hash.update(self.pending)
             self.pending = None
         self.raw.flush()
+
+
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
+
+
+def _kernel_copy(src: int, dst: int, size: int) -> int:
+    """Bytes of file ``src`` copied by the kernel to ``dst`` at its position, from offset 0, up to
+    ``size`` (``copy_file_range``): fewer where it cannot (two file systems that do not share it,
+    no such call), and the caller copies the rest itself."""
+    done = 0
+    if not hasattr(os, "copy_file_range"):
+        return 0
+    try:
+        while done < size:
+            n = os.copy_file_range(src, dst, min(size - done, 1 << 30), done, None)
+            if n == 0:
+                break
+            done += n
+    except OSError as e:
+        if e.errno not in _NO_KERNEL_COPY:
+            raise
+    return done
 
 
 def copy_mapped(view: memoryview, dst: int, at: int | None = None) -> int:
