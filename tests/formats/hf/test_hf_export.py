@@ -3,8 +3,9 @@ checkpoints HF Trainer + DeepSpeed (ZeRO-2/3, fp32/bf16, a tied Qwen2) and Accel
 functions wrote (``tests/fixtures/hf``, made by ``scripts/make_hf_fixtures.py``).
 
 Every weight equals the live model's at save time (``reference/``, taken from the job), or its
-bf16 rounding with ``--dtype bf16``; the loaded model's logits on the recorded probe equal the
-live model's, bit for bit; nothing is copied by hand."""
+bf16 rounding with ``--dtype bf16``; the loaded model's logits on the recorded probe equal, bit for
+bit, those of the fixture's architecture rebuilt here with the reference weights (and the recorded
+ones to rounding: another CPU's kernels); nothing is copied by hand."""
 
 from __future__ import annotations
 
@@ -39,17 +40,33 @@ def _load(out: Path):
     return model.eval(), tokenizer
 
 
-def _check(model, ref: dict[str, Path], dtype: torch.dtype | None = None) -> None:
+def _recipe_model(name: str, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    """The fixture's own architecture (its recipe's model type and config, built by transformers
+    here, not from the exported folder) holding the reference weights: the live model, rebuilt."""
+    recipe = json.loads((HF / name / "fixture.json").read_text())["recipe"]
+    config = transformers.AutoConfig.for_model(recipe["model_type"], **recipe["model_config"])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: the embedding
+    return model.eval()
+
+
+def _check(model, name: str, dtype: torch.dtype | None = None) -> None:
+    ref = _reference(name)
     want = load_file(ref["model"])
     got = model.state_dict()
-    for name, w in want.items():
-        w = w if dtype is None else load_file(ref.get("fp32", ref["model"])).get(name, w).to(dtype)
-        assert got[name].dtype == w.dtype and torch.equal(got[name], w), name
-    if dtype is None:  # the live model's logits, on the probe it was given at save time
+    for key, w in want.items():
+        w = w if dtype is None else load_file(ref.get("fp32", ref["model"])).get(key, w).to(dtype)
+        assert got[key].dtype == w.dtype and torch.equal(got[key], w), key
+    if dtype is None:  # logits on the probe recorded at save time
         probe = load_file(ref["logits"])
         with torch.no_grad():
             logits = model(probe["input_ids"]).logits
-        assert torch.equal(logits, probe["logits"].to(logits.dtype))
+            live = _recipe_model(name, want, logits.dtype)(probe["input_ids"]).logits
+        # bit for bit against the live model rebuilt in this run (the same CPU kernels); the
+        # recorded logits came from the generating machine's CPU, whose kernels may round otherwise
+        assert torch.equal(logits, live)
+        torch.testing.assert_close(logits, probe["logits"].to(logits.dtype))
 
 
 @pytest.mark.parametrize("name", TRAINER)
@@ -58,7 +75,7 @@ def test_trainer_checkpoints_export_as_folders_from_pretrained_loads(name, tmp_p
     report = convert(HF / name / "checkpoint-3", out, fmt="hf")
     assert report.out_dir == out
     model, tokenizer = _load(out)
-    _check(model, _reference(name))
+    _check(model, name)
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= files
     tied = "qwen2_tied" in name
@@ -84,7 +101,7 @@ def test_accelerate_fsdp_export_takes_the_config_it_is_given(tmp_path):
     out = tmp_path / "fsdp"
     convert(src, out, fmt="hf", hf_config=HF / "accelerate_fsdp_llama" / "hf_files")
     model, _ = _load(out)
-    _check(model, _reference("accelerate_fsdp_llama"))
+    _check(model, "accelerate_fsdp_llama")
 
 
 def test_the_command_exports_in_one_line(tmp_path, capsys):
