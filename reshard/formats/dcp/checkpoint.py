@@ -397,14 +397,21 @@ def _lower(p: Path, e: TensorEntry) -> ParamMap:
         shards[r] = ((at,), pieces)
     where = f"{p / METADATA}: tensor {e.key!r} {list(e.shape)}"
     total = sum(c.numel for c in e.chunks)
-    if total > prod(e.shape):  # checked first: the map check would only say "already holds"
-        raise CheckpointError(f"{where}: chunks overlap ({total} elements in chunks, {prod(e.shape)} in the tensor)")
     if not shards:
         if prod(e.shape):
             raise CheckpointError(f"{where}: has no chunks")
         return finish(e.shape, {0: (e.shape, [])})
+    return tiling(e.shape, shards, total, where)
+
+
+def tiling(shape: tuple[int, ...], shards: dict, total: int, where: str) -> ParamMap:
+    """The map of chunks (``shards`` as ``layouts._core.finish`` takes them, ``total`` elements
+    in all) that must tile a tensor of ``shape`` exactly: an overlap, a hole or chunks that form
+    no valid map is a :class:`CheckpointError` naming ``where`` (DCP and Megatron's chunks)."""
+    if total > prod(shape):  # checked first: the map check would only say "already holds"
+        raise CheckpointError(f"{where}: chunks overlap ({total} elements in chunks, {prod(shape)} in the tensor)")
     try:
-        m = finish(e.shape, shards)
+        m = finish(shape, shards)
         holes = m.uncovered()
     except ReshardError as err:
         raise CheckpointError(f"{where}: chunks do not form a valid map ({err})") from None

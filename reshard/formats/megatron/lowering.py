@@ -24,6 +24,7 @@ from ...ir.param_map import ParamMap
 from ...ir.piece import Piece, View, prod, row_major_strides
 from ...layouts import ZeroComposer
 from ...layouts._core import box_piece, finish
+from ..dcp.checkpoint import tiling
 from .model import Arch, KeySpec, LocalParam
 
 __all__ = ["Lowered", "chunk_map", "composite", "local_map", "part_pieces"]
@@ -80,17 +81,7 @@ def chunk_map(shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], tu
             raise CheckpointError(f"{where}: chunk at {list(offsets)} of size {list(sizes)} lies outside {list(shape)}")
         pieces = [box_piece(shape, offsets, sizes, sizes, (0,) * len(sizes), (i,))] if prod(sizes) else []
         shards[i] = (tuple(sizes), pieces)
-    total = sum(prod(s) for _, s in chunks)
-    if total > prod(shape):
-        raise CheckpointError(f"{where}: chunks overlap ({total} elements in chunks, {prod(shape)} in the tensor)")
-    try:
-        m = finish(shape, shards)
-        holes = m.uncovered()
-    except ReshardError as e:
-        raise CheckpointError(f"{where}: chunks do not form a valid map ({e})") from None
-    if holes:
-        raise CheckpointError(f"{where}: chunks leave a hole at {holes[0]} (of {len(holes)})")
-    return m
+    return tiling(shape, shards, sum(prod(s) for _, s in chunks), where)
 
 
 _COMPOSER = ZeroComposer()
