@@ -15,19 +15,25 @@ import torch
 
 from .safe_load import STAND_INS
 
-_PATHS = {cls: (cls.__module__, cls.__qualname__) for cls in STAND_INS}
+
+def pickle_module_for(stand_ins: tuple[type, ...], name: str) -> types.SimpleNamespace:
+    """A ``pickle_module`` for ``torch.save`` whose pickler writes each of ``stand_ins`` under the
+    module and class names it carries (DeepSpeed's here, Megatron's in ``formats.megatron.safe``)."""
+    paths = {cls: (cls.__module__, cls.__qualname__) for cls in stand_ins}
+
+    class StandInPickler(pickle._Pickler):  # the pure-Python pickler exposes save_global
+        def save_global(self, obj: Any, name: str | None = None) -> None:
+            path = paths.get(obj) if isinstance(obj, type) else None
+            if path is None:
+                return super().save_global(obj, name)
+            self.write(pickle.GLOBAL + f"{path[0]}\n{path[1]}\n".encode())
+            self.memoize(obj)
+
+    return types.SimpleNamespace(Pickler=StandInPickler, Unpickler=pickle.Unpickler, __name__=name)
 
 
-class Pickler(pickle._Pickler):  # the pure-Python pickler exposes save_global
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        path = _PATHS.get(obj) if isinstance(obj, type) else None
-        if path is None:
-            return super().save_global(obj, name)
-        self.write(pickle.GLOBAL + f"{path[0]}\n{path[1]}\n".encode())
-        self.memoize(obj)
-
-
-pickle_module = types.SimpleNamespace(Pickler=Pickler, Unpickler=pickle.Unpickler, __name__="reshard_pickle")
+pickle_module = pickle_module_for(STAND_INS, "reshard_pickle")
+Pickler = pickle_module.Pickler
 
 
 def save(obj: Any, path: str | Path | BinaryIO) -> None:

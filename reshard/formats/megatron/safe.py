@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import pickle
 import signal
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ import numpy as np
 import torch
 
 from ...storage import safe_load
+from ...storage.pickling import pickle_module_for
 from ...storage.safe_load import AllowList
 
 __all__ = ["STAND_INS", "dumps", "load_bytes", "load_file", "safe_globals"]
@@ -99,19 +98,7 @@ def load_file(path: Path) -> Any:
     return safe_load.load(path, allow=ALLOW)
 
 
-_PATHS = {cls: (cls.__module__, cls.__qualname__) for cls in STAND_INS}
-
-
-class _Pickler(pickle._Pickler):  # the pure-Python pickler exposes save_global
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        path = _PATHS.get(obj) if isinstance(obj, type) else None
-        if path is None:
-            return super().save_global(obj, name)
-        self.write(pickle.GLOBAL + f"{path[0]}\n{path[1]}\n".encode())
-        self.memoize(obj)
-
-
-_PICKLE = types.SimpleNamespace(Pickler=_Pickler, Unpickler=pickle.Unpickler, __name__="reshard_megatron_pickle")
+_PICKLE = pickle_module_for(STAND_INS, "reshard_megatron_pickle")
 
 
 def dumps(value: Any) -> bytes:
