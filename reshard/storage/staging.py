@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import io
 import json
 import os
 import queue
@@ -439,16 +438,16 @@ class _HashingWriter:
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
 
-def _kernel_copy(src: int, dst: int, size: int) -> int:
-    """Bytes of file ``src`` copied by the kernel to ``dst`` at its position, from offset 0, up to
-    ``size`` (``copy_file_range``): fewer where it cannot (two file systems that do not share it,
-    no such call), and the caller copies the rest itself."""
+def _kernel_copy(src: int, dst: int, size: int, offset: int = 0, at: int | None = None) -> int:
+    """Bytes ``offset .. offset + size`` of file ``src`` copied by the kernel to ``dst`` (at its
+    position, or at offset ``at``) with ``copy_file_range``: how many it copied, fewer where it
+    cannot (two file systems that do not share it, no such call) and the caller copies the rest."""
     done = 0
     if not hasattr(os, "copy_file_range"):
         return 0
     try:
         while done < size:
-            n = os.copy_file_range(src, dst, min(size - done, 1 << 30), done, None)
+            n = os.copy_file_range(src, dst, min(size - done, 1 << 30), offset + done, None if at is None else at + done)
             if n == 0:
                 break
             done += n
@@ -472,20 +471,11 @@ def copy_mapped(view: memoryview, dst: int, at: int | None = None) -> int:
     if where is None:
         return 0
     path, offset = where
-    done = 0
     src = os.open(path, os.O_RDONLY)
     try:
-        while done < len(view):
-            n = os.copy_file_range(src, dst, len(view) - done, offset + done, None if at is None else at + done)
-            if n == 0:
-                break
-            done += n
-    except (OSError, AttributeError, io.UnsupportedOperation):
-        if done:
-            raise
+        return _kernel_copy(src, dst, len(view), offset, at)
     finally:
         os.close(src)
-    return done
 
 
 def _descriptor_crc(view: memoryview, size: int) -> int | None:
