@@ -52,6 +52,11 @@ class CheckpointError(ReshardError):
     """A checkpoint on disk is missing, truncated, unsafe, or disagrees with its own metadata."""
 
 
+class QuantizedError(CheckpointError):
+    """A source holds quantized weights (an FP8 or MXFP4 payload and its scales) that reshard does not
+    decode: refused by name rather than copied as if the payload were a weight."""
+
+
 class OutputError(ReshardError):
     """The output could not be written (no space left, no permission, a file size limit), or must
     not be: it would be, lie inside or contain the source it is read from. Nothing was committed:

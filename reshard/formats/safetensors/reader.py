@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, QuantizedError
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
@@ -30,6 +30,10 @@ from .io import DTYPES
 __all__ = ["INDEX", "SafetensorsReader", "is_safetensors"]
 
 INDEX = "model.safetensors.index.json"
+# names of the second tensor of a quantized weight (its scales) or of a packed payload, in the formats the
+# quantizers transformers ships write (FP8 block scales, MXFP4, bitsandbytes, GPTQ/AWQ)
+QUANTIZED_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "_blocks", "_scales", "qweight", "qzeros",
+                      "scales", "absmax", "quant_map", "quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
 SINGLE = "model.safetensors"
 NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20  # safetensors' own limit
@@ -72,7 +76,11 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
             raise CheckpointError(f"{where}: malformed header entry {e!r:.200}")
         dtype = NAMES.get(e.get("dtype"))
         if dtype is None:
-            raise CheckpointError(f"{where}: dtype {e.get('dtype')!r} is not one reshard reads ({sorted(NAMES)})")
+            kind = e.get("dtype")
+            if isinstance(kind, str) and kind.startswith(("F8", "F6", "F4", "E8")):  # FP8/MXFP4 payloads and scales
+                raise QuantizedError(f"{where}: dtype {kind!r}: a quantized payload; reshard does not decode "
+                                     "quantized weights yet")
+            raise CheckpointError(f"{where}: dtype {kind!r} is not one reshard reads ({sorted(NAMES)})")
         shape = e["shape"]
         lo_hi = e["data_offsets"]
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape + lo_hi) or len(lo_hi) != 2:
@@ -119,10 +127,27 @@ class SafetensorsReader:
         if not self.entries:
             raise CheckpointError(f"{p}: holds no tensors")
         self.names = list(self.entries)
+        self._refuse_quantized()
         self.description = f"safetensors weights ({len(self.names)} tensors)"
         self.topology: dict[str, int] = {}
         self._maps: dict[str, ParamMap] = {}
         self._mapped: dict[Path, mmap.mmap] = {}
+
+    def _refuse_quantized(self) -> None:
+        """A quantized checkpoint's payload is not its weights: until a codec decodes it, refuse it rather
+        than copy packed bytes or scales as if they were parameters (docs/hf-checkpoints.md)."""
+        q = (self.config or {}).get("quantization_config")
+        if q is not None:
+            method = q.get("quant_method", "?") if isinstance(q, dict) else q
+            raise QuantizedError(f"{self.folder / 'config.json'}: quantization_config.quant_method = {method!r}: "
+                                 "a quantized checkpoint, whose tensors are packed payloads and scales; reshard "
+                                 "does not decode quantized weights yet")
+        for name, e in self.entries.items():
+            if e.dtype in (torch.uint8, torch.int8, torch.int32) and name.endswith(QUANTIZED_SUFFIXES) \
+                    or name.endswith(("weight_scale_inv", "weight_scale")):
+                raise QuantizedError(f"{e.file}: tensor {name!r} ({e.dtype}) is part of a quantized weight "
+                                     "(a packed payload or its scales); reshard does not decode quantized "
+                                     "weights yet")
 
     def _files(self, p: Path) -> list[Path]:
         if p.is_file():
