@@ -1,19 +1,27 @@
-"""``make demo``: a newcomer's tour of reshard, in two parts.
+"""``make demo``: a newcomer's tour of reshard, one line per step and its proof.
 
-1. Layouts: derive the seed's hard layouts from plain partition functions, print their maps,
-   round-trip random bf16 data bit-exactly, and plan a move between two TP degrees.
-2. Phase 2 on a checkpoint DeepSpeed itself wrote (Llama, TP=2 x DP=2, ZeRO-1, committed under
-   tests/fixtures/deepspeed/llama_tp2_dp2): reshard it to TP=1 x DP=4, convert both the source and
-   the result to universal checkpoints, and check bit for bit that they hold the same tensors.
-   The plan's picture (bytes moved between source and target ranks) is drawn to a PNG.
+1. derive   the seed's hard layouts from plain partition functions; bf16 round trips bit-exact.
+2. plan     a move between two TP degrees (target ∘ source⁻¹), applied: exact.
+3. reshard  a checkpoint DeepSpeed itself wrote (Llama, TP=2 x DP=2, ZeRO-1, committed under
+            tests/fixtures/deepspeed/llama_tp2_dp2) to TP=1 x DP=4, checksums verified.
+4. convert  the source and the result to universal checkpoints: the same tensors, bit for bit.
+5. hf       both to Hugging Face folders: ``from_pretrained`` loads them, and their logits equal
+            those of the model holding the universal checkpoint's masters, bit for bit.
+6. names    a Megatron-Core and a PyTorch DCP (FSDP2) checkpoint to the same HF names; the
+            Megatron export's logits against Megatron's own forward pass.
+7. picture  the plan of step 3 drawn: bytes each source rank sends to each target rank.
 
-Part 2 writes under ./demo-out/ in the current directory (its folders are replaced on every run).
-Any difference raises, so the demo exits non-zero.
+Everything is written under ./demo-out/ (its folders are replaced on every run). A step that
+cannot run (a fixture, transformers or matplotlib missing) or whose check fails raises
+``DemoFailed``: ``make demo`` never passes by skipping.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +32,12 @@ from .inspected import open_source
 
 ELEMENT_SIZE = 4  # the fixture is fp32
 
-FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "deepspeed" / "llama_tp2_dp2"
+# the committed fixtures, in a source checkout (make demo runs from one)
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+FIXTURE = FIXTURES / "deepspeed" / "llama_tp2_dp2"
+MEGATRON = FIXTURES / "megatron" / "torch_dist_tp2_pp2"
+DCP = FIXTURES / "dcp" / "llama_fsdp2_ws2"
+MEGATRON_ATOL = 1e-5  # two implementations' fp32 forward passes sum in different orders (tests/formats/megatron)
 OUT = Path("demo-out")
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what a universal checkpoint keeps per parameter
 
@@ -61,12 +74,14 @@ def divided_bias(tp: int):
     return lambda full, rank: full / tp
 
 
-def show(name: str, m: ParamMap) -> None:
-    print(f"\n{name}: F {list(m.logical_shape)}, {len(m.ranks)} ranks, {m.num_pieces} pieces")
-    for rank, shard in m.shards.items():
-        print(f"  rank {rank} shard {list(shard.shape)}")
-        for p in shard.pieces:
-            print(f"    {p.describe()}")
+def step(verb: str, text: str) -> None:
+    print(f"  {verb:<8} {text}")
+
+
+def need(path: Path) -> Path:
+    if not path.exists():
+        raise DemoFailed(f"{path}: the committed fixture is missing; run make demo from a reshard source checkout")
+    return path
 
 
 def round_trip(m: ParamMap) -> bool:
@@ -85,10 +100,11 @@ def layouts_tour() -> None:
     }
     for name, m in cases.items():
         m.check()
-        show(name, m)
-        print(f"  check() ok; bf16 rebuild(extract) bit-exact: {round_trip(m)}")
-
-    print("\nPlans (target ∘ source⁻¹), F never materialised:")
+        if not round_trip(m):
+            raise DemoFailed(f"{name}: rebuild(extract(F)) is not F")
+        pieces = "; ".join(p.describe() for p in m.shard(m.ranks[-1]).pieces)
+        step("derive", f"{name}: F {list(m.logical_shape)}, {m.num_pieces} pieces; check() ok; bf16 "
+                       f"rebuild(extract) bit-exact. Rank {m.ranks[-1]}: {pieces}")
     for name, src, tgt in [
         ("GPT-BigCode TP=4 -> TP=2", cases["GPT-BigCode MQA fused QKV, TP=4"], derive(gpt_bigcode(2), (48, 8), 2)),
         ("pre-divided bias TP=4 -> TP=2", cases["pre-divided bias, TP=4"], derive(divided_bias(2), (8,), 2)),
@@ -96,17 +112,16 @@ def layouts_tour() -> None:
         p = plan(src, tgt)
         full = torch.randn(src.logical_shape)
         out = apply_plan(p, {r: src.extract(full, r) for r in src.ranks})
-        exact = all(torch.equal(out[r], tgt.extract(full, r)) for r in tgt.ranks)
+        if not all(torch.equal(out[r], tgt.extract(full, r)) for r in tgt.ranks):
+            raise DemoFailed(f"{name}: the plan's result differs from the target's shards")
         st = p.stats(element_size=4)
-        print(f"  {name}: {len(p.segments)} segments, {st.local_bytes} B local, {st.remote_bytes} B remote, "
-              f"exact: {exact}")
-        for s in p.segments:
-            f = f" x{s.factor:g}" if s.factor != 1 else ""
-            print(f"    rank {s.src_rank} @{s.src.offset}{list(s.src.strides)} -> rank {s.dst_rank} "
-                  f"@{s.dst.offset}{list(s.dst.strides)} shape {list(s.shape)}{f}")
+        scaled = sum(s.factor != 1 for s in p.segments)
+        step("plan", f"{name} (target ∘ source⁻¹, F never built): {len(p.segments)} segments"
+                     f"{f' ({scaled} rescaled)' if scaled else ''}, {st.local_bytes} B local, {st.remote_bytes} B "
+                     "remote; applied to random shards: exact")
 
 
-# -- part 2: reshard a real checkpoint, and prove nothing changed ---------------------------------
+# -- a real checkpoint: reshard, convert, export, and prove nothing changed ----------------------
 
 
 def topology(t: dict[str, int]) -> str:
@@ -167,49 +182,127 @@ def compare_universal(a: Path, b: Path) -> list[str]:
     return sorted(ta)
 
 
-def reshard_tour(out: Path = OUT) -> None:
-    """Phase 2's main job on a checkpoint DeepSpeed wrote: TP=2 x DP=2 -> TP=1 x DP=4."""
-    if not FIXTURE.is_dir():
-        print(f"\n(no committed fixture at {FIXTURE}: skipping the resharding tour)")
-        return
-    tp, dp = 1, 4
-    print(f"\nResharding a checkpoint DeepSpeed wrote: tests/fixtures/deepspeed/{FIXTURE.name} -> TP={tp} x DP={dp}")
-    print(f"  outputs under {out.resolve()}/")
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise DemoFailed("transformers is not installed: the demo's HF steps need it (make demo installs it)") from None
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
 
-    # 1. Rewrite the checkpoint at the new topology, as DeepSpeed would have saved it there
-    #    (engine.load_checkpoint loads it natively). TP=1 needs no target layout: every
-    #    parameter is whole on its one TP rank.
+
+def per_layer(names: list[str]) -> list[str]:
+    """Names with their layer index as ``N``: models of other depths, one naming."""
+    return sorted({re.sub(r"\.\d+\.", ".N.", n) for n in names})
+
+
+def llama_config(fixture: Path, out: Path) -> Path:
+    """The model's ``config.json`` as the training job had it (the fixture's recipe), in a folder
+    for ``--hf-config``: DeepSpeed and DCP checkpoints do not carry one."""
+    full = json.loads((fixture / "fixture.json").read_text())["model_config_full"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**full, "architectures": ["LlamaForCausalLM"]}, indent=1))
+    return out
+
+
+def probe_logits(model: Any, vocab: int) -> torch.Tensor:
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def hf_tour(source_ucp: Path, config_dir: Path, sources: dict[str, Path], out: Path) -> list[str]:
+    """Export each source to an HF folder; every folder loads with ``from_pretrained`` and gives the
+    logits of the model built from the config holding the universal checkpoint's fp32 masters."""
+    tr = _transformers()
+    config = tr.AutoConfig.from_pretrained(config_dir)
+    reference = tr.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    masters = {k.rsplit("/", 1)[0]: v for k, v in load_universal(source_ucp).items() if k.endswith("/fp32")}
+    missing, unexpected = reference.load_state_dict(masters, strict=False)
+    if missing or unexpected:
+        raise DemoFailed(f"the universal masters do not fit the config: missing {missing}, unexpected {unexpected}")
+    want = probe_logits(reference, config.vocab_size)
+    names = []
+    for label, src in sources.items():
+        report = convert(src, out / f"hf_{label}", fmt="hf", hf_config=config_dir, overwrite=True, progress=False)
+        model = tr.AutoModelForCausalLM.from_pretrained(report.out_dir, attn_implementation="eager")
+        if not torch.equal(bits(probe_logits(model, config.vocab_size)), bits(want)):
+            raise DemoFailed(f"{report.out_dir}: its logits differ from the universal masters' model")
+        names = sorted(model.state_dict())
+        step("hf", f"{label} -> {report.out_dir}: from_pretrained loads {type(model).__name__} "
+                   f"({len(names)} tensors); logits on a probe equal the universal masters' model's, bit for bit")
+    return names
+
+
+def names_tour(hf_names: list[str], out: Path, config_dir: Path) -> None:
+    """A Megatron-Core and a DCP checkpoint exported under the same HF names; Megatron's export
+    gives Megatron's own forward pass (recorded by Megatron when the fixture was made)."""
+    tr = _transformers()
+    from safetensors.torch import load_file
+
+    mg = convert(need(MEGATRON), out / "hf_megatron", fmt="hf", overwrite=True, progress=False)
+    model = tr.AutoModelForCausalLM.from_pretrained(mg.out_dir)
+    fwd = load_file(str(MEGATRON / "oracle" / "forward.safetensors"))
+    with torch.no_grad():
+        logits = model.eval()(fwd["input_ids"]).logits
+    diff = float((logits - fwd["logits"][..., :logits.shape[-1]]).abs().max())
+    if diff >= MEGATRON_ATOL:
+        raise DemoFailed(f"{mg.out_dir}: logits differ from Megatron's forward by {diff:g}")
+    mg_names = per_layer(list(model.state_dict()))
+    if mg_names != per_layer(hf_names):
+        raise DemoFailed(f"Megatron's export names {mg_names} differ from the DeepSpeed export's {per_layer(hf_names)}")
+    step("names", f"Megatron-Core torch_dist TP=2 x PP=2 (4 layers) -> {mg.out_dir}: the same HF names "
+                  f"({len(mg_names)} per layer N or model-wide); logits vs Megatron's own forward: max |diff| "
+                  f"{diff:.1e} (< {MEGATRON_ATOL:g})")
+    dcp = convert(need(DCP), out / "hf_dcp", fmt="hf", hf_config=config_dir, overwrite=True, progress=False)
+    dcp_names = sorted(tr.AutoModelForCausalLM.from_pretrained(dcp.out_dir).state_dict())
+    if dcp_names != hf_names:
+        raise DemoFailed(f"the DCP export's names {dcp_names} differ from the DeepSpeed export's {hf_names}")
+    step("names", f"PyTorch DCP (FSDP2, 2 ranks) -> {dcp.out_dir}: the same {len(dcp_names)} HF names; "
+                  "from_pretrained loads it")
+
+
+def reshard_tour(out: Path = OUT) -> None:
+    """Phase 2's main job on a checkpoint DeepSpeed wrote: TP=2 x DP=2 -> TP=1 x DP=4, then every
+    check a newcomer would make of it."""
+    need(FIXTURE)
+    tp, dp = 1, 4
+    print(f"\nA checkpoint DeepSpeed itself wrote: tests/fixtures/deepspeed/{FIXTURE.name}; outputs under "
+          f"{out.resolve()}/")
+
+    # Rewrite the checkpoint at the new topology, as DeepSpeed would have saved it there
+    # (engine.load_checkpoint loads it natively). TP=1 needs no target layout.
     resharded = reshard(FIXTURE, out / f"tp{tp}_dp{dp}", tp=tp, dp=dp, overwrite=True)
     verify(resharded.out_dir)  # re-reads every file written against its checksum manifest
-    print(f"  reshard  {topology(resharded.source)} -> {topology(resharded.target)}: "
-          f"{resharded.params} parameters, {resharded.files} files, {size(resharded.bytes_written)} "
-          f"written to {resharded.out_dir}, {resharded.segments} plan segments; checksums verified")
+    step("reshard", f"{topology(resharded.source)} -> {topology(resharded.target)}: {resharded.params} parameters, "
+                    f"{resharded.files} files, {size(resharded.bytes_written)}, {resharded.segments} plan segments "
+                    f"-> {resharded.out_dir}; checksums verified")
 
-    # 2. Convert both to universal checkpoints: one full, unsharded tensor per parameter and state,
-    #    whatever the topology it came from.
+    # Both to universal checkpoints: one full tensor per parameter and state, whatever the topology.
     ucp_src = convert(FIXTURE, out / "ucp_source", overwrite=True, progress=False)
     ucp_tgt = convert(resharded.out_dir, out / "ucp_resharded", overwrite=True, progress=False)
-    for label, report in (("source", ucp_src), ("resharded", ucp_tgt)):
-        print(f"  convert  {label:<9} -> {report.out_dir}: {report.files} files, {size(report.bytes_written)}")
-
-    # 3. The same logical tensors, bit for bit: every parameter's fp32 master, exp_avg,
-    #    exp_avg_sq (and step).
     compared = compare_universal(ucp_src.out_dir, ucp_tgt.out_dir)
     states = sorted({name.split("/")[1] for name in compared})
-    print(f"  compare  {len(compared)} tensors ({ucp_src.params} parameters x {{{', '.join(states)}}}) "
-          "with torch.equal, bit for bit: all identical")
+    step("convert", f"source and result -> universal ({ucp_src.out_dir.parent.name}, {ucp_tgt.out_dir.parent.name}):"
+                    f" {len(compared)} tensors ({ucp_src.params} parameters x {{{', '.join(states)}}}) compared "
+                    "bit for bit: all identical")
 
-    # 4. The plan behind step 1, as a picture: bytes each source rank sends to each target rank.
+    config_dir = llama_config(FIXTURE, out / "llama_config")
+    names = hf_tour(ucp_src.out_dir, config_dir, {"source": FIXTURE, "resharded": resharded.out_dir}, out)
+    names_tour(names, out, config_dir)
+
+    # The plan behind the reshard, as a picture: bytes each source rank sends to each target rank.
     src = resharded.source
     png = out / f"plan_tp{src['tp']}_dp{src['dp']}_to_tp{tp}_dp{dp}.png"
     lines = draw_plan(FIXTURE, tp, dp, png)
-    print("  plan     " + "\n           ".join(line for line in lines if not line.startswith("wrote ")))
-    print(f"  picture  {png}")
+    step("picture", f"{png}: " + "; ".join(line.strip() for line in lines
+                                            if not line.startswith(("wrote ", " ")) and "rank " not in line))
 
 
 def main() -> None:
     layouts_tour()
     reshard_tour()
+    print("\nEvery step ran and every check held.")
 
 
 if __name__ == "__main__":

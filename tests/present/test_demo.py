@@ -12,21 +12,41 @@ from reshard.present import demo
 from reshard.present.demo import DemoFailed, compare_universal
 
 
-def test_demo_runs_and_writes_its_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("matplotlib")
-    if not demo.FIXTURE.is_dir():
-        pytest.skip("committed fixture not present")
+def test_demo_runs_its_whole_tour(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Every step of ``make demo`` runs here (nothing is skipped: a missing fixture fails the demo)
+    and prints its proof."""
     monkeypatch.chdir(tmp_path)
     demo.main()
     out = capsys.readouterr().out
+    steps = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert steps == ["derive"] * 4 + ["plan"] * 2 + ["reshard", "convert", "hf", "hf", "names", "names", "picture"]
     assert "TP=2 x DP=2 ZeRO-1 -> TP=1 x DP=4 ZeRO-1" in out
     assert "84 tensors" in out and "all identical" in out
+    assert out.count("from_pretrained loads LlamaForCausalLM (21 tensors); logits on a probe equal") == 2
+    assert "logits vs Megatron's own forward" in out and "PyTorch DCP (FSDP2, 2 ranks)" in out
+    assert out.rstrip().endswith("Every step ran and every check held.")
     png = tmp_path / "demo-out" / "plan_tp2_dp2_to_tp1_dp4.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(png.relative_to(tmp_path)) in out
     for folder in ("tp1_dp4", "ucp_source", "ucp_resharded"):
         assert (tmp_path / "demo-out" / folder / "global_step3").is_dir()
+    for folder in ("hf_source", "hf_resharded", "hf_megatron", "hf_dcp"):
+        assert (tmp_path / "demo-out" / folder / "config.json").is_file()
+
+
+def test_demo_fails_rather_than_skip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixture it tours, missing: the demo fails (make demo exits non-zero), naming it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo, "FIXTURE", tmp_path / "nowhere")
+    with pytest.raises(DemoFailed, match="nowhere"):
+        demo.reshard_tour()
+
+
+def test_fixture_paths_exist() -> None:
+    """The demo finds the committed fixtures from its own module's place in the checkout."""
+    for path in (demo.FIXTURE, demo.MEGATRON, demo.DCP):
+        assert path.is_dir(), path
 
 
 def _universal(root: Path, tensors: dict[str, torch.Tensor]) -> Path:
