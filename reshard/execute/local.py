@@ -88,7 +88,7 @@ SourceOf = Callable[[], torch.Tensor]  # a segment's flat source shard, looked u
 
 class WindowFill:
     """A flat target buffer produced window by window, in increasing order, from plan segments:
-    the ``fill(out, start)`` a streamed writer (``formats.torch_zip``) calls for each chunk.
+    the ``fill(out, start)`` a streamed writer (``storage.torch_zip``) calls for each chunk.
 
     ``parts`` are ``(base, segment, source)``: the segment's ``dst`` view counts from element
     ``base`` of the buffer, and ``source()`` gives the flat source shard its ``src`` view reads.
@@ -123,7 +123,7 @@ class WindowFill:
 
     def fresh(self) -> WindowFill:
         """The same buffer, with a sweep of its own: fills of disjoint windows may then run in
-        separate threads at once (``formats.zip_stripes``)."""
+        separate threads at once (``storage.zip_stripes``)."""
         other = copy.copy(self)
         other._restart()
         return other
@@ -135,7 +135,7 @@ class WindowFill:
         there copies one run in order (row-major on both sides), unscaled, from a source of
         ``dtype``, and the pieces average ``min_bytes``; else ``None`` (fill a buffer instead).
         The slices are the sources' own memory: mapped files go on to the output file by a
-        kernel copy (``formats.output``)."""
+        kernel copy (``storage.staging``)."""
         if self._ends is None:
             return None
         stop, pieces, pos = start + count, [], start

@@ -45,7 +45,7 @@ def encode_map(m: MapLike) -> dict[str, Any]:
 # -- strict decoding ------------------------------------------------------------------------
 
 
-# The strict JSON decoders below are shared with the plan format (``reshard.plan.serial``): each
+# The strict JSON decoders below are shared with the plan format (``reshard.plan.values``): each
 # raises MapFormatError whose path names the offending value.
 
 

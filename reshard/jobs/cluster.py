@@ -3,7 +3,7 @@
 
 Every process opens the same source and computes the same plan (plans are deterministic), takes a
 disjoint share of the output, balanced by bytes, and writes it into the one staging folder. Large
-archives (``ArchiveJob``) are shared stripe by stripe (``formats.zip_stripes``): any process or
+archives (``ArchiveJob``) are shared stripe by stripe (``storage.zip_stripes``): any process or
 worker writes any stripe at its place in the file, and once all are written one process finishes
 each archive from every process's stripe checksums.
 The commit is collective: every process reports how it did; only when all succeeded does process 0

@@ -10,7 +10,7 @@ to a file the thread has not begun copies it itself (:meth:`EarlyCopies.take`), 
 with many large model-state files is copied at the workers' full parallelism, as without it.
 
 Nothing here imports torch. What the copies are is known from the files' names alone
-(``formats.deepspeed_files``); whether the conversion keeps them is not (AutoEP checkpoints rewrite
+(``formats.deepspeed.files``); whether the conversion keeps them is not (AutoEP checkpoints rewrite
 the model states), so a copy it does not keep is dropped (:meth:`EarlyCopies.drop`), and written
 again like any other file where it writes one.
 """

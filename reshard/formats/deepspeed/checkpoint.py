@@ -220,7 +220,7 @@ class DeepSpeedCheckpoint:
             return [n for n in seen if n not in self.moe.local_names] + list(self.moe.params)
         return list(seen)
 
-    # -- AutoEP experts (hooks into formats/deepspeed_experts.py) -------------------------------
+    # -- AutoEP experts (hooks into formats/deepspeed/experts.py) -------------------------------
     @cached_property
     def experts(self) -> deepspeed_experts.AutoEP | None:
         """The AutoEP expert parameters, or ``None`` without ``ds_autoep_layers``."""

@@ -6,7 +6,7 @@ Under ZeRO-3 every trainable parameter is partitioned on its own: a dense one ov
 ranks (``zero3(shape, W)``), a fused expert parameter of EP rank ``e`` over ``e``'s
 expert-data-parallel (EDP) group of ``W / E`` ranks (``zero3(EP-local shape, W / E)``). Each
 parameter's source composite (its placement map over EP ranks composed with those splits,
-``formats.deepspeed_experts``) is planned against the target composite built the same way at the
+``formats.deepspeed.experts``) is planned against the target composite built the same way at the
 target ``E`` x ``W`` with AutoEP's uniform placement, and the flat sub-group partitions are
 slots of each rank's flat buffers, which the engine fills. What changes with the topology,
 as DeepSpeed writes it: per DP rank a model-state file whose ``param_shapes`` has the EP-local

@@ -3,7 +3,7 @@ itself saves them: the source checked for ``reshard reshard``, the sub-group lay
 size, the dictionaries of the two files each (TP, DP) rank writes (with :class:`AttrTensorRef` for
 a streamed flat group's ``ds_id``), and a ZeRO-1/2 file's dictionaries recast for ZeRO-3 and back
 (the optimizer's loss scaler, flags, hyper-parameters and ``step`` are the same objects in both).
-No tensor data is moved here (``reshard.jobs.offline_zero3`` does that). What DeepSpeed does, read from
+No tensor data is moved here (the engine, ``reshard.jobs.engine``, does that). What DeepSpeed does, read from
 ``deepspeed/runtime/zero/stage3.py`` and ``runtime/engine.py`` and checked against checkpoints it
 saved (docs/deepspeed-checkpoints.md, sections 10 and 10.1). Under AutoTP every TP rank ``TT``
 writes this layout over its own TP shards (``zero_pp_rank_D_mp_rank_TT_*``, the shard shapes in
