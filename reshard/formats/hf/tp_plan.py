@@ -39,7 +39,7 @@ from ...errors import ReshardError
 from ...ir.param_map import ParamMap
 from ...layouts import replicated, split, sub_params
 
-__all__ = ["PlanParam", "TPPlan", "chunk_sizes", "tp_plan", "tp_plan_of_config"]
+__all__ = ["PlanParam", "TPPlan", "chunk_sizes", "lower", "tp_plan", "tp_plan_of_config"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,7 @@ def chunk_sizes(total: int, tp: int) -> list[int]:
 
 
 def lower(placement: tuple, shape: tuple[int, ...], tp: int) -> ParamMap:
+    """A :class:`PlanParam` placement of a ``shape`` parameter as a map over TP ranks ``0..tp-1``."""
     kind = placement[0]
     if kind == "replicate" or not shape:
         return replicated(shape, tp)
