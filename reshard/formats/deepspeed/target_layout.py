@@ -8,7 +8,9 @@ or ``{name: ParamMap}``, or ``"geometry"`` to rebuild each source layout at the 
 geometry alone (``layouts.recognize``: near-even splits, which can differ from AutoTP's
 head-aligned ones). A pipeline checkpoint's stages are kept or merged into one; its TP degree
 changes where its ``universal_checkpoint_info`` categories (Megatron-DeepSpeed's, no AutoTP with
-pipelines) fix the layout at the new degree.
+pipelines) fix the layout at the new degree. A Hugging Face folder, which records no TP layout,
+takes the one transformers' tensor-parallel plan for its architecture gives, as DeepSpeed's AutoTP
+reads that plan (:func:`hf_plan_maps`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 
 from ...errors import CheckpointError, ReshardError, in_context
 from ...ir.param_map import ParamMap, maps_from_document
-from ...layouts import replicated
+from ...layouts import autotp_shard_sizes, replicated
 from ...layouts.recognize import recognize
+from ..hf.tp_plan import TPPlan, chunk_sizes, tp_plan
 from . import lowering
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
@@ -30,7 +33,12 @@ from .zero12 import Zero12Source
 
 TargetLayout = str | Path | Mapping[str, Any] | None
 
-__all__ = ["TargetLayout", "layout_sources", "target_stage_maps", "target_tp_maps"]
+__all__ = ["TargetLayout", "autotp_plan_maps", "hf_plan_maps", "layout_sources", "target_stage_maps", "target_tp_maps"]
+
+# The styles DeepSpeed 0.19.8's AutoTP reads from a model's tp_plan (module_inject/tp_plan_converter.py);
+# a plan with any other is rejected by DeepSpeed as a whole.
+AUTOTP_STYLES = frozenset({"colwise", "colwise_rep", "colwise_gather_output", "rowwise",
+                           "replicated_with_grad_allreduce", "embedding_rowwise"})
 
 
 def layout_sources(layout: TargetLayout) -> tuple[Path, ...]:
@@ -115,6 +123,55 @@ def target_tp_maps(ck: DeepSpeedCheckpoint | None, names: list[str], tp: int, la
                 if k not in ("sub_param_shard_widths", "affine_map")}
         info["affine_map"] = dsw.affine_map_entry(maps)
     return maps, info, origin
+
+
+def hf_plan_maps(reader: Any, tp: int) -> tuple[dict[str, ParamMap], str] | None:
+    """The maps DeepSpeed's AutoTP gives a Hugging Face folder's parameters at TP=``tp``, from the
+    tensor-parallel plan transformers has for the architecture in its ``config.json``
+    (:func:`autotp_plan_maps`). ``None``: the source has no ``config.json`` (not a Hugging Face
+    folder)."""
+    config = getattr(reader, "config", None)
+    folder = getattr(reader, "folder", None)
+    if not isinstance(config, Mapping) or folder is None:
+        return None
+    shapes = {n: tuple(reader.shape(n)) for n in reader.names}
+    plan = tp_plan(folder, shapes)
+    return autotp_plan_maps(plan, shapes, tp, config, str(folder)), \
+        f"from transformers' tensor-parallel plan for {plan.arch}, as DeepSpeed's AutoTP reads it"
+
+
+def autotp_plan_maps(plan: TPPlan, shapes: Mapping[str, tuple[int, ...]], tp: int, config: Mapping[str, Any],
+                     where: str) -> dict[str, ParamMap]:
+    """``plan`` (``formats.hf.tp_plan``) as DeepSpeed 0.19.8 reads it (``TPPlanConverter``): colwise
+    and rowwise as transformers places them; ``embedding_rowwise`` kept whole, unless the embedding
+    is tied to the output head (then both are vocabulary-parallel, as transformers splits them).
+    DeepSpeed cuts with its own sizes (``tp_shard.get_shard_size_list``: whole kv heads, near-even
+    otherwise); a parameter where those may differ from transformers' ``torch.chunk`` sizes is
+    refused, as is a plan with a style DeepSpeed rejects."""
+    rejected = sorted({s for s in plan.plan.values() if s not in AUTOTP_STYLES})
+    if rejected:
+        raise ReshardError(f"{where}: {plan.arch}'s tensor-parallel plan has the style(s) {rejected}, which DeepSpeed "
+                           "0.19.8's AutoTP rejects (it reads only " + ", ".join(sorted(AUTOTP_STYLES)) + "); pass "
+                           "--layout")
+    maps = plan.maps(shapes, tp)
+    vocab_head = set(plan.tied.values()) | set(plan.tied)  # embedding and head sharing one weight
+    kv = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    kv = kv if isinstance(kv, int) and not isinstance(kv, bool) and kv > 0 else None
+    for n in shapes:
+        p = plan.params[n]
+        if p.style == "embedding_rowwise" and n not in vocab_head:
+            maps[n] = replicated(shapes[n], tp)
+            continue
+        if p.placement[0] != "shard":
+            continue
+        total = shapes[n][p.placement[1] % len(shapes[n])]
+        theirs = {tuple(autotp_shard_sizes(total, tp, num_kv_heads=kv, head_aware=h)) for h in (True, False)}
+        if theirs != {tuple(chunk_sizes(total, tp))}:
+            raise ReshardError(f"{where}: parameter {n!r}: transformers' plan splits its {total} rows/columns "
+                               f"{chunk_sizes(total, tp)} over TP={tp}, DeepSpeed's AutoTP cuts "
+                               f"{' or '.join(str(list(t)) for t in sorted(theirs))}: pass --layout (a DeepSpeed "
+                               f"checkpoint of this model saved at TP={tp})")
+    return maps
 
 
 def target_stage_maps(src: Zero12Source, tp: int, pp: int, layout: TargetLayout,

@@ -11,7 +11,8 @@ folder exists, what it cannot write:
   (``experts_zero3``).
 
 The target's model-parallel maps come from ``target_layout``: the source's TP maps kept, whole at
-TP=1, or from ``layout=`` at another degree. From a DeepSpeed source every file is built on the
+TP=1, or from ``layout=`` at another degree (a Hugging Face folder without one: its architecture's
+tensor-parallel plan in transformers). From a DeepSpeed source every file is built on the
 source's own dictionaries (``templates.from_deepspeed``); from any other on those of a fresh ZeRO
 job (``templates.fresh``): moments the source lacks are zeros and Adam's step the source's or 0,
 as a fresh optimizer holds them (said in the report).
@@ -28,7 +29,7 @@ from ...layouts import replicated
 from ...storage.staging import ArchiveJob
 from ..contract import BEST
 from . import templates
-from .target_layout import TargetLayout, layout_sources, target_stage_maps, target_tp_maps
+from .target_layout import TargetLayout, hf_plan_maps, layout_sources, target_stage_maps, target_tp_maps
 from .target_zero3 import Zero3Target
 from .target_zero12 import Zero12Target
 
@@ -179,6 +180,8 @@ class DeepSpeedWriter:
         stage = 1 if stage is None else stage
         if stage not in (1, 2, 3):
             raise ReshardError(f"target ZeRO stage {stage!r} must be 1, 2 or 3")
+        # an HF folder's TP layout, first: it says why when transformers is missing
+        planned = hf_plan_maps(reader, tp) if tp > 1 and layout is None else None
         order = _model_order(reader)
         first = reader.names[0]
         have = reader.states(first)
@@ -190,12 +193,15 @@ class DeepSpeedWriter:
             maps = {n: replicated(reader.shape(n), 1) for n in reader.names}
             origin, uc_info = "whole (TP=1)", None
         else:
+            if planned is not None:  # an HF folder: its architecture's tensor-parallel plan
+                layout, plan_origin = planned
             if layout is None:
                 raise ReshardError(f"{where}: a {reader.description} does not record how its parameters split over "
                                    f"TP ranks; TP={tp} needs the layout: pass --layout (a DeepSpeed checkpoint of "
                                    f"this model saved at TP={tp}, a map document, or 'geometry')")
             maps, uc_info, origin = target_tp_maps(None, tpl.names, tp, layout,
                                                    source_maps={n: replicated(reader.shape(n), 1) for n in reader.names})
+            origin = plan_origin if planned is not None else origin
         if stage == 3:
             self.kind = Zero3Target(tpl, maps, tp=tp, dp=dp, uc_info=uc_info, where=str(where))
         else:
@@ -203,6 +209,8 @@ class DeepSpeedWriter:
         self._source = dict(reader.topology)
         self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage}
         self.origin = origin
+        if tp > 1:
+            self._notes.append(f"target TP layout {origin}")
         missing = [m for m in ("exp_avg", "exp_avg_sq") if not any(m in reader.states(n) for n in reader.names)]
         self._notes.append(f"the files of a fresh DeepSpeed ZeRO-{stage} job (DeepSpeed 0.19.8) over the source's "
                            f"parameters, training dtype {tpl.dtype}, Adam step {int(step)}"

@@ -3,7 +3,8 @@
 0.19.8's ordinary ``engine.load_checkpoint`` loads them (one launch, world 2): its fp32 masters and
 module weights are the folder's weights bit for bit, its Adam moments zero and its step 0, as a
 fresh optimizer's, and it trains from there. A tied Qwen2 (``save_pretrained`` left out
-``lm_head.weight``) loads strictly: the alias is back in the module, sharing the embedding."""
+``lm_head.weight``) loads strictly: the alias is back in the module, sharing the embedding. At
+``--tp 2`` (slow) AutoTP's engine loads the layout of transformers' TP plan as AutoTP reads it."""
 
 from __future__ import annotations
 
@@ -60,3 +61,29 @@ def test_deepspeed_loads_pretrained_weights_as_a_fresh_run(loaded, name):
     assert job["optimizer_step_after_load"] == [0.0] and job["global_steps_after_load"] == 0
     losses = job["losses_per_dp_rank"]["0"]
     assert len(losses) == 2 and all(x == x for x in losses)  # it trains on from the pretrained weights
+
+
+@pytest.mark.slow
+def test_deepspeed_autotp_loads_an_hf_folder_written_at_tp2(tmp_path):
+    """``--tp 2`` without ``--layout``: the layout of transformers' TP plan, as AutoTP reads it
+    (docs/hf-checkpoints.md §7.1). DeepSpeed's AutoTP engine at TP=2 loads it (strict shapes: an
+    untied embedding whole, a tied one vocabulary-parallel), holds the folder's weights and trains."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    from tests.e2e.launch import resume_load, resume_many
+
+    loads = []
+    for name in FOLDERS:
+        reshard(HF / name, tmp_path / name, tp=2, dp=1, zero_stage=1)
+        loads.append(resume_load(name, tmp_path / name, model_spec=_spec(name), tp=2, dp=1, universal=False,
+                                 zero_stage=1, steps=2))
+    jobs = resume_many(loads, world_size=2)
+    for name in FOLDERS:
+        job, weights = jobs[name], load_file(HF / name / "model.safetensors")
+        after = job["digests"]["after_load"]
+        assert sorted(after) == sorted(weights), name
+        for n, w in weights.items():
+            assert after[n]["module"] == digest(n, w.float()), (name, n)
+        losses = job["losses_per_dp_rank"]["0"]
+        assert len(losses) == 2 and all(x == x for x in losses)
