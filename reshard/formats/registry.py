@@ -58,8 +58,8 @@ def is_accelerate(path: Path) -> bool:
 def source_format(path: Path) -> str | None:
     """Which format the checkpoint at ``path`` is in (its row's name), from its files' names alone
     (no torch): each row's detector, in ``probe`` order."""
-    for f in sorted((f for f in FORMATS if f.detect is not None), key=lambda f: f.probe):
-        if _load(f.detect)(path):  # type: ignore[arg-type]
+    for f in sorted(FORMATS, key=lambda f: f.probe):
+        if f.detect is not None and _load(f.detect)(path):
             return f.name
     return None
 
@@ -79,13 +79,14 @@ def open_reader(path: str | Path, *, route: str | None = None, names: str | None
         refuse_output_dir(p)
         raise CheckpointError(f"{p}: not " + ", nor ".join(f"{f.noun} ({f.hint})" for f in sources()))
     f = row(kind)
+    if f.reader is None:
+        raise CheckpointError(f"{p}: {f.noun}, which reshard does not read")
     if names is not None and not f.reader_names:
         them = " or ".join(g.noun for g in sources() if g.reader_names)
         raise ReshardError(f"{p}: --names chooses the names of {them}; this is {f.noun}")
-    how = {}
-    if f.reader_names and (names or (route is not None and row(route).names)):
-        how["names"] = names or row(route).names  # type: ignore[arg-type]
-    reader: Any = _load(f.reader)(p, **how)  # type: ignore[arg-type]
+    names = names or (row(route).names if route is not None else None)
+    how = {"names": names} if f.reader_names and names is not None else {}
+    reader: Any = _load(f.reader)(p, **how)
     reader.check()
     return reader
 

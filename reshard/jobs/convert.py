@@ -1,7 +1,8 @@
 """``convert`` and ``reshard``: any checkpoint reshard reads to any target format, through the one
-engine (``jobs.engine``). ``convert`` writes a format without a topology (a universal checkpoint,
-safetensors, DCP); ``reshard`` writes one at a topology (DeepSpeed at TP x DP x PP, or DCP for N
-loading ranks). Both are one call: open the reader, make the writer, run."""
+engine (``jobs.engine``). ``convert`` writes a format without a topology (universal, safetensors,
+an HF folder, DCP); ``reshard`` writes one at a topology (DeepSpeed, Megatron, DCP for N loading
+ranks), by default the source's own. Which are which, and the options each takes, is the format
+table's (``formats.table``). Both are one call: open the reader, make the writer, run."""
 
 from __future__ import annotations
 

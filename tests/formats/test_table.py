@@ -138,3 +138,10 @@ def test_ucp_and_universal_are_one_format(tmp_path, capsys):
     assert table.row("ucp") is table.row("universal") and table.target("ucp", "convert").name == "universal"
     with pytest.raises(ReshardError, match=r"must be one of universal \(or ucp\), dcp, safetensors, hf"):
         convert(src, tmp_path / "e", fmt="deepspeed")
+
+
+def test_the_command_refuses_a_dcp_source_without_files_in_one_line(tmp_path, capsys):
+    assert main(["reshard", str(DCP / "llama_fsdp2_ws2"), str(tmp_path / "out"), "--tp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--files N" in err and "--to takes deepspeed, dcp" in err
+    assert not (tmp_path / "out").exists()
