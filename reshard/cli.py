@@ -15,22 +15,16 @@ from collections import Counter
 from pathlib import Path
 
 from .errors import ReshardError, in_context
+from .formats import table
 from .jobs.cluster import DEFAULT_TIMEOUT_S
+from .present.usage import convert_description, reshard_description, synopsis
 from .storage.staging import CHECKSUMS
 
 DESCRIPTION = """\
-Move distributed-training checkpoints between parallel topologies exactly, through an affine map
-of every parameter (docs/spec.md).
+Move distributed-training checkpoints between formats and parallel topologies exactly, through an
+affine map of every parameter (docs/spec.md).
 
-  reshard convert CKPT OUT                   DeepSpeed checkpoint -> universal checkpoint or safetensors
-  reshard reshard CKPT OUT --tp T [--dp D]   DeepSpeed checkpoint -> the same at another topology
-  reshard inspect PATH                       how every parameter is sharded (table, --json, --png)
-  reshard plan SOURCE --tp T [--dp D]        plan a move to another topology without moving data
-  reshard plan SOURCE --to TARGET.json       plan the move between two map documents
-  reshard check MAPS.json                    validate a map document
-  reshard verify OUT                         re-check an output folder against its manifest
-  reshard verify SRC                         check a source checkpoint: reader checks, CRCs, deep check
-"""
+""" + synopsis()
 
 VERIFY = ("records", "deep")  # --verify (jobs.convert.VERIFY, without importing torch here)
 ELEMENT_SIZE = 4  # bytes per element in the figures of inspect and plan: fp32, what optimizer state is
@@ -209,7 +203,7 @@ def _report(report) -> None:
 def _start_early_copies(args) -> None:
     """One process converting to the universal layout: start copying the checkpoint's model-state
     files now, while the command's modules (torch) load (``reshard.jobs.early_copies``)."""
-    if args.format != "ucp" or os.environ.get("WORLD_SIZE", "1") != "1":
+    if args.format != "universal" or os.environ.get("WORLD_SIZE", "1") != "1":
         return
     from .jobs.early_copies import EarlyCopies
 
@@ -217,15 +211,12 @@ def _start_early_copies(args) -> None:
                                           checksum=args.checksum, verify_source=args.verify_source)
 
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
 def _dtype(args):
     if getattr(args, "dtype", None) is None:
         return None
     import torch
 
-    return getattr(torch, DTYPES[args.dtype])
+    return getattr(torch, table.DTYPES[args.dtype])
 
 
 def _cmd_convert(args) -> int:
@@ -307,6 +298,32 @@ def _output(p: argparse.ArgumentParser) -> None:
                    f"(default {DEFAULT_TIMEOUT_S:g})")
 
 
+def _format_name(text: str) -> str:
+    """A format's name for one of its aliases (``ucp``: ``universal``); any other text as it is,
+    for argparse's ``choices`` to refuse."""
+    try:
+        return table.row(text).name
+    except ReshardError:
+        return text
+
+
+def _format_options(p: argparse.ArgumentParser, command: str) -> None:
+    """The flags of the options ``command``'s target formats take (``formats.table.OPTIONS``),
+    each saying which targets take it."""
+    rows = table.convert_targets() if command == "convert" else table.reshard_targets()
+    flag = "--format" if command == "convert" else "--to"
+    for key in dict.fromkeys(k for f in rows for k in (f.convert if command == "convert" else f.reshard) or ()):
+        option = table.OPTIONS[key]
+        if not option.flag:
+            continue
+        takers = [f.name for f in rows if key in ((f.convert if command == "convert" else f.reshard) or ())]
+        how = dict(option.argparse)
+        if how.get("type") == "positive":
+            how["type"] = _positive
+        how.setdefault("default", False if how.get("action") == "store_true" else None)
+        p.add_argument(option.flag, **how, help=f"{flag} {'|'.join(takers)}: {option.help}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reshard", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -318,8 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_cmd_check, imports=("reshard.ir.param_map",))
 
     ins = sub.add_parser("inspect", help="show how every parameter is sharded: table, --json, --png picture")
-    ins.add_argument("target", help="a map document (JSON), a DeepSpeed checkpoint folder or a universal checkpoint "
-                     "folder")
+    ins.add_argument("target", help="a map document (JSON) or a checkpoint: "
+                     + ", ".join(f.name for f in table.sources()))
     ins.add_argument("--param", help="show only this parameter: its name, a unique suffix or a unique part of it "
                      "(with --png the drawn one; default the first)")
     ins.add_argument("--png", metavar="FILE", help="draw the parameter's F, coloured by rank (needs matplotlib)")
@@ -347,57 +364,34 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=_cmd_plan, imports=("reshard.present.describe", "reshard.present.inspected", "reshard.plan.planner",
                                          "reshard.plan.retarget"))
 
-    cv = sub.add_parser("convert", help="DeepSpeed or DCP checkpoint -> universal checkpoint, safetensors or DCP")
-    cv.add_argument("ckpt_dir", help="a DeepSpeed tag folder (or its parent holding 'latest'), a PyTorch DCP folder "
-                    "(with .metadata) or, for --format dcp, a universal checkpoint")
-    cv.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> (and OUT_DIR/latest_universal for ucp)")
-    cv.add_argument("--format", choices=["ucp", "safetensors", "hf", "dcp"], default="ucp",
-                    help="DeepSpeed's universal checkpoint (default), HF-style safetensors weights, or a PyTorch "
-                    "DCP checkpoint that dcp.load reads at any world size")
-    cv.add_argument("--rename", action="append", default=[], metavar="FROM=TO",
-                    help="with --format dcp: rename parameters by this regex substitution (repeatable, in order)")
-    cv.add_argument("--with-optimizer", action="store_true",
-                    help="DCP -> safetensors: also write the Adam moments, in the universal layout (zero/<name>/)")
-    cv.add_argument("--on-replica-mismatch", default="error", metavar="{error,rank:N,mean}",
-                    help="what to do when ranks hold different copies of a replicated block (default: fail)")
-    cv.add_argument("--max-file-gb", type=float, default=5.0, help="safetensors file size limit (default 5)")
-    cv.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="safetensors / hf: cast the weights (default: hf the config's dtype; safetensors fp32 "
-                    "masters where the source has them, else the stored dtype)")
-    cv.add_argument("--hf-config", default=None, metavar="DIR",
-                    help="--format hf: the folder of the model's config.json (and tokenizer files), where the "
-                    "checkpoint has none beside it")
+    cv = sub.add_parser("convert", help="SRC -> a format without a topology: "
+                        + ", ".join(f.name for f in table.convert_targets()),
+                        description=convert_description(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    cv.add_argument("ckpt_dir", metavar="SRC", help="any checkpoint reshard reads (a folder, or a DeepSpeed tag's "
+                    "parent holding 'latest')")
+    cv.add_argument("out_dir", metavar="OUT", help="output parent folder: OUT/<tag> (and OUT/latest_universal for "
+                    "universal); --format hf: OUT itself")
+    cv.add_argument("--format", type=_format_name, choices=[f.name for f in table.convert_targets()],
+                    default="universal", help="the target format (default universal; 'ucp' is universal's alias)")
+    _format_options(cv, "convert")
     cv.add_argument("--names", choices=("megatron", "hf"), default=None,
                     help="a Megatron source: its own keys or Hugging Face names (default: hf for safetensors and "
                     "hf, megatron otherwise)")
+    cv.add_argument("--on-replica-mismatch", default="error", metavar="{error,rank:N,mean}",
+                    help="what to do when ranks hold different copies of a replicated block (default: fail)")
     _output(cv)
     cv.set_defaults(fn=_cmd_convert, imports=("reshard.jobs.convert",), early_copies=None)
 
-    rs = sub.add_parser("reshard", help="DeepSpeed ZeRO-1/2 checkpoint -> the same at another TP x DP (x PP) "
-                        "topology, ZeRO-3 (TP=1) at another DP or between ZeRO-3 and ZeRO-1/2, loadable by "
-                        "engine.load_checkpoint; a DCP checkpoint -> the same laid out for N loading ranks "
-                        "(--files N)")
-    rs.add_argument("ckpt_dir", help="a tag folder, or its parent holding a 'latest' file")
-    rs.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> and OUT_DIR/latest")
-    rs.add_argument("--tp", type=_positive, default=None, help="target TP degree of a DeepSpeed target (default: the source's)")
-    rs.add_argument("--files", type=_positive, default=None, metavar="N",
-                    help="a DCP checkpoint: lay it out for N loading ranks (one file per rank of an N-way FSDP mesh)")
-    rs.add_argument("--dp", type=_positive, default=None, help="target DP degree (default: the source's)")
-    rs.add_argument("--pp", type=_positive, default=None,
-                    help="target pipeline stages of a deepspeed.pipe checkpoint: its own count, or 1 to merge them")
-    rs.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
-                    help="target ZeRO stage (default: the source's)")
-    rs.add_argument("--ep", type=_positive, default=None,
-                    help="target expert-parallel degree of an AutoEP or classic MoE checkpoint "
-                         "(default: the source's)")
-    rs.add_argument("--layout", default=None, metavar="CKPT|MAPS.json|geometry",
-                    help="target TP layout when TP changes to a degree other than 1")
-    rs.add_argument("--optimizer", choices=("none", "adam", "dp_reshardable", "fully_reshardable"), default=None,
-                    help="a Megatron target: its optimizer state's layout (default: the source's; an HF source: none)")
-    rs.add_argument("--to", choices=("deepspeed", "dcp", "megatron"), default=None,
-                    help="target format (default: dcp with --files, else deepspeed)")
-    rs.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="DeepSpeed target from a non-DeepSpeed source: the training dtype (default: the source's)")
+    rs = sub.add_parser("reshard", help="SRC -> the same model at another topology: "
+                        + ", ".join(f.name for f in table.reshard_targets()) + " (default: the source's own format)",
+                        description=reshard_description(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    rs.add_argument("ckpt_dir", metavar="SRC", help="any checkpoint reshard reads (a folder, or a DeepSpeed tag's "
+                    "parent holding 'latest')")
+    rs.add_argument("out_dir", metavar="OUT", help="output parent folder: OUT/<tag> (and OUT/latest for DeepSpeed)")
+    rs.add_argument("--to", type=_format_name, choices=[f.name for f in table.reshard_targets()], default=None,
+                    help="the target format (default: the source's own where it is written at a topology, dcp with "
+                    f"--files, else {table.DEFAULT_TARGET})")
+    _format_options(rs, "reshard")
     rs.add_argument("--on-replica-mismatch", default="error", metavar="{error,rank:N,mean}",
                     help="where the target merges copies of a replicated block (another TP degree) and they differ: "
                     "fail (default), or take rank N's copy, or their mean")

@@ -1,7 +1,8 @@
 """``convert`` and ``reshard``: any checkpoint reshard reads to any target format, through the one
-engine (``jobs.engine``). ``convert`` writes a format without a topology (a universal checkpoint,
-safetensors, DCP); ``reshard`` writes one at a topology (DeepSpeed at TP x DP x PP, or DCP for N
-loading ranks). Both are one call: open the reader, make the writer, run."""
+engine (``jobs.engine``). ``convert`` writes a format without a topology (universal, safetensors,
+an HF folder, DCP); ``reshard`` writes one at a topology (DeepSpeed, Megatron, DCP for N loading
+ranks), by default the source's own. Which are which, and the options each takes, is the format
+table's (``formats.table``). Both are one call: open the reader, make the writer, run."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typing import Any
 import torch
 
 from ..errors import ReshardError
+from ..formats import table
 from ..formats.contract import Reader
-from ..formats.registry import make_writer, open_reader
+from ..formats.registry import check_options, make_writer, open_reader, reshard_target
 from ..storage import verified
 from .cluster import Cluster
 from .engine import Policy, run
@@ -21,7 +23,7 @@ from .reports import Report
 
 __all__ = ["CONVERT_FORMATS", "VERIFY", "convert", "reshard"]
 
-CONVERT_FORMATS = ("ucp", "safetensors", "hf", "dcp")
+CONVERT_FORMATS = tuple(f.name for f in table.convert_targets())  # --format: formats without a topology
 VERIFY = ("records", "deep")  # --verify: every record read checked (the default); and module weights vs masters
 
 
@@ -43,7 +45,7 @@ def convert(
     ckpt_dir: str | Path,
     out_dir: str | Path,
     *,
-    fmt: str = "ucp",
+    fmt: str = "universal",
     workers: int = 1,
     on_replica_mismatch: str = "error",
     overwrite: bool = False,
@@ -60,8 +62,9 @@ def convert(
     verify_source: bool = True,
     verify: str = "records",
 ) -> Report:
-    """Convert the checkpoint at ``ckpt_dir`` (DeepSpeed, universal, DCP or safetensors) into
-    ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``),
+    """Convert the checkpoint at ``ckpt_dir`` (any format reshard reads: ``formats.table``) into
+    ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="universal"``, or its alias ``"ucp"``;
+    with ``out_dir/latest_universal``),
     HF-style safetensors (``"safetensors"``; ``with_optimizer`` adds the Adam moments in the universal
     layout), a Hugging Face model folder ``from_pretrained`` loads as it stands, written into
     ``out_dir`` itself (``"hf"``: ``config.json`` and tokenizer files carried from beside the source,
@@ -83,8 +86,9 @@ def convert(
     record, and every file copied verbatim, is checked against its CRC-32 (``storage.verified``);
     the manifest records whether (``source_verified``). ``verify="deep"`` (``--verify deep``) also
     compares module weights with the masters they were cast from (``jobs.deep_check``)."""
-    if fmt not in CONVERT_FORMATS:
-        raise ReshardError(f"format (--format) must be one of {', '.join(CONVERT_FORMATS)}, got {fmt!r}")
+    fmt = table.target(fmt, "convert").name
+    check_options(fmt, _convert_options(fmt, max_file_bytes=max_file_bytes, rename=rename, with_optimizer=with_optimizer,
+                                        dtype=dtype, hf_config=hf_config, early=None))
     Policy.parse(on_replica_mismatch)
     with verified.verifying(verify_source):
         reader, notes = _open(ckpt_dir, verify, route=fmt, names=names)
@@ -100,26 +104,27 @@ def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_
              early_copies: Any, notes: list[str]) -> Report:
     cluster = cluster or Cluster.from_env()
     early = early_copies
-    if early is not None and (reader.format != "deepspeed" or fmt != "ucp" or cluster.world > 1
+    if early is not None and (reader.format != "deepspeed" or fmt != "universal" or cluster.world > 1
                               or early.tag_dir != reader.ck.tag_dir or early.staging.out_dir != Path(out_dir)
                               or early.staging.verify_source != verified.enabled()):
         early.abandon()  # of another route, source, output or process count: as without them
         early = None
-    options: dict[str, Any] = {"ucp": {"early": early},
-                               "safetensors": {"max_file_bytes": max_file_bytes, "dtype": dtype,
-                                               "with_optimizer": with_optimizer or None},
-                               "hf": {"max_file_bytes": max_file_bytes, "dtype": dtype, "hf_config": hf_config},
-                               "dcp": {"max_file_bytes": max_file_bytes, "rename": tuple(rename) or None}}[fmt]
-    if fmt != "dcp" and rename:
-        raise ReshardError("--rename goes with --format dcp")
-    if fmt != "hf" and hf_config is not None:
-        raise ReshardError("--hf-config goes with --format hf")
-    if fmt != "safetensors" and with_optimizer:
-        raise ReshardError("--with-optimizer goes with --format safetensors (the moments beside the weights)")
+    options = _convert_options(fmt, max_file_bytes=max_file_bytes, rename=rename, with_optimizer=with_optimizer,
+                               dtype=dtype, hf_config=hf_config, early=early)
     writer = make_writer(fmt, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
                staging=early.staging if early is not None else None, notes=notes)
+
+
+def _convert_options(fmt: str, *, max_file_bytes: int, rename: Sequence[str], with_optimizer: bool,
+                     dtype: torch.dtype | None, hf_config: str | Path | None, early: Any) -> dict[str, Any]:
+    """The writer options of a conversion to ``fmt``: what the user chose (refused by the target
+    that does not take it), and the defaults it takes (a file size, early copies)."""
+    takes = table.row(fmt).options
+    return {"rename": tuple(rename) or None, "with_optimizer": with_optimizer or None, "dtype": dtype,
+            "hf_config": hf_config, **{k: v for k, v in (("max_file_bytes", max_file_bytes), ("early", early))
+                                       if k in takes}}
 
 
 def reshard(
@@ -145,9 +150,14 @@ def reshard(
     verify_source: bool = True,
     verify: str = "records",
 ) -> Report:
-    """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``: a
-    DeepSpeed checkpoint (``to="deepspeed"``, the default) at TP=``tp`` x DP=``dp`` (x PP=``pp``)
-    with ZeRO ``zero_stage`` and, with experts, EP=``ep`` (each default: the source's), plus
+    """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``, in the
+    format ``to`` names, by default the source's own where it is written at a topology (a
+    DeepSpeed or Megatron source; DCP with ``files``), else DeepSpeed (a universal checkpoint, an
+    HF folder, an Accelerate one); a target that cannot be written from the source is refused
+    naming ``to``'s choices (``formats.registry.reshard_target``).
+
+    A DeepSpeed checkpoint (``to="deepspeed"``) at TP=``tp`` x DP=``dp`` (x PP=``pp``) with ZeRO
+    ``zero_stage`` and, with experts, EP=``ep`` (each default: the source's), plus
     ``out_dir/latest``, as DeepSpeed 0.19.8 would save it there; or a DCP checkpoint laid out for
     ``files`` loading ranks (``to="dcp"``, the default with ``files``). A TP degree the source
     does not record takes its layout from ``layout`` (a DeepSpeed checkpoint at that degree, a map
@@ -156,36 +166,29 @@ def reshard(
     Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP), from a
     Megatron source or an HF one, its optimizer state laid out as ``optimizer`` says
     (``formats.megatron.writer``). ``verify_source`` and ``verify`` as for :func:`convert`."""
+    given = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep, "layout": layout,
+             "dtype": dtype, "optimizer": optimizer}
+    target = reshard_target(ckpt_dir, to, given)
+    check_options(target.name, given)
+    if target.needs is not None and given[target.needs] is None:
+        raise ReshardError(f"{ckpt_dir}: --to {target.name} takes {table.OPTIONS[target.needs].flag} N "
+                           f"({table.OPTIONS[target.needs].help})")
     with verified.verifying(verify_source):
-        reader, notes = _open(ckpt_dir, verify, route=to)
-        return _reshard(reader, ckpt_dir, out_dir, to=to, tp=tp, dp=dp, pp=pp, zero_stage=zero_stage, ep=ep,
-                        files=files, layout=layout, dtype=dtype, workers=workers, overwrite=overwrite,
+        reader, notes = _open(ckpt_dir, verify, route=target.name)
+        return _reshard(reader, out_dir, to=target.name, options=given, workers=workers, overwrite=overwrite,
                         progress=progress, checksum=checksum, cluster=cluster,
-                        on_replica_mismatch=on_replica_mismatch, optimizer=optimizer, notes=notes)
+                        on_replica_mismatch=on_replica_mismatch, notes=notes)
 
 
-def _reshard(reader: Reader, ckpt_dir: str | Path, out_dir: str | Path, *, to: str | None, tp: int | None,
-             dp: int | None, pp: int | None, zero_stage: int | None, ep: int | None, files: int | None, layout: Any,
-             dtype: torch.dtype | None, workers: int, overwrite: bool, progress: Any, checksum: str,
-             cluster: Cluster | None, on_replica_mismatch: str, optimizer: str | None,
+def _reshard(reader: Reader, out_dir: str | Path, *, to: str, options: dict[str, Any], workers: int, overwrite: bool,
+             progress: Any, checksum: str, cluster: Cluster | None, on_replica_mismatch: str,
              notes: list[str]) -> Report:
-    to = to or ("dcp" if files is not None else "deepspeed")
-    if to == "dcp":
-        if files is None:
-            raise ReshardError(f"{ckpt_dir}: a DCP target at a topology takes --files N (N loading ranks)")
-        options: dict[str, Any] = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep,
-                                   "layout": layout}
-    elif to == "deepspeed":
-        if tp is None:
-            tp = reader.topology.get("tp", 1) if reader.format == "deepspeed" and ep is None else 1
-        options = {"files": files, "tp": tp, "dp": dp, "pp": pp if pp is not None else 1, "zero_stage": zero_stage,
-                   "ep": ep, "layout": layout, "dtype": dtype}
-    elif to == "megatron":
-        options = {"files": files, "zero_stage": zero_stage, "layout": layout, "tp": tp, "dp": dp, "pp": pp, "ep": ep,
-                   "optimizer": optimizer, "dtype": dtype}
-    else:
-        raise ReshardError(f"reshard writes 'deepspeed' (--tp/--dp/--pp/--zero-stage/--ep), 'dcp' (--files) or "
-                           f"'megatron' (--tp/--pp/--dp), not {to!r}; other formats have no topology: use convert")
+    if to == "deepspeed":  # DeepSpeed's writer takes whole numbers: the source's TP, one stage
+        options = dict(options)
+        if options["tp"] is None:
+            own = reader.format == "deepspeed" and options["ep"] is None
+            options["tp"] = reader.topology.get("tp", 1) if own else 1
+        options["pp"] = 1 if options["pp"] is None else options["pp"]
     writer = make_writer(to, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,

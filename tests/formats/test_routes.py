@@ -143,7 +143,7 @@ def test_every_route_gives_the_source_frameworks_tensors(source: str, target: st
     shapes = {n: tuple(s["weight"].shape) for n, s in ref.items()}
     src = _source_path(source, root)
     if target == "deepspeed":
-        out = reshard(src, tmp_path / "out", tp=1, dp=2).out_dir
+        out = reshard(src, tmp_path / "out", to="deepspeed", tp=1, dp=2).out_dir
     else:
         out = convert(src, tmp_path / "out", fmt=target).out_dir
     got = _read_target(target, out, tmp_path, shapes)
@@ -175,7 +175,8 @@ REFUSALS = [
     ("dcp-fsdp2", "deepspeed", {"ep": 2}, r"records no pipeline stages or experts"),
     ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 2}, r"TP = PP = 1 only"),
     ("deepspeed-zero3", "deepspeed", {"pp": 2}, r"PP=1"),
-    ("universal", "dcp", {"files": 2, "tp": 2}, r"--tp do\(es\) not apply to the 'dcp' target format"),
+    ("universal", "dcp", {"files": 2, "tp": 2}, r"--tp goes with --to deepspeed or --to megatron, not with a "
+     r"PyTorch DCP checkpoint \(the target\)"),
     ("hf-sharded", "ucp", {"rename": ["a=b"]}, r"--rename goes with --format dcp"),
     ("dcp-fsdp2", "ucp", {"with_optimizer": True}, r"--with-optimizer goes with --format safetensors"),
 ]
@@ -189,7 +190,7 @@ def test_targets_a_source_cannot_give_are_refused_before_anything_exists(source,
     src = _source_path(source, root)
     with pytest.raises(ReshardError, match=match):
         if target in ("deepspeed",) or "files" in options:
-            reshard(src, tmp_path / "out", **options)
+            reshard(src, tmp_path / "out", to=target, **options)
         else:
             convert(src, tmp_path / "out", fmt=target, **options)
     assert not (tmp_path / "out").exists()
@@ -216,7 +217,7 @@ def test_a_failure_midway_leaves_nothing(source, target, root, tmp_path, monkeyp
     src = _source_path(source, root)
     with pytest.raises((OutputError, OSError)):
         if target == "deepspeed":
-            reshard(src, tmp_path / "out", tp=1, dp=2)
+            reshard(src, tmp_path / "out", to="deepspeed", tp=1, dp=2)
         else:
             convert(src, tmp_path / "out", fmt=target)
     assert calls, "the writer wrote nothing at all"

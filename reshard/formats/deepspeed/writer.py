@@ -28,6 +28,7 @@ from ...errors import CheckpointError, ReshardError
 from ...layouts import replicated
 from ...storage.staging import ArchiveJob
 from ..contract import BEST
+from ..table import noun_of
 from . import templates
 from .target_layout import TargetLayout, hf_plan_maps, layout_sources, target_stage_maps, target_tp_maps
 from .target_zero3 import Zero3Target
@@ -175,7 +176,7 @@ class DeepSpeedWriter:
         """A non-DeepSpeed source: the files of a fresh ZeRO job over its parameters."""
         where = reader.sources[-1]
         if pp != 1 or ep is not None:
-            raise ReshardError(f"{where}: a {reader.description} records no pipeline stages or experts; it is "
+            raise ReshardError(f"{where}: {noun_of(reader)} records no pipeline stages or experts; it is "
                                "written as DeepSpeed at --tp/--dp/--zero-stage only (pp=1, no ep)")
         stage = 1 if stage is None else stage
         if stage not in (1, 2, 3):
@@ -196,7 +197,7 @@ class DeepSpeedWriter:
             if planned is not None:  # an HF folder: its architecture's tensor-parallel plan
                 layout, plan_origin = planned
             if layout is None:
-                raise ReshardError(f"{where}: a {reader.description} does not record how its parameters split over "
+                raise ReshardError(f"{where}: {noun_of(reader)} does not record how its parameters split over "
                                    f"TP ranks; TP={tp} needs the layout: pass --layout (a DeepSpeed checkpoint of "
                                    f"this model saved at TP={tp}, a map document, or 'geometry')")
             maps, uc_info, origin = target_tp_maps(None, tpl.names, tp, layout,
@@ -253,7 +254,7 @@ def _model_order(reader: Any) -> list[str]:
         return list(reader.names)
     order = ask()
     if order is None:
-        raise ReshardError(f"{reader.sources[-1]}: a {reader.description} does not record the model's parameter "
+        raise ReshardError(f"{reader.sources[-1]}: {noun_of(reader)} does not record the model's parameter "
                            "order, which DeepSpeed's flat ZeRO buffers follow: it needs the folder's config.json and "
                            "transformers installed to build the model's order")
     return order

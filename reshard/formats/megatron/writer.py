@@ -32,6 +32,7 @@ from ...errors import ReshardError
 from ...ir.param_map import ParamMap
 from ..contract import BEST, MODULE, Buffer, Slot, Target
 from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
+from ..table import noun_of
 from . import safe
 from .common import KINDS, args_for, buffer_dtype, common_state, default_groups, extra_state_keys
 from .files import TRACKER, iteration_folder
@@ -127,7 +128,7 @@ class MegatronWriter:
         if cfg is None and hasattr(reader, "hf_config"):
             cfg = reader.hf_config()
         if not isinstance(cfg, dict):
-            raise ReshardError(f"{reader.sources[-1]}: a Megatron target from a {reader.format} source needs the "
+            raise ReshardError(f"{reader.sources[-1]}: a Megatron target from {noun_of(reader)} needs the "
                                "model's Hugging Face config.json beside its weights")
         if ep not in (None, 1):
             raise ReshardError("--ep: an HF model imported into Megatron is dense (EP=1)")

@@ -21,6 +21,7 @@ from ...errors import ReshardError
 from ...ir.piece import prod
 from ...layouts import replicated
 from ..contract import BEST, Buffer, Slot, Target
+from ..table import noun_of
 from .io import DTYPES, SafetensorsFile, plan_files
 from .reader import INDEX
 
@@ -56,7 +57,7 @@ class SafetensorsWriter:
         self._maps = {out: replicated(shape, 1) for out, shape, _ in self.specs}
         self.moments = None
         if with_optimizer and not any(m in reader.states(n) for n in reader.names for m in ("exp_avg", "exp_avg_sq")):
-            raise ReshardError(f"{reader.sources[-1]}: --with-optimizer, but the {reader.description} holds no "
+            raise ReshardError(f"{reader.sources[-1]}: --with-optimizer, but {noun_of(reader)} holds no "
                                "optimizer state (no Adam moments) to write")
         if with_optimizer:
             from ..universal.writer import UniversalWriter

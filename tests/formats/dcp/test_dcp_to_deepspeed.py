@@ -54,7 +54,7 @@ def runs(tmp_path_factory) -> dict:
     spec = model_spec_from_fixture(DS_FIXTURE)
     assert spec["model_config"] == FX["model_config"] and spec["seed"] == FX["seed"]
     assert spec["micro_batch"] == FX["data"]["micro_batch"] and spec["seq_len"] == FX["data"]["seq_len"]
-    native = reshard(FIXTURE, tmp / "native", tp=1, dp=2, zero_stage=1)
+    native = reshard(FIXTURE, tmp / "native", to="deepspeed", tp=1, dp=2, zero_stage=1)
     reshard(report.out_dir.parent, tmp / "ucp_native", tp=1, dp=2, zero_stage=1)
     loads = [resume_load("fsdp2->ucp", tmp / "ucp", model_spec=spec, tp=1, dp=2, universal=True, zero_stage=1,
                          steps=2),
