@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError, QuantizedError
+from ...execute.memory import release
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
@@ -175,6 +176,8 @@ class SafetensorsReader:
     def check(self) -> None:
         if self.codec is not None:
             self.codec.check(self._tensor, lambda n: self.entries[n].file)
+            for c in self.codec.coded.values():
+                release(self._raw(c.scales))
         index = getattr(self, "_index", None)
         if index is None:
             return
@@ -212,6 +215,8 @@ class SafetensorsReader:
         if last is not None and last[0] == name:  # another segment of the parameter the engine is filling
             return last[1]
         t = self.codec.decode(c, self._tensor).reshape(-1)  # type: ignore[union-attr]
+        for n in (c.payload, c.scales):  # read once: drop their pages (the engine releases only what it reads)
+            release(self._raw(n))
         with self._lock:
             self._decoded = (name, t)
         return t

@@ -165,3 +165,21 @@ def test_reader_decodes_one_tensor_and_reports_it() -> None:
     assert r.fragment(name, "weight", 0) is first  # a second segment of it: not decoded again
     r.fragment("model.layers.0.mlp.experts.down_proj", "weight", 0)
     assert r._decoded is not None and r._decoded[0] == "model.layers.0.mlp.experts.down_proj"  # one held at a time
+
+
+def test_sharded_fp8_folder_decodes_as_the_single_file(tmp_path: Path) -> None:
+    """``model.safetensors.index.json`` with a payload and its scales in different shards."""
+    raw = load_file(HF / "fp8_qwen2" / "model.safetensors")
+    names = sorted(raw)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    src = tmp_path / "src"
+    src.mkdir()
+    for f, part in shards.items():
+        save_file({n: raw[n] for n in part}, src / f, metadata={"format": "pt"})
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    assert weight_map["model.layers.0.mlp.down_proj.weight"] != weight_map["model.layers.0.mlp.down_proj.weight_scale_inv"]
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (src / "config.json").write_bytes((HF / "fp8_qwen2" / "config.json").read_bytes())
+    convert(src, tmp_path / "sharded", fmt="hf")
+    convert(HF / "fp8_qwen2", tmp_path / "single", fmt="hf")
+    _same(load_file(tmp_path / "sharded" / "model.safetensors"), load_file(tmp_path / "single" / "model.safetensors"))
