@@ -5,7 +5,7 @@ transformers' dequantizing load computes in float32 and then casts to the model'
 * **FP8 block scales** (DeepSeek-V3/R1, Qwen3-FP8, transformers' ``FineGrainedFP8Config``): a
   payload ``q`` ``[..., rows, cols]`` (E4M3 or E5M2) and one scale per ``bm x bn`` block,
   ``s`` ``[..., ceil(rows/bm), ceil(cols/bn)]``; ``w[i, j] = float32(q[i, j]) * s[i // bm, j // bn]``,
-  computed as DeepSeek's reference does: pad to whole blocks, multiply, crop. Scales are float32
+  the products DeepSeek's reference forms (pad to whole blocks, multiply, crop). Scales are float32
   (any float dtype, converted exactly) or E8M0 (``float8_e8m0fnu``, or its byte in ``uint8``:
   ``2 ** (byte - 127)``).
 * **MXFP4** (gpt-oss): ``blocks`` uint8 ``[E, out, G, 16]`` (32 E2M1 values per block, the low
@@ -15,6 +15,8 @@ transformers' dequantizing load computes in float32 and then casts to the model'
 """
 
 from __future__ import annotations
+
+from math import prod
 
 import torch
 
@@ -26,6 +28,7 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 MXFP4_BYTES = 16  # bytes of one MXFP4 block: 32 values
 MXFP4_VALUES_PER_BYTE = 2
 E8M0_NAN = 255  # the one E8M0 byte that is not a power of two
+_RUN = 1 << 20  # elements of FP8 payload widened at a time
 
 
 def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -44,17 +47,29 @@ def e8m0(scales: torch.Tensor) -> torch.Tensor:
 
 def fp8_block_decode(payload: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``payload`` (``[..., rows, cols]``, FP8) times its per-block ``scales`` (``scale_grid``'s
-    shape), in float32, shaped as ``payload``."""
+    shape), in float32, shaped as ``payload``. Each element is multiplied by its block's scale (the
+    products of DeepSeek's pad-multiply-crop and of transformers' block reshape, bit for bit), a
+    run of whole block rows at a time: memory is the output and one run."""
     *lead, rows, cols = payload.shape
     bm, bn = block
-    n, k = -(-rows // bm), -(-cols // bn)
     s = e8m0(scales) if scales.dtype in (torch.uint8, torch.float8_e8m0fnu) else scales.to(torch.float32)
-    q = payload.to(torch.float32)
-    cropped = n * bm != rows or k * bn != cols
-    if cropped:  # a partial last block: zeros fill it out, and are cropped off after the product
-        q = torch.nn.functional.pad(q, (0, k * bn - cols, 0, n * bm - rows))
-    out = (q.reshape(*lead, n, bm, k, bn) * s.reshape(*lead, n, 1, k, 1)).reshape(*lead, n * bm, k * bn)
-    return out[..., :rows, :cols].contiguous() if cropped else out
+    n = prod(lead)
+    q, s = payload.reshape(n, rows, cols), s.reshape(n, -(-rows // bm), -(-cols // bn))
+    out = torch.empty(q.shape, dtype=torch.float32)
+    k = -(-cols // bn)
+    step = max(1, _RUN // max(1, bm * cols)) * bm  # rows per run: whole blocks, about _RUN elements
+    for i in range(n):
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            nb = -(-(r1 - r0) // bm)
+            scale = s[i, r0 // bm:r0 // bm + nb].reshape(nb, 1, k, 1)
+            if (r1 - r0) % bm or cols % bn:  # a partial last block: pad, multiply, crop
+                padded = torch.nn.functional.pad(q[i, r0:r1].to(torch.float32), (0, k * bn - cols, 0, nb * bm - r1 + r0))
+                out[i, r0:r1] = (padded.reshape(nb, bm, k, bn) * scale).reshape(nb * bm, k * bn)[:r1 - r0, :cols]
+            else:
+                torch.mul(q[i, r0:r1].to(torch.float32).reshape(nb, bm, k, bn), scale,
+                          out=out[i, r0:r1].view(nb, bm, k, bn))
+    return out.reshape(payload.shape)
 
 
 def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -64,13 +79,15 @@ def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``blocks`` ``[E, out, G, 16]`` and ``scales`` ``[E, out, G]`` as float32 ``[E, in, out]``."""
-    *prefix, g, b = blocks.shape
-    rows = blocks.numel() // b if b else 0
-    flat = blocks.reshape(rows, b)
-    lut = torch.tensor(E2M1, dtype=torch.float32)
-    out = torch.empty(rows, b * MXFP4_VALUES_PER_BYTE, dtype=torch.float32)
-    out[:, 0::2] = lut[(flat & 0x0F).to(torch.int)]
-    out[:, 1::2] = lut[(flat >> 4).to(torch.int)]
-    torch.ldexp(out, (scales.to(torch.int32) - 127).reshape(rows, 1), out=out)
-    return out.reshape(*prefix, g * b * MXFP4_VALUES_PER_BYTE).transpose(1, 2).contiguous()
+    """``blocks`` ``[E, out, G, 16]`` and ``scales`` ``[E, out, G]`` as float32 ``[E, in, out]``,
+    one expert at a time: memory is the output and one expert's values."""
+    e, rows, g, b = blocks.shape
+    # a byte's two values (low nibble first) in one lookup: the same values as nibble by nibble, faster
+    pairs = torch.tensor([[E2M1[v & 0x0F], E2M1[v >> 4]] for v in range(256)], dtype=torch.float32)
+    out = torch.empty(e, g * b * MXFP4_VALUES_PER_BYTE, rows, dtype=torch.float32)
+    for x in range(e):
+        index = blocks[x].reshape(-1).to(torch.int)
+        values = pairs.index_select(0, index).reshape(rows * g, b * MXFP4_VALUES_PER_BYTE)
+        torch.ldexp(values, (scales[x].to(torch.int32) - 127).reshape(rows * g, 1), out=values)
+        out[x] = values.reshape(rows, g * b * MXFP4_VALUES_PER_BYTE).T
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reshard.ir import codec
 from reshard.ir.codec import fp8_block_decode, mxfp4_decode, mxfp4_shape, scale_grid
 
 transformers = pytest.importorskip("transformers")
@@ -49,12 +50,15 @@ def test_fp8_equals_transformers_fp8_dequantize(dtype: torch.dtype, scale: str) 
     assert got.dtype == torch.float32 and torch.equal(_bits(got.to(dtype)), _bits(want))
 
 
-@pytest.mark.parametrize("shape", [(130, 200), (1, 1), (129, 128), (128, 257)])
-def test_fp8_partial_blocks_per_element(shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("run", [1, 300, 1 << 22])  # elements widened at a time: one block row, a few, all
+@pytest.mark.parametrize("shape", [(130, 200), (1, 1), (129, 128), (128, 257), (0, 5)])
+def test_fp8_partial_blocks_per_element(shape: tuple[int, int], run: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "_RUN", run)
     g = torch.Generator().manual_seed(2)
     payload = (torch.randn(shape, generator=g) * 100).to(torch.float8_e5m2)
     grid = scale_grid(shape, (128, 128))
     s = torch.rand(grid, generator=g) + 0.5
+    s = s[:, :, None].expand(*grid, 2)[..., 0]  # a non-contiguous scale tensor reads the same
     rows, cols = torch.meshgrid(torch.arange(shape[0]), torch.arange(shape[1]), indexing="ij")
     want = payload.to(torch.float32) * s[rows // 128, cols // 128]
     assert torch.equal(_bits(fp8_block_decode(payload, s, (128, 128))), _bits(want))
