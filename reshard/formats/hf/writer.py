@@ -111,7 +111,7 @@ class HfWriter:
                 + (f", names without the prefix {self.prefix!r}" if self.prefix else "")
                 + f"; config.json {where}"
                 + (f"; carried: {', '.join(self.carried)}" if self.carried else "")
-                + ("; its quantization_config dropped (the weights are decoded)"
+                + ("; its quantization_config dropped (the weights are written unquantized)"
                    if "quantization_config" in self.config else "")]
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:

@@ -112,8 +112,8 @@ def _refuse_unconsumed(entries: dict[str, Any], consumed: set[str], why: str) ->
     left = {n: e for n, e in entries.items() if n not in consumed}
     for name, e in left.items():  # a payload's dtype first: it names what the folder is
         if e.dtype in QUANTIZED_DTYPES:
-            raise QuantizedError(f"{e.file}: tensor {name!r}: dtype {_dtype_name(e.dtype)!r}: a quantized payload, "
-                                 f"and {why}; refused rather than copied as a weight")
+            raise QuantizedError(f"{e.file}: tensor {name!r}: dtype {_dtype_name(e.dtype)!r}: a quantized payload "
+                                 f"or scale, and {why}; refused rather than copied as a weight")
     for name, e in left.items():
         if e.dtype in (torch.uint8, torch.int8, torch.int32) and name.endswith(PACKED_SUFFIXES) \
                 or name.endswith(SCALE_SUFFIXES):
@@ -156,8 +156,7 @@ def _fp8(q: dict[str, Any], entries: dict[str, Any], where: str) -> Codec:
         if s.dtype not in FLOAT_SCALES + E8M0_SCALES:
             raise QuantizedError(f"{s.file}: tensor {scale!r}: dtype {s.dtype} is not a scale's (float or E8M0)")
         coded[name] = Coded(name, "fp8", name, scale, e.shape, (bm, bn))
-    scales = {_dtype_name(entries[c.scales].dtype) for c in coded.values()}
-    kind = "E8M0" if scales <= {"E8M0", "U8"} else "/".join(sorted(scales))
+    kind = "/".join(sorted({_dtype_name(entries[c.scales].dtype) for c in coded.values()}))
     return Codec(coded, f"FP8 {fmt} {bm}x{bn} block scales ({kind}) decoded ({len(coded)} tensors)")
 
 

@@ -183,3 +183,17 @@ def test_sharded_fp8_folder_decodes_as_the_single_file(tmp_path: Path) -> None:
     convert(src, tmp_path / "sharded", fmt="hf")
     convert(HF / "fp8_qwen2", tmp_path / "single", fmt="hf")
     _same(load_file(tmp_path / "sharded" / "model.safetensors"), load_file(tmp_path / "single" / "model.safetensors"))
+
+
+def test_dcp_at_two_files_cuts_each_decoded_tensor(tmp_path: Path) -> None:
+    """``reshard --files 2``: every weight in two dim-0 chunks, each read from the one decoded tensor."""
+    src = HF / "mxfp4_gpt_oss"
+    reshard(src, tmp_path / "dcp", to="dcp", files=2)
+    assert sorted(p.name for p in (tmp_path / "dcp" / "mxfp4_gpt_oss").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                             "__1_0.distcp"]
+    convert(tmp_path / "dcp" / "mxfp4_gpt_oss", tmp_path / "back", fmt="safetensors")
+    back = load_file(next((tmp_path / "back").rglob("*.safetensors")))
+    reader = SafetensorsReader(src)
+    for k in reader.names:
+        want = reader.fragment(k, "weight", 0).view(reader.shape(k)).float()  # DCP holds fp32 weights
+        assert torch.equal(_bits(back[k]), _bits(want)), k
