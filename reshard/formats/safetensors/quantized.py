@@ -179,6 +179,9 @@ def _mxfp4(entries: dict[str, Any]) -> Codec:
         if s.shape != e.shape[:-1]:
             raise QuantizedError(f"{s.file}: tensor {scale!r}: shape {list(s.shape)}, but {name!r} "
                                  f"{list(e.shape)} has {list(e.shape[:-1])} blocks of 32 values")
+        if param in entries:
+            raise QuantizedError(f"{entries[param].file}: tensor {param!r} is also the weight MXFP4 {name!r} "
+                                 "decodes to: two values for one parameter")
         coded[name] = Coded(param, "mxfp4", name, scale, mxfp4_shape(e.shape), (1, 2 * MXFP4_BYTES))
     for name, e in entries.items():  # scales no payload consumed
         if name.endswith("_scales") and name[:-len("_scales")] + "_blocks" not in entries:

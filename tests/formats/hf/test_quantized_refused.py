@@ -119,9 +119,11 @@ def _bad_scale(value: float) -> torch.Tensor:
 
 
 def _mxfp4_defect(folder: Path, *, blocks: tuple[int, ...] = (2, 8, 2, 16), scales: tuple[int, ...] = (2, 8, 2),
-                  scale_value: int = 127, drop_scales: bool = False) -> Path:
+                  scale_value: int = 127, drop_scales: bool = False, also_plain: bool = False) -> Path:
     tensors = {"model.layers.0.mlp.experts.down_proj_blocks": torch.zeros(blocks, dtype=torch.uint8),
                "model.norm.weight": torch.ones(8)}
+    if also_plain:
+        tensors["model.layers.0.mlp.experts.down_proj"] = torch.ones(2, 64, 8)
     if not drop_scales:
         tensors["model.layers.0.mlp.experts.down_proj_scales"] = torch.full(scales, scale_value, dtype=torch.uint8)
     save_file(tensors, folder / "model.safetensors")
@@ -149,6 +151,7 @@ DEFECTS = {
     "mxfp4-block-bytes": (lambda d: _mxfp4_defect(d, blocks=(2, 8, 2, 8), scales=(2, 8, 2)), f"{MX_BLOCKS}: shape"),
     "mxfp4-missing-scales": (lambda d: _mxfp4_defect(d, drop_scales=True), f"{MX_BLOCKS} is an MXFP4 payload without"),
     "mxfp4-nan-scale": (lambda d: _mxfp4_defect(d, scale_value=255), f"{MX_SCALES}: .*NaN"),
+    "mxfp4-and-plain": (lambda d: _mxfp4_defect(d, also_plain=True), "'model.layers.0.mlp.experts.down_proj' is also"),
 }
 
 
