@@ -10,6 +10,8 @@ they stand, written from any source (``--format hf``): the weights directly in `
 * **Dtype**: ``dtype``, else the config's (``dtype`` / ``torch_dtype``), cast from the most precise
   weights the source holds (fp32 masters where there are some); ``config.json`` then says the
   dtype the weights have.
+* **Quantized sources** are written decoded (``formats/safetensors/quantized.py``): the config's
+  ``quantization_config`` is dropped, so ``from_pretrained`` loads an ordinary model.
 * **Tied embeddings** (``tie_word_embeddings``): written once, as ``save_pretrained`` does -- the
   input embedding kept, ``lm_head.weight`` left out -- on every route (a DCP source holds both).
 * **Names** are HF's: a prefix every name shares (``module.`` of a DDP/DeepSpeed wrapper) is dropped.
@@ -108,7 +110,9 @@ class HfWriter:
                 + (", tied lm_head.weight written once (as model.embed_tokens.weight)" if self.tied else "")
                 + (f", names without the prefix {self.prefix!r}" if self.prefix else "")
                 + f"; config.json {where}"
-                + (f"; carried: {', '.join(self.carried)}" if self.carried else "")]
+                + (f"; carried: {', '.join(self.carried)}" if self.carried else "")
+                + ("; its quantization_config dropped (the weights are written unquantized)"
+                   if "quantization_config" in self.config else "")]
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
         jobs = self.inner.jobs(engine, staging)
@@ -120,7 +124,10 @@ class HfWriter:
         """``config.json``: as it is where it says the weights' dtype, else with that dtype."""
         config = dict(self.config)
         name = NAMES.get(self.dtype)
-        if self.folder is not None and config.get("dtype", config.get("torch_dtype")) == name:
+        # reshard writes weights, never a quantized payload: a quantization_config would make
+        # from_pretrained read them as one
+        quantized = config.pop("quantization_config", None) is not None
+        if self.folder is not None and not quantized and config.get("dtype", config.get("torch_dtype")) == name:
             staging.copy(self.folder / "config.json", "config.json")
             return
         for key in ("dtype", "torch_dtype"):

@@ -6,6 +6,11 @@ Headers are checked before anything is read: every entry's dtype is known, its b
 exactly its shape's size and lies inside the file's data, no two ranges overlap, and the index
 names only files inside the folder that hold the tensors it says. safetensors carries no
 checksum, so the bytes themselves cannot be verified.
+
+A quantized folder (``config.json``'s ``quantization_config``: FP8 block scales, MXFP4) is read as
+the parameters it encodes (``quantized.py``): each payload under its HF parameter name, with the
+weight's shape, float32, decoded when the engine reads it (one parameter at a time); its scales
+are consumed, not listed. What cannot be decoded exactly is refused (``QuantizedError``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,20 +28,20 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError, QuantizedError
+from ...execute.memory import release
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
 from .io import DTYPES
+from .quantized import Codec, Coded, open_codec
 
 __all__ = ["INDEX", "SafetensorsReader", "is_safetensors"]
 
 INDEX = "model.safetensors.index.json"
-# names of the second tensor of a quantized weight (its scales) or of a packed payload, in the formats the
-# quantizers transformers ships write (FP8 block scales, MXFP4, bitsandbytes, GPTQ/AWQ)
-QUANTIZED_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "_blocks", "_scales", "qweight", "qzeros",
-                      "scales", "absmax", "quant_map", "quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
 SINGLE = "model.safetensors"
-NAMES = {v: k for k, v in DTYPES.items()}
+# the header's dtypes: the plain ones, and the FP8 payloads and E8M0 scales a codec decodes (quantized.py)
+NAMES = {v: k for k, v in DTYPES.items()} | {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                                             "F8_E8M0": torch.float8_e8m0fnu}
 MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
@@ -77,9 +83,8 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
         dtype = NAMES.get(e.get("dtype"))
         if dtype is None:
             kind = e.get("dtype")
-            if isinstance(kind, str) and kind.startswith(("F8", "F6", "F4", "E8")):  # FP8/MXFP4 payloads and scales
-                raise QuantizedError(f"{where}: dtype {kind!r}: a quantized payload; reshard does not decode "
-                                     "quantized weights yet")
+            if isinstance(kind, str) and kind.startswith(("F8", "F6", "F4", "E8")):  # FP6/FP4 payloads
+                raise QuantizedError(f"{where}: dtype {kind!r}: a quantized payload reshard does not decode")
             raise CheckpointError(f"{where}: dtype {kind!r} is not one reshard reads ({sorted(NAMES)})")
         shape = e["shape"]
         lo_hi = e["data_offsets"]
@@ -126,28 +131,20 @@ class SafetensorsReader:
                 self.entries[name] = e
         if not self.entries:
             raise CheckpointError(f"{p}: holds no tensors")
-        self.names = list(self.entries)
-        self._refuse_quantized()
-        self.description = f"safetensors weights ({len(self.names)} tensors)"
+        # a quantized folder's payloads are not its weights: decoded (or refused), never copied as they are
+        self.codec: Codec | None = open_codec(self.config, self.entries, self.folder / "config.json")
+        by_payload = self.codec.coded if self.codec is not None else {}
+        consumed = self.codec.consumed() if self.codec is not None else set()
+        self.coded: dict[str, Coded] = {c.name: c for c in by_payload.values()}  # by parameter name
+        self.names = [by_payload[n].name if n in by_payload else n for n in self.entries
+                      if n in by_payload or n not in consumed]
+        self.description = f"safetensors weights ({len(self.names)} tensors)" \
+            + (f", {self.codec.description}" if self.codec else "")
         self.topology: dict[str, int] = {}
         self._maps: dict[str, ParamMap] = {}
         self._mapped: dict[Path, mmap.mmap] = {}
-
-    def _refuse_quantized(self) -> None:
-        """A quantized checkpoint's payload is not its weights: until a codec decodes it, refuse it rather
-        than copy packed bytes or scales as if they were parameters (docs/hf-checkpoints.md)."""
-        q = (self.config or {}).get("quantization_config")
-        if q is not None:
-            method = q.get("quant_method", "?") if isinstance(q, dict) else q
-            raise QuantizedError(f"{self.folder / 'config.json'}: quantization_config.quant_method = {method!r}: "
-                                 "a quantized checkpoint, whose tensors are packed payloads and scales; reshard "
-                                 "does not decode quantized weights yet")
-        for name, e in self.entries.items():
-            if e.dtype in (torch.uint8, torch.int8, torch.int32) and name.endswith(QUANTIZED_SUFFIXES) \
-                    or name.endswith(("weight_scale_inv", "weight_scale")):
-                raise QuantizedError(f"{e.file}: tensor {name!r} ({e.dtype}) is part of a quantized weight "
-                                     "(a packed payload or its scales); reshard does not decode quantized "
-                                     "weights yet")
+        self._decoded: tuple[str, torch.Tensor] | None = None  # the last parameter decoded: one at a time
+        self._lock = threading.Lock()
 
     def _files(self, p: Path) -> list[Path]:
         if p.is_file():
@@ -177,6 +174,10 @@ class SafetensorsReader:
         return [p / rel for rel in files]
 
     def check(self) -> None:
+        if self.codec is not None:
+            self.codec.check(self._tensor, lambda n: self.entries[n].file)
+            for c in self.codec.coded.values():
+                release(self._raw(c.scales))
         index = getattr(self, "_index", None)
         if index is None:
             return
@@ -190,21 +191,41 @@ class SafetensorsReader:
             raise CheckpointError(f"{self.entries[extra[0]].file}: holds {extra[0]!r}, which {INDEX} does not list")
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.entries[name].shape
+        c = self.coded.get(name)
+        return c.shape if c is not None else self.entries[name].shape
 
     def states(self, name: str) -> tuple[str, ...]:
         return ("weight",)
 
     def dtype(self, name: str, state: str) -> torch.dtype:
-        return self.entries[name].dtype
+        return torch.float32 if name in self.coded else self.entries[name].dtype
 
     def map(self, name: str, state: str) -> ParamMap:
         m = self._maps.get(name)
         if m is None:
-            m = self._maps[name] = replicated(self.entries[name].shape, 1)
+            m = self._maps[name] = replicated(self.shape(name), 1)
         return m
 
     def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
+        c = self.coded.get(name)
+        if c is None:
+            return self._raw(name)
+        with self._lock:
+            last = self._decoded
+        if last is not None and last[0] == name:  # another segment of the parameter the engine is filling
+            return last[1]
+        t = self.codec.decode(c, self._tensor).reshape(-1)  # type: ignore[union-attr]
+        for n in (c.payload, c.scales):  # read once: drop their pages (the engine releases only what it reads)
+            release(self._raw(n))
+        with self._lock:
+            self._decoded = (name, t)
+        return t
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        return self._raw(name).view(self.entries[name].shape)
+
+    def _raw(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` of the files, as stored (flat)."""
         e = self.entries[name]
         n = prod(e.shape)
         if not n:
@@ -248,8 +269,8 @@ class SafetensorsReader:
                 model = cls(config) if arch else cls.from_config(config)
         except Exception:  # noqa: BLE001 -- an architecture transformers cannot build: order unknown
             return None
-        names = [n for n, _ in model.named_parameters()]
-        return [n for n in names if n in self.entries] + [n for n in self.names if n not in set(names)]
+        names, held = [n for n, _ in model.named_parameters()], set(self.names)
+        return [n for n in names if n in held] + [n for n in self.names if n not in set(names)]
 
     def tied(self) -> dict[str, str]:
         """Tied aliases ``save_pretrained`` left out (``tie_word_embeddings``): ``{alias: weight}``."""

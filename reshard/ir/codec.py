@@ -1,0 +1,93 @@
+"""Quantized weights decoded to their values (docs/spec.md §"Quantized sources"): pure tensor math,
+no I/O. Each decoder returns the float32 products; a target of another dtype casts them once, as
+transformers' dequantizing load computes in float32 and then casts to the model's dtype.
+
+* **FP8 block scales** (DeepSeek-V3/R1, Qwen3-FP8, transformers' ``FineGrainedFP8Config``): a
+  payload ``q`` ``[..., rows, cols]`` (E4M3 or E5M2) and one scale per ``bm x bn`` block,
+  ``s`` ``[..., ceil(rows/bm), ceil(cols/bn)]``; ``w[i, j] = float32(q[i, j]) * s[i // bm, j // bn]``,
+  the products DeepSeek's reference forms (pad to whole blocks, multiply, crop). Scales are float32
+  (any float dtype, converted exactly) or E8M0 (``float8_e8m0fnu``, or its byte in ``uint8``:
+  ``2 ** (byte - 127)``).
+* **MXFP4** (gpt-oss): ``blocks`` uint8 ``[E, out, G, 16]`` (32 E2M1 values per block, the low
+  nibble first) and ``scales`` uint8 ``[E, out, G]`` (E8M0 exponents, bias 127):
+  ``w = ldexp(E2M1[nibble], scale - 127)``, laid out ``[E, in = 32 G, out]`` as the HF model holds
+  its experts -- transformers' ``convert_moe_packed_tensors`` step for step.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+
+__all__ = ["E2M1", "MXFP4_VALUES_PER_BYTE", "MXFP4_BYTES", "e8m0", "fp8_block_decode", "mxfp4_decode",
+           "mxfp4_shape", "scale_grid"]
+
+# the sixteen E2M1 values by nibble (OCP MX spec; transformers' FP4_VALUES)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BYTES = 16  # bytes of one MXFP4 block: 32 values
+MXFP4_VALUES_PER_BYTE = 2
+E8M0_NAN = 255  # the one E8M0 byte that is not a power of two
+_RUN = 1 << 20  # elements of FP8 payload widened at a time
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scale tensor's shape for a payload of ``shape`` in ``block``-sized blocks (the last
+    block of each of the two trailing dims may be partial)."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+def e8m0(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales as float32: ``2 ** (byte - 127)``, from ``float8_e8m0fnu`` or its bytes."""
+    if scales.dtype == torch.uint8:
+        return (scales.to(torch.float32) - 127.0).exp2()
+    return scales.to(torch.float32)
+
+
+def fp8_block_decode(payload: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``payload`` (``[..., rows, cols]``, FP8) times its per-block ``scales`` (``scale_grid``'s
+    shape), in float32, shaped as ``payload``. Each element is multiplied by its block's scale (the
+    products of DeepSeek's pad-multiply-crop and of transformers' block reshape, bit for bit), a
+    run of whole block rows at a time: memory is the output and one run."""
+    *lead, rows, cols = payload.shape
+    bm, bn = block
+    s = e8m0(scales) if scales.dtype in (torch.uint8, torch.float8_e8m0fnu) else scales.to(torch.float32)
+    n = prod(lead)
+    q, s = payload.reshape(n, rows, cols), s.reshape(n, -(-rows // bm), -(-cols // bn))
+    out = torch.empty(q.shape, dtype=torch.float32)
+    k = -(-cols // bn)
+    step = max(1, _RUN // max(1, bm * cols)) * bm  # rows per run: whole blocks, about _RUN elements
+    for i in range(n):
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            nb = -(-(r1 - r0) // bm)
+            scale = s[i, r0 // bm:r0 // bm + nb].reshape(nb, 1, k, 1)
+            if (r1 - r0) % bm or cols % bn:  # a partial last block: pad, multiply, crop
+                padded = torch.nn.functional.pad(q[i, r0:r1].to(torch.float32), (0, k * bn - cols, 0, nb * bm - r1 + r0))
+                out[i, r0:r1] = (padded.reshape(nb, bm, k, bn) * scale).reshape(nb * bm, k * bn)[:r1 - r0, :cols]
+            else:
+                torch.mul(q[i, r0:r1].to(torch.float32).reshape(nb, bm, k, bn), scale,
+                          out=out[i, r0:r1].view(nb, bm, k, bn))
+    return out.reshape(payload.shape)
+
+
+def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The decoded weight's shape: ``[E, in, out]`` of ``blocks`` ``[E, out, G, 16]``."""
+    e, out, g, b = blocks_shape
+    return (e, g * b * MXFP4_VALUES_PER_BYTE, out)
+
+
+def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``blocks`` ``[E, out, G, 16]`` and ``scales`` ``[E, out, G]`` as float32 ``[E, in, out]``,
+    one expert at a time: memory is the output and one expert's values."""
+    e, rows, g, b = blocks.shape
+    # a byte's two values (low nibble first) in one lookup: the same values as nibble by nibble, faster
+    pairs = torch.tensor([[E2M1[v & 0x0F], E2M1[v >> 4]] for v in range(256)], dtype=torch.float32)
+    out = torch.empty(e, g * b * MXFP4_VALUES_PER_BYTE, rows, dtype=torch.float32)
+    for x in range(e):
+        index = blocks[x].reshape(-1).to(torch.int)
+        values = pairs.index_select(0, index).reshape(rows * g, b * MXFP4_VALUES_PER_BYTE)
+        torch.ldexp(values, (scales[x].to(torch.int32) - 127).reshape(rows * g, 1), out=values)
+        out[x] = values.reshape(rows, g * b * MXFP4_VALUES_PER_BYTE).T
+    return out
