@@ -30,10 +30,11 @@ __all__ = ["check_expert_files", "check_keys", "check_module_weights", "check_pa
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # what DeepSpeed 0.19.8's save_checkpoint writes into every model-state file (client state comes beside)
+# (but ``global_samples``, which its loader derives from global_steps x the train batch size when absent, and
+# which reshard's fresh DeepSpeed targets leave out: the source records no batch size)
 MODEL_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
               "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
-              "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-              "checkpoint_parallel_dimensions")
+              "dp_world_size", "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions")
 OPTIM_FILE_KEYS = ("optimizer_state_dict", "ds_config", "ds_version")
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
