@@ -23,7 +23,15 @@ class MapFormatError(ReshardError):
 
 class MapError(ReshardError):
     """A map is well formed but states something impossible: a view outside its tensor, a shard
-    its pieces do not tile, an uncovered element, inexact locations, conflicting scales."""
+    its pieces do not tile, an uncovered element, inexact locations, conflicting scales.
+
+    ``path`` is the JSON path (docs/spec.md §5) of the field at fault when the check can name one
+    (``ranks.0.pieces.1.source[0]``), else ``""``; ``reason`` the message without it."""
+
+    def __init__(self, reason: str, *, path: str = "") -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}" if path else reason)
 
 
 class ShardError(ReshardError):
