@@ -5,8 +5,6 @@ kind catches the subclass. Messages name the file, parameter, rank, piece or JSO
 
 from __future__ import annotations
 
-import copy
-
 
 class ReshardError(ValueError):
     """Base class of every error reshard raises for bad input."""
@@ -83,6 +81,7 @@ class PlotUnavailable(ReshardError):
 def in_context(error: ReshardError, where: str) -> ReshardError:
     """``error`` with ``where`` in front of its message: the same type and fields (``ranks``,
     ``path``, ...), so callers can still catch and inspect it. ``raise in_context(e, f"{file}") from None``."""
-    out = copy.copy(error)
+    out = type(error).__new__(type(error))  # not copy.copy: it would call __init__ with the message alone
+    out.__dict__.update(error.__dict__)
     out.args = (f"{where}: {error}",)
     return out

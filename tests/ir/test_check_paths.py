@@ -79,3 +79,13 @@ def test_injectivity_enumerates_elements_not_addresses():
     allocating its span of 2**41 addresses."""
     assert not is_injective((3, 3), (2**40, 2**40))
     assert is_injective((3, 3), (2**40 + 5, 2**40))
+
+
+def test_in_context_keeps_an_errors_type_and_path():
+    """``in_context`` of a format error (whose ``__init__`` takes a path and a reason) once ended
+    in a TypeError; it keeps the type and the fields of every error."""
+    from reshard.errors import MapFormatError, in_context
+
+    for e in (MapFormatError("ranks.0", "missing"), MapError("outside", path="ranks.0.pieces.0.shape[1]")):
+        got = in_context(e, "file.pt")
+        assert type(got) is type(e) and got.path == e.path and str(got) == f"file.pt: {e}"
