@@ -3,7 +3,8 @@
 Order of checks: each piece alone (locations include its rank and name only ranks of the map,
 views in bounds and injective), then each shard (pieces tile it exactly), then F (every element
 covered; pieces sharing an element agree on locations and scale; a piece's locations are exactly
-the ranks holding its elements; a rank holds each element once).
+the ranks holding its elements; a rank holds each element once). Every :class:`MapError` names
+the JSON path of the field at fault (``MapError.path``, docs/spec.md §5).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def _blame_bounds(m: MapLike, rank: int, i: int, p: Piece) -> str:
     the whole map valid wins; else the smallest relative change; else the view as a whole."""
     limits = {"source": m.numel, "dest": m.shards[rank].numel}
 
-    def ok(q: Piece) -> bool:
-        return _fits(q.shape, q.source, limits["source"]) and _fits(q.shape, q.dest, limits["dest"])
+    def ok(q: Piece) -> bool:  # dest first: a piece that fits its shard is no larger than the file's tensor
+        return _fits(q.shape, q.dest, limits["dest"]) and _fits(q.shape, q.source, limits["source"])
 
     bad = [s for s in ("dest", "source") if getattr(p, s).span(p.shape)[1] > limits[s]]
     cands: list[tuple[float, str, Piece]] = []
