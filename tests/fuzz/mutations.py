@@ -176,7 +176,17 @@ def _flip_bytes(root, path, rng, m, pristine, scratch) -> str:
     unseen = ""
     if path.suffix == ".safetensors" and at >= 8 + struct.unpack("<Q", (pristine / m.file).read_bytes()[:8])[0]:
         unseen = f" {UNSEEN}: a tensor byte of safetensors, which has no checksum"
+    elif path.suffix == ".json" and _parses(path):
+        unseen = f" {UNSEEN}: a JSON file (no checksum) that still parses, a value in it changed"
     return f"{m.file}: bit {bit} of byte {at} flipped{unseen}"
+
+
+def _parses(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+        return True
+    except ValueError:
+        return False
 
 
 def _symlink(path: Path, target: Path) -> None:
