@@ -200,3 +200,18 @@ def test_an_edited_autoep_affine_map_is_refused(tmp_path, capsys, how, needle):
         err = capsys.readouterr().err.strip()
         assert f"{victim}: {needle}" in err, err
         assert not out.exists() and not list(tmp_path.rglob(".reshard-partial-*")), argv
+
+
+def test_a_map_document_names_the_json_path_in_the_file(tmp_path, capsys):
+    """A map document (``inspect``, ``plan``) is checked as it is read, the path as in the file."""
+    import json
+
+    from reshard.layouts import split
+
+    m = split((32, 88), 1, [44, 44]).to_dict()
+    m["ranks"]["1"]["pieces"][0]["shape"][1] = 45
+    doc = tmp_path / "maps.json"
+    doc.write_text(json.dumps({"version": 1, "params": {"w": m}}))
+    assert cli(["inspect", str(doc)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{doc}: parameter 'w': params.w.ranks.1.pieces.0.shape[1]: " in err, err
