@@ -495,10 +495,8 @@ def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: l
     if slot.memory is not None:  # already in memory: one write, read-only as torch's (a sink may defer its CRC)
         w.write(_byte_view(slot.memory).toreadonly(), slot.memory)
         return
-    storage = slot.storage
-    if storage is None:  # a record is its memory or its storage: one of the two is set
-        raise OutputError(f"{w._where()}: {slot!r} has neither bytes in memory nor a storage")
-    src = storage.source
+    storage = slot.storage  # a record is its memory or its storage: without either, no source of bytes
+    src = None if storage is None else storage.source
     if src is None:
         w._fail(OutputError(f"{w._where()}: {slot!r} has no source of bytes"))
     elif callable(src):
