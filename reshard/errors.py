@@ -5,8 +5,6 @@ kind catches the subclass. Messages name the file, parameter, rank, piece or JSO
 
 from __future__ import annotations
 
-import copy
-
 
 class ReshardError(ValueError):
     """Base class of every error reshard raises for bad input."""
@@ -23,7 +21,15 @@ class MapFormatError(ReshardError):
 
 class MapError(ReshardError):
     """A map is well formed but states something impossible: a view outside its tensor, a shard
-    its pieces do not tile, an uncovered element, inexact locations, conflicting scales."""
+    its pieces do not tile, an uncovered element, inexact locations, conflicting scales.
+
+    ``path`` is the JSON path (docs/spec.md §5) of the field at fault when the check can name one
+    (``ranks.0.pieces.1.source[0]``), else ``""``; ``reason`` the message without it."""
+
+    def __init__(self, reason: str, *, path: str = "") -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}" if path else reason)
 
 
 class ShardError(ReshardError):
@@ -80,6 +86,7 @@ class PlotUnavailable(ReshardError):
 def in_context(error: ReshardError, where: str) -> ReshardError:
     """``error`` with ``where`` in front of its message: the same type and fields (``ranks``,
     ``path``, ...), so callers can still catch and inspect it. ``raise in_context(e, f"{file}") from None``."""
-    out = copy.copy(error)
+    out = type(error).__new__(type(error))  # not copy.copy: it would call __init__ with the message alone
+    out.__dict__.update(error.__dict__)
     out.args = (f"{where}: {error}",)
     return out

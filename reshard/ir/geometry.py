@@ -68,7 +68,11 @@ def is_injective(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
         return True
     import torch
 
-    addrs = torch.as_strided(torch.arange(reach + sum((n - 1) * s for s, n in dims) + 1), shape, strides)
+    # The view's addresses, one per element (not one per address of its span, which a stretched
+    # stride makes arbitrarily large).
+    addrs = torch.zeros(1, dtype=torch.int64)
+    for s, n in dims:
+        addrs = (addrs[:, None] + torch.arange(n, dtype=torch.int64) * s).reshape(-1)
     return addrs.unique().numel() == addrs.numel()
 
 

@@ -123,9 +123,10 @@ class ParamMap:
         )
 
     # -- the IR's operations -------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise :class:`reshard.MapError` unless the map is valid (docs/spec.md §2)."""
-        check_map(self)
+    def check(self, path: str = "") -> None:
+        """Raise :class:`reshard.MapError` unless the map is valid (docs/spec.md §2); its ``path``
+        is the JSON path of the field at fault, under ``path`` (where the map sits in a document)."""
+        check_map(self, path)
 
     def uncovered(self) -> list[Box]:
         """Regions of F that no piece covers, as boxes."""

@@ -159,7 +159,9 @@ def _box_split(mv: MultiView, v: int, space: tuple[int, ...]) -> list[tuple[Mult
         for starts, extents in _range_boxes(off, off + mv.shape[0], space):
             a = sum(x * s for x, s in zip(starts, sigma))
             got = _unmerge(_normalize(_restrict(mv, (a - off,), (prod(extents),)), v), v, space)
-            assert got is not None
+            if got is None:  # only a view outside its space (a map that fails its check) gets here
+                raise MapError(f"a run of {mv.shape[0]} elements at address {off} does not lie in a space "
+                               f"{list(space)}: the map is not valid (ParamMap.check)")
             out.append(got)
         return out
     # Peel the outermost dim (exact; one sub-block per index of that dim).

@@ -89,12 +89,13 @@ def _open_maps(p: Path) -> Inspected:
         doc = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ReshardError(f"{p}: cannot read a JSON map document ({e})") from None
+    many = isinstance(doc, dict) and "params" in doc
     try:
-        maps = maps_from_document(doc) if isinstance(doc, dict) and "params" in doc else {p.stem: map_from_dict(doc)}
+        maps = maps_from_document(doc) if many else {p.stem: map_from_dict(doc)}
     except MapFormatError as e:
         raise MapFormatError(e.path, f"{e.reason} (in {p})") from None
-    for name, m in maps.items():
-        _checked(m, f"{p}: parameter {name!r}")
+    for name, m in maps.items():  # the JSON path of a bad field, as in the file
+        _checked(m, f"{p}: parameter {name!r}", f"params.{name}" if many else "")
     return Inspected(str(p), "maps", {n: canonicalize(m) for n, m in maps.items()}, "map document")
 
 
@@ -109,9 +110,9 @@ def _open_deepspeed(ck: DeepSpeedCheckpoint, path: Path) -> Inspected:
     return Inspected(str(path), "deepspeed", maps, description, ck.tp, ck.dp, ck.zero_stage, families, ck)
 
 
-def _checked(m: ParamMap, where: str) -> None:
+def _checked(m: ParamMap, where: str, path: str = "") -> None:
     try:
-        m.check()
+        m.check(path)
     except ReshardError as e:
         raise in_context(e, where) from None
 

@@ -336,10 +336,8 @@ class TorchZipWriter:
 
     def write(self, data: Any, source: torch.Tensor | None = None) -> None:
         """Append bytes (a buffer or a contiguous CPU tensor; ``source``: the tensor a buffer views)."""
-        self._check("storage")
+        slot = self._open_slot()
         view = _byte_view(data)
-        slot = self._current
-        assert slot is not None
         if self._done + len(view) > slot.nbytes:
             self._fail(OutputError(f"{self._where()}: {slot!r} takes {slot.nbytes} bytes, "
                                    f"{self._done + len(view)} were supplied"))
@@ -353,9 +351,7 @@ class TorchZipWriter:
         """Account for the current storage's next ``nbytes``, written at their place by someone
         else (``zip_stripes``): ``crc`` is their CRC-32, ``head`` their first 8 bytes when they
         start the storage. The sink's ``skip(nbytes, crc)`` moves past them."""
-        self._check("storage")
-        slot = self._current
-        assert slot is not None
+        slot = self._open_slot()
         if self._done + nbytes > slot.nbytes:
             self._fail(OutputError(f"{self._where()}: {slot!r} takes {slot.nbytes} bytes, "
                                    f"{self._done + nbytes} were supplied"))
@@ -372,9 +368,7 @@ class TorchZipWriter:
 
     def end(self) -> None:
         """Finish the current storage: refuse a short one, write its data descriptor."""
-        self._check("storage")
-        slot = self._current
-        assert slot is not None
+        slot = self._open_slot()
         if self._done != slot.nbytes:
             self._fail(OutputError(f"{self._where()}: {slot!r} takes {slot.nbytes} bytes, only {self._done} "
                                    "were supplied"))
@@ -471,6 +465,13 @@ class TorchZipWriter:
             raise OutputError(f"{self._where()}: torch zip writer used out of order (in state {self._state!r}, "
                               f"expected {state!r})")
 
+    def _open_slot(self) -> StorageRecord:
+        """The storage being written (the state is "storage" exactly while one is open)."""
+        self._check("storage")
+        if self._current is None:
+            raise OutputError(f"{self._where()}: torch zip writer in state 'storage' with no storage open")
+        return self._current
+
     def _fail(self, error: OutputError) -> None:
         self._failed = error
         raise error
@@ -494,9 +495,8 @@ def _stream(w: TorchZipWriter, slot: StorageRecord, chunk_bytes: int, buffers: l
     if slot.memory is not None:  # already in memory: one write, read-only as torch's (a sink may defer its CRC)
         w.write(_byte_view(slot.memory).toreadonly(), slot.memory)
         return
-    storage = slot.storage
-    assert storage is not None
-    src = storage.source
+    storage = slot.storage  # a record is its memory or its storage: without either, no source of bytes
+    src = None if storage is None else storage.source
     if src is None:
         w._fail(OutputError(f"{w._where()}: {slot!r} has no source of bytes"))
     elif callable(src):

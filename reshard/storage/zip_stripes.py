@@ -280,7 +280,8 @@ def _item(slot: StorageRecord) -> int:
     if slot.memory is not None:
         return 1
     storage = slot.storage
-    assert storage is not None
+    if storage is None:  # a record is its memory or its storage: one of the two is set
+        raise OutputError(f"{slot!r} has neither bytes in memory nor a storage")
     src = storage.source
     if callable(src):
         return storage.itemsize if hasattr(src, "fresh") else 0

@@ -1,4 +1,4 @@
-"""``python -m tests.fuzz [--seed S] [--budget N] [--work DIR] [--cases I,J]``: the large fuzz run (``make fuzz``),
+"""``python -m tests.fuzz [--seed S] [--budget N] [--work DIR] [--cases I,J] [--families F,G]``: the large fuzz run (``make fuzz``),
 printing the classification table; exits 1 if any run failed (silent wrong output, traceback,
 hang, partial folder left, pickle ran, a refusal naming no file)."""
 
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from tests.fuzz.harness import FAILURES, generate, run_cases, sources, table
+from tests.fuzz.mutations import FAMILIES
 
 
 def main() -> int:
@@ -25,7 +26,13 @@ def main() -> int:
     p.add_argument("--trace", action="store_true", help="print each case as it starts")
     p.add_argument("--cases", default=None, metavar="I,J,...",
                    help="run only these cases of the seed's list (a failure's case numbers, to re-check a fix)")
+    p.add_argument("--families", default=None, metavar="F,G,...",
+                   help=f"only these mutation families (of {', '.join(FAMILIES)}); the sources they apply to")
     args = p.parse_args()
+    families = tuple(args.families.split(",")) if args.families else FAMILIES
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        p.error(f"unknown families {unknown}")
     if args.memory_gb > 0:
         limit, hard = int(args.memory_gb * 2**30), resource.getrlimit(resource.RLIMIT_AS)[1]
         resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
@@ -33,7 +40,7 @@ def main() -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
-        cases = generate(args.seed, args.budget, sources(work))
+        cases = generate(args.seed, args.budget, sources(work), families)
         if args.cases:
             wanted = {int(i) for i in args.cases.split(",")}
             cases = [c for c in cases if c.index in wanted]

@@ -82,7 +82,9 @@ def sources(cache: Path) -> list[Source]:
     """The committed fixtures the suite damages, and the commands each is run with. The universal
     fixture is reshard's own conversion of a DeepSpeed one (made once into ``cache``)."""
     ds = [(n, DEEPSPEED / n) for n in ("llama_zero1_dp2", "llama_zero1_dp2_bf16", "llama_tp2_dp2", "llama_zero3_dp2",
-                                       "moe_ep2", "mixtral_autoep_ep2", "pipe_pp2_dp2")]
+                                       "moe_ep2", "mixtral_autoep_ep2", "pipe_pp2_dp2",
+                                       # with the TP maps they record (recorded_map): AutoTP's, under ZeRO-3
+                                       "llama_tp2", "qwen2_tp2", "llama_zero3_tp2_dp2")]
     out = [Source(n, "deepspeed", p, (CONVERT_UCP, CONVERT_ST, _reshard(), INSPECT)) for n, p in ds]
     out.append(Source("trainer_llama_zero2", "trainer", HF / "trainer_llama_zero2" / "checkpoint-3",
                       (CONVERT_UCP, CONVERT_ST, _reshard("--dp", "1", out="{out}/checkpoint-3"), INSPECT)))
@@ -124,11 +126,13 @@ class Case:
     lazy: bool  # large-record path: every record checked as read, none when the file is opened
 
 
-def generate(seed: int, budget: int, srcs: list[Source]) -> list[Case]:
-    """``budget`` damaged checkpoints, round robin over the sources, each a family applicable to
-    it and a file, drawn from ``seed``: the same list for the same arguments."""
+def generate(seed: int, budget: int, srcs: list[Source], families: tuple[str, ...] = FAMILIES) -> list[Case]:
+    """``budget`` damaged checkpoints, round robin over the sources (those some of ``families``
+    applies to), each a family applicable to it and a file, drawn from ``seed``: the same list for
+    the same arguments."""
     rng = random.Random(seed)
-    applicable = {s.name: {f: c for f in FAMILIES if (c := candidates(s.path, f))} for s in srcs}
+    applicable = {s.name: {f: c for f in families if (c := candidates(s.path, f))} for s in srcs}
+    srcs = [s for s in srcs if applicable[s.name]]
     cases = []
     for i in range(budget):
         s = srcs[i % len(srcs)]

@@ -29,7 +29,8 @@ ARCHIVE_FAMILIES = ("flip_tensor", "flip_pkl", "flip_local_header", "flip_centra
 FILE_FAMILIES = ("truncate", "empty", "delete", "flip_bytes", "symlink_same", "symlink_junk", "symlink_dir",
                  "symlink_dev")
 FOLDER_FAMILIES = ("swap", "latest_garbage", "dcp_metadata", "safetensors_header", "safetensors_data")
-FAMILIES = ARCHIVE_FAMILIES + FILE_FAMILIES + FOLDER_FAMILIES
+MAP_FAMILIES = ("recorded_map",)  # a field of a map a file records (DeepSpeed's affine_map / affine_maps)
+FAMILIES = ARCHIVE_FAMILIES + FILE_FAMILIES + FOLDER_FAMILIES + MAP_FAMILIES
 CANNOT_SHOW = ("safetensors_data",)  # no checksum in the format: a flipped tensor byte is a valid file
 UNSEEN = "[files cannot show]"  # in a description: damage no file can reveal (what the family alone does not say)
 
@@ -86,6 +87,8 @@ def candidates(root: Path, family: str) -> list[str]:
         return out
     if family in FILE_FAMILIES:
         return files
+    if family in MAP_FAMILIES:
+        return [f for f in files if kinds[f] == "archive" and _records_maps(root / f)]
     if family == "swap":
         return [f for f in files if _twin(f, files)]
     if family == "latest_garbage":
@@ -101,6 +104,13 @@ def _loads(path: Path) -> bool:
     try:
         load(path, mmap=False)
         return True
+    except ValueError:
+        return False
+
+
+def _records_maps(path: Path) -> bool:
+    try:
+        return bool(_map_documents(load(path, mmap=False)))
     except ValueError:
         return False
 
@@ -166,7 +176,17 @@ def _flip_bytes(root, path, rng, m, pristine, scratch) -> str:
     unseen = ""
     if path.suffix == ".safetensors" and at >= 8 + struct.unpack("<Q", (pristine / m.file).read_bytes()[:8])[0]:
         unseen = f" {UNSEEN}: a tensor byte of safetensors, which has no checksum"
+    elif path.suffix == ".json" and _parses(path):
+        unseen = f" {UNSEEN}: a JSON file (no checksum) that still parses, a value in it changed"
     return f"{m.file}: bit {bit} of byte {at} flipped{unseen}"
+
+
+def _parses(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+        return True
+    except ValueError:
+        return False
 
 
 def _symlink(path: Path, target: Path) -> None:
@@ -315,6 +335,131 @@ def _planted_pickle(root, path, rng, m, pristine, scratch) -> str:
         how = "wrapping its content"
     torch.save(obj, path, pickle_module=pickling.pickle_module)
     return f"{m.file}: an os.system pickle planted {how}"
+
+
+# -- recorded maps --------------------------------------------------------------------------------------
+
+
+def _map_documents(obj: Any, at: str = "") -> list[tuple[str, dict]]:
+    """``(path, params)`` of every map document inside ``obj``: DeepSpeed's
+    ``universal_checkpoint_info.affine_map`` and AutoEP's ``affine_maps``, ``{"params": {pattern: map}}``."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            here = f"{at}.{k}" if at else str(k)
+            if k in ("affine_map", "affine_maps") and isinstance(v, dict) and isinstance(v.get("params"), dict) \
+                    and v["params"]:
+                out.append((f"{here}.params", v["params"]))
+            else:
+                out += _map_documents(v, here)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += _map_documents(v, f"{at}[{i}]")
+    return out
+
+
+def _int_edit(rng: random.Random, old: int) -> int:
+    return rng.choice([old + 1, old - 1, old * 2, 0, 10**12, 2**31, -old - 1])
+
+
+def _map_edit(rng: random.Random, params: dict, at: str) -> str:
+    """Edit one field of one recorded map in place; returns what was done (``UNSEEN`` where the
+    edited map is as valid a statement as the original: a scale, or an entry that no longer names
+    its parameter, whose layout then comes from the checkpoint's categories)."""
+    what = rng.choice(["name", "rank key", "piece", "piece", "piece", "piece", "map"])
+    key = rng.choice(list(params))
+    entry, here = params[key], f"{at}.{key}"
+    if what == "name":
+        how = rng.choice(["unmatched", "invalid regex", "matches all", "not a string"])
+        new = {"unmatched": f"{key}_renamed", "invalid regex": f"({key}", "matches all": ".*",
+               "not a string": 7}[how]
+        params[new] = params.pop(key)
+        unseen = f" {UNSEEN}: the parameter's layout now comes from the categories" if how == "unmatched" else ""
+        return f"{here} renamed {new!r} ({how}){unseen}"
+    ranks = entry["ranks"]
+    rank = rng.choice(list(ranks))
+    if what == "rank key":
+        how = rng.choice(["past TP", "swapped", "leading zero", "not a number", "dropped"])
+        others = [r for r in ranks if r != rank]
+        if how == "swapped" and others:
+            other = rng.choice(others)
+            ranks[rank], ranks[other] = ranks[other], ranks[rank]
+        elif how == "dropped":
+            del ranks[rank]
+        else:
+            new = {"past TP": int(rank) + len(ranks) if str(rank).isdigit() else 99, "leading zero": f"0{rank}",
+                   "not a number": "x"}.get(how, 99)
+            ranks[new] = ranks.pop(rank)
+        return f"{here}.ranks.{rank}: rank key {how}"
+    if what == "map":
+        field = rng.choice(["logical_shape", "shard_shape", "valid_shape", "version"])
+        box = ranks[rank] if field == "shard_shape" else entry
+        path = f"{here}.ranks.{rank}.{field}" if field == "shard_shape" else f"{here}.{field}"
+        if field == "version":
+            entry["version"] = rng.choice([2, 0, "1", None])
+            return f"{path} set to {entry['version']!r}"
+        shape = list(box.get(field, entry["logical_shape"]))
+        if not shape:
+            box[field] = [1]
+            return f"{path}: [] -> [1]"
+        d = rng.randrange(len(shape))
+        old, shape[d] = shape[d], _int_edit(rng, shape[d])
+        box[field] = shape
+        return f"{path}[{d}]: {old} -> {shape[d]}"
+    pieces = ranks[rank]["pieces"]
+    if not pieces:
+        del ranks[rank]
+        return f"{here}.ranks.{rank}: dropped (no pieces)"
+    i = rng.randrange(len(pieces))
+    p, path = pieces[i], f"{here}.ranks.{rank}.pieces.{i}"
+    field = rng.choice(["shape", "source offset", "source stride", "dest offset", "dest stride", "locations",
+                        "scale"])
+    if field == "locations":
+        how = rng.choice(["add a rank", "drop the own rank", "another rank", "empty", "repeat", "unknown rank"])
+        locs, all_ranks = list(p["locations"]), [int(r) for r in ranks if str(r).isdigit()]
+        own = int(rank) if str(rank).isdigit() else locs[0]
+        new = {"add a rank": sorted(set(locs) | {max(all_ranks) + 1 if set(all_ranks) <= set(locs) else
+                                                 min(set(all_ranks) - set(locs))}),
+               "drop the own rank": [r for r in locs if r != own] or [own + 1],
+               "another rank": [own + 1], "empty": [], "repeat": locs + locs[:1], "unknown rank": locs + [99]}[how]
+        p["locations"] = new
+        return f"{path}.locations: {locs} -> {new} ({how})"
+    if field == "scale":
+        old = p.get("scale", 1.0)
+        new = rng.choice([2.0, 0.5, 3.0, -1.0, 0, float("nan"), "1"])
+        p["scale"] = new
+        valid = isinstance(new, float) and new == new and new != 0
+        return f"{path}.scale: {old!r} -> {new!r}" + (f" {UNSEEN}: a valid scale, the file's own statement" if valid
+                                                      else "")
+    if field == "shape":
+        if not p["shape"]:
+            p["shape"] = [2]
+            return f"{path}.shape: [] -> [2]"
+        d = rng.randrange(len(p["shape"]))
+        old = p["shape"][d]
+        p["shape"][d] = _int_edit(rng, old)
+        return f"{path}.shape[{d}]: {old} -> {p['shape'][d]}"
+    side, part = field.split()
+    view = p[side]
+    if part == "offset" or not view[1]:
+        old = view[0]
+        view[0] = _int_edit(rng, old)
+        return f"{path}.{side}[0]: {old} -> {view[0]}"
+    d = rng.randrange(len(view[1]))
+    old = view[1][d]
+    view[1][d] = _int_edit(rng, old)
+    return f"{path}.{side}[1][{d}]: {old} -> {view[1][d]}"
+
+
+def _recorded_map(root, path, rng, m, pristine, scratch) -> str:
+    obj = load(path, mmap=False)
+    docs = _map_documents(obj)
+    if not docs:
+        return _resave_keys(root, path, rng, m, pristine, scratch)
+    at, params = rng.choice(docs)
+    what = _map_edit(rng, params, at)
+    _resave(path, obj)
+    return f"{m.file}: {what}"
 
 
 # -- folder-wide ----------------------------------------------------------------------------------------

@@ -251,11 +251,16 @@ class DeepSpeedCheckpoint:
         if self._alias(name):  # a module weight the optimizer does not own: as ds_to_universal, no extra keys
             shape = tuple(self.model_state(0)["module"][name].shape)
             return lowering.Lowered(lowering.lower_replicated([shape]), "module only")
+        key = ("tp_map", name)  # lowered (and a recorded map checked) once per parameter
+        if key in self._cache:
+            return self._cache[key]
         shapes = [self.param_shapes[self.mp_rank(name, t)].get(name) for t in range(self.tp)]
         try:
-            return lowering.lower(name, shapes, self.uc_info)
-        except ReshardError as e:
-            raise in_context(e, f"{self.tag_dir}: parameter {name!r}") from None
+            got = self._cache[key] = lowering.lower(name, shapes, self.uc_info)
+            return got
+        except ReshardError as e:  # what the info records is named in the file it is read from
+            where = self.model_files[0] if str(e).startswith(lowering.INFO) else self.tag_dir
+            raise in_context(e, f"{where}: parameter {name!r}") from None
 
     @cached_property
     def _zero_index(self) -> dict[int, dict[str, tuple[int, ParamMap]]]:

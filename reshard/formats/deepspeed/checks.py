@@ -10,6 +10,8 @@ reshaped on the way.
   lies inside the partition; the DP ranks that share a partitioning hold partitions of one size.
 * **Module weights**: every optimized parameter's tensor in its model-parallel rank's file (or its
   pipeline layer file) has exactly the shape ``param_shapes`` records, in the training dtype.
+* **Recorded maps**: every model-state file records the TP maps of model-parallel rank 0's, the
+  file they are read from (and checked as they are lowered: ``lowering.lower_affine_map``).
 * **Per-expert files** (AutoEP at ZeRO-1/2, classic MoE): each holds exactly its expert's
   parameters under their global names, each of the recorded shape, in the training dtype; they
   are copied as they are by ``reshard``, so they are checked even where a route reads none of them.
@@ -26,7 +28,8 @@ import torch
 from ...errors import CheckpointError
 from ...storage.safe_load import load
 
-__all__ = ["check_expert_files", "check_keys", "check_module_weights", "check_partitions", "check_step"]
+__all__ = ["check_expert_files", "check_keys", "check_module_weights", "check_partitions", "check_recorded_maps",
+           "check_step", "first_difference"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # what DeepSpeed 0.19.8's save_checkpoint writes into every model-state file (client state comes beside)
@@ -82,6 +85,49 @@ def check_z3_model_files(ck: Any) -> None:
             if a != b:
                 raise CheckpointError(f"{path}: its {key} differs from DP rank 0's ({ck.model_files[t].name}): every "
                                       "DP rank's model-state file records the same")
+
+
+def check_recorded_maps(ck: Any, names: list[str]) -> None:
+    """Every model-state file records the TP maps (``universal_checkpoint_info.affine_map``) of
+    the file they are read from (model-parallel rank 0's): each rank writes the whole group's
+    description, and some routes copy the files as they are. The maps read are checked first, as
+    they are lowered (``lowering.lower_affine_map``), so a damaged one is named where it is."""
+    ref_path = ck.model_files[0]
+    ref = _affine_map(ck.model_state(0))
+    if ref is not None:
+        for name in names:
+            ck.tp_map(name)
+    for path in sorted({*ck.model_files.values(), *ck.z3_model_files.values()}):
+        if path == ref_path:
+            continue
+        at = first_difference(ref, _affine_map(ck.model_state_at(path)), "universal_checkpoint_info.affine_map")
+        if at is not None:
+            raise CheckpointError(f"{path}: {at} disagrees with {ref_path.name}'s: every rank records the same "
+                                  "maps")
+
+
+def _affine_map(state: Mapping) -> Any:
+    info = state.get("universal_checkpoint_info")
+    return info.get("affine_map") if isinstance(info, Mapping) else None
+
+
+def first_difference(a: Any, b: Any, at: str) -> str | None:
+    """The JSON path of the first place ``a`` and ``b`` differ (``None`` when equal)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for k in [*a, *(k for k in b if k not in a)]:
+            if k not in a or k not in b:
+                return f"{at}.{k}"
+            got = first_difference(a[k], b[k], f"{at}.{k}")
+            if got is not None:
+                return got
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):  # docs/spec.md §5: ``pieces.0``, ``source[0]``
+            got = first_difference(x, y, f"{at}.{i}" if at.endswith(".pieces") else f"{at}[{i}]")
+            if got is not None:
+                return got
+        return None
+    return None if type(a) is type(b) and a == b else at
 
 
 def check_keys(ck: Any, osd_keys: tuple[str, ...]) -> None:

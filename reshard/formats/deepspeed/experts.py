@@ -38,6 +38,7 @@ from ...layouts import autoep_placement, compose_zero, zero3, zero12_from_slice_
 from ...layouts.topology import Topology
 from ...layouts.zero import zero3_partition_numel
 from ...storage.safe_load import load
+from .checks import first_difference
 from .lowering import Lowered
 
 # a ``formats.deepspeed.DeepSpeedCheckpoint``, which imports this module (its hooks call these)
@@ -112,6 +113,7 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
             if p.name in params:
                 raise CheckpointError(f"{where}: expert parameter {p.name!r} is described twice")
             params[p.name] = p
+    _same_copies(state, path)
     eps = {p.ep for p in params.values()}
     if len(eps) != 1 or ck.dp % next(iter(eps)):
         raise CheckpointError(f"{where}: EP sizes {sorted(eps)} do not divide the DP size {ck.dp} as one EP group")
@@ -177,6 +179,12 @@ def _check_z3_partitions(ck: DeepSpeedCheckpoint, ax: AutoEP, n_sub: int) -> Non
             ms = load(ck.z3_model_files[(0, d)])
             if _param_groups(ms, ck.z3_model_files[(0, d)]) != _param_groups(ck.model_state(0), ck.model_files[0]):
                 raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: param_shapes differ from DP rank 0's")
+            _same_copies(ms, ck.z3_model_files[(0, d)])
+            for i, (x, y) in enumerate(zip(ck.model_state(0)[LAYERS_KEY], ms.get(LAYERS_KEY) or [])):
+                at = first_difference(x.get("affine_maps"), y.get("affine_maps") if isinstance(y, Mapping) else None,
+                                      f"{LAYERS_KEY}[{i}].affine_maps")
+                if at is not None:
+                    raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: {at} disagrees with DP rank 0's")
             ranks = {entry.get("ep_rank") for entry in ms.get(LAYERS_KEY) or []}
             if ranks != {e}:
                 raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: {LAYERS_KEY} records EP rank(s) {sorted(ranks)}, "
@@ -199,7 +207,7 @@ def _layer_params(layer: Any, groups: list[dict], where: str) -> list[ExpertPara
     if not isinstance(prefix, str) or not prefix or not isinstance(desc, Mapping):
         raise CheckpointError(f"{where}: needs 'expert_key_prefix' and an 'expert_placement' descriptor "
                               "(AutoEP placement descriptor version 1)")
-    affine = (layer.get("affine_maps") or {}).get("params", {})
+    affine = _affine_params(layer, prefix, where)
     out = []
     for w in WEIGHTS:
         name = f"{prefix}.{w}"
@@ -218,17 +226,45 @@ def _layer_params(layer: Any, groups: list[dict], where: str) -> list[ExpertPara
             raise CheckpointError(f"{where}: {name}: param_shapes gives EP rank {ep_rank} shape {list(local)}, the "
                                   f"placement {list(m.shards[ep_rank].shape)}")
         if name in affine:
-            _same_as_deepspeed(m, affine[name], f"{where}: {name}")
+            _same_as_deepspeed(m, affine[name], f"{where}.affine_maps.params.{name}")
         out.append(ExpertParam(name, int(layer.get("moe_layer_id", -1)), full, by_rank, desc, g))
     return out
 
 
+def _same_copies(state: Mapping, path: Any) -> None:
+    """DeepSpeed writes the layer entries twice, at the top and in ``universal_checkpoint_info``
+    (which a target's entries are made from): the two must be the same."""
+    info = state.get("universal_checkpoint_info")
+    if isinstance(info, Mapping) and LAYERS_KEY in info:
+        at = first_difference(state.get(LAYERS_KEY), info[LAYERS_KEY], f"universal_checkpoint_info.{LAYERS_KEY}")
+        if at is not None:
+            raise CheckpointError(f"{path}: {at} disagrees with {LAYERS_KEY}: DeepSpeed records the same in both")
+
+
+def _affine_params(layer: Mapping, prefix: str, where: str) -> Mapping:
+    """The layer's ``affine_maps`` entries (DeepSpeed's maps of its expert parameters), by name."""
+    doc = layer.get("affine_maps")
+    if doc is None:
+        return {}
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("params"), Mapping):
+        raise CheckpointError(f"{where}.affine_maps: expected {{'params': {{name: map}}}}, got {doc!r:.100}")
+    names = [f"{prefix}.{w}" for w in WEIGHTS]
+    stray = [k for k in doc["params"] if k not in names]
+    if stray:
+        raise CheckpointError(f"{where}.affine_maps.params: {stray[0]!r} is not an expert parameter of the layer "
+                              f"({names})")
+    return doc["params"]
+
+
 def _same_as_deepspeed(ours: ParamMap, entry: Any, where: str) -> None:
-    """DeepSpeed's own ``affine_maps`` entry must describe the layout the placement gives."""
+    """DeepSpeed's own ``affine_maps`` entry (``where``: its file and JSON path) must be a valid
+    map, and describe the layout the placement gives."""
     try:
-        theirs = map_from_dict(entry, "affine_maps")
+        theirs = map_from_dict(entry)
+        theirs.check()
     except ReshardError as e:
-        raise CheckpointError(f"{where}: malformed affine_maps entry: {e}") from None
+        path = getattr(e, "path", "")
+        raise CheckpointError(f"{where}{'.' + path if path else ''}: {getattr(e, 'reason', e)}") from None
     if canonicalize(theirs) != canonicalize(ours):
         raise CheckpointError(f"{where}: affine_maps disagrees with the expert_placement descriptor")
 

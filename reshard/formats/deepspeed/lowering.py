@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import CheckpointError, MapFormatError
+from ...errors import CheckpointError, MapError, MapFormatError
 from ...ir.param_map import ParamMap, map_from_dict
 from ...layouts import replicated, split, sub_params
 
@@ -34,18 +34,36 @@ def _full(shapes: Shapes, dim: int) -> tuple[int, ...]:
     return tuple(full)
 
 
-def lower_affine_map(entry: Any, shapes: Shapes) -> ParamMap:
-    """The checkpoint's own map (JSON format v1)."""
+INFO = "universal_checkpoint_info"  # JSON paths of what it records start so (in model-state file 0)
+AFFINE = f"{INFO}.affine_map"
+
+
+def lower_affine_map(entry: Any, shapes: Shapes, path: str = f"{AFFINE}.params.?") -> ParamMap:
+    """The checkpoint's own map (JSON format v1), held to everything a map must satisfy before
+    anything composes or plans with it: the format, its ranks exactly the TP ranks, each shard the
+    shape of the tensor the model state holds, and the IR's checks (docs/spec.md §2). A failure is
+    a :class:`CheckpointError` starting with the JSON path of the field at fault (``path`` is the
+    entry's)."""
     try:
-        m = map_from_dict(entry, "affine_map")
+        m = map_from_dict(entry, path)
     except MapFormatError as e:
-        raise CheckpointError(f"malformed affine_map entry: {e}") from None
+        raise CheckpointError(f"{e.path}: malformed affine_map entry: {e.reason}") from None
+    extra = [r for r in m.ranks if r >= len(shapes)]
+    if extra:
+        raise CheckpointError(f"{path}.ranks.{extra[0]}: rank {extra[0]} is not a TP rank of this checkpoint "
+                              f"(TP={len(shapes)})")
     for t, s in enumerate(shapes):
         if s is None and t in m.shards and m.shards[t].numel == 0:
             continue  # DeepSpeed lists no shape for a rank that holds none of the parameter
         if t not in m.shards or s is None or m.shards[t].shape != tuple(s):
             got = list(m.shards[t].shape) if t in m.shards else "none"
-            raise CheckpointError(f"affine_map gives TP rank {t} shard shape {got}, the model state has {list(s)}")
+            at = f"{path}.ranks.{t}.shard_shape" if t in m.shards else f"{path}.ranks"
+            have = "no shape" if s is None else f"{list(s)}"
+            raise CheckpointError(f"{at}: affine_map gives TP rank {t} shard shape {got}, the model state has {have}")
+    try:
+        m.check(path)
+    except MapError as e:
+        raise CheckpointError(f"{e.path}: {e.reason}") from None
     return m
 
 
@@ -113,36 +131,67 @@ def _same_shapes(shapes: Shapes, what: str) -> None:
         raise CheckpointError(f"{what} parameter has different shard shapes on TP ranks: {shapes}")
 
 
-def _match(patterns: Any, name: str) -> str | None:
-    found = [p for p in (patterns or []) if re.match(p, name)]
+def _cat(info: dict, key: str, name: str) -> str | None:
+    """The pattern of category ``key`` of the info that matches ``name``, if any."""
+    return _match(info.get(key), name, f"{INFO}.{key}")
+
+
+def _match(patterns: Any, name: str, what: str = INFO) -> str | None:
+    found = [p for p in (patterns or []) if _matches(p, name, what)]
     if len(found) > 1:
-        raise CheckpointError(f"matches several patterns {found}")
+        raise CheckpointError(f"{what}: matches several patterns {found}")
     return found[0] if found else None
+
+
+def _matches(pattern: Any, name: str, what: str) -> bool:
+    """Whether a recorded pattern matches ``name``; one that is no regular expression is refused."""
+    if not isinstance(pattern, str):
+        raise CheckpointError(f"{what}: pattern {pattern!r} is not a string")
+    try:
+        return re.match(pattern, name) is not None
+    except re.error as e:
+        raise CheckpointError(f"{what}: pattern {pattern!r} is not a regular expression ({e})") from None
+
+
+def recorded_maps(info: dict) -> dict:
+    """``universal_checkpoint_info['affine_map']['params']``: pattern -> map entry (``{}`` without)."""
+    doc = info.get("affine_map")
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{AFFINE}: expected a map document, got {type(doc).__name__}")
+    version = doc.get("version", 1)
+    if isinstance(version, bool) or version != 1:
+        raise CheckpointError(f"{AFFINE}.version: unknown format version {version!r} (know 1)")
+    params = doc.get("params", {})
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{AFFINE}.params: expected an object, got {type(params).__name__}")
+    return params
 
 
 def lower(name: str, shapes: Shapes, info: dict) -> Lowered:
     """The TP map of ``name`` given each TP rank's shard shape and the checkpoint's info."""
     shapes = [tuple(s) if s is not None else None for s in shapes]
     tp = len(shapes)
-    vocab_pat = _match(info.get("vocabulary_parameter_patterns"), name)
-    affine = (info.get("affine_map") or {}).get("params", {}) if isinstance(info.get("affine_map"), dict) else {}
-    key = _match(list(affine), name)
+    vocab_pat = _cat(info, "vocabulary_parameter_patterns", name)
+    affine = recorded_maps(info)
+    key = _match(list(affine), name, f"{AFFINE}.params")
     if key is not None:
-        lowered = Lowered(lower_affine_map(affine[key], shapes), "affine_map")
+        lowered = Lowered(lower_affine_map(affine[key], shapes, f"{AFFINE}.params.{key}"), "affine_map")
     elif any(s is None for s in shapes):
         missing = [t for t, s in enumerate(shapes) if s is None]
         raise CheckpointError(f"TP ranks {missing} record no shape for it and there is no affine_map entry")
-    elif _match(info.get("tp_replicated_parameter_patterns"), name):
+    elif _cat(info, "tp_replicated_parameter_patterns", name):
         lowered = Lowered(lower_replicated(shapes), "replicated")
-    elif _match(info.get("parameter_to_average_patterns"), name):
+    elif _cat(info, "parameter_to_average_patterns", name):
         lowered = Lowered(lower_average(shapes), "average (as replicated)")
-    elif _match(info.get("parameter_with_2_sub_params_cat_dim_0"), name):
+    elif _cat(info, "parameter_with_2_sub_params_cat_dim_0", name):
         lowered = Lowered(lower_two_sub_params(shapes), "2 sub-params", {"cat_dim": 0, "param_n_sub_params": 2})
     elif (spec := _sub_param_spec(info, name)) is not None:
         widths = (info.get("sub_param_shard_widths") or {}).get(_match(spec.patterns, name))
         lowered = Lowered(lower_sub_params(shapes, spec, widths), "sub-params", {"sub_param_shape": spec})
     else:
-        dim = 1 if _match(info.get("parameter_with_row_parallelism_patterns"), name) else 0
+        dim = 1 if _cat(info, "parameter_with_row_parallelism_patterns", name) else 0
         lowered = Lowered(lower_split(shapes, dim), f"split dim {dim}", {"cat_dim": dim})
     if vocab_pat is not None and tp > 1 or vocab_pat is not None and "original_vocab_size" in info:
         lowered.map = lower_vocabulary(lowered.map, info.get("original_vocab_size"))
@@ -162,18 +211,18 @@ def even_shapes(name: str, full: tuple[int, ...], tp: int, info: dict) -> Shapes
     layouts: the category's split, even on every rank (``lower`` of these shapes is then the map).
     The legacy categories fix those layouts at any degree; an ``affine_map`` or sub-parameter widths
     (AutoTP, head-aligned) and a padded vocabulary (its padding depends on the TP degree) do not."""
-    affine = info.get("affine_map") if isinstance(info.get("affine_map"), dict) else {}
-    if _match(list((affine or {}).get("params", {})), name) is not None or _sub_param_spec(info, name) is not None:
+    recorded = _match(list(recorded_maps(info)), name, f"{AFFINE}.params") is not None
+    if recorded or _sub_param_spec(info, name) is not None:
         raise CheckpointError("its TP layout is an affine map or sub-parameter widths (AutoTP, head-aligned), "
                               "which say nothing of another TP degree")
-    if _match(info.get("vocabulary_parameter_patterns"), name) and info.get("original_vocab_size", full[0]) != full[0]:
+    if _cat(info, "vocabulary_parameter_patterns", name) and info.get("original_vocab_size", full[0]) != full[0]:
         raise CheckpointError(f"a vocabulary padded from {info.get('original_vocab_size')} to {full[0]} rows: the "
                               "padding at another TP degree depends on the training script")
-    if _match(info.get("tp_replicated_parameter_patterns"), name) or _match(
+    if _cat(info, "tp_replicated_parameter_patterns", name) or _match(
             info.get("parameter_to_average_patterns"), name):
         return [tuple(full)] * tp
-    two = _match(info.get("parameter_with_2_sub_params_cat_dim_0"), name) is not None
-    dim = 1 if _match(info.get("parameter_with_row_parallelism_patterns"), name) else 0
+    two = _cat(info, "parameter_with_2_sub_params_cat_dim_0", name) is not None
+    dim = 1 if _cat(info, "parameter_with_row_parallelism_patterns", name) else 0
     if len(full) <= dim:
         raise CheckpointError(f"cannot split a {len(full)}-d parameter on dim {dim}")
     parts = 2 * tp if two else tp

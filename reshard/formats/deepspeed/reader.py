@@ -90,9 +90,9 @@ class DeepSpeedReader:
         if ck.zero_stage != 3:  # first: the layout rules below take the partitions' types on trust
             checks.check_partitions(ck, sizes=False)
         if self._kind == "zero12":
-            assert self.zero12 is not None
+            _ = self.zero12  # building it checks the layout rule (a statement: python -O drops assertions)
         elif self._kind == "zero3":
-            assert self.zero3 is not None
+            _ = self.zero3
         else:
             ck.check_steps()
         if ck.zero_stage == 3:
@@ -103,6 +103,7 @@ class DeepSpeedReader:
             checks.check_expert_files(ck, self.module_dtype)
             if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout is Zero12Source's
                 check_dense_layouts(ck, self.module_dtype)
+        checks.check_recorded_maps(ck, self.names)
         for name in self.names:  # every map lowers and composes
             for state in self.states(name):
                 self.map(name, state)

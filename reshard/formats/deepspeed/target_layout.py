@@ -87,6 +87,7 @@ def target_tp_maps(ck: DeepSpeedCheckpoint | None, names: list[str], tp: int, la
             except ReshardError as e:
                 raise in_context(e, f"parameter {n!r}") from None
         origin = "rebuilt from the source geometry"
+        maps = _checked_maps(source, maps, tp)
     elif isinstance(layout, (str, Path)) and Path(layout).is_dir():
         lck = DeepSpeedCheckpoint.open(layout)
         if lck.tp != tp:
@@ -106,8 +107,12 @@ def target_tp_maps(ck: DeepSpeedCheckpoint | None, names: list[str], tp: int, la
             except (OSError, json.JSONDecodeError) as e:
                 raise ReshardError(f"{layout}: cannot read a layout (checkpoint folder or JSON map document): {e}") \
                     from None
+        where = str(layout) if isinstance(layout, (str, Path)) else "layout"
         if isinstance(doc, Mapping) and "params" in doc and not isinstance(doc.get("params"), ParamMap):
-            doc = maps_from_document(doc)
+            try:
+                doc = maps_from_document(doc)
+            except ReshardError as e:
+                raise in_context(e, where) from None
         if not isinstance(doc, Mapping) or not all(isinstance(m, ParamMap) for m in doc.values()):
             raise ReshardError("layout must be a checkpoint folder, a map document or {name: ParamMap}")
         maps = {}
@@ -117,7 +122,7 @@ def target_tp_maps(ck: DeepSpeedCheckpoint | None, names: list[str], tp: int, la
                 raise ReshardError(f"layout has no map for parameter {n!r}")
             maps[n] = m
         origin = "from the given map document"
-    maps = _checked_maps(source, maps, tp)
+        maps = _checked_maps(source, maps, tp, where)
     if tp > 1:
         info = {k: v for k, v in (src_info or {"universal_checkpoint_version": 0.4}).items()
                 if k not in ("sub_param_shard_widths", "affine_map")}
@@ -217,7 +222,9 @@ def _megatron_map(name: str, source: ParamMap, tp: int, info: dict) -> ParamMap:
     return m
 
 
-def _checked_maps(source: Mapping[str, ParamMap], maps: Mapping[str, ParamMap], tp: int) -> dict[str, ParamMap]:
+def _checked_maps(source: Mapping[str, ParamMap], maps: Mapping[str, ParamMap], tp: int,
+                  where: str = "") -> dict[str, ParamMap]:
+    """``maps`` as the target's TP maps, each valid (``where``: the layout they were read from)."""
     out = {}
     for n, m in maps.items():
         if tuple(m.ranks) != tuple(range(tp)):
@@ -228,6 +235,6 @@ def _checked_maps(source: Mapping[str, ParamMap], maps: Mapping[str, ParamMap], 
         try:
             m.check()
         except ReshardError as e:
-            raise in_context(e, f"target map of {n!r}") from None
+            raise in_context(e, f"{where + ': ' if where else ''}target map of {n!r}") from None
         out[n] = m
     return out

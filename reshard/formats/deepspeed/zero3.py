@@ -241,7 +241,8 @@ class Zero3Source:
             if real:
                 raise CheckpointError(f"{path}: frozen (non-optimized) parameters such as {real[0]!r} are "
                                       "not supported")
-        assert out is not None
+        if out is None:
+            raise CheckpointError(f"{ck.tag_dir}: no ZeRO-3 model-state files for TP rank {t}")
         seen: set[str] = set()
         for sg in out:
             dup = next((n for n in sg if n in seen), None)

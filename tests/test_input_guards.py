@@ -1,0 +1,35 @@
+"""Input is guarded by checks that raise reshard errors, never by ``assert`` (which ``python -O``
+removes): no assert statement in ``reshard/``, and the refusal tests pass under ``python -O``
+(issue 37)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import reshard
+
+ROOT = Path(__file__).resolve().parents[1]
+# The refusals of edited recorded maps, the IR's defect catalogue and what the fuzz suite found.
+REFUSAL_TESTS = ("tests/formats/deepspeed/test_recorded_maps.py", "tests/ir/test_check_paths.py",
+                 "tests/ir/test_ir_defects.py", "tests/jobs/test_fuzz_regressions.py",
+                 "tests/jobs/test_verified_reads.py")
+
+
+def test_no_assert_statement_in_reshard():
+    found = []
+    for path in sorted(Path(reshard.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        found += [f"{path}:{node.lineno}" for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    assert not found, found
+
+
+def test_refusals_hold_under_python_O():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-O", "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", *REFUSAL_TESTS],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1], run.stdout[-2000:]
