@@ -112,7 +112,7 @@ class VllmWriter:
         return [Target(self.sources[n], BEST, p.map) for n, p in self.placed.items()]
 
     def meta(self) -> dict[str, Any]:
-        return {"target": "vLLM sharded state (load_format='sharded_state')", "target_topology": {"tp": self.tp}}
+        return {"target": "vLLM sharded state (load_format='sharded_state')", "target_topology": {"tp": self.tp, "dp": 1}}
 
     def notes(self) -> list[str]:
         dtype = str(self.dtype).removeprefix("torch.")
