@@ -42,6 +42,27 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's ShardedStateLoader.DEFAULT_PATTERN
 SKIPPED = re.compile(r".*rotary_emb\.inv_freq\Z")  # a buffer older checkpoints keep; vLLM's loaders skip it
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _complete(names: Any, arch: str, config: dict[str, Any], layers: int, where: str) -> None:
+    """Refuse a source that lacks a tensor vLLM's state dict holds, or has layers its config does not
+    (vLLM's loader would fail on a missing key, after the output was written)."""
+    per_layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if arch == "Qwen2ForCausalLM" or config.get("attention_bias"):
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    want = {"model.embed_tokens.weight", "model.norm.weight"} | {f"model.layers.{i}.{n}" for i in range(layers)
+                                                                  for n in per_layer}
+    if not config.get("tie_word_embeddings"):
+        want.add(TIED[0])
+    missing = sorted(want - set(names))
+    if missing:
+        raise ReshardError(f"{where}: no {missing[:4]}" + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                           + f" (a {arch} of {layers} layers, as its config says, holds them)")
+    extra = sorted(n for n in names if (m := LAYER.match(n)) and int(m.group(1)) >= layers)
+    if extra:
+        raise ReshardError(f"{where}: {extra[:4]} past the config's {layers} layers (num_hidden_layers)")
 
 
 class VllmWriter:
@@ -69,6 +90,7 @@ class VllmWriter:
                                f"positive integers, got {heads!r}, {kv_heads!r}, {layers!r}")
         self.tied = bool(config.get("tie_word_embeddings"))
         self.sources = self._names(config, where)
+        _complete(self.sources, arch[0], config, layers, f"{reader.sources[-1]}")
         shapes = {n: tuple(reader.shape(src)) for n, src in self.sources.items()}
         try:
             self.placed = inference_targets(LLAMA_VLLM, shapes, tp=tp, num_heads=heads, num_kv_heads=kv_heads)

@@ -68,6 +68,13 @@ def test_refused_before_any_output(tmp_path):
     (other / "config.json").write_text(json.dumps(dict(config, architectures=["MixtralForCausalLM"])))
     with pytest.raises(ReshardError, match=r"architecture \['MixtralForCausalLM'\] -- --format vllm writes"):
         convert(other, tmp_path / "b", fmt="vllm", tp=2)
+    (other / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=3)))
+    with pytest.raises(ReshardError, match=r"no \['model.layers.2.input_layernorm.weight', .* and 5 more \(a "
+                                           r"LlamaForCausalLM of 3 layers"):
+        convert(other, tmp_path / "b", fmt="vllm", tp=2)
+    (other / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    with pytest.raises(ReshardError, match=r"\['model.layers.1.input_layernorm.weight', .*past the config's 1 layers"):
+        convert(other, tmp_path / "b", fmt="vllm", tp=2)
     with pytest.raises(ReshardError, match="--tp goes with --format vllm"):
         convert(src, tmp_path / "c", fmt="hf", tp=2)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
