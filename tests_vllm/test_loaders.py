@@ -70,15 +70,18 @@ def test_vllm_loaders_place_what_reshard_writes(marked, tmp_path: Path, tp: int)
         assert canonicalize(q.map) == canonicalize(p.map), name
 
 
-def test_deepspeed_source(tmp_path: Path):
-    """A DeepSpeed TP=2 ZeRO-1 Qwen2 (the committed fixture; head_dim 8, which vLLM's CPU attention
-    does not serve, but its loaders load): ``--format vllm --tp 2`` from the DeepSpeed files is byte
-    for byte what vLLM's loaders make of the same weights exported as an HF folder."""
+@pytest.mark.parametrize("fixture,arch", [("qwen2_tp2", "Qwen2ForCausalLM"),
+                                          ("llama_zero3_tp2_dp2", "LlamaForCausalLM")])
+def test_deepspeed_source(tmp_path: Path, fixture: str, arch: str):
+    """Committed DeepSpeed fixtures (a TP=2 ZeRO-1 Qwen2, a TP=2 x DP=2 ZeRO-3 Llama; head_dim 8,
+    which vLLM's CPU attention does not serve, but its loaders load): ``--format vllm --tp 2`` from
+    the DeepSpeed files is byte for byte what vLLM's loaders make of the same weights exported as an
+    HF folder."""
     from transformers import AutoConfig
 
-    fixture = HERE.parent / "tests" / "fixtures" / "deepspeed" / "qwen2_tp2"
+    fixture = HERE.parent / "tests" / "fixtures" / "deepspeed" / fixture
     meta = json.loads((fixture / "fixture.json").read_text())
-    AutoConfig.for_model(meta["model_type"], **meta["model_config"], architectures=["Qwen2ForCausalLM"],
+    AutoConfig.for_model(meta["model_type"], **meta["model_config"], architectures=[arch],
                          dtype="float32").save_pretrained(tmp_path / "config")
     for fmt, out in (("hf", "hf"), ("vllm", "reshard")):
         run(["-m", "reshard", "convert", fixture, tmp_path / out, "--format", fmt, "--hf-config", tmp_path / "config",
