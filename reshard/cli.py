@@ -230,7 +230,7 @@ def _cmd_convert(args) -> int:
                              checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
                              rename=args.rename, with_optimizer=args.with_optimizer, dtype=_dtype(args),
                              hf_config=args.hf_config, early_copies=early, names=args.names,
-                             verify_source=args.verify_source, verify=args.verify)
+                             verify_source=args.verify_source, verify=args.verify, tp=args.tp)
     except BaseException:
         if early is not None:
             early.abandon()

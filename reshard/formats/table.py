@@ -47,7 +47,7 @@ OPTIONS: dict[str, Option] = {
                      {"action": "append", "default": [], "metavar": "FROM=TO"}),
     "files": Option("--files", "lay it out for N loading ranks (one file per rank of an N-way FSDP mesh)",
                     {"type": "positive", "metavar": "N"}),
-    "tp": Option("--tp", "target TP degree (default: the source's)", {"type": "positive"}),
+    "tp": Option("--tp", "target TP degree (default: the source's; vllm: 1)", {"type": "positive"}),
     "dp": Option("--dp", "target DP degree (default: the source's)", {"type": "positive"}),
     "pp": Option("--pp", "target pipeline stages (DeepSpeed: the source's count, or 1 to merge them; Megatron: "
                  "default the source's)", {"type": "positive"}),
@@ -157,6 +157,12 @@ FORMATS: tuple[Format, ...] = (
            reshard=("tp", "pp", "dp", "ep", "optimizer", "dtype"), writes_from=("megatron", "safetensors"),
            source_example="reshard reshard MEGATRON OUT --tp 1 --pp 2",
            target_example="reshard reshard HF_FOLDER OUT --to megatron --tp 2 --pp 2"),
+    Format("vllm", "a vLLM sharded state",
+           writes="vLLM's load_format='sharded_state' files at TP T (Llama, Qwen2), with config.json and the "
+           "tokenizer carried",
+           writer="reshard.formats.vllm.writer:VllmWriter", convert=("tp", "max_file_bytes", "dtype", "hf_config"),
+           reshard=("tp", "dtype"), names="hf",
+           target_example="reshard convert CKPT OUT --format vllm --tp 2 --dtype bf16"),
 )
 DEFAULT_TARGET = "deepspeed"  # of `reshard`, for a source whose own format holds no topology
 

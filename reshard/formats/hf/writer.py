@@ -115,10 +115,12 @@ class HfWriter:
                    if "quantization_config" in self.config else "")]
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
-        jobs = self.inner.jobs(engine, staging)
-        jobs.append((1, partial(self._write_config, staging)))
-        jobs += [(1, partial(staging.copy, self.folder / f, f)) for f in self.carried]
-        return jobs
+        return self.inner.jobs(engine, staging) + self.metadata_jobs(staging)
+
+    def metadata_jobs(self, staging: Any) -> list[tuple[int, Callable[[], None]]]:
+        """``config.json`` and the carried files (also beside the vLLM writer's weights)."""
+        return [(1, partial(self._write_config, staging))] + [
+            (1, partial(staging.copy, self.folder / f, f)) for f in self.carried]
 
     def _write_config(self, staging: Any) -> None:
         """``config.json``: as it is where it says the weights' dtype, else with that dtype."""

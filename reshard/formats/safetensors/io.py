@@ -42,7 +42,7 @@ class SafetensorsFile:
         self.index += 1
         t = tensor.detach().contiguous().cpu()
         if t.numel():  # the tensor's own bytes, no copy (a mapped source is written straight out)
-            self.f.write(memoryview(t.view(torch.uint8).numpy()).cast("B"))
+            self.f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B"))
 
     def write_fill(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    fill: Callable[[torch.Tensor, int], None], chunk_bytes: int = 16 << 20) -> None:
