@@ -103,13 +103,13 @@ def test_a_megatron_source_stays_megatron_with_its_iteration_naming(tmp_path):
 
 
 @pytest.mark.parametrize("source,options,match", [
-    (DCP / "llama_fsdp2_ws2", {}, r"PyTorch DCP checkpoint keeps its format at --files N.*--to takes deepspeed, dcp$"),
-    (DCP / "llama_fsdp2_ws2", {"tp": 1, "dp": 2}, r"--files N.*--to takes deepspeed, dcp$"),
+    (DCP / "llama_fsdp2_ws2", {}, r"PyTorch DCP checkpoint keeps its format at --files N.*--to takes deepspeed, dcp, vllm$"),
+    (DCP / "llama_fsdp2_ws2", {"tp": 1, "dp": 2}, r"--files N.*--to takes deepspeed, dcp, vllm$"),
     (DCP / "llama_fsdp2_ws2", {"to": "megatron"},
      r"a Megatron-Core checkpoint is written from a Megatron-Core checkpoint or a Hugging Face safetensors folder, "
-     r"not from a PyTorch DCP checkpoint; --to takes deepspeed, dcp for it"),
+     r"not from a PyTorch DCP checkpoint; --to takes deepspeed, dcp, vllm for it"),
     (DEEPSPEED / "llama_zero1_dp2", {"to": "safetensors"},
-     r"--to must be one of deepspeed, dcp, megatron, got 'safetensors'; safetensors has no topology"),
+     r"--to must be one of deepspeed, dcp, megatron, vllm, got 'safetensors'; safetensors has no topology"),
     (DEEPSPEED / "llama_zero1_dp2", {"optimizer": "adam"}, r"--optimizer goes with --to megatron, not with a "
      r"DeepSpeed checkpoint \(the target\)"),
     (MEGATRON / "torch_dist_tp2_pp2", {"zero_stage": 1}, r"--zero-stage goes with --to deepspeed, not with a "

@@ -75,6 +75,19 @@ def test_refused_before_any_output(tmp_path):
     (other / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
     with pytest.raises(ReshardError, match=r"\['model.layers.1.input_layernorm.weight', .*past the config's 1 layers"):
         convert(other, tmp_path / "b", fmt="vllm", tp=2)
-    with pytest.raises(ReshardError, match="--tp goes with --format vllm"):
+    with pytest.raises(ReshardError, match="--tp goes with .*--format vllm"):
         convert(src, tmp_path / "c", fmt="hf", tp=2)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_reshard_to_vllm_is_convert_format_vllm(tmp_path):
+    """The one row of the format table serves both commands: ``reshard --to vllm --tp 2`` writes
+    the files ``convert --format vllm --tp 2`` writes."""
+    from reshard.jobs.convert import reshard
+
+    src = FIXTURES / "pretrained_llama"
+    a = convert(src, tmp_path / "a", fmt="vllm", tp=2).out_dir
+    b = reshard(src, tmp_path / "b", to="vllm", tp=2).out_dir
+    for r in range(2):
+        name = f"model-rank-{r}-part-0.safetensors"
+        assert (a / name).read_bytes() == (b / name).read_bytes()
