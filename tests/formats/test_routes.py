@@ -175,7 +175,7 @@ REFUSALS = [
     ("dcp-fsdp2", "deepspeed", {"ep": 2}, r"records no pipeline stages or experts"),
     ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 2}, r"TP = PP = 1 only"),
     ("deepspeed-zero3", "deepspeed", {"pp": 2}, r"PP=1"),
-    ("universal", "dcp", {"files": 2, "tp": 2}, r"--tp goes with --to deepspeed or --to megatron, not with a "
+    ("universal", "dcp", {"files": 2, "tp": 2}, r"--tp goes with --to deepspeed or --to megatron or --format vllm, not with a "
      r"PyTorch DCP checkpoint \(the target\)"),
     ("hf-sharded", "ucp", {"rename": ["a=b"]}, r"--rename goes with --format dcp"),
     ("dcp-fsdp2", "ucp", {"with_optimizer": True}, r"--with-optimizer goes with --format safetensors"),
