@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ReshardError
-from .contract import Reader
+from .contract import Reader, Writer
 
 __all__ = ["FORMATS", "make_writer", "open_reader", "source_format"]
 
@@ -59,7 +59,7 @@ def open_reader(path: str | Path, *, route: str | None = None, names: str | None
     if kind == "megatron":
         from .megatron.reader import MegatronReader
 
-        reader: Any = MegatronReader.open(p, names=names or MEGATRON_NAMES.get(route or "", "megatron"))
+        reader: Reader = MegatronReader.open(p, names=names or MEGATRON_NAMES.get(route or "", "megatron"))
     elif kind == "accelerate":
         from .hf.accelerate import open_accelerate
 
@@ -92,7 +92,7 @@ def open_reader(path: str | Path, *, route: str | None = None, names: str | None
     return reader
 
 
-def make_writer(fmt: str, reader: Reader, **options: Any) -> Any:
+def make_writer(fmt: str, reader: Reader, **options: Any) -> Writer:
     """The target of format ``fmt`` laid out from ``reader``'s source; options a format does
     not take are refused by name."""
     if fmt == "ucp":

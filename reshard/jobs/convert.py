@@ -13,6 +13,7 @@ import torch
 
 from ..errors import ReshardError
 from ..formats.contract import Reader
+from ..formats.deepspeed.reader import DeepSpeedNative
 from ..formats.registry import make_writer, open_reader
 from ..storage import verified
 from .cluster import Cluster
@@ -100,8 +101,9 @@ def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_
              early_copies: Any, notes: list[str]) -> Report:
     cluster = cluster or Cluster.from_env()
     early = early_copies
-    if early is not None and (reader.format != "deepspeed" or fmt != "ucp" or cluster.world > 1
-                              or early.tag_dir != reader.ck.tag_dir or early.staging.out_dir != Path(out_dir)
+    own = reader.native("deepspeed")
+    if early is not None and (not isinstance(own, DeepSpeedNative) or fmt != "ucp" or cluster.world > 1
+                              or early.tag_dir != own.ck.tag_dir or early.staging.out_dir != Path(out_dir)
                               or early.staging.verify_source != verified.enabled()):
         early.abandon()  # of another route, source, output or process count: as without them
         early = None
@@ -189,4 +191,4 @@ def _reshard(reader: Reader, ckpt_dir: str | Path, out_dir: str | Path, *, to: s
     writer = make_writer(to, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
-               extra_sources=getattr(writer, "extra_sources", ()), notes=notes)
+               extra_sources=writer.extra_sources, notes=notes)

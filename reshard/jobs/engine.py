@@ -254,8 +254,8 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
     ``notes``: what the report says beside the writer's (the checks the command ran)."""
     policy = Policy.parse(on_replica_mismatch)
     verified.forget_pending()  # what an earlier job left unchecked is not this one's
-    engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy,
-                    target_tp=getattr(writer, "tp_index", None))
+    reader = writer.view(reader)  # the source as the target reads it (never changed by the writer)
+    engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy, target_tp=writer.tp_index)
     targets = writer.targets()
     drift = engine.check_replicas(targets)
     if drift and policy.kind == "error":
@@ -277,9 +277,8 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
         verified.finish()  # what this process read and the writers' CRCs did not check: before anything commits
 
     run_share(cluster, staging, jobs, share)
-    finish = getattr(writer, "finish", None)
-    if finish is not None:  # what one process writes last, from every process's files (DCP's .metadata)
-        agreed(cluster, staging, lambda: finish(staging, cluster.gather, cluster.rank))
+    # what one process writes last, from every process's files (DCP's .metadata); by default nothing
+    agreed(cluster, staging, lambda: writer.finish(staging, cluster.gather, cluster.rank))
     meta = {"reshard_version": __version__, "format": writer.format, "source": str(reader.sources[-1]),
             "source_format": reader.format, "source_topology": reader.topology, **writer.meta(),
             "on_replica_mismatch": policy.text, "replica_drift": [str(d) for d in drift],

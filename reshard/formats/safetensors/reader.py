@@ -25,6 +25,7 @@ from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
+from ..contract import Reader
 from .io import DTYPES
 
 __all__ = ["INDEX", "SafetensorsReader", "is_safetensors"]
@@ -101,7 +102,7 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
     return dict(sorted(out.items(), key=lambda kv: kv[1].start)), meta if isinstance(meta, dict) else {}
 
 
-class SafetensorsReader:
+class SafetensorsReader(Reader):
     format = "safetensors"
 
     def __init__(self, path: str | Path) -> None:
@@ -233,6 +234,9 @@ class SafetensorsReader:
                 and "model.embed_tokens.weight" in self.entries:
             return {"lm_head.weight": "model.embed_tokens.weight"}
         return {}
+
+    def hf_config(self) -> dict[str, Any] | None:
+        return self.config
 
     @cached_property
     def config(self) -> dict[str, Any] | None:
