@@ -18,8 +18,8 @@ fresh optimizer holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,7 @@ class Reader(ABC):
     def check(self) -> None:
         """Refuse the source (a ``ReshardError``) for anything wrong in what it read; run once,
         before any output folder exists. By default: nothing beyond what opening it checked."""
+        return None
 
     def model_order(self) -> list[str] | None:
         """The model's parameter order (what a flat ZeRO buffer follows); ``None`` where the
@@ -158,6 +159,7 @@ class Writer(ABC):
 
     def finish(self, staging: Any, gather: Callable[[Any], list[Any]], rank: int) -> None:
         """Run on every process once each wrote its files (DCP's ``.metadata``); by default nothing."""
+        return None
 
     def view(self, reader: Reader) -> Reader:
         """The source as this target reads it, planned and filled by the engine: by default the

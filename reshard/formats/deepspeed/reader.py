@@ -88,8 +88,8 @@ class DeepSpeedReader(Reader):
         return cls(DeepSpeedCheckpoint.open(path))
 
     # -- what the engine reads -------------------------------------------------------------------
-    @cached_property
-    def names(self) -> list[str]:
+    @cached_property  # the contract's attribute, computed once
+    def names(self) -> list[str]:  # type: ignore[override]
         return self.ck.names
 
     @property

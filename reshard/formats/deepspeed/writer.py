@@ -58,6 +58,7 @@ class DeepSpeedWriter(Writer):
         self._notes: list[str] = []
         self._source: dict[str, int] = {}
         self.keeps_replicas = False
+        self.kind: Any = None  # the target's kind: Zero12Target, Zero3Target, ExpertFiles or AutoEPZero3Target
         own = reader.native("deepspeed")
         self.own = own if isinstance(own, DeepSpeedNative) else None  # a DeepSpeed source's files and layout
         if self.own is not None:

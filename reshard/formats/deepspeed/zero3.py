@@ -422,7 +422,7 @@ def optim_states(source: Mapping[str, Any], *, subs: Sequence[SubGroup], dp: int
             flats.append(AttrTensorRef(t, (t.numel,), attrs={"ds_id": ds_id}, requires_grad=True))
             continue
         t = t.detach().requires_grad_(True)  # as DeepSpeed's master partitions (the file records it)
-        t.ds_id = ds_id
+        t.ds_id = ds_id  # type: ignore[attr-defined]  # DeepSpeed's own attribute
         flats.append(t)
     osd: dict[str, Any] = {}
     for key, value in src.items():

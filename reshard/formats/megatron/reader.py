@@ -73,8 +73,8 @@ class MegatronReader(Reader):
     def specs(self) -> dict:
         return {s.key: s for s in self.arch.keys()}
 
-    @cached_property
-    def names(self) -> list[str]:
+    @cached_property  # the contract's attribute, computed once
+    def names(self) -> list[str]:  # type: ignore[override]
         return list(self.hf) if self.naming == "hf" else list(self.specs)
 
     def _spec(self, name: str) -> Any:

@@ -33,8 +33,8 @@ from ...ir.param_map import ParamMap
 from ..contract import BEST, MODULE, Buffer, Reader, Slot, Target, Writer
 from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
 from . import safe
-from .dist import DistSource
 from .common import KINDS, args_for, buffer_dtype, common_state, default_groups, extra_state_keys
+from .dist import DistSource
 from .files import TRACKER, iteration_folder
 from .hfconfig import args_from_hf, padded_vocab
 from .hfmap import hf_params, restrict
@@ -238,8 +238,8 @@ class MegatronWriter(Writer):
                     n *= x
                 sizes[c.rank] += n * (1 + len(self.states) * (self.kind != "dp_reshardable"))
         for b in self.layout.buckets:
-            for c in b.chunks:
-                sizes[c.rank] += (c.end - c.start) * 3
+            for bc in b.chunks:
+                sizes[bc.rank] += (bc.end - bc.start) * 3
         jobs = [(sizes[r] * 4, partial(self._rank_file, engine, staging, r)) for r in range(world)]
         jobs.append((1, partial(self._small, staging)))
         return jobs
@@ -314,10 +314,10 @@ class MegatronWriter(Writer):
             for b in self.layout.buckets:
                 for state in self.states:
                     bkey = self._bucket_key(b.prefix, b.m, state)
-                    for c in b.chunks:
-                        if c.rank == r:
-                            slots = [] if c.param is None else self._slots[(c.param.spec.key, state)].get(c.label, [])
-                            self._chunk(engine, f, bkey, (c.start,), (c.end - c.start,), torch.float32, slots,
+                    for bc in b.chunks:
+                        if bc.rank == r:
+                            slots = [] if bc.param is None else self._slots[(bc.param.spec.key, state)].get(bc.label, [])
+                            self._chunk(engine, f, bkey, (bc.start,), (bc.end - bc.start,), torch.float32, slots,
                                         (b.unpadded,))
         with self._lock:
             self.records.extend(f.records)
