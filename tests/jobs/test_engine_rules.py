@@ -5,6 +5,9 @@ leaves nothing."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -135,3 +138,20 @@ def test_a_failure_midway_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="disk is full"):
         run(FakeReader(tmp_path / "src"), writer, tmp_path / "out")
     assert _left(tmp_path / "out") == []
+
+
+def test_the_refusals_hold_under_python_O(tmp_path):
+    """No refusal leans on ``assert`` (which ``python -O`` strips): the refusals above, run again
+    under -O, raise the same errors and leave no folder (checked here, not by the stripped asserts)."""
+    code = ("import sys, tempfile; from pathlib import Path; import tests.jobs.test_engine_rules as t\n"
+            "for f in (t.test_a_slot_the_writer_did_not_declare_fails_and_leaves_nothing,\n"
+            "          t.test_a_slot_on_a_rank_its_map_does_not_hold_fails, t.test_refusals_come_before_any_output_folder,\n"
+            "          t.test_a_failure_midway_leaves_nothing):\n"
+            "    d = Path(tempfile.mkdtemp(dir=sys.argv[1]))\n"
+            "    f(d)\n"
+            "    if t._left(d / 'out'):\n"
+            "        sys.exit(f'{f.__name__}: left {t._left(d / \"out\")}')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-O", "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
