@@ -7,29 +7,29 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from reshard.formats.contract import Reader
+from reshard.formats.contract import Reader, Writer
 
 ROOT = Path(__file__).resolve().parents[2] / "reshard"
 DECLARED = {n for n in dir(Reader) if not n.startswith("__")} | set(Reader.__annotations__)
+WRITER = {n for n in dir(Writer) if not n.startswith("__")} | set(Writer.__annotations__)
 
 
-def _is_reader(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Name) and node.id == "reader") or \
-        (isinstance(node, ast.Attribute) and node.attr == "reader")
+def _is(node: ast.AST, var: str) -> bool:
+    return (isinstance(node, ast.Name) and node.id == var) or (isinstance(node, ast.Attribute) and node.attr == var)
 
 
-def undeclared_reads(source: str) -> list[str]:
+def undeclared_reads(source: str, var: str = "reader", declared: set[str] = DECLARED) -> list[str]:
     """``reader.X`` / ``self.reader.X`` reads and ``getattr``/``hasattr(reader, "X")`` probes of an X
-    the contract does not declare."""
+    the contract does not declare (``var="writer"``: the same of a writer)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         attr = None
-        if isinstance(node, ast.Attribute) and _is_reader(node.value) and not node.attr.startswith("__"):
+        if isinstance(node, ast.Attribute) and _is(node.value, var) and not node.attr.startswith("__"):
             attr = node.attr
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-              and len(node.args) >= 2 and _is_reader(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+              and len(node.args) >= 2 and _is(node.args[0], var) and isinstance(node.args[1], ast.Constant)):
             attr = str(node.args[1].value)
-        if attr is not None and attr not in DECLARED:
+        if attr is not None and attr not in declared:
             found.append(f"{attr} (line {node.lineno})")
     return found
 
@@ -55,6 +55,12 @@ def test_no_code_outside_a_reader_reads_what_the_contract_does_not_declare():
     assert bad == {}, f"declare these in formats/contract.py's Reader (or ask the contract): {bad}"
 
 
+def test_the_jobs_ask_a_writer_only_what_the_contract_declares():
+    jobs = sorted((ROOT / "jobs").glob("*.py"))
+    bad = {p.name: f for p in jobs if (f := undeclared_reads(p.read_text(), "writer", WRITER))}
+    assert bad == {}, f"declare these in formats/contract.py's Writer: {bad}"
+
+
 def test_every_reader_parameter_is_typed_with_the_contract():
     typed = [p for p in _modules() if p.relative_to(ROOT).parts[0] in ("formats", "jobs", "present")]
     bad = {str(p.relative_to(ROOT)): f for p in typed if (f := untyped_readers(p.read_text()))}
@@ -73,3 +79,5 @@ def test_the_scan_catches_a_probe_an_internal_read_and_an_any_typed_reader():
                "        self.reader.clip_vocabulary(8)\n")
     assert sorted(undeclared_reads(planted)) == ["ck (line 3)", "clip_vocabulary (line 9)", "zero12 (line 4)"]
     assert untyped_readers(planted) == ["build (line 2)", "make (line 7)"]
+    assert undeclared_reads("getattr(writer, 'finish', None)\nwriter.tp_index(0)\n", "writer", WRITER) == []
+    assert undeclared_reads("getattr(writer, 'buckets', None)\n", "writer", WRITER) == ["buckets (line 1)"]
