@@ -23,6 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -m "not slow"
 
 # everything make test runs, and the end-to-end variants marked slow (3-4 ranks, a second dtype or stage)

@@ -18,10 +18,11 @@ fresh optimizer holds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -72,42 +73,96 @@ class Target:
     map: ParamMap
 
 
-class Reader(Protocol):
-    """A source checkpoint, lowered. ``names`` are parameters in the source's order."""
+class Reader(ABC):
+    """A source checkpoint, lowered. ``names`` are parameters in the source's order.
 
-    format: str  # "deepspeed", "universal", "dcp", "safetensors"
+    This class is the whole of what a writer, a job or ``present/`` may ask of a source: a need
+    beyond it is a new method here (with a default every format can live with), never a probe of
+    one format's attributes. A writer never changes the reader it is given."""
+
+    format: str  # "deepspeed", "universal", "dcp", "safetensors", "megatron"
     tag: str  # the name its target's folder takes (a DeepSpeed tag, a DCP folder's name)
     sources: tuple[Path, ...]  # every path it reads, which no output may touch
     description: str  # in words, for reports
     topology: dict[str, int]  # {"tp": .., "dp": .., ...}; {} where the format has none
     names: Sequence[str]
 
+    @abstractmethod
     def shape(self, name: str) -> tuple[int, ...]: ...  # F's valid shape
+    @abstractmethod
     def states(self, name: str) -> tuple[str, ...]: ...  # the STATES it holds, in STATES order
+    @abstractmethod
     def dtype(self, name: str, state: str) -> torch.dtype: ...
+    @abstractmethod
     def map(self, name: str, state: str) -> ParamMap: ...  # one object for states laid out alike
+    @abstractmethod
     def fragment(self, name: str, state: str, rank: int) -> torch.Tensor: ...  # rank's shard, flat
+    @abstractmethod
     def tp_index(self, name: str, state: str, rank: int) -> int | None: ...  # the TP rank a rank's copy is
+    @abstractmethod
     def step(self, name: str) -> Any: ...  # Adam's step, or None
+    @abstractmethod
     def param_groups(self) -> list[dict[str, Any]]: ...  # hyper-parameters; "params": names
+    @abstractmethod
     def extras(self, name: str) -> dict[str, Any]: ...  # keys a universal file keeps beside F
 
+    # -- with defaults: what some sources know and others do not ---------------------------------
+    def check(self) -> None:
+        """Refuse the source (a ``ReshardError``) for anything wrong in what it read; run once,
+        before any output folder exists. By default: nothing beyond what opening it checked."""
+        return None
 
-class Writer(Protocol):
+    def model_order(self) -> list[str] | None:
+        """The model's parameter order (what a flat ZeRO buffer follows); ``None`` where the
+        source cannot tell it. By default the source's own order."""
+        return list(self.names)
+
+    def tied(self) -> dict[str, str]:
+        """Aliases the model holds beside their weight but the source does not: ``{alias: weight}``."""
+        return {}
+
+    def hf_config(self) -> dict[str, Any] | None:
+        """A transformers ``config.json`` for the model, where the source records its architecture."""
+        return None
+
+    def native(self, fmt: str) -> object | None:
+        """The format's own objects behind this source where it is in format ``fmt`` (its files, its
+        templates: what a target of a related format copies as it is), else ``None``. The caller
+        narrows the result with ``isinstance``: only code that knows format ``fmt`` asks for it."""
+        return None
+
+
+class Writer(ABC):
     """A target checkpoint's layout, computed (and refused where impossible) when it is made,
-    before any output folder exists."""
+    before any output folder exists. A writer takes a :class:`Reader` and asks it only what the
+    contract declares; it never changes it."""
 
     format: str
-    tag: str | None  # the folder the target is committed as, in the output folder
+    tag: str | None  # the folder the target is committed as; None writes the output folder itself
     latest: str | None  # the pointer file a commit writes beside the tag folder
     keeps_replicas: bool  # each target rank keeps its own copy of a replicated block (same TP)
+    extra_sources: tuple[Path, ...] = ()  # paths beside the source it reads (a --layout checkpoint)
 
-    def targets(self) -> list[Target]: ...
-    def jobs(self, engine: Any, staging: Any) -> list: ...  # (bytes, job) or storage.staging.ArchiveJob
+    @abstractmethod
+    def targets(self) -> list[Target]: ...  # every (parameter, want, map) its buffers' slots take
+    @abstractmethod
+    def jobs(self, engine: Any, staging: Any) -> list[Any]: ...  # (bytes, job) or storage.staging.ArchiveJob
+    @abstractmethod
     def meta(self) -> dict[str, Any]: ...  # what the manifest records of the target
+    @abstractmethod
     def notes(self) -> list[str]: ...  # the report's words on what the target holds
 
-    # optional: ``finish(staging, gather, rank)``, run once every process wrote its files (DCP's
-    # .metadata); ``tp_index(rank)``, the TP rank of a target rank, where ``keeps_replicas``; a
-    # ``tag`` of ``None`` writes the output folder itself (a model folder, a Trainer checkpoint)
+    def tp_index(self, rank: int) -> int:
+        """The TP rank target rank ``rank`` is, where ``keeps_replicas`` (its copy of a replicated
+        block is that TP rank's)."""
+        return 0
 
+    def finish(self, staging: Any, gather: Callable[[Any], list[Any]], rank: int) -> None:
+        """Run on every process once each wrote its files (DCP's ``.metadata``); by default nothing."""
+        return None
+
+    def view(self, reader: Reader) -> Reader:
+        """The source as this target reads it, planned and filled by the engine: by default the
+        reader itself; a target may narrow it without changing it (Megatron's padded vocabulary,
+        cut to the target's rows)."""
+        return reader

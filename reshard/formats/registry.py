@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ReshardError
-from .contract import Reader
+from .contract import Reader, Writer
 from .table import DEFAULT_TARGET, FORMATS, OPTIONS, Format, reshard_targets, row, sources, target
 
 __all__ = ["check_options", "deepspeed_writer", "is_accelerate", "is_dcp", "is_deepspeed", "is_universal", "make_writer",
@@ -86,7 +86,7 @@ def open_reader(path: str | Path, *, route: str | None = None, names: str | None
         raise ReshardError(f"{p}: --names chooses the names of {them}; this is {f.noun}")
     names = names or (row(route).names if route is not None else None)
     how = {"names": names} if f.reader_names and names is not None else {}
-    reader: Any = _load(f.reader)(p, **how)
+    reader: Reader = _load(f.reader)(p, **how)
     reader.check()
     return reader
 
@@ -121,7 +121,7 @@ def _refuse_source(f: Format, source: str, where: Any) -> None:
                        f"--to takes {', '.join(can)} for it")
 
 
-def make_writer(fmt: str, reader: Reader, **options: Any) -> Any:
+def make_writer(fmt: str, reader: Reader, **options: Any) -> Writer:
     """The target of format ``fmt`` (a name or an alias) laid out from ``reader``'s source;
     options a format does not take are refused by their flags."""
     f = row(fmt)
@@ -132,7 +132,7 @@ def make_writer(fmt: str, reader: Reader, **options: Any) -> Any:
     return _load(f.writer)(reader, **given)
 
 
-def deepspeed_writer(reader: Reader, **options: Any) -> Any:
+def deepspeed_writer(reader: Reader, **options: Any) -> Writer:
     """A DeepSpeed target; from a Trainer checkpoint, a Trainer checkpoint at the target."""
     from .deepspeed.writer import DeepSpeedWriter
     from .hf.trainer import TrainerWriter, trainer_folder

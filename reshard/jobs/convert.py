@@ -15,6 +15,7 @@ import torch
 from ..errors import ReshardError
 from ..formats import table
 from ..formats.contract import Reader
+from ..formats.deepspeed.reader import DeepSpeedNative
 from ..formats.registry import check_options, make_writer, open_reader, reshard_target
 from ..storage import verified
 from .cluster import Cluster
@@ -108,8 +109,9 @@ def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_
              early_copies: Any, notes: list[str], tp: int | None = None) -> Report:
     cluster = cluster or Cluster.from_env()
     early = early_copies
-    if early is not None and (reader.format != "deepspeed" or fmt != "universal" or cluster.world > 1
-                              or early.tag_dir != reader.ck.tag_dir or early.staging.out_dir != Path(out_dir)
+    own = reader.native("deepspeed")
+    if early is not None and (not isinstance(own, DeepSpeedNative) or fmt != "universal" or cluster.world > 1
+                              or early.tag_dir != own.ck.tag_dir or early.staging.out_dir != Path(out_dir)
                               or early.staging.verify_source != verified.enabled()):
         early.abandon()  # of another route, source, output or process count: as without them
         early = None
@@ -197,4 +199,4 @@ def _reshard(reader: Reader, out_dir: str | Path, *, to: str, options: dict[str,
     writer = make_writer(to, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
-               extra_sources=getattr(writer, "extra_sources", ()), notes=notes)
+               extra_sources=writer.extra_sources, notes=notes)

@@ -27,6 +27,7 @@ import torch
 from ..errors import CheckpointError, ReshardError, in_context
 from ..execute.local import WindowFill
 from ..formats.contract import Reader
+from ..formats.deepspeed.reader import DeepSpeedNative
 from ..plan.planner import DefaultCost, Planner
 from ..storage import verified
 
@@ -117,9 +118,10 @@ def _differ(reader: Reader, name: str, rank: int, start: int, cast: torch.Tensor
 
 def _files(reader: Reader, name: str, rank: int) -> str:
     """The files that hold ``name``'s module weights on ``rank`` and its masters, in words."""
-    ck = getattr(reader, "ck", None)
-    if ck is None or not hasattr(ck, "optim_files"):
+    own = reader.native("deepspeed")
+    if not isinstance(own, DeepSpeedNative):
         return str(reader.sources[-1])
+    ck = own.ck
     model = ck.model_files.get(rank, ck.tag_dir)
     optim = sorted({p.name for (m, _), p in ck.optim_files.items() if m == rank})
     return f"{model} against {', '.join(optim)}"

@@ -88,6 +88,7 @@ class Engine:
         self._overrides: dict[tuple[str, str], tuple[ParamMap, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._targets: list[ParamMap] = []  # keeps every planned target map alive, so its id stays its own
+        self.sealed = False  # once staging begins, every slot filled must have been planned (declared) before
         self.segments = 0
         self.reads: dict[str, int] = {}  # elements read per buffer key (the same in any process)
         self.missing: dict[str, set[str]] = defaultdict(set)  # states filled with zeros: state -> names
@@ -113,11 +114,19 @@ class Engine:
         for t in targets:
             self._plan(t.name, tuple(t.want), t.map)
 
+    def seal(self) -> None:
+        """No plan is made from here on: a slot the writer did not declare in ``targets()`` (so
+        neither planned nor replica-checked before the output folder existed) is an internal error."""
+        self.sealed = True
+
     def _plan(self, name: str, want: tuple[str, ...], target: ParamMap) -> _Planned | None:
         key = (name, want, id(target))
         with self._lock:
             if key in self._plans:
                 return self._plans[key]
+        if self.sealed:
+            raise ReshardError(f"internal: the writer fills a slot of {name!r} ({', '.join(want)}) that its "
+                               "targets() did not declare, so it was not planned before the output folder existed")
         state = self.state_for(name, want)
         planned = None
         if state is None:
@@ -164,6 +173,9 @@ class Engine:
         parts: list[tuple[int, Segment, Callable[[], torch.Tensor]]] = []
         powers, read = set(), 0
         for slot in buffer.slots:
+            if slot.rank not in slot.map.shards:  # nothing would fill it: a writer's slip, never silent zeros
+                raise ReshardError(f"internal: buffer {buffer.key}: a slot of {slot.name!r} on target rank "
+                                   f"{slot.rank}, which its map does not hold")
             planned = self._plan(slot.name, slot.want, slot.map)
             if planned is None:
                 continue  # a state the source lacks: zeros
@@ -254,13 +266,14 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
     ``notes``: what the report says beside the writer's (the checks the command ran)."""
     policy = Policy.parse(on_replica_mismatch)
     verified.forget_pending()  # what an earlier job left unchecked is not this one's
-    engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy,
-                    target_tp=getattr(writer, "tp_index", None))
+    reader = writer.view(reader)  # the source as the target reads it (never changed by the writer)
+    engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy, target_tp=writer.tp_index)
     targets = writer.targets()
     drift = engine.check_replicas(targets)
     if drift and policy.kind == "error":
         raise _drift_error(reader, drift)
     engine.plan_all(targets)
+    engine.seal()
     cluster = cluster or Cluster.from_env()
     if staging is None:  # a writer without a tag writes the output folder itself (a model folder)
         parent, tag = (Path(out_dir), writer.tag) if writer.tag is not None else (Path(out_dir).parent, Path(out_dir).name)
@@ -277,9 +290,8 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
         verified.finish()  # what this process read and the writers' CRCs did not check: before anything commits
 
     run_share(cluster, staging, jobs, share)
-    finish = getattr(writer, "finish", None)
-    if finish is not None:  # what one process writes last, from every process's files (DCP's .metadata)
-        agreed(cluster, staging, lambda: finish(staging, cluster.gather, cluster.rank))
+    # what one process writes last, from every process's files (DCP's .metadata); by default nothing
+    agreed(cluster, staging, lambda: writer.finish(staging, cluster.gather, cluster.rank))
     meta = {"reshard_version": __version__, "format": writer.format, "source": str(reader.sources[-1]),
             "source_format": reader.format, "source_topology": reader.topology, **writer.meta(),
             "on_replica_mismatch": policy.text, "replica_drift": [str(d) for d in drift],

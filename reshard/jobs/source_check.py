@@ -63,7 +63,7 @@ def check_source(path: str | Path) -> SourceCheck:
         files, nbytes = _check_files(_folders(reader))
         shards = _read_shards(reader)
         deep = deep_check(reader)
-    return SourceCheck(Path(path), reader.format, getattr(reader, "description", ""), len(reader.names), files,
+    return SourceCheck(Path(path), reader.format, reader.description, len(reader.names), files,
                        nbytes, shards, deep, time.perf_counter() - t0)
 
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MapFormatError, ReshardError, in_context
+from ..formats.dcp.checkpoint import DcpCheckpoint
 from ..formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from ..formats.deepspeed.reader import DeepSpeedNative
 from ..formats.registry import open_reader
 from ..ir.canonical import canonicalize
 from ..ir.param_map import ParamMap, map_from_dict, maps_from_document
@@ -73,10 +75,11 @@ def open_source(path: str | Path) -> Inspected:
     if not p.exists():
         raise ReshardError(f"{p}: no such file or folder")
     reader = open_reader(p)
-    if reader.format == "deepspeed":
-        return _open_deepspeed(reader.ck, p)
-    if reader.format == "dcp":
-        ck = reader.ck
+    own, dcp = reader.native("deepspeed"), reader.native("dcp")
+    if isinstance(own, DeepSpeedNative):
+        return _open_deepspeed(own.ck, p)
+    if isinstance(dcp, DcpCheckpoint):
+        ck = dcp
         maps = {key: ck.param_map(key) for key in ck.tensors}
         return Inspected(str(p), "dcp", maps, reader.description)
     maps = {n: reader.map(n, reader.states(n)[0]) for n in reader.names}

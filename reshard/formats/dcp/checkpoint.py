@@ -99,7 +99,8 @@ def read_metadata(path: Path, unpickler: type[pickle.Unpickler] | None = None) -
     """The ``Metadata`` record of a DCP folder, read without running anything it names
     (``unpickler``: a subclass of ``_MetadataUnpickler`` that admits more, as Megatron's plans)."""
     f = path / METADATA
-    md = unpickle_with((unpickler or _MetadataUnpickler)(io.BytesIO(read_regular(f)), f), f, "DCP metadata")
+    md = unpickle_with((unpickler or _MetadataUnpickler)(io.BytesIO(read_regular(f)), f), f,  # type: ignore[call-arg]
+                       "DCP metadata")
     if type(md).__name__ != "Metadata" or not isinstance(getattr(md, "state_dict_metadata", None), dict):
         raise CheckpointError(f"{f}: not a DCP Metadata record (got {type(md).__name__})")
     return md

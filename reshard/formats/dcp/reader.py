@@ -16,6 +16,7 @@ import torch
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
 from ...storage import verified
+from ..contract import Reader
 from .checkpoint import DcpCheckpoint
 
 __all__ = ["RAW", "DcpReader"]
@@ -23,7 +24,7 @@ __all__ = ["RAW", "DcpReader"]
 RAW = "raw"  # a tensor entry by its own key
 
 
-class DcpReader:
+class DcpReader(Reader):
     format = "dcp"
 
     def __init__(self, ck: DcpCheckpoint, given: Path | None = None, optim: DcpCheckpoint | None = None) -> None:
@@ -114,6 +115,6 @@ class DcpReader:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optim.param_groups
 
-    def raw_keys(self) -> list[str]:
-        """Every tensor entry, in the checkpoint's order."""
-        return list(self.ck.tensors)
+    def native(self, fmt: str) -> DcpCheckpoint | None:
+        """The DCP checkpoint itself (its entries, objects and chunks)."""
+        return self.ck if fmt == "dcp" else None

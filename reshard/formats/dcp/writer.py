@@ -29,8 +29,9 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...layouts._core import box_piece
 from ...layouts._core import finish as finish_map
-from ..contract import BEST, MOMENTS, Buffer, Slot, Target
+from ..contract import BEST, MOMENTS, Buffer, Reader, Slot, Target, Writer
 from ..safetensors.io import plan_files
+from .checkpoint import DcpCheckpoint
 from .reader import RAW
 from .records import DcpFile, Record, TensorSpec, metadata_bytes
 
@@ -103,18 +104,20 @@ def _path_of(key: str) -> tuple:
     return (key,)
 
 
-class DcpWriter:
+class DcpWriter(Writer):
     format = "dcp"
     latest = None
     keeps_replicas = False
 
-    def __init__(self, reader: Any, *, files: int | None = None, max_file_bytes: int = 5 * 2**30,
+    def __init__(self, reader: Reader, *, files: int | None = None, max_file_bytes: int = 5 * 2**30,
                  rename: Sequence[str] = ()) -> None:
         if files is not None and (isinstance(files, bool) or not isinstance(files, int) or files < 1):
             raise ReshardError(f"--files must be a positive integer, got {files!r}")
         self.reader, self.files, self.max_file_bytes = reader, files, max_file_bytes
         self.tag = reader.tag
-        self.native = reader.format == "dcp" and files is not None
+        own = reader.native("dcp")
+        self.own = own if isinstance(own, DcpCheckpoint) and files is not None else None
+        self.native = self.own is not None  # a DCP source laid out again: every entry as it is
         if self.native and rename:
             raise ReshardError("--rename goes with --format dcp from another format; a DCP checkpoint laid out "
                                "again with --files keeps its keys")
@@ -135,8 +138,9 @@ class DcpWriter:
 
     def _entries(self) -> list[_Entry]:
         r = self.reader
-        if self.native:
-            return [_Entry(k, k, (RAW,), r.dtype(k, RAW), tuple(r.ck.entry(k).shape)) for k in r.raw_keys()]
+        if self.own is not None:
+            own = self.own
+            return [_Entry(k, k, (RAW,), r.dtype(k, RAW), tuple(own.entry(k).shape)) for k in own.tensors]
         out = []
         for n in r.names:
             have = r.states(n)
@@ -186,8 +190,8 @@ class DcpWriter:
             for e in self.entries:
                 if r in self.layout[e.key]:
                     self._put(engine, f, e, r)
-            if r == 0 and self.native:
-                ck = self.reader.ck
+            if r == 0 and self.own is not None:
+                ck = self.own
                 for key in ck.objects:
                     f.value(key, ck.object(key))
                 with self._lock:

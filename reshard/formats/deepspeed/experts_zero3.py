@@ -34,7 +34,7 @@ from ..contract import OPTIMIZER, Target
 from . import experts as dse
 from . import zero3 as z3
 from . import zero12 as dsw
-from .buffers import partition
+from .buffers import partition, want
 from .checkpoint import DeepSpeedCheckpoint
 from .target_experts import ds_affine_entry, uniform_placement
 from .templates import ds_id_notes
@@ -180,7 +180,7 @@ class AutoEPZero3Target:
         self._maps = {n: self.map(n) for n in src.names}
 
     def targets(self) -> list[Target]:
-        return [Target(n, (s,), self._maps[n]) for n in self.src.names for s in OPTIMIZER]
+        return [Target(n, want(s), self._maps[n]) for n in self.src.names for s in OPTIMIZER]  # as partition's slots
 
     def optim(self, engine: Any, d: int) -> dict:
         src, rel = self.src, z3.optim_file(d, bf16=self.src.bf16)

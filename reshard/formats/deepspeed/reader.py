@@ -28,6 +28,7 @@ import torch
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
 from ...storage import verified
+from ..contract import Reader
 from . import checks
 from .checkpoint import DeepSpeedCheckpoint
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
@@ -35,12 +36,38 @@ from .zero3 import Zero3Source
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS
 from .zero12 import Zero12Source, check_dense_layouts
 
-__all__ = ["DeepSpeedReader", "optimizer_state"]
+__all__ = ["DeepSpeedNative", "DeepSpeedReader", "optimizer_state"]
 
 OPTIMIZER = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-class DeepSpeedReader:
+class DeepSpeedNative:
+    """A DeepSpeed source's own objects (``Reader.native("deepspeed")``): its files (``ck``) and,
+    built once on first use, its ZeRO-1/2 or ZeRO-3 layout, checked against DeepSpeed's rule."""
+
+    def __init__(self, ck: DeepSpeedCheckpoint) -> None:
+        self.ck = ck
+
+    @cached_property
+    def kind(self) -> str:
+        ck = self.ck
+        if ck.experts is not None:
+            return "autoep"
+        if ck.moe is not None:
+            return "moe"
+        return "zero3" if ck.zero_stage == 3 else "zero12"
+
+    @cached_property
+    def zero12(self) -> Zero12Source | None:
+        """The ZeRO-1/2 source's groups, checked against DeepSpeed's layout rule."""
+        return Zero12Source(self.ck) if self.kind == "zero12" else None
+
+    @cached_property
+    def zero3(self) -> Zero3Source | None:
+        return Zero3Source(self.ck) if self.kind == "zero3" else None
+
+
+class DeepSpeedReader(Reader):
     format = "deepspeed"
 
     def __init__(self, ck: DeepSpeedCheckpoint) -> None:
@@ -53,6 +80,7 @@ class DeepSpeedReader:
         self.topology = {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage,
                          **({"ep": ep.ep} if ep else {})}
         self.tp = ck.tp
+        self.own = DeepSpeedNative(ck)
         self._maps: dict[tuple[str, str], ParamMap] = {}
 
     @classmethod
@@ -60,27 +88,25 @@ class DeepSpeedReader:
         return cls(DeepSpeedCheckpoint.open(path))
 
     # -- what the engine reads -------------------------------------------------------------------
-    @cached_property
-    def names(self) -> list[str]:
+    @cached_property  # the contract's attribute, computed once
+    def names(self) -> list[str]:  # type: ignore[override]
         return self.ck.names
 
-    @cached_property
+    @property
     def _kind(self) -> str:
-        ck = self.ck
-        if ck.experts is not None:
-            return "autoep"
-        if ck.moe is not None:
-            return "moe"
-        return "zero3" if ck.zero_stage == 3 else "zero12"
+        return self.own.kind
 
-    @cached_property
+    @property
     def zero12(self) -> Zero12Source | None:
         """The ZeRO-1/2 source's groups, checked against DeepSpeed's layout rule."""
-        return Zero12Source(self.ck) if self._kind == "zero12" else None
+        return self.own.zero12
 
-    @cached_property
+    @property
     def zero3(self) -> Zero3Source | None:
-        return Zero3Source(self.ck) if self._kind == "zero3" else None
+        return self.own.zero3
+
+    def native(self, fmt: str) -> DeepSpeedNative | None:
+        return self.own if fmt == "deepspeed" else None
 
     def check(self) -> None:
         """Every check that can refuse this checkpoint, for every route alike (``inspect``,

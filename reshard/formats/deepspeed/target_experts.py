@@ -43,7 +43,7 @@ from ...storage.torch_zip import save
 from ..contract import OPTIMIZER, Target
 from . import experts as dse
 from . import zero12 as dsw
-from .buffers import partition
+from .buffers import partition, want
 from .checkpoint import DeepSpeedCheckpoint
 from .moe import LOCAL_RE, _param_groups
 
@@ -351,7 +351,7 @@ class ExpertFiles:
         self._composites = {n: tgt.composite(n) for n in tgt.names}
 
     def targets(self) -> list[Target]:
-        return [Target(n, (s,), self._composites[n]) for n in self.tgt.names for s in OPTIMIZER]
+        return [Target(n, want(s), self._composites[n]) for n in self.tgt.names for s in OPTIMIZER]  # as partition's slots
 
     def optim(self, engine: Any, staging: Any, d: int) -> None:
         """Target DP rank ``d``'s optimizer file: the dense group's partition ``d``, the expert

@@ -21,7 +21,9 @@ import torch
 
 from ...errors import CheckpointError
 from ...storage.safe_load import LossScaler, ZeroStageEnum
+from ..contract import Reader
 from . import zero3 as z3
+from .reader import DeepSpeedNative
 from .zero12 import param_alignment
 
 __all__ = ["Templates", "ds_id_notes", "fresh", "from_deepspeed"]
@@ -105,15 +107,20 @@ class Templates:
         return value.clone()
 
 
-def from_deepspeed(reader: Any) -> Templates:
+def from_deepspeed(own: DeepSpeedNative) -> Templates:
     """A DeepSpeed source's own dictionaries (ZeRO-1/2 or ZeRO-3, no experts)."""
-    ck = reader.ck
+    ck = own.ck
     if ck.zero_stage == 3:
-        src = reader.zero3
+        src = own.zero3
+        if src is None:
+            raise CheckpointError(f"{ck.tag_dir}: not a dense ZeRO-3 checkpoint")
         return Templates(3, src.template, ck.optim_state(0, 0), src.group_names, _z3_dtype(src), src.cfg,
                          dict(src.template.get("shared_params") or {}), src.bf16, src.ds_ids, src.ds_ids_exact,
                          source_tp=ck.tp)
-    src = reader.zero12
+    src12 = own.zero12
+    if src12 is None:
+        raise CheckpointError(f"{ck.tag_dir}: not a dense ZeRO-1/2 checkpoint")
+    src = src12
     ms0 = ck.model_state(0)
     module = [k for k in (ms0.get("module") or {}) if k in src.group_of]
     exact = sorted(module) == sorted(src.names)  # ZeRO-3 numbers parameters (ds_id) in model order
@@ -132,7 +139,7 @@ def _z3_dtype(src: Any) -> torch.dtype:
     return dtypes.pop()
 
 
-def _groups(reader: Any, names: Sequence[str]) -> tuple[list[list[str]], list[dict[str, Any]]]:
+def _groups(reader: Reader, names: Sequence[str]) -> tuple[list[list[str]], list[dict[str, Any]]]:
     """The source's parameter groups (names in the model's order, hyper-parameters), or one AdamW
     group of all."""
     groups = [dict(g) for g in reader.param_groups()]
@@ -147,12 +154,12 @@ def _groups(reader: Any, names: Sequence[str]) -> tuple[list[list[str]], list[di
     return listed, hyper
 
 
-def fresh(reader: Any, *, stage: int, dtype: torch.dtype, step: float, order: Sequence[str]) -> Templates:
+def fresh(reader: Reader, *, stage: int, dtype: torch.dtype, step: float, order: Sequence[str]) -> Templates:
     """The dictionaries DeepSpeed 0.19.8 saves for a fresh ZeRO job over ``reader``'s parameters
     (``order``: the model's), after ``step`` optimizer steps."""
     names = list(order)
     group_names, hyper = _groups(reader, names)
-    tied = dict(getattr(reader, "tied", dict)())  # aliases the module holds beside their weight
+    tied = dict(reader.tied())  # aliases the module holds beside their weight
     step_t = torch.tensor(float(step))
     shapes = [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in group_names]
     module = OrderedDict((n, torch.empty(0, dtype=dtype)) for n in names)

@@ -27,9 +27,10 @@ import torch
 from ...errors import CheckpointError, ReshardError
 from ...layouts import replicated
 from ...storage.staging import ArchiveJob
-from ..contract import BEST
+from ..contract import BEST, Reader, Writer
 from ..table import noun_of
 from . import templates
+from .reader import DeepSpeedNative
 from .target_layout import TargetLayout, hf_plan_maps, layout_sources, target_stage_maps, target_tp_maps
 from .target_zero3 import Zero3Target
 from .target_zero12 import Zero12Target
@@ -43,11 +44,11 @@ def _positive(value: Any, what: str) -> int:
     return value
 
 
-class DeepSpeedWriter:
+class DeepSpeedWriter(Writer):
     format = "deepspeed"
     latest = "latest"
 
-    def __init__(self, reader: Any, *, tp: int = 1, dp: int | None = None, pp: int = 1, zero_stage: int | None = None,
+    def __init__(self, reader: Reader, *, tp: int = 1, dp: int | None = None, pp: int = 1, zero_stage: int | None = None,
                  ep: int | None = None, layout: TargetLayout = None, dtype: torch.dtype | None = None) -> None:
         tp, pp = _positive(tp, "tp"), _positive(pp, "pp")
         if dp is not None:
@@ -59,15 +60,18 @@ class DeepSpeedWriter:
         self._notes: list[str] = []
         self._source: dict[str, int] = {}
         self.keeps_replicas = False
-        if reader.format == "deepspeed":
-            self._from_deepspeed(reader, tp, dp, pp, zero_stage, ep, layout)
+        self.kind: Any = None  # the target's kind: Zero12Target, Zero3Target, ExpertFiles or AutoEPZero3Target
+        own = reader.native("deepspeed")
+        self.own = own if isinstance(own, DeepSpeedNative) else None  # a DeepSpeed source's files and layout
+        if self.own is not None:
+            self._from_deepspeed(self.own, tp, dp, pp, zero_stage, ep, layout)
         else:
             self._from_any(reader, tp, dp or 1, pp, zero_stage, ep, layout, dtype)
 
     # -- which layout --------------------------------------------------------------------------------
-    def _from_deepspeed(self, reader: Any, tp: int, dp: int | None, pp: int, stage: int | None, ep: int | None,
-                        layout: TargetLayout) -> None:
-        ck = reader.ck
+    def _from_deepspeed(self, own: DeepSpeedNative, tp: int, dp: int | None, pp: int, stage: int | None,
+                        ep: int | None, layout: TargetLayout) -> None:
+        ck = own.ck
         dp = ck.dp if dp is None else dp
         source = {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage}
         if ck.zero_stage == 3 and ck.experts is not None:
@@ -75,9 +79,9 @@ class DeepSpeedWriter:
         elif ep is not None or (ck.zero_stage != 3 and (ck.experts is not None or ck.moe is not None)):
             self._experts(ck, tp, dp, pp, stage, ep if ep is not None else (ck.experts or ck.moe).ep)
         elif ck.zero_stage == 3 or stage == 3:
-            self._zero3_route(reader, tp, dp, pp, stage, layout)
+            self._zero3_route(own, tp, dp, pp, stage, layout)
         else:
-            self._zero12_route(reader, tp, dp, pp, stage, layout)
+            self._zero12_route(own, tp, dp, pp, stage, layout)
         if "ep" not in self._source:
             self._source = source
         self.keeps_replicas = self._target["tp"] == ck.tp
@@ -121,9 +125,10 @@ class DeepSpeedWriter:
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
         self._notes.append(note)
 
-    def _zero3_route(self, reader: Any, tp: int, dp: int, pp: int, stage: int | None, layout: TargetLayout) -> None:
+    def _zero3_route(self, own: DeepSpeedNative, tp: int, dp: int, pp: int, stage: int | None,
+                     layout: TargetLayout) -> None:
         """ZeRO-3 at either end: a ZeRO-3 source at stage 1, 2 or 3, or a ZeRO-1/2 one at stage 3."""
-        ck = reader.ck
+        ck = own.ck
         stage = ck.zero_stage if stage is None else stage
         if pp != 1:
             raise ReshardError(f"{ck.tag_dir}: ZeRO-3 is resharded over TP and DP only (PP=1); got pp={pp}")
@@ -132,10 +137,10 @@ class DeepSpeedWriter:
         if ck.zero_stage != 3 and (ck.zero_stage not in (1, 2) or stage != 3):
             raise ReshardError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage} -> {stage!r} is not written here (ZeRO-1/2 "
                                "-> ZeRO-3 only)")
-        if ck.zero_stage != 3 and reader.zero12.pipe:
+        if ck.zero_stage != 3 and own.zero12 is not None and own.zero12.pipe:
             raise ReshardError(f"{ck.tag_dir}: only a ZeRO-1/2 checkpoint without pipeline stages is written at "
                                f"ZeRO stage 3 (this one is TP={ck.tp} x PP={ck.pp})")
-        tpl = templates.from_deepspeed(reader)
+        tpl = templates.from_deepspeed(own)
         maps, uc_info, origin = target_tp_maps(ck, tpl.names, tp, layout)
         uc_info = uc_info if tp > 1 else None
         if stage == 3:
@@ -148,8 +153,9 @@ class DeepSpeedWriter:
         if stage == 3:
             self._notes += self.kind.notes()
 
-    def _zero12_route(self, reader: Any, tp: int, dp: int, pp: int, stage: int | None, layout: TargetLayout) -> None:
-        ck = reader.ck
+    def _zero12_route(self, own: DeepSpeedNative, tp: int, dp: int, pp: int, stage: int | None,
+                      layout: TargetLayout) -> None:
+        ck = own.ck
         if ck.zero_stage not in (1, 2):
             raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage} checkpoints are not supported (only 1 "
                                   "and 2); convert to a universal checkpoint with `reshard convert` instead")
@@ -157,8 +163,10 @@ class DeepSpeedWriter:
         if stage not in (1, 2):
             raise ReshardError(f"target ZeRO stage {stage!r} is not supported (only 1 and 2, which share one file "
                                "format)")
-        src = reader.zero12
-        tpl = templates.from_deepspeed(reader)
+        src = own.zero12
+        if src is None:
+            raise CheckpointError(f"{ck.tag_dir}: not a dense ZeRO-1/2 checkpoint")
+        tpl = templates.from_deepspeed(own)
         if src.pipe:
             maps, uc_info, origin = target_stage_maps(src, tp, pp, layout, stage)
         else:
@@ -171,7 +179,7 @@ class DeepSpeedWriter:
         self.origin = origin
         self._notes.append(f"target TP layout {origin}")
 
-    def _from_any(self, reader: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int | None,
+    def _from_any(self, reader: Reader, tp: int, dp: int, pp: int, stage: int | None, ep: int | None,
                   layout: TargetLayout, dtype: torch.dtype | None) -> None:
         """A non-DeepSpeed source: the files of a fresh ZeRO job over its parameters."""
         where = reader.sources[-1]
@@ -222,12 +230,12 @@ class DeepSpeedWriter:
         return self.kind.targets()
 
     def tp_index(self, rank: int) -> int:
-        return self.kind.tp_index(rank) if hasattr(self.kind, "tp_index") else 0
+        return self.kind.tp_index(rank) if isinstance(self.kind, (Zero12Target, Zero3Target)) else 0
 
     def jobs(self, engine: Any, staging: Any) -> list:
         kind = self.kind
         if isinstance(kind, Zero3Target):
-            model = self.reader.ck.model_files[0].stat().st_size if self.reader.format == "deepspeed" else 1 << 16
+            model = self.own.ck.model_files[0].stat().st_size if self.own is not None else 1 << 16
             return kind.jobs(engine, staging, ArchiveJob, model)
         if isinstance(kind, Zero12Target):
             return kind.jobs(engine, staging, ArchiveJob)
@@ -245,14 +253,11 @@ class DeepSpeedWriter:
         return list(self._notes)
 
 
-def _model_order(reader: Any) -> list[str]:
+def _model_order(reader: Reader) -> list[str]:
     """The order a DeepSpeed engine flattens the source's parameters in: its model's. A format that
     does not keep it (safetensors) must be able to tell it otherwise (``model_order``), or the files
     would load into the wrong parameters."""
-    ask = getattr(reader, "model_order", None)
-    if ask is None:
-        return list(reader.names)
-    order = ask()
+    order = reader.model_order()
     if order is None:
         raise ReshardError(f"{reader.sources[-1]}: {noun_of(reader)} does not record the model's parameter "
                            "order, which DeepSpeed's flat ZeRO buffers follow: it needs the folder's config.json and "

@@ -22,6 +22,8 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ...storage.staging import ArchiveJob, Prefixed
+from ..contract import Reader, Target, Writer
+from ..deepspeed.writer import DeepSpeedWriter
 from .writer import CARRIED
 
 __all__ = ["TrainerWriter", "checkpoints_of", "trainer_folder"]
@@ -31,7 +33,7 @@ STATE_FILES = ("trainer_state.json", "training_args.bin", "scheduler.pt", "scale
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def trainer_folder(reader: Any) -> Path | None:
+def trainer_folder(reader: Reader) -> Path | None:
     """The Trainer checkpoint folder (it holds ``trainer_state.json``) the source was read from."""
     for src in reader.sources:
         state = Path(src) / "trainer_state.json"
@@ -63,17 +65,17 @@ def refuse_output_dir(p: Path) -> None:
                               f"{found[-1]})")
 
 
-class TrainerWriter:
+class TrainerWriter(Writer):
     """A Trainer checkpoint folder at the target topology of ``inner`` (a DeepSpeed writer)."""
 
     latest = None
     tag = None  # the output folder is the checkpoint folder itself
 
-    def __init__(self, inner: Any, folder: Path) -> None:
+    def __init__(self, inner: DeepSpeedWriter, folder: Path) -> None:
         self.inner, self.folder = inner, folder
         self.format = inner.format
         self.keeps_replicas = inner.keeps_replicas
-        self.extra_sources = getattr(inner, "extra_sources", ())
+        self.extra_sources = inner.extra_sources
         target = inner.meta()["target_topology"]
         self.world = target["tp"] * target["dp"] * target.get("pp", 1)
         old = sorted((int(m[1] or 0), f) for f in folder.iterdir() if (m := RNG_RE.match(f.name)))
@@ -85,7 +87,7 @@ class TrainerWriter:
     def tp_index(self, rank: int) -> int:
         return self.inner.tp_index(rank)
 
-    def targets(self) -> list:
+    def targets(self) -> list[Target]:
         return self.inner.targets()
 
     def meta(self) -> dict[str, Any]:
@@ -100,9 +102,12 @@ class TrainerWriter:
 
     def _batch(self) -> str:
         """The per-device batch x accumulation that keeps the source's global batch."""
-        cfg = self.inner.reader.ck.model_state(0).get("ds_config") or {}
+        if self.inner.own is None:  # a Trainer checkpoint is written from a DeepSpeed source only
+            return "the batch size is not recorded: keep the global batch as before"
+        ck = self.inner.own.ck
+        cfg = ck.model_state(0).get("ds_config") or {}
         micro, gas = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps", 1)
-        old_world = self.inner.reader.ck.dp  # DeepSpeed's data-parallel world
+        old_world = ck.dp  # DeepSpeed's data-parallel world
         if not isinstance(micro, int) or not isinstance(gas, int):
             return "the batch size is not recorded in ds_config: keep per_device_train_batch_size x " \
                    "gradient_accumulation_steps x world size as before"

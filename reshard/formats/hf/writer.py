@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ...errors import ReshardError
+from ..contract import Reader, Writer
 from ..safetensors.writer import SafetensorsWriter
 
 __all__ = ["HfWriter", "metadata_folder"]
@@ -41,7 +42,7 @@ NAMES = {v: k for k, v in DTYPES.items()}
 TIED = ("lm_head.weight", "model.embed_tokens.weight")  # (alias save_pretrained drops, the weight kept)
 
 
-def metadata_folder(reader: Any, hf_config: str | Path | None) -> Path | None:
+def metadata_folder(reader: Reader, hf_config: str | Path | None) -> Path | None:
     """The folder holding the model's ``config.json``: the one given, else the first of the
     source's folders (or their parents) that has one."""
     if hf_config is not None:
@@ -58,13 +59,13 @@ def metadata_folder(reader: Any, hf_config: str | Path | None) -> Path | None:
     return None
 
 
-class HfWriter:
+class HfWriter(Writer):
     format = "hf"
     latest = None
     keeps_replicas = False
     tag = None  # the output folder itself is the model folder
 
-    def __init__(self, reader: Any, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+    def __init__(self, reader: Reader, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
                  hf_config: str | Path | None = None) -> None:
         self.reader = reader
         self.folder = metadata_folder(reader, hf_config)
@@ -89,8 +90,7 @@ class HfWriter:
                 return json.loads((self.folder / "config.json").read_text())
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ReshardError(f"{self.folder / 'config.json'}: unreadable ({e})") from None
-        made = getattr(self.reader, "hf_config", None)
-        config = made() if made is not None else None
+        config = self.reader.hf_config()
         if not config:
             raise ReshardError(f"{self.reader.sources[-1]}: no config.json beside the checkpoint and the source "
                                "does not record its architecture; pass --hf-config DIR (a folder with the model's "

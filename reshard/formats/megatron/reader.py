@@ -17,6 +17,7 @@ before any output folder exists.
 
 from __future__ import annotations
 
+import copy
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 
 from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
-from ..contract import STATES
+from ..contract import STATES, Reader
 from .dist import DistSource
 from .files import Location, locate
 from .hfmap import HfParam, hf_params, restrict
@@ -38,7 +39,7 @@ __all__ = ["NAMES", "MegatronReader"]
 NAMES = ("megatron", "hf")
 
 
-class MegatronReader:
+class MegatronReader(Reader):
     format = "megatron"
 
     def __init__(self, loc: Location, *, names: str = "megatron", mapping: Any = None, given: Path | None = None) -> None:
@@ -72,8 +73,8 @@ class MegatronReader:
     def specs(self) -> dict:
         return {s.key: s for s in self.arch.keys()}
 
-    @cached_property
-    def names(self) -> list[str]:
+    @cached_property  # the contract's attribute, computed once
+    def names(self) -> list[str]:  # type: ignore[override]
         return list(self.hf) if self.naming == "hf" else list(self.specs)
 
     def _spec(self, name: str) -> Any:
@@ -83,15 +84,21 @@ class MegatronReader:
         except KeyError:
             raise CheckpointError(f"{self.loc.iter_dir}: no parameter {name!r}") from None
 
-    def clip_vocabulary(self, rows: int) -> None:
-        """Keep only the first ``rows`` rows of the padded vocabulary (Megatron names): the valid
-        region of the embedding and output maps, for a target padded to fewer rows (as Megatron's
-        own load into a smaller vocabulary truncates). ``rows`` is at least ``vocab_size``."""
+    def with_vocabulary(self, rows: int) -> MegatronReader:
+        """This source with only the first ``rows`` rows of the padded vocabulary (Megatron names)
+        as the valid region of the embedding and output maps, for a target padded to fewer rows (as
+        Megatron's own load into a smaller vocabulary truncates); ``self`` is left as it is.
+        ``rows`` is at least ``vocab_size``."""
         if not self.arch.vocab <= rows <= self.arch.padded_vocab:
             raise ReshardError(f"vocabulary rows {rows} outside [{self.arch.vocab}, {self.arch.padded_vocab}]")
-        self._vocab_rows = rows
-        for k in [k for k in self._maps if k[0] in (EMBED, OUTPUT)]:
-            del self._maps[k]
+        view = copy.copy(self)
+        view._vocab_rows = rows
+        view._maps = {k: m for k, m in self._maps.items() if k[0] not in (EMBED, OUTPUT)}
+        return view
+
+    def native(self, fmt: str) -> MegatronReader | None:
+        """The Megatron source itself (its args, architecture, files and naming)."""
+        return self if fmt == "megatron" else None
 
     # -- the contract --------------------------------------------------------------------------
     def check(self) -> None:

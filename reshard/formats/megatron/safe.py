@@ -67,8 +67,9 @@ RerunState = _stand_in("megatron.core.rerun_state_machine", "RerunState")
 RerunDiagnostic = _stand_in("megatron.core.rerun_state_machine", "RerunDiagnostic")
 STAND_INS = (ModelType, AttnBackend, InferenceCudaGraphScope, RerunMode, RerunState, RerunDiagnostic)
 
-_NUMPY: list[Any] = [np.ndarray, np.dtype, (np._core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
-                     (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]
+_NUMPY: list[Any] = [np.ndarray, np.dtype,
+                     (np._core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),  # type: ignore[attr-defined]
+                     (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]  # type: ignore[attr-defined]
 for _cls in (getattr(np.dtypes, "UInt32DType", None), getattr(np.dtypes, "UInt8DType", None)):
     if _cls is not None:
         _NUMPY.append(_cls)

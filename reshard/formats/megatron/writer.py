@@ -30,15 +30,17 @@ import torch
 
 from ...errors import ReshardError
 from ...ir.param_map import ParamMap
-from ..contract import BEST, MODULE, Buffer, Slot, Target
+from ..contract import BEST, MODULE, Buffer, Reader, Slot, Target, Writer
 from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
 from ..table import noun_of
 from . import safe
 from .common import KINDS, args_for, buffer_dtype, common_state, default_groups, extra_state_keys
+from .dist import DistSource
 from .files import TRACKER, iteration_folder
 from .hfconfig import args_from_hf, padded_vocab
 from .hfmap import hf_params, restrict
 from .model import EMBED, Arch
+from .reader import MegatronReader
 from .target import TargetLayout
 
 __all__ = ["MegatronWriter"]
@@ -57,22 +59,25 @@ def _want(state: str) -> tuple[str, ...]:
     return MODULE if state == "weight" else BEST if state == "fp32" else (state,)
 
 
-class MegatronWriter:
+class MegatronWriter(Writer):
     format = "megatron"
     latest = None  # the tracker is inside the committed save folder
     keeps_replicas = False  # torch_dist keeps one copy of each replicated block
 
-    def __init__(self, reader: Any, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
+    def __init__(self, reader: Reader, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
                  ep: int | None = None, optimizer: str | None = None, dtype: torch.dtype | None = None) -> None:
         self.reader = reader
-        self.native = reader.format == "megatron" and reader.naming == "megatron"
-        src = reader.arch if reader.format == "megatron" else None
+        own = reader.native("megatron")
+        self.own = own if isinstance(own, MegatronReader) else None  # a Megatron source: its args, files, naming
+        self.native = self.own is not None and self.own.naming == "megatron"
+        src = self.own.arch if self.own is not None else None
         tp = _positive(tp, "tp") if tp is not None else (src.tp if src else 1)
         pp = _positive(pp, "pp") if pp is not None else (src.pp if src else 1)
         dp = _positive(dp, "dp") if dp is not None else (src.dp if src else 1)
         self._notes: list[str] = []
-        if reader.format == "megatron":
-            self._from_megatron(reader, tp, pp, dp, ep, optimizer, dtype)
+        self.source: MegatronReader | None = None  # the source cut to the target's vocabulary rows (view)
+        if self.own is not None:
+            self._from_megatron(self.own, tp, pp, dp, ep, optimizer, dtype)
         else:
             self._from_hf(reader, tp, pp, dp, ep, optimizer, dtype)
         if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
@@ -96,37 +101,35 @@ class MegatronWriter:
         self._lock = threading.Lock()
 
     # -- which target --------------------------------------------------------------------------
-    def _from_megatron(self, reader: Any, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,
+    def _from_megatron(self, own: MegatronReader, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,
                        dtype: torch.dtype | None) -> None:
-        src, args = reader.arch, reader.args
-        if dtype is not None and dtype != reader.dtype(reader.names[0], "weight"):
+        src, args = own.arch, own.args
+        if dtype is not None and dtype != own.dtype(own.names[0], "weight"):
             raise ReshardError("--dtype: a Megatron target from a Megatron source keeps the source's training dtype")
         divisible = int(getattr(args, "make_vocab_size_divisible_by", 128) or 128)
         ep = ep if ep is not None else src.ep
         arch = dataclasses.replace(src, tp=tp, pp=pp, dp=dp, ep=ep, etp=tp,
                                    padded_vocab=padded_vocab(src.vocab, divisible, tp))
         arch.check("target topology")
-        self.kind = optimizer or reader.src.sharding
+        self.kind = optimizer or own.src.sharding
         self._check_kind()
         self.arch = arch
-        self.iteration = reader.iteration
-        self.template = reader.src.common if hasattr(reader.src, "common") else reader.src.state_dict(0, 0)
+        self.iteration = own.iteration
+        self.template = own.src.common if isinstance(own.src, DistSource) else own.src.state_dict(0, 0)
         self.args = args_for(args, arch, self.kind)
-        self.dtype = reader.dtype(reader.names[0], "weight")
-        self.hf = None if self.native else self._hf_names(reader)
-        self.vocab_rows = self._vocab_rows(reader)
-        groups = reader.src.param_groups()  # dense optimizer's, then the experts' (is_expert_parallel)
+        self.dtype = own.dtype(own.names[0], "weight")
+        self.hf = None if self.native else self._hf_names(own)
+        self.vocab_rows = self._vocab_rows(own)
+        groups = own.src.param_groups()  # dense optimizer's, then the experts' (is_expert_parallel)
         dense = [g for g in groups if not g.get("is_expert_parallel")] or default_groups(args)
         self.groups = [dense]
         if arch.experts:
             self.groups.append([g for g in groups if g.get("is_expert_parallel")] or default_groups(args, expert=True))
-        self.step = self._step(reader)
+        self.step = self._step(own)
 
-    def _from_hf(self, reader: Any, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,
+    def _from_hf(self, reader: Reader, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,
                  dtype: torch.dtype | None) -> None:
-        cfg = getattr(reader, "config", None)
-        if cfg is None and hasattr(reader, "hf_config"):
-            cfg = reader.hf_config()
+        cfg = reader.hf_config()
         if not isinstance(cfg, dict):
             raise ReshardError(f"{reader.sources[-1]}: a Megatron target from {noun_of(reader)} needs the "
                                "model's Hugging Face config.json beside its weights")
@@ -151,11 +154,11 @@ class MegatronWriter:
         if self.kind not in KINDS:
             raise ReshardError(f"optimizer (--optimizer) must be one of {', '.join(KINDS)}, got {self.kind!r}")
 
-    def _hf_names(self, reader: Any) -> dict[str, list]:
+    def _hf_names(self, reader: Reader) -> dict[str, list]:
         """Each key's HF tensors, checked against the source's names and shapes."""
         out: dict[str, list] = {}
         have = set(reader.names)
-        for p in hf_params(self.arch, getattr(reader, "mapping", None)):
+        for p in hf_params(self.arch, self.own.mapping if self.own is not None else None):
             if p.name not in have:
                 raise ReshardError(f"{reader.sources[-1]}: has no {p.name!r}, which the Megatron model needs")
             if tuple(reader.shape(p.name)) != tuple(p.valid):
@@ -168,17 +171,17 @@ class MegatronWriter:
                                "architecture mapping")
         return out
 
-    def _vocab_rows(self, reader: Any) -> int:
+    def _vocab_rows(self, own: MegatronReader) -> int:
         if self.hf is not None:
             return self.arch.vocab
-        rows = reader.shape(EMBED)[0]
-        if rows > self.arch.padded_vocab:  # fewer padding rows at the target: keep the first ones
-            reader.clip_vocabulary(self.arch.padded_vocab)
+        rows = own.shape(EMBED)[0]
+        if rows > self.arch.padded_vocab:  # fewer padding rows at the target: read the first ones (view)
+            self.source = own.with_vocabulary(self.arch.padded_vocab)
             self._notes.append(f"padded vocabulary {rows} -> {self.arch.padded_vocab} rows (the first kept)")
             return self.arch.padded_vocab
         return rows
 
-    def _step(self, reader: Any) -> float:
+    def _step(self, reader: Reader) -> float:
         for n in reader.names:
             s = reader.step(n)
             if s is not None:
@@ -204,6 +207,9 @@ class MegatronWriter:
 
     def targets(self) -> list[Target]:
         return list(self._targets)
+
+    def view(self, reader: Reader) -> Reader:
+        return self.source if self.source is not None else reader
 
     def meta(self) -> dict[str, Any]:
         a = self.arch
@@ -233,8 +239,8 @@ class MegatronWriter:
                     n *= x
                 sizes[c.rank] += n * (1 + len(self.states) * (self.kind != "dp_reshardable"))
         for b in self.layout.buckets:
-            for c in b.chunks:
-                sizes[c.rank] += (c.end - c.start) * 3
+            for bc in b.chunks:
+                sizes[bc.rank] += (bc.end - bc.start) * 3
         jobs = [(sizes[r] * 4, partial(self._rank_file, engine, staging, r)) for r in range(world)]
         jobs.append((1, partial(self._small, staging)))
         return jobs
@@ -252,10 +258,11 @@ class MegatronWriter:
             common = common_state(self.template, self.args, a, self.kind, self.groups, self.step,
                                   self.iteration or 0)
             out.append(("common_state/shard_0_1", safe.dumps([common])))
-            src = self.reader.src if self.reader.format == "megatron" else None
-            copied = getattr(src, "ck", None) is not None
+            src = self.own.src if self.own is not None else None
+            objects = src.ck.objects if isinstance(src, DistSource) and src.ck is not None else {}
             for key in extra_state_keys(a):
-                out.append((key, src.raw(key) if copied and key in src.ck.objects else safe.dumps([None])))
+                out.append((key, src.raw(key) if isinstance(src, DistSource) and key in objects
+                            else safe.dumps([None])))
         if self.kind == "dp_reshardable":
             dtypes = buffer_dtype(self.args)
             for b in self.layout.buckets:
@@ -273,8 +280,8 @@ class MegatronWriter:
 
     def _copied(self, r: int) -> list[tuple[str, bytes]]:
         """The source's rng and rerun records, where Megatron would load them at the target."""
-        src = self.reader.src if self.reader.format == "megatron" else None
-        if getattr(src, "ck", None) is None:
+        src = self.own.src if self.own is not None else None
+        if not isinstance(src, DistSource) or src.ck is None:
             return []
         s, t = src.arch, self.arch
         out = []
@@ -308,10 +315,10 @@ class MegatronWriter:
             for b in self.layout.buckets:
                 for state in self.states:
                     bkey = self._bucket_key(b.prefix, b.m, state)
-                    for c in b.chunks:
-                        if c.rank == r:
-                            slots = [] if c.param is None else self._slots[(c.param.spec.key, state)].get(c.label, [])
-                            self._chunk(engine, f, bkey, (c.start,), (c.end - c.start,), torch.float32, slots,
+                    for bc in b.chunks:
+                        if bc.rank == r:
+                            slots = [] if bc.param is None else self._slots[(bc.param.spec.key, state)].get(bc.label, [])
+                            self._chunk(engine, f, bkey, (bc.start,), (bc.end - bc.start,), torch.float32, slots,
                                         (b.unpadded,))
         with self._lock:
             self.records.extend(f.records)

@@ -32,6 +32,7 @@ from ...execute.memory import release
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
+from ..contract import Reader
 from .io import DTYPES
 from .quantized import Codec, Coded, open_codec
 
@@ -114,7 +115,7 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
     return dict(sorted(out.items(), key=lambda kv: kv[1].start)), meta if isinstance(meta, dict) else {}
 
 
-class SafetensorsReader:
+class SafetensorsReader(Reader):
     format = "safetensors"
 
     def __init__(self, path: str | Path) -> None:
@@ -279,6 +280,9 @@ class SafetensorsReader:
                 and "model.embed_tokens.weight" in self.entries:
             return {"lm_head.weight": "model.embed_tokens.weight"}
         return {}
+
+    def hf_config(self) -> dict[str, Any] | None:
+        return self.config
 
     @cached_property
     def config(self) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ import torch
 from ...errors import ReshardError
 from ...ir.piece import prod
 from ...layouts import replicated
-from ..contract import BEST, Buffer, Slot, Target
+from ..contract import BEST, Buffer, Reader, Slot, Target, Writer
 from ..table import noun_of
 from .io import DTYPES, SafetensorsFile, plan_files
 from .reader import INDEX
@@ -28,12 +28,12 @@ from .reader import INDEX
 __all__ = ["SafetensorsWriter"]
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(Writer):
     format = "safetensors"
     latest = None
     keeps_replicas = False
 
-    def __init__(self, reader: Any, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+    def __init__(self, reader: Reader, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
                  with_optimizer: bool = False, names: dict[str, str] | None = None, index: bool = True) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise ReshardError(f"--dtype {dtype} is not a safetensors dtype")

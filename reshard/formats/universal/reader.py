@@ -18,6 +18,7 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...storage import verified
 from ...storage.safe_load import load
+from ..contract import Reader
 from ..deepspeed.checks import check_step
 
 __all__ = ["STATE_FILES", "UniversalReader", "universal_dir"]
@@ -43,7 +44,7 @@ def universal_dir(p: Path) -> Path | None:
     return None
 
 
-class UniversalReader:
+class UniversalReader(Reader):
     format = "universal"
 
     def __init__(self, path: str | Path) -> None:

@@ -26,7 +26,8 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...storage import torch_zip
 from ...storage.pickling import Pickler
-from ..contract import BEST, MOMENTS, Buffer, Slot, Target
+from ..contract import BEST, MOMENTS, Buffer, Reader, Slot, Target, Writer
+from ..deepspeed.reader import DeepSpeedNative, optimizer_state
 
 __all__ = ["UniversalWriter", "model_states"]
 
@@ -34,15 +35,17 @@ DS_VERSION = "0.19.8"  # the DeepSpeed release whose universal loader these file
 MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
-class UniversalWriter:
+class UniversalWriter(Writer):
     format = "ucp"
     latest = "latest_universal"
     keeps_replicas = False
 
-    def __init__(self, reader: Any, *, early: Any = None, moments_only: bool = False) -> None:
+    def __init__(self, reader: Reader, *, early: Any = None, moments_only: bool = False) -> None:
         self.reader, self.early = reader, early
         self.tag = reader.tag
-        self.native = reader.format == "deepspeed"
+        own = reader.native("deepspeed")
+        self.own = own if isinstance(own, DeepSpeedNative) else None  # a DeepSpeed source: ds_to_universal's files
+        self.native = self.own is not None
         self.moments_only = moments_only  # the moments beside another format's weights (safetensors)
         self._maps = {n: replicated(reader.shape(n), 1) for n in reader.names}
 
@@ -50,8 +53,8 @@ class UniversalWriter:
     def _states(self, name: str) -> list[tuple[str, tuple[str, ...]]]:
         """(file state, source states it is made from) for each of ``name``'s state files."""
         have = self.reader.states(name)
-        if self.native:
-            ck = self.reader.ck
+        if self.own is not None:
+            ck = self.own.ck
             # a module weight without optimizer state (AutoEP's router aliases) has fp32 only, as in ds_to_universal
             states = ("fp32",) + MOMENTS if ck.experts is None or ck.has_optimizer_state(name) else ("fp32",)
         else:
@@ -73,11 +76,11 @@ class UniversalWriter:
         """DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as bare flat tensors, and no
         step file at any TP degree (under AutoTP: {'param': full tensor}); AutoEP experts keep
         their dict at any stage."""
-        ck = getattr(self.reader, "ck", None)
-        return self.native and ck.zero_stage == 3 and ck.tp == 1 and ck.expert(name) is None
+        ck = self.own.ck if self.own is not None else None
+        return ck is not None and ck.zero_stage == 3 and ck.tp == 1 and ck.expert(name) is None
 
     def _steps(self) -> bool:
-        return not (self.native and self.reader.ck.zero_stage == 3)
+        return not (self.own is not None and self.own.ck.zero_stage == 3)
 
     # -- files ---------------------------------------------------------------------------------
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
@@ -104,10 +107,8 @@ class UniversalWriter:
                 torch_zip.save(step.clone() if isinstance(step, torch.Tensor) else step, out, pickler=Pickler)
 
     def _optimizer_state(self, staging: Any) -> None:
-        if self.native:
-            from ..deepspeed.reader import optimizer_state
-
-            state = optimizer_state(self.reader.ck)
+        if self.own is not None:
+            state = optimizer_state(self.own.ck)
         else:
             index = {n: i for i, n in enumerate(self.reader.names)}
             groups = [{**g, "params": [index[n] for n in g.get("params", []) if n in index]}
@@ -117,10 +118,10 @@ class UniversalWriter:
             torch_zip.save(state, out, pickler=Pickler)
 
     def _model_state_jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
-        if not self.native:
+        if self.own is None:
             size = sum(prod(self.reader.shape(n)) for n in self.reader.names) * 4 + 1
             return [(size, partial(self._built_model_states, engine, staging))]
-        ck = self.reader.ck
+        ck = self.own.ck
         copies = [ck.model_files[m] for m in range(ck.mp)]
         copies += [src for (t, d), src in sorted(ck.z3_model_files.items()) if t or d]
         kept = frozenset()
@@ -155,7 +156,7 @@ def _autoep_model_state(ck: Any, staging: Any, m: int, src: Path) -> None:
         torch_zip.save(state, staging.path(name), pickler=Pickler)
 
 
-def _global_steps(reader: Any) -> int:
+def _global_steps(reader: Reader) -> int:
     """DeepSpeed's ``global_steps`` of a source without skipped steps: Adam's step count (the
     largest one recorded; 0 without optimizer state)."""
     steps = []
@@ -166,7 +167,7 @@ def _global_steps(reader: Any) -> int:
     return int(max(steps, default=0.0))
 
 
-def model_states(reader: Any, module: dict[str, Any]) -> dict[str, Any]:
+def model_states(reader: Reader, module: dict[str, Any]) -> dict[str, Any]:
     """``mp_rank_00_model_states.pt`` as DeepSpeed 0.19.8's ``_save_checkpoint`` writes it for a
     ZeRO-1 job at DP=1 x TP=1 x PP=1 (keys in its order), from what any source records.
 
