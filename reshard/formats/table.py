@@ -12,9 +12,12 @@ writers and detectors are named ``"module:attribute"`` and imported on first use
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ReshardError
+
+if TYPE_CHECKING:  # the table loads before torch: the contract only for the type checker
+    from .contract import Reader
 
 __all__ = ["DEFAULT_TARGET", "DTYPES", "FORMATS", "OPTIONS", "Format", "Option", "convert_targets", "noun_of",
            "reshard_targets", "row", "sources", "target", "targets"]
@@ -212,7 +215,7 @@ def target(name: str, command: str) -> Format:
     return f
 
 
-def noun_of(reader: Any) -> str:
+def noun_of(reader: Reader) -> str:
     """A source in words, with its article, for messages: ``a Hugging Face safetensors folder``."""
     f = _BY_NAME.get(reader.format)
     return f.noun if f is not None else f"a {reader.format} source"

@@ -25,7 +25,8 @@ from ...errors import CheckpointError, ReshardError, in_context
 from ...ir.param_map import ParamMap, maps_from_document
 from ...layouts import autotp_shard_sizes, replicated
 from ...layouts.recognize import recognize
-from ..hf.tp_plan import TPPlan, chunk_sizes, tp_plan
+from ..contract import Reader
+from ..hf.tp_plan import TPPlan, chunk_sizes, tp_plan_of_config
 from . import lowering
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
@@ -130,18 +131,17 @@ def target_tp_maps(ck: DeepSpeedCheckpoint | None, names: list[str], tp: int, la
     return maps, info, origin
 
 
-def hf_plan_maps(reader: Any, tp: int) -> tuple[dict[str, ParamMap], str] | None:
+def hf_plan_maps(reader: Reader, tp: int) -> tuple[dict[str, ParamMap], str] | None:
     """The maps DeepSpeed's AutoTP gives a Hugging Face folder's parameters at TP=``tp``, from the
     tensor-parallel plan transformers has for the architecture in its ``config.json``
-    (:func:`autotp_plan_maps`). ``None``: the source has no ``config.json`` (not a Hugging Face
-    folder)."""
-    config = getattr(reader, "config", None)
-    folder = getattr(reader, "folder", None)
-    if not isinstance(config, Mapping) or folder is None:
+    (:func:`autotp_plan_maps`). ``None``: not a Hugging Face folder, or one without a config."""
+    config = reader.hf_config() if reader.format == "safetensors" else None
+    if not isinstance(config, Mapping) or "model_type" not in config:
         return None
+    where = str(reader.sources[-1])
     shapes = {n: tuple(reader.shape(n)) for n in reader.names}
-    plan = tp_plan(folder, shapes)
-    return autotp_plan_maps(plan, shapes, tp, config, str(folder)), \
+    plan = tp_plan_of_config(config, shapes, where)
+    return autotp_plan_maps(plan, shapes, tp, config, where), \
         f"from transformers' tensor-parallel plan for {plan.arch}, as DeepSpeed's AutoTP reads it"
 
 

@@ -30,7 +30,7 @@ from ...errors import ReshardError
 from ...ir.piece import prod
 from ...layouts.arch import LLAMA_VLLM, inference_targets
 from ...layouts.inference import Placed
-from ..contract import BEST, Buffer, Slot, Target
+from ..contract import BEST, Buffer, Reader, Slot, Target, Writer
 from ..hf.writer import TIED, HfWriter
 from ..safetensors.io import SafetensorsFile, plan_files
 
@@ -65,13 +65,13 @@ def _complete(names: Any, arch: str, config: dict[str, Any], layers: int, where:
         raise ReshardError(f"{where}: {extra[:4]} past the config's {layers} layers (num_hidden_layers)")
 
 
-class VllmWriter:
+class VllmWriter(Writer):
     format = "vllm"
     latest = None
     keeps_replicas = False
     tag = None  # the output folder itself is the model folder vLLM is given
 
-    def __init__(self, reader: Any, *, tp: int = 1, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+    def __init__(self, reader: Reader, *, tp: int = 1, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
                  hf_config: Any = None) -> None:
         if not isinstance(tp, int) or tp < 1:
             raise ReshardError(f"--tp must be a positive number of ranks, got {tp!r}")
