@@ -180,6 +180,29 @@ class Cfg:
         self.params_dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
         grad = torch.float32 if (a.accumulate_allreduce_grads_in_fp32 or self.params_dtype == torch.float32) else self.params_dtype
         self.buffer_dtype = (self.params_dtype, grad)  # (param dtype, grad dtype) of the DDP buffer
+        self.VPP = getattr(a, "virtual_pipeline_model_parallel_size", None) or 1
+        self.first = getattr(a, "decoder_first_pipeline_num_layers", None)
+        self.last = getattr(a, "decoder_last_pipeline_num_layers", None)
+
+    def chunk_layers(self, pp: int, vp: int) -> range:
+        """Global layers of stage ``pp``'s model chunk ``vp`` (get_transformer_layer_offset): each
+        chunk of a stage holds ``first / VPP`` (stage 0, when set), ``last / VPP`` (the last stage,
+        when set) or an even share of the rest."""
+        ends = [x for x in (self.first, self.last) if x is not None]
+        mid = (self.L - sum(ends)) // self.VPP // (self.PP - len(ends)) if self.PP > len(ends) else 0
+        n = [mid] * self.PP
+        if self.first is not None:
+            n[0] = self.first // self.VPP
+        if self.last is not None:
+            n[-1] = self.last // self.VPP
+        start = vp * sum(n) + sum(n[:pp])
+        return range(start, start + n[pp])
+
+    def stage_of(self, layer: int) -> int:
+        return next(p for p in range(self.PP) for v in range(self.VPP) if layer in self.chunk_layers(p, v))
+
+    def stage_layers(self, pp: int) -> list[int]:
+        return [i for v in range(self.VPP) for i in self.chunk_layers(pp, v)]
 
     @property
     def hpg(self):  # query heads per group
@@ -243,8 +266,7 @@ def expected_model_chunks(name, shape, c: Cfg) -> list[tuple[tuple, tuple, tuple
     ``--ckpt-fully-parallel-save`` spreads replicated chunks over the DP ranks."""
     key, idx = key_of(name)
     rule = tp_rule(name)
-    lps = c.L // c.PP
-    pp = idx[0] // lps if idx else (0 if name.startswith("embedding") else c.PP - 1)
+    pp = c.stage_of(idx[0]) if idx else (0 if name.startswith("embedding") else c.PP - 1)
     e = re.search(r"local_experts\.(\d+)\.", name)
     ep = int(e.group(1)) // (c.E // c.EP) if e else None
     out = []
@@ -277,11 +299,10 @@ def holder_ok(rank: int, want: tuple, c: Cfg) -> bool:
 def stage_params(c: Cfg, pp: int, expert: bool = False) -> list[str]:
     """TP=1 names of the parameters of pipeline stage ``pp`` in module registration order
     (``model.parameters()``), dense or expert ones."""
-    lps = c.L // c.PP
     names = []
     if pp == 0 and not expert:
         names.append("embedding.word_embeddings.weight")
-    for i in range(pp * lps, (pp + 1) * lps):
+    for i in c.stage_layers(pp):
         p = f"decoder.layers.{i}."
         if not expert:
             names += [p + "input_layernorm.weight", p + "self_attention.linear_proj.weight",

@@ -201,6 +201,10 @@ class DistSource:
                 groups.setdefault(m.groups()[:5], {})[m.group(6)] = key
         for (prefix, mp, gbuf, _dtype, bucket), keys in sorted(groups.items()):
             where = f"{self.dir / dcp.METADATA}: {next(iter(keys.values()))!r}"
+            if self.arch.vpp > 1:
+                raise CheckpointError(f"{where}: args.virtual_pipeline_model_parallel_size = {self.arch.vpp}: the "
+                                      "distributed optimizer's buckets of virtual pipeline stages (a DDP buffer per model "
+                                      "chunk) are not read by reshard")
             if gbuf != "0" or bucket != "0":
                 raise CheckpointError(f"{where}: several DDP buffers or buckets (--overlap-grad-reduce / "
                                       "--ddp-num-buckets): not read by reshard")

@@ -49,6 +49,10 @@ class LegacySource:
         if self.arch.ep > 1:
             raise CheckpointError(f"{first}: args.expert_model_parallel_size = {self.arch.ep}: legacy checkpoints "
                                   "with expert parallelism are not read by reshard")
+        if self.arch.vpp > 1:
+            raise CheckpointError(f"{first}: args.virtual_pipeline_model_parallel_size = {self.arch.vpp}: legacy "
+                                  "checkpoints with virtual pipeline stages (model0, model1, ... per file) are not read "
+                                  "by reshard")
         self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
         self.sharding = "dp_reshardable" if self.distopt else "adam"
         self.files: dict[tuple[int, int], Path] = {}
@@ -97,10 +101,9 @@ class LegacySource:
 
     # -- names -----------------------------------------------------------------------------------
     def _local_name(self, lp: LocalParam) -> str:
-        per = self.arch.layers // self.arch.pp
         name = lp.spec.local
-        if lp.spec.stacked:
-            name = name.replace("{layer}", str(lp.index[0] - self.arch.stage_of(lp.spec, lp.index) * per))
+        if lp.spec.stacked:  # the stage's module counts its layers from 0
+            name = name.replace("{layer}", str(self.arch.place(lp.index[0])[2]))
         if lp.spec.stacked == 2:
             name = name.replace("{expert}", str(lp.index[1]))
         return name

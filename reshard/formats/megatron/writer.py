@@ -105,9 +105,14 @@ class MegatronWriter:
         ep = ep if ep is not None else src.ep
         arch = dataclasses.replace(src, tp=tp, pp=pp, dp=dp, ep=ep, etp=tp,
                                    padded_vocab=padded_vocab(src.vocab, divisible, tp))
+        if pp != src.pp:  # virtual / uneven stages are kept only at the source's PP
+            arch = arch.evened()
         arch.check("target topology")
         self.kind = optimizer or reader.src.sharding
         self._check_kind()
+        if arch.vpp > 1 and self.kind == "dp_reshardable":
+            raise ReshardError(f"--optimizer dp_reshardable with {arch.vpp} virtual pipeline stages (a DDP buffer per "
+                               "model chunk): not written by reshard; pass --pp to write even stages")
         self.arch = arch
         self.iteration = reader.iteration
         self.template = reader.src.common if hasattr(reader.src, "common") else reader.src.state_dict(0, 0)
