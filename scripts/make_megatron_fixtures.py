@@ -198,6 +198,10 @@ FIXTURES = {f.name: f for f in [
             "stage 1 layers 1 and 3; interleaved schedule); plain Adam; torch_dist",
             pp=2, layers=4, extra_argv=["--num-layers-per-virtual-pipeline-stage", "1"],
             cross_checks=[(1, 2, 1, 1), (2, 1, 1, 1)]),
+    Fixture("torch_dist_pp2_vpp2_distopt",
+            "PP=2 x virtual PP=2 as torch_dist_pp2_vpp2; distributed optimizer, dp_reshardable (a DDP buffer "
+            "per model chunk: gbuf_idx_0, gbuf_idx_1); torch_dist",
+            pp=2, layers=4, distopt=True, extra_argv=["--num-layers-per-virtual-pipeline-stage", "1"]),
     Fixture("torch_dist_pp2_uneven",
             "PP=2, uneven (--decoder-first-pipeline-num-layers 1: stage 0 holds layer 0, stage 1 layers 1 "
             "and 2); plain Adam; torch_dist",

@@ -296,13 +296,14 @@ def holder_ok(rank: int, want: tuple, c: Cfg) -> bool:
 # --- distributed optimizer buckets ---------------------------------------------------------
 
 
-def stage_params(c: Cfg, pp: int, expert: bool = False) -> list[str]:
-    """TP=1 names of the parameters of pipeline stage ``pp`` in module registration order
-    (``model.parameters()``), dense or expert ones."""
+def stage_params(c: Cfg, pp: int, expert: bool = False, vp: int | None = None) -> list[str]:
+    """TP=1 names of the parameters of pipeline stage ``pp`` (of its model chunk ``vp`` only, when
+    given: a DDP buffer each) in module registration order (``model.parameters()``), dense or
+    expert ones."""
     names = []
-    if pp == 0 and not expert:
+    if pp == 0 and not expert and vp in (None, 0):
         names.append("embedding.word_embeddings.weight")
-    for i in c.stage_layers(pp):
+    for i in (c.stage_layers(pp) if vp is None else c.chunk_layers(pp, vp)):
         p = f"decoder.layers.{i}."
         if not expert:
             names += [p + "input_layernorm.weight", p + "self_attention.linear_proj.weight",
@@ -316,7 +317,7 @@ def stage_params(c: Cfg, pp: int, expert: bool = False) -> list[str]:
                           for w in ("linear_fc1.weight", "linear_fc2.weight")]
         elif not expert:
             names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
-    if pp == c.PP - 1 and not expert:
+    if pp == c.PP - 1 and not expert and vp in (None, c.VPP - 1):
         names += ["decoder.final_layernorm.weight", "output_layer.weight"]
     return names
 
@@ -440,12 +441,13 @@ def check_buckets(ck: DistCheckpoint, c: Cfg, model, optim, rep: Report):
     (``chained_0.`` / ``chained_1.`` = dense / expert optimizer when there are experts; the expert
     optimizer's m is the rank in the expert TP x EP x PP grid: here, the EP rank)."""
     dtype = str(c.buffer_dtype)
-    jobs = []  # (prefix, m, names, tp, dp size, rank of (m, dp shard d))
+    jobs = []  # (prefix, m, names, tp, dp size, rank of (m, dp shard d), DDP buffer = model chunk)
     for pp in range(c.PP):
         for tp in range(c.TP):
             m = tp + c.TP * pp
-            jobs.append(("chained_0." if c.E else "", m, stage_params(c, pp), tp, c.DP,
-                         lambda d, tp=tp, pp=pp: c.rank(tp, pp, d)))
+            for vp in range(c.VPP):
+                jobs.append(("chained_0." if c.E else "", m, stage_params(c, pp, vp=vp), tp, c.DP,
+                             lambda d, tp=tp, pp=pp: c.rank(tp, pp, d), vp))
     if c.E:
         per = c.E // c.EP
         edp = c.DP // c.EP
@@ -455,11 +457,11 @@ def check_buckets(ck: DistCheckpoint, c: Cfg, model, optim, rep: Report):
                          for n in stage_params(c, pp, expert=True)]
                 m = ep + c.EP * pp
                 jobs.append(("chained_1.", m, names, 0, edp,
-                             lambda d, ep=ep, pp=pp: c.rank(0, pp, ep + c.EP * d)))
-    for prefix, m, names, tp, dp, rank_of in jobs:
+                             lambda d, ep=ep, pp=pp: c.rank(0, pp, ep + c.EP * d), 0))
+    for prefix, m, names, tp, dp, rank_of, gbuf in jobs:
         numels = [(n, tp_local(n, model[n], c.TP, tp).numel()) for n in names]
         layout, unpadded, padded = bucket_layout(numels, dp)
-        base = f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_{dtype}.bucket_idx_0"
+        base = f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_{gbuf}.dtype_{dtype}.bucket_idx_0"
         for kind in ("param", "exp_avg", "exp_avg_sq"):
             key = f"{base}.{kind}"
             if key not in ck.md.state_dict_metadata:
@@ -480,12 +482,14 @@ def check_buckets(ck: DistCheckpoint, c: Cfg, model, optim, rep: Report):
         pre = f"{prefix}optimizer.distributed.dp_group_idx_{m}"
         pbn = ck.objects(f"{pre}.per_bucket_numel")["shard_0_1"]
         pbu = ck.objects(f"{pre}.per_bucket_numel_unpadded")["shard_0_1"]
-        rep.check(pbn == [{c.buffer_dtype: [padded]}], f"{pre}.per_bucket_numel {pbn}")
-        rep.check(pbu == [{c.buffer_dtype: [unpadded]}], f"{pre}.per_bucket_numel_unpadded {pbu}")
+        # one {dtypes: [numel]} per DDP buffer (model chunk)
+        rep.check(len(pbn) == c.VPP and pbn[gbuf] == {c.buffer_dtype: [padded]}, f"{pre}.per_bucket_numel {pbn}")
+        rep.check(len(pbu) == c.VPP and pbu[gbuf] == {c.buffer_dtype: [unpadded]},
+                  f"{pre}.per_bucket_numel_unpadded {pbu}")
         groups = ck.objects(f"{pre}.optimizer")["shard_0_1"]["param_groups"]
         rep.check(all(g["step"] == 3.0 for g in groups), f"{pre}.optimizer steps {[g.get('step') for g in groups]}")
-    want_keys = {f"{p}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_{dtype}.bucket_idx_0.{k}"
-                 for p, m, *_ in jobs for k in ("param", "exp_avg", "exp_avg_sq")}
+    want_keys = {f"{j[0]}optimizer.distributed.dp_group_idx_{j[1]}.gbuf_idx_{j[-1]}.dtype_{dtype}.bucket_idx_0.{k}"
+                 for j in jobs for k in ("param", "exp_avg", "exp_avg_sq")}
     have = {k for k in ck.tensor_keys() if "optimizer" in k}
     rep.check(have == want_keys, f"bucket keys differ: {sorted(have ^ want_keys)}")
 

@@ -316,17 +316,20 @@ class Arch:
     def locals_of(self, s: KeySpec) -> list[LocalParam]:
         return [self.local(s, ix, t) for ix in self.indices(s) for t in range(self.tp_of(s))]
 
-    def stage_params(self, pp: int, t: int, *, expert_rank: int | None = None) -> list[LocalParam]:
+    def stage_params(self, pp: int, t: int, *, expert_rank: int | None = None, vp: int | None = None
+                     ) -> list[LocalParam]:
         """The local parameters of stage ``pp``, TP rank ``t``, in registration order: the dense
-        ones, or (``expert_rank`` = EP rank) that EP rank's experts. With virtual stages the
-        chunks follow each other (each chunk has a DDP buffer of its own: see ``even``)."""
+        ones, or (``expert_rank`` = EP rank) that EP rank's experts; of model chunk ``vp`` only
+        (each has a DDP buffer of its own), or of the stage's chunks one after the other."""
         out: list[LocalParam] = []
         keys = self.keys()
-        if expert_rank is None and pp == 0:
+        first = vp in (None, 0)
+        last = vp in (None, self.vpp - 1)
+        if expert_rank is None and pp == 0 and first:
             out.append(self.local(keys[0], (), t))
         layer_keys = [s for s in keys if s.stacked]
         local_experts = self.experts // self.ep if self.experts else 0
-        for i in self.stage_layers(pp):
+        for i in (self.stage_layers(pp) if vp is None else self.chunk_layers(pp, vp)):
             for s in layer_keys:
                 if expert_rank is None and not s.expert:
                     out.append(self.local(s, (i,), t))
@@ -335,7 +338,7 @@ class Arch:
             if expert_rank is not None:
                 for x in range(expert_rank * local_experts, (expert_rank + 1) * local_experts):
                     out += [self.local(s, (i, x), t) for s in layer_keys if s.expert]
-        if expert_rank is None and pp == self.pp - 1:
+        if expert_rank is None and pp == self.pp - 1 and last:
             out += [self.local(s, (), t) for s in keys if not s.stacked and s.key != EMBED]
         return out
 

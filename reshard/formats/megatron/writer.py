@@ -110,9 +110,6 @@ class MegatronWriter:
         arch.check("target topology")
         self.kind = optimizer or reader.src.sharding
         self._check_kind()
-        if arch.vpp > 1 and self.kind == "dp_reshardable":
-            raise ReshardError(f"--optimizer dp_reshardable with {arch.vpp} virtual pipeline stages (a DDP buffer per "
-                               "model chunk): not written by reshard; pass --pp to write even stages")
         self.arch = arch
         self.iteration = reader.iteration
         self.template = reader.src.common if hasattr(reader.src, "common") else reader.src.state_dict(0, 0)
@@ -224,8 +221,8 @@ class MegatronWriter:
             return key
         return f"optimizer.state.{_KIND_KEYS[state]}.{key}"
 
-    def _bucket_key(self, prefix: str, m: int, state: str) -> str:
-        return (f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_{buffer_dtype(self.args)}"
+    def _bucket_key(self, prefix: str, m: int, state: str, gbuf: int = 0) -> str:
+        return (f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_{gbuf}.dtype_{buffer_dtype(self.args)}"
                 f".bucket_idx_0.{_KIND_KEYS[state]}")
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
@@ -265,14 +262,16 @@ class MegatronWriter:
             dtypes = buffer_dtype(self.args)
             for b in self.layout.buckets:
                 first = next(c.rank for c in b.chunks)
-                if first != r:
+                if first != r or b.gbuf:
                     continue
+                chunks = [x for x in self.layout.buckets if (x.prefix, x.m) == (b.prefix, b.m)]  # a buffer per chunk
                 pre = f"{b.prefix}optimizer.distributed.dp_group_idx_{b.m}"
                 groups = self.groups[1 if b.prefix == "chained_1." else 0]
                 out += [(f"{pre}.optimizer/shard_0_1", safe.dumps([{"param_groups": [
                             dict({k: v for k, v in g.items() if k != "params"}, step=self.step) for g in groups]}])),
-                        (f"{pre}.per_bucket_numel/shard_0_1", safe.dumps([[{dtypes: [b.numel]}]])),
-                        (f"{pre}.per_bucket_numel_unpadded/shard_0_1", safe.dumps([[{dtypes: [b.unpadded]}]]))]
+                        (f"{pre}.per_bucket_numel/shard_0_1", safe.dumps([[{dtypes: [x.numel]} for x in chunks]])),
+                        (f"{pre}.per_bucket_numel_unpadded/shard_0_1",
+                         safe.dumps([[{dtypes: [x.unpadded]} for x in chunks]]))]
         out += self._copied(r)
         return out
 
@@ -312,7 +311,7 @@ class MegatronWriter:
                                         self.layout.maps[key].logical_shape)
             for b in self.layout.buckets:
                 for state in self.states:
-                    bkey = self._bucket_key(b.prefix, b.m, state)
+                    bkey = self._bucket_key(b.prefix, b.m, state, b.gbuf)
                     for c in b.chunks:
                         if c.rank == r:
                             slots = [] if c.param is None else self._slots[(c.param.spec.key, state)].get(c.label, [])

@@ -8,12 +8,12 @@ import copy
 
 import pytest
 
-from reshard.errors import CheckpointError, ReshardError
+from reshard.errors import CheckpointError
 from reshard.formats.megatron.model import Arch
 from reshard.formats.megatron.reader import MegatronReader
 from reshard.jobs.convert import reshard
 
-from .support import FIXTURES
+from .support import FIXTURES, compare_megatron
 
 
 def test_layers_of_each_model_chunk():
@@ -68,11 +68,14 @@ def test_writer_keeps_the_stages_at_the_source_pp_only(tmp_path):
     assert kept.arch.first == 1 and kept.args.decoder_first_pipeline_num_layers == 1
 
 
-def test_virtual_stages_with_dp_reshardable_are_refused(tmp_path):
-    with pytest.raises(ReshardError, match="dp_reshardable with 2 virtual pipeline stages"):
-        reshard(FIXTURES / "torch_dist_pp2_vpp2", tmp_path / "x", to="megatron", optimizer="dp_reshardable")
-    assert not (tmp_path / "x").exists()
-    # at another PP the stages are even: written
-    out = reshard(FIXTURES / "torch_dist_pp2_vpp2", tmp_path / "y", to="megatron", pp=1, dp=2,
-                  optimizer="dp_reshardable").out_dir
-    assert MegatronReader.open(out).src.sharding == "dp_reshardable"
+def test_virtual_stages_with_dp_reshardable_keep_a_buffer_per_model_chunk(tmp_path):
+    out = reshard(FIXTURES / "torch_dist_pp2_vpp2", tmp_path / "x", to="megatron", optimizer="dp_reshardable").out_dir
+    r = MegatronReader.open(out)
+    assert r.arch.vpp == 2 and r.src.sharding == "dp_reshardable"
+    assert {k.split(".gbuf_idx_")[1][0] for k in r.src.ck.tensors if ".gbuf_idx_" in k} == {"0", "1"}
+    assert compare_megatron(r, "torch_dist_pp2_vpp2") > 0
+    # as Megatron writes them: per_bucket_numel lists one buffer per chunk, the same sizes
+    want = MegatronReader.open(FIXTURES / "torch_dist_pp2_vpp2_distopt").src
+    for m in range(2):
+        key = f"optimizer.distributed.dp_group_idx_{m}.per_bucket_numel_unpadded/shard_0_1"
+        assert r.src.obj(key) == want.obj(key)
