@@ -202,6 +202,9 @@ FIXTURES = {f.name: f for f in [
             "PP=2 x virtual PP=2 as torch_dist_pp2_vpp2; distributed optimizer, dp_reshardable (a DDP buffer "
             "per model chunk: gbuf_idx_0, gbuf_idx_1); torch_dist",
             pp=2, layers=4, distopt=True, extra_argv=["--num-layers-per-virtual-pipeline-stage", "1"]),
+    Fixture("legacy_pp2_vpp2",
+            "PP=2 x virtual PP=2 as torch_dist_pp2_vpp2; plain Adam; legacy --ckpt-format torch (model0, model1 "
+            "per file)", pp=2, layers=4, ckpt_format="torch", extra_argv=["--num-layers-per-virtual-pipeline-stage", "1"]),
     Fixture("torch_dist_pp2_uneven",
             "PP=2, uneven (--decoder-first-pipeline-num-layers 1: stage 0 holds layer 0, stage 1 layers 1 "
             "and 2); plain Adam; torch_dist",

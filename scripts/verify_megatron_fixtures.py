@@ -500,35 +500,44 @@ def check_legacy(fx: Path, rep: Report):
     model, optim, _fwd, _oinfo = _oracle(fx)
     first = sorted(it.glob("mp_rank_*/model_optim_rng.pt"))[0]
     c = Cfg(restricted_load(first)["args"])
-    lps = c.L // c.PP
     pieces: dict[str, list] = {}
+    # one state dict per model chunk: 'model', or 'model0', 'model1', ... with virtual stages
+    mkeys = ["model"] if c.VPP == 1 else [f"model{v}" for v in range(c.VPP)]
+
+    def global_name(pp: int, vp: int, k: str) -> str:
+        start = c.chunk_layers(pp, vp).start
+        return re.sub(r"^decoder\.layers\.(\d+)\.", lambda mm: f"decoder.layers.{int(mm.group(1)) + start}.", k)
+
     for pp in range(c.PP):
         for tp in range(c.TP):
             sub = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if c.PP > 1 else "")
             sd = restricted_load(it / sub / "model_optim_rng.pt")
-            rep.check(sorted(sd) == sorted(["args", "checkpoint_version", "iteration", "model", "optimizer",
+            rep.check(sorted(sd) == sorted(["args", "checkpoint_version", "iteration", *mkeys, "optimizer",
                                            "opt_param_scheduler", "rng_state",
                                            "num_floating_point_operations_so_far"]), f"{sub}: keys {sorted(sd)}")
             rep.check(sd["checkpoint_version"] == 3.0 and sd["iteration"] == recipe["iteration"], f"{sub}: version")
-            local_names = [k for k, v in sd["model"].items() if torch.is_tensor(v)]
-            for k, v in sd["model"].items():
-                if not torch.is_tensor(v):
-                    rep.check(k.endswith("._extra_state") and v is None, f"{sub}: {k} = {v!r}")
-            for k in local_names:
-                gname = re.sub(r"^decoder\.layers\.(\d+)\.", lambda mm: f"decoder.layers.{int(mm.group(1)) + pp * lps}.", k)
-                pieces.setdefault(gname, []).append((tp, sd["model"][k]))
-                rep.equal(sd["model"][k], tp_local(gname, model[gname], c.TP, tp), f"{sub}:{k}")
-            # plain Adam: state index = position in [group 0 (weight decay) params..., group 1 (no wd)...]
+            local_names = [(vp, k) for vp, mk in enumerate(mkeys) for k, v in sd[mk].items() if torch.is_tensor(v)]
+            for mk in mkeys:
+                for k, v in sd[mk].items():
+                    if not torch.is_tensor(v):
+                        rep.check(k.endswith("._extra_state") and v is None, f"{sub}: {k} = {v!r}")
+            for vp, k in local_names:
+                gname = global_name(pp, vp, k)
+                t = sd[mkeys[vp]][k]
+                pieces.setdefault(gname, []).append((tp, t))
+                rep.equal(t, tp_local(gname, model[gname], c.TP, tp), f"{sub}:{mkeys[vp]}:{k}")
+            # plain Adam: state index = position in [group 0 (weight decay) params..., group 1 (no wd)...],
+            # each group's parameters chunk after chunk
             if not c.distopt:
                 groups = sd["optimizer"]["param_groups"]
-                order = [n for n in local_names]
-                wd = [n for n in order if not (n.endswith("layernorm.weight") or n.endswith(".bias"))]
+                order = list(local_names)
+                wd = [n for n in order if not (n[1].endswith("layernorm.weight") or n[1].endswith(".bias"))]
                 nowd = [n for n in order if n not in wd]
                 rep.check([g["params"] for g in groups] == [list(range(len(wd))),
                                                             list(range(len(wd), len(wd) + len(nowd)))],
                           f"{sub}: param groups {[g['params'] for g in groups]}")
-                for i, n in enumerate(wd + nowd):
-                    gname = re.sub(r"^decoder\.layers\.(\d+)\.", lambda mm: f"decoder.layers.{int(mm.group(1)) + pp * lps}.", n)
+                for i, (vp, n) in enumerate(wd + nowd):
+                    gname = global_name(pp, vp, n)
                     st = sd["optimizer"]["state"][i]
                     for kind in ("exp_avg", "exp_avg_sq"):
                         rep.equal(st[kind], tp_local(gname, optim[f"{kind}.{gname}"], c.TP, tp), f"{sub}: state {i} {kind} ({n})")

@@ -36,6 +36,7 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_pp2_vpp2", dict(tp=2, pp=2, dp=1), True),  # virtual stages kept (the oracle loads them so)
     ("torch_dist_pp2_vpp2", dict(tp=1, pp=2, dp=1, optimizer="dp_reshardable"), True),  # a buffer per chunk
     ("torch_dist_pp2_vpp2_distopt", dict(tp=2, pp=1, dp=1), True),
+    ("legacy_pp2_vpp2", dict(tp=2, pp=2, dp=1, optimizer="dp_reshardable"), True),
     ("torch_dist_pp2_uneven", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),  # uneven buckets
     ("torch_dist_pp2_uneven", dict(tp=2, pp=3, dp=1), True),
 ]
