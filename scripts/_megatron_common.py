@@ -225,7 +225,9 @@ def train(model, optimizer, opt_param_scheduler, steps: int) -> list[float]:
     fwd_bwd = get_forward_backward_func()
     losses = []
     for step in range(steps):
-        it = RerunDataIterator(iter(microbatches(step, args)))
+        # the interleaved (virtual pipeline) schedule reads one iterator per model chunk
+        its = [RerunDataIterator(iter(microbatches(step, args))) for _ in model]
+        it = its[0] if len(its) == 1 else its
         out = train_step(forward_step, it, model, optimizer, opt_param_scheduler, config, fwd_bwd, iteration=step)
         loss_dict, skipped = out[0], out[1]
         assert not skipped, f"step {step} was skipped"

@@ -193,6 +193,23 @@ FIXTURES = {f.name: f for f in [
     Fixture("torch_dist_moe_ep2_distopt",
             "MoE (4 experts, top-2, SequentialMLP), EP=2 x DP=2 (world 2); distributed optimizer; torch_dist",
             dp=2, ep=2, moe=True, distopt=True, extra_argv=MOE_ARGV),
+    Fixture("torch_dist_pp2_vpp2",
+            "PP=2 x virtual PP=2 (--num-layers-per-virtual-pipeline-stage 1: stage 0 holds layers 0 and 2, "
+            "stage 1 layers 1 and 3; interleaved schedule); plain Adam; torch_dist",
+            pp=2, layers=4, extra_argv=["--num-layers-per-virtual-pipeline-stage", "1"],
+            cross_checks=[(1, 2, 1, 1), (2, 1, 1, 1)]),
+    Fixture("torch_dist_pp2_vpp2_distopt",
+            "PP=2 x virtual PP=2 as torch_dist_pp2_vpp2; distributed optimizer, dp_reshardable (a DDP buffer "
+            "per model chunk: gbuf_idx_0, gbuf_idx_1); torch_dist",
+            pp=2, layers=4, distopt=True, extra_argv=["--num-layers-per-virtual-pipeline-stage", "1"]),
+    Fixture("legacy_pp2_vpp2",
+            "PP=2 x virtual PP=2 as torch_dist_pp2_vpp2; plain Adam; legacy --ckpt-format torch (model0, model1 "
+            "per file)", pp=2, layers=4, ckpt_format="torch", extra_argv=["--num-layers-per-virtual-pipeline-stage", "1"]),
+    Fixture("torch_dist_pp2_uneven",
+            "PP=2, uneven (--decoder-first-pipeline-num-layers 1: stage 0 holds layer 0, stage 1 layers 1 "
+            "and 2); plain Adam; torch_dist",
+            pp=2, layers=3, extra_argv=["--decoder-first-pipeline-num-layers", "1"],
+            cross_checks=[(1, 2, 1, 1), (1, 3, 1, 1)]),
 ]}
 
 # --------------------------------------------------------------------------------------------
@@ -364,7 +381,7 @@ def generate(fx: Fixture, out_root: Path, venv: Path) -> dict:
         "regenerate": f"{venv}/bin/python scripts/make_megatron_fixtures.py --only {fx.name}",
         "versions": _versions(venv),
         "topology": {"world": fx.world, "tp": fx.tp, "pp": fx.pp, "dp": fx.dp, "ep": fx.ep,
-                     "layers": fx.layers, "layers_per_stage": fx.layers // fx.pp},
+                     "layers": fx.layers, "layers_per_stage": fx.layers // fx.pp, "extra_argv": fx.extra_argv},
         "optimizer": {"type": "adam", "distributed": fx.distopt,
                       "dist_ckpt_sharding": ("fully_reshardable" if fx.fully_reshardable else "dp_reshardable")
                       if fx.distopt else None,

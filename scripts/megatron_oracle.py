@@ -149,6 +149,13 @@ def oracle_argv(ck, opts, fmt: str) -> list[str]:
         argv.append("--use-distributed-optimizer")
     if getattr(ck, "dist_ckpt_optim_fully_reshardable", False):
         argv.append("--dist-ckpt-optim-fully-reshardable")
+    if opts.pp == ck.pipeline_model_parallel_size > 1:  # at the saved PP, its virtual / uneven stages too
+        for flag, field in (("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virtual_pipeline_stage"),
+                            ("--num-virtual-stages-per-pipeline-rank", "num_virtual_stages_per_pipeline_rank"),
+                            ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
+                            ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers")):
+            if getattr(ck, field, None) is not None:
+                argv += [flag, str(getattr(ck, field))]
     if opts.no_optim:
         argv.append("--no-load-optim")
     if ck.bf16:
@@ -292,10 +299,21 @@ def _optim_buckets(optimizer, model, metadata):
 
 
 def _model_sd(model, metadata):
+    """The model's sharded state dict; with virtual stages ``{'model0': ..., 'model1': ...}``, one per
+    model chunk, as Megatron-LM's ``generate_state_dict`` hands it to the optimizer."""
     from megatron.core.utils import unwrap_model
 
-    (m,) = unwrap_model(model)
-    return m.sharded_state_dict(metadata=metadata)
+    chunks = unwrap_model(model)
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict(metadata=metadata)
+    return {f"model{i}": m.sharded_state_dict(metadata=metadata) for i, m in enumerate(chunks)}
+
+
+def _model_pieces(model, metadata):
+    """Each model chunk's pieces (their names count layers from 0 per chunk; offsets are global)."""
+    from megatron.core.utils import unwrap_model
+
+    return [p for m in unwrap_model(model) for p in _pieces(m.sharded_state_dict(metadata=metadata), with_names=True)]
 
 
 def _optim_key_to_name(key: str, key_names: dict) -> str | None:
@@ -330,14 +348,18 @@ def _forward(model, args):
 
     for m in model:
         m.eval()
+    # the interleaved (virtual pipeline) schedule reads one iterator per model chunk and wants at
+    # least PP micro-batches: then one sequence each
+    micro = [batch] if len(model) == 1 else [C.make_inputs(ids[i:i + 1]) for i in range(FORWARD_BATCH)]
+    data = iter(micro) if len(model) == 1 else [iter(micro) for _ in model]
     with torch.no_grad():
         data = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([batch]), model=model, num_microbatches=1,
-            seq_length=args.seq_length, micro_batch_size=FORWARD_BATCH, forward_only=True,
+            forward_step_func=step, data_iterator=data, model=model, num_microbatches=len(micro),
+            seq_length=args.seq_length, micro_batch_size=FORWARD_BATCH // len(micro), forward_only=True,
             collect_non_loss_data=True,
         )
     # the last pipeline stage has the logits; ship them to rank 0
-    logits = data[0] if (mpu.is_pipeline_last_stage() and data) else None
+    logits = torch.cat(list(data)) if (mpu.is_pipeline_last_stage(ignore_virtual=True) and data) else None
     box = [logits if (logits is not None and mpu.get_tensor_model_parallel_rank() == 0
                       and mpu.get_data_parallel_rank() == 0) else None]
     got = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
@@ -367,7 +389,7 @@ def worker(opts) -> None:
     rank = torch.distributed.get_rank()
     metadata = _build_sharded_state_dict_metadata(args)
 
-    model_pieces = _pieces(_model_sd(model, metadata), with_names=True)
+    model_pieces = _model_pieces(model, metadata)
     all_model = _gather(model_pieces)
     load_optim = not opts.no_optim
     optim_pieces = _optim_model_space(optimizer, model, metadata) if load_optim else []

@@ -180,6 +180,29 @@ class Cfg:
         self.params_dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
         grad = torch.float32 if (a.accumulate_allreduce_grads_in_fp32 or self.params_dtype == torch.float32) else self.params_dtype
         self.buffer_dtype = (self.params_dtype, grad)  # (param dtype, grad dtype) of the DDP buffer
+        self.VPP = getattr(a, "virtual_pipeline_model_parallel_size", None) or 1
+        self.first = getattr(a, "decoder_first_pipeline_num_layers", None)
+        self.last = getattr(a, "decoder_last_pipeline_num_layers", None)
+
+    def chunk_layers(self, pp: int, vp: int) -> range:
+        """Global layers of stage ``pp``'s model chunk ``vp`` (get_transformer_layer_offset): each
+        chunk of a stage holds ``first / VPP`` (stage 0, when set), ``last / VPP`` (the last stage,
+        when set) or an even share of the rest."""
+        ends = [x for x in (self.first, self.last) if x is not None]
+        mid = (self.L - sum(ends)) // self.VPP // (self.PP - len(ends)) if self.PP > len(ends) else 0
+        n = [mid] * self.PP
+        if self.first is not None:
+            n[0] = self.first // self.VPP
+        if self.last is not None:
+            n[-1] = self.last // self.VPP
+        start = vp * sum(n) + sum(n[:pp])
+        return range(start, start + n[pp])
+
+    def stage_of(self, layer: int) -> int:
+        return next(p for p in range(self.PP) for v in range(self.VPP) if layer in self.chunk_layers(p, v))
+
+    def stage_layers(self, pp: int) -> list[int]:
+        return [i for v in range(self.VPP) for i in self.chunk_layers(pp, v)]
 
     @property
     def hpg(self):  # query heads per group
@@ -243,8 +266,7 @@ def expected_model_chunks(name, shape, c: Cfg) -> list[tuple[tuple, tuple, tuple
     ``--ckpt-fully-parallel-save`` spreads replicated chunks over the DP ranks."""
     key, idx = key_of(name)
     rule = tp_rule(name)
-    lps = c.L // c.PP
-    pp = idx[0] // lps if idx else (0 if name.startswith("embedding") else c.PP - 1)
+    pp = c.stage_of(idx[0]) if idx else (0 if name.startswith("embedding") else c.PP - 1)
     e = re.search(r"local_experts\.(\d+)\.", name)
     ep = int(e.group(1)) // (c.E // c.EP) if e else None
     out = []
@@ -274,14 +296,14 @@ def holder_ok(rank: int, want: tuple, c: Cfg) -> bool:
 # --- distributed optimizer buckets ---------------------------------------------------------
 
 
-def stage_params(c: Cfg, pp: int, expert: bool = False) -> list[str]:
-    """TP=1 names of the parameters of pipeline stage ``pp`` in module registration order
-    (``model.parameters()``), dense or expert ones."""
-    lps = c.L // c.PP
+def stage_params(c: Cfg, pp: int, expert: bool = False, vp: int | None = None) -> list[str]:
+    """TP=1 names of the parameters of pipeline stage ``pp`` (of its model chunk ``vp`` only, when
+    given: a DDP buffer each) in module registration order (``model.parameters()``), dense or
+    expert ones."""
     names = []
-    if pp == 0 and not expert:
+    if pp == 0 and not expert and vp in (None, 0):
         names.append("embedding.word_embeddings.weight")
-    for i in range(pp * lps, (pp + 1) * lps):
+    for i in (c.stage_layers(pp) if vp is None else c.chunk_layers(pp, vp)):
         p = f"decoder.layers.{i}."
         if not expert:
             names += [p + "input_layernorm.weight", p + "self_attention.linear_proj.weight",
@@ -295,7 +317,7 @@ def stage_params(c: Cfg, pp: int, expert: bool = False) -> list[str]:
                           for w in ("linear_fc1.weight", "linear_fc2.weight")]
         elif not expert:
             names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
-    if pp == c.PP - 1 and not expert:
+    if pp == c.PP - 1 and not expert and vp in (None, c.VPP - 1):
         names += ["decoder.final_layernorm.weight", "output_layer.weight"]
     return names
 
@@ -419,12 +441,13 @@ def check_buckets(ck: DistCheckpoint, c: Cfg, model, optim, rep: Report):
     (``chained_0.`` / ``chained_1.`` = dense / expert optimizer when there are experts; the expert
     optimizer's m is the rank in the expert TP x EP x PP grid: here, the EP rank)."""
     dtype = str(c.buffer_dtype)
-    jobs = []  # (prefix, m, names, tp, dp size, rank of (m, dp shard d))
+    jobs = []  # (prefix, m, names, tp, dp size, rank of (m, dp shard d), DDP buffer = model chunk)
     for pp in range(c.PP):
         for tp in range(c.TP):
             m = tp + c.TP * pp
-            jobs.append(("chained_0." if c.E else "", m, stage_params(c, pp), tp, c.DP,
-                         lambda d, tp=tp, pp=pp: c.rank(tp, pp, d)))
+            for vp in range(c.VPP):
+                jobs.append(("chained_0." if c.E else "", m, stage_params(c, pp, vp=vp), tp, c.DP,
+                             lambda d, tp=tp, pp=pp: c.rank(tp, pp, d), vp))
     if c.E:
         per = c.E // c.EP
         edp = c.DP // c.EP
@@ -434,11 +457,11 @@ def check_buckets(ck: DistCheckpoint, c: Cfg, model, optim, rep: Report):
                          for n in stage_params(c, pp, expert=True)]
                 m = ep + c.EP * pp
                 jobs.append(("chained_1.", m, names, 0, edp,
-                             lambda d, ep=ep, pp=pp: c.rank(0, pp, ep + c.EP * d)))
-    for prefix, m, names, tp, dp, rank_of in jobs:
+                             lambda d, ep=ep, pp=pp: c.rank(0, pp, ep + c.EP * d), 0))
+    for prefix, m, names, tp, dp, rank_of, gbuf in jobs:
         numels = [(n, tp_local(n, model[n], c.TP, tp).numel()) for n in names]
         layout, unpadded, padded = bucket_layout(numels, dp)
-        base = f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_{dtype}.bucket_idx_0"
+        base = f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_{gbuf}.dtype_{dtype}.bucket_idx_0"
         for kind in ("param", "exp_avg", "exp_avg_sq"):
             key = f"{base}.{kind}"
             if key not in ck.md.state_dict_metadata:
@@ -459,12 +482,14 @@ def check_buckets(ck: DistCheckpoint, c: Cfg, model, optim, rep: Report):
         pre = f"{prefix}optimizer.distributed.dp_group_idx_{m}"
         pbn = ck.objects(f"{pre}.per_bucket_numel")["shard_0_1"]
         pbu = ck.objects(f"{pre}.per_bucket_numel_unpadded")["shard_0_1"]
-        rep.check(pbn == [{c.buffer_dtype: [padded]}], f"{pre}.per_bucket_numel {pbn}")
-        rep.check(pbu == [{c.buffer_dtype: [unpadded]}], f"{pre}.per_bucket_numel_unpadded {pbu}")
+        # one {dtypes: [numel]} per DDP buffer (model chunk)
+        rep.check(len(pbn) == c.VPP and pbn[gbuf] == {c.buffer_dtype: [padded]}, f"{pre}.per_bucket_numel {pbn}")
+        rep.check(len(pbu) == c.VPP and pbu[gbuf] == {c.buffer_dtype: [unpadded]},
+                  f"{pre}.per_bucket_numel_unpadded {pbu}")
         groups = ck.objects(f"{pre}.optimizer")["shard_0_1"]["param_groups"]
         rep.check(all(g["step"] == 3.0 for g in groups), f"{pre}.optimizer steps {[g.get('step') for g in groups]}")
-    want_keys = {f"{p}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_{dtype}.bucket_idx_0.{k}"
-                 for p, m, *_ in jobs for k in ("param", "exp_avg", "exp_avg_sq")}
+    want_keys = {f"{j[0]}optimizer.distributed.dp_group_idx_{j[1]}.gbuf_idx_{j[-1]}.dtype_{dtype}.bucket_idx_0.{k}"
+                 for j in jobs for k in ("param", "exp_avg", "exp_avg_sq")}
     have = {k for k in ck.tensor_keys() if "optimizer" in k}
     rep.check(have == want_keys, f"bucket keys differ: {sorted(have ^ want_keys)}")
 
@@ -475,35 +500,44 @@ def check_legacy(fx: Path, rep: Report):
     model, optim, _fwd, _oinfo = _oracle(fx)
     first = sorted(it.glob("mp_rank_*/model_optim_rng.pt"))[0]
     c = Cfg(restricted_load(first)["args"])
-    lps = c.L // c.PP
     pieces: dict[str, list] = {}
+    # one state dict per model chunk: 'model', or 'model0', 'model1', ... with virtual stages
+    mkeys = ["model"] if c.VPP == 1 else [f"model{v}" for v in range(c.VPP)]
+
+    def global_name(pp: int, vp: int, k: str) -> str:
+        start = c.chunk_layers(pp, vp).start
+        return re.sub(r"^decoder\.layers\.(\d+)\.", lambda mm: f"decoder.layers.{int(mm.group(1)) + start}.", k)
+
     for pp in range(c.PP):
         for tp in range(c.TP):
             sub = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if c.PP > 1 else "")
             sd = restricted_load(it / sub / "model_optim_rng.pt")
-            rep.check(sorted(sd) == sorted(["args", "checkpoint_version", "iteration", "model", "optimizer",
+            rep.check(sorted(sd) == sorted(["args", "checkpoint_version", "iteration", *mkeys, "optimizer",
                                            "opt_param_scheduler", "rng_state",
                                            "num_floating_point_operations_so_far"]), f"{sub}: keys {sorted(sd)}")
             rep.check(sd["checkpoint_version"] == 3.0 and sd["iteration"] == recipe["iteration"], f"{sub}: version")
-            local_names = [k for k, v in sd["model"].items() if torch.is_tensor(v)]
-            for k, v in sd["model"].items():
-                if not torch.is_tensor(v):
-                    rep.check(k.endswith("._extra_state") and v is None, f"{sub}: {k} = {v!r}")
-            for k in local_names:
-                gname = re.sub(r"^decoder\.layers\.(\d+)\.", lambda mm: f"decoder.layers.{int(mm.group(1)) + pp * lps}.", k)
-                pieces.setdefault(gname, []).append((tp, sd["model"][k]))
-                rep.equal(sd["model"][k], tp_local(gname, model[gname], c.TP, tp), f"{sub}:{k}")
-            # plain Adam: state index = position in [group 0 (weight decay) params..., group 1 (no wd)...]
+            local_names = [(vp, k) for vp, mk in enumerate(mkeys) for k, v in sd[mk].items() if torch.is_tensor(v)]
+            for mk in mkeys:
+                for k, v in sd[mk].items():
+                    if not torch.is_tensor(v):
+                        rep.check(k.endswith("._extra_state") and v is None, f"{sub}: {k} = {v!r}")
+            for vp, k in local_names:
+                gname = global_name(pp, vp, k)
+                t = sd[mkeys[vp]][k]
+                pieces.setdefault(gname, []).append((tp, t))
+                rep.equal(t, tp_local(gname, model[gname], c.TP, tp), f"{sub}:{mkeys[vp]}:{k}")
+            # plain Adam: state index = position in [group 0 (weight decay) params..., group 1 (no wd)...],
+            # each group's parameters chunk after chunk
             if not c.distopt:
                 groups = sd["optimizer"]["param_groups"]
-                order = [n for n in local_names]
-                wd = [n for n in order if not (n.endswith("layernorm.weight") or n.endswith(".bias"))]
+                order = list(local_names)
+                wd = [n for n in order if not (n[1].endswith("layernorm.weight") or n[1].endswith(".bias"))]
                 nowd = [n for n in order if n not in wd]
                 rep.check([g["params"] for g in groups] == [list(range(len(wd))),
                                                             list(range(len(wd), len(wd) + len(nowd)))],
                           f"{sub}: param groups {[g['params'] for g in groups]}")
-                for i, n in enumerate(wd + nowd):
-                    gname = re.sub(r"^decoder\.layers\.(\d+)\.", lambda mm: f"decoder.layers.{int(mm.group(1)) + pp * lps}.", n)
+                for i, (vp, n) in enumerate(wd + nowd):
+                    gname = global_name(pp, vp, n)
                     st = sd["optimizer"]["state"][i]
                     for kind in ("exp_avg", "exp_avg_sq"):
                         rep.equal(st[kind], tp_local(gname, optim[f"{kind}.{gname}"], c.TP, tp), f"{sub}: state {i} {kind} ({n})")

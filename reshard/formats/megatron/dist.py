@@ -201,10 +201,11 @@ class DistSource:
                 groups.setdefault(m.groups()[:5], {})[m.group(6)] = key
         for (prefix, mp, gbuf, _dtype, bucket), keys in sorted(groups.items()):
             where = f"{self.dir / dcp.METADATA}: {next(iter(keys.values()))!r}"
-            if gbuf != "0" or bucket != "0":
+            # one DDP buffer per model chunk (virtual stages: gbuf_idx = the chunk), one bucket each
+            if int(gbuf) >= self.arch.vpp or bucket != "0":
                 raise CheckpointError(f"{where}: several DDP buffers or buckets (--overlap-grad-reduce / "
-                                      "--ddp-num-buckets): not read by reshard")
-            params, dp = self._group_params(prefix or "", int(mp), where)
+                                      "--ddp-num-buckets, or several dtypes): not read by reshard")
+            params, dp = self._group_params(prefix or "", int(mp), where, int(gbuf))
             layout, unpadded, _ = bucket_layout(params, dp)
             for kind, key in keys.items():
                 e = self.ck.entry(key)
@@ -222,18 +223,18 @@ class DistSource:
                             out.setdefault(lp.spec.key, {})[(n, state)] = (lp, key, ci, lo - a, hi - lo, lo - s)
         return out
 
-    def _group_params(self, prefix: str, m: int, where: str) -> tuple[list[LocalParam], int]:
+    def _group_params(self, prefix: str, m: int, where: str, vp: int = 0) -> tuple[list[LocalParam], int]:
         a = self.arch
         if prefix in ("", "chained_0."):
             t, pp = m % a.tp, m // a.tp
             if pp >= a.pp:
                 raise CheckpointError(f"{where}: dp_group_idx {m} is outside TP x PP = {a.tp} x {a.pp}")
-            return a.stage_params(pp, t), a.dp
+            return a.stage_params(pp, t, vp=vp), a.dp
         if prefix == "chained_1." and a.experts:
             t, ep, pp = m % a.etp, (m // a.etp) % a.ep, m // (a.etp * a.ep)
             if pp >= a.pp:
                 raise CheckpointError(f"{where}: expert dp_group_idx {m} is outside ETP x EP x PP")
-            return a.stage_params(pp, t, expert_rank=ep), a.edp
+            return a.stage_params(pp, t, expert_rank=ep, vp=vp), a.edp
         raise CheckpointError(f"{where}: optimizer prefix {prefix!r} is not Megatron's dense/expert pair")
 
     def _bucket_lowered(self, spec: KeySpec, state: str) -> Lowered:

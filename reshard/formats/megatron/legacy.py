@@ -20,7 +20,7 @@ from ...errors import CheckpointError
 from . import safe
 from .files import LEGACY_RANK
 from .lowering import Lowered, local_map
-from .model import Arch, KeySpec, LocalParam, bucket_layout
+from .model import EMBED, Arch, KeySpec, LocalParam, bucket_layout
 
 __all__ = ["LegacySource"]
 
@@ -50,6 +50,10 @@ class LegacySource:
             raise CheckpointError(f"{first}: args.expert_model_parallel_size = {self.arch.ep}: legacy checkpoints "
                                   "with expert parallelism are not read by reshard")
         self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
+        if self.arch.vpp > 1 and self.distopt:
+            raise CheckpointError(f"{first}: args.virtual_pipeline_model_parallel_size = {self.arch.vpp} with the "
+                                  "distributed optimizer: legacy distrib_optim.pt buffers of virtual pipeline stages are "
+                                  "not read by reshard")
         self.sharding = "dp_reshardable" if self.distopt else "adam"
         self.files: dict[tuple[int, int], Path] = {}
         for pp in range(self.arch.pp):
@@ -67,8 +71,9 @@ class LegacySource:
         if sd is None:
             f = self.files[(tp, pp)]
             sd = self.first if f == self.files[min(self.files)] and (tp, pp) == min(self.files) else safe.load_file(f)
-            if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict):
-                raise CheckpointError(f"{f}: not a Megatron model_optim_rng.pt (no 'model' state dict)")
+            if not isinstance(sd, dict) or not all(isinstance(sd.get(k), dict) for k in self._model_keys):
+                raise CheckpointError(f"{f}: not a Megatron model_optim_rng.pt (no {' / '.join(self._model_keys)} "
+                                      "state dict)")
             self._saved_by(f, sd, tp, pp)
             self._sd[(tp, pp)] = sd
         return sd
@@ -95,12 +100,21 @@ class LegacySource:
             raise CheckpointError(f"{f}: saved by global rank {rank} ({saved}), but it lies in the folder of TP rank "
                                   f"{tp}, PP rank {pp}: rank files swapped or misplaced")
 
+    @property
+    def _model_keys(self) -> list[str]:
+        """The state dicts of a file: ``model``, or one per model chunk (virtual stages)."""
+        return ["model"] if self.arch.vpp == 1 else [f"model{v}" for v in range(self.arch.vpp)]
+
+    def _chunk_of(self, lp: LocalParam) -> int:
+        if lp.spec.stacked:
+            return self.arch.place(lp.index[0])[1]
+        return 0 if lp.spec.key == EMBED else self.arch.vpp - 1
+
     # -- names -----------------------------------------------------------------------------------
     def _local_name(self, lp: LocalParam) -> str:
-        per = self.arch.layers // self.arch.pp
         name = lp.spec.local
-        if lp.spec.stacked:
-            name = name.replace("{layer}", str(lp.index[0] - self.arch.stage_of(lp.spec, lp.index) * per))
+        if lp.spec.stacked:  # the stage's module counts its layers from 0
+            name = name.replace("{layer}", str(self.arch.place(lp.index[0])[2]))
         if lp.spec.stacked == 2:
             name = name.replace("{expert}", str(lp.index[1]))
         return name
@@ -109,7 +123,7 @@ class LegacySource:
         """The module tensor of local parameter ``lp``, checked against its shape and dtype."""
         pp = self.arch.stage_of(lp.spec, lp.index)
         f, name = self.files[(lp.tp, pp)], self._local_name(lp)
-        t = self.state_dict(lp.tp, pp)["model"].get(name)
+        t = self.state_dict(lp.tp, pp)[self._model_keys[self._chunk_of(lp)]].get(name)
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{f}: model has no tensor {name!r} ({lp.spec.key}{list(lp.index)}, TP rank {lp.tp})")
         if tuple(t.shape) != lp.shape:
@@ -122,12 +136,14 @@ class LegacySource:
         return self.tensor(self.arch.local(self.arch.keys()[0], (), 0)).dtype
 
     # -- optimizer -------------------------------------------------------------------------------
-    def _state_index(self, tp: int, pp: int) -> dict[str, int]:
-        """Plain Adam's state index of each local name: group 0's (decay) then group 1's, each in
-        the state dict's (registration) order."""
+    def _state_index(self, tp: int, pp: int) -> dict[tuple[int, str], int]:
+        """Plain Adam's state index of each (model chunk, local name): group 0's (decay) then group
+        1's, each in the state dicts' (registration) order, chunk after chunk."""
         sd = self.state_dict(tp, pp)
-        names = [k for k, v in sd["model"].items() if isinstance(v, torch.Tensor)]
-        specs = {self._local_name(lp): lp.spec for lp in self.arch.stage_params(pp, tp)}
+        names = [(v, k) for v, mk in enumerate(self._model_keys) for k, x in sd[mk].items()
+                 if isinstance(x, torch.Tensor)]
+        specs = {(v, self._local_name(lp)): lp.spec for v in range(self.arch.vpp)
+                 for lp in self.arch.stage_params(pp, tp, vp=v)}
         decay = [n for n in names if specs.get(n) is None or specs[n].decay]
         order = decay + [n for n in names if n not in set(decay)]
         groups = (sd.get("optimizer") or {}).get("param_groups") or []
@@ -140,7 +156,7 @@ class LegacySource:
     def _adam(self, lp: LocalParam, state: str) -> torch.Tensor:
         pp = self.arch.stage_of(lp.spec, lp.index)
         f, name = self.files[(lp.tp, pp)], self._local_name(lp)
-        i = self._state_index(lp.tp, pp)[name]
+        i = self._state_index(lp.tp, pp)[(self._chunk_of(lp), name)]
         st = ((self.state_dict(lp.tp, pp).get("optimizer") or {}).get("state") or {}).get(i) or {}
         t = st.get(state)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != lp.shape:

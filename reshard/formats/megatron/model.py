@@ -17,6 +17,7 @@ silently misread a layout it does not know.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -76,11 +77,9 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 def _refuse_unsupported(args: Any, where: str) -> None:
     checks = [
-        ("virtual_pipeline_model_parallel_size", lambda v: v not in (None, 1), "virtual pipeline stages"),
-        ("num_layers_per_virtual_pipeline_stage", lambda v: v is not None, "virtual pipeline stages"),
-        ("decoder_first_pipeline_num_layers", lambda v: v is not None, "uneven pipeline stages"),
-        ("decoder_last_pipeline_num_layers", lambda v: v is not None, "uneven pipeline stages"),
         ("pipeline_model_parallel_layout", lambda v: v is not None, "a custom pipeline layout"),
+        ("account_for_embedding_in_pipeline_split", bool, "pipeline splits counting the embedding"),
+        ("account_for_loss_in_pipeline_split", bool, "pipeline splits counting the loss"),
         ("qk_layernorm", bool, "QK layer norms"),
         ("multi_latent_attention", bool, "multi-latent attention"),
         ("moe_shared_expert_intermediate_size", lambda v: v not in (None, 0), "shared experts"),
@@ -119,6 +118,9 @@ class Arch:
     dp: int
     ep: int
     etp: int
+    vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline stage
+    first: int | None = None  # layers of the first / last pipeline stage when uneven
+    last: int | None = None
 
     @classmethod
     def from_args(cls, args: Any, where: str) -> Arch:
@@ -139,7 +141,10 @@ class Arch:
                 pp=int(_get(args, "pipeline_model_parallel_size", 1) or 1),
                 dp=int(_get(args, "data_parallel_size", 1) or 1),
                 ep=int(_get(args, "expert_model_parallel_size", 1) or 1),
-                etp=int(_get(args, "expert_tensor_parallel_size") or tp))
+                etp=int(_get(args, "expert_tensor_parallel_size") or tp),
+                vpp=int(_get(args, "virtual_pipeline_model_parallel_size") or 1),
+                first=_opt_int(_get(args, "decoder_first_pipeline_num_layers")),
+                last=_opt_int(_get(args, "decoder_last_pipeline_num_layers")))
         except (AttributeError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: args lack what the model shape needs ({type(e).__name__}: {e})") from None
         arch.check(where)
@@ -151,7 +156,7 @@ class Arch:
                 raise CheckpointError(f"{where}: args: {what}")
 
         need(self.heads % self.groups == 0, f"{self.heads} heads are not a multiple of {self.groups} query groups")
-        need(self.layers % self.pp == 0, f"{self.layers} layers do not divide over {self.pp} pipeline stages")
+        self._check_stages(need)
         need(self.groups % self.tp == 0, f"{self.groups} query groups do not divide over TP={self.tp}")
         need(self.ffn % self.tp == 0 and self.heads % self.tp == 0, f"ffn/heads do not divide over TP={self.tp}")
         need(self.padded_vocab % self.tp == 0 and self.padded_vocab >= self.vocab,
@@ -160,6 +165,61 @@ class Arch:
             need(self.experts % self.ep == 0, f"{self.experts} experts do not divide over EP={self.ep}")
             need(self.moe_ffn % self.etp == 0, f"moe_ffn_hidden_size does not divide over expert TP={self.etp}")
             need((self.tp * self.dp) % (self.etp * self.ep) == 0, "expert TP x EP does not divide TP x DP")
+
+    # -- pipeline stages -------------------------------------------------------------------------
+    @property
+    def even(self) -> bool:
+        return self.vpp == 1 and self.first is None and self.last is None
+
+    def evened(self) -> Arch:
+        """The same model and sizes over even, non-virtual pipeline stages."""
+        return dataclasses.replace(self, vpp=1, first=None, last=None)
+
+    def _stage_counts(self) -> list[int]:
+        """Layers of each pipeline stage's model chunk (every chunk of a stage holds as many):
+        ``get_transformer_layer_offset`` -- the first / last stage's count (when set) split over
+        the virtual stages, the other stages sharing the rest evenly."""
+        if self.pp == 1:
+            return [self.layers // self.vpp]
+        ends = [x for x in (self.first, self.last) if x is not None]
+        middle = self.pp - len(ends)
+        mid = (self.layers - sum(ends)) // self.vpp // middle if middle else 0
+        counts = [mid] * self.pp
+        if self.first is not None:
+            counts[0] = self.first // self.vpp
+        if self.last is not None:
+            counts[-1] = self.last // self.vpp
+        return counts
+
+    def _check_stages(self, need: Any) -> None:
+        need(self.vpp >= 1 and (self.vpp == 1 or self.pp > 1), f"{self.vpp} virtual stages over PP={self.pp}")
+        counts = self._stage_counts()
+        sizes = [c * self.vpp for c in counts]
+        for what, n, i in (("first", self.first, 0), ("last", self.last, self.pp - 1)):
+            need(n is None or (self.pp > 1 and n == sizes[i]),
+                 f"decoder_{what}_pipeline_num_layers = {n} does not divide over {self.vpp} virtual stages of PP={self.pp}")
+        need(min(sizes) >= 0 and sum(sizes) == self.layers, f"{self.layers} layers do not divide over {self.pp} pipeline stages"
+             + (f" x {self.vpp} virtual stages" if self.vpp > 1 else "")
+             + (f" (first {self.first}, last {self.last})" if not self.even else ""))
+
+    def chunk_layers(self, pp: int, vp: int = 0) -> range:
+        """The global layers of pipeline stage ``pp``'s model chunk ``vp`` (virtual stage)."""
+        counts = self._stage_counts()
+        start = vp * sum(counts) + sum(counts[:pp])
+        return range(start, start + counts[pp])
+
+    def stage_layers(self, pp: int) -> list[int]:
+        """The global layers stage ``pp`` holds, in its model chunks' order."""
+        return [i for vp in range(self.vpp) for i in self.chunk_layers(pp, vp)]
+
+    def place(self, layer: int) -> tuple[int, int, int]:
+        """``(pp, vp, local)``: the stage, model chunk and the chunk's own number of a global layer."""
+        for pp in range(self.pp):
+            for vp in range(self.vpp):
+                r = self.chunk_layers(pp, vp)
+                if layer in r:
+                    return pp, vp, layer - r.start
+        raise CheckpointError(f"layer {layer} lies outside the {self.layers} layers")
 
     # -- keys ----------------------------------------------------------------------------------
     @property
@@ -215,7 +275,7 @@ class Arch:
 
     def stage_of(self, s: KeySpec, index: tuple[int, ...]) -> int:
         if s.stacked:
-            return index[0] // (self.layers // self.pp)
+            return self.place(index[0])[0]
         return 0 if s.key == EMBED else self.pp - 1
 
     # -- local parameters ------------------------------------------------------------------------
@@ -256,17 +316,20 @@ class Arch:
     def locals_of(self, s: KeySpec) -> list[LocalParam]:
         return [self.local(s, ix, t) for ix in self.indices(s) for t in range(self.tp_of(s))]
 
-    def stage_params(self, pp: int, t: int, *, expert_rank: int | None = None) -> list[LocalParam]:
+    def stage_params(self, pp: int, t: int, *, expert_rank: int | None = None, vp: int | None = None
+                     ) -> list[LocalParam]:
         """The local parameters of stage ``pp``, TP rank ``t``, in registration order: the dense
-        ones, or (``expert_rank`` = EP rank) that EP rank's experts."""
-        per = self.layers // self.pp
+        ones, or (``expert_rank`` = EP rank) that EP rank's experts; of model chunk ``vp`` only
+        (each has a DDP buffer of its own), or of the stage's chunks one after the other."""
         out: list[LocalParam] = []
         keys = self.keys()
-        if expert_rank is None and pp == 0:
+        first = vp in (None, 0)
+        last = vp in (None, self.vpp - 1)
+        if expert_rank is None and pp == 0 and first:
             out.append(self.local(keys[0], (), t))
         layer_keys = [s for s in keys if s.stacked]
         local_experts = self.experts // self.ep if self.experts else 0
-        for i in range(pp * per, (pp + 1) * per):
+        for i in (self.stage_layers(pp) if vp is None else self.chunk_layers(pp, vp)):
             for s in layer_keys:
                 if expert_rank is None and not s.expert:
                     out.append(self.local(s, (i,), t))
@@ -275,7 +338,7 @@ class Arch:
             if expert_rank is not None:
                 for x in range(expert_rank * local_experts, (expert_rank + 1) * local_experts):
                     out += [self.local(s, (i, x), t) for s in layer_keys if s.expert]
-        if expert_rank is None and pp == self.pp - 1:
+        if expert_rank is None and pp == self.pp - 1 and last:
             out += [self.local(s, (), t) for s in keys if not s.stacked and s.key != EMBED]
         return out
 
@@ -291,6 +354,10 @@ class Arch:
     @property
     def edp(self) -> int:
         return self.tp * self.dp // (self.etp * self.ep)
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
 
 
 def pad(x: int, m: int) -> int:

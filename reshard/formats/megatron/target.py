@@ -42,13 +42,15 @@ class BucketChunk:
 
 @dataclass(slots=True)
 class Bucket:
-    """One DDP buffer's single bucket of one model-parallel (or expert) rank."""
+    """One DDP buffer's single bucket of one model-parallel (or expert) rank; ``gbuf`` its model
+    chunk (virtual stage)."""
 
     prefix: str
     m: int
     numel: int
     unpadded: int
     chunks: list[BucketChunk] = field(default_factory=list)
+    gbuf: int = 0
 
 
 class TargetLayout:
@@ -80,26 +82,27 @@ class TargetLayout:
             m = ParamMap(m.logical_shape, m.shards, (self.vocab_rows, *m.logical_shape[1:]))
         return m
 
-    def _groups(self) -> list[tuple[str, int, list[LocalParam], int, list[int]]]:
-        """(prefix, m, parameters in registration order, DP group size, rank of each DP shard)."""
+    def _groups(self) -> list[tuple[str, int, int, list[LocalParam], int, list[int]]]:
+        """(prefix, m, model chunk, parameters in registration order, DP group size, rank of each DP
+        shard): a buffer per model chunk."""
         a = self.arch
         dense = "chained_0." if a.experts else ""
-        out = [(dense, t + a.tp * pp, a.stage_params(pp, t), a.dp, [a.rank(t, pp, d) for d in range(a.dp)])
-               for pp in range(a.pp) for t in range(a.tp)]
+        out = [(dense, t + a.tp * pp, vp, a.stage_params(pp, t, vp=vp), a.dp, [a.rank(t, pp, d) for d in range(a.dp)])
+               for pp in range(a.pp) for t in range(a.tp) for vp in range(a.vpp)]
         if a.experts:
-            out += [("chained_1.", t + a.etp * (ep + a.ep * pp), a.stage_params(pp, t, expert_rank=ep), a.edp,
-                     [a.rank(t, pp, ep + a.ep * k) for k in range(a.edp)])
-                    for pp in range(a.pp) for ep in range(a.ep) for t in range(a.etp)]
+            out += [("chained_1.", t + a.etp * (ep + a.ep * pp), vp, a.stage_params(pp, t, expert_rank=ep, vp=vp),
+                     a.edp, [a.rank(t, pp, ep + a.ep * k) for k in range(a.edp)])
+                    for pp in range(a.pp) for ep in range(a.ep) for t in range(a.etp) for vp in range(a.vpp)]
         return out
 
     def _buckets(self) -> list[Bucket]:
         out, counters = [], {}
-        for prefix, m, params, dp, ranks in self._groups():
+        for prefix, m, vp, params, dp, ranks in self._groups():
             layout, unpadded, numel = bucket_layout(params, dp)
             shard = numel // dp
             cuts = sorted({0, unpadded} | {x for _, s, e in layout for x in (s, e)} |
                           {k * shard for k in range(1, dp) if k * shard < unpadded})
-            b = Bucket(prefix, m, numel, unpadded)
+            b = Bucket(prefix, m, numel, unpadded, gbuf=vp)
             for lo, hi in zip(cuts, cuts[1:]):
                 owner = next(((lp, s) for lp, s, e in layout if s <= lo and hi <= e), None)
                 if owner is None:

@@ -110,6 +110,8 @@ class MegatronWriter(Writer):
         ep = ep if ep is not None else src.ep
         arch = dataclasses.replace(src, tp=tp, pp=pp, dp=dp, ep=ep, etp=tp,
                                    padded_vocab=padded_vocab(src.vocab, divisible, tp))
+        if pp != src.pp:  # virtual / uneven stages are kept only at the source's PP
+            arch = arch.evened()
         arch.check("target topology")
         self.kind = optimizer or own.src.sharding
         self._check_kind()
@@ -225,8 +227,8 @@ class MegatronWriter(Writer):
             return key
         return f"optimizer.state.{_KIND_KEYS[state]}.{key}"
 
-    def _bucket_key(self, prefix: str, m: int, state: str) -> str:
-        return (f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_{buffer_dtype(self.args)}"
+    def _bucket_key(self, prefix: str, m: int, state: str, gbuf: int = 0) -> str:
+        return (f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_{gbuf}.dtype_{buffer_dtype(self.args)}"
                 f".bucket_idx_0.{_KIND_KEYS[state]}")
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
@@ -267,14 +269,16 @@ class MegatronWriter(Writer):
             dtypes = buffer_dtype(self.args)
             for b in self.layout.buckets:
                 first = next(c.rank for c in b.chunks)
-                if first != r:
+                if first != r or b.gbuf:
                     continue
+                chunks = [x for x in self.layout.buckets if (x.prefix, x.m) == (b.prefix, b.m)]  # a buffer per chunk
                 pre = f"{b.prefix}optimizer.distributed.dp_group_idx_{b.m}"
                 groups = self.groups[1 if b.prefix == "chained_1." else 0]
                 out += [(f"{pre}.optimizer/shard_0_1", safe.dumps([{"param_groups": [
                             dict({k: v for k, v in g.items() if k != "params"}, step=self.step) for g in groups]}])),
-                        (f"{pre}.per_bucket_numel/shard_0_1", safe.dumps([[{dtypes: [b.numel]}]])),
-                        (f"{pre}.per_bucket_numel_unpadded/shard_0_1", safe.dumps([[{dtypes: [b.unpadded]}]]))]
+                        (f"{pre}.per_bucket_numel/shard_0_1", safe.dumps([[{dtypes: [x.numel]} for x in chunks]])),
+                        (f"{pre}.per_bucket_numel_unpadded/shard_0_1",
+                         safe.dumps([[{dtypes: [x.unpadded]} for x in chunks]]))]
         out += self._copied(r)
         return out
 
@@ -314,7 +318,7 @@ class MegatronWriter(Writer):
                                         self.layout.maps[key].logical_shape)
             for b in self.layout.buckets:
                 for state in self.states:
-                    bkey = self._bucket_key(b.prefix, b.m, state)
+                    bkey = self._bucket_key(b.prefix, b.m, state, b.gbuf)
                     for bc in b.chunks:
                         if bc.rank == r:
                             slots = [] if bc.param is None else self._slots[(bc.param.spec.key, state)].get(bc.label, [])

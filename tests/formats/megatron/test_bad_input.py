@@ -152,3 +152,32 @@ def test_iteration_folder_the_tracker_does_not_name(tmp_path):
     _refused(src / "iter_0000002", tmp_path, "latest_checkpointed_iteration.txt", "iter_0000003")
     (src / "latest_checkpointed_iteration.txt").write_text("5")
     _refused(src, tmp_path, "latest_checkpointed_iteration.txt", "iter_0000005", "missing")
+
+
+def test_legacy_virtual_stages_the_files_do_not_hold(tmp_path):
+    src = _copy(tmp_path, "legacy_tp2_pp2")
+    f = src / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt"
+    sd = safe.load_file(f)
+    sd["args"].virtual_pipeline_model_parallel_size = 2
+    _save(sd, f)
+    _refused(src, tmp_path, "mp_rank_00_000", "no model0 / model1 state dict")
+
+
+def test_legacy_virtual_stages_with_the_distributed_optimizer_are_refused_by_name(tmp_path):
+    src = _copy(tmp_path, "legacy_pp2_vpp2")
+    f = src / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt"
+    sd = safe.load_file(f)
+    sd["args"].use_distributed_optimizer = True
+    f.write_bytes(safe.dumps(sd))
+    _refused(src, tmp_path, "mp_rank_00_000", "virtual_pipeline_model_parallel_size = 2 with the distributed optimizer")
+
+
+def test_uneven_stages_that_do_not_add_up(tmp_path):
+    src = _copy(tmp_path, "torch_dist_pp2_uneven")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    args.decoder_last_pipeline_num_layers = 1  # first 1 + last 1 of 3 layers over 2 stages
+    common["args"] = args
+    _plant(it, "common_state/shard_0_1", common)
+    _refused(src, tmp_path, "__0_0.distcp", "3 layers do not divide over 2 pipeline stages (first 1, last 1)")

@@ -33,6 +33,12 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_moe_ep2_distopt", dict(tp=1, pp=1, dp=2, ep=2), True),
     ("torch_dist_tp2_pp2", dict(tp=2, pp=1, dp=2, optimizer="dp_reshardable"), True),
     ("torch_dist_moe_ep2", dict(tp=1, pp=1, dp=1, ep=1), False),  # Megatron's EP=1 optimizer groups differ
+    ("torch_dist_pp2_vpp2", dict(tp=2, pp=2, dp=1), True),  # virtual stages kept (the oracle loads them so)
+    ("torch_dist_pp2_vpp2", dict(tp=1, pp=2, dp=1, optimizer="dp_reshardable"), True),  # a buffer per chunk
+    ("torch_dist_pp2_vpp2_distopt", dict(tp=2, pp=1, dp=1), True),
+    ("legacy_pp2_vpp2", dict(tp=2, pp=2, dp=1, optimizer="dp_reshardable"), True),
+    ("torch_dist_pp2_uneven", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),  # uneven buckets
+    ("torch_dist_pp2_uneven", dict(tp=2, pp=3, dp=1), True),
 ]
 
 

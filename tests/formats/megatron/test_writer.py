@@ -23,6 +23,13 @@ CASES = [
     ("legacy_dp2_distopt", dict(tp=2, pp=2, dp=1), "dp_reshardable"),
     ("torch_dist_moe_ep2_distopt", dict(tp=1, pp=1, dp=2), "dp_reshardable"),
     ("torch_dist_moe_ep2", dict(tp=1, pp=1, dp=2, optimizer="adam"), "adam"),
+    ("torch_dist_pp2_vpp2", dict(tp=1, pp=1, dp=1), "adam"),
+    ("torch_dist_pp2_vpp2", dict(tp=2, pp=2, dp=1), "adam"),
+    ("torch_dist_pp2_vpp2_distopt", dict(tp=2, pp=2, dp=1), "dp_reshardable"),
+    ("torch_dist_pp2_vpp2_distopt", dict(tp=1, pp=1, dp=2, optimizer="fully_reshardable"), "fully_reshardable"),
+    ("legacy_pp2_vpp2", dict(tp=2, pp=2, dp=1, optimizer="dp_reshardable"), "dp_reshardable"),
+    ("torch_dist_pp2_uneven", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
+    ("torch_dist_pp2_uneven", dict(tp=2, pp=3, dp=1), "adam"),
 ]
 
 
