@@ -288,7 +288,12 @@ def _resave_shape(root, path, rng, m, pristine, scratch) -> str:
     box[key] = {"1xN": lambda: flat.reshape(1, -1), "Nx1": lambda: flat.reshape(-1, 1),
                 "shorter": lambda: flat[:-1].clone(), "longer": lambda: torch.cat([flat, flat[:1]])}[how]()
     _resave(path, obj)
-    return f"{m.file}: {at} re-saved {how} ({list(t.shape)} -> {list(box[key].shape)})"
+    # a DeepSpeed module tensor no optimizer group lists (a frozen one) in a file without frozen_param_shapes
+    # (ZeRO-1): its shape is recorded nowhere but in the tensor itself
+    frozen = isinstance(obj, dict) and box is obj.get("module") and not obj.get("frozen_param_shapes") and \
+        isinstance(obj.get("param_shapes"), list) and all(key not in g for g in obj["param_shapes"])
+    unseen = f" {UNSEEN}: a frozen tensor, whose shape the file records nowhere else" if frozen else ""
+    return f"{m.file}: {at} re-saved {how} ({list(t.shape)} -> {list(box[key].shape)}){unseen}"
 
 
 def _resave_dtype(root, path, rng, m, pristine, scratch) -> str:
@@ -307,8 +312,10 @@ def _resave_dtype(root, path, rng, m, pristine, scratch) -> str:
 def _resave_keys(root, path, rng, m, pristine, scratch) -> str:
     obj = load(path, mmap=False)
     # a state dict's key set (a dict holding tensors), or the file's own entries
+    # (a model-state file's global_samples is optional: DeepSpeed's loader derives it when absent, so a
+    # file without it is a valid checkpoint, not damage; reshard's fresh DeepSpeed targets leave it out)
     dicts = [p for p in _places(obj) if isinstance(p[0], dict) and (p[0] is obj or any(
-        isinstance(v, torch.Tensor) for v in p[0].values()))]
+        isinstance(v, torch.Tensor) for v in p[0].values())) and not (p[0] is obj and p[1] == "global_samples")]
     if not dicts:
         return _flip_pkl(root, path, rng, m, pristine, scratch)
     box, key, at = rng.choice(dicts)

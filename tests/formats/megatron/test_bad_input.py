@@ -181,3 +181,32 @@ def test_uneven_stages_that_do_not_add_up(tmp_path):
     common["args"] = args
     _plant(it, "common_state/shard_0_1", common)
     _refused(src, tmp_path, "__0_0.distcp", "3 layers do not divide over 2 pipeline stages (first 1, last 1)")
+
+
+def _edit_bucket(src, edit) -> None:
+    """Edit the fp32 ``param`` entry of the distributed optimizer's bucket in ``.metadata``."""
+    f = next(src.glob("iter_*/.metadata"))
+    md = pickle.loads(f.read_bytes())  # our own fixture's copy: trusted here
+    key = next(k for k in md.state_dict_metadata if k.endswith("bucket_idx_0.param"))
+    edit(md.state_dict_metadata, key)
+    f.write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize("route", ["universal", "safetensors"])
+def test_a_bucket_chunk_lost_from_the_metadata_is_refused(tmp_path, route):
+    """Found by make fuzz (case 214 at seed 20261201): one DP rank's chunk of a bucket dropped from
+    ``.metadata`` left part of the fp32 masters unread, and ``--format universal`` wrote the rest."""
+    src = _copy(tmp_path, "torch_dist_dp2_distopt_bf16")
+    _edit_bucket(src, lambda md, key: md[key].chunks.pop(0))
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=r"bucket_idx_0\.param'.*: its chunks leave elements \[0, \d+\) uncovered"):
+        convert(src, out, fmt=route)
+    assert not out.exists()
+
+
+def test_a_bucket_without_its_fp32_params_is_refused(tmp_path):
+    """Megatron's distributed Adam saves a bucket's fp32 params with both moments: one missing is damage,
+    never a source without masters whose weights would be cast instead."""
+    src = _copy(tmp_path, "torch_dist_dp2_distopt_bf16")
+    _edit_bucket(src, lambda md, key: md.pop(key))
+    _refused(src, tmp_path, ".metadata", "its bucket has no param entry")
