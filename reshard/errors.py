@@ -60,7 +60,8 @@ class CheckpointError(ReshardError):
 
 class QuantizedError(CheckpointError):
     """A source holds quantized weights (an FP8 or MXFP4 payload and its scales) that reshard does not
-    decode: refused by name rather than copied as if the payload were a weight."""
+    decode: refused by name rather than copied as if the payload were a weight. Also a weight that
+    cannot be quantized as asked (``--quantize``: a NaN or infinite value), naming its block."""
 
 
 class OutputError(ReshardError):

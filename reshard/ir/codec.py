@@ -12,6 +12,10 @@ transformers' dequantizing load computes in float32 and then casts to the model'
   nibble first) and ``scales`` uint8 ``[E, out, G]`` (E8M0 exponents, bias 127):
   ``w = ldexp(E2M1[nibble], scale - 127)``, laid out ``[E, in = 32 G, out]`` as the HF model holds
   its experts -- transformers' ``convert_moe_packed_tensors`` step for step.
+
+And one encoder, the inverse direction of the first: :func:`fp8_block_encode`, transformers'
+``Fp8Quantize`` expression for expression (so bit for bit), with a partial last block defined as the
+decoder defines it: padded with zeros to a whole block, quantized, cropped.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from math import prod
 
 import torch
 
-__all__ = ["E2M1", "MXFP4_VALUES_PER_BYTE", "MXFP4_BYTES", "e8m0", "fp8_block_decode", "mxfp4_decode",
-           "mxfp4_shape", "scale_grid"]
+from ..errors import QuantizedError
+
+__all__ = ["E2M1", "FP8_MAX", "MXFP4_BYTES", "MXFP4_VALUES_PER_BYTE", "SCALE_FORMATS", "e8m0", "fp8_block_decode",
+           "fp8_block_encode", "mxfp4_decode", "mxfp4_shape", "scale_grid"]
 
 # the sixteen E2M1 values by nibble (OCP MX spec; transformers' FP4_VALUES)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -29,6 +35,9 @@ MXFP4_BYTES = 16  # bytes of one MXFP4 block: 32 values
 MXFP4_VALUES_PER_BYTE = 2
 E8M0_NAN = 255  # the one E8M0 byte that is not a power of two
 _RUN = 1 << 20  # elements of FP8 payload widened at a time
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: a block's largest magnitude maps to it
+# weight_scale_inv's storage: float32 (DeepSeek-V3) or a power of two in one byte (UE8M0, DeepSeek-V4)
+SCALE_FORMATS = {"float32": torch.float32, "ue8m0": torch.float8_e8m0fnu}
 
 
 def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -91,3 +100,64 @@ def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         torch.ldexp(values, (scales[x].to(torch.int32) - 127).reshape(rows * g, 1), out=values)
         out[x] = values.reshape(rows, g * b * MXFP4_VALUES_PER_BYTE).T
     return out
+
+
+def fp8_block_encode(tensor: torch.Tensor, block: tuple[int, int],
+                     scale_fmt: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
+    """``tensor`` (``[..., rows, cols]``, any float dtype) as an E4M3 payload of its shape and its
+    ``weight_scale_inv`` (``scale_grid``'s shape; float32, or ``float8_e8m0fnu`` for ``"ue8m0"``):
+    transformers' ``Fp8Quantize`` per block -- ``inv = 1 / (448 / amax)`` (1 for an all-zero block;
+    UE8M0 rounds it up to a power of two first), ``q = e4m3(clamp(x * (1 / inv)))`` -- computed by
+    the same torch expressions, a run of whole block rows at a time (memory: the outputs and one
+    run). A partial last block is padded with zeros, quantized and cropped (its amax is its own
+    elements'), as :func:`fp8_block_decode` reads it. Refuses (``QuantizedError``) a block holding a
+    NaN or infinite value, and, for float32 scales, one too small to scale (448 / amax overflows)."""
+    if scale_fmt not in SCALE_FORMATS:
+        raise ValueError(f"scale_fmt must be one of {sorted(SCALE_FORMATS)}, got {scale_fmt!r}")
+    *lead, rows, cols = tensor.shape
+    bm, bn = block
+    n, k = prod(lead), -(-cols // bn)
+    x = tensor.reshape(n, rows, cols)
+    payload = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((n, -(-rows // bm), k), dtype=SCALE_FORMATS[scale_fmt])
+    step = max(1, _RUN // max(1, bm * cols)) * bm  # rows per run: whole blocks, about _RUN elements
+    for i in range(n):
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            nb = -(-(r1 - r0) // bm)
+            run = x[i, r0:r1].to(torch.float32)
+            if (r1 - r0) % bm or cols % bn:  # a partial last block: zeros change no amax
+                run = torch.nn.functional.pad(run, (0, k * bn - cols, 0, nb * bm - r1 + r0))
+            q, inv = _encode_blocks(run.reshape(nb, bm, k, bn), scale_fmt, ([i] if lead else [], r0 // bm))
+            payload[i, r0:r1] = q.reshape(nb * bm, k * bn)[:r1 - r0, :cols]
+            scales[i, r0 // bm:r0 // bm + nb] = inv
+    return payload.reshape(tensor.shape), scales.reshape(scale_grid(tuple(tensor.shape), block))
+
+
+def _encode_blocks(blocks: torch.Tensor, scale_fmt: str, at: tuple[list[int], int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Fp8Quantize._quantize_one`` on float32 ``[nb, bm, k, bn]`` blocks, its expressions in its
+    order (a reciprocal and a product each round: the same ops give the same bits)."""
+    max_abs = blocks.abs().amax(dim=(-3, -1))
+    if not bool(torch.isfinite(max_abs).all()):
+        raise QuantizedError(f"block {_first(~torch.isfinite(max_abs), at)} holds a NaN or infinite value, "
+                             "which FP8 cannot hold")
+    safe_max_abs = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    scales = FP8_MAX / safe_max_abs
+    scales = torch.where(max_abs > 0, scales, torch.ones_like(scales))  # an all-zero block: scale 1
+    inv_scales = (1.0 / scales).to(torch.float32)
+    if scale_fmt == "ue8m0":  # the power of two at or above, stored; the forward scale its exact reciprocal
+        inv_scales = torch.pow(2.0, torch.ceil(torch.log2(inv_scales.clamp(min=torch.finfo(torch.float32).tiny))))
+        inv_scales = inv_scales.to(torch.float8_e8m0fnu)
+        scales = 1.0 / inv_scales.to(torch.float32)
+    elif not bool((inv_scales > 0).all()):
+        raise QuantizedError(f"block {_first(inv_scales <= 0, at)}'s largest magnitude is below what a float32 "
+                             "scale can reach (448 / amax overflows); quantize with ue8m0 scales")
+    scaled = blocks * scales.unsqueeze(-1).unsqueeze(-3)
+    return torch.clamp(scaled, min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn), inv_scales
+
+
+def _first(bad: torch.Tensor, at: tuple[list[int], int]) -> list[int]:
+    """The scale-grid index ``[.., row, col]`` of the first ``bad`` block of a run at ``at``
+    (its leading index, its first block row)."""
+    r, c = (int(v) for v in bad.nonzero()[0])
+    return [*at[0], at[1] + r, c]
