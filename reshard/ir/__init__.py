@@ -1,5 +1,6 @@
 """The affine IR: pieces, maps, checks, canonical form, JSON format. No I/O."""
 
+from .blocks import block_grid, coarsen
 from .canonical import canonicalize
 from .check import check, uncovered
 from .param_map import ParamMap, map_from_dict, map_to_dict, maps_from_document, maps_to_document
@@ -11,8 +12,10 @@ __all__ = [
     "Piece",
     "Shard",
     "View",
+    "block_grid",
     "canonicalize",
     "check",
+    "coarsen",
     "map_from_dict",
     "map_to_dict",
     "maps_from_document",

@@ -1,0 +1,161 @@
+"""``reshard.ir.blocks.coarsen``: the scale map derived from a payload map by the block grid, over
+random TP splits (rows or columns, even or uneven, block-aligned or cutting blocks), arbitrary
+per-rank block lists with replication (``dim_blocks``) and 2-D tilings replicated over DP: every
+scale entry is held by exactly the shards touching its block, the map is valid (tiling,
+coverage, exact locations), a shard holds each scale once; aligned splits coarsen in place."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard.errors import MapError
+from reshard.ir import ParamMap, block_grid, coarsen
+from reshard.layouts import dim_blocks, flat_ranges, replicated, split
+from reshard.layouts._core import box_piece, finish
+
+SETTINGS = settings(max_examples=int(os.environ.get("RESHARD_EXAMPLES", "150")), deadline=None)
+
+
+@st.composite
+def payloads(draw: st.DrawFn) -> tuple[ParamMap, tuple[int, int]]:
+    lead = draw(st.sampled_from([(), (2,), (3,)]))
+    shape = (*lead, draw(st.integers(1, 40)), draw(st.integers(1, 40)))
+    block = (draw(st.integers(1, 16)), draw(st.integers(1, 16)))
+    kind = draw(st.sampled_from(["split", "blocks", "grid"]))
+    if kind == "split":  # TP: contiguous, uneven, maybe cutting blocks, maybe empty ranks
+        dim = draw(st.sampled_from([-2, -1]))
+        n = shape[dim]
+        cuts = sorted(draw(st.lists(st.integers(0, n), min_size=0, max_size=4)))
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+        return split(shape, dim, sizes), block
+    if kind == "blocks":  # any blocks in any order per rank, replicated in part (fused sub-params, overlaps)
+        dim = draw(st.sampled_from([-2, -1] + ([0] if lead else [])))
+        n = shape[dim]
+        ranks = draw(st.integers(1, 4))
+        spans: dict[int, list[tuple[int, int]]] = {r: [] for r in range(ranks)}
+        at = 0
+        while at < n:  # a cover, dealt out in order, then extra copies anywhere
+            k = draw(st.integers(1, n - at))
+            spans[draw(st.integers(0, ranks - 1))].append((at, k))
+            at += k
+        for r in range(ranks):
+            for _ in range(draw(st.integers(0, 2))):
+                a = draw(st.integers(0, n - 1))
+                b = draw(st.integers(a + 1, n))
+                if all(b <= s or a >= s + k for s, k in spans[r]):  # a shard holds an element once
+                    spans[r].insert(draw(st.integers(0, len(spans[r]))), (a, b - a))
+        spans = {r: s for r, s in spans.items() if s}
+        return dim_blocks(shape, dim, spans), block
+    rows = draw(st.integers(1, min(3, shape[-2])))
+    cols = draw(st.integers(1, min(3, shape[-1])))
+    dp = draw(st.integers(1, 2))
+    return _grid(shape, rows, cols, dp), block
+
+
+def _bounds(n: int, parts: int) -> list[int]:
+    return [n * i // parts for i in range(parts + 1)]
+
+
+def _grid(shape: tuple[int, ...], rows: int, cols: int, dp: int) -> ParamMap:
+    """A 2-D tiling ``rows x cols`` (TP over both dims), replicated over ``dp`` copies."""
+    rb, cb = _bounds(shape[-2], rows), _bounds(shape[-1], cols)
+    lead = shape[:-2]
+    shards = {}
+    for i in range(rows):
+        for j in range(cols):
+            tile = (*lead, rb[i + 1] - rb[i], cb[j + 1] - cb[j])
+            holders = [(i * cols + j) * dp + c for c in range(dp)]
+            for r in holders:
+                shards[r] = (tile, [box_piece(shape, (*(0 for _ in lead), rb[i], cb[j]), tile, tile,
+                                              (0,) * len(shape), holders)])
+    return finish(shape, shards)
+
+
+def _block_ids(shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+    """F's elements labelled with the flat index of their block in S."""
+    grid = block_grid(shape, block)
+    idx = torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij")
+    b = (1,) * (len(shape) - 2) + block
+    flat = torch.zeros(shape, dtype=torch.int64)
+    for i, k, g in zip(idx, b, grid):
+        flat = flat * g + i // k
+    return flat
+
+
+def _held(m: ParamMap, full: torch.Tensor) -> dict[int, list[int]]:
+    return {r: m.extract(full, r).reshape(-1).tolist() for r in m.ranks}
+
+
+@SETTINGS
+@given(case=payloads())
+def test_each_scale_is_held_by_every_shard_touching_its_block(case: tuple[ParamMap, tuple[int, int]]) -> None:
+    payload, block = case
+    scales = coarsen(payload, block)
+    scales.check()
+    grid = block_grid(payload.logical_shape, block)
+    assert scales.logical_shape == grid and scales.ranks == payload.ranks
+    touched = _held(payload, _block_ids(payload.logical_shape, block))
+    held = _held(scales, torch.arange(torch.Size(grid).numel()).reshape(grid))
+    for r in payload.ranks:
+        assert len(held[r]) == len(set(held[r]))  # each scale once per shard
+        assert set(held[r]) == set(touched[r]), r
+    holders = {e: frozenset(r for r in held if e in held[r]) for e in range(torch.Size(grid).numel())}
+    flat = torch.arange(torch.Size(grid).numel())
+    for _, _, p in scales.pieces():  # locations exact: every element's holder set
+        elems = torch.as_strided(flat, p.shape, p.source.strides, p.source.offset).reshape(-1).tolist()
+        assert all(holders[e] == p.locations for e in elems)
+
+
+@SETTINGS
+@given(rows=st.integers(1, 5), cols=st.integers(1, 5), bm=st.integers(1, 8), bn=st.integers(1, 8),
+       tp=st.integers(1, 4), dim=st.sampled_from([0, 1]))
+def test_aligned_split_coarsens_in_place(rows: int, cols: int, bm: int, bn: int, tp: int, dim: int) -> None:
+    """A split on block boundaries: rank r's scales are its payload shard's blocks, in place
+    (vLLM's ``weight_scale_inv`` narrow at ``offset / block``)."""
+    shape = (rows * bm * tp, cols * bn) if dim == 0 else (rows * bm, cols * bn * tp)
+    payload = split(shape, dim, [shape[dim] // tp] * tp)
+    scales = coarsen(payload, (bm, bn))
+    ids = _block_ids(shape, (bm, bn))
+    for r in payload.ranks:
+        assert torch.equal(scales.extract(torch.arange(ids.max() + 1).reshape(block_grid(shape, (bm, bn))), r),
+                           payload.extract(ids, r)[::bm, ::bn])
+
+
+def test_cut_block_replicated_on_both_sides() -> None:
+    """DeepSeek-V3 ``kv_a_proj_with_mqa`` (576 rows) at TP 2 in 128-row blocks: row 288 cuts block 2,
+    which both ranks hold (scale rows [0, 3) and [2, 5))."""
+    scales = coarsen(split((576, 256), 0, [288, 288]), (128, 128))
+    assert scales.logical_shape == (5, 2) and [scales.shards[r].shape for r in (0, 1)] == [(3, 2), (3, 2)]
+    grid = torch.arange(10).reshape(5, 2)
+    assert scales.extract(grid, 0).tolist() == grid[0:3].tolist() and scales.extract(grid, 1).tolist() == grid[2:5].tolist()
+    assert {p.locations for _, _, p in scales.pieces()} == {frozenset({0}), frozenset({0, 1}), frozenset({1})}
+
+
+def test_replicated_payload_replicated_scales() -> None:
+    scales = coarsen(replicated((4, 300, 130), 3), (128, 128))
+    assert scales.logical_shape == (4, 3, 2)
+    assert all(p.locations == frozenset({0, 1, 2}) for _, _, p in scales.pieces())
+
+
+@pytest.mark.parametrize(("payload", "match"), [
+    (flat_ranges((8, 8), {0: (32, [(0, 0, 32)]), 1: (32, [(32, 0, 32)])}), "flat partition"),
+    (replicated((8, 8), 1), "block"),
+])
+def test_refused(payload: ParamMap, match: str) -> None:
+    with pytest.raises(MapError, match=match):
+        coarsen(payload, (4, 4) if match != "block" else (0, 4))
+
+
+def test_not_a_product_refused() -> None:
+    """A shard whose dest row holds different F rows in different columns has no per-dim index maps."""
+    shape = (8, 8)
+    pieces = [box_piece(shape, (0, 0), (4, 4), (4, 8), (0, 0), {0}), box_piece(shape, (4, 4), (4, 4), (4, 8), (0, 4), {0})]
+    rest = [box_piece(shape, (0, 4), (4, 4), (4, 8), (0, 0), {1}), box_piece(shape, (4, 0), (4, 4), (4, 8), (0, 4), {1})]
+    m = finish(shape, {0: ((4, 8), pieces), 1: ((4, 8), rest)})
+    with pytest.raises(MapError, match="not a product of per-dim index maps"):
+        coarsen(m, (2, 2))
