@@ -37,6 +37,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _block(text: str) -> tuple[int, int]:
+    """``--block RxC``: two positive integers."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+        raise argparse.ArgumentTypeError(f"must be ROWSxCOLS, two positive integers (128x128), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def _load_maps(path: str) -> dict:
     """The maps of a JSON map document (one map, named after the file, or a document of many)."""
     from .ir.param_map import ParamMap, maps_from_document
@@ -230,7 +238,8 @@ def _cmd_convert(args) -> int:
                              checksum=args.checksum, max_file_bytes=int(args.max_file_gb * 2**30), cluster=cluster,
                              rename=args.rename, with_optimizer=args.with_optimizer, dtype=_dtype(args),
                              hf_config=args.hf_config, early_copies=early, names=args.names,
-                             verify_source=args.verify_source, verify=args.verify, tp=args.tp)
+                             verify_source=args.verify_source, verify=args.verify, tp=args.tp,
+                             quantize=args.quantize, block=args.block)
     except BaseException:
         if early is not None:
             early.abandon()
@@ -318,8 +327,8 @@ def _format_options(p: argparse.ArgumentParser, command: str) -> None:
             continue
         takers = [f.name for f in rows if key in ((f.convert if command == "convert" else f.reshard) or ())]
         how = dict(option.argparse)
-        if how.get("type") == "positive":
-            how["type"] = _positive
+        if how.get("type") in ("positive", "block"):
+            how["type"] = _positive if how["type"] == "positive" else _block
         how.setdefault("default", False if how.get("action") == "store_true" else None)
         p.add_argument(option.flag, **how, help=f"{flag} {'|'.join(takers)}: {option.help}")
 

@@ -28,8 +28,8 @@ import torch
 
 from ..ir.param_map import ParamMap
 
-__all__ = ["BEST", "MODULE", "MOMENTS", "OPTIMIZER", "SCALE_POWER", "STATES", "Buffer", "Reader", "Slot", "Target",
-           "Writer"]
+__all__ = ["BEST", "MODULE", "MOMENTS", "OPTIMIZER", "SCALE_POWER", "STATES", "Buffer", "Reader", "Slot", "Stored",
+           "Target", "Writer"]
 
 STATES = ("weight", "fp32", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -71,6 +71,19 @@ class Target:
     name: str
     want: tuple[str, ...]
     map: ParamMap
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A parameter its source stores quantized as FP8 block scales (docs/spec.md §7.4): the payload
+    and ``weight_scale_inv`` tensors as stored (not decoded), what a quantized target holding the
+    same encoding copies byte for byte instead of decoding and re-encoding."""
+
+    payload_dtype: torch.dtype  # float8_e4m3fn or float8_e5m2
+    block: tuple[int, int]  # rows, cols per scale
+    scale_fmt: str  # "float32" or "ue8m0" (ir.codec.SCALE_FORMATS), whatever dtype holds the scales
+    payload: Callable[[], torch.Tensor]  # the payload tensor, the weight's shape
+    scales: Callable[[], torch.Tensor]  # the scales as stored (their dtype: float32, E8M0 or its byte)
 
 
 class Reader(ABC):
@@ -123,6 +136,11 @@ class Reader(ABC):
 
     def hf_config(self) -> dict[str, Any] | None:
         """A transformers ``config.json`` for the model, where the source records its architecture."""
+        return None
+
+    def stored(self, name: str) -> Stored | None:
+        """Parameter ``name`` as stored where the source holds it quantized (FP8 block scales), else
+        ``None``. Its ``weight`` state is still the decoded value; this is the encoding beside it."""
         return None
 
     def native(self, fmt: str) -> object | None:

@@ -60,6 +60,11 @@ OPTIONS: dict[str, Option] = {
     "layout": Option("--layout", "target TP layout where TP changes to a degree the source does not record (a "
                      "DeepSpeed checkpoint at that degree, a map document, or 'geometry')",
                      {"metavar": "CKPT|MAPS.json|geometry"}),
+    "quantize": Option("--quantize", "write 2-D linear weights as FP8 E4M3 with a weight_scale_inv per block, as "
+                       "transformers' Fp8Quantize does (fp8: float32 scales; fp8-ue8m0: power-of-two E8M0 scales); "
+                       "embeddings, norms and the output head stay as they are", {"choices": ("fp8", "fp8-ue8m0")}),
+    "block": Option("--block", "with --quantize: the scale block, rows x columns (default: an FP8 source's own, "
+                    "else 128x128)", {"type": "block", "metavar": "RxC"}),
     "optimizer": Option("--optimizer", "its optimizer state's layout (default: the source's; from an HF "
                         "folder: none)", {"choices": ("none", "adam", "dp_reshardable", "fully_reshardable")}),
 }
@@ -144,12 +149,13 @@ FORMATS: tuple[Format, ...] = (
            hint="model.safetensors, model.safetensors.index.json",
            reader="reshard.formats.safetensors.reader:SafetensorsReader",
            writer="reshard.formats.safetensors.writer:SafetensorsWriter",
-           convert=("max_file_bytes", "dtype", "with_optimizer"), names="hf",
+           convert=("max_file_bytes", "dtype", "with_optimizer", "quantize", "block"), names="hf",
            source_example="reshard convert HF_FOLDER OUT --format dcp",
            target_example="reshard convert CKPT OUT --format safetensors"),
     Format("hf", "a Hugging Face model folder",
            writes="a folder from_pretrained loads as it stands (config.json and tokenizer carried)",
-           writer="reshard.formats.hf.writer:HfWriter", convert=("max_file_bytes", "dtype", "hf_config"), names="hf",
+           writer="reshard.formats.hf.writer:HfWriter", convert=("max_file_bytes", "dtype", "hf_config", "quantize", "block"),
+           names="hf",
            target_example="reshard convert CKPT OUT --format hf --dtype bf16"),
     Format("megatron", "a Megatron-Core checkpoint", probe=1,  # before dcp: a torch_dist iteration folder is one
            reads="Megatron-LM's save folder (torch_dist or legacy torch, TP x PP x DP x EP)",

@@ -102,8 +102,8 @@ def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fp8_block_encode(tensor: torch.Tensor, block: tuple[int, int],
-                     scale_fmt: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_block_encode(tensor: torch.Tensor, block: tuple[int, int], scale_fmt: str = "float32", *,
+                     row_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``tensor`` (``[..., rows, cols]``, any float dtype) as an E4M3 payload of its shape and its
     ``weight_scale_inv`` (``scale_grid``'s shape; float32, or ``float8_e8m0fnu`` for ``"ue8m0"``):
     transformers' ``Fp8Quantize`` per block -- ``inv = 1 / (448 / amax)`` (1 for an all-zero block;
@@ -111,7 +111,8 @@ def fp8_block_encode(tensor: torch.Tensor, block: tuple[int, int],
     the same torch expressions, a run of whole block rows at a time (memory: the outputs and one
     run). A partial last block is padded with zeros, quantized and cropped (its amax is its own
     elements'), as :func:`fp8_block_decode` reads it. Refuses (``QuantizedError``) a block holding a
-    NaN or infinite value, and, for float32 scales, one too small to scale (448 / amax overflows)."""
+    NaN or infinite value, and, for float32 scales, one too small to scale (448 / amax overflows),
+    naming its index (its block row counted from ``row_block``: where ``tensor`` is a run of a larger one)."""
     if scale_fmt not in SCALE_FORMATS:
         raise ValueError(f"scale_fmt must be one of {sorted(SCALE_FORMATS)}, got {scale_fmt!r}")
     *lead, rows, cols = tensor.shape
@@ -128,7 +129,7 @@ def fp8_block_encode(tensor: torch.Tensor, block: tuple[int, int],
             run = x[i, r0:r1].to(torch.float32)
             if (r1 - r0) % bm or cols % bn:  # a partial last block: zeros change no amax
                 run = torch.nn.functional.pad(run, (0, k * bn - cols, 0, nb * bm - r1 + r0))
-            q, inv = _encode_blocks(run.reshape(nb, bm, k, bn), scale_fmt, ([i] if lead else [], r0 // bm))
+            q, inv = _encode_blocks(run.reshape(nb, bm, k, bn), scale_fmt, ([i] if lead else [], row_block + r0 // bm))
             payload[i, r0:r1] = q.reshape(nb * bm, k * bn)[:r1 - r0, :cols]
             scales[i, r0 // bm:r0 // bm + nb] = inv
     return payload.reshape(tensor.shape), scales.reshape(scale_grid(tuple(tensor.shape), block))

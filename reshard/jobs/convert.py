@@ -63,6 +63,8 @@ def convert(
     verify_source: bool = True,
     verify: str = "records",
     tp: int | None = None,
+    quantize: str | None = None,
+    block: tuple[int, int] | None = None,
 ) -> Report:
     """Convert the checkpoint at ``ckpt_dir`` (any format reshard reads: ``formats.table``) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="universal"``, or its alias ``"ucp"``;
@@ -90,23 +92,30 @@ def convert(
     compares module weights with the masters they were cast from (``jobs.deep_check``).
 
     ``fmt="vllm"``: vLLM's sharded state at TP=``tp`` (default 1) in ``out_dir`` itself, with
-    ``config.json`` and the tokenizer files as for ``"hf"`` (``formats.vllm.writer``)."""
+    ``config.json`` and the tokenizer files as for ``"hf"`` (``formats.vllm.writer``).
+
+    ``quantize`` (``"fp8"`` or ``"fp8-ue8m0"``; ``"hf"`` and ``"safetensors"``): 2-D linear weights
+    written as FP8 E4M3 and a ``weight_scale_inv`` per ``block`` (rows, cols; default an FP8 source's
+    own, else 128 x 128), transformers' ``Fp8Quantize`` bit for bit (``formats.safetensors.writer``)."""
     fmt = table.target(fmt, "convert").name
     check_options(fmt, _convert_options(fmt, max_file_bytes=max_file_bytes, rename=rename, with_optimizer=with_optimizer,
-                                        dtype=dtype, hf_config=hf_config, early=None, tp=tp))
+                                        dtype=dtype, hf_config=hf_config, early=None, tp=tp, quantize=quantize,
+                                        block=block))
     Policy.parse(on_replica_mismatch)
     with verified.verifying(verify_source):
         reader, notes = _open(ckpt_dir, verify, route=fmt, names=names)
         return _convert(reader, out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
                         overwrite=overwrite, max_file_bytes=max_file_bytes, progress=progress, checksum=checksum,
                         cluster=cluster, rename=rename, with_optimizer=with_optimizer, dtype=dtype,
-                        hf_config=hf_config, early_copies=early_copies, notes=notes, tp=tp)
+                        hf_config=hf_config, early_copies=early_copies, notes=notes, tp=tp, quantize=quantize,
+                        block=block)
 
 
 def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_replica_mismatch: str,
              overwrite: bool, max_file_bytes: int, progress: Any, checksum: str, cluster: Cluster | None,
              rename: Sequence[str], with_optimizer: bool, dtype: torch.dtype | None, hf_config: str | Path | None,
-             early_copies: Any, notes: list[str], tp: int | None = None) -> Report:
+             early_copies: Any, notes: list[str], tp: int | None = None, quantize: str | None = None,
+             block: tuple[int, int] | None = None) -> Report:
     cluster = cluster or Cluster.from_env()
     early = early_copies
     own = reader.native("deepspeed")
@@ -116,7 +125,7 @@ def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_
         early.abandon()  # of another route, source, output or process count: as without them
         early = None
     options = _convert_options(fmt, max_file_bytes=max_file_bytes, rename=rename, with_optimizer=with_optimizer,
-                               dtype=dtype, hf_config=hf_config, early=early, tp=tp)
+                               dtype=dtype, hf_config=hf_config, early=early, tp=tp, quantize=quantize, block=block)
     writer = make_writer(fmt, reader, **options)
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
@@ -125,12 +134,13 @@ def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_
 
 def _convert_options(fmt: str, *, max_file_bytes: int, rename: Sequence[str], with_optimizer: bool,
                      dtype: torch.dtype | None, hf_config: str | Path | None, early: Any,
-                     tp: int | None = None) -> dict[str, Any]:
+                     tp: int | None = None, quantize: str | None = None,
+                     block: tuple[int, int] | None = None) -> dict[str, Any]:
     """The writer options of a conversion to ``fmt``: what the user chose (refused by the target
     that does not take it), and the defaults it takes (a file size, early copies)."""
     takes = table.row(fmt).options
     return {"rename": tuple(rename) or None, "with_optimizer": with_optimizer or None, "dtype": dtype,
-            "hf_config": hf_config, "tp": tp, **{k: v for k, v in (("max_file_bytes", max_file_bytes), ("early", early))
+            "hf_config": hf_config, "tp": tp, "quantize": quantize, "block": block, **{k: v for k, v in (("max_file_bytes", max_file_bytes), ("early", early))
                                        if k in takes}}
 
 

@@ -31,7 +31,7 @@ from ...errors import ReshardError
 from ..contract import Reader, Writer
 from ..safetensors.writer import SafetensorsWriter
 
-__all__ = ["HfWriter", "metadata_folder"]
+__all__ = ["HfWriter", "fp8_config", "metadata_folder"]
 
 # what a model folder holds beside its weights, carried as they are (the config may be rewritten)
 CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -66,7 +66,8 @@ class HfWriter(Writer):
     tag = None  # the output folder itself is the model folder
 
     def __init__(self, reader: Reader, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
-                 hf_config: str | Path | None = None) -> None:
+                 hf_config: str | Path | None = None, quantize: str | None = None,
+                 block: tuple[int, int] | None = None) -> None:
         self.reader = reader
         self.folder = metadata_folder(reader, hf_config)
         self.config = self._config()
@@ -78,8 +79,9 @@ class HfWriter(Writer):
             TIED[1] in out.values()
         if self.tied:
             out = {n: o for n, o in out.items() if o != TIED[0]}
-        self.inner = SafetensorsWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, names=out, index=False)
-        self.dtype = self.inner.specs[0][2] if self.inner.specs else torch.float32
+        self.inner = SafetensorsWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, names=out, index=False,
+                                       quantize=quantize, block=block)
+        self.dtype = self.inner.params[0][2] if self.inner.params else torch.float32
         self.carried = [f for f in CARRIED if self.folder is not None and (self.folder / f).is_file() and
                         f != "config.json"]
         self.prefix = prefix
@@ -112,7 +114,8 @@ class HfWriter(Writer):
                 + f"; config.json {where}"
                 + (f"; carried: {', '.join(self.carried)}" if self.carried else "")
                 + ("; its quantization_config dropped (the weights are written unquantized)"
-                   if "quantization_config" in self.config else "")]
+                   if "quantization_config" in self.config and not self.inner.encoded else "")
+                + (f"; {self.inner.quantized_note()}" if self.inner.encoded else "")]
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
         return self.inner.jobs(engine, staging) + self.metadata_jobs(staging)
@@ -129,7 +132,10 @@ class HfWriter(Writer):
         # reshard writes weights, never a quantized payload: a quantization_config would make
         # from_pretrained read them as one
         quantized = config.pop("quantization_config", None) is not None
-        if self.folder is not None and not quantized and config.get("dtype", config.get("torch_dtype")) == name:
+        if self.inner.encoded:  # what transformers' quantized save_pretrained writes (FineGrainedFP8Config.to_dict())
+            config["quantization_config"] = fp8_config(self.inner.block, self.inner.scale_fmt)
+        if self.folder is not None and not quantized and not self.inner.encoded and \
+                config.get("dtype", config.get("torch_dtype")) == name:
             staging.copy(self.folder / "config.json", "config.json")
             return
         for key in ("dtype", "torch_dtype"):
@@ -137,6 +143,14 @@ class HfWriter(Writer):
                 config[key] = name
         with staging.open("config.json") as out:  # save_pretrained's layout of the file
             out.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+
+
+def fp8_config(block: tuple[int, int] | None, scale_fmt: str | None) -> dict[str, Any]:
+    """``FineGrainedFP8Config(weight_block_size=block, scale_fmt=...).to_dict()``, without importing
+    transformers: the config a quantized ``save_pretrained`` writes."""
+    return {"activation_scheme": "dynamic", "dequantize": False, "expert_dtype": "fp8", "modules_to_convert": None,
+            "modules_to_not_convert": None, "quant_method": "fp8",
+            "scale_fmt": "ue8m0" if scale_fmt == "ue8m0" else "float", "weight_block_size": list(block or (128, 128))}
 
 
 def _shared_prefix(names: list[str]) -> str:

@@ -14,6 +14,8 @@ import torch
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
+QUANTIZED = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0"}
+HEADER_DTYPES = DTYPES | QUANTIZED  # what a file may hold: --dtype takes DTYPES; payloads and scales these
 
 
 class SafetensorsFile:
@@ -25,7 +27,7 @@ class SafetensorsFile:
         offset = 0
         for name, shape, dtype in specs:
             n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {"dtype": HEADER_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
@@ -43,6 +45,23 @@ class SafetensorsFile:
         t = tensor.detach().contiguous().cpu()
         if t.numel():  # the tensor's own bytes, no copy (a mapped source is written straight out)
             self.f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+
+    def write_runs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, runs: Iterable[torch.Tensor]) -> None:
+        """Write tensor ``name`` as consecutive runs of its elements (a quantized payload, block row
+        run by block row run); refuses runs that do not add up to its size."""
+        want = self.expected[self.index]
+        if (name, tuple(shape), dtype) != want:
+            raise ValueError(f"safetensors writer expected {want}, got {name} {tuple(shape)} {dtype}")
+        self.index += 1
+        left = torch.Size(shape).numel()
+        for t in runs:
+            if t.dtype != dtype or t.numel() > left:
+                raise ValueError(f"safetensors writer: a run of {t.numel()} {t.dtype} past tensor {name}")
+            left -= t.numel()
+            if t.numel():
+                self.f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B"))
+        if left:
+            raise ValueError(f"safetensors writer: tensor {name} ended {left} elements short")
 
     def write_fill(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                    fill: Callable[[torch.Tensor, int], None], chunk_bytes: int = 16 << 20) -> None:

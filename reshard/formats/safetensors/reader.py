@@ -21,7 +21,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from ...execute.memory import release
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
-from ..contract import Reader
+from ..contract import Reader, Stored
 from .io import DTYPES
 from .quantized import Codec, Coded, open_codec
 
@@ -221,6 +221,18 @@ class SafetensorsReader(Reader):
         with self._lock:
             self._decoded = (name, t)
         return t
+
+    def stored(self, name: str) -> Stored | None:
+        """An FP8 parameter's payload and scales as the files hold them (float32 or E8M0 scales)."""
+        c = self.coded.get(name)
+        if c is None or c.kind != "fp8":
+            return None
+        sdtype = self.entries[c.scales].dtype
+        fmt = "float32" if sdtype == torch.float32 else "ue8m0" if sdtype in (torch.uint8, torch.float8_e8m0fnu) else None
+        if fmt is None:
+            return None
+        return Stored(self.entries[c.payload].dtype, c.block, fmt, partial(self._tensor, c.payload),
+                      partial(self._tensor, c.scales))
 
     def _tensor(self, name: str) -> torch.Tensor:
         return self._raw(name).view(self.entries[name].shape)

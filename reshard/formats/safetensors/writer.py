@@ -6,6 +6,14 @@ The weights are the most precise ones the source holds: a DeepSpeed checkpoint's
 (a module weight outside the optimizer cast to fp32 beside them), a DCP or safetensors source's
 weights in their stored dtype; ``dtype`` casts them all. ``with_optimizer`` adds the Adam moments
 in the universal layout (``zero/<name>/{exp_avg,exp_avg_sq,step}.pt``).
+
+``quantize`` (``"fp8"``, ``"fp8-ue8m0"``) writes each 2-D linear weight (``X.weight``; not an
+embedding, a norm or the output head, which transformers' FP8 quantizer leaves as they are) as an
+E4M3 payload with ``X.weight_scale_inv`` right after it, per ``block``: transformers' ``Fp8Quantize``
+of the values the weight would otherwise be written as (``dtype``), bit for bit
+(``ir.codec.fp8_block_encode``), one run of block rows at a time. A weight the source already
+stores in that encoding (same block, same scale format: ``Reader.stored``) is copied as stored,
+payload and scales byte for byte, never decoded and re-encoded.
 """
 
 from __future__ import annotations
@@ -17,15 +25,40 @@ from typing import Any
 
 import torch
 
-from ...errors import ReshardError
-from ...ir.piece import prod
+from ...errors import QuantizedError, ReshardError, in_context
+from ...ir.codec import SCALE_FORMATS, fp8_block_encode, scale_grid
+from ...ir.piece import is_int, prod
 from ...layouts import replicated
-from ..contract import BEST, Buffer, Reader, Slot, Target, Writer
+from ..contract import BEST, Buffer, Reader, Slot, Stored, Target, Writer
 from ..table import noun_of
 from .io import DTYPES, SafetensorsFile, plan_files
 from .reader import INDEX
 
-__all__ = ["SafetensorsWriter"]
+__all__ = ["QUANTIZE", "SafetensorsWriter", "fp8_block", "quantizable"]
+
+QUANTIZE = {"fp8": "float32", "fp8-ue8m0": "ue8m0"}  # --quantize: the scale format it writes
+DEFAULT_BLOCK = (128, 128)
+HEADS = ("lm_head", "output", "embed_out")  # output heads (a model's last module), as transformers skips them
+RUN = 1 << 22  # elements of a weight read and encoded at a time (whole block rows)
+
+
+def quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether ``--quantize`` writes weight ``name`` as FP8: a 2-D ``X.weight`` of a linear layer,
+    as transformers' FP8 quantizer picks them (``nn.Linear`` modules, less the output head and
+    tied embeddings): embeddings, norms and heads stay as they are."""
+    if len(shape) != 2 or not name.endswith(".weight"):
+        return False
+    module = name[:-len(".weight")]
+    return module.rsplit(".", 1)[-1] not in HEADS and "embed" not in module and "norm" not in module
+
+
+def fp8_block(reader: Reader, block: Any) -> tuple[int, int]:
+    """``--block``: two positive ints; by default an FP8 source's own block, else 128 x 128."""
+    if block is None:
+        return next((s.block for s in map(reader.stored, reader.names) if s is not None), DEFAULT_BLOCK)
+    if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(is_int(b) and b > 0 for b in block)):
+        raise ReshardError(f"--block {block!r}: the scale block is two positive integers, rows x columns (128x128)")
+    return int(block[0]), int(block[1])
 
 
 class SafetensorsWriter(Writer):
@@ -34,27 +67,45 @@ class SafetensorsWriter(Writer):
     keeps_replicas = False
 
     def __init__(self, reader: Reader, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
-                 with_optimizer: bool = False, names: dict[str, str] | None = None, index: bool = True) -> None:
+                 with_optimizer: bool = False, names: dict[str, str] | None = None, index: bool = True,
+                 quantize: str | None = None, block: tuple[int, int] | None = None) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise ReshardError(f"--dtype {dtype} is not a safetensors dtype")
+        if quantize is not None and quantize not in QUANTIZE:
+            raise ReshardError(f"--quantize {quantize!r}: reshard writes {' or '.join(QUANTIZE)}")
+        if block is not None and quantize is None:
+            raise ReshardError("--block goes with --quantize (the block of the scales it writes)")
         self.reader, self.tag = reader, reader.tag
         masters = any("fp32" in reader.states(n) for n in reader.names)
         # each parameter's name in the files (``names``: a subset of the source's, renamed)
         self.names = {n: n for n in reader.names} if names is None else dict(names)
         self.source = {out: n for n, out in self.names.items()}
-        self.specs = []
+        self.scale_fmt = QUANTIZE[quantize] if quantize is not None else None
+        self.block = fp8_block(reader, block) if quantize is not None else None
+        self.specs = []  # every tensor of the files: (name, shape, dtype), a payload's scales right after it
+        self.params = []  # the parameters among them, with the dtype their values are read in
+        self.encoded: dict[str, tuple[str, torch.dtype, Stored | None]] = {}  # payload -> scales, values' dtype, copy
         for n in self.names:
             have = reader.states(n)
             state = next((s for s in BEST if s in have), None)
             if state is None:
                 raise ReshardError(f"{reader.sources[-1]}: parameter {n!r} has no weights to write")
             own = torch.float32 if masters else reader.dtype(n, state)
-            self.specs.append((self.names[n], reader.shape(n), dtype or own))
-        self.groups = plan_files(self.specs, max_file_bytes)
+            out, shape = self.names[n], reader.shape(n)
+            self.params.append((out, shape, dtype or own))
+            copy = self._as_stored(n)
+            if self.scale_fmt is None or not (copy is not None or quantizable(out, shape)):
+                self.specs.append((out, shape, dtype or own))
+                continue
+            scales = out[:-len(".weight")] + ".weight_scale_inv" if out.endswith(".weight") else out + "_scale_inv"
+            self.encoded[out] = (scales, dtype or own, copy)
+            sdtype = copy.scales().dtype if copy is not None else SCALE_FORMATS[self.scale_fmt]
+            self.specs += [(out, shape, torch.float8_e4m3fn), (scales, scale_grid(shape, self.block), sdtype)]
+        self.groups = _keep_pairs(plan_files(self.specs, max_file_bytes), set(self.encoded))
         self.index = index or len(self.groups) > 1  # save_pretrained writes one only for shards
         self.fnames = ["model.safetensors"] if len(self.groups) == 1 else [
             f"model-{i + 1:05d}-of-{len(self.groups):05d}.safetensors" for i in range(len(self.groups))]
-        self._maps = {out: replicated(shape, 1) for out, shape, _ in self.specs}
+        self._maps = {out: replicated(shape, 1) for out, shape, _ in self.params}
         self.moments = None
         if with_optimizer and not any(m in reader.states(n) for n in reader.names for m in ("exp_avg", "exp_avg_sq")):
             raise ReshardError(f"{reader.sources[-1]}: --with-optimizer, but {noun_of(reader)} holds no "
@@ -65,14 +116,21 @@ class SafetensorsWriter(Writer):
             self.moments = UniversalWriter(reader, moments_only=True)
 
     def targets(self) -> list[Target]:
-        out = [Target(self.source[o], BEST, self._maps[o]) for o, _, _ in self.specs]
+        out = [Target(self.source[o], BEST, self._maps[o]) for o, _, _ in self.params]
         return out + (self.moments.targets() if self.moments is not None else [])
 
     def meta(self) -> dict[str, Any]:
         return {"target": "safetensors weights"}
 
     def notes(self) -> list[str]:
-        return []
+        return [self.quantized_note()] if self.encoded else []
+
+    def quantized_note(self) -> str:
+        copied = sum(1 for _, _, c in self.encoded.values() if c is not None)
+        block = self.block or DEFAULT_BLOCK
+        return (f"{len(self.encoded)} weights FP8 E4M3 with {self.scale_fmt} scales per {block[0]}x{block[1]} block"
+                + (f" ({copied} copied as the source stores them)" if copied else "")
+                + f"; {len(self.params) - len(self.encoded)} tensors as they are")
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
         jobs = [(_size(g), partial(self._file, engine, staging, f, g)) for f, g in zip(self.fnames, self.groups)]
@@ -82,13 +140,61 @@ class SafetensorsWriter(Writer):
             jobs += self.moments.jobs(engine, staging)
         return jobs
 
+    def _as_stored(self, name: str) -> Stored | None:
+        """The source's own encoding of ``name`` where it is the one asked for (copied as stored)."""
+        s = self.reader.stored(name) if self.scale_fmt is not None else None
+        if s is None or s.payload_dtype != torch.float8_e4m3fn or s.block != self.block or s.scale_fmt != self.scale_fmt:
+            return None
+        return s
+
     def _file(self, engine: Any, staging: Any, fname: str, group: list) -> None:
+        scales: dict[str, torch.Tensor] = {}  # a payload's scales, written right after it
         with staging.open(fname) as out:
             w = SafetensorsFile(out, group)
             for name, shape, dtype in group:
-                slot = Slot(0, self.source[name], BEST, self._maps[name], 0)
-                w.write_fill(name, shape, dtype, engine.fill(Buffer(f"{fname}:{name}", dtype, prod(shape), (slot,))))
+                if name in scales:
+                    w.write(name, scales.pop(name))
+                elif name in self.encoded:
+                    scales[self.encoded[name][0]] = self._payload(engine, w, fname, name, shape)
+                else:
+                    slot = Slot(0, self.source[name], BEST, self._maps[name], 0)
+                    w.write_fill(name, shape, dtype, engine.fill(Buffer(f"{fname}:{name}", dtype, prod(shape), (slot,))))
             w.close()
+
+    def _payload(self, engine: Any, w: SafetensorsFile, fname: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Write ``name``'s FP8 payload: the source's as stored, or its values encoded a run of block
+        rows at a time; returns its scales (small: one per block)."""
+        from ...execute.memory import release
+
+        _, dtype, copy = self.encoded[name]
+        if copy is not None:
+            payload = copy.payload()
+            w.write(name, payload)
+            release(payload)
+            return copy.scales()
+        block, fmt = self.block or DEFAULT_BLOCK, self.scale_fmt or "float32"  # both set wherever encoded is
+        rows, cols = shape
+        bm = block[0]
+        step = max(1, RUN // max(1, bm * cols)) * bm
+        fill = engine.fill(Buffer(f"{fname}:{name}", dtype, prod(shape),
+                                  (Slot(0, self.source[name], BEST, self._maps[name], 0),)))
+        scales = torch.empty(scale_grid(shape, block), dtype=SCALE_FORMATS[fmt])
+        values = torch.empty(min(rows, step) * cols, dtype=dtype)
+
+        def runs() -> Any:
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                run = values[:(r1 - r0) * cols]
+                fill(run, r0 * cols)
+                try:
+                    q, s = fp8_block_encode(run.view(r1 - r0, cols), block, fmt, row_block=r0 // bm)
+                except QuantizedError as e:
+                    raise in_context(e, f"{self.reader.sources[-1]}: parameter {self.source[name]!r}") from None
+                scales[r0 // bm:r0 // bm + s.shape[0]] = s
+                yield q
+
+        w.write_runs(name, shape, torch.float8_e4m3fn, runs())
+        return scales
 
     def _index(self, staging: Any) -> None:
         weight_map = {name: f for f, g in zip(self.fnames, self.groups) for name, _, _ in g}
@@ -99,3 +205,15 @@ class SafetensorsWriter(Writer):
 
 def _size(specs: list) -> int:
     return sum(prod(s) * d.itemsize for _, s, d in specs)
+
+
+def _keep_pairs(groups: list[list], payloads: set[str]) -> list[list]:
+    """Files with each payload's scales in the payload's file (``plan_files`` may cut between them)."""
+    out: list[list] = []
+    for g in groups:
+        if out and out[-1] and out[-1][-1][0] in payloads:
+            out[-1].append(g[0])
+            g = g[1:]
+        if g:
+            out.append(g)
+    return out
