@@ -172,3 +172,19 @@ def test_cli_block_flag(tmp_path: Path) -> None:
     good = subprocess.run([*run, "--block", "16x32"], capture_output=True, text=True)
     assert good.returncode == 0, good.stderr
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["weight_block_size"] == [16, 32]
+
+
+def test_deepspeed_source_quantized_from_its_bf16_export(tmp_path: Path) -> None:
+    """A DeepSpeed ZeRO-2 Trainer checkpoint (fp32 masters): --quantize encodes the weights the hf
+    export would write (the config's bf16), equal to transformers' Fp8Quantize of that export."""
+    src = HF / "trainer_llama_zero2_bf16" / "checkpoint-3"
+    convert(src, tmp_path / "plain", fmt="hf")
+    convert(src, tmp_path / "q", fmt="hf", quantize="fp8", block=(4, 8))  # every dim a multiple: transformers quantizes
+    plain, got = load_file(tmp_path / "plain" / "model.safetensors"), _tensors(tmp_path / "q")
+    op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=(4, 8))))
+    encoded = [k for k in plain if k.endswith("proj.weight")]
+    assert plain[encoded[0]].dtype == torch.bfloat16 and len(encoded) == 14
+    for k, v in plain.items():
+        want = op.convert({k: v}) if k in encoded else {k: v}
+        assert (want[k].dtype == torch.float8_e4m3fn) == (k in encoded)
+        assert all(_same(got[n], w) for n, w in want.items()), k
