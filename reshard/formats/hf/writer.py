@@ -80,7 +80,7 @@ class HfWriter(Writer):
         if self.tied:
             out = {n: o for n, o in out.items() if o != TIED[0]}
         self.inner = SafetensorsWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, names=out, index=False,
-                                       quantize=quantize, block=block)
+                                       quantize=quantize, block=block, config=self.config)
         self.dtype = self.inner.params[0][2] if self.inner.params else torch.float32
         self.carried = [f for f in CARRIED if self.folder is not None and (self.folder / f).is_file() and
                         f != "config.json"]

@@ -7,8 +7,9 @@ The weights are the most precise ones the source holds: a DeepSpeed checkpoint's
 weights in their stored dtype; ``dtype`` casts them all. ``with_optimizer`` adds the Adam moments
 in the universal layout (``zero/<name>/{exp_avg,exp_avg_sq,step}.pt``).
 
-``quantize`` (``"fp8"``, ``"fp8-ue8m0"``) writes each 2-D linear weight (``X.weight``; not an
-embedding, a norm or the output head, which transformers' FP8 quantizer leaves as they are) as an
+``quantize`` (``"fp8"``, ``"fp8-ue8m0"``) writes each weight transformers' FP8 quantizer converts
+(an ``nn.Linear``'s, not the output head's: the model built from ``config.json`` on the meta device;
+without one, a 2-D ``X.weight`` that is not an embedding, a norm or a head) as an
 E4M3 payload with ``X.weight_scale_inv`` right after it, per ``block``: transformers' ``Fp8Quantize``
 of the values the weight would otherwise be written as (``dtype``), bit for bit
 (``ir.codec.fp8_block_encode``), one run of block rows at a time. A weight the source already
@@ -42,14 +43,42 @@ HEADS = ("lm_head", "output", "embed_out")  # output heads (a model's last modul
 RUN = 1 << 22  # elements of a weight read and encoded at a time (whole block rows)
 
 
-def quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether ``--quantize`` writes weight ``name`` as FP8: a 2-D ``X.weight`` of a linear layer,
-    as transformers' FP8 quantizer picks them (``nn.Linear`` modules, less the output head and
-    tied embeddings): embeddings, norms and heads stay as they are."""
+def quantizable(name: str, shape: tuple[int, ...], linears: set[str] | None = None) -> bool:
+    """Whether ``--quantize`` writes weight ``name`` as FP8: a 2-D ``X.weight`` that transformers' FP8
+    quantizer converts -- one of ``linears`` (:func:`fp8_linears`) where the model could be built,
+    else by name: not an embedding, a norm or an output head."""
     if len(shape) != 2 or not name.endswith(".weight"):
         return False
+    if linears is not None:
+        return name.removeprefix("module.") in linears
     module = name[:-len(".weight")]
     return module.rsplit(".", 1)[-1] not in HEADS and "embed" not in module and "norm" not in module
+
+
+def fp8_linears(config: dict[str, Any] | None, names: list[str]) -> set[str] | None:
+    """The weights transformers' FP8 quantizer converts in the model ``config`` describes: each
+    ``nn.Linear``'s (``replace_with_fp8_linear``), less ``get_keys_to_not_convert``'s (the output
+    head, tied weights, the last module), the model built on the meta device (no weights, no remote
+    code). ``None`` where transformers cannot build it or its names are not the checkpoint's."""
+    if not config or not config.get("model_type"):
+        return None
+    try:
+        import transformers
+        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.quantizers_utils import should_convert_module
+    except ImportError:
+        return None
+    try:
+        cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
+        arch = (config.get("architectures") or [None])[0]
+        with torch.device("meta"):
+            model = getattr(transformers, arch)(cfg) if arch else transformers.AutoModelForCausalLM.from_config(cfg)
+        skip = get_keys_to_not_convert(model)
+        out = {f"{n}.weight" for n, m in model.named_modules()
+               if type(m) is torch.nn.Linear and should_convert_module(n, skip)}
+    except Exception:  # noqa: BLE001 -- an architecture transformers cannot build: chosen by name
+        return None
+    return out if out & {n.removeprefix("module.") for n in names} else None
 
 
 def fp8_block(reader: Reader, block: Any) -> tuple[int, int]:
@@ -68,7 +97,8 @@ class SafetensorsWriter(Writer):
 
     def __init__(self, reader: Reader, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
                  with_optimizer: bool = False, names: dict[str, str] | None = None, index: bool = True,
-                 quantize: str | None = None, block: tuple[int, int] | None = None) -> None:
+                 quantize: str | None = None, block: tuple[int, int] | None = None,
+                 config: dict[str, Any] | None = None) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise ReshardError(f"--dtype {dtype} is not a safetensors dtype")
         if quantize is not None and quantize not in QUANTIZE:
@@ -82,6 +112,8 @@ class SafetensorsWriter(Writer):
         self.source = {out: n for n, out in self.names.items()}
         self.scale_fmt = QUANTIZE[quantize] if quantize is not None else None
         self.block = fp8_block(reader, block) if quantize is not None else None
+        # the model's own linears where transformers can build it (``config``, else the source's)
+        self.linears = fp8_linears(config or reader.hf_config(), list(self.names.values())) if quantize else None
         self.specs = []  # every tensor of the files: (name, shape, dtype), a payload's scales right after it
         self.params = []  # the parameters among them, with the dtype their values are read in
         self.encoded: dict[str, tuple[str, torch.dtype, Stored | None]] = {}  # payload -> scales, values' dtype, copy
@@ -94,7 +126,7 @@ class SafetensorsWriter(Writer):
             out, shape = self.names[n], reader.shape(n)
             self.params.append((out, shape, dtype or own))
             copy = self._as_stored(n)
-            if self.scale_fmt is None or not (copy is not None or quantizable(out, shape)):
+            if self.scale_fmt is None or not (copy is not None or quantizable(out, shape, self.linears)):
                 self.specs.append((out, shape, dtype or own))
                 continue
             scales = out[:-len(".weight")] + ".weight_scale_inv" if out.endswith(".weight") else out + "_scale_inv"

@@ -188,3 +188,37 @@ def test_deepspeed_source_quantized_from_its_bf16_export(tmp_path: Path) -> None
         want = op.convert({k: v}) if k in encoded else {k: v}
         assert (want[k].dtype == torch.float8_e4m3fn) == (k in encoded)
         assert all(_same(got[n], w) for n, w in want.items()), k
+
+
+@pytest.mark.parametrize("name", ["fp8_qwen2", "mxfp4_gpt_oss"])
+def test_the_weights_transformers_would_convert(tmp_path: Path, name: str) -> None:
+    """The FP8 tensors are those of the modules transformers' own ``replace_with_fp8_linear`` makes
+    ``FP8Linear`` (``nn.Linear``s less ``get_keys_to_not_convert``): gpt-oss's router (not an
+    ``nn.Linear``) and 3-D experts stay bf16, as do embeddings, norms and ``lm_head``."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear, replace_with_fp8_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    convert(HF / name, tmp_path / "q", fmt="hf", quantize="fp8", block=(16, 16))
+    got = _tensors(tmp_path / "q")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "q")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # the fixtures' configs name no architectures
+    # 3-D experts (FP8Experts) are not --quantize's (2-D weights only; transformers' refuses gpt-oss's biased ones)
+    skip = [*get_keys_to_not_convert(model), "experts"]
+    replace_with_fp8_linear(model, skip, FineGrainedFP8Config(weight_block_size=(16, 16)))
+    want = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert want and sorted(k for k, v in got.items() if v.dtype == torch.float8_e4m3fn) == sorted(want)
+    assert all(k.removesuffix("weight") + "weight_scale_inv" in got for k in want)
+
+
+@pytest.mark.parametrize(("name", "shape", "want"), [
+    ("model.layers.0.mlp.down_proj.weight", (8, 8), True), ("module.layers.3.attention.wqkv.weight", (8, 8), True),
+    ("lm_head.weight", (8, 8), False), ("output.weight", (8, 8), False), ("embed_out.weight", (8, 8), False),
+    ("model.embed_tokens.weight", (8, 8), False), ("model.layers.0.input_layernorm.weight", (8, 8), False),
+    ("model.layers.0.self_attn.q_proj.bias", (8, 8), False), ("model.layers.0.mlp.experts.down_proj", (2, 8, 8), False),
+    ("model.layers.0.mlp.w.weight", (8,), False),
+])
+def test_chosen_by_name_without_a_model(name: str, shape: tuple[int, ...], want: bool) -> None:
+    """Where transformers cannot build the model (no config.json): 2-D ``X.weight`` not an embedding,
+    a norm or an output head."""
+    assert writer_module.quantizable(name, shape) is want
