@@ -9,7 +9,7 @@ in the universal layout (``zero/<name>/{exp_avg,exp_avg_sq,step}.pt``).
 
 ``quantize`` (``"fp8"``, ``"fp8-ue8m0"``) writes each weight transformers' FP8 quantizer converts
 (an ``nn.Linear``'s, not the output head's: the model built from ``config.json`` on the meta device;
-without one, a 2-D ``X.weight`` that is not an embedding, a norm or a head) as an
+without one, a 2-D ``X.weight`` that is not an embedding, a norm, a router or a head) as an
 E4M3 payload with ``X.weight_scale_inv`` right after it, per ``block``: transformers' ``Fp8Quantize``
 of the values the weight would otherwise be written as (``dtype``), bit for bit
 (``ir.codec.fp8_block_encode``), one run of block rows at a time. A weight the source already
@@ -43,23 +43,28 @@ HEADS = ("lm_head", "output", "embed_out")  # output heads (a model's last modul
 RUN = 1 << 22  # elements of a weight read and encoded at a time (whole block rows)
 
 
-def quantizable(name: str, shape: tuple[int, ...], linears: set[str] | None = None) -> bool:
+def quantizable(name: str, shape: tuple[int, ...], model: tuple[set[str], set[str]] | None = None) -> bool:
     """Whether ``--quantize`` writes weight ``name`` as FP8: a 2-D ``X.weight`` that transformers' FP8
-    quantizer converts -- one of ``linears`` (:func:`fp8_linears`) where the model could be built,
-    else by name: not an embedding, a norm or an output head."""
+    quantizer converts -- where ``model`` (:func:`fp8_linears`: its linears' weights, all its
+    parameters) knows the name, one of its linears; else by name: not an embedding, a norm, an MoE
+    router (``router``, ``gate``) or an output head (a checkpoint's per-expert weights, which
+    transformers fuses on load, are chosen so)."""
     if len(shape) != 2 or not name.endswith(".weight"):
         return False
-    if linears is not None:
-        return name.removeprefix("module.") in linears
+    key = name.removeprefix("module.")
+    if model is not None and key in model[1]:
+        return key in model[0]
     module = name[:-len(".weight")]
-    return module.rsplit(".", 1)[-1] not in HEADS and "embed" not in module and "norm" not in module
+    last = module.rsplit(".", 1)[-1]
+    return last not in HEADS and last != "gate" and not any(w in module for w in ("embed", "norm", "router"))
 
 
-def fp8_linears(config: dict[str, Any] | None, names: list[str]) -> set[str] | None:
-    """The weights transformers' FP8 quantizer converts in the model ``config`` describes: each
+def fp8_linears(config: dict[str, Any] | None, names: list[str]) -> tuple[set[str], set[str]] | None:
+    """The weights transformers' FP8 quantizer converts in the model ``config`` describes -- each
     ``nn.Linear``'s (``replace_with_fp8_linear``), less ``get_keys_to_not_convert``'s (the output
-    head, tied weights, the last module), the model built on the meta device (no weights, no remote
-    code). ``None`` where transformers cannot build it or its names are not the checkpoint's."""
+    head, tied weights, the last module) -- and all the model's parameters, the model built on the
+    meta device (no weights, no remote code). ``None`` where transformers cannot build it or none of
+    its linears is named as in the checkpoint."""
     if not config or not config.get("model_type"):
         return None
     try:
@@ -76,9 +81,10 @@ def fp8_linears(config: dict[str, Any] | None, names: list[str]) -> set[str] | N
         skip = get_keys_to_not_convert(model)
         out = {f"{n}.weight" for n, m in model.named_modules()
                if type(m) is torch.nn.Linear and should_convert_module(n, skip)}
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     except Exception:  # noqa: BLE001 -- an architecture transformers cannot build: chosen by name
         return None
-    return out if out & {n.removeprefix("module.") for n in names} else None
+    return (out, params) if out & {n.removeprefix("module.") for n in names} else None
 
 
 def fp8_block(reader: Reader, block: Any) -> tuple[int, int]:

@@ -216,9 +216,11 @@ def test_the_weights_transformers_would_convert(tmp_path: Path, name: str) -> No
     ("lm_head.weight", (8, 8), False), ("output.weight", (8, 8), False), ("embed_out.weight", (8, 8), False),
     ("model.embed_tokens.weight", (8, 8), False), ("model.layers.0.input_layernorm.weight", (8, 8), False),
     ("model.layers.0.self_attn.q_proj.bias", (8, 8), False), ("model.layers.0.mlp.experts.down_proj", (2, 8, 8), False),
-    ("model.layers.0.mlp.w.weight", (8,), False),
+    ("model.layers.0.mlp.w.weight", (8,), False), ("model.layers.0.mlp.gate.weight", (4, 8), False),
+    ("model.layers.0.mlp.router.gate.weight", (4, 8), False), ("model.layers.0.mlp.gate_proj.weight", (8, 8), True),
+    ("model.layers.0.block_sparse_moe.experts.3.w1.weight", (8, 8), True),
 ])
 def test_chosen_by_name_without_a_model(name: str, shape: tuple[int, ...], want: bool) -> None:
     """Where transformers cannot build the model (no config.json): 2-D ``X.weight`` not an embedding,
-    a norm or an output head."""
+    a norm, an MoE router or an output head."""
     assert writer_module.quantizable(name, shape) is want
