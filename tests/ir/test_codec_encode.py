@@ -118,3 +118,12 @@ def test_tiny_block_float32_refused_ue8m0_held() -> None:
         fp8_block_encode(x, (4, 4))
     q, s = fp8_block_encode(x, (4, 4), "ue8m0")
     assert float(codec.e8m0(s)) == 2.0 ** -126 and torch.equal(fp8_block_decode(q, s, (4, 4))[0, 1:], torch.zeros(3))
+
+
+def test_leading_dims_encode_each_matrix() -> None:
+    """Experts-style ``[E, rows, cols]`` with partial blocks: each matrix encoded on its own."""
+    x = torch.randn(3, 37, 50, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    q, s = fp8_block_encode(x, (16, 32), "ue8m0")
+    for i in range(3):
+        qi, si = fp8_block_encode(x[i], (16, 32), "ue8m0")
+        assert torch.equal(_bits(q[i]), _bits(qi)) and torch.equal(_bits(s[i]), _bits(si))

@@ -224,3 +224,15 @@ def test_chosen_by_name_without_a_model(name: str, shape: tuple[int, ...], want:
     """Where transformers cannot build the model (no config.json): 2-D ``X.weight`` not an embedding,
     a norm, an MoE router or an output head."""
     assert writer_module.quantizable(name, shape) is want
+
+
+def test_sharded_fp8_source_copied_as_stored(tmp_path: Path) -> None:
+    """An FP8 folder in shards (its index), as reshard's hf target writes it past --max-file-gb, read
+    back and written again in its own encoding: every tensor the first folder's bytes."""
+    convert(HF / "fp8_qwen2", tmp_path / "sharded", fmt="hf", quantize="fp8", max_file_bytes=30000)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    report = convert(tmp_path / "sharded", tmp_path / "again", fmt="hf", quantize="fp8")
+    assert any("14 copied" in n for n in report.notes)
+    first, again = _tensors(tmp_path / "sharded"), _tensors(tmp_path / "again")
+    assert sorted(first) == sorted(again) and all(_same(again[k], v) for k, v in first.items())
+    assert sorted(first) == sorted(load_file(HF / "fp8_qwen2" / "model.safetensors"))
