@@ -14,6 +14,7 @@ from benchmarks import (
     bench_moe,
     bench_offline,
     bench_planner,
+    bench_quantize,
     bench_sync,
     bench_zero3,
 )
@@ -24,7 +25,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     print(f"machine: {machine()}")
     for mod in (bench_ir, bench_derive, bench_planner, bench_moe, bench_dist, bench_sync, bench_convert, bench_offline,
-                bench_zero3, bench_dcp, bench_megatron):
+                bench_zero3, bench_dcp, bench_megatron, bench_quantize):
         print(f"\n== {mod.__name__} ==")
         for line in mod.main():
             print(line, flush=True)
