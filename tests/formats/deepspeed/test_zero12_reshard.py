@@ -270,8 +270,6 @@ def test_resharded_checkpoint_converts_to_the_same_universal_tensors(source, tp,
             _deep_equal(a[k], b[k], k)
 
 
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 def test_round_trip_keeps_per_rank_replicas_and_empty_shards(stage, tmp_path):
     """GPT-BigCode TP=2: TP rank 1 holds no query rows (zero-element shards, outside the
@@ -460,15 +458,6 @@ def test_killed_run_is_cleaned_up_and_existing_output_is_kept(tmp_path):
     again = reshard(FIXTURES / "llama_zero1_dp2", tmp_path, tp=1, dp=2, overwrite=True).out_dir
     assert DeepSpeedCheckpoint.open(again).dp == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [TAG, "latest"]
-
-
-def test_workers_give_the_same_files(tmp_path):
-    a = reshard(FIXTURES / "llama_tp2_dp2", tmp_path / "a", tp=1, dp=3).out_dir
-    b = reshard(FIXTURES / "llama_tp2_dp2", tmp_path / "b", tp=1, dp=3, workers=3).out_dir
-    files = sorted(p.name for p in a.iterdir() if p.suffix == ".pt")
-    assert files == sorted(p.name for p in b.iterdir() if p.suffix == ".pt")
-    for name in files:
-        _deep_equal(load(a / name, mmap=False), load(b / name, mmap=False), name)
 
 
 # -- streaming: every file written as its bytes are produced ------------------------------------
