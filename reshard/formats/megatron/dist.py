@@ -21,7 +21,7 @@ from . import safe
 from .lowering import Lowered, chunk_map, composite, local_map
 from .model import Arch, KeySpec, LocalParam, bucket_layout
 
-__all__ = ["DistSource"]
+__all__ = ["TorchDistBackend"]
 
 _PLANNER = "torch.distributed.checkpoint.planner"
 
@@ -74,7 +74,7 @@ _BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d
 _STATE_KINDS = {"fp32": ("param", "fp32_param"), "exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",)}
 
 
-class DistSource:
+class TorchDistBackend:
     """The keys, states and objects of one ``torch_dist`` iteration folder."""
 
     def __init__(self, iter_dir: Path) -> None:

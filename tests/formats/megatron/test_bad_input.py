@@ -68,9 +68,9 @@ def _save(sd: dict, f) -> None:
 
 
 def _common(iter_dir) -> dict:
-    from reshard.formats.megatron.dist import DistSource
+    from reshard.formats.megatron.dist import TorchDistBackend
 
-    return DistSource(iter_dir).common
+    return TorchDistBackend(iter_dir).common
 
 
 def test_missing_distcp_file(tmp_path):
