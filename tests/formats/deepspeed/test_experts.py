@@ -110,7 +110,7 @@ def test_refuses_a_placement_disagreeing_with_affine_maps(tmp_path: Path):
         _ = DeepSpeedCheckpoint.open(root).experts
 
 
-# -- reshard reshard to another EP degree (reshard/jobs/offline_experts.py) ---------------------------
+# -- reshard reshard to another EP degree (reshard/formats/deepspeed/target_experts.py) ---------------------------
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 

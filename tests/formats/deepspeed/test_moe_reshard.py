@@ -1,5 +1,5 @@
 """``reshard reshard --ep`` of a classic ``deepspeed.moe.layer.MoE`` checkpoint (issue #12;
-``reshard/jobs/offline_moe.py``): ``moe_ep2`` (EP 2 x DP 2, 4 experts, 2 MoE layers) written at other
+``reshard/formats/deepspeed/target_experts.py``): ``moe_ep2`` (EP 2 x DP 2, 4 experts, 2 MoE layers) written at other
 (EP, DP) as DeepSpeed 0.19.8 saves them there, round trips, universal conversion of the output,
 refusals, and a real DeepSpeed job resuming the output natively (e2e)."""
 
