@@ -156,7 +156,7 @@ def _plan_to_topology(args) -> int:
     from .errors import PlanError
     from .plan.retarget import plan_topology
     from .present.describe import plan_document, stats_lines, write_plan_png
-    from .present.inspected import open_source
+    from .present.inspected import hf_plan_targets, open_source
 
     src = open_source(args.source)
     if src.kind == "dcp":
@@ -168,7 +168,8 @@ def _plan_to_topology(args) -> int:
                         "parameters split over TP ranks; plan from the DeepSpeed checkpoint or a map document")
     tplan = plan_topology(src.maps, args.tp, args.dp, source_dp=src.dp if src.kind == "deepspeed" else 1,
                           vocab_divisible_by=args.vocab_divisible_by, ranks_per_node=args.ranks_per_node,
-                          allow_inexact_scale=args.allow_inexact_scale, where=src.path)
+                          allow_inexact_scale=args.allow_inexact_scale, where=src.path,
+                          given=hf_plan_targets(src, args.tp))
     if args.json:
         json.dump(plan_document(src, tplan, args.element_size), sys.stdout)
         print()

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def e2e(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> E2E:
     """The end-to-end DeepSpeed jobs and their inputs (``tests/e2e/plan.py``), shared by
-    ``test_e2e_resume.py`` and ``test_offline.py`` so that each job is launched once per session."""
+    ``tests/jobs/test_e2e_resume.py`` and ``tests/formats/deepspeed/test_zero12_reshard.py`` so that each job is launched once per session."""
     pytest.importorskip("deepspeed")
     from tests.e2e.plan import E2E
 

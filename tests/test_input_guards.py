@@ -1,6 +1,6 @@
 """Input is guarded by checks that raise reshard errors, never by ``assert`` (which ``python -O``
 removes): no assert statement in ``reshard/``, and the refusal tests pass under ``python -O``
-(issue 37)."""
+(issues 37, 32)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,17 @@ from pathlib import Path
 import reshard
 
 ROOT = Path(__file__).resolve().parents[1]
-# The refusals of edited recorded maps, the IR's defect catalogue and what the fuzz suite found.
+# The refusals of edited recorded maps, the IR's defect catalogue, what the fuzz suite found, damaged
+# Megatron checkpoints, quantized payloads that cannot be decoded, outputs over their source, and the
+# routes and targets the format table and the route suite refuse (the cheap refusal modules: ~25 s).
 REFUSAL_TESTS = ("tests/formats/deepspeed/test_recorded_maps.py", "tests/ir/test_check_paths.py",
                  "tests/ir/test_ir_defects.py", "tests/jobs/test_fuzz_regressions.py",
-                 "tests/jobs/test_verified_reads.py")
+                 "tests/jobs/test_verified_reads.py", "tests/formats/megatron/test_bad_input.py",
+                 "tests/formats/hf/test_quantized_refused.py", "tests/jobs/test_source_safety.py",
+                 "tests/formats/test_table.py::test_a_target_the_source_cannot_take_is_refused_naming_the_choices",
+                 "tests/formats/test_table.py::test_the_command_refuses_a_dcp_source_without_files_in_one_line",
+                 "tests/formats/test_routes.py::test_routes_that_cannot_hold_are_refused_before_anything_exists",
+                 "tests/formats/test_routes.py::test_targets_a_source_cannot_give_are_refused_before_anything_exists")
 
 
 def test_no_assert_statement_in_reshard():

@@ -103,7 +103,7 @@ class WindowFill:
     before the copies. A window that starts before the previous one ended starts the sweep again
     (a buffer written twice)."""
 
-    zeroes_gaps = True  # formats.torch_zip: hand over an uninitialised buffer
+    zeroes_gaps = True  # storage.torch_zip: hand over an uninitialised buffer
 
     def __init__(self, parts: Iterable[tuple[int, Segment, SourceOf]], *, scale_power: int = 1) -> None:
         items = []

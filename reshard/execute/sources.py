@@ -5,6 +5,10 @@ Each helper returns ``(maps, shards)``: source maps by parameter name over globa
 on every rank) and this rank's shards by name, ready for :class:`reshard.execute.sync.WeightSync`.
 Shards are views of what the trainer holds, never copies, so they stay current as the optimizer
 updates them in place.
+
+Here, as in :class:`~reshard.execute.sync.WeightSync`, *source* is the side a weight sync reads (the
+trainer), the live counterpart of a job's source checkpoint (``docs/spec.md``). The ``*_sources`` names
+are API that callers use as ``docs/spec.md`` documents them, so they keep their spelling.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ class Drift:
 
 
 def _topology(x: dict[str, Any]) -> str:
-    text = f"TP={x['tp']} x DP={x['dp']}" + (f" x PP={x['pp']}" if x.get("pp", 1) > 1 else "")
+    # a target without data parallelism (an inference engine's shards) records no DP: it is one replica
+    text = f"TP={x['tp']} x DP={x.get('dp', 1)}" + (f" x PP={x['pp']}" if x.get("pp", 1) > 1 else "")
     if "zero_stage" in x:
         text += f" ZeRO-{x['zero_stage']}"
     return text

@@ -26,7 +26,7 @@ from ..formats.registry import open_reader
 from ..ir.canonical import canonicalize
 from ..ir.param_map import ParamMap, map_from_dict, maps_from_document
 
-__all__ = ["Inspected", "open_source", "select"]
+__all__ = ["Inspected", "hf_plan_targets", "open_source", "select"]
 
 
 @dataclass
@@ -85,6 +85,22 @@ def open_source(path: str | Path) -> Inspected:
     maps = {n: reader.map(n, reader.states(n)[0]) for n in reader.names}
     kind = "universal" if reader.format == "universal" else "maps"
     return Inspected(str(p), kind, maps, reader.description)
+
+
+def hf_plan_targets(src: Inspected, tp: int) -> dict[str, tuple[ParamMap, str]] | None:
+    """A Hugging Face folder's parameters at TP=``tp`` as transformers' own TP plan for its
+    architecture places them (``formats.hf.tp_plan``), with the style naming each layout; None for
+    any other source (its layouts are recognised from its TP maps)."""
+    folder = Path(src.path)
+    if src.kind != "maps" or not folder.is_dir() or not (folder / "config.json").is_file() \
+            or any(len(m.ranks) != 1 for m in src.maps.values()):
+        return None
+    from ..formats.hf.tp_plan import tp_plan
+
+    shapes = {n: tuple(m.logical_shape) for n, m in src.maps.items()}
+    plan = tp_plan(folder, shapes)
+    maps = plan.maps(shapes, tp)
+    return {n: (maps[n], f"transformers' TP plan: {plan.params[n].style or 'no rule, whole'}") for n in shapes}
 
 
 def _open_maps(p: Path) -> Inspected:

@@ -65,7 +65,7 @@ from . import verified
 from .crc import crc32, crc32_combine
 from .pickling import Pickler
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ZIP64_THRESHOLD", "Source", "Storage", "StorageRecord", "TensorRef",
+__all__ = ["DEFAULT_CHUNK_BYTES", "ZIP64_THRESHOLD", "Producer", "Storage", "StorageRecord", "TensorRef",
            "TorchZipWriter", "save", "tensor"]
 
 ZIP64_THRESHOLD = 0xFFFFFFFF  # miniz: a size or offset at least this needs zip64 fields
@@ -77,7 +77,7 @@ _UTF8, _HAS_DESCRIPTOR = 0x800, 0x8
 _PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
 
 # A fill callback gets a 1-D tensor of the storage's dtype (zeroed) and the index of its first element.
-Source = Callable[[torch.Tensor, int], None] | Iterable[Any] | torch.Tensor | bytes | bytearray | memoryview
+Producer = Callable[[torch.Tensor, int], None] | Iterable[Any] | torch.Tensor | bytes | bytearray | memoryview
 
 
 @functools.cache
@@ -108,7 +108,7 @@ class Storage:
 
     __slots__ = ("dtype", "numel", "source", "label")
 
-    def __init__(self, dtype: torch.dtype, numel: int, source: Source | None = None, *, label: str = "") -> None:
+    def __init__(self, dtype: torch.dtype, numel: int, source: Producer | None = None, *, label: str = "") -> None:
         _storage_type(dtype)
         if isinstance(numel, bool) or int(numel) != numel or numel < 0:
             raise ReshardError(f"storage {label!r}: numel must be a non-negative integer, got {numel!r}")
@@ -177,7 +177,7 @@ class TensorRef:
         return torch._utils._rebuild_tensor_v2, args
 
 
-def tensor(dtype: torch.dtype, shape: Sequence[int], source: Source | None = None, *,
+def tensor(dtype: torch.dtype, shape: Sequence[int], source: Producer | None = None, *,
            requires_grad: bool = False, label: str = "") -> TensorRef:
     """A contiguous tensor with a storage of its own (as ``torch.empty(shape)`` has)."""
     shape = _ints(shape, "shape")

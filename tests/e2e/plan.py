@@ -3,7 +3,7 @@
 A launch is what costs: ~10-20 s on 2 CPU cores (process start, importing torch / DeepSpeed /
 transformers on every rank, the process group) before the first load, where a further load and its
 two steps in the same job take ~2-6 s at 2 ranks. So the checkpoints that
-``tests/test_e2e_resume.py`` and the e2e tests of ``tests/test_offline.py`` resume are loaded one
+``tests/jobs/test_e2e_resume.py`` and the e2e tests of ``tests/formats/deepspeed/test_zero12_reshard.py`` resume are loaded one
 after another in as few jobs as possible -- one per world size (``launch.resume_many``,
 ``launch.resume_pipe_many``) -- and every input (reshard's conversion and reshardings, DeepSpeed's
 ``ds_to_universal`` outputs, the perturbed copy of the negative control) is made once per test
@@ -12,7 +12,7 @@ runs a job the first time one of its reports is asked for::
 
     e2e.report("reshard", LLAMA, tp=2, dp=1)          # reshard.convert of LLAMA, load_universal
     e2e.report("ds_to_universal", LLAMA, tp=2, dp=1)  # DeepSpeed's ds_to_universal, load_universal
-    e2e.report("resharded", "llama_zero1_dp2", tp=1, dp=4)  # reshard.jobs.offline there, native load
+    e2e.report("resharded", "llama_zero1_dp2", tp=1, dp=4)  # reshard.jobs.convert.reshard there, native load
     e2e.report("resaved", ZERO3, tp=1, dp=3)  # DeepSpeed's own native save there, native load
     e2e.pipe_report("resharded", pp=2, dp=1)["losses"]
 
@@ -58,17 +58,17 @@ SOURCE_TOPOLOGY = (2, 2)
 EXP_AVG_PERTURB = ("model.layers.1.mlp.down_proj.weight", "exp_avg", (5, 60), "one float32 ulp up")
 FP32_PERTURB = ("lm_head.weight", "fp32", (70, 3), "+1e-3")
 
-# tests/test_offline.py: (source, tp, dp) resharded by reshard.jobs.offline and loaded natively, next to
+# tests/formats/deepspeed/test_zero12_reshard.py: (source, tp, dp) resharded by reshard.jobs.convert.reshard and loaded natively, next to
 # ds_to_universal of the source loaded with load_universal at the same topology; and the pipeline
 # fixture resharded to (pp, dp), the same two ways.
 RESHARD_TARGETS = [(LLAMA, 1, 2), (LLAMA, 2, 1), ("llama_zero1_dp2", 1, 4)]
-# tests/test_offline_zero3.py: the ZeRO-3 fixture resharded to DP=3 (padded partitions) and loaded
+# tests/formats/deepspeed/test_zero3_reshard.py: the ZeRO-3 fixture resharded to DP=3 (padded partitions) and loaded
 # natively, next to DeepSpeed's own native checkpoint at DP=3: the job loads ds_to_universal of the
 # source with load_universal and saves it natively right away (:meth:`E2E.resaved`), then loads
 # reshard's files and that save natively, in this order (one extra job, of 3 ranks).
 ZERO3 = "llama_zero3_dp2"
 ZERO3_TARGETS = [(ZERO3, 1, 3)]
-# tests/test_offline_zero3.py, bf16 and across ZeRO stages: (source, tp, dp, target ZeRO stage), each resharded
+# tests/formats/deepspeed/test_zero3_reshard.py, bf16 and across ZeRO stages: (source, tp, dp, target ZeRO stage), each resharded
 # and loaded natively next to DeepSpeed's own native save there, made as for ZERO3_TARGETS; across stages
 # ds_to_universal's output is first laid out for the target stage's loader (tests/e2e/restage.py), since
 # DeepSpeed's universal route does not cross between ZeRO-3 and ZeRO-1/2 by itself.
@@ -83,7 +83,7 @@ PIPE_TARGETS = [(1, 2), (2, 1)]
 class Load(NamedTuple):
     """One checkpoint resumed at one topology. ``kind``: ``reshard`` (reshard.convert of
     ``source``), ``ds_to_universal``, ``perturbed`` (the negative control's copy of ``reshard``),
-    ``resharded`` (reshard.jobs.offline of ``source`` to this topology, DeepSpeed's native loader),
+    ``resharded`` (reshard.jobs.convert.reshard of ``source`` to this topology, DeepSpeed's native loader),
     ``resaved`` (DeepSpeed's native save of ``ds_to_universal`` loaded at this topology, native
     loader; made by that load earlier in the same job) or ``source`` (the fixture itself, native
     loader)."""
@@ -205,7 +205,7 @@ class E2E:
         return self._once(("perturbed",), make)
 
     def resharded(self, source: str, tp: int, dp: int, zero: int = 0) -> Path:
-        """``reshard.jobs.offline`` of fixture ``source`` to TP=``tp`` x DP=``dp`` (at ZeRO stage
+        """``reshard.jobs.convert.reshard`` of fixture ``source`` to TP=``tp`` x DP=``dp`` (at ZeRO stage
         ``zero``, when not 0)."""
         sfx = f"_zero{zero}" if zero else ""
         return self._once(("resharded", source, tp, dp, zero), lambda: reshard(
@@ -225,7 +225,7 @@ class E2E:
                           lambda: restage(self.ds_ucp(source), self.root / f"ds_{source}_as_zero{zero}", zero))
 
     def pipe_resharded(self, pp: int, dp: int) -> Path:
-        """``reshard.jobs.offline`` of :data:`PIPE` to PP=``pp`` x DP=``dp``: the *tag* folder."""
+        """``reshard.jobs.convert.reshard`` of :data:`PIPE` to PP=``pp`` x DP=``dp``: the *tag* folder."""
         return self._once(("pipe_resharded", pp, dp), lambda: reshard(
             FIXTURES / PIPE, self.root / f"resharded_{PIPE}_pp{pp}dp{dp}", tp=1, pp=pp, dp=dp).out_dir)
 

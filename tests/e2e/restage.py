@@ -1,5 +1,5 @@
 """DeepSpeed's own universal checkpoint of one ZeRO stage, laid out for DeepSpeed's universal loader
-of another (test scaffolding for the cross-stage end-to-end tests of ``tests/test_offline_zero3.py``).
+of another (test scaffolding for the cross-stage end-to-end tests of ``tests/formats/deepspeed/test_zero3_reshard.py``).
 
 ``ds_to_universal`` of a ZeRO-3 checkpoint cannot be loaded with ``load_universal`` by a ZeRO-1/2
 engine, nor that of a ZeRO-1/2 checkpoint by a ZeRO-3 engine (DeepSpeed 0.19.8): the engine looks

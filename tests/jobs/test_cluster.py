@@ -102,7 +102,7 @@ def test_dcp_jobs_over_processes_write_what_one_process_writes(args, source, tmp
 ], ids=["reshard-3", "reshard-2-workers"])
 def test_files_striped_over_processes_are_what_one_process_writes(args, nproc, tmp_path):
     """Stripes of 4 KiB: every output archive is written by several processes (and threads),
-    each stripe at its place, and finished by one of them (``formats.zip_stripes``)."""
+    each stripe at its place, and finished by one of them (``storage.zip_stripes``)."""
     single = _single(tmp_path, *args)
     many = tmp_path / "many"
     _torchrun(many, nproc, *args, env={"RESHARD_STRIPE_BYTES": "4096"})

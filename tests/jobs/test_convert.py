@@ -321,3 +321,11 @@ def test_pipeline_x_tensor_parallel_is_refused_clearly(tmp_path):
     with pytest.raises(CheckpointError, match="pipeline x tensor parallel"):
         convert(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_target_without_dp_is_reported_at_dp_1(tmp_path):
+    """A target that records no DP (an inference engine's shards) is one replica: DP=1 in the report."""
+    from reshard.jobs.reports import Report
+
+    r = Report(tmp_path, {"tp": 2, "dp": 2, "pp": 2, "zero_stage": 1}, {"tp": 4}, params=3, files=1, bytes_written=0)
+    assert str(r).startswith(f"wrote {tmp_path}: TP=2 x DP=2 x PP=2 ZeRO-1 -> TP=4 x DP=1 (3 parameters")

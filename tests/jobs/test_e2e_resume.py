@@ -11,7 +11,7 @@ by 1e-3 in a copy of reshard's output and shows the digests catch both. An oracl
 both converters: DeepSpeed's native loader, resuming the source checkpoint at its own topology,
 holds the very state both conversions load to.
 
-Every load here runs in a job shared with the e2e tests of ``tests/test_offline.py``, one job per
+Every load here runs in a job shared with the e2e tests of ``tests/formats/deepspeed/test_zero12_reshard.py``, one job per
 world size, each checkpoint loaded into a fresh engine (``tests/e2e/plan.py``; the session fixture
 ``e2e`` of ``tests/conftest.py``): two jobs in all, ~30-60 s each on 2 CPU cores.
 """

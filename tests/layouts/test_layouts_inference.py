@@ -1,6 +1,6 @@
 """Inference-engine layouts (``reshard.layouts.inference``) and architecture mappings
 (``reshard.layouts.arch``) against plain-torch slicing of the full tensors, the way vLLM cuts them
-(``tests/execute/vllm_ref.py``)."""
+(``tests/support/vllm_ref.py``)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import torch
 
 from reshard import apply_plan
 from reshard.cli import main as cli
+from reshard.errors import ReshardError
 from reshard.ir import maps_to_document
 from reshard.layouts import (
     bigcode_mqa,
@@ -461,3 +462,32 @@ def test_plan_two_documents_form_still_works_and_draws(tmp_path, capsys):
     png2 = tmp_path / "heat2.png"
     assert _run(capsys, "plan", FIXTURES / "gpt_bigcode_tp2", "--tp", "4", "--png", png2)[0] == 0
     assert _png(png2).shape[:2] == (PLAN_PNG_SIZE[1], PLAN_PNG_SIZE[0])
+
+
+def test_plan_an_hf_folder_to_tp_through_transformers_tp_plan(capsys):
+    """``reshard plan HF_FOLDER --tp T``: the targets are transformers' own TP plan for the
+    architecture (``formats.hf.tp_plan``, handed to ``plan/retarget``), and the plan moves every
+    tensor of the folder into them exactly."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from reshard.formats.hf.tp_plan import tp_plan
+    from reshard.present.inspected import hf_plan_targets
+
+    folder = FIXTURES.parent / "hf" / "pretrained_llama"
+    doc = _json(capsys, "plan", folder, "--tp", "2")
+    assert doc["target"] == {"tp": 2, "dp": 1} and doc["source"]["tp"] == 1
+    texts = {v["text"] for v in doc["families"].values()}
+    assert {"transformers' TP plan: colwise", "transformers' TP plan: rowwise",
+            "transformers' TP plan: embedding_rowwise"} <= texts
+    src = open_source(folder)
+    tplan = plan_topology(src.maps, 2, given=hf_plan_targets(src, 2))
+    shapes = {n: tuple(m.logical_shape) for n, m in src.maps.items()}
+    assert tplan.target_maps == tp_plan(folder, shapes).maps(shapes, 2)
+    full = load_file(folder / "model.safetensors")
+    for name, tgt in tplan.target_maps.items():
+        out = apply_plan(tplan.plan.params[name], {0: full[name]})
+        for r in tgt.ranks:
+            assert torch.equal(out[r], tgt.extract(full[name], r)), (name, r)
+    with pytest.raises(ReshardError, match=r"'w'.*given target map is of F \[4, 2\]"):
+        plan_topology({"w": replicated_map((2, 4), 1)}, 2, given={"w": (replicated_map((4, 2), 2), "mine")})

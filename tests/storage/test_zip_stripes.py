@@ -1,4 +1,4 @@
-"""Archives written in stripes (``formats.zip_stripes``): whatever the number of stripes, the order they
+"""Archives written in stripes (``storage.zip_stripes``): whatever the number of stripes, the order they
 are written in and the order their reports arrive in, the file is byte for byte ``torch.save``'s,
 and the checksum recorded for the manifest is the file's. A stripe that was not written is named."""
 

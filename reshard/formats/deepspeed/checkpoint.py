@@ -229,7 +229,7 @@ class DeepSpeedCheckpoint:
     def expert(self, name: str) -> deepspeed_experts.ExpertParam | None:
         return None if self.experts is None else self.experts.params.get(name)
 
-    # -- classic MoE experts (hooks into formats/deepspeed_moe.py) ---------------------------------
+    # -- classic MoE experts (hooks into formats/deepspeed/moe.py) ---------------------------------
     @cached_property
     def moe(self) -> deepspeed_moe.ClassicMoE | None:
         """The classic ``deepspeed.moe.layer.MoE`` experts, or ``None`` without ``num_experts``."""

@@ -39,7 +39,7 @@ from .checkpoint import DeepSpeedCheckpoint
 from .target_experts import ds_affine_entry, uniform_placement
 from .templates import ds_id_notes
 
-__all__ = ["AutoEPZero3Source", "AutoEPZero3Target", "check_autoep_zero3"]
+__all__ = ["AutoEPZero3Partitions", "AutoEPZero3Target", "check_autoep_zero3"]
 
 
 def _ds_ids(ck: DeepSpeedCheckpoint, ax: dse.AutoEP, names: list[str]) -> tuple[dict[str, int], bool]:
@@ -68,7 +68,7 @@ def _ds_ids(ck: DeepSpeedCheckpoint, ax: dse.AutoEP, names: list[str]) -> tuple[
     return ids, exact
 
 
-class AutoEPZero3Source:
+class AutoEPZero3Partitions:
     """A ZeRO-3 AutoEP source's groups, sub-groups and parameter ids, checked."""
 
     tp = 1
@@ -109,7 +109,7 @@ class AutoEPZero3Target:
 
     tp, stage = 1, 3
 
-    def __init__(self, src: AutoEPZero3Source, ep: int, dp: int) -> None:
+    def __init__(self, src: AutoEPZero3Partitions, ep: int, dp: int) -> None:
         self.ep, self.dp, self.edp = ep, dp, dp // ep
         self.topology = Topology(1, dp, 1)
         self.ax = dataclasses.replace(src.ax, ep=ep, edp=dp // ep)  # the source's EDP order at the new sizes
@@ -171,7 +171,7 @@ class AutoEPZero3Target:
         return out
 
     # -- the files -------------------------------------------------------------------------------
-    def bind(self, src: AutoEPZero3Source) -> None:
+    def bind(self, src: AutoEPZero3Partitions) -> None:
         self.src = src
         cfg = dsw.target_ds_config(src.cfg, tp=1, dp=self.dp, zero_stage=3)
         if isinstance(cfg, dict) and isinstance(cfg.get("expert_parallel"), dict):

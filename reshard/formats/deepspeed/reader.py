@@ -32,9 +32,9 @@ from ..contract import Reader
 from . import checks
 from .checkpoint import DeepSpeedCheckpoint
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
-from .zero3 import Zero3Source
+from .zero3 import Zero3Partitions
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS
-from .zero12 import Zero12Source, check_dense_layouts
+from .zero12 import Zero12Partitions, check_dense_layouts
 
 __all__ = ["DeepSpeedNative", "DeepSpeedReader", "optimizer_state"]
 
@@ -58,13 +58,13 @@ class DeepSpeedNative:
         return "zero3" if ck.zero_stage == 3 else "zero12"
 
     @cached_property
-    def zero12(self) -> Zero12Source | None:
+    def zero12(self) -> Zero12Partitions | None:
         """The ZeRO-1/2 source's groups, checked against DeepSpeed's layout rule."""
-        return Zero12Source(self.ck) if self.kind == "zero12" else None
+        return Zero12Partitions(self.ck) if self.kind == "zero12" else None
 
     @cached_property
-    def zero3(self) -> Zero3Source | None:
-        return Zero3Source(self.ck) if self.kind == "zero3" else None
+    def zero3(self) -> Zero3Partitions | None:
+        return Zero3Partitions(self.ck) if self.kind == "zero3" else None
 
 
 class DeepSpeedReader(Reader):
@@ -97,12 +97,12 @@ class DeepSpeedReader(Reader):
         return self.own.kind
 
     @property
-    def zero12(self) -> Zero12Source | None:
+    def zero12(self) -> Zero12Partitions | None:
         """The ZeRO-1/2 source's groups, checked against DeepSpeed's layout rule."""
         return self.own.zero12
 
     @property
-    def zero3(self) -> Zero3Source | None:
+    def zero3(self) -> Zero3Partitions | None:
         return self.own.zero3
 
     def native(self, fmt: str) -> DeepSpeedNative | None:
@@ -127,7 +127,7 @@ class DeepSpeedReader(Reader):
             checks.check_partitions(ck)
             checks.check_module_weights(ck, self.names, self.module_dtype)
             checks.check_expert_files(ck, self.module_dtype)
-            if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout is Zero12Source's
+            if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout is Zero12Partitions's
                 check_dense_layouts(ck, self.module_dtype)
         checks.check_recorded_maps(ck, self.names)
         for name in self.names:  # every map lowers and composes

@@ -30,7 +30,7 @@ from ..hf.tp_plan import TPPlan, chunk_sizes, tp_plan_of_config
 from . import lowering
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
-from .zero12 import Zero12Source
+from .zero12 import Zero12Partitions
 
 TargetLayout = str | Path | Mapping[str, Any] | None
 
@@ -179,7 +179,7 @@ def autotp_plan_maps(plan: TPPlan, shapes: Mapping[str, tuple[int, ...]], tp: in
     return maps
 
 
-def target_stage_maps(src: Zero12Source, tp: int, pp: int, layout: TargetLayout,
+def target_stage_maps(src: Zero12Partitions, tp: int, pp: int, layout: TargetLayout,
                       zero_stage: int) -> tuple[dict[str, ParamMap], dict | None, str]:
     """Target maps of a pipeline checkpoint: every parameter's target TP map on its target
     stage's model-parallel ranks ``stage * tp + t``, and the ``universal_checkpoint_info`` the

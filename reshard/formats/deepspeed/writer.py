@@ -87,11 +87,11 @@ class DeepSpeedWriter(Writer):
         self.keeps_replicas = self._target["tp"] == ck.tp
 
     def _autoep_zero3(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
-        from .experts_zero3 import AutoEPZero3Source, AutoEPZero3Target, check_autoep_zero3
+        from .experts_zero3 import AutoEPZero3Partitions, AutoEPZero3Target, check_autoep_zero3
 
         stage = 3 if stage is None else stage
         check_autoep_zero3(ck, ep, dp, tp, pp, stage)
-        src = AutoEPZero3Source(ck)
+        src = AutoEPZero3Partitions(ck)
         tgt = AutoEPZero3Target(src, ep, dp)
         tgt.bind(src)
         self.kind = tgt

@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8 ZeRO-1/2 checkpoint files: read and checked (:class:`Zero12Source`), and the
+"""DeepSpeed 0.19.8 ZeRO-1/2 checkpoint files: read and checked (:class:`Zero12Partitions`), and the
 dictionaries of the files a target writes (no tensor data moves here; the engine fills them).
 
 A ZeRO-1/2 source, as every route reads it: its parameter groups per model-parallel rank, checked
@@ -124,7 +124,7 @@ def check_source_group(group: FlatGroup, osds: Sequence[Mapping], g: int, where:
 def check_dense_layouts(ck: Any, dtype: torch.dtype) -> None:
     """ZeRO-1/2 with experts (AutoEP, classic MoE): every dense group's ``param_slice_mappings``
     on every DP rank against DeepSpeed 0.19.8's flat layout of the group's ``param_shapes``, as
-    a dense checkpoint's (``zero12.Zero12Source``): two DP ranks' optimizer files swapped, or a
+    a dense checkpoint's (``zero12.Zero12Partitions``): two DP ranks' optimizer files swapped, or a
     fragment start shifted, are refused rather than read at the wrong place. (The expert groups'
     layouts are their EDP groups' own; swapped EP ranks' files of one shape are the deep check's.)"""
     zo = (ck.model_state(0).get("ds_config") or {}).get("zero_optimization") or {}
@@ -272,7 +272,7 @@ def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: i
     return out
 
 
-class Zero12Source:
+class Zero12Partitions:
     """What the source checkpoint says about its ZeRO-1/2 groups, checked against DeepSpeed's
     layout rule."""
 

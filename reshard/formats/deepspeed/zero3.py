@@ -47,7 +47,7 @@ from ...storage.torch_zip import Storage, TensorRef
 from .checkpoint import DeepSpeedCheckpoint
 from .zero12 import with_config
 
-__all__ = ["AttrTensorRef", "SubGroup", "Zero3Source", "model_file", "model_states", "model_template_from_zero12",
+__all__ = ["AttrTensorRef", "SubGroup", "Zero3Partitions", "model_file", "model_states", "model_template_from_zero12",
            "optim_file", "optim_source_from_zero3", "optim_source_from_zero12", "optim_states", "sub_groups"]
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -160,7 +160,7 @@ def _ds_id_range(t: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
-class Zero3Source:
+class Zero3Partitions:
     """A ZeRO-3 checkpoint (TP=1, or AutoTP at any TP degree; no pipeline) as ``reshard reshard``
     reads it: per TP rank its parameter groups and sub-groups (of TP shards), checked against
     DeepSpeed 0.19.8's layout rule and every file's sizes before anything is written. Every TP

@@ -9,7 +9,6 @@ and the optimizer layouts: plain Adam and ``fully_reshardable`` states chunked a
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from . import safe
 from .lowering import Lowered, chunk_map, composite, local_map
 from .model import Arch, KeySpec, LocalParam, bucket_layout
 
-__all__ = ["DistSource"]
+__all__ = ["TorchDistBackend"]
 
 _PLANNER = "torch.distributed.checkpoint.planner"
 
@@ -75,7 +74,7 @@ _BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d
 _STATE_KINDS = {"fp32": ("param", "fp32_param"), "exp_avg": ("exp_avg",), "exp_avg_sq": ("exp_avg_sq",)}
 
 
-class DistSource:
+class TorchDistBackend:
     """The keys, states and objects of one ``torch_dist`` iteration folder."""
 
     def __init__(self, iter_dir: Path) -> None:
@@ -219,7 +218,8 @@ class DistSource:
                 if e.shape != (unpadded,):
                     raise CheckpointError(f"{self.dir / dcp.METADATA}: {key!r} holds {list(e.shape)} elements, the "
                                           f"bucket layout args imply {unpadded}")
-                _check_tiles(e.chunks, unpadded, f"{self.dir / dcp.METADATA}: {key!r}")
+                # a chunk lost or moved would leave part of every state it holds unread
+                chunk_map((unpadded,), [(c.offsets, c.sizes) for c in e.chunks], f"{self.dir / dcp.METADATA}: {key!r}")
                 state = "fp32" if kind == "param" else kind
                 for ci, c in enumerate(e.chunks):
                     a, b = c.offsets[0], c.offsets[0] + c.sizes[0]
@@ -296,15 +296,3 @@ class DistSource:
         return sorted({self.dir / c.file for e in self.ck.tensors.values() for c in e.chunks} |
                       {self.dir / rel for rel, _, _ in self.ck.objects.values()})
 
-
-def _check_tiles(chunks: Sequence[Any], total: int, where: str) -> None:
-    """A bucket's 1-D chunks (one per DP rank) cover ``[0, total)`` exactly: a chunk lost or moved
-    would leave part of every state it holds unread."""
-    at = 0
-    for c in sorted(chunks, key=lambda c: c.offsets[0]):
-        if c.offsets[0] != at:
-            raise CheckpointError(f"{where}: its chunks leave elements [{at}, {c.offsets[0]}) uncovered or overlap "
-                                  "there: damaged or not Megatron's")
-        at += c.sizes[0]
-    if at != total:
-        raise CheckpointError(f"{where}: its chunks cover {at} of its {total} elements: damaged or not Megatron's")

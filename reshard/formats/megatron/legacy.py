@@ -22,7 +22,7 @@ from .files import LEGACY_RANK
 from .lowering import Lowered, local_map
 from .model import EMBED, Arch, KeySpec, LocalParam, bucket_layout
 
-__all__ = ["LegacySource"]
+__all__ = ["LegacyBackend"]
 
 MODEL_FILE, OPTIM_FILE = "model_optim_rng.pt", "distrib_optim.pt"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -32,7 +32,7 @@ def _rank_dir(tp: int, pp: int, arch: Arch) -> str:
     return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if arch.pp > 1 else "")
 
 
-class LegacySource:
+class LegacyBackend:
     """The local tensors of every (TP, PP) rank, their optimizer states, and the run's args."""
 
     def __init__(self, iter_dir: Path) -> None:

@@ -27,10 +27,10 @@ import torch
 from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
 from ..contract import STATES, Reader
-from .dist import DistSource
+from .dist import TorchDistBackend
 from .files import Location, locate
 from .hfmap import HfParam, hf_params, restrict
-from .legacy import LegacySource
+from .legacy import LegacyBackend
 from .lowering import Lowered
 from .model import EMBED, OUTPUT, Arch
 
@@ -46,7 +46,7 @@ class MegatronReader(Reader):
         if names not in NAMES:
             raise ReshardError(f"names (--names) must be 'megatron' or 'hf', got {names!r}")
         self.loc, self.naming, self.mapping = loc, names, mapping
-        self.src: DistSource | LegacySource = DistSource(loc.iter_dir) if loc.fmt == "torch_dist" else LegacySource(loc.iter_dir)
+        self.src: TorchDistBackend | LegacyBackend = TorchDistBackend(loc.iter_dir) if loc.fmt == "torch_dist" else LegacyBackend(loc.iter_dir)
         self.arch: Arch = self.src.arch
         self.args = self.src.args
         self.tag = loc.save_dir.name
@@ -104,7 +104,7 @@ class MegatronReader(Reader):
     def check(self) -> None:
         """Every check that can refuse the source: files, objects (restricted unpickling), key
         shapes against args, and every map of every state."""
-        if isinstance(self.src, DistSource):
+        if isinstance(self.src, TorchDistBackend):
             self.src.check_objects()
         else:
             self.src.check()
@@ -122,7 +122,7 @@ class MegatronReader(Reader):
     def dtype(self, name: str, state: str) -> torch.dtype:
         if state != "weight":
             return torch.float32
-        if isinstance(self.src, LegacySource):
+        if isinstance(self.src, LegacyBackend):
             return self.src.dtype
         return self.src.ck.entry(self._spec(name).key).dtype
 

@@ -35,7 +35,7 @@ from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
 from ..table import noun_of
 from . import safe
 from .common import KINDS, args_for, buffer_dtype, common_state, default_groups, extra_state_keys
-from .dist import DistSource
+from .dist import TorchDistBackend
 from .files import TRACKER, iteration_folder
 from .hfconfig import args_from_hf, padded_vocab
 from .hfmap import hf_params, restrict
@@ -117,7 +117,7 @@ class MegatronWriter(Writer):
         self._check_kind()
         self.arch = arch
         self.iteration = own.iteration
-        self.template = own.src.common if isinstance(own.src, DistSource) else own.src.state_dict(0, 0)
+        self.template = own.src.common if isinstance(own.src, TorchDistBackend) else own.src.state_dict(0, 0)
         self.args = args_for(args, arch, self.kind)
         self.dtype = own.dtype(own.names[0], "weight")
         self.hf = None if self.native else self._hf_names(own)
@@ -261,9 +261,9 @@ class MegatronWriter(Writer):
                                   self.iteration or 0)
             out.append(("common_state/shard_0_1", safe.dumps([common])))
             src = self.own.src if self.own is not None else None
-            objects = src.ck.objects if isinstance(src, DistSource) and src.ck is not None else {}
+            objects = src.ck.objects if isinstance(src, TorchDistBackend) and src.ck is not None else {}
             for key in extra_state_keys(a):
-                out.append((key, src.raw(key) if isinstance(src, DistSource) and key in objects
+                out.append((key, src.raw(key) if isinstance(src, TorchDistBackend) and key in objects
                             else safe.dumps([None])))
         if self.kind == "dp_reshardable":
             dtypes = buffer_dtype(self.args)
@@ -285,7 +285,7 @@ class MegatronWriter(Writer):
     def _copied(self, r: int) -> list[tuple[str, bytes]]:
         """The source's rng and rerun records, where Megatron would load them at the target."""
         src = self.own.src if self.own is not None else None
-        if not isinstance(src, DistSource) or src.ck is None:
+        if not isinstance(src, TorchDistBackend) or src.ck is None:
             return []
         s, t = src.arch, self.arch
         out = []

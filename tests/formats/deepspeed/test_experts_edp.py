@@ -23,7 +23,6 @@ from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
-from tests.support.compare import assert_same_as_ds_to_universal
 from tests.support.compare import full_state as _full
 from tests.support.compare import same as _same
 from tests.support.dsconv import FIXTURES, ds_to_universal, tag_dir
@@ -136,14 +135,6 @@ def test_a_wrong_partition_count_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"zero_pp_rank_2_mp_rank_00_optim_states.pt: partition_count \[4, 4\] "
                                               r"cuts expert group 1 into 4 partitions, but its EDP group has 2 ranks"):
         bad.composite_map(EXPERTS[0], bad.tp_map(EXPERTS[0]).map)
-
-
-# -- reshard convert: the universal layout ---------------------------------------------------------
-
-
-def test_convert_is_ds_to_universal(ucp, tmp_path):
-    ours = convert(FIXTURES / NAME, tmp_path / "reshard").out_dir
-    assert_same_as_ds_to_universal(ours, ucp, "zero/model.layers.1.mlp.experts.w3/exp_avg_sq.pt")
 
 
 # -- reshard reshard: other (EP, DP) and back --------------------------------------------------------

@@ -1,4 +1,4 @@
-"""reshard.jobs.offline: a DeepSpeed ZeRO-1/2 checkpoint rewritten at another TP x DP topology.
+"""``reshard.jobs.convert.reshard``: a DeepSpeed ZeRO-1/2 checkpoint rewritten at another TP x DP topology.
 
 Fast tests (no DeepSpeed job):
 
@@ -270,8 +270,6 @@ def test_resharded_checkpoint_converts_to_the_same_universal_tensors(source, tp,
             _deep_equal(a[k], b[k], k)
 
 
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 def test_round_trip_keeps_per_rank_replicas_and_empty_shards(stage, tmp_path):
     """GPT-BigCode TP=2: TP rank 1 holds no query rows (zero-element shards, outside the
@@ -392,7 +390,7 @@ def test_output_over_the_source_is_refused(tmp_path):
     assert DeepSpeedCheckpoint.open(src).dp == 2
 
 
-# ZeRO-3 sources: tests/test_offline_zero3.py
+# ZeRO-3 sources: tests/formats/deepspeed/test_zero3_reshard.py
 
 
 def test_truncated_source_partition_is_refused(tmp_path):
@@ -428,7 +426,7 @@ def test_unknown_zero_layout_is_refused(tmp_path):
 
 
 def test_failure_midway_leaves_no_output_and_no_latest(tmp_path, monkeypatch):
-    """The disk fills while an optimizer file's stripe is written (``formats.zip_stripes``)."""
+    """The disk fills while an optimizer file's stripe is written (``storage.zip_stripes``)."""
     from reshard.storage import zip_stripes
 
     real = zip_stripes._pwrite
@@ -460,15 +458,6 @@ def test_killed_run_is_cleaned_up_and_existing_output_is_kept(tmp_path):
     again = reshard(FIXTURES / "llama_zero1_dp2", tmp_path, tp=1, dp=2, overwrite=True).out_dir
     assert DeepSpeedCheckpoint.open(again).dp == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [TAG, "latest"]
-
-
-def test_workers_give_the_same_files(tmp_path):
-    a = reshard(FIXTURES / "llama_tp2_dp2", tmp_path / "a", tp=1, dp=3).out_dir
-    b = reshard(FIXTURES / "llama_tp2_dp2", tmp_path / "b", tp=1, dp=3, workers=3).out_dir
-    files = sorted(p.name for p in a.iterdir() if p.suffix == ".pt")
-    assert files == sorted(p.name for p in b.iterdir() if p.suffix == ".pt")
-    for name in files:
-        _deep_equal(load(a / name, mmap=False), load(b / name, mmap=False), name)
 
 
 # -- streaming: every file written as its bytes are produced ------------------------------------
@@ -508,7 +497,7 @@ STREAMED = [("llama_tp2_dp2", {"tp": 1, "dp": 3}), ("gpt_bigcode_tp2", {"tp": 2,
 
 @pytest.mark.parametrize("source,kw", STREAMED, ids=[s for s, _ in STREAMED])
 def test_streamed_files_are_byte_identical_to_saving_the_built_tensors(source, kw, tmp_path, monkeypatch):
-    """Module and optimizer files are streamed (``formats.torch_zip``): their flat buffers are
+    """Module and optimizer files are streamed (``storage.torch_zip``): their flat buffers are
     placeholders filled window by window from the plan. Each file, at tiny and odd chunk sizes
     and as written (in stripes of at most a few KiB, by two workers), is byte for byte what
     ``torch.save`` writes for the same object built in memory."""
@@ -558,7 +547,7 @@ def _sane(report: dict, tp: int, dp: int, universal: bool) -> None:
 @pytest.mark.e2e
 @pytest.mark.parametrize("source,tp,dp", E2E, ids=[f"{s}-to-tp{t}dp{d}" for s, t, d in RESHARD_TARGETS])
 def test_deepspeed_loads_it_natively_and_trains_as_from_universal(source, tp, dp, e2e):
-    """reshard.jobs.offline of ``source`` to TP=tp x DP=dp, loaded with DeepSpeed's ordinary
+    """``reshard.jobs.convert.reshard`` of ``source`` to TP=tp x DP=dp, loaded with DeepSpeed's ordinary
     load_checkpoint, against ds_to_universal of ``source`` loaded with load_universal there."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")

@@ -1,6 +1,6 @@
-"""reshard.jobs.offline with ZeRO-3 at either end (TP=1): a ZeRO-3 checkpoint at another DP size or at
+"""``reshard.jobs.convert.reshard`` with ZeRO-3 at either end (TP=1): a ZeRO-3 checkpoint at another DP size or at
 ZeRO stage 1/2, or a ZeRO-1/2 one at ZeRO-3, written as DeepSpeed 0.19.8 saves it there
-(``reshard.jobs.offline_zero3``), in fp32 and bf16. AutoTP x ZeRO-3: ``tests/test_zero3_tp.py``.
+(``reshard.formats.deepspeed.target_zero3``), in fp32 and bf16. AutoTP x ZeRO-3: ``tests/formats/deepspeed/test_zero3_tp.py``.
 
 Fast tests (no DeepSpeed job):
 
@@ -120,17 +120,6 @@ def test_resharded_checkpoint_converts_to_the_same_universal_tensors(dp, tmp_pat
         flat = osd["fp32_flat_groups"][0]
         assert flat.ds_id == "0_20" and flat.requires_grad
         assert flat.numel() == sum(-(-math.prod(s) // dp) for s in ms["param_shapes"][0].values())
-
-
-
-
-def test_workers_give_the_same_files(tmp_path):
-    a = reshard(FIXTURES / SOURCE, tmp_path / "a", tp=1, dp=3).out_dir
-    b = reshard(FIXTURES / SOURCE, tmp_path / "b", tp=1, dp=3, workers=3).out_dir
-    names = sorted(p.name for p in a.iterdir() if p.suffix == ".pt")
-    assert names == sorted(p.name for p in b.iterdir() if p.suffix == ".pt")
-    for name in names:
-        _same(load(a / name, mmap=False), load(b / name, mmap=False), name)
 
 
 # -- structure: exactly what DeepSpeed writes ---------------------------------------------------
@@ -254,18 +243,6 @@ def test_truncated_file_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"tp": 2, "dp": 1}, r"changing TP from 1 to 2 needs the layout"),  # TP x ZeRO-3: tests/test_zero3_tp.py
-    ({"tp": 1, "dp": 2, "pp": 2}, r"resharded over TP and DP only \(PP=1\)"),
-    ({"tp": 1, "dp": 4, "zero_stage": 0}, r"written at ZeRO stage 1, 2 or 3, not 0"),
-    ({"tp": 4, "dp": 1, "layout": FIXTURES / "llama_tp2_dp2"}, r"is at TP=2, the target is TP=4"),
-])
-def test_targets_it_cannot_write_are_refused(kwargs, match, tmp_path):
-    with pytest.raises(ReshardError, match=match):
-        reshard(FIXTURES / SOURCE, tmp_path, **kwargs)
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_output_over_the_source_is_refused(tmp_path):
     src = _copy_source(tmp_path)
     with pytest.raises(ReshardError, match=r"would replace the source"):
@@ -363,8 +340,6 @@ def test_model_states_keep_the_source_module_and_shared_params_on_rank_0(tmp_pat
 BF16 = "llama_zero3_dp2_bf16"  # the same recipe as SOURCE in bf16: bf16_ optimizer files, bf16 placeholders
 
 
-
-
 @pytest.mark.parametrize("dp", [1, 3])
 def test_bf16_reshards_to_the_same_universal_tensors(dp, tmp_path):
     out = reshard(FIXTURES / BF16, tmp_path / "out", tp=1, dp=dp).out_dir
@@ -405,8 +380,6 @@ def test_other_zero_stage_holds_the_same_state(source, dp, stage, tmp_path):
         for name, states in want.items():
             w = ms["module"][name]
             assert w.dtype == dtype and torch.equal(w.reshape(-1), states["fp32"].to(dtype)), name
-
-
 
 
 @pytest.mark.parametrize("source,kwargs,match", [

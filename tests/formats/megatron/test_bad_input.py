@@ -68,9 +68,9 @@ def _save(sd: dict, f) -> None:
 
 
 def _common(iter_dir) -> dict:
-    from reshard.formats.megatron.dist import DistSource
+    from reshard.formats.megatron.dist import TorchDistBackend
 
-    return DistSource(iter_dir).common
+    return TorchDistBackend(iter_dir).common
 
 
 def test_missing_distcp_file(tmp_path):
@@ -199,7 +199,7 @@ def test_a_bucket_chunk_lost_from_the_metadata_is_refused(tmp_path, route):
     src = _copy(tmp_path, "torch_dist_dp2_distopt_bf16")
     _edit_bucket(src, lambda md, key: md[key].chunks.pop(0))
     out = tmp_path / "out"
-    with pytest.raises(CheckpointError, match=r"bucket_idx_0\.param'.*: its chunks leave elements \[0, \d+\) uncovered"):
+    with pytest.raises(CheckpointError, match=r"bucket_idx_0\.param'.*: chunks leave a hole at"):
         convert(src, out, fmt=route)
     assert not out.exists()
 
