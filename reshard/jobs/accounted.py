@@ -1,0 +1,111 @@
+"""Every source entry accounted for, on every route (docs/spec.md §11), before any output folder
+exists. Each parameter the reader lowers and each entry it holds beside them
+(:meth:`Reader.unlowered`) is one of:
+
+* **written**: a parameter a target slot takes (the writer's ``targets()``), or a held entry the
+  writer carries as it is (:meth:`Writer.carries`);
+* **not carried**: a run's state the target has no place for (``_extra_state``, RNG, a
+  scheduler), listed in the report and the manifest (``not_carried``) with its reason;
+* **dropped**: model weights the target has no place for, which the user named with ``--drop``
+  (``drop=``), listed in the report and the manifest (``dropped``);
+* else **refused** (``UnplacedError``), naming the file and the entry: never lost silently.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..errors import ReshardError, UnplacedError
+from ..formats.contract import HELD, Held, Reader, Target, Writer
+
+__all__ = ["Accounted", "account", "patterns"]
+
+SHOWN = 5  # entries a refusal or a report line names before "and N more"
+
+
+@dataclass(frozen=True, slots=True)
+class Accounted:
+    """What a job does not write, and why: ``not_carried`` (a state the target has no place for)
+    and ``dropped`` (weights the user dropped); ``unused``: ``--drop`` patterns that matched nothing."""
+
+    not_carried: tuple[Held, ...] = ()
+    dropped: tuple[Held, ...] = ()
+    unused: tuple[str, ...] = ()
+
+    def meta(self) -> dict[str, list[dict[str, str]]]:
+        """The manifest's keys: present only where non-empty (a route with nothing to report is
+        written as before)."""
+        out = {}
+        if self.not_carried:
+            out["not_carried"] = [h.to_dict() for h in self.not_carried]
+        if self.dropped:
+            out["dropped"] = [h.to_dict() for h in self.dropped]
+        return out
+
+    def notes(self) -> list[str]:
+        """The report's lines: one per reason."""
+        out = [f"not carried ({reason}): {_listing(keys)}" for reason, keys in _by_reason(self.not_carried)]
+        out += [f"dropped by --drop ({reason}): {_listing(keys)}" for reason, keys in _by_reason(self.dropped)]
+        out += [f"--drop {p!r} matched nothing the target has no place for" for p in self.unused]
+        return out
+
+
+def patterns(drop: Iterable[str]) -> list[re.Pattern[str]]:
+    """The ``--drop`` regexes, compiled (a bad one refused naming it)."""
+    if isinstance(drop, str):  # a lone pattern, not its characters
+        drop = (drop,)
+    out = []
+    for p in drop:
+        try:
+            out.append(re.compile(p))
+        except (re.error, TypeError) as e:
+            raise ReshardError(f"drop (--drop): {p!r} is not a regular expression ({e})") from None
+    return out
+
+
+def account(reader: Reader, writer: Writer, targets: Sequence[Target], drop: Iterable[str] = ()) -> Accounted:
+    """Account for every entry of ``reader``'s source on the route to ``writer`` (module doc);
+    raises ``UnplacedError`` for model weights with no place in the target that ``drop`` does not
+    name."""
+    pats = patterns(drop)
+    written = {t.name for t in targets}
+    where = str(reader.sources[-1])
+    unwritten = [Held(n, where, "weights", f"a parameter the {writer.format} target does not fill")
+                 for n in reader.names if n not in written]
+    held = []
+    for h in [*unwritten, *reader.unlowered()]:
+        if h.what not in HELD:
+            raise ReshardError(f"internal: {h.file}: held entry {h.key!r} is {h.what!r}, not one of {HELD}")
+        if not writer.carries(h):
+            held.append(h)
+    used: set[str] = set()
+    not_carried, dropped, refused = [], [], []
+    for h in held:
+        hit = next((p for p in pats if p.search(h.key)), None)
+        if hit is not None:
+            used.add(hit.pattern)
+            dropped.append(h)
+        elif h.what == "state":
+            not_carried.append(h)
+        else:
+            refused.append(h)
+    if refused:
+        shown = "; ".join(f"{h.file}: {h.key} ({h.reason})" for h in refused[:SHOWN])
+        more = f"; and {len(refused) - SHOWN} more" if len(refused) > SHOWN else ""
+        raise UnplacedError(f"{len(refused)} source tensor(s) of model weights have no place in the {writer.format} "
+                            f"target: {shown}{more}. Refused rather than lost: leave them out with --drop REGEX "
+                            "(drop=), recorded in the report and the manifest", entries=tuple(h.key for h in refused))
+    return Accounted(tuple(not_carried), tuple(dropped), tuple(p.pattern for p in pats if p.pattern not in used))
+
+
+def _by_reason(held: Sequence[Held]) -> list[tuple[str, list[str]]]:
+    order = Counter(h.reason for h in held)
+    return [(reason, [h.key for h in held if h.reason == reason]) for reason in order]
+
+
+def _listing(keys: list[str]) -> str:
+    more = f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
+    return ", ".join(keys[:SHOWN]) + more
