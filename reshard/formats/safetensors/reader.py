@@ -32,7 +32,7 @@ from ...execute.memory import release
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
-from ..contract import Reader
+from ..contract import Held, Reader
 from .io import DTYPES
 from .quantized import Codec, Coded, open_codec
 
@@ -173,6 +173,15 @@ class SafetensorsReader(Reader):
             raise CheckpointError(f"{p / missing[0]}: file is missing ({INDEX} lists it)")
         self._index = {n: p / rel for n, rel in weight_map.items()}
         return [p / rel for rel in files]
+
+    def unlowered(self) -> list[Held]:
+        """safetensors files in the folder that the index does not list (or beside the single
+        ``model.safetensors``): tensors, never read silently past."""
+        if not self.sources[0].is_dir():
+            return []
+        read = {e.file.name for e in self.entries.values()}
+        return [Held(f.name, str(f), "weights", "a safetensors file the folder's index does not list")
+                for f in sorted(self.folder.glob("*.safetensors")) if f.name not in read]
 
     def check(self) -> None:
         if self.codec is not None:
