@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ReshardError, UnplacedError
-from ..formats.contract import HELD, Held, Reader, Target, Writer
+from ..formats.contract import HELD, MOMENTS, Held, Reader, Target, Writer
 
 __all__ = ["Accounted", "account", "patterns"]
 
@@ -34,6 +34,8 @@ class Accounted:
     not_carried: tuple[Held, ...] = ()
     dropped: tuple[Held, ...] = ()
     unused: tuple[str, ...] = ()
+    moments: tuple[str, ...] = ()  # parameters whose Adam moments a weights-only target does not take
+    target: str = ""
 
     def meta(self) -> dict[str, list[dict[str, str]]]:
         """The manifest's keys: present only where non-empty (a route with nothing to report is
@@ -50,6 +52,9 @@ class Accounted:
         out = [f"not carried ({reason}): {_listing(keys)}" for reason, keys in _by_reason(self.not_carried)]
         out += [f"dropped by --drop ({reason}): {_listing(keys)}" for reason, keys in _by_reason(self.dropped)]
         out += [f"--drop {p!r} matched nothing the target has no place for" for p in self.unused]
+        if self.moments:  # the target's own choice of what it holds: said once, not listed in the manifest
+            out.append(f"not carried (the {self.target} target holds weights only): the Adam moments of "
+                       f"{len(self.moments)} parameters")
         return out
 
 
@@ -98,7 +103,13 @@ def account(reader: Reader, writer: Writer, targets: Sequence[Target], drop: Ite
         raise UnplacedError(f"{len(refused)} source tensor(s) of model weights have no place in the {writer.format} "
                             f"target: {shown}{more}. Refused rather than lost: leave them out with --drop REGEX "
                             "(drop=), recorded in the report and the manifest", entries=tuple(h.key for h in refused))
-    return Accounted(tuple(not_carried), tuple(dropped), tuple(p.pattern for p in pats if p.pattern not in used))
+    wanted: dict[str, set[str]] = {}
+    for t in targets:
+        wanted.setdefault(t.name, set()).update(t.want)
+    moments = tuple(n for n in reader.names if n in wanted and not wanted[n] & set(MOMENTS)
+                    and set(reader.states(n)) & set(MOMENTS))
+    return Accounted(tuple(not_carried), tuple(dropped), tuple(p.pattern for p in pats if p.pattern not in used),
+                     moments, writer.format)
 
 
 def _by_reason(held: Sequence[Held]) -> list[tuple[str, list[str]]]:
