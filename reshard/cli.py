@@ -284,8 +284,9 @@ def _figures(p: argparse.ArgumentParser) -> None:
 
 def _output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop", action="append", default=[], metavar="REGEX",
-                   help="leave out the source's model weights whose names match REGEX where the target has no place "
-                   "for them (refused otherwise); recorded in the report and the manifest (repeatable)")
+                   help="leave out the source's tensors and entries whose names match REGEX (re.search), such as "
+                   "weights the target has no place for, which are refused otherwise; recorded in the report and the "
+                   "manifest (repeatable)")
     p.add_argument("--workers", type=_positive, default=1, help="files written in parallel (default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output tag folder")
     p.add_argument("--checksum", choices=CHECKSUMS, default="crc32",

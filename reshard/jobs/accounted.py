@@ -9,6 +9,11 @@ exists. Each parameter the reader lowers and each entry it holds beside them
 * **dropped**: model weights the target has no place for, which the user named with ``--drop``
   (``drop=``), listed in the report and the manifest (``dropped``);
 * else **refused** (``UnplacedError``), naming the file and the entry: never lost silently.
+
+``--drop`` applies to any entry: a parameter it names is left out before the writer is made
+(:func:`without`), so a target that has no place for it (an HF architecture mapping without the
+tensor) is laid out without it; and where it names any entry, no target copies the source's own
+files (which hold it).
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from ..errors import ReshardError, UnplacedError
 from ..formats.contract import HELD, MOMENTS, Held, Reader, Target, Writer
+from ..ir.param_map import ParamMap
 
-__all__ = ["Accounted", "account", "patterns"]
+__all__ = ["Accounted", "Without", "account", "patterns", "without"]
 
 SHOWN = 5  # entries a refusal or a report line names before "and N more"
 
@@ -90,6 +99,8 @@ def account(reader: Reader, writer: Writer, targets: Sequence[Target], drop: Ite
     not_carried, dropped, refused = [], [], []
     for h in held:
         hit = next((p for p in pats if p.search(h.key)), None)
+        if hit is not None and h.key in written:  # never "dropped" and written
+            raise ReshardError(f"internal: {h.file}: --drop names {h.key!r}, which the {writer.format} target writes")
         if hit is not None:
             used.add(hit.pattern)
             dropped.append(h)
@@ -120,3 +131,78 @@ def _by_reason(held: Sequence[Held]) -> list[tuple[str, list[str]]]:
 def _listing(keys: list[str]) -> str:
     more = f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
     return ", ".join(keys[:SHOWN]) + more
+
+
+def without(reader: Reader, drop: Iterable[str]) -> Reader:
+    """``reader`` without the parameters ``drop`` names (:class:`Without`), or ``reader`` itself
+    where it names no entry of the source. Where it names one, no target copies the source's own
+    files (which hold it): each writes the source as it writes any other format's."""
+    pats = patterns(drop)
+    if not pats:
+        return reader
+    gone = [n for n in reader.names if any(p.search(n) for p in pats)]
+    if gone or any(p.search(h.key) for h in reader.unlowered() for p in pats):
+        return Without(reader, gone)
+    return reader
+
+
+class Without(Reader):
+    """A source without some of its parameters (``--drop``): each listed as held weights, which
+    the accounting records as dropped. Every other question goes to the source."""
+
+    def __init__(self, inner: Reader, gone: Sequence[str]) -> None:
+        self.inner, self.gone = inner, frozenset(gone)
+        self.format, self.tag, self.sources = inner.format, inner.tag, inner.sources
+        self.description, self.topology = inner.description, inner.topology
+        self.names = [n for n in inner.names if n not in self.gone]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(name)
+
+    def states(self, name: str) -> tuple[str, ...]:
+        return self.inner.states(name)
+
+    def dtype(self, name: str, state: str) -> torch.dtype:
+        return self.inner.dtype(name, state)
+
+    def map(self, name: str, state: str) -> ParamMap:
+        return self.inner.map(name, state)
+
+    def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
+        return self.inner.fragment(name, state, rank)
+
+    def tp_index(self, name: str, state: str, rank: int) -> int | None:
+        return self.inner.tp_index(name, state, rank)
+
+    def step(self, name: str) -> Any:
+        return self.inner.step(name)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [dict(g, params=[n for n in g.get("params", []) if n not in self.gone])
+                for g in self.inner.param_groups()]
+
+    def extras(self, name: str) -> dict[str, Any]:
+        return self.inner.extras(name)
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def model_order(self) -> list[str] | None:
+        order = self.inner.model_order()
+        return None if order is None else [n for n in order if n not in self.gone]
+
+    def tied(self) -> dict[str, str]:
+        return {a: w for a, w in self.inner.tied().items() if w not in self.gone and a not in self.gone}
+
+    def hf_config(self) -> dict[str, Any] | None:
+        return self.inner.hf_config()
+
+    def unlowered(self) -> list[Held]:
+        where = str(self.inner.sources[-1])
+        return [*self.inner.unlowered(), *(Held(n, where, "weights", "a parameter --drop names")
+                                           for n in self.inner.names if n in self.gone)]
+
+    def native(self, fmt: str) -> object | None:
+        """None: a target that copies the source's own files would copy what was dropped; it
+        writes this source as it writes any other format's."""
+        return None

@@ -18,7 +18,7 @@ from ..formats.contract import Reader
 from ..formats.deepspeed.reader import DeepSpeedNative
 from ..formats.registry import check_options, make_writer, open_reader, reshard_target
 from ..storage import verified
-from .accounted import patterns
+from .accounted import patterns, without
 from .cluster import Cluster
 from .engine import Policy, run
 from .reports import Report
@@ -96,8 +96,9 @@ def convert(
 
     Every entry of the source is written, reported as not carried (a state the target has no
     place for: ``_extra_state``, RNG, a scheduler) or refused (``UnplacedError``: model weights
-    the target has no place for), before any output folder exists; ``drop`` (``--drop``, regexes)
-    leaves such weights out, recorded in the report and the manifest (``jobs.accounted``)."""
+    the target has no place for), before any output folder exists; ``drop`` (``--drop``, regexes
+    searched in each entry's key) leaves out what it names, recorded in the report and the manifest
+    (``jobs.accounted``)."""
     fmt = table.target(fmt, "convert").name
     check_options(fmt, _convert_options(fmt, max_file_bytes=max_file_bytes, rename=rename, with_optimizer=with_optimizer,
                                         dtype=dtype, hf_config=hf_config, early=None, tp=tp))
@@ -105,7 +106,7 @@ def convert(
     patterns(drop)
     with verified.verifying(verify_source):
         reader, notes = _open(ckpt_dir, verify, route=fmt, names=names)
-        return _convert(reader, out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
+        return _convert(without(reader, drop), out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
                         overwrite=overwrite, max_file_bytes=max_file_bytes, progress=progress, checksum=checksum,
                         cluster=cluster, rename=rename, with_optimizer=with_optimizer, dtype=dtype,
                         hf_config=hf_config, early_copies=early_copies, notes=notes, tp=tp, drop=drop)
@@ -192,7 +193,7 @@ def reshard(
                            f"({table.OPTIONS[target.needs].help})")
     with verified.verifying(verify_source):
         reader, notes = _open(ckpt_dir, verify, route=target.name)
-        return _reshard(reader, out_dir, to=target.name, options=given, workers=workers, overwrite=overwrite,
+        return _reshard(without(reader, drop), out_dir, to=target.name, options=given, workers=workers, overwrite=overwrite,
                         progress=progress, checksum=checksum, cluster=cluster,
                         on_replica_mismatch=on_replica_mismatch, notes=notes, drop=drop)
 

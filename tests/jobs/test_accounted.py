@@ -247,3 +247,56 @@ def test_the_command_line_takes_drop(tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "out"), "--format", "dcp", "--drop", BUFFER]) == 0
     printed = capsys.readouterr().out
     assert f"dropped by --drop (a safetensors file the folder's index does not list): {key}" in printed
+
+
+def _hf_with(tmp: Path, extra: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    src = _copy(HF / "pretrained_llama", tmp)
+    save_file({**load_file(src / "model.safetensors"), **extra}, src / "model.safetensors", metadata={"format": "pt"})
+    return src
+
+
+def test_drop_leaves_out_a_tensor_a_target_architecture_has_no_place_for(tmp_path):
+    """An expert bias in an HF folder whose Megatron mapping has no key for it: refused naming it,
+    and with --drop written without it (the report and manifest say so)."""
+    from reshard.errors import ReshardError
+
+    bias = "model.layers.0.mlp.gate.e_score_correction_bias"
+    src = _hf_with(tmp_path, {bias: torch.zeros(4)})
+    with pytest.raises(ReshardError, match=rf"'{bias}'.*--drop"):
+        reshard(src, tmp_path / "out", to="megatron", tp=1)
+    assert not (tmp_path / "out").exists()
+    report = reshard(src, tmp_path / "out", to="megatron", tp=1, drop=["e_score_correction_bias$"])
+    assert report.dropped == [bias]
+    manifest = json.loads(next(report.out_dir.rglob("reshard-manifest.json")).read_text())
+    assert manifest["dropped"] == [{"key": bias, "file": str(src), "what": "weights",
+                                    "reason": "a parameter --drop names"}]
+
+
+def test_a_dropped_parameter_is_absent_from_a_target_that_reads_back(tmp_path):
+    """From a DeepSpeed source whose files a target would copy as they are, a dropped parameter
+    makes the target write the source as any other format's: the output reads back without it."""
+    from reshard.formats.registry import open_reader
+
+    gone = "model.layers.1.mlp.up_proj.weight"
+    for fmt in ("ucp", "deepspeed"):
+        out = tmp_path / fmt
+        if fmt == "deepspeed":
+            report = reshard(DEEPSPEED / "llama_tp2_dp2", out, to="deepspeed", tp=1, dp=2, drop=[r"layers\.1\.mlp\.up"])
+        else:
+            report = convert(DEEPSPEED / "llama_tp2_dp2", out, fmt=fmt, drop=[r"layers\.1\.mlp\.up"])
+        assert report.dropped == [gone]
+        back = open_reader(report.out_dir)
+        back.check()
+        assert gone not in back.names and len(back.names) == 20
+
+
+def test_drop_names_a_buffer_a_target_would_carry(tmp_path):
+    """A universal target copies a DeepSpeed source's model states, buffers included; dropping the
+    buffer makes it write them afresh, without it."""
+    src, key = _planted("deepspeed-autotp-zero1", tmp_path)
+    report = convert(src, tmp_path / "out", fmt="ucp", drop=[BUFFER])
+    assert report.dropped == [key] and report.not_carried == ["planted_client_state"]
+    for f in sorted(report.out_dir.glob("*model_states.pt")):
+        assert key not in (load(f, mmap=False).get("module") or {})

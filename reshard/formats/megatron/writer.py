@@ -171,7 +171,7 @@ class MegatronWriter(Writer):
         extra = sorted(have - {p.name for ps in out.values() for p in ps})
         if extra:
             raise ReshardError(f"{reader.sources[-1]}: {extra[0]!r} (of {len(extra)}) has no Megatron key in the "
-                               "architecture mapping")
+                               "architecture mapping (--drop REGEX leaves such tensors out, recorded in the report)")
         return out
 
     def _vocab_rows(self, own: MegatronReader) -> int:
