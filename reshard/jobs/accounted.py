@@ -19,7 +19,6 @@ files (which hold it).
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +59,7 @@ class Accounted:
         """The report's lines: one per reason."""
         out = [f"not carried ({reason}): {_listing(keys)}" for reason, keys in _by_reason(self.not_carried)]
         out += [f"dropped by --drop ({reason}): {_listing(keys)}" for reason, keys in _by_reason(self.dropped)]
-        out += [f"--drop {p!r} matched nothing the target has no place for" for p in self.unused]
+        out += [f"--drop {p!r} matched no entry of the source" for p in self.unused]
         if self.moments:  # the target's own choice of what it holds: said once, not listed in the manifest
             out.append(f"not carried (the {self.target} target holds weights only): the Adam moments of "
                        f"{len(self.moments)} parameters")
@@ -124,8 +123,10 @@ def account(reader: Reader, writer: Writer, targets: Sequence[Target], drop: Ite
 
 
 def _by_reason(held: Sequence[Held]) -> list[tuple[str, list[str]]]:
-    order = Counter(h.reason for h in held)
-    return [(reason, [h.key for h in held if h.reason == reason]) for reason in order]
+    out: dict[str, list[str]] = {}
+    for h in held:
+        out.setdefault(h.reason, []).append(h.key)
+    return list(out.items())
 
 
 def _listing(keys: list[str]) -> str:

@@ -244,9 +244,11 @@ def test_the_command_line_takes_drop(tmp_path, capsys):
     src, key = _planted("hf-sharded", tmp_path)
     assert main(["convert", str(src), str(tmp_path / "out"), "--format", "dcp"]) == 2
     assert key in capsys.readouterr().err
-    assert main(["convert", str(src), str(tmp_path / "out"), "--format", "dcp", "--drop", BUFFER]) == 0
+    assert main(["convert", str(src), str(tmp_path / "out"), "--format", "dcp", "--drop", BUFFER,
+                 "--drop", "no_such_entry"]) == 0
     printed = capsys.readouterr().out
     assert f"dropped by --drop (a safetensors file the folder's index does not list): {key}" in printed
+    assert "--drop 'no_such_entry' matched no entry of the source" in printed
 
 
 def _hf_with(tmp: Path, extra: dict[str, torch.Tensor]) -> Path:
