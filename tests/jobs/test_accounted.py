@@ -184,10 +184,13 @@ def test_a_planted_tensor_is_written_reported_or_refused_never_lost(source, tmp_
             assert key in [d["key"] for d in manifest["dropped"]]
 
 
-def test_a_carried_buffer_is_in_the_target_as_the_source_holds_it(tmp_path):
-    src, key = _planted("deepspeed-autotp-zero1", tmp_path)
-    out = reshard(src, tmp_path / "out", to="deepspeed", tp=2, dp=1).out_dir
-    for f in sorted(out.glob("mp_rank_*_model_states.pt")):
+@pytest.mark.parametrize("source,topology", [("deepspeed-autotp-zero1", {"tp": 2, "dp": 1}),
+                                             ("deepspeed-zero3", {"tp": 1, "dp": 1, "zero_stage": 1})])
+def test_a_carried_buffer_is_in_the_target_as_the_source_holds_it(source, topology, tmp_path):
+    src, key = _planted(source, tmp_path)
+    report = reshard(src, tmp_path / "out", to="deepspeed", **topology)
+    assert not report.not_carried and not report.dropped
+    for f in sorted(report.out_dir.glob("mp_rank_*_model_states.pt")):
         state = load(f, mmap=False)
         assert torch.equal(state["module"][key], PLANTED) and key in state["buffer_names"]
         assert state["planted_client_state"] == {"epoch": 3}
