@@ -305,3 +305,23 @@ def test_drop_names_a_buffer_a_target_would_carry(tmp_path):
     assert report.dropped == [key] and report.not_carried == ["planted_client_state"]
     for f in sorted(report.out_dir.glob("*model_states.pt")):
         assert key not in (load(f, mmap=False).get("module") or {})
+
+
+def test_a_tied_lm_head_is_written_as_its_table_and_a_recomputed_buffer_reported(tmp_path):
+    """A tied model's folder holding lm_head.weight beside its table: the HF and vLLM targets write
+    the table once (the alias is carried by it); an older checkpoint's rotary inv_freq is no
+    parameter: reported as not carried, on every route."""
+    from safetensors.torch import load_file, save_file
+
+    src = _copy(HF / "pretrained_qwen2_tied", tmp_path)
+    sd = load_file(src / "model.safetensors")
+    inv = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    extra = {"lm_head.weight": sd["model.embed_tokens.weight"].clone(), inv: torch.ones(4)}
+    save_file({**sd, **extra}, src / "model.safetensors", metadata={"format": "pt"})
+    for fmt in ("hf", "vllm", "safetensors"):
+        report = convert(src, tmp_path / fmt, fmt=fmt)
+        assert report.not_carried == [inv] and not report.dropped, fmt
+        if fmt == "hf":
+            assert "lm_head.weight" not in load_file(report.out_dir / "model.safetensors")
+        if fmt == "safetensors":
+            assert "lm_head.weight" in load_file(report.out_dir / "model.safetensors")
