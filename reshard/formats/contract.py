@@ -15,7 +15,7 @@ and Adam's moments. A slot names the states it may be made from, in order of pre
 reverse; a moment only itself, and a writer that needs one the source lacks fills zeros, as a
 fresh optimizer holds.
 
-Every entry a source holds is accounted for (docs/spec.md §9, ``jobs.accounted``): a parameter
+Every entry a source holds is accounted for (docs/spec.md §11, ``jobs.accounted``): a parameter
 state the reader lowers, or an entry it lists as **held** (:meth:`Reader.unlowered`), which the
 writer carries as it is (:meth:`Writer.carries`) or the job reports as **not carried** (a state
 the target has no place for) or refuses unless the user **dropped** it.

@@ -266,7 +266,8 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
     """Write ``writer``'s target from ``reader``'s source into ``out_dir/<tag>`` (module doc).
     ``staging``: a staging folder already opened for this job (the command's early copies);
     ``notes``: what the report says beside the writer's (the checks the command ran); ``drop``:
-    regexes of model weights the target has no place for that the job leaves out (``jobs.accounted``)."""
+    regexes of the source entries the job leaves out (``jobs.accounted``: weights the target has no
+    place for are refused otherwise)."""
     policy = Policy.parse(on_replica_mismatch)
     verified.forget_pending()  # what an earlier job left unchecked is not this one's
     reader = writer.view(reader)  # the source as the target reads it (never changed by the writer)

@@ -51,7 +51,7 @@ class Report:
     source_description: str = ""
     target_format: str = ""
     not_carried: list[str] = field(default_factory=list)  # source entries the target has no place for
-    dropped: list[str] = field(default_factory=list)  # model weights left out by --drop
+    dropped: list[str] = field(default_factory=list)  # source entries left out by --drop
 
     def __str__(self) -> str:
         size = f"{self.params} parameters, {self.files} files, {self.bytes_written / 2**20:.1f} MiB"
