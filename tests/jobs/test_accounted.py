@@ -325,3 +325,13 @@ def test_a_tied_lm_head_is_written_as_its_table_and_a_recomputed_buffer_reported
             assert "lm_head.weight" not in load_file(report.out_dir / "model.safetensors")
         if fmt == "safetensors":
             assert "lm_head.weight" in load_file(report.out_dir / "model.safetensors")
+
+
+def test_a_stray_file_in_a_deepspeed_tag_folder_is_reported(tmp_path):
+    """A file no DeepSpeed pattern names is read by no target: reported, not copied, on the route
+    that copies the model-state files as they are."""
+    src = _copy(DEEPSPEED / "llama_tp2_dp2", tmp_path)
+    tag = src / (src / "latest").read_text().strip()
+    (tag / "notes.txt").write_text("lr sweep 3")
+    report = convert(src, tmp_path / "out", fmt="ucp")
+    assert report.not_carried == ["notes.txt"] and not (report.out_dir / "notes.txt").exists()

@@ -32,6 +32,7 @@ from ..contract import Held, Reader
 from ..hf.trainer_files import trainer_held
 from . import checks
 from .checkpoint import DeepSpeedCheckpoint
+from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
 from .zero3 import Zero3Source
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS
@@ -140,10 +141,14 @@ class DeepSpeedReader(Reader):
 
     def unlowered(self) -> list[Held]:
         """What the model-state files hold beside the parameters (:func:`model_state_held`, each
-        model-parallel rank's); with a Trainer checkpoint-N, Trainer's own files beside it."""
+        model-parallel rank's), files of the tag folder no DeepSpeed file pattern names, and with
+        a Trainer checkpoint-N, Trainer's own files beside it."""
         ck, out, seen = self.ck, [], set(self.names)
         for m in range(ck.mp):
             out += model_state_held(ck.model_files[m], ck.model_state(m), seen)
+        known = (MODEL_RE, OPTIM_RE, Z3_MODEL_RE, LAYER_RE, checks.EXPERT_FILE)
+        out += [Held(f.name, str(f), "state", "a file of the tag folder reshard does not read")
+                for f in sorted(ck.tag_dir.iterdir()) if not f.is_dir() and not any(r.match(f.name) for r in known)]
         for src in self.sources:
             out += trainer_held(Path(src))
         return out

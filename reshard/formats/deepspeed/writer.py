@@ -248,7 +248,9 @@ class DeepSpeedWriter(Writer):
         """From a DeepSpeed source, the model states' buffers, scheduler and client state (its
         model-state files are the target's templates) and the module entries an expert target
         copies as they are; from another source nothing."""
-        return self.own is not None and self.own.ck.tag_dir in (Path(held.file), Path(held.file).parent)
+        f = Path(held.file)  # the tag folder (a parameter) or a model-state file in it
+        return self.own is not None and (f == self.own.ck.tag_dir or (
+            f.parent == self.own.ck.tag_dir and f.name.endswith("model_states.pt")))
 
     def meta(self) -> dict[str, Any]:
         out = {"target": "DeepSpeed checkpoint", "source_topology": self._source, "target_topology": self._target}

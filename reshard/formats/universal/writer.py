@@ -52,7 +52,8 @@ class UniversalWriter(Writer):
     def carries(self, held: Held) -> bool:
         """From a DeepSpeed source, what its model-state files hold beside the parameters (copied as
         ds_to_universal copies them)."""
-        return self.own is not None and Path(held.file).parent == self.own.ck.tag_dir
+        f = Path(held.file)
+        return self.own is not None and f.parent == self.own.ck.tag_dir and f.name.endswith("model_states.pt")
 
     # -- what each parameter's files hold -----------------------------------------------------
     def _states(self, name: str) -> list[tuple[str, tuple[str, ...]]]:
