@@ -11,15 +11,15 @@ exists. Each parameter the reader lowers and each entry it holds beside them
 * else **refused** (``UnplacedError``), naming the file and the entry: never lost silently.
 
 ``--drop`` applies to any entry: a parameter it names is left out before the writer is made
-(:func:`without`), so a target that has no place for it (an HF architecture mapping without the
-tensor) is laid out without it; and where it names any entry, no target copies the source's own
-files (which hold it).
+(:func:`prepare`), so a target that has no place for it (an HF architecture mapping without the
+tensor) is laid out without it; and where it names an entry the writer would copy with the
+source's own files, the writer is made from a source whose own files no target copies.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from ..errors import ReshardError, UnplacedError
 from ..formats.contract import HELD, MOMENTS, Held, Reader, Target, Writer
 from ..ir.param_map import ParamMap
 
-__all__ = ["Accounted", "Without", "account", "patterns", "without"]
+__all__ = ["Accounted", "Without", "account", "patterns", "prepare"]
 
 SHOWN = 5  # entries a refusal or a report line names before "and N more"
 
@@ -94,6 +94,9 @@ def account(reader: Reader, writer: Writer, targets: Sequence[Target], drop: Ite
             raise ReshardError(f"internal: {h.file}: held entry {h.key!r} is {h.what!r}, not one of {HELD}")
         if not writer.carries(h):
             held.append(h)
+        elif any(p.search(h.key) for p in pats):
+            raise ReshardError(f"{h.file}: --drop names {h.key!r}, which the {writer.format} target copies as the "
+                               "source holds it: it cannot be left out on this route")
     used: set[str] = set()
     not_carried, dropped, refused = [], [], []
     for h in held:
@@ -134,22 +137,35 @@ def _listing(keys: list[str]) -> str:
     return ", ".join(keys[:SHOWN]) + more
 
 
-def without(reader: Reader, drop: Iterable[str]) -> Reader:
-    """``reader`` without the parameters ``drop`` names (:class:`Without`), or ``reader`` itself
-    where it names no entry of the source. Where it names one, no target copies the source's own
-    files (which hold it): each writes the source as it writes any other format's."""
+def prepare(reader: Reader, drop: Iterable[str], make: Callable[[Reader], Writer]) -> tuple[Reader, Writer]:
+    """The source and the writer ``make`` makes of it, with what ``drop`` names left out: a
+    parameter it names is taken from the source before the writer is made (:class:`Without`),
+    and where the writer would copy an entry it names as it is (the source's own files), the
+    writer is made again from a source whose own files no target copies."""
     pats = patterns(drop)
     if not pats:
-        return reader
+        return reader, make(reader)
     gone = [n for n in reader.names if any(p.search(n) for p in pats)]
-    if gone or any(p.search(h.key) for h in reader.unlowered() for p in pats):
-        return Without(reader, gone)
-    return reader
+    if gone:
+        view = Without(reader, gone)
+        return view, make(view)
+    writer = make(reader)
+    copied = [h for h in reader.unlowered() if any(p.search(h.key) for p in pats) and writer.carries(h)]
+    if not copied:
+        return reader, writer
+    view = Without(reader, ())
+    try:
+        return view, make(view)
+    except ReshardError:  # a target written from the source's own files only (Megatron's)
+        h = copied[0]
+        raise ReshardError(f"{h.file}: --drop names {h.key!r}, which the {writer.format} target copies as the source "
+                           "holds it: it cannot be left out on this route") from None
 
 
 class Without(Reader):
     """A source without some of its parameters (``--drop``): each listed as held weights, which
-    the accounting records as dropped. Every other question goes to the source."""
+    the accounting records as dropped, and no own files a target would copy (``native``: none).
+    Every other question goes to the source."""
 
     def __init__(self, inner: Reader, gone: Sequence[str]) -> None:
         self.inner, self.gone = inner, frozenset(gone)

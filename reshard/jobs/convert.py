@@ -18,7 +18,7 @@ from ..formats.contract import Reader
 from ..formats.deepspeed.reader import DeepSpeedNative
 from ..formats.registry import check_options, make_writer, open_reader, reshard_target
 from ..storage import verified
-from .accounted import patterns, without
+from .accounted import patterns, prepare
 from .cluster import Cluster
 from .engine import Policy, run
 from .reports import Report
@@ -106,7 +106,7 @@ def convert(
     patterns(drop)
     with verified.verifying(verify_source):
         reader, notes = _open(ckpt_dir, verify, route=fmt, names=names)
-        return _convert(without(reader, drop), out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
+        return _convert(reader, out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
                         overwrite=overwrite, max_file_bytes=max_file_bytes, progress=progress, checksum=checksum,
                         cluster=cluster, rename=rename, with_optimizer=with_optimizer, dtype=dtype,
                         hf_config=hf_config, early_copies=early_copies, notes=notes, tp=tp, drop=drop)
@@ -121,12 +121,12 @@ def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_
     own = reader.native("deepspeed")
     if early is not None and (not isinstance(own, DeepSpeedNative) or fmt != "universal" or cluster.world > 1
                               or early.tag_dir != own.ck.tag_dir or early.staging.out_dir != Path(out_dir)
-                              or early.staging.verify_source != verified.enabled()):
-        early.abandon()  # of another route, source, output or process count: as without them
+                              or early.staging.verify_source != verified.enabled() or patterns(drop)):
+        early.abandon()  # of another route, source, output or process count (or one --drop may change): as without
         early = None
     options = _convert_options(fmt, max_file_bytes=max_file_bytes, rename=rename, with_optimizer=with_optimizer,
                                dtype=dtype, hf_config=hf_config, early=early, tp=tp)
-    writer = make_writer(fmt, reader, **options)
+    reader, writer = prepare(reader, drop, lambda r: make_writer(fmt, r, **options))
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
                staging=early.staging if early is not None else None, notes=notes, drop=drop)
@@ -193,7 +193,7 @@ def reshard(
                            f"({table.OPTIONS[target.needs].help})")
     with verified.verifying(verify_source):
         reader, notes = _open(ckpt_dir, verify, route=target.name)
-        return _reshard(without(reader, drop), out_dir, to=target.name, options=given, workers=workers, overwrite=overwrite,
+        return _reshard(reader, out_dir, to=target.name, options=given, workers=workers, overwrite=overwrite,
                         progress=progress, checksum=checksum, cluster=cluster,
                         on_replica_mismatch=on_replica_mismatch, notes=notes, drop=drop)
 
@@ -207,7 +207,7 @@ def _reshard(reader: Reader, out_dir: str | Path, *, to: str, options: dict[str,
             own = reader.format == "deepspeed" and options["ep"] is None
             options["tp"] = reader.topology.get("tp", 1) if own else 1
         options["pp"] = 1 if options["pp"] is None else options["pp"]
-    writer = make_writer(to, reader, **options)
+    reader, writer = prepare(reader, drop, lambda r: make_writer(to, r, **options))
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
                extra_sources=writer.extra_sources, notes=notes, drop=drop)

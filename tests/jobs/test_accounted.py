@@ -335,3 +335,19 @@ def test_a_stray_file_in_a_deepspeed_tag_folder_is_reported(tmp_path):
     (tag / "notes.txt").write_text("lr sweep 3")
     report = convert(src, tmp_path / "out", fmt="ucp")
     assert report.not_carried == ["notes.txt"] and not (report.out_dir / "notes.txt").exists()
+
+
+def test_megatron_to_megatron_drops_a_tensor_and_refuses_to_drop_what_it_copies(tmp_path):
+    """An expert-bias-like tensor no parameter takes is refused, then dropped, Megatron to Megatron
+    (the target still written from the source's own files); the RNG records that target copies at
+    the same topology cannot be dropped: refused naming them."""
+    from reshard.errors import ReshardError
+
+    src, key = _planted("megatron-torch-dist", tmp_path)
+    with pytest.raises(UnplacedError, match=BUFFER):
+        reshard(src, tmp_path / "a", to="megatron", tp=1)
+    report = reshard(src, tmp_path / "a", to="megatron", tp=1, drop=[BUFFER])
+    assert report.dropped == [key] and not any("rng_state" in k for k in report.dropped)
+    with pytest.raises(ReshardError, match=r"--drop names 'rng_state/.*cannot be left out"):
+        reshard(src, tmp_path / "b", to="megatron", drop=[BUFFER, "^rng_state"])
+    assert not (tmp_path / "b").exists()
