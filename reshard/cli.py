@@ -240,7 +240,8 @@ def _cmd_convert(args) -> int:
                              rename=args.rename, with_optimizer=args.with_optimizer, dtype=_dtype(args),
                              hf_config=args.hf_config, early_copies=early, names=args.names,
                              verify_source=args.verify_source, verify=args.verify, tp=args.tp,
-                             quantize=args.quantize, block=args.block)
+                             quantize=args.quantize, block=args.block,
+                             drop=args.drop)
     except BaseException:
         if early is not None:
             early.abandon()
@@ -257,7 +258,7 @@ def _cmd_reshard(args) -> int:
                          zero_stage=args.zero_stage, ep=args.ep, files=args.files, layout=args.layout,
                          dtype=_dtype(args), workers=args.workers, overwrite=args.overwrite, checksum=args.checksum,
                          cluster=cluster, on_replica_mismatch=args.on_replica_mismatch, optimizer=args.optimizer,
-                         verify_source=args.verify_source, verify=args.verify)
+                         verify_source=args.verify_source, verify=args.verify, drop=args.drop)
     _report(report)
     return 0
 
@@ -293,6 +294,10 @@ def _figures(p: argparse.ArgumentParser) -> None:
 
 
 def _output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drop", action="append", default=[], metavar="REGEX",
+                   help="leave out the source's tensors and entries whose names match REGEX (re.search), such as "
+                   "weights the target has no place for, which are refused otherwise; recorded in the report and the "
+                   "manifest (repeatable)")
     p.add_argument("--workers", type=_positive, default=1, help="files written in parallel (default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output tag folder")
     p.add_argument("--checksum", choices=CHECKSUMS, default="crc32",

@@ -64,6 +64,17 @@ class QuantizedError(CheckpointError):
     cannot be quantized as asked (``--quantize``: a NaN or infinite value), naming its block."""
 
 
+class UnplacedError(CheckpointError):
+    """A source holds model weights (a parameter, a buffer, a tensor its reader has no parameter for)
+    that the target has no place for: refused naming the file and tensor, before any output folder
+    exists, rather than lost; ``--drop REGEX`` (``drop=``) leaves such entries out, recorded in the
+    report and the manifest (``dropped``). ``entries``: the keys refused."""
+
+    def __init__(self, message: str, *, entries: tuple[str, ...] = ()) -> None:
+        self.entries = entries
+        super().__init__(message)
+
+
 class OutputError(ReshardError):
     """The output could not be written (no space left, no permission, a file size limit), or must
     not be: it would be, lie inside or contain the source it is read from. Nothing was committed:

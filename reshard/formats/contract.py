@@ -14,6 +14,11 @@ and Adam's moments. A slot names the states it may be made from, in order of pre
 (``want``): a bf16 module buffer takes ``weight`` and else casts ``fp32``; a universal file the
 reverse; a moment only itself, and a writer that needs one the source lacks fills zeros, as a
 fresh optimizer holds.
+
+Every entry a source holds is accounted for (docs/spec.md §11, ``jobs.accounted``): a parameter
+state the reader lowers, or an entry it lists as **held** (:meth:`Reader.unlowered`), which the
+writer carries as it is (:meth:`Writer.carries`) or the job reports as **not carried** (a state
+the target has no place for) or refuses unless the user **dropped** it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch
 
 from ..ir.param_map import ParamMap
 
-__all__ = ["BEST", "MODULE", "MOMENTS", "OPTIMIZER", "SCALE_POWER", "STATES", "Buffer", "Reader", "Slot", "Stored",
+__all__ = ["BEST", "HELD", "MODULE", "MOMENTS", "OPTIMIZER", "SCALE_POWER", "STATES", "Buffer", "Held", "Reader", "Slot",
+           "Stored",
            "Target", "Writer"]
 
 STATES = ("weight", "fp32", "exp_avg", "exp_avg_sq")
@@ -38,6 +44,9 @@ OPTIMIZER = ("fp32", "exp_avg", "exp_avg_sq")
 SCALE_POWER = {"weight": 1, "fp32": 1, "exp_avg": -1, "exp_avg_sq": -2}
 BEST = ("fp32", "weight")  # the most precise weights a source holds
 MODULE = ("weight", "fp32")  # the training dtype's weights, else the masters cast to it
+# what a held entry is: model weights (a parameter or buffer the model computes with: never lost
+# unless the user drops it) or a run's state beside the model (extra_state, RNG, a scheduler)
+HELD = ("weights", "state")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -84,6 +93,21 @@ class Stored:
     scale_fmt: str  # "float32" or "ue8m0" (ir.codec.SCALE_FORMATS), whatever dtype holds the scales
     payload: Callable[[], torch.Tensor]  # the payload tensor, the weight's shape
     scales: Callable[[], torch.Tensor]  # the scales as stored (their dtype: float32, E8M0 or its byte)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """An entry of the source the reader holds but does not lower to a parameter state: ``key``
+    as the source names it, in ``file``; ``what`` one of :data:`HELD`; ``reason`` why it is not
+    lowered, in words (the report's and the manifest's)."""
+
+    key: str
+    file: str
+    what: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"key": self.key, "file": self.file, "what": self.what, "reason": self.reason}
 
 
 class Reader(ABC):
@@ -142,6 +166,11 @@ class Reader(ABC):
         """Parameter ``name`` as stored where the source holds it quantized (FP8 block scales), else
         ``None``. Its ``weight`` state is still the decoded value; this is the encoding beside it."""
         return None
+    def unlowered(self) -> list[Held]:
+        """Every entry the source holds beside the parameter states it lowers (buffers, a run's
+        state, tensors it has no parameter for), each once; by default none. Computed after
+        :meth:`check`, before any output folder exists."""
+        return []
 
     def native(self, fmt: str) -> object | None:
         """The format's own objects behind this source where it is in format ``fmt`` (its files, its
@@ -178,6 +207,12 @@ class Writer(ABC):
     def finish(self, staging: Any, gather: Callable[[Any], list[Any]], rank: int) -> None:
         """Run on every process once each wrote its files (DCP's ``.metadata``); by default nothing."""
         return None
+
+    def carries(self, held: Held) -> bool:
+        """Whether the target writes held entry ``held`` as the source holds it (a DeepSpeed
+        target of a DeepSpeed source copies its buffers and client state); by default not: the
+        target has no place for it."""
+        return False
 
     def view(self, reader: Reader) -> Reader:
         """The source as this target reads it, planned and filled by the engine: by default the

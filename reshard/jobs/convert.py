@@ -18,6 +18,7 @@ from ..formats.contract import Reader
 from ..formats.deepspeed.reader import DeepSpeedNative
 from ..formats.registry import check_options, make_writer, open_reader, reshard_target
 from ..storage import verified
+from .accounted import patterns, prepare
 from .cluster import Cluster
 from .engine import Policy, run
 from .reports import Report
@@ -65,6 +66,7 @@ def convert(
     tp: int | None = None,
     quantize: str | None = None,
     block: tuple[int, int] | None = None,
+    drop: Sequence[str] = (),
 ) -> Report:
     """Convert the checkpoint at ``ckpt_dir`` (any format reshard reads: ``formats.table``) into
     ``out_dir/<tag>``: DeepSpeed's universal layout (``fmt="universal"``, or its alias ``"ucp"``;
@@ -96,40 +98,47 @@ def convert(
 
     ``quantize`` (``"fp8"`` or ``"fp8-ue8m0"``; ``"hf"`` and ``"safetensors"``): 2-D linear weights
     written as FP8 E4M3 and a ``weight_scale_inv`` per ``block`` (rows, cols; default an FP8 source's
-    own, else 128 x 128), transformers' ``Fp8Quantize`` bit for bit (``formats.safetensors.writer``)."""
+    own, else 128 x 128), transformers' ``Fp8Quantize`` bit for bit (``formats.safetensors.writer``).
+
+    Every entry of the source is written, reported as not carried (a state the target has no
+    place for: ``_extra_state``, RNG, a scheduler) or refused (``UnplacedError``: model weights
+    the target has no place for), before any output folder exists; ``drop`` (``--drop``, regexes
+    searched in each entry's key) leaves out what it names, recorded in the report and the manifest
+    (``jobs.accounted``)."""
     fmt = table.target(fmt, "convert").name
     check_options(fmt, _convert_options(fmt, max_file_bytes=max_file_bytes, rename=rename, with_optimizer=with_optimizer,
                                         dtype=dtype, hf_config=hf_config, early=None, tp=tp, quantize=quantize,
                                         block=block))
     Policy.parse(on_replica_mismatch)
+    patterns(drop)
     with verified.verifying(verify_source):
         reader, notes = _open(ckpt_dir, verify, route=fmt, names=names)
         return _convert(reader, out_dir, fmt=fmt, workers=workers, on_replica_mismatch=on_replica_mismatch,
                         overwrite=overwrite, max_file_bytes=max_file_bytes, progress=progress, checksum=checksum,
                         cluster=cluster, rename=rename, with_optimizer=with_optimizer, dtype=dtype,
                         hf_config=hf_config, early_copies=early_copies, notes=notes, tp=tp, quantize=quantize,
-                        block=block)
+                        block=block, drop=drop)
 
 
 def _convert(reader: Reader, out_dir: str | Path, *, fmt: str, workers: int, on_replica_mismatch: str,
              overwrite: bool, max_file_bytes: int, progress: Any, checksum: str, cluster: Cluster | None,
              rename: Sequence[str], with_optimizer: bool, dtype: torch.dtype | None, hf_config: str | Path | None,
              early_copies: Any, notes: list[str], tp: int | None = None, quantize: str | None = None,
-             block: tuple[int, int] | None = None) -> Report:
+             block: tuple[int, int] | None = None, drop: Sequence[str] = ()) -> Report:
     cluster = cluster or Cluster.from_env()
     early = early_copies
     own = reader.native("deepspeed")
     if early is not None and (not isinstance(own, DeepSpeedNative) or fmt != "universal" or cluster.world > 1
                               or early.tag_dir != own.ck.tag_dir or early.staging.out_dir != Path(out_dir)
-                              or early.staging.verify_source != verified.enabled()):
-        early.abandon()  # of another route, source, output or process count: as without them
+                              or early.staging.verify_source != verified.enabled() or patterns(drop)):
+        early.abandon()  # of another route, source, output or process count (or one --drop may change): as without
         early = None
     options = _convert_options(fmt, max_file_bytes=max_file_bytes, rename=rename, with_optimizer=with_optimizer,
                                dtype=dtype, hf_config=hf_config, early=early, tp=tp, quantize=quantize, block=block)
-    writer = make_writer(fmt, reader, **options)
+    reader, writer = prepare(reader, drop, lambda r: make_writer(fmt, r, **options))
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
-               staging=early.staging if early is not None else None, notes=notes)
+               staging=early.staging if early is not None else None, notes=notes, drop=drop)
 
 
 def _convert_options(fmt: str, *, max_file_bytes: int, rename: Sequence[str], with_optimizer: bool,
@@ -166,6 +175,7 @@ def reshard(
     optimizer: str | None = None,
     verify_source: bool = True,
     verify: str = "records",
+    drop: Sequence[str] = (),
 ) -> Report:
     """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``, in the
     format ``to`` names, by default the source's own where it is written at a topology (a
@@ -182,11 +192,12 @@ def reshard(
     degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep. Or a
     Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP), from a
     Megatron source or an HF one, its optimizer state laid out as ``optimizer`` says
-    (``formats.megatron.writer``). ``verify_source`` and ``verify`` as for :func:`convert`."""
+    (``formats.megatron.writer``). ``verify_source``, ``verify`` and ``drop`` as for :func:`convert`."""
     given = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep, "layout": layout,
              "dtype": dtype, "optimizer": optimizer}
     target = reshard_target(ckpt_dir, to, given)
     check_options(target.name, given)
+    patterns(drop)
     if target.needs is not None and given[target.needs] is None:
         raise ReshardError(f"{ckpt_dir}: --to {target.name} takes {table.OPTIONS[target.needs].flag} N "
                            f"({table.OPTIONS[target.needs].help})")
@@ -194,19 +205,19 @@ def reshard(
         reader, notes = _open(ckpt_dir, verify, route=target.name)
         return _reshard(reader, out_dir, to=target.name, options=given, workers=workers, overwrite=overwrite,
                         progress=progress, checksum=checksum, cluster=cluster,
-                        on_replica_mismatch=on_replica_mismatch, notes=notes)
+                        on_replica_mismatch=on_replica_mismatch, notes=notes, drop=drop)
 
 
 def _reshard(reader: Reader, out_dir: str | Path, *, to: str, options: dict[str, Any], workers: int, overwrite: bool,
              progress: Any, checksum: str, cluster: Cluster | None, on_replica_mismatch: str,
-             notes: list[str]) -> Report:
+             notes: list[str], drop: Sequence[str] = ()) -> Report:
     if to == "deepspeed":  # DeepSpeed's writer takes whole numbers: the source's TP, one stage
         options = dict(options)
         if options["tp"] is None:
             own = reader.format == "deepspeed" and options["ep"] is None
             options["tp"] = reader.topology.get("tp", 1) if own else 1
         options["pp"] = 1 if options["pp"] is None else options["pp"]
-    writer = make_writer(to, reader, **options)
+    reader, writer = prepare(reader, drop, lambda r: make_writer(to, r, **options))
     return run(reader, writer, out_dir, workers=workers, overwrite=overwrite, checksum=checksum, cluster=cluster,
                progress=progress, on_replica_mismatch=on_replica_mismatch,
-               extra_sources=writer.extra_sources, notes=notes)
+               extra_sources=writer.extra_sources, notes=notes, drop=drop)

@@ -3,8 +3,9 @@
 ``run`` is every command's job (``convert``, ``reshard``, any format to any format):
 
 1. **Check**, before any output folder exists: the reader has checked what it read and the
-   writer has refused what it cannot write when they were made; here every target the writer
-   fills is planned against the source (so a plan that cannot be made refuses the job), and,
+   writer has refused what it cannot write when they were made; here every source entry is
+   accounted for (``jobs.accounted``: written, not carried, dropped, or refused), every target
+   the writer fills is planned against the source (so a plan that cannot be made refuses the job), and,
    where the target merges the copies of a replicated block (another TP degree, a universal or
    safetensors file), every such block's copies are compared: ranks that drifted apart stop the
    job unless a policy says which copy to take (``on_replica_mismatch``).
@@ -39,6 +40,7 @@ from ..plan.planner import DefaultCost, Planner
 from ..plan.values import Segment
 from ..storage import verified
 from ..storage.torch_zip import Storage
+from .accounted import account
 from .cluster import Cluster, agreed, commit, open_staging, run_share
 from .reports import Drift, Report, written
 from .workers import run_with_progress
@@ -260,15 +262,18 @@ def _drift_error(reader: Reader, drift: list[Drift]) -> ReplicaMismatchError:
 def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1, overwrite: bool = False,
         checksum: str = "crc32", cluster: Cluster | None = None, progress: Any = None,
         on_replica_mismatch: str = "error", extra_sources: Sequence[Path] = (),
-        staging: Any = None, notes: Sequence[str] = ()) -> Report:
+        staging: Any = None, notes: Sequence[str] = (), drop: Sequence[str] = ()) -> Report:
     """Write ``writer``'s target from ``reader``'s source into ``out_dir/<tag>`` (module doc).
     ``staging``: a staging folder already opened for this job (the command's early copies);
-    ``notes``: what the report says beside the writer's (the checks the command ran)."""
+    ``notes``: what the report says beside the writer's (the checks the command ran); ``drop``:
+    regexes of the source entries the job leaves out (``jobs.accounted``: weights the target has no
+    place for are refused otherwise)."""
     policy = Policy.parse(on_replica_mismatch)
     verified.forget_pending()  # what an earlier job left unchecked is not this one's
     reader = writer.view(reader)  # the source as the target reads it (never changed by the writer)
     engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy, target_tp=writer.tp_index)
     targets = writer.targets()
+    accounted = account(reader, writer, targets, drop)
     drift = engine.check_replicas(targets)
     if drift and policy.kind == "error":
         raise _drift_error(reader, drift)
@@ -295,10 +300,10 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
     meta = {"reshard_version": __version__, "format": writer.format, "source": str(reader.sources[-1]),
             "source_format": reader.format, "source_topology": reader.topology, **writer.meta(),
             "on_replica_mismatch": policy.text, "replica_drift": [str(d) for d in drift],
-            "source_verified": verified.enabled()}
+            "source_verified": verified.enabled(), **accounted.meta()}
     final = commit(cluster, staging, meta, writer.latest)
     reads = {k: v for part in cluster.gather(engine.reads) for k, v in part.items()}
-    notes = [*notes, *writer.notes()]
+    notes = [*notes, *writer.notes(), *accounted.notes()]
     if not verified.enabled():
         notes.append("source not verified (--no-verify-source): its records' CRC-32s were not checked, and the "
                      "manifest says so (source_verified: false)")
@@ -311,4 +316,5 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
     return Report(out_dir=final, source=dict(tmeta.get("source_topology", reader.topology)),
                   target=dict(tmeta.get("target_topology", {})), params=len(reader.names), files=files,
                   bytes_written=size, segments=engine.segments, elements_read=sum(reads.values()), policy=policy.text,
-                  drift=drift, notes=notes, source_description=reader.description, target_format=writer.format)
+                  drift=drift, notes=notes, source_description=reader.description, target_format=writer.format,
+                  not_carried=[h.key for h in accounted.not_carried], dropped=[h.key for h in accounted.dropped])

@@ -34,7 +34,9 @@ def _topology(x: dict[str, Any]) -> str:
 @dataclass
 class Report:
     """``source`` and ``target`` are the two topologies (``{"tp", "dp", "pp", "zero_stage", ...}``;
-    ``{}`` for a format without one), ``source_description`` the source in words."""
+    ``{}`` for a format without one), ``source_description`` the source in words; ``not_carried``
+    and ``dropped`` the keys of the source entries not written (``jobs.accounted``; the notes say
+    why, the manifest records each)."""
 
     out_dir: Path
     source: dict[str, Any]
@@ -49,6 +51,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     source_description: str = ""
     target_format: str = ""
+    not_carried: list[str] = field(default_factory=list)  # source entries the target has no place for
+    dropped: list[str] = field(default_factory=list)  # source entries left out by --drop
 
     def __str__(self) -> str:
         size = f"{self.params} parameters, {self.files} files, {self.bytes_written / 2**20:.1f} MiB"
@@ -61,6 +65,9 @@ class Report:
         if self.drift:
             lines.append(f"replica drift resolved by '{self.policy}' (recorded in the manifest):")
             lines += [f"  {d}" for d in self.drift]
+        if self.not_carried or self.dropped:
+            lines.append(f"not written: {len(self.not_carried)} source entries not carried, {len(self.dropped)} "
+                         "dropped (each with its reason in the notes and the manifest)")
         return "\n".join(lines)
 
 

@@ -8,7 +8,9 @@ reshard can check of it, without writing anything.
   its pickle imports), a JSON file parsed; then every shard the reader exposes is read through
   the verified registry (``storage.verified``), which covers the records inside other files
   (DCP's ``.distcp``: one archive per record);
-* the deep check (``jobs.deep_check``): module weights against their fp32 masters.
+* the deep check (``jobs.deep_check``): module weights against their fp32 masters;
+* what the source holds beside its parameter states (``Reader.unlowered``), counted by kind: what
+  a route may report as not carried, or refuse.
 
 The first fault raises a :class:`~reshard.errors.CheckpointError` naming the file (and record,
 parameter, rank); nothing is printed of a source that fails."""
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..formats.contract import Reader
+from ..formats.contract import Held, Reader
 from ..formats.registry import open_reader
 from ..storage import verified
 from ..storage.copy_check import digest, regular
@@ -44,6 +46,7 @@ class SourceCheck:
     shards: int
     deep: DeepCheck
     seconds: float
+    held: tuple[Held, ...] = ()
 
     def lines(self) -> list[str]:
         return [f"{self.path}: {self.format} source ({self.description}) verified",
@@ -51,7 +54,15 @@ class SourceCheck:
                 f"  records: {self.files} files read and checked ({self.bytes_read:,} bytes: archive structure, every "
                 f"record's CRC-32, pickles), {self.shards} shards read through the verified reads",
                 f"  {self.deep}",
+                *self._held(),
                 f"  {self.seconds:.2f} s"]
+
+    def _held(self) -> list[str]:
+        if not self.held:
+            return []
+        weights = sum(h.what == "weights" for h in self.held)
+        return [f"  held beside the parameters: {len(self.held)} entries ({weights} model weights, "
+                f"{len(self.held) - weights} a run's state); a route writes, reports or refuses each"]
 
 
 def check_source(path: str | Path) -> SourceCheck:
@@ -63,8 +74,9 @@ def check_source(path: str | Path) -> SourceCheck:
         files, nbytes = _check_files(_folders(reader))
         shards = _read_shards(reader)
         deep = deep_check(reader)
+        held = tuple(reader.unlowered())
     return SourceCheck(Path(path), reader.format, reader.description, len(reader.names), files,
-                       nbytes, shards, deep, time.perf_counter() - t0)
+                       nbytes, shards, deep, time.perf_counter() - t0, held)
 
 
 def _folders(reader: Reader) -> list[Path]:

@@ -16,7 +16,8 @@ import torch
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
 from ...storage import verified
-from ..contract import Reader
+from ..contract import MOMENTS, Held, Reader
+from ..hf.trainer_files import trainer_held
 from .checkpoint import DcpCheckpoint
 
 __all__ = ["RAW", "DcpReader"]
@@ -76,6 +77,34 @@ class DcpReader(Reader):
         for ck in {id(self.ck): self.ck, id(self.optim): self.optim}.values():
             for key in ck.tensors:  # every entry's chunks tile its tensor
                 ck.param_map(key)
+
+    def unlowered(self) -> list[Held]:
+        """Entries beside the model's parameters and their Adam states: tensors outside the model
+        and the optimizer (weights), other optimizer states, and non-tensor entries but the
+        parameter groups and steps (a run's state); Trainer's files beside an Accelerate checkpoint."""
+        names, out = set(self.names), []
+        for ck in {id(self.ck): self.ck, id(self.optim): self.optim}.values():
+            where, prefix = str(ck.path / ".metadata"), f"{ck.optim}state."
+            lowered = {ck.param_key(n) for n in names} if ck is self.ck else set()
+            for key in ck.tensors:
+                if key in lowered:
+                    continue
+                if key.startswith(prefix):
+                    fqn, _, state = key[len(prefix):].rpartition(".")
+                    if fqn in names and state in (*MOMENTS, "step"):
+                        continue
+                    why = f"optimizer state {state!r}, which reshard does not carry" if fqn in names else \
+                        "optimizer state of no model parameter"
+                    out.append(Held(key, where, "state", why))
+                else:
+                    out.append(Held(key, where, "weights", "a tensor entry outside the model's and the optimizer's"))
+            for key in ck.objects:
+                if key.startswith(f"{ck.optim}param_groups.") or (key.startswith(prefix) and key.endswith(".step")):
+                    continue
+                out.append(Held(key, where, "state", "a non-tensor entry"))
+        for src in dict.fromkeys(self.sources):
+            out += trainer_held(Path(src))
+        return out
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.ck.entry(self.ck.param_key(name)).shape)

@@ -29,7 +29,7 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...layouts._core import box_piece
 from ...layouts._core import finish as finish_map
-from ..contract import BEST, MOMENTS, Buffer, Reader, Slot, Target, Writer
+from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Target, Writer
 from ..safetensors.io import plan_files
 from .checkpoint import DcpCheckpoint
 from .reader import RAW
@@ -156,6 +156,11 @@ class DcpWriter(Writer):
 
     def targets(self) -> list[Target]:
         return [Target(e.name, e.want, self._maps[e.key]) for e in self.entries]
+
+    def carries(self, held: Held) -> bool:
+        """A DCP source laid out again (``--files``) keeps every entry of its own by its key."""
+        own = self.own
+        return own is not None and any(k in own.tensors or k in own.objects for k in (held.key, own.param_key(held.key)))
 
     def meta(self) -> dict[str, Any]:
         return {"target": "PyTorch DCP checkpoint", **({"files": self.files} if self.files is not None else {})}

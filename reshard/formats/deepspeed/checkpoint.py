@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError, ReshardError, in_context
+from ...errors import CheckpointError, ReshardError, UnplacedError, in_context
 from ...execute.memory import empty, own_bytes, release
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
@@ -501,9 +501,9 @@ class DeepSpeedCheckpoint:
                                           f"{list(shape)}")
             extra = [k for k in state if k not in keys]
             if extra:
-                raise CheckpointError(f"{path}: holds {extra[:3]} (TP rank {t}), which {self.model_files[m].name} "
-                                      "does not record as optimized parameters (frozen parameters or buffers are not "
-                                      "supported)")
+                raise UnplacedError(f"{path}: holds {extra[:3]} (TP rank {t}), which {self.model_files[m].name} "
+                                    "does not record as optimized parameters (frozen parameters or buffers are not "
+                                    "supported)", entries=tuple(extra))
         for (layer, t), path in sorted(self.layer_files.items()):  # a layer without parameters holds nothing
             if (layer, t) not in want and self.layer_state(path):
                 raise CheckpointError(f"{path}: holds {list(self.layer_state(path))[:3]} (TP rank {t}), but no "

@@ -28,17 +28,22 @@ import torch
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
 from ...storage import verified
-from ..contract import Reader
+from ..contract import Held, Reader
+from ..hf.trainer_files import trainer_held
 from . import checks
 from .checkpoint import DeepSpeedCheckpoint
+from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
 from .zero3 import Zero3Partitions
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS
 from .zero12 import Zero12Partitions, check_dense_layouts
 
-__all__ = ["DeepSpeedNative", "DeepSpeedReader", "optimizer_state"]
+__all__ = ["DeepSpeedNative", "DeepSpeedReader", "model_state_held", "optimizer_state"]
 
 OPTIMIZER = ("fp32", "exp_avg", "exp_avg_sq")
+# model-state entries the reader reads or DeepSpeed writes as bookkeeping of what the files hold
+BOOKKEEPING = frozenset((*checks.MODEL_KEYS, "global_samples", "ds_autoep_layers", "num_experts",
+                         "universal_checkpoint_info")) - {"lr_scheduler", "data_sampler", "random_ltd"}
 
 
 class DeepSpeedNative:
@@ -133,6 +138,20 @@ class DeepSpeedReader(Reader):
         for name in self.names:  # every map lowers and composes
             for state in self.states(name):
                 self.map(name, state)
+
+    def unlowered(self) -> list[Held]:
+        """What the model-state files hold beside the parameters (:func:`model_state_held`, each
+        model-parallel rank's), files of the tag folder no DeepSpeed file pattern names, and with
+        a Trainer checkpoint-N, Trainer's own files beside it."""
+        ck, out, seen = self.ck, [], set(self.names)
+        for m in range(ck.mp):
+            out += model_state_held(ck.model_files[m], ck.model_state(m), seen)
+        known = (MODEL_RE, OPTIM_RE, Z3_MODEL_RE, LAYER_RE, checks.EXPERT_FILE)
+        out += [Held(f.name, str(f), "state", "a file of the tag folder reshard does not read")
+                for f in sorted(ck.tag_dir.iterdir()) if not f.is_dir() and not any(r.match(f.name) for r in known)]
+        for src in self.sources:
+            out += trainer_held(Path(src))
+        return out
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.ck.tp_map(name).map.valid_shape)
@@ -270,6 +289,27 @@ class DeepSpeedReader(Reader):
         if ck.zero_stage == 3:
             return group, ck._z3_offset(m, name)
         return group, int(ck.osd(m, d)["param_slice_mappings"][group][name].start)
+
+
+def model_state_held(path: Path, state: dict, seen: set[str]) -> list[Held]:
+    """What a model-state file holds beside the parameters: module buffers (``buffer_names``), the
+    scheduler's, data sampler's and random-LTD states where saved, and the client state
+    ``save_checkpoint`` kept. ``seen``: keys already accounted for (the parameters, other files'
+    entries), updated."""
+    out = []
+    buffers = set(state.get("buffer_names") or ())
+    for key in state.get("module") or {}:
+        if key in buffers and key not in seen:
+            seen.add(key)
+            out.append(Held(key, str(path), "weights", "a module buffer (buffer_names), not an optimized parameter"))
+    for key, value in state.items():
+        if key in BOOKKEEPING or value is None or f"/{key}" in seen:
+            continue
+        seen.add(f"/{key}")
+        why = {"lr_scheduler": "the learning-rate scheduler's state", "data_sampler": "the data sampler's state",
+               "random_ltd": "random-LTD's state"}.get(key, "client state save_checkpoint kept")
+        out.append(Held(key, str(path), "state", why))
+    return out
 
 
 def optimizer_state(ck: DeepSpeedCheckpoint) -> dict:

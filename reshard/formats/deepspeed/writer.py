@@ -20,6 +20,7 @@ as a fresh optimizer holds them (said in the report).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from ...errors import CheckpointError, ReshardError
 from ...layouts import replicated
 from ...storage.staging import ArchiveJob
-from ..contract import BEST, Reader, Writer
+from ..contract import BEST, Held, Reader, Writer
 from ..table import noun_of
 from . import templates
 from .reader import DeepSpeedNative
@@ -242,6 +243,14 @@ class DeepSpeedWriter(Writer):
         if hasattr(kind, "bind"):  # AutoEP under ZeRO-3
             return kind.jobs(engine, staging, ArchiveJob)
         return kind.jobs(engine, staging)
+
+    def carries(self, held: Held) -> bool:
+        """From a DeepSpeed source, the model states' buffers, scheduler and client state (its
+        model-state files are the target's templates) and the module entries an expert target
+        copies as they are; from another source nothing."""
+        f = Path(held.file)  # the tag folder (a parameter) or a model-state file in it
+        return self.own is not None and (f == self.own.ck.tag_dir or (
+            f.parent == self.own.ck.tag_dir and f.name.endswith("model_states.pt")))
 
     def meta(self) -> dict[str, Any]:
         out = {"target": "DeepSpeed checkpoint", "source_topology": self._source, "target_topology": self._target}

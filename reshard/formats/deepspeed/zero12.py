@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, UnplacedError
 from ...ir.param_map import ParamMap, map_to_dict
 from ...ir.piece import prod
 from ...layouts.topology import Topology
@@ -372,8 +372,9 @@ class Zero12Partitions:
             module = ck.model_state(t).get("module") or {}
             unknown = [k for k in module if k not in self.group_of and k not in buffers and k not in self.shared]
             if unknown:
-                raise CheckpointError(f"{ck.model_files[t]}: module entries {unknown[:3]} are neither optimized "
-                                      "parameters, buffers nor tied aliases (frozen parameters?): not supported")
+                raise UnplacedError(f"{ck.model_files[t]}: module entries {unknown[:3]} are neither optimized "
+                                    "parameters, buffers nor tied aliases (frozen parameters?): model weights no "
+                                    "DeepSpeed target has a place for (not supported)", entries=tuple(unknown))
         ck.check_steps()
 
     def start(self, t: int, d: int, name: str) -> int:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, UnplacedError
 from ...ir.piece import prod
 from ...layouts.zero import zero3_partition_numel
 from ...storage.safe_load import ZeroStageEnum, load
@@ -330,8 +330,9 @@ class Zero3Partitions:
             known |= set(ms.get("frozen_param_shapes") or {})
             unknown = [k for k in (ms.get("module") or {}) if k not in known]
             if unknown:
-                raise CheckpointError(f"{self.ck.model_files[t]}: module entries {unknown[:3]} are neither "
-                                      "optimized parameters, buffers nor tied aliases: not supported")
+                raise UnplacedError(f"{self.ck.model_files[t]}: module entries {unknown[:3]} are neither optimized "
+                                    "parameters, buffers nor tied aliases: model weights no DeepSpeed target has a "
+                                    "place for (not supported)", entries=tuple(unknown))
 
     # -- what the writer copies ---------------------------------------------------------------------
     def _ds_ids(self) -> tuple[dict[str, int], bool]:

@@ -22,14 +22,13 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ...storage.staging import ArchiveJob, Prefixed
-from ..contract import Reader, Target, Writer
+from ..contract import Held, Reader, Target, Writer
 from ..deepspeed.writer import DeepSpeedWriter
+from .trainer_files import RNG_RE, STATE_FILES
 from .writer import CARRIED
 
 __all__ = ["TrainerWriter", "checkpoints_of", "trainer_folder"]
 
-RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
-STATE_FILES = ("trainer_state.json", "training_args.bin", "scheduler.pt", "scaler.pt")
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -89,6 +88,11 @@ class TrainerWriter(Writer):
 
     def targets(self) -> list[Target]:
         return self.inner.targets()
+
+    def carries(self, held: Held) -> bool:
+        """Trainer's files (copied, the RNG states laid out for the new world) and what the
+        DeepSpeed files carry."""
+        return Path(held.file).parent == self.folder or self.inner.carries(held)
 
     def meta(self) -> dict[str, Any]:
         return {**self.inner.meta(), "target": "Hugging Face Trainer checkpoint (DeepSpeed)"}

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ...errors import ReshardError
-from ..contract import Reader, Writer
+from ..contract import Held, Reader, Writer
 from ..safetensors.writer import SafetensorsWriter
 
 __all__ = ["HfWriter", "fp8_config", "metadata_folder"]
@@ -77,6 +77,8 @@ class HfWriter(Writer):
         out = {n: n[len(prefix):] for n in names}
         self.tied = bool(self.config.get("tie_word_embeddings")) and TIED[0] in out.values() and \
             TIED[1] in out.values()
+        # a tied lm_head.weight is written once, as the table it is tied to (from_pretrained ties them)
+        self.alias = next((n for n, o in out.items() if o == TIED[0]), None) if self.tied else None
         if self.tied:
             out = {n: o for n, o in out.items() if o != TIED[0]}
         self.inner = SafetensorsWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, names=out, index=False,
@@ -101,6 +103,10 @@ class HfWriter(Writer):
 
     def targets(self) -> list:
         return self.inner.targets()
+
+    def carries(self, held: Held) -> bool:
+        """The tied ``lm_head.weight``, written as the table it is tied to."""
+        return self.alias is not None and held.key == self.alias
 
     def meta(self) -> dict[str, Any]:
         return {"target": "Hugging Face model folder"}

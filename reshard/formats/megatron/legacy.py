@@ -140,10 +140,13 @@ class LegacyBackend:
         """Plain Adam's state index of each (model chunk, local name): group 0's (decay) then group
         1's, each in the state dicts' (registration) order, chunk after chunk."""
         sd = self.state_dict(tp, pp)
-        names = [(v, k) for v, mk in enumerate(self._model_keys) for k, x in sd[mk].items()
-                 if isinstance(x, torch.Tensor)]
         specs = {(v, self._local_name(lp)): lp.spec for v in range(self.arch.vpp)
                  for lp in self.arch.stage_params(pp, tp, vp=v)}
+        experts = {(v, self._local_name(lp)) for v in range(self.arch.vpp) if self.arch.experts
+                   for lp in self.arch.stage_params(pp, tp, expert_rank=0, vp=v)}
+        # the optimizer holds parameters only: a tensor no parameter is (a buffer) has no index (held.py lists it)
+        names = [(v, k) for v, mk in enumerate(self._model_keys) for k, x in sd[mk].items()
+                 if isinstance(x, torch.Tensor) and ((v, k) in specs or (v, k) in experts)]
         decay = [n for n in names if specs.get(n) is None or specs[n].decay]
         order = decay + [n for n in names if n not in set(decay)]
         groups = (sd.get("optimizer") or {}).get("param_groups") or []

@@ -26,9 +26,10 @@ import torch
 
 from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
-from ..contract import STATES, Reader
+from ..contract import STATES, Held, Reader
 from .dist import TorchDistBackend
 from .files import Location, locate
+from .held import held
 from .hfmap import HfParam, hf_params, restrict
 from .legacy import LegacyBackend
 from .lowering import Lowered
@@ -111,6 +112,11 @@ class MegatronReader(Reader):
         for name in self.names:
             for state in self.states(name):
                 self.map(name, state)
+
+    def unlowered(self) -> list[Held]:
+        """What the files hold beside the parameter states (``held``): _extra_state, RNG and
+        rerun states, common_state's run entries, and tensors no parameter takes."""
+        return held(self.src, self.specs)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.map(name, "weight").valid_shape)

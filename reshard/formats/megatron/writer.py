@@ -30,13 +30,14 @@ import torch
 
 from ...errors import ReshardError
 from ...ir.param_map import ParamMap
-from ..contract import BEST, MODULE, Buffer, Reader, Slot, Target, Writer
+from ..contract import BEST, MODULE, Buffer, Held, Reader, Slot, Target, Writer
 from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
 from ..table import noun_of
 from . import safe
 from .common import KINDS, args_for, buffer_dtype, common_state, default_groups, extra_state_keys
 from .dist import TorchDistBackend
 from .files import TRACKER, iteration_folder
+from .held import carried
 from .hfconfig import args_from_hf, padded_vocab
 from .hfmap import hf_params, restrict
 from .model import EMBED, Arch
@@ -170,7 +171,7 @@ class MegatronWriter(Writer):
         extra = sorted(have - {p.name for ps in out.values() for p in ps})
         if extra:
             raise ReshardError(f"{reader.sources[-1]}: {extra[0]!r} (of {len(extra)}) has no Megatron key in the "
-                               "architecture mapping")
+                               "architecture mapping (--drop REGEX leaves such tensors out, recorded in the report)")
         return out
 
     def _vocab_rows(self, own: MegatronReader) -> int:
@@ -252,6 +253,15 @@ class MegatronWriter(Writer):
             out.write(METADATA_JSON)
         with staging.open(TRACKER) as out:
             out.write(("release" if self.iteration is None else str(self.iteration)).encode())
+
+    def carries(self, held: Held) -> bool:
+        """What ``_objects`` copies of a Megatron source (``held.carried``)."""
+        src = self.own.src if self.own is not None else None
+        if not isinstance(src, TorchDistBackend) or src.ck is None:
+            return carried(held, template=self.template is not None, objects=set(), rng=False, rerun=False)
+        s, t = src.arch, self.arch
+        return carried(held, template=True, objects=set(extra_state_keys(t)) & set(src.ck.objects),
+                       rng=(s.tp, s.pp) == (t.tp, t.pp), rerun=(s.tp, s.pp, s.dp) == (t.tp, t.pp, t.dp))
 
     def _objects(self, r: int) -> list[tuple[str, bytes]]:
         """The object records of global rank ``r``'s file (objects come first, as DCP writes them)."""

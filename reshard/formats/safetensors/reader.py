@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 import threading
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from ...execute.memory import release
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
-from ..contract import Reader, Stored
+from ..contract import Held, Reader, Stored
 from .io import DTYPES
 from .quantized import Codec, Coded, open_codec
 
@@ -115,6 +116,10 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
     return dict(sorted(out.items(), key=lambda kv: kv[1].start)), meta if isinstance(meta, dict) else {}
 
 
+# a buffer older checkpoints keep beside the weights, which transformers recomputes and never loads
+RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
 class SafetensorsReader(Reader):
     format = "safetensors"
 
@@ -138,7 +143,7 @@ class SafetensorsReader(Reader):
         consumed = self.codec.consumed() if self.codec is not None else set()
         self.coded: dict[str, Coded] = {c.name: c for c in by_payload.values()}  # by parameter name
         self.names = [by_payload[n].name if n in by_payload else n for n in self.entries
-                      if n in by_payload or n not in consumed]
+                      if (n in by_payload or n not in consumed) and not RECOMPUTED.search(n)]
         self.description = f"safetensors weights ({len(self.names)} tensors)" \
             + (f", {self.codec.description}" if self.codec else "")
         self.topology: dict[str, int] = {}
@@ -173,6 +178,18 @@ class SafetensorsReader(Reader):
             raise CheckpointError(f"{p / missing[0]}: file is missing ({INDEX} lists it)")
         self._index = {n: p / rel for n, rel in weight_map.items()}
         return [p / rel for rel in files]
+
+    def unlowered(self) -> list[Held]:
+        """Older checkpoints' rotary ``inv_freq`` buffers (no parameter: transformers recomputes
+        them), and safetensors files in the folder that the index does not list (or beside the
+        single ``model.safetensors``): tensors, never read silently past."""
+        out = [Held(n, str(e.file), "state", "a rotary embedding's inv_freq: a buffer transformers recomputes "
+                    "(from_pretrained does not load it)") for n, e in self.entries.items() if RECOMPUTED.search(n)]
+        if not self.sources[0].is_dir():
+            return out
+        read = {e.file.name for e in self.entries.values()}
+        return out + [Held(f.name, str(f), "weights", "a safetensors file the folder's index does not list")
+                      for f in sorted(self.folder.glob("*.safetensors")) if f.name not in read]
 
     def check(self) -> None:
         if self.codec is not None:

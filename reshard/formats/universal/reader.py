@@ -18,8 +18,9 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...storage import verified
 from ...storage.safe_load import load
-from ..contract import Reader
+from ..contract import Held, Reader
 from ..deepspeed.checks import check_step
+from ..deepspeed.reader import model_state_held
 
 __all__ = ["STATE_FILES", "UniversalReader", "universal_dir"]
 
@@ -99,6 +100,23 @@ class UniversalReader(Reader):
                     raise CheckpointError(f"{f}: {t.numel()} elements, the parameter has {n} ({list(self.shape(name))})")
                 if tuple(t.shape) != stored:
                     raise CheckpointError(f"{f}: shape {list(t.shape)}, fp32.pt's is {list(stored)}")
+
+    def unlowered(self) -> list[Held]:
+        """What the copied model-state files hold beside the parameters (buffers, scheduler, client
+        state: ``deepspeed.reader.model_state_held``), and any file of ``zero/`` reshard does not read."""
+        seen, out = set(self.names), []
+        for f in sorted(self.tag_dir.glob("*model_states.pt")):
+            state = load(f)
+            if isinstance(state, dict):
+                out += model_state_held(f, state, seen)
+        read = {*(f"{s}.pt" for s in STATE_FILES), "step.pt"}
+        for d in sorted(self.root.iterdir()):
+            if d.is_dir() and d.name in seen:
+                out += [Held(f"{d.name}/{f.name}", str(f), "state", "a state file of the parameter reshard does not "
+                             "read") for f in sorted(d.iterdir()) if f.name not in read]
+            elif d.name != "optimizer_state.pt" and not d.is_dir():
+                out.append(Held(d.name, str(d), "state", "a file of zero/ reshard does not read"))
+        return out
 
     @cached_property
     def _recorded(self) -> dict[str, tuple[int, ...]]:

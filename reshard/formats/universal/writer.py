@@ -26,7 +26,7 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...storage import torch_zip
 from ...storage.pickling import Pickler
-from ..contract import BEST, MOMENTS, Buffer, Reader, Slot, Target, Writer
+from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Target, Writer
 from ..deepspeed.reader import DeepSpeedNative, optimizer_state
 
 __all__ = ["UniversalWriter", "model_states"]
@@ -48,6 +48,12 @@ class UniversalWriter(Writer):
         self.native = self.own is not None
         self.moments_only = moments_only  # the moments beside another format's weights (safetensors)
         self._maps = {n: replicated(reader.shape(n), 1) for n in reader.names}
+
+    def carries(self, held: Held) -> bool:
+        """From a DeepSpeed source, what its model-state files hold beside the parameters (copied as
+        ds_to_universal copies them)."""
+        f = Path(held.file)
+        return self.own is not None and f.parent == self.own.ck.tag_dir and f.name.endswith("model_states.pt")
 
     # -- what each parameter's files hold -----------------------------------------------------
     def _states(self, name: str) -> list[tuple[str, tuple[str, ...]]]:

@@ -30,7 +30,7 @@ from ...errors import ReshardError
 from ...ir.piece import prod
 from ...layouts.arch import LLAMA_VLLM, inference_targets
 from ...layouts.inference import Placed
-from ..contract import BEST, Buffer, Reader, Slot, Target, Writer
+from ..contract import BEST, Buffer, Held, Reader, Slot, Target, Writer
 from ..hf.writer import TIED, HfWriter
 from ..safetensors.io import SafetensorsFile, plan_files
 
@@ -132,6 +132,10 @@ class VllmWriter(Writer):
 
     def targets(self) -> list[Target]:
         return [Target(self.sources[n], BEST, p.map) for n, p in self.placed.items()]
+
+    def carries(self, held: Held) -> bool:
+        """A tied ``lm_head.weight``: written once, as the table it is tied to (``_names``)."""
+        return self.tied and held.key.startswith(self.hf.prefix) and held.key[len(self.hf.prefix):] == TIED[0]
 
     def meta(self) -> dict[str, Any]:
         return {"target": "vLLM sharded state (load_format='sharded_state')", "target_topology": {"tp": self.tp, "dp": 1}}
