@@ -210,6 +210,9 @@ FIXTURES = {f.name: f for f in [
             "and 2); plain Adam; torch_dist",
             pp=2, layers=3, extra_argv=["--decoder-first-pipeline-num-layers", "1"],
             cross_checks=[(1, 2, 1, 1), (1, 3, 1, 1)]),
+    Fixture("torch_dist_tp2_qk_layernorm",
+            "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
+            "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),
 ]}
 
 # --------------------------------------------------------------------------------------------

@@ -143,6 +143,8 @@ def oracle_argv(ck, opts, fmt: str) -> list[str]:
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
         "--no-rope-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
     ]
+    if getattr(ck, "qk_layernorm", False):  # --use-checkpoint-args does not restore it
+        argv.append("--qk-layernorm")
     if getattr(ck, "moe_token_dispatcher_type", None):
         argv += ["--moe-token-dispatcher-type", ck.moe_token_dispatcher_type]
     if ck.use_distributed_optimizer:

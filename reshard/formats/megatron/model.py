@@ -7,7 +7,7 @@ its checkpoint keys and local parameters, from the run's ``args`` alone.
   few boxes of F stacked along its dim 0 -- one box for a row, column or replicated split, two for
   SwiGLU's fc1 (``[gate_t; up_t]``). Its label is ``flat index * TP + t``.
 * The **stage order** of a pipeline stage is the modules' registration order (embedding, then per
-  layer ``input_layernorm, linear_proj, linear_qkv, pre_mlp_layernorm, [router,] linear_fc1,
+  layer ``input_layernorm, linear_proj, linear_qkv, [q_layernorm, k_layernorm,] pre_mlp_layernorm, [router,] linear_fc1,
   linear_fc2``, then final norm and output layer): the order of the distributed optimizer's
   buckets (reversed) and of a legacy optimizer's state indices.
 
@@ -80,7 +80,6 @@ def _refuse_unsupported(args: Any, where: str) -> None:
         ("pipeline_model_parallel_layout", lambda v: v is not None, "a custom pipeline layout"),
         ("account_for_embedding_in_pipeline_split", bool, "pipeline splits counting the embedding"),
         ("account_for_loss_in_pipeline_split", bool, "pipeline splits counting the loss"),
-        ("qk_layernorm", bool, "QK layer norms"),
         ("multi_latent_attention", bool, "multi-latent attention"),
         ("moe_shared_expert_intermediate_size", lambda v: v not in (None, 0), "shared experts"),
         ("moe_grouped_gemm", bool, "grouped-GEMM experts (TEGroupedMLP keys)"),
@@ -121,6 +120,7 @@ class Arch:
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline stage
     first: int | None = None  # layers of the first / last pipeline stage when uneven
     last: int | None = None
+    qk_norm: bool = False  # q_layernorm / k_layernorm over the head dim (--qk-layernorm)
 
     @classmethod
     def from_args(cls, args: Any, where: str) -> Arch:
@@ -144,7 +144,8 @@ class Arch:
                 etp=int(_get(args, "expert_tensor_parallel_size") or tp),
                 vpp=int(_get(args, "virtual_pipeline_model_parallel_size") or 1),
                 first=_opt_int(_get(args, "decoder_first_pipeline_num_layers")),
-                last=_opt_int(_get(args, "decoder_last_pipeline_num_layers")))
+                last=_opt_int(_get(args, "decoder_last_pipeline_num_layers")),
+                qk_norm=bool(_get(args, "qk_layernorm")))
         except (AttributeError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: args lack what the model shape needs ({type(e).__name__}: {e})") from None
         arch.check(where)
@@ -241,6 +242,9 @@ class Arch:
                  KeySpec(f"{QKV}.weight", "self_attention.linear_qkv.weight", (self.qkv_rows, h), "rows", 1)]
         if self.qkv_bias:
             layer.append(KeySpec(f"{QKV}.bias", "self_attention.linear_qkv.bias", (self.qkv_rows,), "rows", 1))
+        if self.qk_norm:  # registered after linear_qkv; replicated over TP (per head, every head alike)
+            layer += [KeySpec(f"decoder.layers.self_attention.{n}.weight", f"self_attention.{n}.weight",
+                              (self.head_dim,), "rep", 1) for n in ("q_layernorm", "k_layernorm")]
         layer.append(KeySpec(f"{FC1}.layer_norm_weight", "pre_mlp_layernorm.weight", (h,), "rep", 1))
         if self.experts:
             efc1 = (2 * self.moe_ffn if self.swiglu else self.moe_ffn, h)

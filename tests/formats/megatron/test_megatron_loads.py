@@ -39,6 +39,7 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("legacy_pp2_vpp2", dict(tp=2, pp=2, dp=1, optimizer="dp_reshardable"), True),
     ("torch_dist_pp2_uneven", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),  # uneven buckets
     ("torch_dist_pp2_uneven", dict(tp=2, pp=3, dp=1), True),
+    ("torch_dist_tp2_qk_layernorm", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),
 ]
 
 

@@ -46,6 +46,8 @@ def _hf_of(model: dict, name: str, reader: MegatronReader) -> torch.Tensor:
         "self_attn.k_proj.weight": lambda: qkv[:, a.per_group].reshape(-1, a.hidden),
         "self_attn.v_proj.weight": lambda: qkv[:, a.per_group + 1].reshape(-1, a.hidden),
         "self_attn.o_proj.weight": lambda: model[p + "self_attention.linear_proj.weight"],
+        "self_attn.q_norm.weight": lambda: model[p + "self_attention.q_layernorm.weight"],
+        "self_attn.k_norm.weight": lambda: model[p + "self_attention.k_layernorm.weight"],
         "mlp.gate_proj.weight": lambda: fc1[:a.ffn],
         "mlp.up_proj.weight": lambda: fc1[a.ffn:],
         "mlp.down_proj.weight": lambda: model[p + "mlp.linear_fc2.weight"],

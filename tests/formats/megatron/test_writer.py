@@ -30,6 +30,7 @@ CASES = [
     ("legacy_pp2_vpp2", dict(tp=2, pp=2, dp=1, optimizer="dp_reshardable"), "dp_reshardable"),
     ("torch_dist_pp2_uneven", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
     ("torch_dist_pp2_uneven", dict(tp=2, pp=3, dp=1), "adam"),
+    ("torch_dist_tp2_qk_layernorm", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
 ]
 
 
