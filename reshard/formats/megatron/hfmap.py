@@ -110,6 +110,11 @@ def _size(value: Any, sizes: dict[str, int], what: str) -> int:
 def hf_params(arch: Arch, doc: Mapping | None = None) -> list[HfParam]:
     """Every HF tensor of ``arch`` under the mapping ``doc``, in HF model order (the entries' order,
     each layer's entries together)."""
+    if arch.shared_ffn or arch.expert_bias or arch.per_layer:
+        what = ("shared experts" if arch.shared_ffn else "a router expert_bias" if arch.expert_bias
+                else "mixed dense and MoE layers")
+        raise ReshardError(f"Hugging Face names of a Megatron MoE model with {what} (Qwen2-MoE / DeepSeek-V3 "
+                           "shaped) are not mapped by reshard yet; use Megatron names (--names megatron)")
     doc = load_document(doc)
     sizes = _sizes(arch)
     specs = {s.key: s for s in arch.keys()}

@@ -106,17 +106,17 @@ class LegacySource:
         return ["model"] if self.arch.vpp == 1 else [f"model{v}" for v in range(self.arch.vpp)]
 
     def _chunk_of(self, lp: LocalParam) -> int:
-        if lp.spec.stacked:
-            return self.arch.place(lp.index[0])[1]
+        if lp.spec.layered:
+            return self.arch.place(lp.spec.layer_at(lp.index))[1]
         return 0 if lp.spec.key == EMBED else self.arch.vpp - 1
 
     # -- names -----------------------------------------------------------------------------------
     def _local_name(self, lp: LocalParam) -> str:
         name = lp.spec.local
-        if lp.spec.stacked:  # the stage's module counts its layers from 0
-            name = name.replace("{layer}", str(self.arch.place(lp.index[0])[2]))
-        if lp.spec.stacked == 2:
-            name = name.replace("{expert}", str(lp.index[1]))
+        if lp.spec.layered:  # the stage's module counts its layers from 0
+            name = name.replace("{layer}", str(self.arch.place(lp.spec.layer_at(lp.index))[2]))
+        if lp.spec.expert:
+            name = name.replace("{expert}", str(lp.index[-1]))
         return name
 
     def tensor(self, lp: LocalParam) -> torch.Tensor:
@@ -140,8 +140,10 @@ class LegacySource:
         """Plain Adam's state index of each (model chunk, local name): group 0's (decay) then group
         1's, each in the state dicts' (registration) order, chunk after chunk."""
         sd = self.state_dict(tp, pp)
+        buffers = {(self._chunk_of(lp), self._local_name(lp)) for s in self.arch.keys() if s.buffer
+                   for lp in self.arch.locals_of(s) if lp.tp == tp and self.arch.stage_of(s, lp.index) == pp}
         names = [(v, k) for v, mk in enumerate(self._model_keys) for k, x in sd[mk].items()
-                 if isinstance(x, torch.Tensor)]
+                 if isinstance(x, torch.Tensor) and (v, k) not in buffers]
         specs = {(v, self._local_name(lp)): lp.spec for v in range(self.arch.vpp)
                  for lp in self.arch.stage_params(pp, tp, vp=v)}
         decay = [n for n in names if specs.get(n) is None or specs[n].decay]
@@ -199,6 +201,8 @@ class LegacySource:
 
     # -- what the reader reads -------------------------------------------------------------------
     def states(self, spec: KeySpec) -> tuple[str, ...]:
+        if spec.buffer:
+            return ("weight",)
         return ("weight", "fp32", "exp_avg", "exp_avg_sq") if self.distopt else ("weight", "exp_avg", "exp_avg_sq")
 
     def lowered(self, spec: KeySpec, state: str) -> Lowered:
