@@ -411,11 +411,19 @@ class Arch:
     def locals_of(self, s: KeySpec) -> list[LocalParam]:
         return [self.local(s, ix, t) for ix in self.indices(s) for t in range(self.tp_of(s))]
 
+    @property
+    def expert_apart(self) -> bool:
+        """Whether the experts have optimizer and DDP buffers of their own (``chained_1.``): with
+        EP > 1 or expert TP apart from TP; else they join the dense ones (Megatron marks them
+        ``allreduce`` then)."""
+        return bool(self.experts) and (self.ep > 1 or self.etp != self.tp)
+
     def stage_params(self, pp: int, t: int, *, expert_rank: int | None = None, vp: int | None = None
                      ) -> list[LocalParam]:
         """The local parameters of stage ``pp``, TP rank ``t``, in registration order: the dense
-        ones, or (``expert_rank`` = EP rank) that EP rank's experts; of model chunk ``vp`` only
-        (each has a DDP buffer of its own), or of the stage's chunks one after the other."""
+        optimizer's (with every expert unless :attr:`expert_apart`), or (``expert_rank`` = EP rank)
+        that EP rank's experts; of model chunk ``vp`` only (each has a DDP buffer of its own), or
+        of the stage's chunks one after the other."""
         out: list[LocalParam] = []
         keys = self.keys()
         first = vp in (None, 0)
@@ -423,13 +431,17 @@ class Arch:
         if expert_rank is None and pp == 0 and first:
             out.append(self.local(keys[0], (), t))
         local_experts = self.experts // self.ep if self.experts else 0
+        mine = range(self.experts) if expert_rank is None else range(expert_rank * local_experts,
+                                                                      (expert_rank + 1) * local_experts)
+        with_experts = expert_rank is not None or not self.expert_apart
         for i in (self.stage_layers(pp) if vp is None else self.chunk_layers(pp, vp)):
             params = [s for s in self.layer_keys(i) if not s.buffer]
-            if expert_rank is None:
-                out += [self.local(s, s.at(i), t) for s in params if not s.expert]
-            else:
-                for x in range(expert_rank * local_experts, (expert_rank + 1) * local_experts):
-                    out += [self.local(s, s.at(i, x), t) for s in params if s.expert]
+            experts = [s for s in params if s.expert]
+            for s in params:
+                if not s.expert and expert_rank is None:
+                    out.append(self.local(s, s.at(i), t))
+                elif experts and s is experts[0] and with_experts:  # SequentialMLP: expert by expert
+                    out += [self.local(e, e.at(i, x), t) for x in mine for e in experts]
         if expert_rank is None and pp == self.pp - 1 and last:
             out += [self.local(s, (), t) for s in keys if not s.layered and s.key != EMBED]
         return out

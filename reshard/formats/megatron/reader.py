@@ -178,8 +178,8 @@ class MegatronReader(Reader):
             return []
         for g in groups:  # experts to the expert optimizer's groups, each name by its weight decay
             expert, decay = bool(g.get("is_expert_parallel")), g.get("wd_mult", 1.0) != 0
-            g["params"] = [n for n in self.names if self._spec(n).expert == expert and self._decays(n) == decay
-                           and not self._spec(n).buffer]
+            g["params"] = [n for n in self.names if (self._spec(n).expert and self.arch.expert_apart) == expert
+                           and self._decays(n) == decay and not self._spec(n).buffer]
         return groups
 
     def _decays(self, name: str) -> bool:

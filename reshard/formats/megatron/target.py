@@ -85,10 +85,10 @@ class TargetLayout:
         """(prefix, m, model chunk, parameters in registration order, DP group size, rank of each DP
         shard): a buffer per model chunk."""
         a = self.arch
-        dense = "chained_0." if a.experts else ""
+        dense = "chained_0." if a.expert_apart else ""
         out = [(dense, t + a.tp * pp, vp, a.stage_params(pp, t, vp=vp), a.dp, [a.rank(t, pp, d) for d in range(a.dp)])
                for pp in range(a.pp) for t in range(a.tp) for vp in range(a.vpp)]
-        if a.experts:
+        if a.expert_apart:
             out += [("chained_1.", t + a.etp * (ep + a.ep * pp), vp, a.stage_params(pp, t, expert_rank=ep, vp=vp),
                      a.edp, [a.expert_rank(t, ep, k, pp) for k in range(a.edp)])
                     for pp in range(a.pp) for ep in range(a.ep) for t in range(a.etp) for vp in range(a.vpp)]

@@ -131,7 +131,7 @@ class MegatronWriter(Writer):
         groups = own.src.param_groups()  # dense optimizer's, then the experts' (is_expert_parallel)
         dense = [g for g in groups if not g.get("is_expert_parallel")] or default_groups(args)
         self.groups = [dense]
-        if arch.experts:
+        if arch.expert_apart:  # else the experts join the dense optimizer's groups (one optimizer)
             self.groups.append([g for g in groups if g.get("is_expert_parallel")] or default_groups(args, expert=True))
         self.step = self._step(own)
 
