@@ -50,6 +50,7 @@ CASES = [  # (source, target topology, what Megatron loads)
     # an empty expert optimizer (DistributedOptimizer.state_dict: assert len(steps) == 1), so plain Adam there
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=3, dp=2, ep=2, optimizer="adam"), True),
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=1, ep=1), True),
+    ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=2, ep=1, etp=2), True),  # expert TP above TP
 ]
 
 

@@ -38,6 +38,7 @@ CASES = [
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=3, dp=2, ep=2, optimizer="fully_reshardable"),
      "fully_reshardable"),
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=2, pp=1, dp=2, ep=2, etp=2), "dp_reshardable"),
+    ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=2, ep=1, etp=2), "dp_reshardable"),  # expert TP > TP
 ]
 
 
