@@ -68,7 +68,10 @@ class MegatronReader(Reader):
     # -- names -----------------------------------------------------------------------------------
     @cached_property
     def hf(self) -> dict[str, HfParam]:
-        return {p.name: p for p in hf_params(self.arch, self.mapping)}
+        try:
+            return {p.name: p for p in hf_params(self.arch, self.mapping)}
+        except ReshardError as e:  # said of this checkpoint (its args decide the mapping)
+            raise CheckpointError(f"{self.loc.iter_dir}: {e}") from None
 
     @cached_property
     def specs(self) -> dict:
