@@ -46,6 +46,8 @@ def args_for(args: Any, arch: Arch, kind: str) -> Any:
         updates.pop("dist_ckpt_optim_fully_reshardable")
     for k, v in updates.items():
         setattr(out, k, v)
+    if arch.tp == 1 and getattr(out, "sequence_parallel", False):
+        out.sequence_parallel = False  # validate_args turns it off without TP, so a TP=1 run saves it so
     if arch.even:  # a target over even, non-virtual stages says so (fields the source may lack stay unset)
         for k in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                   "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
