@@ -227,6 +227,13 @@ FIXTURES = {f.name: f for f in [
             "allgather dispatcher), a shared expert (ffn 28) with its sigmoid gate, a sigmoid router with an "
             "expert bias; distributed optimizer, dp_reshardable; torch_dist",
             tp=2, ep=2, etp=1, layers=3, moe=True, distopt=True, extra_argv=SHARED_MOE_ARGV),
+    Fixture("torch_dist_moe_ep2_shared_bf16",
+            "MoE, EP=2 x DP=2 (world 2), every layer MoE (stacked keys), a shared expert (ffn 28) with its gate, a "
+            "sigmoid router with an fp32 expert bias; --bf16 with fp32 grad accumulation; distributed optimizer, "
+            "dp_reshardable; torch_dist",
+            dp=2, ep=2, moe=True, distopt=True,
+            extra_argv=[a for a in SHARED_MOE_ARGV if a not in ("--moe-layer-freq", "[0,1,1]", "--sequence-parallel")]
+            + ["--bf16", "--accumulate-allreduce-grads-in-fp32"]),
     Fixture("torch_dist_tp2_qk_layernorm",
             "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
             "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),

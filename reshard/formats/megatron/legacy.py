@@ -220,7 +220,7 @@ class LegacySource:
         for spec in self.arch.keys():
             for lp in self.arch.locals_of(spec):
                 t = self.tensor(lp)
-                if t.dtype != self.dtype:
+                if t.dtype != (torch.float32 if spec.buffer else self.dtype):  # expert_bias: fp32 always
                     raise CheckpointError(f"{self.files[(lp.tp, self.arch.stage_of(spec, lp.index))]}: "
                                           f"{self._local_name(lp)} is {t.dtype}, other weights {self.dtype}")
                 for s in self.states(spec)[1:]:

@@ -127,7 +127,7 @@ class MegatronReader(Reader):
         if state != "weight":
             return torch.float32
         if isinstance(self.src, LegacySource):
-            return self.src.dtype
+            return torch.float32 if self._spec(name).buffer else self.src.dtype
         return self.src.ck.entry(self._spec(name).key).dtype
 
     def lowered(self, name: str, state: str) -> Lowered:

@@ -51,6 +51,8 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=3, dp=2, ep=2, optimizer="adam"), True),
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=1, ep=1), True),
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=2, ep=1, etp=2), True),  # expert TP above TP
+    ("torch_dist_moe_ep2_shared_bf16", dict(tp=2, pp=2, dp=1, ep=2, etp=1, optimizer="fully_reshardable"), True),
+    ("torch_dist_moe_ep2_shared_bf16", dict(tp=1, pp=1, dp=1, ep=1), True),
 ]
 
 

@@ -39,6 +39,9 @@ CASES = [
      "fully_reshardable"),
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=2, pp=1, dp=2, ep=2, etp=2), "dp_reshardable"),
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=2, ep=1, etp=2), "dp_reshardable"),  # expert TP > TP
+    # every layer MoE (stacked keys), bf16 weights with an fp32 expert bias
+    ("torch_dist_moe_ep2_shared_bf16", dict(tp=2, pp=2, dp=1, ep=2, etp=1, optimizer="fully_reshardable"),
+     "fully_reshardable"),
 ]
 
 
