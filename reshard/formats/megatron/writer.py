@@ -132,7 +132,12 @@ class MegatronWriter(Writer):
         dense = [g for g in groups if not g.get("is_expert_parallel")] or default_groups(args)
         self.groups = [dense]
         if arch.expert_apart:  # else the experts join the dense optimizer's groups (one optimizer)
-            self.groups.append([g for g in groups if g.get("is_expert_parallel")] or default_groups(args, expert=True))
+            # a source with one optimizer (EP=1): its groups with the flag Megatron sets, those the experts fill
+            # (Megatron makes a group only for parameters it has: no biases, no no-decay expert group)
+            decays = {s.decay for s in arch.keys() if s.expert}
+            self.groups.append([g for g in groups if g.get("is_expert_parallel")]
+                               or [dict(g, is_expert_parallel=True) for g in dense
+                                   if (g.get("wd_mult", 1.0) != 0) in decays])
         self.step = self._step(own)
 
     def _from_hf(self, reader: Reader, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,

@@ -107,6 +107,22 @@ def test_moe_same_topology_is_megatrons_layout(tmp_path):
     assert compare_megatron(out, fixture) > 0
 
 
+def test_moe_through_ep1_and_back_keeps_the_expert_groups(tmp_path):
+    """EP=2 -> EP=1 (one optimizer, experts in the dense groups) -> EP=2: the expert optimizer's
+    groups come back as the dense ones flagged is_expert_parallel, the state bit-exact."""
+    fixture = "torch_dist_moe_ep2_distopt"
+    one = reshard(FIXTURES / fixture, tmp_path / "a", to="megatron", ep=1).out_dir
+    r1 = MegatronReader.open(one)
+    assert not r1.arch.expert_apart and not any(k.startswith("chained_") for k in r1.src.ck.tensors)
+    assert [g["is_expert_parallel"] for g in r1.param_groups()] == [False, False]
+    back = MegatronReader.open(reshard(one, tmp_path / "b", to="megatron", ep=2).out_dir)
+    src = MegatronReader.open(FIXTURES / fixture)
+    strip = ("params", "step")
+    assert [{k: v for k, v in g.items() if k not in strip} for g in back.param_groups()] == [
+        {k: v for k, v in g.items() if k not in strip} for g in src.param_groups()]
+    assert compare_megatron(back, fixture) > 0
+
+
 def test_impossible_topologies_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="query groups do not divide over TP=4"):
         reshard(FIXTURES / "torch_dist_tp2_pp2", tmp_path, to="megatron", tp=4)
