@@ -49,6 +49,9 @@ class LegacySource:
         if self.arch.ep > 1:
             raise CheckpointError(f"{first}: args.expert_model_parallel_size = {self.arch.ep}: legacy checkpoints "
                                   "with expert parallelism are not read by reshard")
+        if self.arch.expert_apart:  # expert TP apart from TP: a chained optimizer, expert files of their own
+            raise CheckpointError(f"{first}: args.expert_tensor_parallel_size = {self.arch.etp} (TP {self.arch.tp}): "
+                                  "legacy checkpoints with expert TP apart from TP are not read by reshard")
         self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
         if self.arch.vpp > 1 and self.distopt:
             raise CheckpointError(f"{first}: args.virtual_pipeline_model_parallel_size = {self.arch.vpp} with the "
