@@ -255,7 +255,7 @@ def _cmd_reshard(args) -> int:
 
     with _cluster(args) as cluster:
         report = reshard(args.ckpt_dir, args.out_dir, to=args.to, tp=args.tp, dp=args.dp, pp=args.pp,
-                         zero_stage=args.zero_stage, ep=args.ep, files=args.files, layout=args.layout,
+                         zero_stage=args.zero_stage, ep=args.ep, etp=args.etp, files=args.files, layout=args.layout,
                          dtype=_dtype(args), workers=args.workers, overwrite=args.overwrite, checksum=args.checksum,
                          cluster=cluster, on_replica_mismatch=args.on_replica_mismatch, optimizer=args.optimizer,
                          verify_source=args.verify_source, verify=args.verify, drop=args.drop)

@@ -26,7 +26,12 @@ holds; it lets code that insists on CUDA (or on Python 3.12, or on TE/Apex) run:
    build the latter would queue its call forever in ``torch.cuda._lazy_call``) use that generator.
 5. The MoE ``alltoall`` dispatcher turns split sizes into numpy arrays only for CUDA tensors; CPU
    ones too (``all_to_all_single`` rejects tensors there).
-6. A Megatron 0.19.2 bug on the no-Apex/TE path (torch's Adam keeps a per-parameter ``step``):
+6. Sequence parallelism (which Megatron wants with TP x EP) on the local spec: without Apex the
+   norms are ``WrappedTorchNorm`` (torch's ``RMSNorm``), which asserts ``not
+   config.sequence_parallel``; it is built as without, and its parameters get the
+   ``sequence_parallel`` attribute Apex's ``FusedLayerNorm`` sets, so ``finalize_model_grads``
+   all-reduces their gradients over TP as it does for Apex's norms.
+7. A Megatron 0.19.2 bug on the no-Apex/TE path (torch's Adam keeps a per-parameter ``step``):
    loading ``fully_reshardable`` or legacy ``distrib_optim.pt`` optimizer state fails with
    ``KeyError: 'step'`` in ``DistributedOptimizer._set_main_param_and_optimizer_states``; it is
    handed the step it already holds. (Training never calls it.)
@@ -201,4 +206,25 @@ def install() -> None:
         return set_states(self, model_param, tensors)
 
     distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = _set_states
+    _allow_sequence_parallel_norms()
     _INSTALLED = True
+
+
+def _allow_sequence_parallel_norms() -> None:
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__new__
+
+    def _new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, hidden_size, eps, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = build(cls, plain, hidden_size, eps, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = _new

@@ -36,6 +36,7 @@ import argparse
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -115,6 +116,7 @@ class Fixture:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert TP (--expert-tensor-parallel-size); None: TP
     layers: int = 2
     ckpt_format: str = "torch_dist"
     distopt: bool = False
@@ -135,6 +137,8 @@ class Fixture:
              "--save", str(save), "--ckpt-format", self.ckpt_format]
         if self.ep > 1 or self.moe:
             a += ["--expert-model-parallel-size", str(self.ep)]
+        if self.etp is not None:
+            a += ["--expert-tensor-parallel-size", str(self.etp)]
         if self.distopt:
             a.append("--use-distributed-optimizer")
         if self.fully_reshardable:
@@ -154,9 +158,10 @@ class Fixture:
         return True
 
     def optimizer_reload_topology(self) -> tuple[int, int, int, int]:
-        """Where the optimizer is reloaded when not at TP=1/PP=1: the saved TP, PP and EP with
-        the smallest DP that holds EP."""
-        return (self.tp, self.pp, self.ep, self.ep)
+        """Where the optimizer is reloaded when not at TP=1/PP=1: the saved TP, PP and EP (and
+        expert TP) with the smallest DP whose TP x DP holds expert TP x EP."""
+        fold = (self.etp or self.tp) * self.ep
+        return (self.tp, self.pp, fold // math.gcd(self.tp, fold), self.ep)
 
     def model_reload_topology(self) -> tuple[int, int, int, int]:
         """Where the oracle reloads the model: TP=1/PP=1, except for legacy checkpoints (Megatron
@@ -169,6 +174,12 @@ class Fixture:
 MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
             "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
             "--moe-aux-loss-coeff", "1e-2"]
+
+SHARED_MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
+                   "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "none",
+                   "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                   "--moe-shared-expert-intermediate-size", "28", "--moe-shared-expert-gate",
+                   "--moe-layer-freq", "[0,1,1]", "--sequence-parallel"]
 
 FIXTURES = {f.name: f for f in [
     Fixture("torch_dist_tp2_pp2", "TP=2 x PP=2, DP=1; plain (non-distributed) Adam; torch_dist",
@@ -210,6 +221,22 @@ FIXTURES = {f.name: f for f in [
             "and 2); plain Adam; torch_dist",
             pp=2, layers=3, extra_argv=["--decoder-first-pipeline-num-layers", "1"],
             cross_checks=[(1, 2, 1, 1), (1, 3, 1, 1)]),
+    Fixture("torch_dist_moe_tp2_ep2_shared_distopt",
+            "MoE, TP=2 x EP=2 on 2 processes (MoE parallel folding: expert TP 1, --sequence-parallel), layer 0 "
+            "dense and layers 1-2 MoE (--moe-layer-freq [0,1,1]: per-layer keys), 4 experts top-2 (SequentialMLP, "
+            "allgather dispatcher), a shared expert (ffn 28) with its sigmoid gate, a sigmoid router with an "
+            "expert bias; distributed optimizer, dp_reshardable; torch_dist",
+            tp=2, ep=2, etp=1, layers=3, moe=True, distopt=True, extra_argv=SHARED_MOE_ARGV),
+    Fixture("torch_dist_moe_ep2_shared_bf16",
+            "MoE, EP=2 x DP=2 (world 2), every layer MoE (stacked keys), a shared expert (ffn 28) with its gate, a "
+            "sigmoid router with an fp32 expert bias; --bf16 with fp32 grad accumulation; distributed optimizer, "
+            "dp_reshardable; torch_dist",
+            dp=2, ep=2, moe=True, distopt=True,
+            extra_argv=[a for a in SHARED_MOE_ARGV if a not in ("--moe-layer-freq", "[0,1,1]", "--sequence-parallel")]
+            + ["--bf16", "--accumulate-allreduce-grads-in-fp32"]),
+    Fixture("torch_dist_tp2_qk_layernorm",
+            "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
+            "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),
 ]}
 
 # --------------------------------------------------------------------------------------------
@@ -236,10 +263,13 @@ def _run(cmd: list[str], log: Path, what: str) -> float:
     return time.monotonic() - t0
 
 
-def _oracle(venv: Path, ckpt: Path, out: Path, topo, *, no_optim: bool, forward: bool, log: Path) -> float:
+def _oracle(venv: Path, ckpt: Path, out: Path, topo, *, no_optim: bool, forward: bool, log: Path,
+            etp: int | None = None) -> float:
     tp, pp, dp, ep = topo
     cmd = [str(venv / "bin" / "python"), str(ORACLE), str(ckpt), "--out", str(out), "--venv", str(venv),
            "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--ep", str(ep)]
+    if etp is not None:
+        cmd += ["--etp", str(etp)]
     if no_optim:
         cmd.append("--no-optim")
     if forward:
@@ -345,7 +375,7 @@ def generate(fx: Fixture, out_root: Path, venv: Path) -> dict:
     if not optim_here:
         side = work / "oracle_optim"
         times["oracle_optimizer_s"] = round(_oracle(venv, save, side, fx.optimizer_reload_topology(), no_optim=False,
-                                                    forward=False, log=work / "oracle_optim.log"), 1)
+                                                    forward=False, log=work / "oracle_optim.log", etp=fx.etp), 1)
         shutil.copy(side / "optimizer.safetensors", oracle / "optimizer.safetensors")
         info = json.loads((side / "oracle.json").read_text())
         for k in ("names", "key_shapes"):

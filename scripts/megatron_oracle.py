@@ -68,6 +68,7 @@ def _parse(argv=None):
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert model parallel size (divides tp*dp)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
     p.add_argument("--no-optim", action="store_true", help="load and dump the model only")
     p.add_argument("--buckets", action="store_true", help="also dump the dp_reshardable bucket view")
     p.add_argument("--forward", action="store_true", help="also run a forward pass on a fixed batch")
@@ -86,6 +87,8 @@ def launch(opts) -> int:
         os.path.abspath(__file__), "--worker", os.path.abspath(opts.ckpt), "--out", os.path.abspath(opts.out),
         "--tp", str(opts.tp), "--pp", str(opts.pp), "--dp", str(opts.dp), "--ep", str(opts.ep),
     ]
+    if opts.etp is not None:
+        cmd += ["--etp", str(opts.etp)]
     cmd += [f for f, on in (("--no-optim", opts.no_optim), ("--buckets", opts.buckets),
                             ("--forward", opts.forward)) if on]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
@@ -143,6 +146,15 @@ def oracle_argv(ck, opts, fmt: str) -> list[str]:
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
         "--no-rope-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
     ]
+    # what --use-checkpoint-args does not restore
+    if getattr(ck, "qk_layernorm", False):
+        argv.append("--qk-layernorm")
+    if getattr(ck, "moe_shared_expert_gate", False):
+        argv.append("--moe-shared-expert-gate")
+    if opts.etp is not None:
+        argv += ["--expert-tensor-parallel-size", str(opts.etp)]
+    if opts.tp > 1 and getattr(ck, "sequence_parallel", False):
+        argv.append("--sequence-parallel")
     if getattr(ck, "moe_token_dispatcher_type", None):
         argv += ["--moe-token-dispatcher-type", ck.moe_token_dispatcher_type]
     if ck.use_distributed_optimizer:
@@ -194,16 +206,21 @@ def _pieces(sharded_sd, with_names: bool):
     return out
 
 
-def _global_name(local_name: str, offset: tuple, prepend: int) -> str:
-    """The TP=1/PP=1 state-dict name of a local name (global layer and expert numbers)."""
+def _global_name(local_name: str, key: str, offset: tuple, prepend: int) -> str:
+    """The TP=1/PP=1 state-dict name of a local name (global layer and expert numbers): the
+    stacked axes are (layer[, expert]), or -- per-layer keys (mixed dense / MoE layers), whose key
+    names the global layer -- (expert)."""
     name = local_name
-    if prepend >= 1:
-        name = re.sub(r"^(.*?\blayers\.)\d+\.", lambda m: f"{m.group(1)}{offset[0]}.", name, count=1)
-    if prepend >= 2:
+    axes = list(offset[:prepend])
+    per_layer = re.search(r"\blayers\.(\d+)\.", key)
+    layer = per_layer.group(1) if per_layer else (axes.pop(0) if axes else None)
+    if layer is not None:
+        name = re.sub(r"^(.*?\blayers\.)\d+\.", lambda m: f"{m.group(1)}{layer}.", name, count=1)
+    if axes:
         if re.search(r"local_experts\.\d+\.", name):
-            name = re.sub(r"local_experts\.\d+\.", f"local_experts.{offset[1]}.", name, count=1)
+            name = re.sub(r"local_experts\.\d+\.", f"local_experts.{axes[0]}.", name, count=1)
         else:  # grouped experts: weight<e>
-            name = re.sub(r"(weight|bias)\d+$", lambda m: f"{m.group(1)}{offset[1]}", name)
+            name = re.sub(r"(weight|bias)\d+$", lambda m: f"{m.group(1)}{axes[0]}", name)
     return name
 
 
@@ -241,7 +258,7 @@ def _names(pieces):
     """{global name: [key, stacked index]} from the model pieces."""
     names = {}
     for local_name, key, _gshape, goff, prepend, _data in pieces:
-        name = _global_name(local_name, goff, prepend)
+        name = _global_name(local_name, key, goff, prepend)
         idx = list(goff[:prepend])
         if name in names and names[name] != [key, idx]:
             raise AssertionError(f"{name}: both {names[name]} and {[key, idx]}")

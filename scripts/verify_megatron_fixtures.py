@@ -183,6 +183,7 @@ class Cfg:
         self.VPP = getattr(a, "virtual_pipeline_model_parallel_size", None) or 1
         self.first = getattr(a, "decoder_first_pipeline_num_layers", None)
         self.last = getattr(a, "decoder_last_pipeline_num_layers", None)
+        self.qk_norm = bool(getattr(a, "qk_layernorm", False))
 
     def chunk_layers(self, pp: int, vp: int) -> range:
         """Global layers of stage ``pp``'s model chunk ``vp`` (get_transformer_layer_offset): each
@@ -582,6 +583,9 @@ def megatron_to_hf(model: dict, c: Cfg) -> dict:
         out[q + "self_attn.k_proj.weight"] = qkv[:, c.hpg].reshape(c.G * c.d, c.H)
         out[q + "self_attn.v_proj.weight"] = qkv[:, c.hpg + 1].reshape(c.G * c.d, c.H)
         out[q + "self_attn.o_proj.weight"] = model[p + "self_attention.linear_proj.weight"]
+        if c.qk_norm:  # Qwen3: q_norm / k_norm over the head dim, as Megatron's q/k_layernorm
+            out[q + "self_attn.q_norm.weight"] = model[p + "self_attention.q_layernorm.weight"]
+            out[q + "self_attn.k_norm.weight"] = model[p + "self_attention.k_layernorm.weight"]
         out[q + "input_layernorm.weight"] = model[p + "input_layernorm.weight"]
         out[q + "post_attention_layernorm.weight"] = model[p + "pre_mlp_layernorm.weight"]
         if c.E:
@@ -614,6 +618,9 @@ def check_hf_forward(fx: Path, c: Cfg, args, rep: Report):
         cfg = transformers.MixtralConfig(intermediate_size=c.Fe, num_local_experts=c.E,
                                          num_experts_per_tok=args.moe_router_topk, **common)
         hf = transformers.MixtralForCausalLM(cfg)
+    elif c.qk_norm:
+        cfg = transformers.Qwen3Config(intermediate_size=c.F, **common)
+        hf = transformers.Qwen3ForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(intermediate_size=c.F, mlp_bias=False, **common)
         hf = transformers.LlamaForCausalLM(cfg)
@@ -725,6 +732,11 @@ def main(argv=None) -> int:
             continue
         rep = Report(fx.name)
         recipe = json.loads((fx / "fixture.json").read_text())
+        unruled = [f for f in ("--moe-layer-freq", "--moe-shared-expert-intermediate-size") if f in recipe["mlm_argv"]]
+        if unruled:  # per-layer keys, shared experts, expert TP apart: in reshard's reader, not in these rules yet
+            print(f"{fx.name}: skipped ({', '.join(unruled)}: not in this verifier's rules; tests/formats/megatron "
+                  "compares reshard's reading of it with Megatron's reload)")
+            continue
         if recipe["format"] == "megatron-torch_dist":
             c, common = check_torch_dist(fx, rep)
             args = common["args"]

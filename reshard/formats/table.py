@@ -57,6 +57,8 @@ OPTIONS: dict[str, Option] = {
     "zero_stage": Option("--zero-stage", "target ZeRO stage (default: the source's)",
                          {"type": int, "choices": (1, 2, 3)}),
     "ep": Option("--ep", "target expert-parallel degree (default: the source's)", {"type": "positive"}),
+    "etp": Option("--etp", "target expert tensor-parallel degree (Megatron; default: --tp, or the source's where "
+                  "it kept expert TP apart from TP)", {"type": "positive"}),
     "layout": Option("--layout", "target TP layout where TP changes to a degree the source does not record (a "
                      "DeepSpeed checkpoint at that degree, a map document, or 'geometry')",
                      {"metavar": "CKPT|MAPS.json|geometry"}),
@@ -163,7 +165,7 @@ FORMATS: tuple[Format, ...] = (
            detect="reshard.formats.megatron.files:is_megatron", hint="latest_checkpointed_iteration.txt, iter_*",
            reader="reshard.formats.megatron.reader:MegatronReader.open", reader_names=True,
            writer="reshard.formats.megatron.writer:MegatronWriter",
-           reshard=("tp", "pp", "dp", "ep", "optimizer", "dtype"), writes_from=("megatron", "safetensors"),
+           reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype"), writes_from=("megatron", "safetensors"),
            source_example="reshard reshard MEGATRON OUT --tp 1 --pp 2",
            target_example="reshard reshard HF_FOLDER OUT --to megatron --tp 2 --pp 2"),
     Format("vllm", "a vLLM sharded state",

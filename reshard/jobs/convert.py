@@ -163,6 +163,7 @@ def reshard(
     pp: int | None = None,
     zero_stage: int | None = None,
     ep: int | None = None,
+    etp: int | None = None,
     files: int | None = None,
     layout: Any = None,
     dtype: torch.dtype | None = None,
@@ -190,11 +191,11 @@ def reshard(
     does not record takes its layout from ``layout`` (a DeepSpeed checkpoint at that degree, a map
     document, or ``"geometry"``). Where the target merges copies of a replicated block (another TP
     degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep. Or a
-    Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP), from a
+    Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP, x expert TP ``etp``), from a
     Megatron source or an HF one, its optimizer state laid out as ``optimizer`` says
     (``formats.megatron.writer``). ``verify_source``, ``verify`` and ``drop`` as for :func:`convert`."""
-    given = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep, "layout": layout,
-             "dtype": dtype, "optimizer": optimizer}
+    given = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep, "etp": etp,
+             "layout": layout, "dtype": dtype, "optimizer": optimizer}
     target = reshard_target(ckpt_dir, to, given)
     check_options(target.name, given)
     patterns(drop)

@@ -64,6 +64,9 @@ class Command:
 CONVERT_UCP = Command("convert-ucp", ("convert", "{src}", "{out}", "--format", "ucp"))
 CONVERT_ST = Command("convert-safetensors", ("convert", "{src}", "{out}", "--format", "safetensors"))
 INSPECT = Command("inspect", ("inspect", "{src}"), deep=False)
+# Megatron models with no HF mapping yet (shared experts, expert bias, mixed layers) in Megatron's names
+CONVERT_ST_MEGATRON = Command("convert-safetensors", ("convert", "{src}", "{out}", "--format", "safetensors",
+                                                      "--names", "megatron"))
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,15 @@ def sources(cache: Path) -> list[Source]:
     out += [Source(n, "safetensors", HF / n, (CONVERT_UCP, CONVERT_ST, _reshard("--tp", "1", "--dp", "2"), INSPECT))
             for n in ("pretrained_llama_sharded", "pretrained_qwen2_tied")]
     if (Path(cli.__file__).parent / "formats" / "megatron").is_dir() and MEGATRON.is_dir():  # once its reader lands
-        out += [Source(p.name, "megatron", p, (CONVERT_UCP, CONVERT_ST, INSPECT))
+        out += [Source(p.name, "megatron", p, (CONVERT_UCP, _megatron_st(p), INSPECT))
                 for p in sorted(MEGATRON.iterdir()) if p.is_dir()]
     return out
+
+
+def _megatron_st(fixture: Path) -> Command:
+    recipe = fixture / "fixture.json"
+    unmapped = recipe.is_file() and "--moe-shared-expert-intermediate-size" in recipe.read_text()
+    return CONVERT_ST_MEGATRON if unmapped else CONVERT_ST
 
 
 def _universal(cache: Path) -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .model import EXTRA_MODULES, Arch
+from .model import EXPERTS, PROJ, QKV, SHARED, Arch
 
 __all__ = ["KINDS", "args_for", "buffer_dtype", "common_state", "default_groups", "extra_state_keys"]
 
@@ -46,6 +46,8 @@ def args_for(args: Any, arch: Arch, kind: str) -> Any:
         updates.pop("dist_ckpt_optim_fully_reshardable")
     for k, v in updates.items():
         setattr(out, k, v)
+    if arch.tp == 1 and getattr(out, "sequence_parallel", False):
+        out.sequence_parallel = False  # validate_args turns it off without TP, so a TP=1 run saves it so
     if arch.even:  # a target over even, non-virtual stages says so (fields the source may lack stay unset)
         for k in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                   "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
@@ -114,10 +116,25 @@ def common_state(template: dict | None, args: Any, arch: Arch, kind: str, groups
 
 
 def extra_state_keys(arch: Arch) -> list[str]:
-    """The local spec's ``_extra_state`` object keys: one per layer and module (``None`` values)."""
-    mods = [m for m in EXTRA_MODULES if not (arch.experts and m.startswith("decoder.layers.mlp.linear_fc"))]
-    out = [f"{m}._extra_state/shard_{i}_{arch.layers}" for m in mods for i in range(arch.layers)]
+    """The local spec's ``_extra_state`` object keys: one per layer and linear module (``None``
+    values), experts' one per layer and expert; per-layer keys (mixed layers) name the layer."""
+    def modules(moe: bool) -> list[str]:
+        mlp = [SHARED] if moe and arch.shared_ffn else [] if moe else ["decoder.layers.mlp"]
+        return [PROJ, QKV] + [f"{m}.{w}" for m in mlp for w in ("linear_fc1", "linear_fc2")]
+
+    experts = [f"{EXPERTS}.{w}" for w in ("linear_fc1", "linear_fc2")]
+    if arch.per_layer:
+        out = []
+        for i in range(arch.layers):
+            moe = arch.is_moe(i)
+            at = f"decoder.layers.{i}."
+            out += [f"{m.replace('decoder.layers.', at, 1)}._extra_state/shard_0_1" for m in modules(moe)]
+            if moe:
+                out += [f"{m.replace('decoder.layers.', at, 1)}._extra_state/shard_{e}_{arch.experts}"
+                        for m in experts for e in range(arch.experts)]
+        return out
+    out = [f"{m}._extra_state/shard_{i}_{arch.layers}" for m in modules(bool(arch.experts)) for i in range(arch.layers)]
     if arch.experts:
-        out += [f"decoder.layers.mlp.experts.experts.{w}._extra_state/shard_{i}.{e}_{arch.layers}.{arch.experts}"
-                for w in ("linear_fc1", "linear_fc2") for i in range(arch.layers) for e in range(arch.experts)]
+        out += [f"{m}._extra_state/shard_{i}.{e}_{arch.layers}.{arch.experts}"
+                for m in experts for i in range(arch.layers) for e in range(arch.experts)]
     return out

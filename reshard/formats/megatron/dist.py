@@ -238,7 +238,7 @@ class TorchDistBackend:
             if pp >= a.pp:
                 raise CheckpointError(f"{where}: dp_group_idx {m} is outside TP x PP = {a.tp} x {a.pp}")
             return a.stage_params(pp, t, vp=vp), a.dp
-        if prefix == "chained_1." and a.experts:
+        if prefix == "chained_1." and a.expert_apart:
             t, ep, pp = m % a.etp, (m // a.etp) % a.ep, m // (a.etp * a.ep)
             if pp >= a.pp:
                 raise CheckpointError(f"{where}: expert dp_group_idx {m} is outside ETP x EP x PP")

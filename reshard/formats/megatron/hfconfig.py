@@ -1,5 +1,5 @@
 """The two directions between Megatron's ``args`` and a transformers ``config.json`` for
-Llama / Qwen2-style GQA models (Mixtral with experts):
+Llama / Qwen2-style GQA models (Qwen3 with QK layer norms, Mixtral with experts):
 
 * :func:`hf_config`: the ``config.json`` of a Hugging Face export of a Megatron model;
 * :func:`args_from_hf`: the ``argparse.Namespace`` a Megatron-LM ``load_checkpoint`` needs
@@ -50,9 +50,16 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
         "attention_dropout": 0.0, "dtype": _DTYPES.get(dtype, "float32"), "torch_dtype": _DTYPES.get(dtype, "float32"),
         "initializer_range": float(getattr(args, "init_method_std", 0.02) or 0.02), "use_cache": True,
     }
+    if arch.experts and arch.qk_norm:
+        raise ReshardError("args.qk_layernorm = True with experts: a Qwen3-MoE config is not written by reshard")
     if arch.experts:
         base.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=arch.moe_ffn,
                     num_local_experts=arch.experts, num_experts_per_tok=int(getattr(args, "moe_router_topk", 2)))
+    elif arch.qk_norm:  # Qwen3: RMSNorm of each q / k head (head_dim wide) before RoPE, as Megatron's
+        if arch.qkv_bias:
+            raise ReshardError("args.qk_layernorm with add_qkv_bias: no Qwen3 config holds both")
+        base.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
+                    use_sliding_window=False, sliding_window=None, max_window_layers=arch.layers)
     elif arch.qkv_bias:
         base.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
                     sliding_window=None, max_window_layers=arch.layers)
@@ -78,9 +85,9 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
 def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, divisible_by: int = 128) -> argparse.Namespace:
     """Megatron-LM ``args`` for the HF model ``cfg`` at TP x PP x DP (see the module doc)."""
     arch = (cfg.get("architectures") or ["?"])[0]
-    if cfg.get("model_type") not in ("llama", "qwen2", "mistral"):
+    if cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral"):
         raise ReshardError(f"config.json: model_type {cfg.get('model_type')!r} ({arch}): reshard imports Llama, "
-                           "Qwen2 and Mistral models into Megatron")
+                           "Qwen2, Qwen3 and Mistral models into Megatron")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (cfg.get("sliding_window") and cfg.get(
             "use_sliding_window")):
         raise ReshardError(f"config.json ({arch}): a non-SwiGLU MLP, MLP biases or sliding windows are not imported")
@@ -100,7 +107,8 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
         normalization="RMSNorm", norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)), apply_layernorm_1p=False,
         layernorm_zero_centered_gamma=False, add_bias_linear=False, disable_bias_linear=True, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not bool(cfg.get("tie_word_embeddings", False)),
-        apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0, qk_layernorm=False,
+        apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0,
+        qk_layernorm=cfg.get("model_type") == "qwen3",
         multi_latent_attention=False, num_experts=None, vocab_size=vocab, make_vocab_size_divisible_by=divisible_by,
         padded_vocab_size=padded_vocab(vocab, divisible_by, tp),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp, world_size=tp * pp * dp,

@@ -6,7 +6,7 @@ Each document entry maps one Megatron key to HF names: its stacked axes become `
 repeats of ``sizes`` rows with part ``i`` of every group going to ``hf[i]`` (Megatron's grouped
 ``[q_g k_g v_g]`` rows, SwiGLU's ``[gate; up]`` halves), ``vocab`` keeps only the ``vocab_size``
 rows of a padded vocabulary (the map's valid region) and ``when`` names a condition on the model
-(``qkv_bias``, ``swiglu``, ``untied``, ``experts``). Each HF name is then a list of *blocks*: a box
+(``qkv_bias``, ``swiglu``, ``untied``, ``experts``, ``qk_layernorm``). Each HF name is then a list of *blocks*: a box
 of the key's stacked F and where it lands in the HF tensor.
 
 :func:`restrict` turns a key's map into an HF name's map: each shard's elements inside the
@@ -93,7 +93,7 @@ def _holds(arch: Arch, cond: str | list | None) -> bool:
     if isinstance(cond, list):
         return all(_holds(arch, c) for c in cond)
     conds = {"qkv_bias": arch.qkv_bias, "swiglu": arch.swiglu, "untied": not arch.tied, "tied": arch.tied,
-             "experts": bool(arch.experts), "dense": not arch.experts, None: True}
+             "experts": bool(arch.experts), "dense": not arch.experts, "qk_layernorm": arch.qk_norm, None: True}
     if cond not in conds:
         raise ReshardError(f"architecture mapping: unknown condition {cond!r} (one of {sorted(c for c in conds if c)})")
     return conds[cond]
@@ -110,6 +110,11 @@ def _size(value: Any, sizes: dict[str, int], what: str) -> int:
 def hf_params(arch: Arch, doc: Mapping | None = None) -> list[HfParam]:
     """Every HF tensor of ``arch`` under the mapping ``doc``, in HF model order (the entries' order,
     each layer's entries together)."""
+    if arch.shared_ffn or arch.expert_bias or arch.per_layer:
+        what = ("shared experts" if arch.shared_ffn else "a router expert_bias" if arch.expert_bias
+                else "mixed dense and MoE layers")
+        raise ReshardError(f"Hugging Face names of a Megatron MoE model with {what} (Qwen2-MoE / DeepSeek-V3 "
+                           "shaped) are not mapped by reshard yet; use Megatron names (--names megatron)")
     doc = load_document(doc)
     sizes = _sizes(arch)
     specs = {s.key: s for s in arch.keys()}

@@ -49,6 +49,9 @@ class LegacyBackend:
         if self.arch.ep > 1:
             raise CheckpointError(f"{first}: args.expert_model_parallel_size = {self.arch.ep}: legacy checkpoints "
                                   "with expert parallelism are not read by reshard")
+        if self.arch.expert_apart:  # expert TP apart from TP: a chained optimizer, expert files of their own
+            raise CheckpointError(f"{first}: args.expert_tensor_parallel_size = {self.arch.etp} (TP {self.arch.tp}): "
+                                  "legacy checkpoints with expert TP apart from TP are not read by reshard")
         self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
         if self.arch.vpp > 1 and self.distopt:
             raise CheckpointError(f"{first}: args.virtual_pipeline_model_parallel_size = {self.arch.vpp} with the "
@@ -106,17 +109,17 @@ class LegacyBackend:
         return ["model"] if self.arch.vpp == 1 else [f"model{v}" for v in range(self.arch.vpp)]
 
     def _chunk_of(self, lp: LocalParam) -> int:
-        if lp.spec.stacked:
-            return self.arch.place(lp.index[0])[1]
+        if lp.spec.layered:
+            return self.arch.place(lp.spec.layer_at(lp.index))[1]
         return 0 if lp.spec.key == EMBED else self.arch.vpp - 1
 
     # -- names -----------------------------------------------------------------------------------
     def _local_name(self, lp: LocalParam) -> str:
         name = lp.spec.local
-        if lp.spec.stacked:  # the stage's module counts its layers from 0
-            name = name.replace("{layer}", str(self.arch.place(lp.index[0])[2]))
-        if lp.spec.stacked == 2:
-            name = name.replace("{expert}", str(lp.index[1]))
+        if lp.spec.layered:  # the stage's module counts its layers from 0
+            name = name.replace("{layer}", str(self.arch.place(lp.spec.layer_at(lp.index))[2]))
+        if lp.spec.expert:
+            name = name.replace("{expert}", str(lp.index[-1]))
         return name
 
     def tensor(self, lp: LocalParam) -> torch.Tensor:
@@ -140,13 +143,16 @@ class LegacyBackend:
         """Plain Adam's state index of each (model chunk, local name): group 0's (decay) then group
         1's, each in the state dicts' (registration) order, chunk after chunk."""
         sd = self.state_dict(tp, pp)
+        buffers = {(self._chunk_of(lp), self._local_name(lp)) for s in self.arch.keys() if s.buffer
+                   for lp in self.arch.locals_of(s) if lp.tp == tp and self.arch.stage_of(s, lp.index) == pp}
         specs = {(v, self._local_name(lp)): lp.spec for v in range(self.arch.vpp)
                  for lp in self.arch.stage_params(pp, tp, vp=v)}
         experts = {(v, self._local_name(lp)) for v in range(self.arch.vpp) if self.arch.experts
                    for lp in self.arch.stage_params(pp, tp, expert_rank=0, vp=v)}
-        # the optimizer holds parameters only: a tensor no parameter is (a buffer) has no index (held.py lists it)
+        # the optimizer holds parameters only: a buffer (a router's expert_bias, or one no parameter names: held.py)
+        # has no index
         names = [(v, k) for v, mk in enumerate(self._model_keys) for k, x in sd[mk].items()
-                 if isinstance(x, torch.Tensor) and ((v, k) in specs or (v, k) in experts)]
+                 if isinstance(x, torch.Tensor) and ((v, k) in specs or (v, k) in experts) and (v, k) not in buffers]
         decay = [n for n in names if specs.get(n) is None or specs[n].decay]
         order = decay + [n for n in names if n not in set(decay)]
         groups = (sd.get("optimizer") or {}).get("param_groups") or []
@@ -202,6 +208,8 @@ class LegacyBackend:
 
     # -- what the reader reads -------------------------------------------------------------------
     def states(self, spec: KeySpec) -> tuple[str, ...]:
+        if spec.buffer:
+            return ("weight",)
         return ("weight", "fp32", "exp_avg", "exp_avg_sq") if self.distopt else ("weight", "exp_avg", "exp_avg_sq")
 
     def lowered(self, spec: KeySpec, state: str) -> Lowered:
@@ -219,7 +227,7 @@ class LegacyBackend:
         for spec in self.arch.keys():
             for lp in self.arch.locals_of(spec):
                 t = self.tensor(lp)
-                if t.dtype != self.dtype:
+                if t.dtype != (torch.float32 if spec.buffer else self.dtype):  # expert_bias: fp32 always
                     raise CheckpointError(f"{self.files[(lp.tp, self.arch.stage_of(spec, lp.index))]}: "
                                           f"{self._local_name(lp)} is {t.dtype}, other weights {self.dtype}")
                 for s in self.states(spec)[1:]:

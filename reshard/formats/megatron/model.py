@@ -7,7 +7,7 @@ its checkpoint keys and local parameters, from the run's ``args`` alone.
   few boxes of F stacked along its dim 0 -- one box for a row, column or replicated split, two for
   SwiGLU's fc1 (``[gate_t; up_t]``). Its label is ``flat index * TP + t``.
 * The **stage order** of a pipeline stage is the modules' registration order (embedding, then per
-  layer ``input_layernorm, linear_proj, linear_qkv, pre_mlp_layernorm, [router,] linear_fc1,
+  layer ``input_layernorm, linear_proj, linear_qkv, [q_layernorm, k_layernorm,] pre_mlp_layernorm, [router,] linear_fc1,
   linear_fc2``, then final norm and output layer): the order of the distributed optimizer's
   buckets (reversed) and of a legacy optimizer's state indices.
 
@@ -21,6 +21,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ...errors import CheckpointError
@@ -31,27 +32,45 @@ __all__ = ["Arch", "KeySpec", "LocalParam", "bucket_layout"]
 QKV, PROJ = "decoder.layers.self_attention.linear_qkv", "decoder.layers.self_attention.linear_proj"
 FC1, FC2 = "decoder.layers.mlp.linear_fc1", "decoder.layers.mlp.linear_fc2"
 EXPERTS = "decoder.layers.mlp.experts.experts"
+ROUTER, SHARED = "decoder.layers.mlp.router", "decoder.layers.mlp.shared_experts"
 EMBED, OUTPUT, FINAL = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
-EXTRA_MODULES = (PROJ, QKV, FC1, FC2)  # local-spec modules with an ``_extra_state`` object per layer
 
 
 @dataclass(frozen=True, slots=True)
 class KeySpec:
     """One checkpoint key: ``shape`` is a layer's (expert's) tensor, F is ``stack + shape``;
     ``split`` how TP cuts it (``rows``, ``cols``, ``halves``: each half by rows, ``rep``);
-    ``local`` its module name in a legacy state dict (``{layer}``, ``{expert}`` local numbers)."""
+    ``local`` its module name in a legacy state dict (``{layer}``, ``{expert}`` local numbers).
+    Stacked axes are (layers[, experts]); a **per-layer** key (mixed dense and MoE layers:
+    ``decoder.layers.<i>.…``) names its global layer ``layer`` and stacks experts only. A
+    ``buffer`` (the router's ``expert_bias``) is model state without optimizer state or group."""
 
     key: str
     local: str
     shape: tuple[int, ...]
     split: str
-    stacked: int  # 0, 1 (layers) or 2 (layers, experts)
+    stacked: int  # 0, 1 (layers; a per-layer key's experts) or 2 (layers, experts)
     expert: bool = False
+    layer: int | None = None  # a per-layer key's global layer
+    buffer: bool = False
 
     @property
     def decay(self) -> bool:
         """Whether Megatron puts it in the weight-decay group (>= 2-D and not a bias)."""
         return len(self.shape) >= 2 and not self.key.endswith(".bias")
+
+    @property
+    def layered(self) -> bool:
+        """Whether it belongs to a transformer layer."""
+        return self.layer is not None or self.stacked >= 1
+
+    def layer_at(self, index: tuple[int, ...]) -> int:
+        """The global layer of stacked ``index``."""
+        return self.layer if self.layer is not None else index[0]
+
+    def at(self, layer: int, expert: int | None = None) -> tuple[int, ...]:
+        """The stacked index of ``layer`` (and ``expert``)."""
+        return (() if self.layer is not None else (layer,)) + ((expert,) if self.expert else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +99,7 @@ def _refuse_unsupported(args: Any, where: str) -> None:
         ("pipeline_model_parallel_layout", lambda v: v is not None, "a custom pipeline layout"),
         ("account_for_embedding_in_pipeline_split", bool, "pipeline splits counting the embedding"),
         ("account_for_loss_in_pipeline_split", bool, "pipeline splits counting the loss"),
-        ("qk_layernorm", bool, "QK layer norms"),
         ("multi_latent_attention", bool, "multi-latent attention"),
-        ("moe_shared_expert_intermediate_size", lambda v: v not in (None, 0), "shared experts"),
         ("moe_grouped_gemm", bool, "grouped-GEMM experts (TEGroupedMLP keys)"),
         ("add_bias_linear", bool, "linear-layer biases (add_bias_linear)"),
         ("context_parallel_size", lambda v: v not in (None, 1), "context parallelism"),
@@ -91,9 +108,28 @@ def _refuse_unsupported(args: Any, where: str) -> None:
     for field, bad, what in checks:
         if bad(_get(args, field)):
             raise CheckpointError(f"{where}: args.{field} = {_get(args, field)!r}: {what} are not read by reshard")
+    for field in ("heterogeneous_block_specs", "hetereogenous_dist_checkpoint"):
+        if _get(args, field):
+            raise CheckpointError(f"{where}: args.{field} = {_get(args, field)!r}: heterogeneous layers are not read "
+                                  "by reshard")
+
+
+def _moe_pattern(args: Any, layers: int, where: str) -> tuple[tuple[bool, ...] | None, bool]:
+    """Which layers are MoE (``get_gpt_decoder_layer_specs``: ``moe_layer_freq`` N puts one every N
+    layers from layer 0, a list says it per layer) and whether the keys are per layer (Megatron's
+    ``non_homogeneous_layers``: a list, or N > 1)."""
     freq = _get(args, "moe_layer_freq", 1)
-    if _get(args, "num_experts") and freq not in (1, None):
-        raise CheckpointError(f"{where}: args.moe_layer_freq = {freq!r}: only every layer MoE is read by reshard")
+    if freq is None:
+        freq = 1
+    if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
+        raise CheckpointError(f"{where}: args.moe_layer_freq = {freq!r}: neither an integer nor a list")
+    if isinstance(freq, int):
+        if freq < 1:
+            raise CheckpointError(f"{where}: args.moe_layer_freq = {freq!r}: not a positive integer")
+        return tuple(i % freq == 0 for i in range(layers)), freq > 1
+    if len(freq) != layers or any(x not in (0, 1) or isinstance(x, bool) for x in freq):
+        raise CheckpointError(f"{where}: args.moe_layer_freq = {list(freq)!r}: not one 0 / 1 per layer of {layers}")
+    return tuple(bool(x) for x in freq), True
 
 
 @dataclass(frozen=True)
@@ -121,6 +157,12 @@ class Arch:
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline stage
     first: int | None = None  # layers of the first / last pipeline stage when uneven
     last: int | None = None
+    qk_norm: bool = False  # q_layernorm / k_layernorm over the head dim (--qk-layernorm)
+    shared_ffn: int = 0  # a shared expert's ffn (moe_shared_expert_intermediate_size); 0: none
+    shared_gate: bool = False  # its sigmoid gate (moe_shared_expert_gate)
+    expert_bias: bool = False  # the router's expert_bias buffer (moe_router_enable_expert_bias)
+    moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every one, with experts)
+    per_layer: bool = False  # keys per layer (mixed layers), not stacked over layers
 
     @classmethod
     def from_args(cls, args: Any, where: str) -> Arch:
@@ -131,8 +173,10 @@ class Arch:
             hidden = int(args.hidden_size)
             tp = int(_get(args, "tensor_model_parallel_size", 1) or 1)
             experts = int(_get(args, "num_experts") or 0)
+            layers = int(args.num_layers)
+            pattern, per_layer = _moe_pattern(args, layers, where) if experts else (None, False)
             arch = cls(
-                layers=int(args.num_layers), hidden=hidden, heads=heads, groups=groups,
+                layers=layers, hidden=hidden, heads=heads, groups=groups,
                 head_dim=int(_get(args, "kv_channels") or hidden // heads), ffn=int(args.ffn_hidden_size),
                 padded_vocab=int(args.padded_vocab_size), vocab=int(args.vocab_size), swiglu=bool(_get(args, "swiglu")),
                 qkv_bias=bool(_get(args, "add_qkv_bias")),
@@ -144,7 +188,13 @@ class Arch:
                 etp=int(_get(args, "expert_tensor_parallel_size") or tp),
                 vpp=int(_get(args, "virtual_pipeline_model_parallel_size") or 1),
                 first=_opt_int(_get(args, "decoder_first_pipeline_num_layers")),
-                last=_opt_int(_get(args, "decoder_last_pipeline_num_layers")))
+                last=_opt_int(_get(args, "decoder_last_pipeline_num_layers")),
+                qk_norm=bool(_get(args, "qk_layernorm")),
+                shared_ffn=int(_get(args, "moe_shared_expert_intermediate_size") or 0) if experts else 0,
+                shared_gate=bool(experts and _get(args, "moe_shared_expert_intermediate_size")
+                                 and _get(args, "moe_shared_expert_gate")),
+                expert_bias=bool(experts and _get(args, "moe_router_enable_expert_bias")),
+                moe_layers=pattern, per_layer=per_layer)
         except (AttributeError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: args lack what the model shape needs ({type(e).__name__}: {e})") from None
         arch.check(where)
@@ -165,6 +215,7 @@ class Arch:
             need(self.experts % self.ep == 0, f"{self.experts} experts do not divide over EP={self.ep}")
             need(self.moe_ffn % self.etp == 0, f"moe_ffn_hidden_size does not divide over expert TP={self.etp}")
             need((self.tp * self.dp) % (self.etp * self.ep) == 0, "expert TP x EP does not divide TP x DP")
+            need(self.shared_ffn % self.tp == 0, f"the shared expert's ffn does not divide over TP={self.tp}")
 
     # -- pipeline stages -------------------------------------------------------------------------
     @property
@@ -230,41 +281,83 @@ class Arch:
     def qkv_rows(self) -> int:
         return self.groups * (self.per_group + 2) * self.head_dim
 
-    def keys(self) -> list[KeySpec]:
-        """Every key, in registration order (embedding, one layer's, final norm, output)."""
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.experts) and (self.moe_layers is None or self.moe_layers[layer])
+
+    def _layer_keys(self, moe: bool) -> list[KeySpec]:
+        """One layer's keys in registration order, stacked over layers (and experts)."""
         h, fc1 = self.hidden, (2 * self.ffn if self.swiglu else self.ffn)
         fc1_split = "halves" if self.swiglu else "rows"
-        out = [KeySpec(EMBED, EMBED, (self.padded_vocab, h), "rows", 0)]
         layer = [KeySpec(f"{QKV}.layer_norm_weight", "input_layernorm.weight", (h,), "rep", 1),
                  KeySpec(f"{PROJ}.weight", "self_attention.linear_proj.weight", (h, self.heads * self.head_dim),
                          "cols", 1),
                  KeySpec(f"{QKV}.weight", "self_attention.linear_qkv.weight", (self.qkv_rows, h), "rows", 1)]
         if self.qkv_bias:
             layer.append(KeySpec(f"{QKV}.bias", "self_attention.linear_qkv.bias", (self.qkv_rows,), "rows", 1))
+        if self.qk_norm:  # registered after linear_qkv; replicated over TP (per head, every head alike)
+            layer += [KeySpec(f"decoder.layers.self_attention.{n}.weight", f"self_attention.{n}.weight",
+                              (self.head_dim,), "rep", 1) for n in ("q_layernorm", "k_layernorm")]
         layer.append(KeySpec(f"{FC1}.layer_norm_weight", "pre_mlp_layernorm.weight", (h,), "rep", 1))
-        if self.experts:
+        if moe:  # MoELayer: router, experts, shared experts (gate_weight, its own, before its linears)
             efc1 = (2 * self.moe_ffn if self.swiglu else self.moe_ffn, h)
-            layer += [KeySpec("decoder.layers.mlp.router.weight", "mlp.router.weight", (self.experts, h), "rep", 1),
-                      KeySpec(f"{EXPERTS}.linear_fc1.weight", "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+            layer.append(KeySpec(f"{ROUTER}.weight", "mlp.router.weight", (self.experts, h), "rep", 1))
+            if self.expert_bias:
+                layer.append(KeySpec(f"{ROUTER}.expert_bias", "mlp.router.expert_bias", (self.experts,), "rep", 1,
+                                     buffer=True))
+            layer += [KeySpec(f"{EXPERTS}.linear_fc1.weight", "mlp.experts.local_experts.{expert}.linear_fc1.weight",
                               efc1, fc1_split, 2, True),
                       KeySpec(f"{EXPERTS}.linear_fc2.weight", "mlp.experts.local_experts.{expert}.linear_fc2.weight",
                               (h, self.moe_ffn), "cols", 2, True)]
+            if self.shared_ffn:
+                sfc1 = 2 * self.shared_ffn if self.swiglu else self.shared_ffn
+                if self.shared_gate:
+                    layer.append(KeySpec(f"{SHARED}.gate_weight", "mlp.shared_experts.gate_weight", (1, h), "rep", 1))
+                layer += [KeySpec(f"{SHARED}.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight", (sfc1, h),
+                                  fc1_split, 1),
+                          KeySpec(f"{SHARED}.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight",
+                                  (h, self.shared_ffn), "cols", 1)]
         else:
             layer += [KeySpec(f"{FC1}.weight", "mlp.linear_fc1.weight", (fc1, h), fc1_split, 1),
                       KeySpec(f"{FC2}.weight", "mlp.linear_fc2.weight", (h, self.ffn), "cols", 1)]
-        out += [KeySpec(s.key, "decoder.layers.{layer}." + s.local, s.shape, s.split, s.stacked, s.expert) for s in layer]
+        return [dataclasses.replace(s, local="decoder.layers.{layer}." + s.local) for s in layer]
+
+    @cached_property
+    def _keys(self) -> tuple[KeySpec, ...]:
+        h = self.hidden
+        out = [KeySpec(EMBED, EMBED, (self.padded_vocab, h), "rows", 0)]
+        if not self.per_layer:
+            out += self._layer_keys(bool(self.experts))
+        else:  # ``decoder.layers.<i>.…``: one key per layer, stacked over experts only
+            for i in range(self.layers):
+                out += [dataclasses.replace(s, key=s.key.replace("decoder.layers.", f"decoder.layers.{i}.", 1),
+                                            stacked=s.stacked - 1, layer=i) for s in self._layer_keys(self.is_moe(i))]
         out.append(KeySpec(FINAL, FINAL, (h,), "rep", 0))
         if not self.tied:
             out.append(KeySpec(OUTPUT, OUTPUT, (self.padded_vocab, h), "rows", 0))
-        return out
+        return tuple(out)
+
+    def keys(self) -> list[KeySpec]:
+        """Every key, in registration order (embedding, the layers' -- one layer's when stacked --,
+        final norm, output)."""
+        return list(self._keys)
+
+    def layer_keys(self, layer: int) -> list[KeySpec]:
+        """The keys of global layer ``layer``, in registration order."""
+        return [s for s in self._keys if s.layered and (s.layer is None or s.layer == layer)]
+
+    @cached_property
+    def _by_key(self) -> dict[str, KeySpec]:
+        return {s.key: s for s in self._keys}
 
     def spec(self, key: str) -> KeySpec:
-        for s in self.keys():
-            if s.key == key:
-                return s
-        raise CheckpointError(f"no key {key!r} in this model")
+        s = self._by_key.get(key)
+        if s is None:
+            raise CheckpointError(f"no key {key!r} in this model")
+        return s
 
     def stack(self, s: KeySpec) -> tuple[int, ...]:
+        if s.layer is not None:
+            return (self.experts,) if s.stacked else ()
         return ((self.layers,) if s.stacked >= 1 else ()) + ((self.experts,) if s.stacked == 2 else ())
 
     def full_shape(self, s: KeySpec) -> tuple[int, ...]:
@@ -274,8 +367,8 @@ class Arch:
         return self.etp if s.expert else self.tp
 
     def stage_of(self, s: KeySpec, index: tuple[int, ...]) -> int:
-        if s.stacked:
-            return self.place(index[0])[0]
+        if s.layered:
+            return self.place(s.layer_at(index))[0]
         return 0 if s.key == EMBED else self.pp - 1
 
     # -- local parameters ------------------------------------------------------------------------
@@ -306,7 +399,9 @@ class Arch:
         return LocalParam(s, tuple(index), t, local, stacked, flat * n + t)
 
     def indices(self, s: KeySpec) -> Iterator[tuple[int, ...]]:
-        if s.stacked == 0:
+        if s.layer is not None:
+            yield from (((e,) for e in range(self.experts)) if s.stacked else [()])
+        elif s.stacked == 0:
             yield ()
         elif s.stacked == 1:
             yield from ((i,) for i in range(self.layers))
@@ -316,36 +411,51 @@ class Arch:
     def locals_of(self, s: KeySpec) -> list[LocalParam]:
         return [self.local(s, ix, t) for ix in self.indices(s) for t in range(self.tp_of(s))]
 
+    @property
+    def expert_apart(self) -> bool:
+        """Whether the experts have optimizer and DDP buffers of their own (``chained_1.``): with
+        EP > 1 or expert TP apart from TP; else they join the dense ones (Megatron marks them
+        ``allreduce`` then)."""
+        return bool(self.experts) and (self.ep > 1 or self.etp != self.tp)
+
     def stage_params(self, pp: int, t: int, *, expert_rank: int | None = None, vp: int | None = None
                      ) -> list[LocalParam]:
         """The local parameters of stage ``pp``, TP rank ``t``, in registration order: the dense
-        ones, or (``expert_rank`` = EP rank) that EP rank's experts; of model chunk ``vp`` only
-        (each has a DDP buffer of its own), or of the stage's chunks one after the other."""
+        optimizer's (with every expert unless :attr:`expert_apart`), or (``expert_rank`` = EP rank)
+        that EP rank's experts; of model chunk ``vp`` only (each has a DDP buffer of its own), or
+        of the stage's chunks one after the other."""
         out: list[LocalParam] = []
         keys = self.keys()
         first = vp in (None, 0)
         last = vp in (None, self.vpp - 1)
         if expert_rank is None and pp == 0 and first:
             out.append(self.local(keys[0], (), t))
-        layer_keys = [s for s in keys if s.stacked]
         local_experts = self.experts // self.ep if self.experts else 0
+        mine = range(self.experts) if expert_rank is None else range(expert_rank * local_experts,
+                                                                      (expert_rank + 1) * local_experts)
+        with_experts = expert_rank is not None or not self.expert_apart
         for i in (self.stage_layers(pp) if vp is None else self.chunk_layers(pp, vp)):
-            for s in layer_keys:
-                if expert_rank is None and not s.expert:
-                    out.append(self.local(s, (i,), t))
-                elif expert_rank is not None and s.expert:
-                    continue
-            if expert_rank is not None:
-                for x in range(expert_rank * local_experts, (expert_rank + 1) * local_experts):
-                    out += [self.local(s, (i, x), t) for s in layer_keys if s.expert]
+            params = [s for s in self.layer_keys(i) if not s.buffer]
+            experts = [s for s in params if s.expert]
+            for s in params:
+                if not s.expert and expert_rank is None:
+                    out.append(self.local(s, s.at(i), t))
+                elif experts and s is experts[0] and with_experts:  # SequentialMLP: expert by expert
+                    out += [self.local(e, e.at(i, x), t) for x in mine for e in experts]
         if expert_rank is None and pp == self.pp - 1 and last:
-            out += [self.local(s, (), t) for s in keys if not s.stacked and s.key != EMBED]
+            out += [self.local(s, (), t) for s in keys if not s.layered and s.key != EMBED]
         return out
 
     # -- ranks -----------------------------------------------------------------------------------
     def rank(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
         """Global rank, Megatron's default order ``tp-cp-ep-dp-pp`` (EP carved out of DP)."""
         return tp + self.tp * (dp + self.dp * pp)
+
+    def expert_rank(self, t: int = 0, ep: int = 0, edp: int = 0, pp: int = 0) -> int:
+        """Global rank of expert TP rank ``t``, EP rank ``ep``, expert-DP rank ``edp``: Megatron's
+        expert order ``tp-ep-dp-pp`` over expert TP x EP x expert DP (MoE parallel folding: expert
+        TP apart from TP; with expert TP = TP, EP carved out of DP as :meth:`rank` says)."""
+        return t + self.etp * (ep + self.ep * (edp + self.edp * pp))
 
     @property
     def world(self) -> int:

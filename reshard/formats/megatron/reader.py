@@ -54,10 +54,11 @@ class MegatronReader(Reader):
         given = Path(given) if given is not None else loc.save_dir
         self.sources = tuple(dict.fromkeys((given, loc.save_dir)))
         a = self.arch
-        ep = f" EP={a.ep}" if a.experts else ""
+        ep = (f" EP={a.ep}" + (f" expert-TP={a.etp}" if a.etp != a.tp else "")) if a.experts else ""
         self.description = (f"Megatron-Core {loc.fmt} checkpoint, TP={a.tp} PP={a.pp} DP={a.dp}{ep}, "
                             f"optimizer {self.src.sharding}, {names} names")
-        self.topology = {"tp": a.tp, "pp": a.pp, "dp": a.dp, **({"ep": a.ep} if a.experts else {})}
+        self.topology = {"tp": a.tp, "pp": a.pp, "dp": a.dp, **({"ep": a.ep} if a.experts else {}),
+                         **({"etp": a.etp} if a.experts and a.etp != a.tp else {})}
         self._vocab_rows = a.padded_vocab
         self._maps: dict[tuple[str, str], Lowered] = {}
 
@@ -68,7 +69,10 @@ class MegatronReader(Reader):
     # -- names -----------------------------------------------------------------------------------
     @cached_property
     def hf(self) -> dict[str, HfParam]:
-        return {p.name: p for p in hf_params(self.arch, self.mapping)}
+        try:
+            return {p.name: p for p in hf_params(self.arch, self.mapping)}
+        except ReshardError as e:  # said of this checkpoint (its args decide the mapping)
+            raise CheckpointError(f"{self.loc.iter_dir}: {e}") from None
 
     @cached_property
     def specs(self) -> dict:
@@ -129,7 +133,7 @@ class MegatronReader(Reader):
         if state != "weight":
             return torch.float32
         if isinstance(self.src, LegacyBackend):
-            return self.src.dtype
+            return torch.float32 if self._spec(name).buffer else self.src.dtype
         return self.src.ck.entry(self._spec(name).key).dtype
 
     def lowered(self, name: str, state: str) -> Lowered:
@@ -183,7 +187,8 @@ class MegatronReader(Reader):
             return []
         for g in groups:  # experts to the expert optimizer's groups, each name by its weight decay
             expert, decay = bool(g.get("is_expert_parallel")), g.get("wd_mult", 1.0) != 0
-            g["params"] = [n for n in self.names if self._spec(n).expert == expert and self._decays(n) == decay]
+            g["params"] = [n for n in self.names if (self._spec(n).expert and self.arch.expert_apart) == expert
+                           and self._decays(n) == decay and not self._spec(n).buffer]
         return groups
 
     def _decays(self, name: str) -> bool:

@@ -70,8 +70,7 @@ class TargetLayout:
             if s.split == "rep" and lp.tp:
                 continue
             pp = a.stage_of(s, lp.index)
-            dp = (lp.index[1] // (a.experts // a.ep)) if s.expert else 0
-            rank = a.rank(lp.tp, pp, dp)
+            rank = a.expert_rank(lp.tp, lp.index[-1] // (a.experts // a.ep), 0, pp) if s.expert else a.rank(lp.tp, pp)
             for offsets, sizes in lp.parts:
                 out.append(ModelChunk(s.key, offsets, sizes, rank, len(out)))
         return out
@@ -86,12 +85,12 @@ class TargetLayout:
         """(prefix, m, model chunk, parameters in registration order, DP group size, rank of each DP
         shard): a buffer per model chunk."""
         a = self.arch
-        dense = "chained_0." if a.experts else ""
+        dense = "chained_0." if a.expert_apart else ""
         out = [(dense, t + a.tp * pp, vp, a.stage_params(pp, t, vp=vp), a.dp, [a.rank(t, pp, d) for d in range(a.dp)])
                for pp in range(a.pp) for t in range(a.tp) for vp in range(a.vpp)]
-        if a.experts:
+        if a.expert_apart:
             out += [("chained_1.", t + a.etp * (ep + a.ep * pp), vp, a.stage_params(pp, t, expert_rank=ep, vp=vp),
-                     a.edp, [a.rank(t, pp, ep + a.ep * k) for k in range(a.edp)])
+                     a.edp, [a.expert_rank(t, ep, k, pp) for k in range(a.edp)])
                     for pp in range(a.pp) for ep in range(a.ep) for t in range(a.etp) for vp in range(a.vpp)]
         return out
 
@@ -124,6 +123,8 @@ class TargetLayout:
                         (c.label, c.at, c.at + c.end - c.start))
         out = {}
         for s in self.arch.keys():
+            if s.buffer:  # no optimizer state
+                continue
             outer, _ = local_map(self.arch, s, self._local)
             m = composite(outer, frags.get(s.key, {}), f"target buckets of {s.key!r}")
             if s.key in (EMBED, OUTPUT) and self.vocab_rows != m.logical_shape[0]:

@@ -66,7 +66,8 @@ class MegatronWriter(Writer):
     keeps_replicas = False  # torch_dist keeps one copy of each replicated block
 
     def __init__(self, reader: Reader, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
-                 ep: int | None = None, optimizer: str | None = None, dtype: torch.dtype | None = None) -> None:
+                 ep: int | None = None, etp: int | None = None, optimizer: str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.reader = reader
         own = reader.native("megatron")
         self.own = own if isinstance(own, MegatronReader) else None  # a Megatron source: its args, files, naming
@@ -77,9 +78,12 @@ class MegatronWriter(Writer):
         dp = _positive(dp, "dp") if dp is not None else (src.dp if src else 1)
         self._notes: list[str] = []
         self.source: MegatronReader | None = None  # the source cut to the target's vocabulary rows (view)
+        etp = _positive(etp, "etp") if etp is not None else None
         if self.own is not None:
-            self._from_megatron(self.own, tp, pp, dp, ep, optimizer, dtype)
+            self._from_megatron(self.own, tp, pp, dp, ep, etp, optimizer, dtype)
         else:
+            if etp not in (None, 1) and etp != tp:
+                raise ReshardError("--etp: an HF model imported into Megatron is dense (no experts)")
             self._from_hf(reader, tp, pp, dp, ep, optimizer, dtype)
         if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
             raise ReshardError("--optimizer dp_reshardable with tied embeddings over several pipeline stages (the "
@@ -94,7 +98,7 @@ class MegatronWriter(Writer):
         self._targets: list[Target] = []
         for spec in self.arch.keys():
             self._plan_key(spec.key, "weight", self.layout.maps[spec.key])
-            for s in self.states:
+            for s in () if spec.buffer else self.states:
                 m = self.layout.bucket_maps[spec.key] if self.kind == "dp_reshardable" else self.layout.maps[spec.key]
                 self._plan_key(spec.key, s, m)
         self.records: list[Record] = []
@@ -102,14 +106,16 @@ class MegatronWriter(Writer):
         self._lock = threading.Lock()
 
     # -- which target --------------------------------------------------------------------------
-    def _from_megatron(self, own: MegatronReader, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,
-                       dtype: torch.dtype | None) -> None:
+    def _from_megatron(self, own: MegatronReader, tp: int, pp: int, dp: int, ep: int | None, etp: int | None,
+                       optimizer: str | None, dtype: torch.dtype | None) -> None:
         src, args = own.arch, own.args
         if dtype is not None and dtype != own.dtype(own.names[0], "weight"):
             raise ReshardError("--dtype: a Megatron target from a Megatron source keeps the source's training dtype")
         divisible = int(getattr(args, "make_vocab_size_divisible_by", 128) or 128)
         ep = ep if ep is not None else src.ep
-        arch = dataclasses.replace(src, tp=tp, pp=pp, dp=dp, ep=ep, etp=tp,
+        if etp is None:  # expert TP follows TP unless the source kept it apart (MoE parallel folding)
+            etp = tp if src.etp == src.tp else src.etp
+        arch = dataclasses.replace(src, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp,
                                    padded_vocab=padded_vocab(src.vocab, divisible, tp))
         if pp != src.pp:  # virtual / uneven stages are kept only at the source's PP
             arch = arch.evened()
@@ -126,8 +132,13 @@ class MegatronWriter(Writer):
         groups = own.src.param_groups()  # dense optimizer's, then the experts' (is_expert_parallel)
         dense = [g for g in groups if not g.get("is_expert_parallel")] or default_groups(args)
         self.groups = [dense]
-        if arch.experts:
-            self.groups.append([g for g in groups if g.get("is_expert_parallel")] or default_groups(args, expert=True))
+        if arch.expert_apart:  # else the experts join the dense optimizer's groups (one optimizer)
+            # a source with one optimizer (EP=1): its groups with the flag Megatron sets, those the experts fill
+            # (Megatron makes a group only for parameters it has: no biases, no no-decay expert group)
+            decays = {s.decay for s in arch.keys() if s.expert}
+            self.groups.append([g for g in groups if g.get("is_expert_parallel")]
+                               or [dict(g, is_expert_parallel=True) for g in dense
+                                   if (g.get("wd_mult", 1.0) != 0) in decays])
         self.step = self._step(own)
 
     def _from_hf(self, reader: Reader, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,
@@ -217,7 +228,8 @@ class MegatronWriter(Writer):
     def meta(self) -> dict[str, Any]:
         a = self.arch
         return {"target": "Megatron-Core torch_dist checkpoint", "optimizer": self.kind,
-                "target_topology": {"tp": a.tp, "pp": a.pp, "dp": a.dp, **({"ep": a.ep} if a.experts else {})}}
+                "target_topology": {"tp": a.tp, "pp": a.pp, "dp": a.dp,
+                                    **({"ep": a.ep, "etp": a.etp} if a.experts else {})}}
 
     def notes(self) -> list[str]:
         return list(self._notes)
@@ -323,8 +335,10 @@ class MegatronWriter(Writer):
                 for state in model_states:
                     for c in chunks:
                         if c.rank == r:
+                            if state != "weight" and (key, state) not in self._slots:
+                                continue  # a buffer: no optimizer state
                             self._chunk(engine, f, self._tensor_key(key, state), c.offsets, c.sizes,
-                                        self._dtype(state), self._slots[(key, state)].get(c.label, []),
+                                        self._dtype(state, key), self._slots[(key, state)].get(c.label, []),
                                         self.layout.maps[key].logical_shape)
             for b in self.layout.buckets:
                 for state in self.states:
@@ -337,8 +351,12 @@ class MegatronWriter(Writer):
         with self._lock:
             self.records.extend(f.records)
 
-    def _dtype(self, state: str) -> torch.dtype:
-        return self.dtype if state == "weight" else torch.float32
+    def _dtype(self, state: str, key: str | None = None) -> torch.dtype:
+        """The training dtype for weights; fp32 for optimizer states and buffers (Megatron keeps the
+        router's expert_bias in fp32 whatever the model's dtype)."""
+        if state == "weight" and not (key is not None and self.arch.spec(key).buffer):
+            return self.dtype
+        return torch.float32
 
     def _chunk(self, engine: Any, f: DcpFile, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
                dtype: torch.dtype, slots: list[Slot], shape: tuple[int, ...]) -> None:

@@ -36,11 +36,12 @@ def _export(fixture: str, out) -> tuple:
 
 @pytest.mark.parametrize("fixture", ["torch_dist_tp2_pp2", "legacy_tp2_pp2", "torch_dist_tp2_dp2_distopt",
                                      "torch_dist_moe_ep2", "torch_dist_pp2_vpp2", "torch_dist_pp2_uneven",
-                                     "legacy_pp2_vpp2"])
+                                     "legacy_pp2_vpp2", "torch_dist_tp2_qk_layernorm"])
 def test_hf_export_loads_and_gives_megatron_logits(tmp_path, fixture):
     folder, reader = _export(fixture, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    assert type(model).__name__ == ("MixtralForCausalLM" if reader.arch.experts else "LlamaForCausalLM")
+    want = "MixtralForCausalLM" if reader.arch.experts else "Qwen3ForCausalLM" if reader.arch.qk_norm else "LlamaForCausalLM"
+    assert type(model).__name__ == want
     sd = model.state_dict()
     written = load_file(str(folder / "model.safetensors"))
     assert set(written) == {k for k in sd if "rotary" not in k}
@@ -81,6 +82,21 @@ def test_hf_llama_megatron_hf_round_trip_is_bit_exact(tmp_path):
 
 def test_hf_qwen2_tied_round_trip_is_bit_exact(tmp_path):
     _roundtrip(tmp_path, "pretrained_qwen2_tied", tp=2, pp=1)  # q/k/v biases, tied embeddings
+
+
+def test_qwen3_export_imports_back_bit_exact(tmp_path):
+    """QK layer norms at both ends: the Qwen3 export of a Megatron checkpoint, imported into
+    Megatron at TP=2 x PP=2 and exported again, is the same folder of tensors."""
+    folder, _ = _export("torch_dist_tp2_qk_layernorm", tmp_path)
+    mg = reshard(folder, tmp_path / "mg", to="megatron", tp=2, pp=2).out_dir
+    r = MegatronReader.open(mg)
+    assert r.arch.qk_norm and r.args.qk_layernorm
+    back = convert(mg, tmp_path / "back", fmt="safetensors").out_dir
+    a, b = load_file(str(folder / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(a) == set(b) and any(k.endswith("q_norm.weight") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert r.hf_config()["architectures"] == ["Qwen3ForCausalLM"]
 
 
 def test_hf_import_then_megatron_names(tmp_path):

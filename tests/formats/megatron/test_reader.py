@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from reshard.errors import ReshardError
 from reshard.formats.megatron.reader import MegatronReader
 from reshard.formats.registry import open_reader, source_format
 
@@ -46,6 +47,8 @@ def _hf_of(model: dict, name: str, reader: MegatronReader) -> torch.Tensor:
         "self_attn.k_proj.weight": lambda: qkv[:, a.per_group].reshape(-1, a.hidden),
         "self_attn.v_proj.weight": lambda: qkv[:, a.per_group + 1].reshape(-1, a.hidden),
         "self_attn.o_proj.weight": lambda: model[p + "self_attention.linear_proj.weight"],
+        "self_attn.q_norm.weight": lambda: model[p + "self_attention.q_layernorm.weight"],
+        "self_attn.k_norm.weight": lambda: model[p + "self_attention.k_layernorm.weight"],
         "mlp.gate_proj.weight": lambda: fc1[:a.ffn],
         "mlp.up_proj.weight": lambda: fc1[a.ffn:],
         "mlp.down_proj.weight": lambda: model[p + "mlp.linear_fc2.weight"],
@@ -60,6 +63,10 @@ def _hf_of(model: dict, name: str, reader: MegatronReader) -> torch.Tensor:
 @pytest.mark.parametrize("fixture", ALL)
 def test_hf_names_are_the_weights_de_interleaved(fixture):
     model, optim, _, _ = oracle(fixture)
+    if MegatronReader.open(FIXTURES / fixture).arch.shared_ffn:  # Qwen2-MoE / DeepSeek-V3 names: not mapped
+        with pytest.raises(ReshardError, match="shared experts .* not mapped by reshard yet"):
+            open_reader(FIXTURES / fixture, route="safetensors")
+        return
     reader = open_reader(FIXTURES / fixture, route="safetensors")
     assert reader.naming == "hf"
     for name in reader.names:
