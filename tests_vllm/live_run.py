@@ -1,0 +1,201 @@
+"""A live RL-style loop: 2 trainer ranks (FSDP2 over gloo, CPU) train the tiny Qwen2 of MODEL_DIR;
+trainer rank 0 also holds a vLLM ``LLM`` at TP 2 with ``weight_transfer_config`` backend "reshard".
+After each optimizer step every trainer rank calls ``send_weights()``; then rank 0 records the
+engine's greedy tokens and top-20 logprobs, what it keeps as loaded (``probe.kept``) and each
+worker's counters, and the trainer's weights (gathered for the test only, after the send) are
+saved as an HF folder ``OUT/step{k}`` for a fresh vLLM load to compare against.
+
+    python tests_vllm/live_run.py MODEL_DIR OUT_DIR [--steps 3] [--kill-worker-at K]
+
+``--kill-worker-at K``: update K kills vLLM worker 1 (SIGKILL) right after ``start_weight_update``;
+each trainer rank records whether ``send_weights`` raised ``TransferError`` and how long it took.
+Results: ``OUT/live.json`` (rank 0) and ``OUT/trainer{r}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT_S = 60.0  # the transfer group's
+
+
+def llm_for(model: str):
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    return LLM(model=model, tensor_parallel_size=2, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+               max_model_len=64, max_num_seqs=2, gpu_memory_utilization=0.05, seed=0,
+               weight_transfer_config=WeightTransferConfig(backend="reshard"))
+
+
+def generate(llm) -> list:
+    from engine_run import MAX_TOKENS, PROMPTS, TOP
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    return [{"tokens": list(o.outputs[0].token_ids),
+             "logprobs": [{str(t): lp.logprob for t, lp in sorted(step.items())} for step in o.outputs[0].logprobs]}
+            for o in outs]
+
+
+class KillingClient:
+    """The offline client, killing vLLM worker ``victim`` once update ``at`` has started."""
+
+    def __init__(self, inner, pids: list[int], at: int) -> None:
+        self.inner, self.pids, self.at, self.starts = inner, pids, at, 0
+
+    def init_weight_transfer_engine(self, info):
+        self.inner.init_weight_transfer_engine(info)
+
+    def start_weight_update(self):
+        self.inner.start_weight_update()
+        self.starts += 1
+        if self.starts == self.at:
+            os.kill(self.pids[1], signal.SIGKILL)
+
+    def update_weights(self, info):
+        self.inner.update_weights(info)
+
+    def finish_weight_update(self, weight_version=None):
+        self.inner.finish_weight_update(weight_version)
+
+
+def trainer(rank: int, args, ports: list[int]) -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import Qwen2ForCausalLM
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
+    load_general_plugins()
+    from reshard.formats.vllm.trainer import LLMClient, ReshardTrainerInitInfo, ShardSource
+
+    llm = client = None
+    if rank == 0:
+        from live_probe import pid
+
+        llm = llm_for(args.model)
+        client = LLMClient(llm)
+        if args.kill_worker_at:
+            client = KillingClient(client, llm.collective_rpc(pid), args.kill_worker_at)
+    dist.barrier()
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    info = ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=ports[1], trainer_ranks=2, world_size=4,
+                                  timeout_s=TIMEOUT_S)
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ShardSource.fsdp2(model))
+    local_bytes = {n: t.numel() * t.element_size() for n, t in eng.source.shards.items()}
+    record: dict = {"rank": rank, "init_s": eng.stats["init_s"], "steps": [],
+                    "common_bytes_per_worker": eng.common_bytes_per_worker,
+                    "local_numel": sum(t.numel() for t in eng.source.shards.values()), "local_bytes": local_bytes}
+    live: dict = {"steps": [], "before": generate(llm) if rank == 0 else None}
+    g = torch.Generator().manual_seed(100 + rank)
+    for step in range(1, args.steps + 1):
+        ids = torch.randint(0, 300, (2, 16), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        real = DTensor.full_tensor
+
+        def refuse(self):  # no trainer rank may gather a whole tensor inside send_weights
+            raise RuntimeError("full_tensor() called during send_weights")
+
+        DTensor.full_tensor = refuse  # type: ignore[method-assign]
+        t0 = time.perf_counter()
+        try:
+            eng.send_weights()
+            raised = None
+        except Exception as e:  # recorded by type: the test wants TransferError, and only on a killed worker
+            raised = f"{type(e).__name__}: {e}"
+        finally:
+            DTensor.full_tensor = real  # type: ignore[method-assign]
+        elapsed = time.perf_counter() - t0
+        record["steps"].append({"step": step, "loss": float(loss.detach()), "send_s": elapsed, "raised": raised,
+                                "sent_bytes": {str(q): b for q, b in eng.stats.get("sent_bytes", {}).items()}})
+        if raised is not None:
+            break
+        full = {n: p.full_tensor().detach().clone() if isinstance(p, DTensor) else p.detach().clone()
+                for n, p in model.named_parameters()}
+        if rank == 0:
+            from live_probe import engine_stats
+            from probe import kept
+
+            folder = os.path.join(args.out, f"step{step}")
+            os.makedirs(folder, exist_ok=True)
+            for f in ("config.json", "generation_config.json"):
+                shutil.copy(os.path.join(args.model, f), folder)
+            save_file({n: t.contiguous() for n, t in full.items()}, os.path.join(folder, "model.safetensors"),
+                      metadata={"format": "pt"})
+            live["steps"].append({"step": step, "outputs": generate(llm), "kept": llm.apply_model(kept),
+                                  "workers": llm.collective_rpc(engine_stats)})
+        dist.barrier()
+    with open(os.path.join(args.out, f"trainer{rank}.json"), "w") as f:
+        json.dump(record, f)
+    if rank == 0:
+        with open(os.path.join(args.out, "live.json"), "w") as f:
+            json.dump(live, f)
+    os._exit(0)  # a killed worker leaves vLLM's engine unable to shut down cleanly; results are written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--kill-worker-at", type=int, default=0)
+    args = ap.parse_args()
+    if os.getpgid(0) != os.getpid():
+        os.setsid()  # a process group of its own, ended with it (_end_group)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) > 1 else "0|0")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc pickles functions
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, HERE)
+    os.makedirs(args.out, exist_ok=True)
+    import torch.multiprocessing as mp
+
+    from reshard.execute.group import free_port
+
+    try:
+        mp.start_processes(trainer, args=(args, [free_port(), free_port()]), nprocs=2, start_method="spawn")
+    finally:
+        _end_group()
+
+
+def _end_group() -> None:
+    """The trainers leave with ``os._exit`` (a killed worker leaves vLLM's engine unable to shut down
+    cleanly), so vLLM's engine processes may outlive them: end every other process of this
+    script's own process group (``main`` makes one), by id."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            try:
+                if os.getpgid(int(entry)) == me:
+                    os.kill(int(entry), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+if __name__ == "__main__":
+    main()

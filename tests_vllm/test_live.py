@@ -1,0 +1,90 @@
+"""vLLM's weight-transfer API with reshard's backend "reshard", live (``live_run.py``): 2 FSDP2
+trainer ranks (gloo, CPU) train the tiny Qwen2 and push into an ``LLM`` at TP 2 after each of 3
+optimizer steps.
+
+* After every step the engine generates exactly what a fresh vLLM load of the trainer's weights
+  (saved float32, cast to bfloat16 by vLLM) generates: greedy tokens and top-20 logprobs, and
+  every tensor it keeps as loaded equal byte for byte (``engine_run.py``, one engine per step).
+* Each worker received exactly the bytes of the elements vLLM's loaders place on it (its engine
+  tensors less padding, counted by the markers at init), about 1/TP of the common path's
+  (every whole tensor to every worker); no trainer rank gathered a tensor (``full_tensor`` raises
+  inside ``send_weights``) or sent more than its local shards.
+* A vLLM worker killed during an update: both trainer ranks raise ``TransferError`` within the
+  group's timeout; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .conftest import HERE, run
+
+pytest.importorskip("vllm")
+
+STEPS = 3
+RUN_S = 600  # one engine start, 2 trainer ranks, 3 steps (about 1.5 minutes here)
+ENGINE_S = 600
+TIMEOUT_S = 60  # live_run.TIMEOUT_S: the transfer group's
+
+
+@pytest.fixture(scope="module")
+def live(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("live")
+    run([HERE / "live_run.py", qwen2, out, "--steps", STEPS], RUN_S, out / "live.log")
+    result = {"out": out, "live": json.loads((out / "live.json").read_text()),
+              "trainers": [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)], "fresh": []}
+    for step in range(1, STEPS + 1):
+        run([HERE / "engine_run.py", out / f"step{step}", out / f"fresh{step}.json"], ENGINE_S,
+            out / f"fresh{step}.log")
+        result["fresh"].append(json.loads((out / f"fresh{step}.json").read_text()))
+    return result
+
+
+def test_engine_generates_what_a_fresh_load_generates(live):
+    steps = live["live"]["steps"]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    before = live["live"]["before"]
+    for s, fresh in zip(steps, live["fresh"]):
+        assert [o["tokens"] for o in s["outputs"]] == [o["tokens"] for o in fresh["outputs"]], s["step"]
+        assert all(len(t) >= 20 for o in fresh["outputs"] for t in o["logprobs"])
+        assert [o["logprobs"] for o in s["outputs"]] == [o["logprobs"] for o in fresh["outputs"]], s["step"]
+        assert s["kept"] == fresh["kept"], s["step"]
+        assert len(s["kept"]) == 2 and "model.layers.1.self_attn.qkv_proj.bias" in s["kept"][1]
+        assert s["outputs"] != before  # the update changed what the engine computes
+        before = s["outputs"]
+
+
+def test_each_worker_received_exactly_its_bytes(live):
+    trainers = live["trainers"]
+    common = trainers[0]["common_bytes_per_worker"]
+    for s in live["live"]["steps"]:
+        workers = s["workers"]
+        assert [w["rank"] for w in workers] == [2, 3]
+        for w in workers:
+            assert w["updates"] == s["step"]
+            assert w["received_bytes"] == 2 * w["marked_elements"]  # bf16: each placed element once
+            sent = sum(t["steps"][s["step"] - 1]["sent_bytes"].get(str(w["rank"]), 0) for t in trainers)
+            assert sent == w["received_bytes"]
+            assert w["received_bytes"] < 0.55 * common  # ~1/TP of whole tensors to every worker
+        assert sum(w["received_bytes"] for w in workers) < 1.05 * common
+
+
+def test_no_trainer_rank_gathers(live):
+    for t in live["trainers"]:
+        for s in t["steps"]:
+            assert s["raised"] is None, s["raised"]  # full_tensor() raises inside send_weights
+            # to each worker at most its local shards, as bf16 (replicated engine tensors, the norms, go to both)
+            assert all(b <= t["local_numel"] * 2 for b in s["sent_bytes"].values())
+
+
+def test_killed_worker_makes_trainers_raise(qwen2: Path, tmp_path: Path):
+    out = tmp_path / "kill"
+    run([HERE / "live_run.py", qwen2, out, "--steps", 2, "--kill-worker-at", 2], RUN_S, tmp_path / "kill.log")
+    for r in range(2):
+        steps = json.loads((out / f"trainer{r}.json").read_text())["steps"]
+        assert steps[0]["raised"] is None
+        assert steps[1]["raised"].startswith("TransferError: ") and "update 2 failed" in steps[1]["raised"], steps[1]
+        assert steps[1]["send_s"] < TIMEOUT_S + 30, steps[1]
