@@ -9,6 +9,8 @@ saved as an HF folder ``OUT/step{k}`` for a fresh vLLM load to compare against.
 
 ``--kill-worker-at K``: update K kills vLLM worker 1 (SIGKILL) right after ``start_weight_update``;
 each trainer rank records whether ``send_weights`` raised ``TransferError`` and how long it took.
+``--kill-trainer-at K``: trainer rank 1 exits instead of sending update K; rank 0 records its error and
+what the engine generates and keeps afterwards (``after_failure``, ``kept_after_failure``).
 Results: ``OUT/live.json`` (rank 0) and ``OUT/trainer{r}.json``.
 """
 
@@ -23,7 +25,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TIMEOUT_S = 60.0  # the transfer group's
+TIMEOUT_S = 30.0  # the transfer group's
 
 
 def llm_for(model: str):
@@ -45,6 +47,29 @@ def generate(llm) -> list:
     return [{"tokens": list(o.outputs[0].token_ids),
              "logprobs": [{str(t): lp.logprob for t, lp in sorted(step.items())} for step in o.outputs[0].logprobs]}
             for o in outs]
+
+
+def compare_learned(llm, eng, model: str) -> dict:
+    """``learned_targets`` of the running engine against the backend's own targets (workers at
+    group ranks 2, 3) and ``layouts.arch.LLAMA_VLLM``'s: the names of parameters that differ."""
+    from reshard.formats.vllm.trainer import learned_targets
+    from reshard.ir.canonical import canonicalize
+    from reshard.layouts.arch import LLAMA_VLLM, inference_targets
+
+    def same(a, b) -> bool:
+        return (a.into == b.into and dict(a.offsets) == dict(b.offsets)
+                and {r: tuple(x) for r, x in a.shapes.items()} == {r: tuple(x) for r, x in b.shapes.items()}
+                and canonicalize(a.map) == canonicalize(b.map))
+
+    shapes = eng.shard_source.shapes
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    got = learned_targets(llm, shapes)
+    backend = learned_targets(llm, shapes, ranks=[2, 3])
+    arch = inference_targets(LLAMA_VLLM, shapes, tp=2, num_heads=config["num_attention_heads"],
+                             num_kv_heads=config["num_key_value_heads"])
+    return {"params": len(got), "differ_from_backend": [n for n in shapes if not same(backend[n], eng.targets[n])],
+            "differ_from_arch": [n for n in shapes if not same(got[n], arch[n])]}
 
 
 class KillingClient:
@@ -70,8 +95,23 @@ class KillingClient:
 
 
 def trainer(rank: int, args, ports: list[int]) -> None:
+    """One trainer rank; it always leaves with ``os._exit`` (a process holding a vLLM engine whose
+    workers failed may otherwise wait at exit on the engine's processes)."""
+    try:
+        _trainer(rank, args, ports)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _trainer(rank: int, args, ports: list[int]) -> None:
     import torch
     import torch.distributed as dist
+    from probe import kept
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -79,7 +119,6 @@ def trainer(rank: int, args, ports: list[int]) -> None:
     from transformers import Qwen2ForCausalLM
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.plugins import load_general_plugins
-
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
     load_general_plugins()
@@ -105,11 +144,14 @@ def trainer(rank: int, args, ports: list[int]) -> None:
     info = ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=ports[1], trainer_ranks=2, world_size=4,
                                   timeout_s=TIMEOUT_S)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ShardSource.fsdp2(model))
+    if rank == 0:
+        live_learned = compare_learned(llm, eng, args.model)
     local_bytes = {n: t.numel() * t.element_size() for n, t in eng.source.shards.items()}
     record: dict = {"rank": rank, "init_s": eng.stats["init_s"], "steps": [],
                     "common_bytes_per_worker": eng.common_bytes_per_worker,
                     "local_numel": sum(t.numel() for t in eng.source.shards.values()), "local_bytes": local_bytes}
-    live: dict = {"steps": [], "before": generate(llm) if rank == 0 else None}
+    live: dict = {"steps": [], "before": generate(llm) if rank == 0 else None,
+                  "learned": live_learned if rank == 0 else None}
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(1, args.steps + 1):
         ids = torch.randint(0, 300, (2, 16), generator=g)
@@ -123,6 +165,8 @@ def trainer(rank: int, args, ports: list[int]) -> None:
             raise RuntimeError("full_tensor() called during send_weights")
 
         DTensor.full_tensor = refuse  # type: ignore[method-assign]
+        if rank == 1 and step == args.kill_trainer_at:
+            os._exit(0)  # dies before sending (exit 0: torch's launcher would otherwise end rank 0 too)
         t0 = time.perf_counter()
         try:
             eng.send_weights()
@@ -135,12 +179,14 @@ def trainer(rank: int, args, ports: list[int]) -> None:
         record["steps"].append({"step": step, "loss": float(loss.detach()), "send_s": elapsed, "raised": raised,
                                 "sent_bytes": {str(q): b for q, b in eng.stats.get("sent_bytes", {}).items()}})
         if raised is not None:
+            if rank == 0 and args.kill_trainer_at:  # the engine must still serve the last good update
+                live["after_failure"] = generate(llm)
+                live["kept_after_failure"] = llm.apply_model(kept)
             break
         full = {n: p.full_tensor().detach().clone() if isinstance(p, DTensor) else p.detach().clone()
                 for n, p in model.named_parameters()}
         if rank == 0:
             from live_probe import engine_stats
-            from probe import kept
 
             folder = os.path.join(args.out, f"step{step}")
             os.makedirs(folder, exist_ok=True)
@@ -156,7 +202,6 @@ def trainer(rank: int, args, ports: list[int]) -> None:
     if rank == 0:
         with open(os.path.join(args.out, "live.json"), "w") as f:
             json.dump(live, f)
-    os._exit(0)  # a killed worker leaves vLLM's engine unable to shut down cleanly; results are written
 
 
 def main() -> None:
@@ -165,6 +210,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--kill-worker-at", type=int, default=0)
+    ap.add_argument("--kill-trainer-at", type=int, default=0)
     args = ap.parse_args()
     if os.getpgid(0) != os.getpid():
         os.setsid()  # a process group of its own, ended with it (_end_group)

@@ -18,12 +18,15 @@ rank succeeded does it load: each engine tensor is handed to the reload lifecycl
 post-processing again (on CPU: the linears' repacking); ``finish_weight_update`` runs
 ``finalize_layerwise_reload``. When any rank failed (a trainer or worker died, or the timeout
 passed), nothing is loaded: the worker finalizes the reload at once, which puts the kernels'
-own tensors back, so **the engine keeps serving the weights of the last update that succeeded**,
-and raises :class:`~reshard.errors.TransferError`.
+own tensors back, so **the engine keeps serving the weights of the last update that succeeded**;
+it logs the failure and returns (the trainer ranks raise :class:`~reshard.errors.TransferError`;
+see ``receive_weights`` for why the worker does not), and the sender still closes the update
+with ``finish_weight_update`` when the engine answers.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +39,16 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...errors import ReshardError, TransferError
+from ...errors import MapError, ReshardError, TransferError
 from ...execute.group import TransferGroup
 from ...layouts.learned import markers
 from ...plan.planner import plan_for_rank
 from . import wire
 
-__all__ = ["ReshardWeightTransferEngine", "ReshardWorkerInitInfo", "ReshardUpdateInfo"]
+__all__ = ["ReshardUpdateInfo", "ReshardWeightTransferEngine", "ReshardWorkerInitInfo", "marker_state",
+           "worker_marker_state"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,6 +74,34 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
 def _copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """What the reload lifecycle replays for an engine tensor received whole: a copy."""
     param.data.copy_(loaded_weight)
+
+
+def marker_state(vllm_config, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """What this rank's model class places of a marker per element of the parameters ``shapes``
+    (``layouts.learned.markers``), by engine tensor name, before post-processing: a float32 copy of
+    the model built on this worker, loaded with its own ``load_weights``, then dropped."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    forward = vllm_config.compilation_config.static_forward_context
+    before = set(forward)
+    try:
+        with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32), torch.device("cpu"):
+            # its own prefix: its attention layers register apart from the live model's
+            m = initialize_model(vllm_config=vllm_config, prefix="reshard_markers")
+            m.load_weights(iter(markers(shapes).items()))
+        state = ShardedStateLoader._filter_subtensors(m.state_dict())
+        return {n: t.detach().to(torch.float32) for n, t in state.items() if t.dim() > 0}
+    finally:
+        for k in set(forward) - before:
+            del forward[k]
+
+
+def worker_marker_state(worker, shapes: dict[str, list[int]]) -> bytes:
+    """:func:`marker_state` on a vLLM worker, for ``LLM.collective_rpc`` (``wire.encode_tensors``)."""
+    return wire.encode_tensors(marker_state(worker.vllm_config, {n: tuple(s) for n, s in shapes.items()}))
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, ReshardUpdateInfo]):
@@ -97,40 +131,22 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, Re
                                        timeout_s=init_info.timeout_s, name=init_info.name)
         setup = wire.Setup.decode(g.broadcast_bytes(None, 0, "receive the setup"))
         self.dtype = wire.wire_dtype(setup.dtype)
-        marked = self._marker_state(setup.shapes)
+        marked = marker_state(self.vllm_config, setup.shapes)
         g.send_bytes(wire.encode_tensors(marked), 0, "send the marker state")
         self.targets = wire.decode_targets(g.broadcast_bytes(None, 0, "receive the targets"))
         plan = plan_for_rank(setup.sources, {n: t.map for n, t in self.targets.items()}, self.me)
         _, self.recvs = wire.link_program(plan, self.me)
         self.shapes = {t.into: tuple(t.shapes[self.me]) for t in self.targets.values() if self.me in t.shapes}
+        unfilled = sorted(set(marked) - set(self.shapes))
+        if unfilled:  # a layer loaded in part would be post-processed with uninitialized elements
+            raise MapError(f"reshard weight transfer: worker rank {self.me}: engine tensors no trainer parameter "
+                           f"fills: {unfilled[:5]}")
         # padding (a padded vocabulary's rows) is never sent: zero once, here
         self.staging = {n: torch.zeros(s, dtype=self.dtype) for n, s in self.shapes.items()}
         self.inbox = {q: torch.empty(link.numel, dtype=self.dtype) for q, link in self.recvs.items()}
         self.stats = {"rank": self.me, "init_s": time.perf_counter() - t0,
                       "marked_elements": sum(int((t > 0).sum()) for n, t in marked.items() if n in self.shapes),
                       "engine_tensors": len(self.shapes), "updates": 0}
-
-    def _marker_state(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """What this rank's model class places of a marker per element, by engine tensor name
-        (before post-processing): a float32 copy of the model, loaded with its own ``load_weights``."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
-        from vllm.model_executor.model_loader.utils import initialize_model
-        from vllm.utils.torch_utils import set_default_torch_dtype
-
-        cfg = self.vllm_config
-        forward = cfg.compilation_config.static_forward_context
-        before = set(forward)
-        try:
-            with set_current_vllm_config(cfg), set_default_torch_dtype(torch.float32), torch.device("cpu"):
-                # its own prefix: its attention layers register apart from the live model's
-                m = initialize_model(vllm_config=cfg, prefix="reshard_markers")
-                m.load_weights(iter(markers(shapes).items()))
-            state = ShardedStateLoader._filter_subtensors(m.state_dict())
-            return {n: t.detach().to(torch.float32) for n, t in state.items() if t.dim() > 0}
-        finally:
-            for k in set(forward) - before:
-                del forward[k]
 
     # -- update -----------------------------------------------------------------------------------
 
@@ -161,10 +177,16 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, Re
         except TransferError as e:
             failed, bad = failed or str(e), [self.me]
         if bad:
+            # Not raised: vLLM 0.32's multiprocess executor stops reading replies at the first worker that
+            # raises, and the next RPC then reads the other workers' stale replies. The trainer raises
+            # TransferError for the update; here it is logged and counted.
             self._abandon()
-            raise TransferError(f"reshard weight transfer: worker rank {self.me}: update {update_info.version} "
-                                f"failed on rank(s) {bad} of the group; nothing loaded, the engine serves the "
-                                f"weights of update {self.version}" + (f" ({failed})" if failed else ""))
+            why = (f"reshard weight transfer: worker rank {self.me}: update {update_info.version} failed on rank(s) "
+                   f"{bad} of the group; nothing loaded, the engine serves the weights of update {self.version}"
+                   + (f" ({failed})" if failed else ""))
+            _log.error(why)
+            self.stats.update(failed_updates=self.stats.get("failed_updates", 0) + 1, last_error=why)
+            return
         received = time.perf_counter()
         self._load()
         self.version += 1

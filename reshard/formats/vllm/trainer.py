@@ -17,8 +17,9 @@ in this process, vLLM's own ``HTTPVLLMWeightSyncClient`` for a server's RL route
   ``finish_weight_update``. No trainer rank gathers a tensor: the source is the ranks' local
   shards (:meth:`ShardSource.fsdp2`: FSDP2's DTensor local shards, views the optimizer updates in
   place). A dead or hung rank anywhere raises :class:`~reshard.errors.TransferError` on every
-  trainer rank within the group's timeout (the side thread is not waited for then: its RPC may
-  never return).
+  trainer rank within the group's timeout; the sender first waits up to that timeout for the
+  engine's answer and closes the update with ``finish_weight_update`` (the engine keeps its
+  previous weights), or leaves an engine that does not answer as it is.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ from ...errors import MapError, ReshardError, TransferError
 from ...execute.group import TransferGroup
 from ...execute.sources import fsdp2_sources
 from ...ir.param_map import ParamMap
+from ...layouts.inference import Placed
 from ...layouts.learned import learn_placed
 from ...plan.planner import plan_for_rank
 from . import wire
 
-__all__ = ["LLMClient", "ReshardTrainerInitInfo", "ReshardTrainerWeightTransferEngine", "ShardSource"]
+__all__ = ["LLMClient", "ReshardTrainerInitInfo", "ReshardTrainerWeightTransferEngine", "ShardSource",
+           "learned_targets"]
 
 
 @dataclass
@@ -105,6 +108,24 @@ class LLMClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
+
+
+def learned_targets(llm: Any, shapes: Mapping[str, tuple[int, ...]], *, ranks: list[int] | None = None
+                    ) -> dict[str, Placed]:
+    """The maps of a running engine: every parameter of ``shapes`` (full HF shapes) as vLLM's own
+    loaders place it on each worker, learned from markers (``layouts.learned``), for
+    :class:`reshard.WeightSync` or the planner. ``llm``: an offline ``LLM`` (started with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: its ``collective_rpc`` then takes a function);
+    worker ``w`` becomes rank ``ranks[w]`` (default ``w``)."""
+    from .engine import worker_marker_state
+
+    states = llm.collective_rpc(worker_marker_state, args=({n: list(s) for n, s in shapes.items()},))
+    learned = learn_placed(shapes, {w: wire.decode_tensors(b) for w, b in enumerate(states)})
+    if ranks is None:
+        return learned
+    if len(ranks) != len(states):
+        raise MapError(f"learned_targets: {len(ranks)} ranks for {len(states)} vLLM workers")
+    return {n: p.with_ranks(dict(enumerate(ranks))) for n, p in learned.items()}
 
 
 class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
@@ -199,6 +220,8 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         except TransferError as e:
             failed, bad = failed or str(e), [self.me]
         if bad:
+            if self.is_sender:
+                rpc.close(self.client, self.info.timeout_s)
             raise rpc.why(TransferError(f"reshard weight transfer: trainer rank {self.me}: update {version} failed "
                                         f"on rank(s) {bad} of the group (ranks {self.info.trainer_ranks}.. are "
                                         f"workers)" + (f": {failed}" if failed else "")))
@@ -235,6 +258,17 @@ class _Rpc:
     def result(self) -> None:
         if self.future is not None:
             self.future.result()
+
+    def close(self, client: Any, timeout_s: float) -> None:
+        """After a failed update: once the engine has answered ``update_weights`` (within
+        ``timeout_s``), end the update with ``finish_weight_update`` so the engine takes the next one;
+        an engine that does not answer (a dead worker) is left as it is."""
+        try:
+            if self.future is not None:
+                self.future.result(timeout=timeout_s)
+            client.finish_weight_update()
+        except Exception:  # noqa: BLE001 -- the update's own failure is what the caller raises
+            pass
 
     def why(self, e: ReshardError) -> ReshardError:
         """``e``, naming the engine's error when the RPC already failed."""
