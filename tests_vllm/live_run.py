@@ -9,6 +9,7 @@ saved as an HF folder ``OUT/step{k}`` for a fresh vLLM load to compare against.
 
 ``--kill-worker-at K``: update K kills vLLM worker 1 (SIGKILL) right after ``start_weight_update``;
 each trainer rank records whether ``send_weights`` raised ``TransferError`` and how long it took.
+``--bench N`` first times N updates by the backend and N by the common path (``bench``).
 ``--kill-trainer-at K``: trainer rank 1 exits instead of sending update K; rank 0 records its error and
 what the engine generates and keeps afterwards (``after_failure``, ``kept_after_failure``).
 Results: ``OUT/live.json`` (rank 0) and ``OUT/trainer{r}.json``.
@@ -47,6 +48,32 @@ def generate(llm) -> list:
     return [{"tokens": list(o.outputs[0].token_ids),
              "logprobs": [{str(t): lp.logprob for t, lp in sorted(step.items())} for step in o.outputs[0].logprobs]}
             for o in outs]
+
+
+def bench(rank: int, args, eng, model, llm, record: dict) -> None:
+    """``--bench N``: N updates by the reshard backend and N by the common path (whole tensors
+    gathered with ``full_tensor()`` and sent to every worker, ``load_weights`` there), alternating,
+    on the same weights; rank 0 also records what the engine generates after each path's last."""
+    from torch.distributed.tensor import DTensor
+
+    def pairs():
+        for n, p in model.named_parameters():
+            yield n, p.full_tensor() if isinstance(p, DTensor) else p
+
+    out: dict = {"reshard_ms": [], "common_ms": [], "outputs": {}}
+    for _ in range(args.bench):
+        for kind in ("reshard", "common"):
+            t0 = time.perf_counter()
+            eng.send_weights() if kind == "reshard" else eng.send_full_tensors(pairs())
+            out[f"{kind}_ms"].append(1000 * (time.perf_counter() - t0))
+            if rank == 0:
+                from live_probe import engine_stats
+
+                out[f"{kind}_workers"] = llm.collective_rpc(engine_stats)
+                out["outputs"][kind] = generate(llm)
+    out["common_sent_bytes"] = eng.stats.get("full_sent_bytes")
+    out["reshard_sent_bytes"] = eng.stats.get("sent_bytes")
+    record["bench"] = out
 
 
 def compare_learned(llm, eng, model: str) -> dict:
@@ -152,6 +179,8 @@ def _trainer(rank: int, args, ports: list[int]) -> None:
                     "local_numel": sum(t.numel() for t in eng.source.shards.values()), "local_bytes": local_bytes}
     live: dict = {"steps": [], "before": generate(llm) if rank == 0 else None,
                   "learned": live_learned if rank == 0 else None}
+    if args.bench:
+        bench(rank, args, eng, model, llm, record)
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(1, args.steps + 1):
         ids = torch.randint(0, 300, (2, 16), generator=g)
@@ -211,6 +240,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--kill-worker-at", type=int, default=0)
     ap.add_argument("--kill-trainer-at", type=int, default=0)
+    ap.add_argument("--bench", type=int, default=0)
     args = ap.parse_args()
     if os.getpgid(0) != os.getpid():
         os.setsid()  # a process group of its own, ended with it (_end_group)

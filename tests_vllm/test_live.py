@@ -27,6 +27,7 @@ from .conftest import HERE, run
 pytest.importorskip("vllm")
 
 STEPS = 3
+BENCH = 2  # updates by each path before training starts (live_run.bench)
 RUN_S = 600  # one engine start, 2 trainer ranks, 3 steps (about 1.5 minutes here)
 ENGINE_S = 600
 TIMEOUT_S = 30  # live_run.TIMEOUT_S: the transfer group's
@@ -35,7 +36,7 @@ TIMEOUT_S = 30  # live_run.TIMEOUT_S: the transfer group's
 @pytest.fixture(scope="module")
 def live(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("live")
-    run([HERE / "live_run.py", qwen2, out, "--steps", STEPS], RUN_S, out / "live.log")
+    run([HERE / "live_run.py", qwen2, out, "--steps", STEPS, "--bench", BENCH], RUN_S, out / "live.log")
     result = {"out": out, "live": json.loads((out / "live.json").read_text()),
               "trainers": [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)], "fresh": []}
     for step in range(1, STEPS + 1):
@@ -73,7 +74,7 @@ def test_each_worker_received_exactly_its_bytes(live):
         workers = s["workers"]
         assert [w["rank"] for w in workers] == [2, 3]
         for w in workers:
-            assert w["updates"] == s["step"]
+            assert w["updates"] == s["step"] + 2 * BENCH
             assert w["received_bytes"] == 2 * w["marked_elements"]  # bf16: each placed element once
             sent = sum(t["steps"][s["step"] - 1]["sent_bytes"].get(str(w["rank"]), 0) for t in trainers)
             assert sent == w["received_bytes"]
@@ -109,3 +110,15 @@ def test_killed_trainer_leaves_the_last_good_weights(qwen2: Path, tmp_path: Path
     live = json.loads((out / "live.json").read_text())
     assert live["after_failure"] == live["steps"][0]["outputs"] != live["before"]
     assert live["kept_after_failure"] == live["steps"][0]["kept"]
+
+
+def test_common_path_sends_whole_tensors_and_loads_the_same(live):
+    """The common path (whole tensors to every worker, vLLM's ``load_weights``) on the same weights:
+    the engine generates the same as after the backend's update; each worker received every
+    parameter's bytes, which is what the backend's byte counts are compared with above."""
+    bench = live["trainers"][0]["bench"]
+    assert bench["outputs"]["common"] == bench["outputs"]["reshard"]
+    common = live["trainers"][0]["common_bytes_per_worker"]
+    assert [w["received_bytes"] for w in bench["common_workers"]] == [common, common]
+    assert bench["common_sent_bytes"] == 2 * common
+    assert len(bench["reshard_ms"]) == len(bench["common_ms"]) == BENCH

@@ -66,9 +66,12 @@ class ReshardWorkerInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """The update's number (1, 2, ...): both sides count, so a lost round is noticed."""
+    """The update's number (1, 2, ...): both sides count, so a lost round is noticed. ``full``: the
+    common path instead, for comparison (``send_full_tensors``): trainer rank 0 sends every whole
+    tensor to every worker, which hands each to the model's ``load_weights`` as it lands."""
 
     version: int
+    full: bool = False
 
 
 def _copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -131,6 +134,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, Re
                                        timeout_s=init_info.timeout_s, name=init_info.name)
         setup = wire.Setup.decode(g.broadcast_bytes(None, 0, "receive the setup"))
         self.dtype = wire.wire_dtype(setup.dtype)
+        self.full_shapes = setup.shapes
         marked = marker_state(self.vllm_config, setup.shapes)
         g.send_bytes(wire.encode_tensors(marked), 0, "send the marker state")
         self.targets = wire.decode_targets(g.broadcast_bytes(None, 0, "receive the targets"))
@@ -163,11 +167,14 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, Re
         t0 = time.perf_counter()
         failed = None
         try:
-            works = [g.recv(self.inbox[q], q, f"receive from trainer rank {q}") for q in self.recvs]
-            g.wait(works, "receive the update")
+            if update_info.full:
+                self._receive_full(g)
+            else:
+                works = [g.recv(self.inbox[q], q, f"receive from trainer rank {q}") for q in self.recvs]
+                g.wait(works, "receive the update")
             if update_info.version != self.version + 1:  # received all the same, so no sender waits
                 failed = f"update {update_info.version} arrived after update {self.version}"
-            else:
+            elif not update_info.full:
                 for q, link in self.recvs.items():
                     wire.unpack(link, self.inbox[q], self.targets, self._flat, self.me)
         except (ReshardError, RuntimeError) as e:
@@ -188,11 +195,21 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, Re
             self.stats.update(failed_updates=self.stats.get("failed_updates", 0) + 1, last_error=why)
             return
         received = time.perf_counter()
-        self._load()
+        if not update_info.full:
+            self._load()
         self.version += 1
-        self.stats.update(updates=self.version, received_bytes=sum(t.numel() * t.element_size()
-                                                                   for t in self.inbox.values()),
-                          receive_s=received - t0, load_s=time.perf_counter() - received)
+        got = self._full_bytes if update_info.full else sum(t.numel() * t.element_size() for t in self.inbox.values())
+        self.stats.update(updates=self.version, received_bytes=got, receive_s=received - t0,
+                          load_s=time.perf_counter() - received)
+
+    def _receive_full(self, g: TransferGroup) -> None:
+        """The common path: every whole tensor from trainer rank 0, loaded as it lands."""
+        self._full_bytes = 0
+        for name, shape in self.full_shapes.items():
+            t = torch.empty(shape, dtype=self.dtype)
+            g.wait([g.recv(t, 0, f"receive {name}")], "receive the update")
+            self.model.load_weights([(name, t)])
+            self._full_bytes += t.numel() * t.element_size()
 
     @property
     def _flat(self) -> dict[str, torch.Tensor]:

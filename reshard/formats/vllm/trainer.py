@@ -232,6 +232,41 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         self.stats.update(updates=version, send_s=time.perf_counter() - t0,
                           sent_bytes={q: t.numel() * t.element_size() for q, t in self.outbox.items()})
 
+    def send_full_tensors(self, pairs) -> None:
+        """The common path, for comparison only: ``pairs`` yields ``(name, whole tensor)`` in the
+        source's order on every trainer rank (vLLM's ``ModuleSource``: FSDP2's ``full_tensor()``, a
+        gather on every rank); rank 0 sends each whole tensor to every worker, whose model's
+        ``load_weights`` takes it. A failure here may leave the engine half loaded."""
+        g = self.group
+        if g is None:
+            raise TransferError("send_full_tensors before trainer_init")
+        version = self.version + 1
+        t0 = time.perf_counter()
+        if self.is_sender:
+            self.client.start_weight_update()
+        rpc = _Rpc(self.client.update_weights if self.is_sender else None, {"version": version, "full": True})
+        failed: str | None = None
+        sent = 0
+        try:
+            with torch.no_grad():
+                for _, t in pairs:
+                    if self.is_sender:
+                        wire_t = t.detach().to(self.dtype).contiguous()
+                        g.wait([g.send(wire_t, q, "send a whole tensor") for q in range(self.info.trainer_ranks,
+                                                                                      self.info.world_size)],
+                               "send the update")
+                        sent += wire_t.numel() * wire_t.element_size() * (self.info.world_size - self.info.trainer_ranks)
+        except (ReshardError, RuntimeError) as e:
+            failed = str(e)
+        bad = g.failures(failed is not None, "agree on the update")
+        if bad:
+            raise TransferError(f"common path: update {version} failed on rank(s) {bad}: {failed}")
+        rpc.result()
+        self.version = version
+        if self.is_sender:
+            self.client.finish_weight_update()
+        self.stats.update(updates=version, full_send_s=time.perf_counter() - t0, full_sent_bytes=sent)
+
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.close()
