@@ -99,6 +99,53 @@ def compare_learned(llm, eng, model: str) -> dict:
             "differ_from_arch": [n for n in shapes if not same(got[n], arch[n])]}
 
 
+class Server:
+    """``--http``: ``vllm serve`` of MODEL_DIR at TP 2 with the backend, its RL routes on
+    (``VLLM_SERVER_DEV_MODE``), in this script's process group (ended with it)."""
+
+    def __init__(self, model: str, out: str) -> None:
+        import subprocess
+        import urllib.request
+
+        from reshard.execute.group import free_port
+
+        self.model, port = model, free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+               "--tensor-parallel-size", "2", "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
+               "--max-model-len", "64", "--max-num-seqs", "2", "--gpu-memory-utilization", "0.05", "--seed", "0",
+               "--weight-transfer-config", json.dumps({"backend": "reshard"})]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(os.path.join(out, "server.log"), "w"),
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {self.proc.returncode}; see server.log")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=5)
+                return
+            except OSError:
+                time.sleep(2)
+        raise RuntimeError("vllm serve did not come up in 400 s")
+
+    def generate(self) -> list:
+        """Greedy tokens of the prompts, over ``/v1/completions``."""
+        import urllib.request
+
+        from engine_run import MAX_TOKENS, PROMPTS
+
+        out = []
+        for p in PROMPTS:
+            body = json.dumps({"model": self.model, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                               "return_token_ids": True}).encode()
+            req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                out.append({"tokens": json.load(r)["choices"][0]["token_ids"]})
+        return out
+
+
 class KillingClient:
     """The offline client, killing vLLM worker ``victim`` once update ``at`` has started."""
 
@@ -155,8 +202,14 @@ def _trainer(rank: int, args, ports: list[int]) -> None:
     if rank == 0:
         from live_probe import pid
 
-        llm = llm_for(args.model)
-        client = LLMClient(llm)
+        if args.http:  # a vLLM server; the trainer drives it over its RL routes, with vLLM's own client
+            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+            llm = Server(args.model, args.out)
+            client = HTTPVLLMWeightSyncClient(llm.url)
+        else:
+            llm = llm_for(args.model)
+            client = LLMClient(llm)
         if args.kill_worker_at:
             client = KillingClient(client, llm.collective_rpc(pid), args.kill_worker_at)
     dist.barrier()
@@ -171,14 +224,15 @@ def _trainer(rank: int, args, ports: list[int]) -> None:
     info = ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=ports[1], trainer_ranks=2, world_size=4,
                                   timeout_s=TIMEOUT_S)
     eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ShardSource.fsdp2(model))
-    if rank == 0:
+    if rank == 0 and not args.http:
         live_learned = compare_learned(llm, eng, args.model)
     local_bytes = {n: t.numel() * t.element_size() for n, t in eng.source.shards.items()}
     record: dict = {"rank": rank, "init_s": eng.stats["init_s"], "steps": [],
                     "common_bytes_per_worker": eng.common_bytes_per_worker,
                     "local_numel": sum(t.numel() for t in eng.source.shards.values()), "local_bytes": local_bytes}
-    live: dict = {"steps": [], "before": generate(llm) if rank == 0 else None,
-                  "learned": live_learned if rank == 0 else None}
+    before = (llm.generate() if args.http else generate(llm)) if rank == 0 else None
+    live: dict = {"steps": [], "before": before,
+                  "learned": live_learned if rank == 0 and not args.http else None}
     if args.bench:
         bench(rank, args, eng, model, llm, record)
     g = torch.Generator().manual_seed(100 + rank)
@@ -223,8 +277,11 @@ def _trainer(rank: int, args, ports: list[int]) -> None:
                 shutil.copy(os.path.join(args.model, f), folder)
             save_file({n: t.contiguous() for n, t in full.items()}, os.path.join(folder, "model.safetensors"),
                       metadata={"format": "pt"})
-            live["steps"].append({"step": step, "outputs": generate(llm), "kept": llm.apply_model(kept),
-                                  "workers": llm.collective_rpc(engine_stats)})
+            if args.http:
+                live["steps"].append({"step": step, "outputs": llm.generate()})
+            else:
+                live["steps"].append({"step": step, "outputs": generate(llm), "kept": llm.apply_model(kept),
+                                      "workers": llm.collective_rpc(engine_stats)})
         dist.barrier()
     with open(os.path.join(args.out, f"trainer{rank}.json"), "w") as f:
         json.dump(record, f)
@@ -241,6 +298,7 @@ def main() -> None:
     ap.add_argument("--kill-worker-at", type=int, default=0)
     ap.add_argument("--kill-trainer-at", type=int, default=0)
     ap.add_argument("--bench", type=int, default=0)
+    ap.add_argument("--http", action="store_true")
     args = ap.parse_args()
     if os.getpgid(0) != os.getpid():
         os.setsid()  # a process group of its own, ended with it (_end_group)

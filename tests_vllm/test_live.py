@@ -9,6 +9,8 @@ optimizer steps.
   tensors less padding, counted by the markers at init), about 1/TP of the common path's
   (every whole tensor to every worker); no trainer rank gathered a tensor (``full_tensor`` raises
   inside ``send_weights``) or sent more than its local shards.
+* Over a server's HTTP routes (``vllm serve``, vLLM's ``HTTPVLLMWeightSyncClient``): the same
+  greedy tokens as a fresh load after a step.
 * A vLLM worker killed during an update: both trainer ranks raise ``TransferError`` within the
   group's timeout; nothing hangs. A trainer rank killed before it sends: the other raises
   ``TransferError``, and the engine still serves the previous update's weights (the same tokens,
@@ -122,3 +124,17 @@ def test_common_path_sends_whole_tensors_and_loads_the_same(live):
     assert [w["received_bytes"] for w in bench["common_workers"]] == [common, common]
     assert bench["common_sent_bytes"] == 2 * common
     assert len(bench["reshard_ms"]) == len(bench["common_ms"]) == BENCH
+
+
+def test_over_a_servers_http_routes(qwen2: Path, tmp_path: Path):
+    """The same backend behind ``vllm serve`` (its RL routes), driven by vLLM's own
+    ``HTTPVLLMWeightSyncClient``: after one step the server generates the greedy tokens a fresh
+    load of the trainer's weights generates."""
+    out = tmp_path / "http"
+    run([HERE / "live_run.py", qwen2, out, "--steps", 1, "--http"], RUN_S, tmp_path / "http.log")
+    live = json.loads((out / "live.json").read_text())
+    run([HERE / "engine_run.py", out / "step1", tmp_path / "fresh.json"], ENGINE_S, tmp_path / "fresh.log")
+    fresh = json.loads((tmp_path / "fresh.json").read_text())
+    tokens = [o["tokens"] for o in live["steps"][0]["outputs"]]
+    assert tokens == [o["tokens"] for o in fresh["outputs"]]
+    assert tokens != [o["tokens"] for o in live["before"]]
