@@ -9,7 +9,8 @@ saved as an HF folder ``OUT/step{k}`` for a fresh vLLM load to compare against.
 
 ``--kill-worker-at K``: update K kills vLLM worker 1 (SIGKILL) right after ``start_weight_update``;
 each trainer rank records whether ``send_weights`` raised ``TransferError`` and how long it took.
-``--bench N`` first times N updates by the backend and N by the common path (``bench``).
+``--extra-param``: the trainers offer one parameter more than the model has; each records what
+``trainer_init`` raised. ``--bench N`` first times N updates by the backend and N by the common path (``bench``).
 ``--kill-trainer-at K``: trainer rank 1 exits instead of sending update K; rank 0 records its error and
 what the engine generates and keeps afterwards (``after_failure``, ``kept_after_failure``).
 Results: ``OUT/live.json`` (rank 0) and ``OUT/trainer{r}.json``.
@@ -27,6 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 30.0  # the transfer group's
+EXTRA = "model.layers.0.mlp.extra_proj.weight"  # --extra-param's name
 
 
 def llm_for(model: str):
@@ -223,7 +225,21 @@ def _trainer(rank: int, args, ports: list[int]) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     info = ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=ports[1], trainer_ranks=2, world_size=4,
                                   timeout_s=TIMEOUT_S)
-    eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ShardSource.fsdp2(model))
+    source = ShardSource.fsdp2(model)
+    if args.extra_param:  # a parameter the engine's model does not have: every rank must refuse it at init
+        from reshard.layouts.tp import replicated
+
+        source = ShardSource({**source.maps, EXTRA: replicated((4,), 2)}, {**source.shards, EXTRA: torch.zeros(4)})
+        t0 = time.perf_counter()
+        try:
+            WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+            raised = None
+        except Exception as e:
+            raised = f"{type(e).__name__}: {e}"
+        with open(os.path.join(args.out, f"trainer{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "raised": raised, "init_s": time.perf_counter() - t0}, f)
+        return
+    eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     if rank == 0 and not args.http:
         live_learned = compare_learned(llm, eng, args.model)
     local_bytes = {n: t.numel() * t.element_size() for n, t in eng.source.shards.items()}
@@ -299,6 +315,7 @@ def main() -> None:
     ap.add_argument("--kill-trainer-at", type=int, default=0)
     ap.add_argument("--bench", type=int, default=0)
     ap.add_argument("--http", action="store_true")
+    ap.add_argument("--extra-param", action="store_true")
     args = ap.parse_args()
     if os.getpgid(0) != os.getpid():
         os.setsid()  # a process group of its own, ended with it (_end_group)

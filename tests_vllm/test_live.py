@@ -11,6 +11,7 @@ optimizer steps.
   inside ``send_weights``) or sent more than its local shards.
 * Over a server's HTTP routes (``vllm serve``, vLLM's ``HTTPVLLMWeightSyncClient``): the same
   greedy tokens as a fresh load after a step.
+* A parameter the engine's model lacks: every trainer rank raises ``MapError`` naming it at init.
 * A vLLM worker killed during an update: both trainer ranks raise ``TransferError`` within the
   group's timeout; nothing hangs. A trainer rank killed before it sends: the other raises
   ``TransferError``, and the engine still serves the previous update's weights (the same tokens,
@@ -138,3 +139,15 @@ def test_over_a_servers_http_routes(qwen2: Path, tmp_path: Path):
     tokens = [o["tokens"] for o in live["steps"][0]["outputs"]]
     assert tokens == [o["tokens"] for o in fresh["outputs"]]
     assert tokens != [o["tokens"] for o in live["before"]]
+
+
+def test_a_parameter_the_engine_lacks_is_refused_at_init(qwen2: Path, tmp_path: Path):
+    """Bad input: the trainers offer a parameter vLLM's model class does not have. vLLM's loader
+    refuses it on the workers, and every trainer rank raises ``MapError`` naming it at
+    ``trainer_init``, at once (no wait for the group's timeout)."""
+    out = tmp_path / "extra"
+    run([HERE / "live_run.py", qwen2, out, "--extra-param"], RUN_S, tmp_path / "extra.log")
+    for r in range(2):
+        rec = json.loads((out / f"trainer{r}.json").read_text())
+        assert rec["raised"].startswith("MapError: ") and "layers.0.mlp.extra_proj" in rec["raised"], rec
+        assert rec["init_s"] < TIMEOUT_S, rec

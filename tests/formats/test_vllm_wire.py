@@ -93,5 +93,9 @@ def test_messages_round_trip(toy):
             p.into, dict(p.offsets), {r: tuple(s) for r, s in p.shapes.items()}, p.map.to_dict())
     tensors = wire.decode_tensors(wire.encode_tensors(full))
     assert all(torch.equal(tensors[n], full[n]) for n in full)
+    got = wire.decode_marker_reply(wire.encode_marker_reply(full), 1)
+    assert all(torch.equal(got[n], full[n]) for n in full)
+    with pytest.raises(MapError, match="vLLM worker 1 could not load the markers: KeyError: 'x'"):
+        wire.decode_marker_reply(wire.encode_marker_reply(None, "KeyError: 'x'"), 1)
     with pytest.raises(MapError, match="learning the engine's maps failed on trainer rank 0: no marker"):
         wire.decode_targets(wire.encode_targets(None, "no marker"))

@@ -135,8 +135,14 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, Re
         setup = wire.Setup.decode(g.broadcast_bytes(None, 0, "receive the setup"))
         self.dtype = wire.wire_dtype(setup.dtype)
         self.full_shapes = setup.shapes
-        marked = marker_state(self.vllm_config, setup.shapes)
-        g.send_bytes(wire.encode_tensors(marked), 0, "send the marker state")
+        try:
+            marked = marker_state(self.vllm_config, setup.shapes)
+        except Exception as e:  # vLLM's loader refused a name or shape: rank 0 tells every rank
+            g.send_bytes(wire.encode_marker_reply(None, f"{type(e).__name__}: {e}"), 0, "send the marker state")
+            g.broadcast_bytes(None, 0, "receive the targets")
+            raise MapError(f"reshard weight transfer: worker rank {self.me}: vLLM's loader could not load the "
+                           f"trainer's parameters: {type(e).__name__}: {e}") from e
+        g.send_bytes(wire.encode_marker_reply(marked), 0, "send the marker state")
         self.targets = wire.decode_targets(g.broadcast_bytes(None, 0, "receive the targets"))
         plan = plan_for_rank(setup.sources, {n: t.map for n, t in self.targets.items()}, self.me)
         _, self.recvs = wire.link_program(plan, self.me)

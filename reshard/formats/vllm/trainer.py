@@ -170,9 +170,9 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         setup = wire.Setup(src.shapes, src.maps, info.dtype)
         if self.me == 0:
             g.broadcast_bytes(setup.encode(), 0, "send the setup")
-            engine = {w: wire.decode_tensors(g.recv_bytes(T + w, f"receive worker {w}'s marker state"))
-                      for w in range(W)}
+            replies = {w: g.recv_bytes(T + w, f"receive worker {w}'s marker state") for w in range(W)}
             try:
+                engine = {w: wire.decode_marker_reply(data, w) for w, data in replies.items()}
                 learned = learn_placed(setup.shapes, engine)
                 msg = wire.encode_targets({n: p.with_ranks({w: T + w for w in range(W)}) for n, p in learned.items()})
             except ReshardError as e:

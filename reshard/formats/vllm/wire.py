@@ -34,7 +34,8 @@ from ...ir.piece import View
 from ...layouts.inference import Placed
 from ...plan.values import ModelPlan, Segment
 
-__all__ = ["Link", "Setup", "decode_targets", "decode_tensors", "encode_targets", "encode_tensors",
+__all__ = ["Link", "Setup", "decode_marker_reply", "decode_targets", "decode_tensors", "encode_marker_reply",
+           "encode_targets", "encode_tensors",
            "link_program", "pack", "unpack", "wire_dtype"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -88,6 +89,18 @@ def decode_tensors(data: bytes) -> dict[str, torch.Tensor]:
     if at != flat.numel():
         raise MapError(f"a marker message of {flat.numel()} elements; its header names {at}")
     return out
+
+
+def encode_marker_reply(tensors: Mapping[str, torch.Tensor] | None, error: str | None = None) -> bytes:
+    """A worker's reply to the setup: its marker state, or why its loader failed (so rank 0 need
+    not wait out the timeout)."""
+    return b"E" + (error or "").encode() if tensors is None else b"T" + encode_tensors(tensors)
+
+
+def decode_marker_reply(data: bytes, worker: int) -> dict[str, torch.Tensor]:
+    if data[:1] == b"E":
+        raise MapError(f"vLLM worker {worker} could not load the markers: {data[1:].decode(errors='replace')}")
+    return decode_tensors(data[1:])
 
 
 def encode_targets(targets: Mapping[str, Placed] | None, error: str | None = None) -> bytes:
