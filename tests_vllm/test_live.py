@@ -1,0 +1,153 @@
+"""vLLM's weight-transfer API with reshard's backend "reshard", live (``live_run.py``): 2 FSDP2
+trainer ranks (gloo, CPU) train the tiny Qwen2 and push into an ``LLM`` at TP 2 after each of 3
+optimizer steps.
+
+* After every step the engine generates exactly what a fresh vLLM load of the trainer's weights
+  (saved float32, cast to bfloat16 by vLLM) generates: greedy tokens and top-20 logprobs, and
+  every tensor it keeps as loaded equal byte for byte (``engine_run.py``, one engine per step).
+* Each worker received exactly the bytes of the elements vLLM's loaders place on it (its engine
+  tensors less padding, counted by the markers at init), about 1/TP of the common path's
+  (every whole tensor to every worker); no trainer rank gathered a tensor (``full_tensor`` raises
+  inside ``send_weights``) or sent more than its local shards.
+* Over a server's HTTP routes (``vllm serve``, vLLM's ``HTTPVLLMWeightSyncClient``): the same
+  greedy tokens as a fresh load after a step.
+* A parameter the engine's model lacks: every trainer rank raises ``MapError`` naming it at init.
+* A vLLM worker killed during an update: both trainer ranks raise ``TransferError`` within the
+  group's timeout; nothing hangs. A trainer rank killed before it sends: the other raises
+  ``TransferError``, and the engine still serves the previous update's weights (the same tokens,
+  logprobs and kept tensors as after it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .conftest import HERE, run
+
+pytest.importorskip("vllm")
+
+STEPS = 3
+BENCH = 2  # updates by each path before training starts (live_run.bench)
+RUN_S = 600  # one engine start, 2 trainer ranks, 3 steps (about 1.5 minutes here)
+ENGINE_S = 600
+TIMEOUT_S = 30  # live_run.TIMEOUT_S: the transfer group's
+
+
+@pytest.fixture(scope="module")
+def live(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("live")
+    run([HERE / "live_run.py", qwen2, out, "--steps", STEPS, "--bench", BENCH], RUN_S, out / "live.log")
+    result = {"out": out, "live": json.loads((out / "live.json").read_text()),
+              "trainers": [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)], "fresh": []}
+    for step in range(1, STEPS + 1):
+        run([HERE / "engine_run.py", out / f"step{step}", out / f"fresh{step}.json"], ENGINE_S,
+            out / f"fresh{step}.log")
+        result["fresh"].append(json.loads((out / f"fresh{step}.json").read_text()))
+    return result
+
+
+def test_engine_generates_what_a_fresh_load_generates(live):
+    steps = live["live"]["steps"]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    before = live["live"]["before"]
+    for s, fresh in zip(steps, live["fresh"]):
+        assert [o["tokens"] for o in s["outputs"]] == [o["tokens"] for o in fresh["outputs"]], s["step"]
+        assert all(len(t) >= 20 for o in fresh["outputs"] for t in o["logprobs"])
+        assert [o["logprobs"] for o in s["outputs"]] == [o["logprobs"] for o in fresh["outputs"]], s["step"]
+        assert s["kept"] == fresh["kept"], s["step"]
+        assert len(s["kept"]) == 2 and "model.layers.1.self_attn.qkv_proj.bias" in s["kept"][1]
+        assert s["outputs"] != before  # the update changed what the engine computes
+        before = s["outputs"]
+
+
+def test_learned_targets_of_the_running_engine(live):
+    """``learned_targets(llm, shapes)`` (for WeightSync) equals the backend's own targets and
+    reshard's vLLM layouts for this model."""
+    learned = live["live"]["learned"]
+    assert learned == {"params": 27, "differ_from_backend": [], "differ_from_arch": []}
+
+
+def test_each_worker_received_exactly_its_bytes(live):
+    trainers = live["trainers"]
+    common = trainers[0]["common_bytes_per_worker"]
+    for s in live["live"]["steps"]:
+        workers = s["workers"]
+        assert [w["rank"] for w in workers] == [2, 3]
+        for w in workers:
+            assert w["updates"] == s["step"] + 2 * BENCH
+            assert w["received_bytes"] == 2 * w["marked_elements"]  # bf16: each placed element once
+            sent = sum(t["steps"][s["step"] - 1]["sent_bytes"].get(str(w["rank"]), 0) for t in trainers)
+            assert sent == w["received_bytes"]
+            assert w["received_bytes"] < 0.55 * common  # ~1/TP of whole tensors to every worker
+        assert sum(w["received_bytes"] for w in workers) < 1.05 * common
+
+
+def test_no_trainer_rank_gathers(live):
+    for t in live["trainers"]:
+        for s in t["steps"]:
+            assert s["raised"] is None, s["raised"]  # full_tensor() raises inside send_weights
+            # to each worker at most its local shards, as bf16 (replicated engine tensors, the norms, go to both)
+            assert all(b <= t["local_numel"] * 2 for b in s["sent_bytes"].values())
+
+
+def test_killed_worker_makes_trainers_raise(qwen2: Path, tmp_path: Path):
+    out = tmp_path / "kill"
+    run([HERE / "live_run.py", qwen2, out, "--steps", 2, "--kill-worker-at", 2], RUN_S, tmp_path / "kill.log")
+    for r in range(2):
+        steps = json.loads((out / f"trainer{r}.json").read_text())["steps"]
+        assert steps[0]["raised"] is None
+        assert steps[1]["raised"].startswith("TransferError: ") and "update 2 failed" in steps[1]["raised"], steps[1]
+        assert steps[1]["send_s"] < TIMEOUT_S + 30, steps[1]
+
+
+def test_killed_trainer_leaves_the_last_good_weights(qwen2: Path, tmp_path: Path):
+    out = tmp_path / "kill"
+    run([HERE / "live_run.py", qwen2, out, "--steps", 2, "--kill-trainer-at", 2], RUN_S, tmp_path / "kill.log")
+    steps = json.loads((out / "trainer0.json").read_text())["steps"]
+    assert steps[0]["raised"] is None
+    assert steps[1]["raised"].startswith("TransferError: ") and "update 2 failed" in steps[1]["raised"], steps[1]
+    assert steps[1]["send_s"] < TIMEOUT_S + 30, steps[1]
+    live = json.loads((out / "live.json").read_text())
+    assert live["after_failure"] == live["steps"][0]["outputs"] != live["before"]
+    assert live["kept_after_failure"] == live["steps"][0]["kept"]
+
+
+def test_common_path_sends_whole_tensors_and_loads_the_same(live):
+    """The common path (whole tensors to every worker, vLLM's ``load_weights``) on the same weights:
+    the engine generates the same as after the backend's update; each worker received every
+    parameter's bytes, which is what the backend's byte counts are compared with above."""
+    bench = live["trainers"][0]["bench"]
+    assert bench["outputs"]["common"] == bench["outputs"]["reshard"]
+    common = live["trainers"][0]["common_bytes_per_worker"]
+    assert [w["received_bytes"] for w in bench["common_workers"]] == [common, common]
+    assert bench["common_sent_bytes"] == 2 * common
+    assert len(bench["reshard_ms"]) == len(bench["common_ms"]) == BENCH
+
+
+def test_over_a_servers_http_routes(qwen2: Path, tmp_path: Path):
+    """The same backend behind ``vllm serve`` (its RL routes), driven by vLLM's own
+    ``HTTPVLLMWeightSyncClient``: after one step the server generates the greedy tokens a fresh
+    load of the trainer's weights generates."""
+    out = tmp_path / "http"
+    run([HERE / "live_run.py", qwen2, out, "--steps", 1, "--http"], RUN_S, tmp_path / "http.log")
+    live = json.loads((out / "live.json").read_text())
+    run([HERE / "engine_run.py", out / "step1", tmp_path / "fresh.json"], ENGINE_S, tmp_path / "fresh.log")
+    fresh = json.loads((tmp_path / "fresh.json").read_text())
+    tokens = [o["tokens"] for o in live["steps"][0]["outputs"]]
+    assert tokens == [o["tokens"] for o in fresh["outputs"]]
+    assert tokens != [o["tokens"] for o in live["before"]]
+
+
+def test_a_parameter_the_engine_lacks_is_refused_at_init(qwen2: Path, tmp_path: Path):
+    """Bad input: the trainers offer a parameter vLLM's model class does not have. vLLM's loader
+    refuses it on the workers, and every trainer rank raises ``MapError`` naming it at
+    ``trainer_init``, at once (no wait for the group's timeout)."""
+    out = tmp_path / "extra"
+    run([HERE / "live_run.py", qwen2, out, "--extra-param"], RUN_S, tmp_path / "extra.log")
+    for r in range(2):
+        rec = json.loads((out / f"trainer{r}.json").read_text())
+        assert rec["raised"].startswith("MapError: ") and "layers.0.mlp.extra_proj" in rec["raised"], rec
+        assert rec["init_s"] < TIMEOUT_S, rec
