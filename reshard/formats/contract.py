@@ -4,10 +4,13 @@ A **reader** opens a source checkpoint: it lowers its files to one map per param
 says where each rank's shard of it lies (:meth:`Reader.fragment`), and it checks everything it
 reads before the engine opens an output folder. A **writer** lays out a target checkpoint's
 files: each file's tensors are **buffers**, flat runs of elements, and each buffer is a list of
-**slots**, one target shard of one parameter state at an offset. The engine
-(``reshard.jobs.engine``) plans every slot's target map against the reader's map of the state it
-is made from and fills the buffers from the source fragments, window by window. Neither a reader
-nor a writer plans; a new format is one reader and one writer.
+**slots**, one target shard of one parameter state at an offset. A writer declares its buffers
+once (:meth:`Writer.buffers`), when it is made; the engine (``reshard.jobs.engine``) derives from
+that one declaration what it plans (:func:`targets_of`), plans every slot's target map against the
+reader's map of the state it is made from and checks replicated copies, all before any output
+folder exists, and then fills the declared buffers from the source fragments, window by window,
+as the writer's jobs (:meth:`Writer.jobs`) ask for them. Neither a reader nor a writer plans; a new
+format is one reader and one writer.
 
 A parameter's **states** are its training-dtype weights (``weight``), its fp32 master (``fp32``)
 and Adam's moments. A slot names the states it may be made from, in order of preference
@@ -24,7 +27,7 @@ the target has no place for) or refuses unless the user **dropped** it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ from ..ir.param_map import ParamMap
 
 __all__ = ["BEST", "HELD", "MODULE", "MOMENTS", "OPTIMIZER", "SCALE_POWER", "STATES", "Buffer", "Held", "Reader", "Slot",
            "Stored",
-           "Target", "Writer"]
+           "Target", "Writer", "targets_of"]
 
 STATES = ("weight", "fp32", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -74,12 +77,25 @@ class Buffer:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One (parameter, ``want``, map) a writer fills: what the engine plans before any output
-    folder exists."""
+    """One (parameter, ``want``, map) the slots of a writer's buffers take: what the engine plans
+    before any output folder exists. Never declared by a writer: derived from its buffers
+    (:func:`targets_of`)."""
 
     name: str
     want: tuple[str, ...]
     map: ParamMap
+
+
+def targets_of(buffers: Iterable[Buffer]) -> list[Target]:
+    """The distinct (parameter, ``want``, map) the slots of ``buffers`` take, in the order they first
+    appear (a map is the same target only as the same object, as the engine plans it)."""
+    seen: dict[tuple[str, tuple[str, ...], int], Target] = {}
+    for b in buffers:
+        for s in b.slots:
+            key = (s.name, s.want, id(s.map))
+            if key not in seen:
+                seen[key] = Target(s.name, s.want, s.map)
+    return list(seen.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,14 +206,32 @@ class Writer(ABC):
     keeps_replicas: bool  # each target rank keeps its own copy of a replicated block (same TP)
     extra_sources: tuple[Path, ...] = ()  # paths beside the source it reads (a --layout checkpoint)
 
+    def buffers(self) -> list[Buffer] | None:
+        """Every buffer the target's files hold, each a list of slots: what the writer fills,
+        declared once. The engine plans every slot and checks the replicas they read before any
+        output folder exists; :meth:`jobs` then fills exactly these buffers (the same objects:
+        ``engine.fill``/``engine.storage`` refuse any other), each of them, and no other."""
+        return None  # transitional: a writer not yet converted declares targets() instead
+
+    def targets(self) -> list[Target]:
+        """Every (parameter, want, map) its buffers' slots take: derived from :meth:`buffers`."""
+        bufs = self.buffers()
+        return [] if bufs is None else targets_of(bufs)
+
     @abstractmethod
-    def targets(self) -> list[Target]: ...  # every (parameter, want, map) its buffers' slots take
-    @abstractmethod
-    def jobs(self, engine: Any, staging: Any) -> list[Any]: ...  # (bytes, job) or storage.staging.ArchiveJob
+    def jobs(self, engine: Any, staging: Any) -> list[Any]:
+        """How and where the declared buffers are written: ``(bytes, job)`` or
+        ``storage.staging.ArchiveJob``, each filling declared buffers (never building new ones)."""
     @abstractmethod
     def meta(self) -> dict[str, Any]: ...  # what the manifest records of the target
     @abstractmethod
     def notes(self) -> list[str]: ...  # the report's words on what the target holds
+
+    def copied(self) -> list[str]:
+        """Parameters the target writes as the source stores them (:meth:`Reader.stored`), payload
+        and scales byte for byte, from no buffer: written, so accounted for, but neither planned
+        nor filled. By default none."""
+        return []
 
     def tp_index(self, rank: int) -> int:
         """The TP rank target rank ``rank`` is, where ``keeps_replicas`` (its copy of a replicated

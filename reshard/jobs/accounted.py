@@ -2,7 +2,8 @@
 exists. Each parameter the reader lowers and each entry it holds beside them
 (:meth:`Reader.unlowered`) is one of:
 
-* **written**: a parameter a target slot takes (the writer's ``targets()``), or a held entry the
+* **written**: a parameter a slot of the writer's buffers takes (``Writer.buffers``) or that it
+  copies as the source stores it (``Writer.copied``), or a held entry the
   writer carries as it is (:meth:`Writer.carries`);
 * **not carried**: a run's state the target has no place for (``_extra_state``, RNG, a
   scheduler), listed in the report and the manifest (``not_carried``) with its reason;
@@ -84,7 +85,7 @@ def account(reader: Reader, writer: Writer, targets: Sequence[Target], drop: Ite
     raises ``UnplacedError`` for model weights with no place in the target that ``drop`` does not
     name."""
     pats = patterns(drop)
-    written = {t.name for t in targets}
+    written = {t.name for t in targets} | set(writer.copied())
     where = str(reader.sources[-1])
     unwritten = [Held(n, where, "weights", f"a parameter the {writer.format} target does not fill")
                  for n in reader.names if n not in written]

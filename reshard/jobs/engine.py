@@ -3,18 +3,22 @@
 ``run`` is every command's job (``convert``, ``reshard``, any format to any format):
 
 1. **Check**, before any output folder exists: the reader has checked what it read and the
-   writer has refused what it cannot write when they were made; here every source entry is
-   accounted for (``jobs.accounted``: written, not carried, dropped, or refused), every target
-   the writer fills is planned against the source (so a plan that cannot be made refuses the job), and,
+   writer has refused what it cannot write when they were made; here the writer's buffers (its
+   one declaration of what it fills, ``Writer.buffers``) are checked (keys unique, every slot
+   inside its buffer on a rank its map holds), every source entry is accounted for
+   (``jobs.accounted``: written, not carried, dropped, or refused), every target the slots take
+   is planned against the source (so a plan that cannot be made refuses the job), and,
    where the target merges the copies of a replicated block (another TP degree, a universal or
    safetensors file), every such block's copies are compared: ranks that drifted apart stop the
    job unless a policy says which copy to take (``on_replica_mismatch``).
 2. **Stage** the output folder (``storage.staging``), shared by every process of a launch.
-3. **Fill**: the writer's jobs build their files from buffers; the engine turns each buffer into
-   a window-by-window fill from the memory-mapped source fragments (``execute.local.WindowFill``),
-   checking that the plan covers every slot. Files are shared by bytes over processes and
-   workers, large archives stripe by stripe (``jobs.cluster``).
-4. **Commit** with the manifest and report.
+3. **Fill**: the writer's jobs build their files from the declared buffers (a buffer it did not
+   declare is an internal error); the engine turns each buffer into a window-by-window fill from
+   the memory-mapped source fragments (``execute.local.WindowFill``), checking that the plan
+   covers every slot. Files are shared by bytes over processes and workers, large archives stripe
+   by stripe (``jobs.cluster``).
+4. **Commit** with the manifest and report, once every declared buffer was filled (by some
+   process): a declared buffer no job filled is an internal error, and nothing is committed.
 """
 
 from __future__ import annotations
@@ -32,7 +36,17 @@ import torch
 from .. import __version__
 from ..errors import CheckpointError, ReplicaMismatchError, ReshardError, in_context
 from ..execute.local import WindowFill
-from ..formats.contract import OPTIMIZER, SCALE_POWER, STATES, Buffer, Reader, Slot, Target, Writer
+from ..formats.contract import (
+    OPTIMIZER,
+    SCALE_POWER,
+    STATES,
+    Buffer,
+    Reader,
+    Slot,
+    Target,
+    Writer,
+    targets_of,
+)
 from ..ir.apply import rebuild_mean
 from ..ir.param_map import ParamMap
 from ..layouts import replicated
@@ -91,6 +105,7 @@ class Engine:
         self._lock = threading.Lock()
         self._targets: list[ParamMap] = []  # keeps every planned target map alive, so its id stays its own
         self.sealed = False  # once staging begins, every slot filled must have been planned (declared) before
+        self.declared: dict[str, Buffer] | None = None  # the writer's buffers by key (None: a transitional writer)
         self.segments = 0
         self.reads: dict[str, int] = {}  # elements read per buffer key (the same in any process)
         self.missing: dict[str, set[str]] = defaultdict(set)  # states filled with zeros: state -> names
@@ -112,12 +127,36 @@ class Engine:
             return DefaultCost(prefer=lambda holder, dst: tp_of(holder) == self.target_tp(dst), local=False)
         return DefaultCost(local=False)
 
+    def declare(self, buffers: Sequence[Buffer]) -> list[Target]:
+        """Take the writer's buffers as its one declaration of what it fills: each key once, each
+        slot inside its buffer on a rank its map holds (else an internal error, before any output
+        folder exists). Returns what the engine plans: the distinct targets their slots take."""
+        declared: dict[str, Buffer] = {}
+        for b in buffers:
+            if b.key in declared:
+                raise ReshardError(f"internal: the writer declares buffer {b.key!r} twice")
+            declared[b.key] = b
+            for slot in b.slots:
+                _check_slot(b, slot)
+        self.declared = declared
+        return targets_of(buffers)
+
+    def check_filled(self, filled: Iterable[str]) -> None:
+        """Every declared buffer was filled (``filled``: the keys every process filled): a
+        declared buffer no job wrote would leave a file without the tensor the plan read for it."""
+        if self.declared is None:
+            return
+        left = [k for k in self.declared if k not in set(filled)]
+        if left:
+            raise ReshardError(f"internal: the writer's jobs did not fill {len(left)} declared buffer(s): "
+                               + ", ".join(left[:5]) + (" ..." if len(left) > 5 else ""))
+
     def plan_all(self, targets: Iterable[Target]) -> None:
         for t in targets:
             self._plan(t.name, tuple(t.want), t.map)
 
     def seal(self) -> None:
-        """No plan is made from here on: a slot the writer did not declare in ``targets()`` (so
+        """No plan is made from here on: a slot the writer did not declare in ``buffers()`` (so
         neither planned nor replica-checked before the output folder existed) is an internal error."""
         self.sealed = True
 
@@ -128,7 +167,7 @@ class Engine:
                 return self._plans[key]
         if self.sealed:
             raise ReshardError(f"internal: the writer fills a slot of {name!r} ({', '.join(want)}) that its "
-                               "targets() did not declare, so it was not planned before the output folder existed")
+                               "buffers() did not declare, so it was not planned before the output folder existed")
         state = self.state_for(name, want)
         planned = None
         if state is None:
@@ -172,12 +211,14 @@ class Engine:
     # -- filling -------------------------------------------------------------------------------
     def fill(self, buffer: Buffer) -> WindowFill:
         """``buffer`` produced window by window from the source fragments its slots' plans read."""
+        if self.declared is not None and self.declared.get(buffer.key) is not buffer:
+            raise ReshardError(f"internal: the writer fills buffer {buffer.key!r}, which its buffers() did not "
+                               "declare, so it was not planned before the output folder existed")
         parts: list[tuple[int, Segment, Callable[[], torch.Tensor]]] = []
         powers, read = set(), 0
         for slot in buffer.slots:
-            if slot.rank not in slot.map.shards:  # nothing would fill it: a writer's slip, never silent zeros
-                raise ReshardError(f"internal: buffer {buffer.key}: a slot of {slot.name!r} on target rank "
-                                   f"{slot.rank}, which its map does not hold")
+            if self.declared is None:
+                _check_slot(buffer, slot)
             planned = self._plan(slot.name, slot.want, slot.map)
             if planned is None:
                 continue  # a state the source lacks: zeros
@@ -239,6 +280,18 @@ class Engine:
         return rank if t is None else t
 
 
+def _check_slot(buffer: Buffer, slot: Slot) -> None:
+    """A slot on a rank its map holds (nothing would fill it otherwise: a writer's slip, never
+    silent zeros), inside its buffer."""
+    if slot.rank not in slot.map.shards:
+        raise ReshardError(f"internal: buffer {buffer.key}: a slot of {slot.name!r} on target rank "
+                           f"{slot.rank}, which its map does not hold")
+    end = slot.offset + slot.map.shard(slot.rank).numel
+    if slot.offset < 0 or end > buffer.numel:
+        raise ReshardError(f"internal: buffer {buffer.key}: the slot of {slot.name!r} (rank {slot.rank}) spans "
+                           f"elements {slot.offset}..{end} of its {buffer.numel}")
+
+
 def _check_covers(slot: Slot, segs: list[Segment], where: str) -> None:
     """The plan's segments must produce every element of the slot's shard (a padded target
     map's padding excepted)."""
@@ -272,7 +325,8 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
     verified.forget_pending()  # what an earlier job left unchecked is not this one's
     reader = writer.view(reader)  # the source as the target reads it (never changed by the writer)
     engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy, target_tp=writer.tp_index)
-    targets = writer.targets()
+    buffers = writer.buffers()  # the writer's one declaration of what it fills
+    targets = engine.declare(buffers) if buffers is not None else writer.targets()
     accounted = account(reader, writer, targets, drop)
     drift = engine.check_replicas(targets)
     if drift and policy.kind == "error":
@@ -295,6 +349,8 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
         verified.finish()  # what this process read and the writers' CRCs did not check: before anything commits
 
     run_share(cluster, staging, jobs, share)
+    filled = {k for part in cluster.gather(sorted(engine.reads)) for k in part}
+    agreed(cluster, staging, partial(engine.check_filled, filled))  # no declared buffer left unwritten
     # what one process writes last, from every process's files (DCP's .metadata); by default nothing
     agreed(cluster, staging, lambda: writer.finish(staging, cluster.gather, cluster.rank))
     meta = {"reshard_version": __version__, "format": writer.format, "source": str(reader.sources[-1]),

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ...errors import ReshardError
-from ..contract import Held, Reader, Writer
+from ..contract import Buffer, Held, Reader, Writer
 from ..safetensors.writer import SafetensorsWriter
 
 __all__ = ["HfWriter", "fp8_config", "metadata_folder"]
@@ -101,8 +101,11 @@ class HfWriter(Writer):
                                "config.json)")
         return config
 
-    def targets(self) -> list:
-        return self.inner.targets()
+    def buffers(self) -> list[Buffer]:
+        return self.inner.buffers()
+
+    def copied(self) -> list[str]:
+        return self.inner.copied()
 
     def carries(self, held: Held) -> bool:
         """The tied ``lm_head.weight``, written as the table it is tied to."""

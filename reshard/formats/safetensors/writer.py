@@ -30,7 +30,7 @@ from ...errors import QuantizedError, ReshardError, in_context
 from ...ir.codec import SCALE_FORMATS, fp8_block_encode, scale_grid
 from ...ir.piece import is_int, prod
 from ...layouts import replicated
-from ..contract import BEST, Buffer, Reader, Slot, Stored, Target, Writer
+from ..contract import BEST, Buffer, Reader, Slot, Stored, Writer
 from ..table import noun_of
 from .io import DTYPES, SafetensorsFile, plan_files
 from .reader import INDEX
@@ -152,10 +152,29 @@ class SafetensorsWriter(Writer):
             from ..universal.writer import UniversalWriter
 
             self.moments = UniversalWriter(reader, moments_only=True)
+        self._buffers = {b.key: b for b in self._declare()}
 
-    def targets(self) -> list[Target]:
-        out = [Target(self.source[o], BEST, self._maps[o]) for o, _, _ in self.params]
-        return out + (self.moments.targets() if self.moments is not None else [])
+    def _declare(self) -> list[Buffer]:
+        """Each tensor of the files read from the source, whole (a payload's values before they are
+        encoded; not one copied as stored, nor a scales tensor), then the moments' files."""
+        out = []
+        for fname, group in zip(self.fnames, self.groups):
+            for name, shape, dtype in group:
+                if name in self.encoded:
+                    _, dtype, copy = self.encoded[name]
+                    if copy is not None:
+                        continue
+                elif name not in self.names.values():
+                    continue  # a payload's scales
+                out.append(Buffer(f"{fname}:{name}", dtype, prod(shape),
+                                  (Slot(0, self.source[name], BEST, self._maps[name], 0),)))
+        return out + (self.moments.buffers() if self.moments is not None else [])
+
+    def buffers(self) -> list[Buffer]:
+        return list(self._buffers.values())
+
+    def copied(self) -> list[str]:
+        return [self.source[o] for o, (_, _, c) in self.encoded.items() if c is not None]
 
     def meta(self) -> dict[str, Any]:
         return {"target": "safetensors weights"}
@@ -195,8 +214,7 @@ class SafetensorsWriter(Writer):
                 elif name in self.encoded:
                     scales[self.encoded[name][0]] = self._payload(engine, w, fname, name, shape)
                 else:
-                    slot = Slot(0, self.source[name], BEST, self._maps[name], 0)
-                    w.write_fill(name, shape, dtype, engine.fill(Buffer(f"{fname}:{name}", dtype, prod(shape), (slot,))))
+                    w.write_fill(name, shape, dtype, engine.fill(self._buffers[f"{fname}:{name}"]))
             w.close()
 
     def _payload(self, engine: Any, w: SafetensorsFile, fname: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -214,8 +232,7 @@ class SafetensorsWriter(Writer):
         rows, cols = shape
         bm = block[0]
         step = max(1, RUN // max(1, bm * cols)) * bm
-        fill = engine.fill(Buffer(f"{fname}:{name}", dtype, prod(shape),
-                                  (Slot(0, self.source[name], BEST, self._maps[name], 0),)))
+        fill = engine.fill(self._buffers[f"{fname}:{name}"])
         scales = torch.empty(scale_grid(shape, block), dtype=SCALE_FORMATS[fmt])
         values = torch.empty(min(rows, step) * cols, dtype=dtype)
 

@@ -26,7 +26,7 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...storage import torch_zip
 from ...storage.pickling import Pickler
-from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Target, Writer
+from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Writer
 from ..deepspeed.reader import DeepSpeedNative, optimizer_state
 
 __all__ = ["UniversalWriter", "model_states"]
@@ -48,6 +48,7 @@ class UniversalWriter(Writer):
         self.native = self.own is not None
         self.moments_only = moments_only  # the moments beside another format's weights (safetensors)
         self._maps = {n: replicated(reader.shape(n), 1) for n in reader.names}
+        self._buffers = {b.key: b for b in self._declare()}
 
     def carries(self, held: Held) -> bool:
         """From a DeepSpeed source, what its model-state files hold beside the parameters (copied as
@@ -69,8 +70,17 @@ class UniversalWriter(Writer):
             states = tuple(s for s in states if s in MOMENTS)
         return [(s, BEST if s == "fp32" else (s,)) for s in states]
 
-    def targets(self) -> list[Target]:
-        return [Target(n, want, self._maps[n]) for n in self.reader.names for _, want in self._states(n)]
+    def _declare(self) -> list[Buffer]:
+        """Each parameter's state files, whole; built from another format, the model states' weights."""
+        out = [Buffer(_file(n, state), torch.float32, prod(self.reader.shape(n)), (Slot(0, n, want, self._maps[n], 0),))
+               for n in self.reader.names for state, want in self._states(n)]
+        if self.own is None and not self.moments_only:
+            out += [Buffer(f"{MODEL_STATES}:{n}", torch.float32, prod(self.reader.shape(n)),
+                           (Slot(0, n, BEST, self._maps[n], 0),)) for n in self.reader.names]
+        return out
+
+    def buffers(self) -> list[Buffer]:
+        return list(self._buffers.values())
 
     def meta(self) -> dict[str, Any]:
         return {"target": "universal checkpoint"}
@@ -101,9 +111,8 @@ class UniversalWriter(Writer):
     def _param(self, engine: Any, staging: Any, name: str) -> None:
         shape = self.reader.shape(name)
         extra = self.reader.extras(name) if self.native else {}
-        for state, want in self._states(name):
-            buf = Buffer(f"zero/{name}/{state}.pt", torch.float32, prod(shape),
-                         (Slot(0, name, want, self._maps[name], 0),))
+        for state, _ in self._states(name):
+            buf = self._buffers[_file(name, state)]
             ref = engine.storage(buf).view((prod(shape),) if self._bare(name) else shape)
             with staging.open(buf.key) as out:
                 torch_zip.save(ref if self._bare(name) else {**extra, "param": ref}, out, pickler=Pickler)
@@ -145,11 +154,14 @@ class UniversalWriter(Writer):
 
     def _built_model_states(self, engine: Any, staging: Any) -> None:
         """Each weight an fp32 placeholder, read when the writer reaches it."""
-        weights = {n: engine.storage(Buffer(f"{MODEL_STATES}:{n}", torch.float32, prod(self.reader.shape(n)),
-                                            (Slot(0, n, BEST, self._maps[n], 0),))).view(self.reader.shape(n))
+        weights = {n: engine.storage(self._buffers[f"{MODEL_STATES}:{n}"]).view(self.reader.shape(n))
                    for n in self.reader.names}
         with staging.open(MODEL_STATES) as out:  # streamed: one weight in memory at a time
             torch_zip.save(model_states(self.reader, weights), out, pickler=Pickler)
+
+
+def _file(name: str, state: str) -> str:
+    return f"zero/{name}/{state}.pt"
 
 
 def _autoep_model_state(ck: Any, staging: Any, m: int, src: Path) -> None:
