@@ -29,7 +29,7 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...layouts._core import box_piece
 from ...layouts._core import finish as finish_map
-from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Target, Writer
+from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Writer
 from ..safetensors.io import plan_files
 from .checkpoint import DcpCheckpoint
 from .reader import RAW
@@ -131,6 +131,11 @@ class DcpWriter(Writer):
                        for e in self.entries}
         self._maps = {e.key: fsdp_map(e.shape, files) if files is not None else replicated(e.shape, 1)
                       for e in self.entries}
+        # without --files: each parameter's tensors in one of the files of at most max_file_bytes
+        self.groups = [] if files is not None else [
+            [n for n, _, _ in g] for g in plan_files([(n, (prod(reader.shape(n)) * 3,), torch.float32)
+                                                        for n in reader.names], max_file_bytes)]
+        self._buffers = {b.key: b for b in self._declare()}
         self.records: list[Record] = []
         self.specs: dict[str, TensorSpec] = {}
         self.values: list[str] = []
@@ -154,8 +159,20 @@ class DcpWriter(Writer):
                     for m in MOMENTS if m in have]
         return out
 
-    def targets(self) -> list[Target]:
-        return [Target(e.name, e.want, self._maps[e.key]) for e in self.entries]
+    def _declare(self) -> list[Buffer]:
+        """Each file's chunk of each tensor entry: with ``--files``, loading rank r's file holds its
+        chunk of every entry; else each file holds its parameters' entries whole."""
+        if self.files is not None:
+            where = [(r, r, e) for r in range(self.files) for e in self.entries if r in self.layout[e.key]]
+        else:
+            group = {n: i for i, members in enumerate(self.groups) for n in members}
+            where = [(group[e.name], 0, e) for e in self.entries]
+            where.sort(key=lambda w: w[0])
+        return [Buffer(_buffer_key(i, e.key), e.dtype, prod(self.layout[e.key][r][1]),
+                       (Slot(0, e.name, e.want, self._maps[e.key], r),)) for i, r, e in where]
+
+    def buffers(self) -> list[Buffer]:
+        return list(self._buffers.values())
 
     def carries(self, held: Held) -> bool:
         """A DCP source laid out again (``--files``) keeps every entry of its own by its key."""
@@ -175,17 +192,14 @@ class DcpWriter(Writer):
                 self.specs[e.key] = TensorSpec(e.dtype, e.shape, tuple(self.layout[e.key].values()))
             sizes = [sum(prod(lay[r][1]) for lay in self.layout.values() if r in lay) for r in range(self.files)]
             return [(sizes[r] + 1, partial(self._rank_file, engine, staging, r)) for r in range(self.files)]
-        groups = plan_files([(n, (prod(self.reader.shape(n)) * 3,), torch.float32) for n in self.reader.names],
-                            self.max_file_bytes)
-        jobs = [(sum(prod(s) for _, s, _ in g), partial(self._whole_file, engine, staging, i, [n for n, _, _ in g]))
-                for i, g in enumerate(groups)]
-        jobs.append((1, partial(self._values_file, staging, f"__{len(groups)}_0.distcp")))
+        jobs = [(sum(prod(self.reader.shape(n)) * 3 for n in g), partial(self._whole_file, engine, staging, i, g))
+                for i, g in enumerate(self.groups)]
+        jobs.append((1, partial(self._values_file, staging, f"__{len(self.groups)}_0.distcp")))
         return jobs
 
-    def _put(self, engine: Any, f: DcpFile, e: _Entry, rank: int) -> None:
+    def _put(self, engine: Any, f: DcpFile, i: int, e: _Entry, rank: int) -> None:
         offsets, sizes = self.layout[e.key][rank]
-        buf = Buffer(f"{f.name}:{e.key}", e.dtype, prod(sizes), (Slot(0, e.name, e.want, self._maps[e.key], rank),))
-        f.tensor(e.key, offsets, e.dtype, sizes, engine.fill(buf))
+        f.tensor(e.key, offsets, e.dtype, sizes, engine.fill(self._buffers[_buffer_key(i, e.key)]))
 
     def _rank_file(self, engine: Any, staging: Any, r: int) -> None:
         """Loading rank ``r``'s chunk of every tensor (and on rank 0 the rest)."""
@@ -194,7 +208,7 @@ class DcpWriter(Writer):
             f = DcpFile(out, rel)
             for e in self.entries:
                 if r in self.layout[e.key]:
-                    self._put(engine, f, e, r)
+                    self._put(engine, f, r, e, r)
             if r == 0 and self.own is not None:
                 ck = self.own
                 for key in ck.objects:
@@ -216,7 +230,7 @@ class DcpWriter(Writer):
             for e in self.entries:
                 if e.name not in mine:
                     continue
-                self._put(engine, f, e, 0)
+                self._put(engine, f, i, e, 0)
                 with self._lock:
                     self.specs[e.key] = TensorSpec(e.dtype, e.shape, (((0,) * len(e.shape), e.shape),))
                 if e is self._last[e.name]:
@@ -264,6 +278,11 @@ class DcpWriter(Writer):
         planner = {k: _path_of(k) for k in sorted(list(specs) + values)}
         with staging.open(".metadata") as out:
             out.write(metadata_bytes(dict(sorted(specs.items())), sorted(values), records, planner))
+
+
+def _buffer_key(i: int, key: str) -> str:
+    """Tensor entry ``key``'s chunk in file ``__{i}_0.distcp``."""
+    return f"__{i}_0.distcp:{key}"
 
 
 @dataclass(frozen=True, slots=True)

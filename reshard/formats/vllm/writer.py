@@ -100,6 +100,7 @@ class VllmWriter(Writer):
             self.placed = {n: (p.named(TIED[0]) if p.into == TIED[1] else p) for n, p in self.placed.items()}
         self.layers = layers
         self.files = self._files(max_file_bytes)
+        self._buffers: dict[str, Buffer] | None = None
 
     def _names(self, config: dict[str, Any], where: str) -> dict[str, str]:
         """The source's parameters by their Hugging Face names (a wrapper's prefix dropped; a tied
@@ -130,8 +131,27 @@ class VllmWriter(Writer):
     def _scales(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn.{s}" for i in range(self.layers) for s in SCALES]
 
-    def targets(self) -> list[Target]:
-        return [Target(self.sources[n], BEST, p.map) for n, p in self.placed.items()]
+    def _by_into(self) -> dict[str, list[tuple[str, Placed]]]:
+        """Each engine tensor's source parameters (several where vLLM fuses them)."""
+        by_into: dict[str, list[tuple[str, Placed]]] = {}
+        for n, p in self.placed.items():
+            by_into.setdefault(p.into, []).append((self.sources[n], p))
+        return by_into
+
+    def buffers(self) -> list[Buffer]:
+        """Each rank's file's engine tensors, a slot per source parameter at its place in the fused
+        tensor (the attention scales are constants, no buffer)."""
+        if self._buffers is None:
+            by_into = self._by_into()
+            self._buffers = {f"{fname}:{name}": Buffer(
+                f"{fname}:{name}", dtype, prod(shape), tuple(Slot(p.offsets[r], src, BEST, p.map, r) for src, p in by_into[name]))
+                for r, fname, group in self.files for name, shape, dtype in group if name in by_into}
+        return list(self._buffers.values())
+
+    def _declared(self, key: str) -> Buffer:
+        self.buffers()
+        assert self._buffers is not None
+        return self._buffers[key]
 
     def carries(self, held: Held) -> bool:
         """A tied ``lm_head.weight``: written once, as the table it is tied to (``_names``)."""
@@ -150,9 +170,7 @@ class VllmWriter(Writer):
                 + (f"; carried: {', '.join(self.hf.carried)}" if self.hf.carried else "")]
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
-        by_into: dict[str, list[tuple[str, Placed]]] = {}
-        for n, p in self.placed.items():
-            by_into.setdefault(p.into, []).append((self.sources[n], p))
+        by_into = self._by_into()
         jobs: list[tuple[int, Callable[[], None]]] = [
             (sum(prod(s) * d.itemsize for _, s, d in group), partial(self._file, engine, staging, r, f, group, by_into))
             for r, f, group in self.files]
@@ -166,6 +184,5 @@ class VllmWriter(Writer):
                 if name not in by_into:  # an attention scale
                     w.write(name, torch.ones((), dtype=torch.float32))
                     continue
-                slots = tuple(Slot(p.offsets[rank], src, BEST, p.map, rank) for src, p in by_into[name])
-                w.write_fill(name, shape, dtype, engine.fill(Buffer(f"{fname}:{name}", dtype, prod(shape), slots)))
+                w.write_fill(name, shape, dtype, engine.fill(self._declared(f"{fname}:{name}")))
             w.close()
