@@ -30,7 +30,7 @@ from ...errors import ReshardError
 from ...ir.piece import prod
 from ...layouts.arch import LLAMA_VLLM, inference_targets
 from ...layouts.inference import Placed
-from ..contract import BEST, Buffer, Held, Reader, Slot, Target, Writer
+from ..contract import BEST, Buffer, Held, Reader, Slot, Writer
 from ..hf.writer import TIED, HfWriter
 from ..safetensors.io import SafetensorsFile, plan_files
 
@@ -100,7 +100,7 @@ class VllmWriter(Writer):
             self.placed = {n: (p.named(TIED[0]) if p.into == TIED[1] else p) for n, p in self.placed.items()}
         self.layers = layers
         self.files = self._files(max_file_bytes)
-        self._buffers: dict[str, Buffer] | None = None
+        self._buffers = self._declare()
 
     def _names(self, config: dict[str, Any], where: str) -> dict[str, str]:
         """The source's parameters by their Hugging Face names (a wrapper's prefix dropped; a tied
@@ -138,20 +138,16 @@ class VllmWriter(Writer):
             by_into.setdefault(p.into, []).append((self.sources[n], p))
         return by_into
 
-    def buffers(self) -> list[Buffer]:
+    def _declare(self) -> dict[str, Buffer]:
         """Each rank's file's engine tensors, a slot per source parameter at its place in the fused
         tensor (the attention scales are constants, no buffer)."""
-        if self._buffers is None:
-            by_into = self._by_into()
-            self._buffers = {f"{fname}:{name}": Buffer(
-                f"{fname}:{name}", dtype, prod(shape), tuple(Slot(p.offsets[r], src, BEST, p.map, r) for src, p in by_into[name]))
+        by_into = self._by_into()
+        return {f"{fname}:{name}": Buffer(f"{fname}:{name}", dtype, prod(shape),
+                                          tuple(Slot(p.offsets[r], src, BEST, p.map, r) for src, p in by_into[name]))
                 for r, fname, group in self.files for name, shape, dtype in group if name in by_into}
-        return list(self._buffers.values())
 
-    def _declared(self, key: str) -> Buffer:
-        self.buffers()
-        assert self._buffers is not None
-        return self._buffers[key]
+    def buffers(self) -> list[Buffer]:
+        return list(self._buffers.values())
 
     def carries(self, held: Held) -> bool:
         """A tied ``lm_head.weight``: written once, as the table it is tied to (``_names``)."""
@@ -184,5 +180,5 @@ class VllmWriter(Writer):
                 if name not in by_into:  # an attention scale
                     w.write(name, torch.ones((), dtype=torch.float32))
                     continue
-                w.write_fill(name, shape, dtype, engine.fill(self._declared(f"{fname}:{name}")))
+                w.write_fill(name, shape, dtype, engine.fill(self._buffers[f"{fname}:{name}"]))
             w.close()
