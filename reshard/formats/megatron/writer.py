@@ -30,7 +30,7 @@ import torch
 
 from ...errors import ReshardError
 from ...ir.param_map import ParamMap
-from ..contract import BEST, MODULE, Buffer, Held, Reader, Slot, Target, Writer
+from ..contract import BEST, MODULE, Buffer, Held, Reader, Slot, Writer
 from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
 from ..table import noun_of
 from . import safe
@@ -95,12 +95,12 @@ class MegatronWriter(Writer):
                        "fully_reshardable": ("fp32", "exp_avg", "exp_avg_sq"),
                        "dp_reshardable": ("fp32", "exp_avg", "exp_avg_sq")}[self.kind]
         self._slots: dict[tuple[str, str], dict[int, list[Slot]]] = {}
-        self._targets: list[Target] = []
         for spec in self.arch.keys():
             self._plan_key(spec.key, "weight", self.layout.maps[spec.key])
             for s in () if spec.buffer else self.states:
                 m = self.layout.bucket_maps[spec.key] if self.kind == "dp_reshardable" else self.layout.maps[spec.key]
                 self._plan_key(spec.key, s, m)
+        self._chunks = self._declare()
         self.records: list[Record] = []
         self.specs: dict[str, TensorSpec] = {}
         self._lock = threading.Lock()
@@ -209,18 +209,47 @@ class MegatronWriter(Writer):
         want = _want(state)
         slots: dict[int, list[Slot]] = {}
         if self.hf is None:
-            self._targets.append(Target(key, want, m))
             slots = {r: [Slot(0, key, want, m, r)] for r in m.ranks}
         else:
             for p in self.hf[key]:
                 hm, origin = restrict(m, p)
-                self._targets.append(Target(p.name, want, hm))
                 for label, (r, lo, _) in origin.items():
                     slots.setdefault(r, []).append(Slot(lo, p.name, want, hm, label))
         self._slots[(key, state)] = slots
 
-    def targets(self) -> list[Target]:
-        return list(self._targets)
+    def _declare(self) -> list[list[_Chunk]]:
+        """Each global rank's file's tensor chunks, in the order it writes them: the model's
+        tensors (weights, and the optimizer states beside them unless in buckets), then its chunks
+        of the distributed optimizer's buckets (a bucket's padding a chunk without slots)."""
+        world = self.arch.tp * self.arch.pp * self.arch.dp
+        out: list[list[_Chunk]] = [[] for _ in range(world)]
+
+        def put(r: int, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype,
+                slots: list[Slot], shape: tuple[int, ...]) -> None:
+            n = 1
+            for x in sizes:
+                n *= x
+            buf = Buffer(f"__{r}_0.distcp:{key}@{list(offsets)}", dtype, n, tuple(slots))
+            out[r].append(_Chunk(buf, key, tuple(offsets), tuple(sizes), tuple(shape)))
+
+        model_states = ("weight",) + (self.states if self.kind != "dp_reshardable" else ())
+        for key, chunks in self.layout.model.items():
+            for state in model_states:
+                if state != "weight" and (key, state) not in self._slots:
+                    continue  # a buffer: no optimizer state
+                for c in chunks:
+                    put(c.rank, self._tensor_key(key, state), c.offsets, c.sizes, self._dtype(state, key),
+                        self._slots[(key, state)].get(c.label, []), self.layout.maps[key].logical_shape)
+        for b in self.layout.buckets:
+            for state in self.states:
+                bkey = self._bucket_key(b.prefix, b.m, state, b.gbuf)
+                for bc in b.chunks:
+                    slots = [] if bc.param is None else self._slots[(bc.param.spec.key, state)].get(bc.label, [])
+                    put(bc.rank, bkey, (bc.start,), (bc.end - bc.start,), torch.float32, slots, (b.unpadded,))
+        return out
+
+    def buffers(self) -> list[Buffer]:
+        return [c.buffer for chunks in self._chunks for c in chunks]
 
     def view(self, reader: Reader) -> Reader:
         return self.source if self.source is not None else reader
@@ -330,24 +359,8 @@ class MegatronWriter(Writer):
                 out.write(raw)
                 f.records.append(Record(key, None, f.name, f.at, len(raw)))
                 f.at += len(raw)
-            model_states = ("weight",) + (self.states if self.kind != "dp_reshardable" else ())
-            for key, chunks in self.layout.model.items():
-                for state in model_states:
-                    for c in chunks:
-                        if c.rank == r:
-                            if state != "weight" and (key, state) not in self._slots:
-                                continue  # a buffer: no optimizer state
-                            self._chunk(engine, f, self._tensor_key(key, state), c.offsets, c.sizes,
-                                        self._dtype(state, key), self._slots[(key, state)].get(c.label, []),
-                                        self.layout.maps[key].logical_shape)
-            for b in self.layout.buckets:
-                for state in self.states:
-                    bkey = self._bucket_key(b.prefix, b.m, state, b.gbuf)
-                    for bc in b.chunks:
-                        if bc.rank == r:
-                            slots = [] if bc.param is None else self._slots[(bc.param.spec.key, state)].get(bc.label, [])
-                            self._chunk(engine, f, bkey, (bc.start,), (bc.end - bc.start,), torch.float32, slots,
-                                        (b.unpadded,))
+            for c in self._chunks[r]:
+                self._chunk(engine, f, c)
         with self._lock:
             self.records.extend(f.records)
 
@@ -358,17 +371,13 @@ class MegatronWriter(Writer):
             return self.dtype
         return torch.float32
 
-    def _chunk(self, engine: Any, f: DcpFile, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
-               dtype: torch.dtype, slots: list[Slot], shape: tuple[int, ...]) -> None:
-        n = 1
-        for x in sizes:
-            n *= x
-        buf = Buffer(f"{f.name}:{key}@{list(offsets)}", dtype, n, tuple(slots))
-        f.tensor(key, offsets, dtype, sizes, engine.fill(buf))
+    def _chunk(self, engine: Any, f: DcpFile, c: _Chunk) -> None:
+        dtype = c.buffer.dtype
+        f.tensor(c.key, c.offsets, dtype, c.sizes, engine.fill(c.buffer))
         with self._lock:
-            spec = self.specs.get(key)
-            chunks = (spec.chunks if spec else ()) + ((tuple(offsets), tuple(sizes)),)
-            self.specs[key] = TensorSpec(dtype, tuple(shape), chunks)
+            spec = self.specs.get(c.key)
+            chunks = (spec.chunks if spec else ()) + ((c.offsets, c.sizes),)
+            self.specs[c.key] = TensorSpec(dtype, c.shape, chunks)
 
     def finish(self, staging: Any, gather: Callable[[Any], list], rank: int) -> None:
         """``.metadata``, by process 0, from every process's records."""
@@ -384,3 +393,15 @@ class MegatronWriter(Writer):
         values = [r.key for r in records if r.offsets is None]
         with staging.open(f"{self.folder}/.metadata") as out:
             out.write(metadata_bytes(dict(sorted(specs.items())), values, records, {}))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Chunk:
+    """A declared buffer of a rank's file: tensor ``key``'s chunk at ``offsets`` of ``sizes``, of a
+    tensor of ``shape``."""
+
+    buffer: Buffer
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    shape: tuple[int, ...]
