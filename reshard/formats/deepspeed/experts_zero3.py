@@ -30,11 +30,11 @@ from ...ir.piece import prod
 from ...layouts import autoep_placement, compose_zero, zero3
 from ...layouts.topology import Topology
 from ...storage.torch_zip import save
-from ..contract import OPTIMIZER, Target
+from ..contract import OPTIMIZER, Buffer
 from . import experts as dse
 from . import zero3 as z3
 from . import zero12 as dsw
-from .buffers import partition, want
+from .buffers import Declared, partition, partition_buffers
 from .checkpoint import DeepSpeedCheckpoint
 from .target_experts import ds_affine_entry, uniform_placement
 from .templates import ds_id_notes
@@ -135,10 +135,6 @@ class AutoEPZero3Target:
                             Topology(1, self.edp, self.ep))
         return comp.with_ranks({k * self.ep + e: self.ax.members(e)[k] for e in m.ranks for k in range(self.edp)})
 
-    def buffers(self, t: int, d: int, maps: dict[str, ParamMap]) -> list[tuple[int, list[tuple[int, str]]]]:
-        return [(sg.numel, [(off, n) for n, off in zip(sg.names, sg.offsets) if d in maps[n].shards])
-                for sg in self.subs[0]]
-
     def partition_groups(self, d: int, group_name: str) -> list[dict]:
         """DP rank ``d``'s ``ds_zero_partition_groups`` (``_zero3_partition_group_metadata``)."""
         out = []
@@ -178,16 +174,27 @@ class AutoEPZero3Target:
             cfg["expert_parallel"]["autoep_size"] = self.ep
         self.ds_config = cfg
         self._maps = {n: self.map(n) for n in src.names}
+        self.declared = Declared(self._declare)
 
-    def targets(self) -> list[Target]:
-        return [Target(n, want(s), self._maps[n]) for n in self.src.names for s in OPTIMIZER]  # as partition's slots
+    def buffers(self) -> list[Buffer]:
+        return self.declared.buffers()
+
+    def _declare(self) -> list[Buffer]:
+        """Each DP rank's partition of each sub-group (an expert sub-group's over its EDP ranks)."""
+        out = []
+        for d in range(self.dp):
+            rel = z3.optim_file(d, bf16=self.src.bf16)
+            for k, sg in enumerate(self.subs[0]):
+                frags = [(off, n) for n, off in zip(sg.names, sg.offsets) if d in self._maps[n].shards]
+                out += partition_buffers(f"{rel}:{k}", sg.numel, frags, self._maps.__getitem__, d, OPTIMIZER)
+        return out
 
     def optim(self, engine: Any, d: int) -> dict:
         src, rel = self.src, z3.optim_file(d, bf16=self.src.bf16)
         fp32, moments = [], []
+        declared = self.declared.by_key()
         for k, sg in enumerate(self.subs[0]):
-            frags = [(off, n) for n, off in zip(sg.names, sg.offsets) if d in self._maps[n].shards]
-            flat, views = partition(engine, f"{rel}:{k}", sg.numel, frags, self._maps.__getitem__, d, OPTIMIZER)
+            flat, views = partition(engine, declared, f"{rel}:{k}", sg.numel, OPTIMIZER)
             fp32.append(flat)
             moments.append(views)
         obj = z3.optim_states(src.ck.optim_state(0, 0), subs=self.subs[0], dp=self.dp, fp32=fp32, moments=moments,

@@ -40,10 +40,10 @@ from ...layouts import autoep_placement, compose_zero, replicated
 from ...layouts.topology import Topology
 from ...layouts.zero import FlatGroup
 from ...storage.torch_zip import save
-from ..contract import OPTIMIZER, Target
+from ..contract import OPTIMIZER, Buffer
 from . import experts as dse
 from . import zero12 as dsw
-from .buffers import partition, want
+from .buffers import Declared, partition, partition_buffers
 from .checkpoint import DeepSpeedCheckpoint
 from .moe import LOCAL_RE, _param_groups
 
@@ -349,23 +349,33 @@ class ExpertFiles:
         ms0 = ck.model_state(0)
         self.ds_config = tgt.ds_config(dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=tgt.dp, zero_stage=stage))
         self._composites = {n: tgt.composite(n) for n in tgt.names}
+        self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())  # as the source names them
+        self.declared = Declared(self._declare)
 
-    def targets(self) -> list[Target]:
-        return [Target(n, want(s), self._composites[n]) for n in self.tgt.names for s in OPTIMIZER]  # as partition's slots
+    def buffers(self) -> list[Buffer]:
+        return self.declared.buffers()
+
+    def _declare(self) -> list[Buffer]:
+        """Each DP rank's partition of each group (the expert group's of its EDP rank)."""
+        tgt, out = self.tgt, []
+        for d in range(tgt.dp):
+            for g, grp in enumerate(tgt.groups):
+                q = tgt.partition_of(g, d)
+                frags = [(lo - q * grp.partition, tgt.fill_name(g, i, d)) for i, lo, _ in grp.fragments(q)]
+                out += partition_buffers(f"{dsw.optim_file(0, d, bf16=self.bf16)}:{g}", grp.partition, frags,
+                                         self._composites.__getitem__, d, OPTIMIZER)
+        return out
 
     def optim(self, engine: Any, staging: Any, d: int) -> None:
         """Target DP rank ``d``'s optimizer file: the dense group's partition ``d``, the expert
         group's partition of ``d``'s EDP rank."""
         tgt = self.tgt
-        bf16 = any(p.name.startswith("bf16_") for p in self.ck.optim_files.values())  # as the source names them
-        rel = dsw.optim_file(0, d, bf16=bf16)
+        rel = dsw.optim_file(0, d, bf16=self.bf16)
         fp32, moments, qs = [], [], []
+        declared = self.declared.by_key()
         for g, grp in enumerate(tgt.groups):
-            q = tgt.partition_of(g, d)
-            qs.append(q)
-            frags = [(lo - q * grp.partition, tgt.fill_name(g, i, d)) for i, lo, _ in grp.fragments(q)]
-            flat, views = partition(engine, f"{rel}:{g}", grp.partition, frags, self._composites.__getitem__, d,
-                                    OPTIMIZER)
+            qs.append(tgt.partition_of(g, d))
+            flat, views = partition(engine, declared, f"{rel}:{g}", grp.partition, OPTIMIZER)
             fp32.append(flat)
             moments.append(views)
         obj = dsw.optim_states(self.ck.optim_state(0, 0), groups=tgt.groups, d=d, fp32=fp32, moments=moments,

@@ -28,9 +28,9 @@ from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import compose_zero
 from ...layouts.topology import Topology
-from ..contract import MODULE, MOMENTS, Buffer, Slot, Target
+from ..contract import MODULE, MOMENTS, Buffer, Slot
 from . import zero12 as dsw
-from .buffers import partition, want
+from .buffers import Declared, partition, partition_buffers
 from .templates import Templates
 
 __all__ = ["Zero12Target"]
@@ -71,6 +71,7 @@ class Zero12Target:
         self._composites: dict[str, ParamMap] = {}
         self.states = ("fp32",) + (MOMENTS if tpl.has_moments or not tpl.native else ())
         self.ds_config = dsw.target_ds_config(tpl.cfg, tp=1 if pipe else self.mp, dp=dp, zero_stage=stage)
+        self.declared = Declared(self._declare)
 
     def composite(self, name: str) -> ParamMap:
         """``name``'s target stage map composed with the ZeRO split of its flat groups, over
@@ -84,12 +85,39 @@ class Zero12Target:
             m = self._composites[name] = compose_zero(self.maps[name], zero, self.topology)
         return m
 
-    def targets(self) -> list[Target]:
+    def buffers(self) -> list[Buffer]:
+        return self.declared.buffers()
+
+    def _declare(self) -> list[Buffer]:
+        """Each model-parallel rank's module weights (per group one flat buffer; none in a pipeline's
+        model states), each (model-parallel, DP) rank's optimizer partitions, and the layer files
+        of a pipeline written at another TP degree (each weight's shard)."""
         out = []
-        for n in self.tpl.names:
-            out.append(Target(n, MODULE, self.maps[n]))
-            out += [Target(n, want(s), self.composite(n)) for s in self.states]
+        if not self.pipe:
+            for t in range(self.mp):
+                for g, grp in enumerate(self.groups[t]):
+                    slots = tuple(Slot(off, n, MODULE, self.maps[n], t) for n, off in zip(grp.names, grp.offsets))
+                    out.append(Buffer(f"{dsw.model_file(t)}:{g}", self.tpl.dtype, grp.total, slots))
+        for t in range(self.mp):
+            for d in range(self.dp):
+                rank = self.topology.rank(0, d, t)
+                for g, grp in enumerate(self.groups[t]):
+                    base = d * grp.partition
+                    frags = [(lo - base, grp.names[i]) for i, lo, _ in grp.fragments(d)]
+                    out += partition_buffers(self._optim_key(t, d, g), grp.partition, frags, self.composite, rank,
+                                             self.states)
+        if self.layer_files and self.tp != self.source_ck.tp:
+            for L in sorted({layer for layer, _ in self.layer_files}):
+                for t in range(self.tp):
+                    for key in self.source_ck.layer_state(self.layer_files[(L, 0)]):
+                        m = self.maps[f"{L}.{key}"]
+                        dst = min(m.ranks) + t  # TP rank t of the target stage: stage * tp + t
+                        out.append(Buffer(f"{dsw.layer_file(L, t)}:{key}", self.tpl.dtype, prod(m.shard(dst).shape),
+                                          (Slot(0, f"{L}.{key}", MODULE, m, dst),)))
         return out
+
+    def _optim_key(self, t: int, d: int, g: int) -> str:
+        return f"{dsw.optim_file(t, d, bf16=self.tpl.bf16)}:{g}"
 
     def tp_index(self, rank: int) -> int:
         return rank % self.mp % self.tp
@@ -97,13 +125,10 @@ class Zero12Target:
     # -- files -----------------------------------------------------------------------------------
     def optim(self, engine: Any, t: int, d: int) -> dict:
         """(model-parallel ``t``, DP ``d``)'s optimizer file: per group and state the partition."""
-        rank = self.topology.rank(0, d, t)
         fp32, moments = [], []
+        declared = self.declared.by_key()
         for g, grp in enumerate(self.groups[t]):
-            base = d * grp.partition
-            frags = [(lo - base, grp.names[i]) for i, lo, _ in grp.fragments(d)]
-            flat, views = partition(engine, f"{dsw.optim_file(t, d, bf16=self.tpl.bf16)}:{g}", grp.partition, frags,
-                                    self.composite, rank, self.states)
+            flat, views = partition(engine, declared, self._optim_key(t, d, g), grp.partition, self.states)
             fp32.append(flat)
             moments.append(views)
         return dsw.optim_states(self.tpl.optim_z12(), groups=self.groups[t], d=d, fp32=fp32, moments=moments,
@@ -113,9 +138,9 @@ class Zero12Target:
         """Model-parallel rank ``t``'s module weights: per group one flat buffer, each parameter
         a view at its place; a zero-element shard an empty tensor."""
         views: dict[str, Any] = {}
+        declared = self.declared.by_key()
         for g, grp in enumerate(self.groups[t]):
-            slots = tuple(Slot(off, n, MODULE, self.maps[n], t) for n, off in zip(grp.names, grp.offsets))
-            flat = engine.storage(Buffer(f"{dsw.model_file(t)}:{g}", self.tpl.dtype, grp.total, slots))
+            flat = engine.storage(declared[f"{dsw.model_file(t)}:{g}"])
             for name, off, shape in zip(grp.names, grp.offsets, grp.shapes):
                 views[name] = flat.view(shape, offset=off)
         for name in self.empty[t]:
@@ -158,13 +183,11 @@ class Zero12Target:
         """Layer file ``layer`` of target TP rank ``t``: each parameter's target shard in a storage
         of its own (DeepSpeed clones every tensor before saving), in the source file's key order."""
         state = OrderedDict()
+        declared = self.declared.by_key()
         for key in self.source_ck.layer_state(self.layer_files[(layer, 0)]):
-            name = f"{layer}.{key}"
-            m = self.maps[name]
-            dst = min(m.ranks) + t  # TP rank t of the target stage: stage * tp + t
-            shape = m.shard(dst).shape
-            state[key] = engine.storage(Buffer(f"{dsw.layer_file(layer, t)}:{key}", self.tpl.dtype, prod(shape),
-                                               (Slot(0, name, MODULE, m, dst),))).view(shape)
+            m = self.maps[f"{layer}.{key}"]
+            shape = m.shard(min(m.ranks) + t).shape  # TP rank t of the target stage: stage * tp + t
+            state[key] = engine.storage(declared[f"{dsw.layer_file(layer, t)}:{key}"]).view(shape)
         return state
 
     def jobs(self, engine: Any, staging: Any, archive: Callable[..., Any]) -> list:

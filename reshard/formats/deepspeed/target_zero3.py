@@ -20,10 +20,10 @@ from ...ir.piece import prod
 from ...layouts import compose_zero, zero3
 from ...layouts.topology import Topology
 from ...storage.torch_zip import save
-from ..contract import MOMENTS, Target
+from ..contract import MOMENTS, Buffer
 from . import zero3 as z3
 from . import zero12 as dsw
-from .buffers import partition, want
+from .buffers import Declared, partition, partition_buffers
 from .templates import Templates, ds_id_notes
 
 __all__ = ["Zero3Target"]
@@ -48,6 +48,7 @@ class Zero3Target:
         self.ds_config = dsw.target_ds_config(tpl.cfg, tp=tp, dp=dp, zero_stage=3)
         self._composites: dict[str, ParamMap] = {}
         self.sub_group_size = size
+        self.declared = Declared(self._declare)
 
     def composite(self, name: str) -> ParamMap:
         m = self._composites.get(name)
@@ -60,19 +61,32 @@ class Zero3Target:
             self._composites[name] = m
         return m
 
-    def targets(self) -> list[Target]:
-        return [Target(n, want(s), self.composite(n)) for n in self.tpl.names for s in self.states]
+    def buffers(self) -> list[Buffer]:
+        return self.declared.buffers()
+
+    def _declare(self) -> list[Buffer]:
+        """Each (TP, DP) rank's optimizer partition of each of its sub-groups."""
+        out = []
+        for t in range(self.tp):
+            for d in range(self.dp):
+                rank = self.topology.rank(0, d, t)
+                for k, sg in enumerate(self.subs[t]):
+                    frags = [(off, n) for n, off in zip(sg.names, sg.offsets) if rank in self.composite(n).shards]
+                    out += partition_buffers(self._optim_key(t, d, k), sg.numel, frags, self.composite, rank,
+                                             self.states)
+        return out
+
+    def _optim_key(self, t: int, d: int, k: int) -> str:
+        return f"{z3.optim_file(d, bf16=self.tpl.bf16, t=t)}:{k}"
 
     def tp_index(self, rank: int) -> int:
         return rank % self.tp
 
     def optim(self, engine: Any, t: int, d: int) -> dict:
-        rank = self.topology.rank(0, d, t)
         fp32, moments = [], []
+        declared = self.declared.by_key()
         for k, sg in enumerate(self.subs[t]):
-            frags = [(off, n) for n, off in zip(sg.names, sg.offsets) if rank in self.composite(n).shards]
-            flat, views = partition(engine, f"{z3.optim_file(d, bf16=self.tpl.bf16, t=t)}:{k}", sg.numel, frags,
-                                    self.composite, rank, self.states)
+            flat, views = partition(engine, declared, self._optim_key(t, d, k), sg.numel, self.states)
             fp32.append(flat)
             moments.append(views)
         return z3.optim_states(self.tpl.optim_z3(), subs=self.subs[t], dp=self.dp, fp32=fp32,

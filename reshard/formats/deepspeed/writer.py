@@ -28,7 +28,7 @@ import torch
 from ...errors import CheckpointError, ReshardError
 from ...layouts import replicated
 from ...storage.staging import ArchiveJob
-from ..contract import BEST, Held, Reader, Writer
+from ..contract import BEST, Buffer, Held, Reader, Writer
 from ..table import noun_of
 from . import templates
 from .reader import DeepSpeedNative
@@ -227,8 +227,8 @@ class DeepSpeedWriter(Writer):
                            + (f"; {' and '.join(missing)} zero, as a fresh optimizer holds them" if missing else ""))
 
     # -- the contract ----------------------------------------------------------------------------
-    def targets(self) -> list:
-        return self.kind.targets()
+    def buffers(self) -> list[Buffer]:
+        return self.kind.buffers()
 
     def tp_index(self, rank: int) -> int:
         return self.kind.tp_index(rank) if isinstance(self.kind, (Zero12Target, Zero3Target)) else 0

@@ -22,7 +22,7 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ...storage.staging import ArchiveJob, Prefixed
-from ..contract import Held, Reader, Target, Writer
+from ..contract import Buffer, Held, Reader, Writer
 from ..deepspeed.writer import DeepSpeedWriter
 from .trainer_files import RNG_RE, STATE_FILES
 from .writer import CARRIED
@@ -86,8 +86,8 @@ class TrainerWriter(Writer):
     def tp_index(self, rank: int) -> int:
         return self.inner.tp_index(rank)
 
-    def targets(self) -> list[Target]:
-        return self.inner.targets()
+    def buffers(self) -> list[Buffer]:
+        return self.inner.buffers()
 
     def carries(self, held: Held) -> bool:
         """Trainer's files (copied, the RNG states laid out for the new world) and what the
