@@ -206,17 +206,12 @@ class Writer(ABC):
     keeps_replicas: bool  # each target rank keeps its own copy of a replicated block (same TP)
     extra_sources: tuple[Path, ...] = ()  # paths beside the source it reads (a --layout checkpoint)
 
-    def buffers(self) -> list[Buffer] | None:
+    @abstractmethod
+    def buffers(self) -> list[Buffer]:
         """Every buffer the target's files hold, each a list of slots: what the writer fills,
-        declared once. The engine plans every slot and checks the replicas they read before any
-        output folder exists; :meth:`jobs` then fills exactly these buffers (the same objects:
-        ``engine.fill``/``engine.storage`` refuse any other), each of them, and no other."""
-        return None  # transitional: a writer not yet converted declares targets() instead
-
-    def targets(self) -> list[Target]:
-        """Every (parameter, want, map) its buffers' slots take: derived from :meth:`buffers`."""
-        bufs = self.buffers()
-        return [] if bufs is None else targets_of(bufs)
+        declared once, when it is made. The engine plans what the slots take (:func:`targets_of`)
+        and checks the replicas they read before any output folder exists; :meth:`jobs` then fills
+        exactly these buffers (the same objects: the engine refuses any other), each of them."""
 
     @abstractmethod
     def jobs(self, engine: Any, staging: Any) -> list[Any]:

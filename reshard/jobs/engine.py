@@ -105,7 +105,7 @@ class Engine:
         self._lock = threading.Lock()
         self._targets: list[ParamMap] = []  # keeps every planned target map alive, so its id stays its own
         self.sealed = False  # once staging begins, every slot filled must have been planned (declared) before
-        self.declared: dict[str, Buffer] | None = None  # the writer's buffers by key (None: a transitional writer)
+        self.declared: dict[str, Buffer] = {}  # the writer's buffers by key (Writer.buffers), once declared
         self.segments = 0
         self.reads: dict[str, int] = {}  # elements read per buffer key (the same in any process)
         self.missing: dict[str, set[str]] = defaultdict(set)  # states filled with zeros: state -> names
@@ -144,9 +144,8 @@ class Engine:
     def check_filled(self, filled: Iterable[str]) -> None:
         """Every declared buffer was filled (``filled``: the keys every process filled): a
         declared buffer no job wrote would leave a file without the tensor the plan read for it."""
-        if self.declared is None:
-            return
-        left = [k for k in self.declared if k not in set(filled)]
+        done = set(filled)
+        left = [k for k in self.declared if k not in done]
         if left:
             raise ReshardError(f"internal: the writer's jobs did not fill {len(left)} declared buffer(s): "
                                + ", ".join(left[:5]) + (" ..." if len(left) > 5 else ""))
@@ -211,14 +210,12 @@ class Engine:
     # -- filling -------------------------------------------------------------------------------
     def fill(self, buffer: Buffer) -> WindowFill:
         """``buffer`` produced window by window from the source fragments its slots' plans read."""
-        if self.declared is not None and self.declared.get(buffer.key) is not buffer:
+        if self.declared.get(buffer.key) is not buffer:
             raise ReshardError(f"internal: the writer fills buffer {buffer.key!r}, which its buffers() did not "
                                "declare, so it was not planned before the output folder existed")
         parts: list[tuple[int, Segment, Callable[[], torch.Tensor]]] = []
         powers, read = set(), 0
         for slot in buffer.slots:
-            if self.declared is None:
-                _check_slot(buffer, slot)
             planned = self._plan(slot.name, slot.want, slot.map)
             if planned is None:
                 continue  # a state the source lacks: zeros
@@ -325,8 +322,7 @@ def run(reader: Reader, writer: Writer, out_dir: str | Path, *, workers: int = 1
     verified.forget_pending()  # what an earlier job left unchecked is not this one's
     reader = writer.view(reader)  # the source as the target reads it (never changed by the writer)
     engine = Engine(reader, keeps_replicas=writer.keeps_replicas, policy=policy, target_tp=writer.tp_index)
-    buffers = writer.buffers()  # the writer's one declaration of what it fills
-    targets = engine.declare(buffers) if buffers is not None else writer.targets()
+    targets = engine.declare(writer.buffers())  # the writer's one declaration of what it fills
     accounted = account(reader, writer, targets, drop)
     drift = engine.check_replicas(targets)
     if drift and policy.kind == "error":
