@@ -256,6 +256,14 @@ FIXTURES = {f.name: f for f in [
             "RMSNorm q / kv latent norms; local spec: down projections column-parallel, their norms separate "
             "and replicated); plain Adam; torch_dist", tp=2, model_argv=MLA_MODEL_ARGV,
             cross_checks=[(2, 1, 1, 1)]),
+    Fixture("legacy_tp2_mla", "TP=2, DP=1; multi-latent attention as torch_dist_tp2_mla; plain Adam; legacy "
+            "--ckpt-format torch", tp=2, ckpt_format="torch", model_argv=MLA_MODEL_ARGV),
+    Fixture("torch_dist_mla_moe_tp2_ep2",
+            "DeepSeek-V3 shaped: multi-latent attention as torch_dist_tp2_mla and MoE as "
+            "torch_dist_moe_tp2_ep2_shared_distopt (TP=2 x EP=2 on 2 processes, expert TP 1, layer 0 dense, "
+            "layers 1-2 MoE, 4 experts top-2, a shared expert with its gate, a sigmoid router with an expert "
+            "bias); plain Adam; torch_dist",
+            tp=2, ep=2, etp=1, layers=3, moe=True, model_argv=MLA_MODEL_ARGV, extra_argv=SHARED_MOE_ARGV),
 ]}
 
 # --------------------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
         "attention_dropout": 0.0, "dtype": _DTYPES.get(dtype, "float32"), "torch_dtype": _DTYPES.get(dtype, "float32"),
         "initializer_range": float(getattr(args, "init_method_std", 0.02) or 0.02), "use_cache": True,
     }
+    if arch.mla:
+        return _deepseek_v3(args, arch, base)
     if arch.experts and arch.qk_norm:
         raise ReshardError("args.qk_layernorm = True with experts: a Qwen3-MoE config is not written by reshard")
     if arch.experts:
@@ -66,6 +68,31 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
     else:
         base.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
                     pretraining_tp=1)
+    return base
+
+
+def _deepseek_v3(args: Any, arch: Arch, base: dict[str, Any]) -> dict[str, Any]:
+    """A dense DeepSeek-V3 config for multi-latent attention (``deepseek_v3.json``): the rope
+    part interleaved on both sides (``rope_interleave``), the latent norms present."""
+    m = arch.mla
+    assert m is not None
+    _refuse(args, "rope_type", lambda v: v not in (None, "rope"), "MLA with YaRN RoPE (--rope-type yarn)")
+    _refuse(args, "qk_layernorm", lambda v: not v, "MLA without latent norms (DeepseekV3 always has them)")
+    if float(getattr(args, "mscale_all_dim", 0) or 0) and float(getattr(args, "rotary_scaling_factor", 1) or 1) > 1:
+        raise ReshardError("args.mscale_all_dim with rotary_scaling_factor > 1: a YaRN softmax scale DeepseekV3 "
+                           "applies only with YaRN RoPE")
+    if arch.experts:
+        raise ReshardError("args.num_experts with multi_latent_attention: a DeepSeek-V3 MoE config is not written "
+                           "by reshard yet (dense MLA only)")
+    if base["rms_norm_eps"] != 1e-6:  # DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): eps fixed at 1e-6
+        raise ReshardError(f"args.norm_epsilon = {base['rms_norm_eps']!r} with multi_latent_attention: transformers' "
+                           "DeepseekV3 fixes its latent norms' eps at 1e-6, so no DeepseekV3 config computes this model")
+    base.pop("head_dim")
+    base.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_key_value_heads=arch.heads,
+                q_lora_rank=m.q_lora or None, kv_lora_rank=m.kv_lora, qk_nope_head_dim=m.qk_head,
+                qk_rope_head_dim=m.rope, v_head_dim=m.v_head, rope_interleave=True, attention_bias=False,
+                first_k_dense_replace=arch.layers, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
+                moe_intermediate_size=arch.ffn, n_group=1, topk_group=1, num_nextn_predict_layers=0, pretraining_tp=1)
     return base
 
 

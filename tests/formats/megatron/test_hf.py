@@ -36,11 +36,12 @@ def _export(fixture: str, out) -> tuple:
 
 @pytest.mark.parametrize("fixture", ["torch_dist_tp2_pp2", "legacy_tp2_pp2", "torch_dist_tp2_dp2_distopt",
                                      "torch_dist_moe_ep2", "torch_dist_pp2_vpp2", "torch_dist_pp2_uneven",
-                                     "legacy_pp2_vpp2", "torch_dist_tp2_qk_layernorm"])
+                                     "legacy_pp2_vpp2", "torch_dist_tp2_qk_layernorm", "torch_dist_tp2_mla"])
 def test_hf_export_loads_and_gives_megatron_logits(tmp_path, fixture):
     folder, reader = _export(fixture, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    want = "MixtralForCausalLM" if reader.arch.experts else "Qwen3ForCausalLM" if reader.arch.qk_norm else "LlamaForCausalLM"
+    want = ("DeepseekV3ForCausalLM" if reader.arch.mla else "MixtralForCausalLM" if reader.arch.experts
+            else "Qwen3ForCausalLM" if reader.arch.qk_norm else "LlamaForCausalLM")
     assert type(model).__name__ == want
     sd = model.state_dict()
     written = load_file(str(folder / "model.safetensors"))
