@@ -152,7 +152,8 @@ def oracle_argv(ck, opts, fmt: str) -> list[str]:
     if getattr(ck, "multi_latent_attention", False):  # MLA's shape is not restored by --use-checkpoint-args
         argv += ["--multi-latent-attention", "--kv-lora-rank", str(ck.kv_lora_rank), "--qk-head-dim",
                  str(ck.qk_head_dim), "--qk-pos-emb-head-dim", str(ck.qk_pos_emb_head_dim), "--v-head-dim",
-                 str(ck.v_head_dim), "--kv-channels", str(ck.kv_channels), "--norm-epsilon", repr(ck.layernorm_epsilon)]
+                 str(ck.v_head_dim), "--kv-channels", str(ck.kv_channels), "--norm-epsilon",
+                 repr(getattr(ck, "layernorm_epsilon", None) or ck.norm_epsilon)]
         if ck.q_lora_rank is not None:
             argv += ["--q-lora-rank", str(ck.q_lora_rank)]
         if getattr(ck, "rope_type", None):

@@ -112,9 +112,9 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
 def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, divisible_by: int = 128) -> argparse.Namespace:
     """Megatron-LM ``args`` for the HF model ``cfg`` at TP x PP x DP (see the module doc)."""
     arch = (cfg.get("architectures") or ["?"])[0]
-    if cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral"):
+    if cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3"):
         raise ReshardError(f"config.json: model_type {cfg.get('model_type')!r} ({arch}): reshard imports Llama, "
-                           "Qwen2, Qwen3 and Mistral models into Megatron")
+                           "Qwen2, Qwen3, Mistral and dense DeepSeek-V3 models into Megatron")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (cfg.get("sliding_window") and cfg.get(
             "use_sliding_window")):
         raise ReshardError(f"config.json ({arch}): a non-SwiGLU MLP, MLP biases or sliding windows are not imported")
@@ -150,4 +150,31 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
         adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, seed=1234, micro_batch_size=1, global_batch_size=1,
         train_iters=1, lr_warmup_iters=0,
     )
+    if cfg.get("model_type") == "deepseek_v3":
+        fields.update(_mla_args(cfg, arch))
     return argparse.Namespace(**fields)
+
+
+def _mla_args(cfg: dict, arch: str) -> dict[str, Any]:
+    """Megatron's multi-latent attention fields for a dense DeepSeek-V3 (``deepseek_v3.json``)."""
+    layers = int(cfg["num_hidden_layers"])
+    if int(cfg.get("first_k_dense_replace", 0) or 0) < layers:
+        raise ReshardError(f"config.json ({arch}): first_k_dense_replace = {cfg.get('first_k_dense_replace')} < "
+                           f"{layers} layers: DeepSeek-V3 MoE layers are not imported by reshard yet (dense only)")
+    if not cfg.get("rope_interleave", True):
+        raise ReshardError(f"config.json ({arch}): rope_interleave = false: Megatron's MLA takes the rope part "
+                           "interleaved (rows would need permuting), not imported by reshard")
+    if cfg.get("attention_bias"):
+        raise ReshardError(f"config.json ({arch}): attention_bias: Megatron's MLA projections have no biases")
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    if eps != 1e-6:  # Megatron has one eps for every norm; DeepseekV3's latent norms fix theirs at 1e-6
+        raise ReshardError(f"config.json ({arch}): rms_norm_eps = {eps!r}: DeepseekV3's latent norms use 1e-6 and "
+                           "Megatron one eps for every norm, so no Megatron model computes this one")
+    q_lora = cfg.get("q_lora_rank")
+    return dict(multi_latent_attention=True, q_lora_rank=None if q_lora is None else int(q_lora),
+                kv_lora_rank=int(cfg["kv_lora_rank"]), qk_head_dim=int(cfg["qk_nope_head_dim"]),
+                qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+                kv_channels=int(cfg["v_head_dim"]), group_query_attention=False,
+                num_query_groups=int(cfg["num_attention_heads"]), rope_type="rope", qk_layernorm=True,
+                layernorm_epsilon=eps, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
+                mla_down_proj_fusion=False, cache_mla_latents=False)

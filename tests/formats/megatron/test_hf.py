@@ -100,6 +100,27 @@ def test_qwen3_export_imports_back_bit_exact(tmp_path):
     assert r.hf_config()["architectures"] == ["Qwen3ForCausalLM"]
 
 
+def test_deepseek_v3_export_imports_back_bit_exact(tmp_path):
+    """Multi-latent attention at both ends: the DeepseekV3 export of Megatron's MLA checkpoint,
+    imported into Megatron at TP=2 x PP=2 (column-parallel down projections, replicated latent
+    norms) and exported again, is the same folder of tensors and the same config."""
+    folder, _ = _export("torch_dist_tp2_mla", tmp_path)
+    mg = reshard(folder, tmp_path / "mg", to="megatron", tp=2, pp=2).out_dir
+    r = MegatronReader.open(mg)
+    assert r.arch.mla is not None and (r.arch.tp, r.arch.pp) == (2, 2)
+    assert r.shape("decoder.layers.self_attention.linear_kv_down_proj.weight") == (2, 18, 24)
+    back = convert(mg, tmp_path / "back", fmt="hf").out_dir
+    a, b = load_file(str(folder / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(a) == set(b) and any(k.endswith("kv_a_proj_with_mqa.weight") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    want = json.loads((folder / "config.json").read_text())
+    got = json.loads((back / "config.json").read_text())
+    for k in ("architectures", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "rope_interleave", "rms_norm_eps", "first_k_dense_replace", "hidden_size", "num_hidden_layers"):
+        assert got[k] == want[k], k
+
+
 def test_hf_import_then_megatron_names(tmp_path):
     """The imported checkpoint in Megatron's own names: q/k/v interleaved per query group."""
     src = HF_FIXTURES / "pretrained_llama"

@@ -99,8 +99,14 @@ def test_megatron_loads_the_resharded_checkpoint(tmp_path, fixture, topology, op
           file=sys.stderr)
 
 
-def test_megatron_loads_an_hf_import(tmp_path):
-    out = reshard(HF_FIXTURES / "pretrained_llama", tmp_path / "ckpt", to="megatron", tp=2, pp=1).out_dir
+@pytest.mark.parametrize("source", ["llama", "deepseek_v3"])
+def test_megatron_loads_an_hf_import(tmp_path, source):
+    """An HF folder imported at TP=2: Llama's, and the DeepseekV3 export of the MLA fixture."""
+    from reshard.jobs.convert import convert
+
+    src = (HF_FIXTURES / "pretrained_llama" if source == "llama"
+           else convert(FIXTURES / "torch_dist_tp2_mla", tmp_path / "hf", fmt="hf").out_dir)
+    out = reshard(src, tmp_path / "ckpt", to="megatron", tp=2, pp=1).out_dir
     got = _megatron(out, tmp_path / "reload", {"tp": 2, "pp": 1, "dp": 1}, False)["model"]
     info = json.loads((tmp_path / "reload" / "oracle.json").read_text())
     reader = MegatronReader.open(out)
