@@ -121,6 +121,24 @@ def test_deepseek_v3_export_imports_back_bit_exact(tmp_path):
         assert got[k] == want[k], k
 
 
+def test_hf_deepseek_v3_megatron_hf_round_trip_is_bit_exact(tmp_path):
+    """A DeepseekV3 folder transformers wrote (MLA, dense) -> Megatron at TP=2 x PP=2 -> HF: the
+    same tensors, and the config's MLA widths kept."""
+    src = HF_FIXTURES / "pretrained_deepseek_v3"
+    mg = reshard(src, tmp_path / "mg", to="megatron", tp=2, pp=2).out_dir
+    r = MegatronReader.open(mg)
+    assert r.arch.mla is not None and r.args.q_lora_rank == 16 and r.args.kv_lora_rank == 12
+    back = convert(mg, tmp_path / "back", fmt="hf").out_dir
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    want, got = (json.loads((d / "config.json").read_text()) for d in (src, back))
+    for k in ("architectures", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "rope_interleave", "rms_norm_eps", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
+        assert got[k] == want[k], k
+
+
 def test_hf_import_then_megatron_names(tmp_path):
     """The imported checkpoint in Megatron's own names: q/k/v interleaved per query group."""
     src = HF_FIXTURES / "pretrained_llama"

@@ -61,10 +61,10 @@ CASES = [  # (source, target topology, what Megatron loads)
 ]
 
 
-def _megatron(ckpt: Path, out: Path, topology: dict, optim: bool) -> dict:
+def _megatron(ckpt: Path, out: Path, topology: dict, optim: bool, forward: bool = False) -> dict:
     cmd = [str(VENV / "bin" / "python"), str(ORACLE), str(ckpt), "--out", str(out), "--venv", str(VENV),
            "--tp", str(topology["tp"]), "--pp", str(topology["pp"]), "--dp", str(topology["dp"]),
-           "--ep", str(topology.get("ep", 1))] + ([] if optim else ["--no-optim"])
+           "--ep", str(topology.get("ep", 1))] + ([] if optim else ["--no-optim"]) + (["--forward"] if forward else [])
     if topology.get("etp") is not None:
         cmd += ["--etp", str(topology["etp"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -99,17 +99,27 @@ def test_megatron_loads_the_resharded_checkpoint(tmp_path, fixture, topology, op
           file=sys.stderr)
 
 
-@pytest.mark.parametrize("source", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("source", ["pretrained_llama", "pretrained_deepseek_v3"])
 def test_megatron_loads_an_hf_import(tmp_path, source):
-    """An HF folder imported at TP=2: Llama's, and the DeepseekV3 export of the MLA fixture."""
-    from reshard.jobs.convert import convert
-
-    src = (HF_FIXTURES / "pretrained_llama" if source == "llama"
-           else convert(FIXTURES / "torch_dist_tp2_mla", tmp_path / "hf", fmt="hf").out_dir)
+    """An HF folder transformers wrote, imported at TP=2 (Llama's; DeepseekV3's: MLA), read by
+    Megatron; for MLA, Megatron's forward on it gives transformers' logits."""
+    src = HF_FIXTURES / source
     out = reshard(src, tmp_path / "ckpt", to="megatron", tp=2, pp=1).out_dir
-    got = _megatron(out, tmp_path / "reload", {"tp": 2, "pp": 1, "dp": 1}, False)["model"]
+    mla = source.endswith("deepseek_v3")
+    got = _megatron(out, tmp_path / "reload", {"tp": 2, "pp": 1, "dp": 1}, False, forward=mla)["model"]
     info = json.loads((tmp_path / "reload" / "oracle.json").read_text())
     reader = MegatronReader.open(out)
     for name, (key, idx) in info["names"].items():
         mine = full(reader, key, "weight")[tuple(idx)]
         assert torch.equal(got[name][:mine.shape[0]] if got[name].shape != mine.shape else got[name], mine), name
+    if mla:  # the rope part interleaved on both sides (deepseek_v3.json): equal logits prove it
+        import transformers
+        from safetensors.torch import load_file
+
+        fwd = load_file(str(tmp_path / "reload" / "forward.safetensors"))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+        with torch.no_grad():
+            logits = hf(fwd["input_ids"]).logits
+        diff = float((logits - fwd["logits"][..., :logits.shape[-1]]).abs().max())
+        print(f"{source}: transformers vs Megatron's forward on the import: max |diff| {diff:.2e}", file=sys.stderr)
+        assert diff < 1e-5, diff
