@@ -256,6 +256,10 @@ FIXTURES = {f.name: f for f in [
             "RMSNorm q / kv latent norms; local spec: down projections column-parallel, their norms separate "
             "and replicated); plain Adam; torch_dist", tp=2, model_argv=MLA_MODEL_ARGV,
             cross_checks=[(2, 1, 1, 1)]),
+    Fixture("torch_dist_tp2_dp2_mla_distopt",
+            "TP=2 x DP=2; multi-latent attention as torch_dist_tp2_mla; distributed optimizer, dp_reshardable "
+            "(the MLA linears and latent norms in the bucket's registration order); torch_dist",
+            tp=2, dp=2, distopt=True, model_argv=MLA_MODEL_ARGV),
     Fixture("legacy_tp2_mla", "TP=2, DP=1; multi-latent attention as torch_dist_tp2_mla; plain Adam; legacy "
             "--ckpt-format torch", tp=2, ckpt_format="torch", model_argv=MLA_MODEL_ARGV),
     Fixture("torch_dist_mla_moe_tp2_ep2",

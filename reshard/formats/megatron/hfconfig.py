@@ -171,7 +171,10 @@ def _mla_args(cfg: dict, arch: str) -> dict[str, Any]:
         raise ReshardError(f"config.json ({arch}): rms_norm_eps = {eps!r}: DeepseekV3's latent norms use 1e-6 and "
                            "Megatron one eps for every norm, so no Megatron model computes this one")
     q_lora = cfg.get("q_lora_rank")
-    return dict(multi_latent_attention=True, q_lora_rank=None if q_lora is None else int(q_lora),
+    if q_lora is None:  # MLASelfAttention refuses a q_layernorm without q_lora_rank (QKNormConfigResolver)
+        raise ReshardError(f"config.json ({arch}): q_lora_rank = null (one q_proj, no q norm): Megatron's MLA with "
+                           "latent norms has no such layout (its local spec needs q_lora_rank), not imported")
+    return dict(multi_latent_attention=True, q_lora_rank=int(q_lora),
                 kv_lora_rank=int(cfg["kv_lora_rank"]), qk_head_dim=int(cfg["qk_nope_head_dim"]),
                 qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
                 kv_channels=int(cfg["v_head_dim"]), group_query_attention=False,

@@ -162,3 +162,24 @@ def test_hf_import_without_config_is_refused(tmp_path):
     with pytest.raises(Exception, match="config.json"):
         reshard(src, tmp_path / "out", to="megatron")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("q_lora_rank", None, "q_lora_rank = null"),
+    ("rope_interleave", False, "rope_interleave = false"),
+    ("first_k_dense_replace", 1, "MoE layers are not imported"),
+    ("rms_norm_eps", 1e-5, "rms_norm_eps = 1e-05"),
+])
+def test_deepseek_v3_imports_megatron_cannot_compute_are_refused(tmp_path, field, value, needle):
+    """A DeepSeek-V3 folder whose function no Megatron MLA model computes (or whose MoE layers are
+    not mapped yet) is refused by name, before any output exists."""
+    from reshard.errors import ReshardError
+
+    src = tmp_path / "src"
+    shutil.copytree(HF_FIXTURES / "pretrained_deepseek_v3", src, ignore=shutil.ignore_patterns("reference"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg[field] = value
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ReshardError, match=needle):
+        reshard(src, tmp_path / "out", to="megatron", tp=2)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
