@@ -6,7 +6,8 @@ Each document entry maps one Megatron key to HF names: its stacked axes become `
 repeats of ``sizes`` rows with part ``i`` of every group going to ``hf[i]`` (Megatron's grouped
 ``[q_g k_g v_g]`` rows, SwiGLU's ``[gate; up]`` halves), ``vocab`` keeps only the ``vocab_size``
 rows of a padded vocabulary (the map's valid region) and ``when`` names a condition on the model
-(``qkv_bias``, ``swiglu``, ``untied``, ``experts``, ``qk_layernorm``). Each HF name is then a list of *blocks*: a box
+(``qkv_bias``, ``swiglu``, ``untied``, ``experts``, ``qk_layernorm``; with multi-latent attention
+``mla``, ``q_lora``, ``no_q_lora``: ``deepseek_v3.json``, the default document then). Each HF name is then a list of *blocks*: a box
 of the key's stacked F and where it lands in the HF tensor.
 
 :func:`restrict` turns a key's map into an HF name's map: each shard's elements inside the

@@ -8,8 +8,10 @@ its checkpoint keys and local parameters, from the run's ``args`` alone.
   SwiGLU's fc1 (``[gate_t; up_t]``). Its label is ``flat index * TP + t``.
 * The **stage order** of a pipeline stage is the modules' registration order (embedding, then per
   layer ``input_layernorm, linear_proj, linear_qkv, [q_layernorm, k_layernorm,] pre_mlp_layernorm, [router,] linear_fc1,
-  linear_fc2``, then final norm and output layer): the order of the distributed optimizer's
-  buckets (reversed) and of a legacy optimizer's state indices.
+  linear_fc2``; with MLA ``input_layernorm, linear_proj, linear_q_down_proj, linear_q_up_proj,
+  linear_kv_down_proj, linear_kv_up_proj, q_layernorm, kv_layernorm, pre_mlp_layernorm, …``),
+  then final norm and output layer): the order of the distributed optimizer's buckets (reversed)
+  and of a legacy optimizer's state indices.
 
 What the model does not cover is refused here, naming the ``args`` field, so no route can
 silently misread a layout it does not know.
