@@ -59,7 +59,39 @@ QWEN2_TIED = {
     "eos_token_id": 2,
 }
 
-MODELS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED}
+# DeepSeek-V3 attention (MLA), dense (first_k_dense_replace = layers): q 32 -> 16 -> 4 x (6 + 4),
+# kv 32 -> 12 + 4 (the key's rope part) -> 4 x (6 + 8), out 4 x 8 -> 32; rope part interleaved
+# (rope_interleave, Megatron's MLA layout); eps 1e-6, the latent norms' fixed one.
+DEEPSEEK_V3 = {
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 12,
+    "qk_nope_head_dim": 6,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "num_hidden_layers": 2,
+    "intermediate_size": 72,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 1,
+    "n_shared_experts": 0,
+    "num_experts_per_tok": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 16,
+    "rope_interleave": True,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+MODELS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED, "deepseek_v3": DEEPSEEK_V3}
+MODEL_TYPES = {"llama": "llama", "qwen2_tied": "qwen2", "deepseek_v3": "deepseek_v3"}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CORPUS = [
@@ -241,7 +273,7 @@ def pretrained_recipe(model: str, *, dtype: str = "float32", max_shard_size: str
     """The recipe of a ``save_pretrained`` folder: the model at initialisation (no training)."""
     return {
         "kind": "save_pretrained",
-        "model_type": "qwen2" if model.startswith("qwen2") else "llama",
+        "model_type": MODEL_TYPES[model],
         "model_config": MODELS[model],
         "seed": SEED,
         "data": {"rows": DATASET_ROWS, "seq_len": SEQ_LEN, "first_id": FIRST_ID},

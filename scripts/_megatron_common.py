@@ -100,6 +100,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             normalization=args.normalization,
             qk_l2_norm=args.qk_l2_norm,
         )
+    if args.multi_latent_attention:
+        _mla_core_attention(layer_spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -117,6 +119,28 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
+
+
+def _mla_dot_product_attention():
+    """The local ``DotProductAttention`` taking MLA's ``k_channels`` / ``v_channels`` (the head
+    dims of q·k and of v; Megatron 0.19.2's local class lacks them, TE's takes them). It holds no
+    parameters; its output reshape uses ``kv_channels * heads``, so the recipe sets
+    ``--kv-channels`` to ``--v-head-dim``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *a, k_channels=None, v_channels=None, **kw):
+            super().__init__(*a, **kw)
+
+    return MLADotProductAttention
+
+
+def _mla_core_attention(layer_spec) -> None:
+    """Every layer spec of ``layer_spec`` (one layer's, or a block's) gets that core attention."""
+    cls = _mla_dot_product_attention()
+    specs = getattr(layer_spec, "layer_specs", None) or [layer_spec]
+    for spec in specs:
+        spec.submodules.self_attention.submodules.core_attention = cls
 
 
 def setup():

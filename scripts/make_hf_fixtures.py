@@ -90,6 +90,7 @@ FIXTURES = [
     HfFixture("pretrained_llama_sharded", "pretrained", R.pretrained_recipe("llama", max_shard_size="40KB")),
     HfFixture("pretrained_qwen2_tied", "pretrained", R.pretrained_recipe("qwen2_tied")),
     HfFixture("pretrained_llama_bf16", "pretrained", R.pretrained_recipe("llama", dtype="bfloat16")),
+    HfFixture("pretrained_deepseek_v3", "pretrained", R.pretrained_recipe("deepseek_v3")),  # MLA, dense
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 

@@ -123,6 +123,7 @@ class Fixture:
     fully_reshardable: bool = False
     moe: bool = False
     extra_argv: list[str] = field(default_factory=list)
+    model_argv: list[str] = field(default_factory=lambda: MODEL_ARGV)
     # (tp, pp, dp, ep) reloads compared against the TP=1/PP=1 oracle (Megatron's own resharding)
     cross_checks: list[tuple[int, int, int, int]] = field(default_factory=list)
 
@@ -133,7 +134,7 @@ class Fixture:
     def argv(self, save: Path) -> list[str]:
         a = ["--num-layers", str(self.layers),
              "--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
-             *MODEL_ARGV, *TRAIN_ARGV, *CPU_ARGV,
+             *self.model_argv, *TRAIN_ARGV, *CPU_ARGV,
              "--save", str(save), "--ckpt-format", self.ckpt_format]
         if self.ep > 1 or self.moe:
             a += ["--expert-model-parallel-size", str(self.ep)]
@@ -180,6 +181,19 @@ SHARED_MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-r
                    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                    "--moe-shared-expert-intermediate-size", "28", "--moe-shared-expert-gate",
                    "--moe-layer-freq", "[0,1,1]", "--sequence-parallel"]
+
+# Multi-latent attention (DeepSeek-V3's attention, MLATransformerConfig): no GQA; q down 24 -> 12
+# (q_lora_rank), kv down 24 -> 14 + 4 (kv_lora_rank + the key's rope part), q up 12 -> 4 x (6 + 4)
+# rows, kv up 14 -> 4 x (6 + 5) rows, out 4 x 5 -> 24; RMSNorm q / kv latent norms
+# (--qk-layernorm); plain RoPE (--rope-type rope; MLA's default is YaRN), MLA's own interleaved
+# rope part. --kv-channels = v head dim (the local core attention's output reshape uses it).
+# eps 1e-6: transformers' DeepseekV3 builds its latent norms with a fixed 1e-6.
+MLA_MODEL_ARGV = [a for a in MODEL_ARGV if a not in ("--group-query-attention",)]
+for _flag, _value in (("--num-query-groups", None), ("--kv-channels", "5"), ("--norm-epsilon", "1e-6")):
+    _i = MLA_MODEL_ARGV.index(_flag)
+    MLA_MODEL_ARGV[_i:_i + 2] = [] if _value is None else [_flag, _value]
+MLA_MODEL_ARGV += ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "14", "--qk-head-dim", "6",
+                   "--qk-pos-emb-head-dim", "4", "--v-head-dim", "5", "--rope-type", "rope", "--qk-layernorm"]
 
 FIXTURES = {f.name: f for f in [
     Fixture("torch_dist_tp2_pp2", "TP=2 x PP=2, DP=1; plain (non-distributed) Adam; torch_dist",
@@ -237,6 +251,23 @@ FIXTURES = {f.name: f for f in [
     Fixture("torch_dist_tp2_qk_layernorm",
             "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
             "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),
+    Fixture("torch_dist_tp2_mla",
+            "TP=2, DP=1; multi-latent attention (q_lora_rank 12, kv_lora_rank 14, qk head 6 + rope 4, v head 5; "
+            "RMSNorm q / kv latent norms; local spec: down projections column-parallel, their norms separate "
+            "and replicated); plain Adam; torch_dist", tp=2, model_argv=MLA_MODEL_ARGV,
+            cross_checks=[(2, 1, 1, 1)]),
+    Fixture("torch_dist_tp2_dp2_mla_distopt",
+            "TP=2 x DP=2; multi-latent attention as torch_dist_tp2_mla; distributed optimizer, dp_reshardable "
+            "(the MLA linears and latent norms in the bucket's registration order); torch_dist",
+            tp=2, dp=2, distopt=True, model_argv=MLA_MODEL_ARGV),
+    Fixture("legacy_tp2_mla", "TP=2, DP=1; multi-latent attention as torch_dist_tp2_mla; plain Adam; legacy "
+            "--ckpt-format torch", tp=2, ckpt_format="torch", model_argv=MLA_MODEL_ARGV),
+    Fixture("torch_dist_mla_moe_tp2_ep2",
+            "DeepSeek-V3 shaped: multi-latent attention as torch_dist_tp2_mla and MoE as "
+            "torch_dist_moe_tp2_ep2_shared_distopt (TP=2 x EP=2 on 2 processes, expert TP 1, layer 0 dense, "
+            "layers 1-2 MoE, 4 experts top-2, a shared expert with its gate, a sigmoid router with an expert "
+            "bias); plain Adam; torch_dist",
+            tp=2, ep=2, etp=1, layers=3, moe=True, model_argv=MLA_MODEL_ARGV, extra_argv=SHARED_MOE_ARGV),
 ]}
 
 # --------------------------------------------------------------------------------------------

@@ -149,6 +149,15 @@ def oracle_argv(ck, opts, fmt: str) -> list[str]:
     # what --use-checkpoint-args does not restore
     if getattr(ck, "qk_layernorm", False):
         argv.append("--qk-layernorm")
+    if getattr(ck, "multi_latent_attention", False):  # MLA's shape is not restored by --use-checkpoint-args
+        argv += ["--multi-latent-attention", "--kv-lora-rank", str(ck.kv_lora_rank), "--qk-head-dim",
+                 str(ck.qk_head_dim), "--qk-pos-emb-head-dim", str(ck.qk_pos_emb_head_dim), "--v-head-dim",
+                 str(ck.v_head_dim), "--kv-channels", str(ck.kv_channels), "--norm-epsilon",
+                 repr(getattr(ck, "layernorm_epsilon", None) or ck.norm_epsilon)]
+        if ck.q_lora_rank is not None:
+            argv += ["--q-lora-rank", str(ck.q_lora_rank)]
+        if getattr(ck, "rope_type", None):
+            argv += ["--rope-type", ck.rope_type]
     if getattr(ck, "moe_shared_expert_gate", False):
         argv.append("--moe-shared-expert-gate")
     if opts.etp is not None:

@@ -184,6 +184,10 @@ class Cfg:
         self.first = getattr(a, "decoder_first_pipeline_num_layers", None)
         self.last = getattr(a, "decoder_last_pipeline_num_layers", None)
         self.qk_norm = bool(getattr(a, "qk_layernorm", False))
+        self.mla = bool(getattr(a, "multi_latent_attention", False))
+        if self.mla:  # MLATransformerConfig's widths
+            self.q_lora, self.kv_lora = a.q_lora_rank, a.kv_lora_rank
+            self.qk_head, self.rope, self.v_head = a.qk_head_dim, a.qk_pos_emb_head_dim, a.v_head_dim
 
     def chunk_layers(self, pp: int, vp: int) -> range:
         """Global layers of stage ``pp``'s model chunk ``vp`` (get_transformer_layer_offset): each
@@ -219,14 +223,16 @@ class Cfg:
         return tp, pp, dp, dp % self.EP
 
 
-def key_of(name: str) -> tuple[str, list[int]]:
-    """TP=1/PP=1 state-dict name -> (ShardedTensor key, index along its stacked axes)."""
+def key_of(name: str, mla: bool = False) -> tuple[str, list[int]]:
+    """TP=1/PP=1 state-dict name -> (ShardedTensor key, index along its stacked axes). MLA's local
+    spec keeps its layer norms' module names (no sharded_state_dict_keys_map)."""
     m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
     if not m:
         return name, []
     layer, rest = int(m.group(1)), m.group(2)
-    rest = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}.get(rest, rest)
+    if not mla:
+        rest = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}.get(rest, rest)
     e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$", rest)
     if e:
         return f"decoder.layers.mlp.experts.experts.{e.group(2)}", [layer, int(e.group(1))]
@@ -236,7 +242,8 @@ def key_of(name: str) -> tuple[str, list[int]]:
 def tp_rule(name: str) -> str:
     """How a weight is split over TP: 'col' (dim 0), 'row' (dim 1), 'fc1' (gate/up halves split
     separately), 'rep' (replicated)."""
-    if re.search(r"(linear_qkv\.weight|word_embeddings\.weight|output_layer\.weight)$", name):
+    if re.search(r"(linear_qkv\.weight|word_embeddings\.weight|output_layer\.weight"
+                 r"|linear_q_proj\.weight|linear_(q|kv)_(down|up)_proj\.weight)$", name):  # MLA: all column-parallel
         return "col"
     if re.search(r"experts\.local_experts\.\d+\.linear_fc1\.weight$", name) or name.endswith("mlp.linear_fc1.weight"):
         return "fc1"
@@ -265,7 +272,7 @@ def expected_model_chunks(name, shape, c: Cfg) -> list[tuple[tuple, tuple, tuple
     """The chunk boxes (in the stacked key's coordinates), each with the (tp, pp[, ep]) of the
     ranks that hold it. Which DP replica's file it lands in is not fixed: with DP > 1 the default
     ``--ckpt-fully-parallel-save`` spreads replicated chunks over the DP ranks."""
-    key, idx = key_of(name)
+    key, idx = key_of(name, c.mla)
     rule = tp_rule(name)
     pp = c.stage_of(idx[0]) if idx else (0 if name.startswith("embedding") else c.PP - 1)
     e = re.search(r"local_experts\.(\d+)\.", name)
@@ -397,7 +404,7 @@ def check_torch_dist(fx: Path, rep: Report):
     # model weights: name -> key/index rule, chunk boxes, files, values
     keys_seen = set()
     for name, t in model.items():
-        key, idx = key_of(name)
+        key, idx = key_of(name, c.mla)
         rep.check(oinfo["names"][name] == [key, idx], f"{name}: key rule {key, idx} vs {oinfo['names'][name]}")
         keys_seen.add(key)
         got = sorted((o, s, r) for o, s, r in ck.chunks(key)
@@ -415,7 +422,7 @@ def check_torch_dist(fx: Path, rep: Report):
     sharding = common["content_metadata"].get("distrib_optim_sharding_type")
     if not c.distopt or sharding == "fully_reshardable":
         for name in model:
-            key, idx = key_of(name)
+            key, idx = key_of(name, c.mla)
             # plain Adam: exp_avg, exp_avg_sq; fully_reshardable: also "param" (the fp32 main
             # parameter); each chunked exactly as the model key
             for kind in ("exp_avg", "exp_avg_sq") + (("param",) if c.distopt else ()):
@@ -428,7 +435,7 @@ def check_torch_dist(fx: Path, rep: Report):
                 rep.check(sorted(x[:2] for x in ck.chunks(okey)) == sorted(x[:2] for x in ck.chunks(key)),
                           f"{okey}: not chunked as {key}")
         extra = {k for k in ck.tensor_keys() if k.startswith("optimizer.")} - {
-            f"optimizer.state.{kind}.{key_of(n)[0]}" for n in model
+            f"optimizer.state.{kind}.{key_of(n, c.mla)[0]}" for n in model
             for kind in ("exp_avg", "exp_avg_sq") + (("param",) if c.distopt else ())}
         rep.check(not extra, f"unexplained optimizer keys {sorted(extra)}")
     else:
@@ -578,12 +585,18 @@ def megatron_to_hf(model: dict, c: Cfg) -> dict:
            "lm_head.weight": model["output_layer.weight"]}
     for i in range(c.L):
         p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = model[p + "self_attention.linear_qkv.weight"].view(c.G, c.hpg + 2, c.d, c.H)
-        out[q + "self_attn.q_proj.weight"] = qkv[:, :c.hpg].reshape(c.G * c.hpg * c.d, c.H)
-        out[q + "self_attn.k_proj.weight"] = qkv[:, c.hpg].reshape(c.G * c.d, c.H)
-        out[q + "self_attn.v_proj.weight"] = qkv[:, c.hpg + 1].reshape(c.G * c.d, c.H)
         out[q + "self_attn.o_proj.weight"] = model[p + "self_attention.linear_proj.weight"]
-        if c.qk_norm:  # Qwen3: q_norm / k_norm over the head dim, as Megatron's q/k_layernorm
+        if c.mla:  # DeepseekV3: one for one (rows per head [nope; rope], [nope; v]; rope part interleaved alike)
+            for hf, mg in (("q_a_proj", "linear_q_down_proj"), ("q_b_proj", "linear_q_up_proj"),
+                           ("q_a_layernorm", "q_layernorm"), ("kv_a_proj_with_mqa", "linear_kv_down_proj"),
+                           ("kv_b_proj", "linear_kv_up_proj"), ("kv_a_layernorm", "kv_layernorm")):
+                out[f"{q}self_attn.{hf}.weight"] = model[f"{p}self_attention.{mg}.weight"]
+        else:
+            qkv = model[p + "self_attention.linear_qkv.weight"].view(c.G, c.hpg + 2, c.d, c.H)
+            out[q + "self_attn.q_proj.weight"] = qkv[:, :c.hpg].reshape(c.G * c.hpg * c.d, c.H)
+            out[q + "self_attn.k_proj.weight"] = qkv[:, c.hpg].reshape(c.G * c.d, c.H)
+            out[q + "self_attn.v_proj.weight"] = qkv[:, c.hpg + 1].reshape(c.G * c.d, c.H)
+        if c.qk_norm and not c.mla:  # Qwen3: q_norm / k_norm over the head dim, as Megatron's q/k_layernorm
             out[q + "self_attn.q_norm.weight"] = model[p + "self_attention.q_layernorm.weight"]
             out[q + "self_attn.k_norm.weight"] = model[p + "self_attention.k_layernorm.weight"]
         out[q + "input_layernorm.weight"] = model[p + "input_layernorm.weight"]
@@ -614,7 +627,18 @@ def check_hf_forward(fx: Path, c: Cfg, args, rep: Report):
                   num_key_value_heads=c.G, head_dim=c.d, rms_norm_eps=c.eps,
                   max_position_embeddings=args.max_position_embeddings, tie_word_embeddings=False,
                   attention_bias=False, rope_theta=float(c.rope_base))
-    if c.E:
+    if c.mla and c.E:
+        print(f"  {fx.name}: MLA with experts: no HF forward check here (DeepSeek-V3 MoE names are not mapped)")
+        return
+    if c.mla:
+        common.update(num_key_value_heads=c.heads, q_lora_rank=c.q_lora, kv_lora_rank=c.kv_lora,
+                      qk_nope_head_dim=c.qk_head, qk_rope_head_dim=c.rope, v_head_dim=c.v_head, rope_interleave=True,
+                      first_k_dense_replace=c.L, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
+                      n_group=1, topk_group=1)
+        common.pop("head_dim")
+        cfg = transformers.DeepseekV3Config(intermediate_size=c.F, **common)
+        hf = transformers.DeepseekV3ForCausalLM(cfg)
+    elif c.E:
         cfg = transformers.MixtralConfig(intermediate_size=c.Fe, num_local_experts=c.E,
                                          num_experts_per_tok=args.moe_router_topk, **common)
         hf = transformers.MixtralForCausalLM(cfg)

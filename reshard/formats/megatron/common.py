@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .model import EXPERTS, PROJ, QKV, SHARED, Arch
+from .model import EXPERTS, SHARED, Arch
 
 __all__ = ["KINDS", "args_for", "buffer_dtype", "common_state", "default_groups", "extra_state_keys"]
 
@@ -120,7 +120,8 @@ def extra_state_keys(arch: Arch) -> list[str]:
     values), experts' one per layer and expert; per-layer keys (mixed layers) name the layer."""
     def modules(moe: bool) -> list[str]:
         mlp = [SHARED] if moe and arch.shared_ffn else [] if moe else ["decoder.layers.mlp"]
-        return [PROJ, QKV] + [f"{m}.{w}" for m in mlp for w in ("linear_fc1", "linear_fc2")]
+        attn = [f"decoder.layers.self_attention.{n}" for n in arch.attention_linears()]
+        return attn + [f"{m}.{w}" for m in mlp for w in ("linear_fc1", "linear_fc2")]
 
     experts = [f"{EXPERTS}.{w}" for w in ("linear_fc1", "linear_fc2")]
     if arch.per_layer:

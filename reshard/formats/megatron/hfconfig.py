@@ -50,6 +50,8 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
         "attention_dropout": 0.0, "dtype": _DTYPES.get(dtype, "float32"), "torch_dtype": _DTYPES.get(dtype, "float32"),
         "initializer_range": float(getattr(args, "init_method_std", 0.02) or 0.02), "use_cache": True,
     }
+    if arch.mla:
+        return _deepseek_v3(args, arch, base)
     if arch.experts and arch.qk_norm:
         raise ReshardError("args.qk_layernorm = True with experts: a Qwen3-MoE config is not written by reshard")
     if arch.experts:
@@ -69,6 +71,31 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
     return base
 
 
+def _deepseek_v3(args: Any, arch: Arch, base: dict[str, Any]) -> dict[str, Any]:
+    """A dense DeepSeek-V3 config for multi-latent attention (``deepseek_v3.json``): the rope
+    part interleaved on both sides (``rope_interleave``), the latent norms present."""
+    m = arch.mla
+    assert m is not None
+    _refuse(args, "rope_type", lambda v: v not in (None, "rope"), "MLA with YaRN RoPE (--rope-type yarn)")
+    _refuse(args, "qk_layernorm", lambda v: not v, "MLA without latent norms (DeepseekV3 always has them)")
+    if float(getattr(args, "mscale_all_dim", 0) or 0) and float(getattr(args, "rotary_scaling_factor", 1) or 1) > 1:
+        raise ReshardError("args.mscale_all_dim with rotary_scaling_factor > 1: a YaRN softmax scale DeepseekV3 "
+                           "applies only with YaRN RoPE")
+    if arch.experts:
+        raise ReshardError("args.num_experts with multi_latent_attention: a DeepSeek-V3 MoE config is not written "
+                           "by reshard yet (dense MLA only)")
+    if base["rms_norm_eps"] != 1e-6:  # DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): eps fixed at 1e-6
+        raise ReshardError(f"args.norm_epsilon = {base['rms_norm_eps']!r} with multi_latent_attention: transformers' "
+                           "DeepseekV3 fixes its latent norms' eps at 1e-6, so no DeepseekV3 config computes this model")
+    base.pop("head_dim")
+    base.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_key_value_heads=arch.heads,
+                q_lora_rank=m.q_lora or None, kv_lora_rank=m.kv_lora, qk_nope_head_dim=m.qk_head,
+                qk_rope_head_dim=m.rope, v_head_dim=m.v_head, rope_interleave=True, attention_bias=False,
+                first_k_dense_replace=arch.layers, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
+                moe_intermediate_size=arch.ffn, n_group=1, topk_group=1, num_nextn_predict_layers=0, pretraining_tp=1)
+    return base
+
+
 def _rope_theta(cfg: dict) -> float:
     params = cfg.get("rope_parameters") or {}
     if params.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
@@ -85,9 +112,9 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
 def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, divisible_by: int = 128) -> argparse.Namespace:
     """Megatron-LM ``args`` for the HF model ``cfg`` at TP x PP x DP (see the module doc)."""
     arch = (cfg.get("architectures") or ["?"])[0]
-    if cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral"):
+    if cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3"):
         raise ReshardError(f"config.json: model_type {cfg.get('model_type')!r} ({arch}): reshard imports Llama, "
-                           "Qwen2, Qwen3 and Mistral models into Megatron")
+                           "Qwen2, Qwen3, Mistral and dense DeepSeek-V3 models into Megatron")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (cfg.get("sliding_window") and cfg.get(
             "use_sliding_window")):
         raise ReshardError(f"config.json ({arch}): a non-SwiGLU MLP, MLP biases or sliding windows are not imported")
@@ -123,4 +150,34 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
         adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, seed=1234, micro_batch_size=1, global_batch_size=1,
         train_iters=1, lr_warmup_iters=0,
     )
+    if cfg.get("model_type") == "deepseek_v3":
+        fields.update(_mla_args(cfg, arch))
     return argparse.Namespace(**fields)
+
+
+def _mla_args(cfg: dict, arch: str) -> dict[str, Any]:
+    """Megatron's multi-latent attention fields for a dense DeepSeek-V3 (``deepseek_v3.json``)."""
+    layers = int(cfg["num_hidden_layers"])
+    if int(cfg.get("first_k_dense_replace", 0) or 0) < layers:
+        raise ReshardError(f"config.json ({arch}): first_k_dense_replace = {cfg.get('first_k_dense_replace')} < "
+                           f"{layers} layers: DeepSeek-V3 MoE layers are not imported by reshard yet (dense only)")
+    if not cfg.get("rope_interleave", True):
+        raise ReshardError(f"config.json ({arch}): rope_interleave = false: Megatron's MLA takes the rope part "
+                           "interleaved (rows would need permuting), not imported by reshard")
+    if cfg.get("attention_bias"):
+        raise ReshardError(f"config.json ({arch}): attention_bias: Megatron's MLA projections have no biases")
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    if eps != 1e-6:  # Megatron has one eps for every norm; DeepseekV3's latent norms fix theirs at 1e-6
+        raise ReshardError(f"config.json ({arch}): rms_norm_eps = {eps!r}: DeepseekV3's latent norms use 1e-6 and "
+                           "Megatron one eps for every norm, so no Megatron model computes this one")
+    q_lora = cfg.get("q_lora_rank")
+    if q_lora is None:  # MLASelfAttention refuses a q_layernorm without q_lora_rank (QKNormConfigResolver)
+        raise ReshardError(f"config.json ({arch}): q_lora_rank = null (one q_proj, no q norm): Megatron's MLA with "
+                           "latent norms has no such layout (its local spec needs q_lora_rank), not imported")
+    return dict(multi_latent_attention=True, q_lora_rank=int(q_lora),
+                kv_lora_rank=int(cfg["kv_lora_rank"]), qk_head_dim=int(cfg["qk_nope_head_dim"]),
+                qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+                kv_channels=int(cfg["v_head_dim"]), group_query_attention=False,
+                num_query_groups=int(cfg["num_attention_heads"]), rope_type="rope", qk_layernorm=True,
+                layernorm_epsilon=eps, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
+                mla_down_proj_fusion=False, cache_mla_latents=False)

@@ -6,7 +6,8 @@ Each document entry maps one Megatron key to HF names: its stacked axes become `
 repeats of ``sizes`` rows with part ``i`` of every group going to ``hf[i]`` (Megatron's grouped
 ``[q_g k_g v_g]`` rows, SwiGLU's ``[gate; up]`` halves), ``vocab`` keeps only the ``vocab_size``
 rows of a padded vocabulary (the map's valid region) and ``when`` names a condition on the model
-(``qkv_bias``, ``swiglu``, ``untied``, ``experts``, ``qk_layernorm``). Each HF name is then a list of *blocks*: a box
+(``qkv_bias``, ``swiglu``, ``untied``, ``experts``, ``qk_layernorm``; with multi-latent attention
+``mla``, ``q_lora``, ``no_q_lora``: ``deepseek_v3.json``, the default document then). Each HF name is then a list of *blocks*: a box
 of the key's stacked F and where it lands in the HF tensor.
 
 :func:`restrict` turns a key's map into an HF name's map: each shard's elements inside the
@@ -36,6 +37,7 @@ from .model import Arch
 __all__ = ["Block", "HfParam", "hf_params", "load_document", "restrict"]
 
 LLAMA = Path(__file__).with_name("llama.json")
+DEEPSEEK_V3 = Path(__file__).with_name("deepseek_v3.json")  # multi-latent attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +76,11 @@ def _document(path: str) -> dict:
     return doc
 
 
-def load_document(doc: str | Path | Mapping | None = None) -> dict:
-    """The mapping document: the built-in Llama one, a path, or a dict."""
+def load_document(doc: str | Path | Mapping | None = None, arch: Arch | None = None) -> dict:
+    """The mapping document: the built-in one (DeepSeek-V3's for multi-latent attention, else
+    Llama's), a path, or a dict."""
     if doc is None:
-        return _document(str(LLAMA))
+        return _document(str(DEEPSEEK_V3 if arch is not None and arch.mla else LLAMA))
     if isinstance(doc, Mapping):
         return dict(doc)
     return _document(str(doc))
@@ -93,7 +96,9 @@ def _holds(arch: Arch, cond: str | list | None) -> bool:
     if isinstance(cond, list):
         return all(_holds(arch, c) for c in cond)
     conds = {"qkv_bias": arch.qkv_bias, "swiglu": arch.swiglu, "untied": not arch.tied, "tied": arch.tied,
-             "experts": bool(arch.experts), "dense": not arch.experts, "qk_layernorm": arch.qk_norm, None: True}
+             "experts": bool(arch.experts), "dense": not arch.experts, "qk_layernorm": arch.qk_norm,
+             "mla": arch.mla is not None, "q_lora": bool(arch.mla and arch.mla.q_lora),
+             "no_q_lora": bool(arch.mla and not arch.mla.q_lora), None: True}
     if cond not in conds:
         raise ReshardError(f"architecture mapping: unknown condition {cond!r} (one of {sorted(c for c in conds if c)})")
     return conds[cond]
@@ -115,7 +120,7 @@ def hf_params(arch: Arch, doc: Mapping | None = None) -> list[HfParam]:
                 else "mixed dense and MoE layers")
         raise ReshardError(f"Hugging Face names of a Megatron MoE model with {what} (Qwen2-MoE / DeepSeek-V3 "
                            "shaped) are not mapped by reshard yet; use Megatron names (--names megatron)")
-    doc = load_document(doc)
+    doc = load_document(doc, arch)
     sizes = _sizes(arch)
     specs = {s.key: s for s in arch.keys()}
     entries = [e for e in doc.get("params", []) if _holds(arch, e.get("when"))]

@@ -8,8 +8,10 @@ its checkpoint keys and local parameters, from the run's ``args`` alone.
   SwiGLU's fc1 (``[gate_t; up_t]``). Its label is ``flat index * TP + t``.
 * The **stage order** of a pipeline stage is the modules' registration order (embedding, then per
   layer ``input_layernorm, linear_proj, linear_qkv, [q_layernorm, k_layernorm,] pre_mlp_layernorm, [router,] linear_fc1,
-  linear_fc2``, then final norm and output layer): the order of the distributed optimizer's
-  buckets (reversed) and of a legacy optimizer's state indices.
+  linear_fc2``; with MLA ``input_layernorm, linear_proj, linear_q_down_proj, linear_q_up_proj,
+  linear_kv_down_proj, linear_kv_up_proj, q_layernorm, kv_layernorm, pre_mlp_layernorm, …``),
+  then final norm and output layer): the order of the distributed optimizer's buckets (reversed)
+  and of a legacy optimizer's state indices.
 
 What the model does not cover is refused here, naming the ``args`` field, so no route can
 silently misread a layout it does not know.
@@ -27,7 +29,7 @@ from typing import Any
 from ...errors import CheckpointError
 from ...ir.piece import prod
 
-__all__ = ["Arch", "KeySpec", "LocalParam", "bucket_layout"]
+__all__ = ["MLA", "Arch", "KeySpec", "LocalParam", "bucket_layout"]
 
 QKV, PROJ = "decoder.layers.self_attention.linear_qkv", "decoder.layers.self_attention.linear_proj"
 FC1, FC2 = "decoder.layers.mlp.linear_fc1", "decoder.layers.mlp.linear_fc2"
@@ -99,7 +101,7 @@ def _refuse_unsupported(args: Any, where: str) -> None:
         ("pipeline_model_parallel_layout", lambda v: v is not None, "a custom pipeline layout"),
         ("account_for_embedding_in_pipeline_split", bool, "pipeline splits counting the embedding"),
         ("account_for_loss_in_pipeline_split", bool, "pipeline splits counting the loss"),
-        ("multi_latent_attention", bool, "multi-latent attention"),
+        ("mla_down_proj_fusion", bool, "fused MLA q/kv down projections (linear_qkv_down_proj)"),
         ("moe_grouped_gemm", bool, "grouped-GEMM experts (TEGroupedMLP keys)"),
         ("add_bias_linear", bool, "linear-layer biases (add_bias_linear)"),
         ("context_parallel_size", lambda v: v not in (None, 1), "context parallelism"),
@@ -108,6 +110,10 @@ def _refuse_unsupported(args: Any, where: str) -> None:
     for field, bad, what in checks:
         if bad(_get(args, field)):
             raise CheckpointError(f"{where}: args.{field} = {_get(args, field)!r}: {what} are not read by reshard")
+    if _get(args, "multi_latent_attention") and _get(args, "transformer_impl", "local") != "local":
+        raise CheckpointError(f"{where}: args.transformer_impl = {_get(args, 'transformer_impl')!r} with "
+                              "multi_latent_attention: only the local spec's MLA keys are read by reshard (Transformer "
+                              "Engine's fold the latent norms into the up projections)")
     for field in ("heterogeneous_block_specs", "hetereogenous_dist_checkpoint"):
         if _get(args, field):
             raise CheckpointError(f"{where}: args.{field} = {_get(args, field)!r}: heterogeneous layers are not read "
@@ -130,6 +136,26 @@ def _moe_pattern(args: Any, layers: int, where: str) -> tuple[tuple[bool, ...] |
     if len(freq) != layers or any(x not in (0, 1) or isinstance(x, bool) for x in freq):
         raise CheckpointError(f"{where}: args.moe_layer_freq = {list(freq)!r}: not one 0 / 1 per layer of {layers}")
     return tuple(bool(x) for x in freq), True
+
+
+@dataclass(frozen=True, slots=True)
+class MLA:
+    """Multi-latent attention's widths (``MLATransformerConfig``): ``q_lora`` 0 means no q
+    down projection (one ``linear_q_proj``); the key's rope part (``rope``) is the tail of the kv
+    down projection's rows, shared by every head."""
+
+    q_lora: int
+    kv_lora: int
+    qk_head: int
+    rope: int
+    v_head: int
+
+    @classmethod
+    def from_args(cls, args: Any) -> MLA | None:
+        if not _get(args, "multi_latent_attention"):
+            return None
+        return cls(int(_get(args, "q_lora_rank") or 0), int(args.kv_lora_rank), int(args.qk_head_dim),
+                   int(args.qk_pos_emb_head_dim), int(args.v_head_dim))
 
 
 @dataclass(frozen=True)
@@ -163,13 +189,15 @@ class Arch:
     expert_bias: bool = False  # the router's expert_bias buffer (moe_router_enable_expert_bias)
     moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every one, with experts)
     per_layer: bool = False  # keys per layer (mixed layers), not stacked over layers
+    mla: MLA | None = None  # multi-latent attention's widths (--multi-latent-attention)
 
     @classmethod
     def from_args(cls, args: Any, where: str) -> Arch:
         _refuse_unsupported(args, where)
         try:
             heads = int(args.num_attention_heads)
-            groups = int(args.num_query_groups) if _get(args, "group_query_attention") else heads
+            mla = MLA.from_args(args)
+            groups = int(args.num_query_groups) if _get(args, "group_query_attention") and not mla else heads
             hidden = int(args.hidden_size)
             tp = int(_get(args, "tensor_model_parallel_size", 1) or 1)
             experts = int(_get(args, "num_experts") or 0)
@@ -194,7 +222,7 @@ class Arch:
                 shared_gate=bool(experts and _get(args, "moe_shared_expert_intermediate_size")
                                  and _get(args, "moe_shared_expert_gate")),
                 expert_bias=bool(experts and _get(args, "moe_router_enable_expert_bias")),
-                moe_layers=pattern, per_layer=per_layer)
+                moe_layers=pattern, per_layer=per_layer, mla=mla)
         except (AttributeError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: args lack what the model shape needs ({type(e).__name__}: {e})") from None
         arch.check(where)
@@ -216,6 +244,11 @@ class Arch:
             need(self.moe_ffn % self.etp == 0, f"moe_ffn_hidden_size does not divide over expert TP={self.etp}")
             need((self.tp * self.dp) % (self.etp * self.ep) == 0, "expert TP x EP does not divide TP x DP")
             need(self.shared_ffn % self.tp == 0, f"the shared expert's ffn does not divide over TP={self.tp}")
+        if self.mla:
+            m = self.mla
+            need(m.q_lora % self.tp == 0 and (m.kv_lora + m.rope) % self.tp == 0,
+                 f"the q / kv down projections ({m.q_lora}, {m.kv_lora} + {m.rope} rows) do not divide over "
+                 f"TP={self.tp}")
 
     # -- pipeline stages -------------------------------------------------------------------------
     @property
@@ -284,20 +317,51 @@ class Arch:
     def is_moe(self, layer: int) -> bool:
         return bool(self.experts) and (self.moe_layers is None or self.moe_layers[layer])
 
+    def attention_linears(self) -> list[str]:
+        """The attention's linear modules in registration order (``decoder.layers.self_attention.…``)."""
+        if not self.mla:
+            return ["linear_proj", "linear_qkv"]
+        q = ["linear_q_down_proj", "linear_q_up_proj"] if self.mla.q_lora else ["linear_q_proj"]
+        return ["linear_proj", *q, "linear_kv_down_proj", "linear_kv_up_proj"]
+
+    def _mla_keys(self) -> list[KeySpec]:
+        """MLA's attention keys (``MLASelfAttention``, local spec) in registration order: every
+        projection column-parallel (rows split over TP, the down projections' too: their output is
+        gathered), ``linear_proj`` row-parallel, the latent norms replicated."""
+        m, h, heads = self.mla, self.hidden, self.heads
+        assert m is not None
+        rows = {"linear_q_down_proj": (m.q_lora, h), "linear_q_up_proj": (heads * (m.qk_head + m.rope), m.q_lora),
+                "linear_q_proj": (heads * (m.qk_head + m.rope), h), "linear_kv_down_proj": (m.kv_lora + m.rope, h),
+                "linear_kv_up_proj": (heads * (m.qk_head + m.v_head), m.kv_lora),
+                "linear_proj": (h, heads * m.v_head)}
+        out = [KeySpec(f"decoder.layers.self_attention.{n}.weight", f"self_attention.{n}.weight", rows[n],
+                       "cols" if n == "linear_proj" else "rows", 1) for n in self.attention_linears()]
+        if self.qk_norm:  # q_layernorm over q_lora (when q is projected down), kv_layernorm over kv_lora
+            norms = ([("q_layernorm", m.q_lora)] if m.q_lora else []) + [("kv_layernorm", m.kv_lora)]
+            out += [KeySpec(f"decoder.layers.self_attention.{n}.weight", f"self_attention.{n}.weight", (w,), "rep", 1)
+                    for n, w in norms]
+        return out
+
     def _layer_keys(self, moe: bool) -> list[KeySpec]:
         """One layer's keys in registration order, stacked over layers (and experts)."""
         h, fc1 = self.hidden, (2 * self.ffn if self.swiglu else self.ffn)
         fc1_split = "halves" if self.swiglu else "rows"
-        layer = [KeySpec(f"{QKV}.layer_norm_weight", "input_layernorm.weight", (h,), "rep", 1),
-                 KeySpec(f"{PROJ}.weight", "self_attention.linear_proj.weight", (h, self.heads * self.head_dim),
-                         "cols", 1),
-                 KeySpec(f"{QKV}.weight", "self_attention.linear_qkv.weight", (self.qkv_rows, h), "rows", 1)]
-        if self.qkv_bias:
+        # MLA's local spec keeps the layer norms under their module names (no sharded-state-dict key map)
+        norm_keys = (("decoder.layers.input_layernorm.weight", "decoder.layers.pre_mlp_layernorm.weight") if self.mla
+                     else (f"{QKV}.layer_norm_weight", f"{FC1}.layer_norm_weight"))
+        layer = [KeySpec(norm_keys[0], "input_layernorm.weight", (h,), "rep", 1)]
+        if self.mla:
+            layer += self._mla_keys()
+        else:
+            layer += [KeySpec(f"{PROJ}.weight", "self_attention.linear_proj.weight", (h, self.heads * self.head_dim),
+                              "cols", 1),
+                      KeySpec(f"{QKV}.weight", "self_attention.linear_qkv.weight", (self.qkv_rows, h), "rows", 1)]
+        if self.qkv_bias and not self.mla:
             layer.append(KeySpec(f"{QKV}.bias", "self_attention.linear_qkv.bias", (self.qkv_rows,), "rows", 1))
-        if self.qk_norm:  # registered after linear_qkv; replicated over TP (per head, every head alike)
+        if self.qk_norm and not self.mla:  # registered after linear_qkv; replicated over TP (per head, every head alike)
             layer += [KeySpec(f"decoder.layers.self_attention.{n}.weight", f"self_attention.{n}.weight",
                               (self.head_dim,), "rep", 1) for n in ("q_layernorm", "k_layernorm")]
-        layer.append(KeySpec(f"{FC1}.layer_norm_weight", "pre_mlp_layernorm.weight", (h,), "rep", 1))
+        layer.append(KeySpec(norm_keys[1], "pre_mlp_layernorm.weight", (h,), "rep", 1))
         if moe:  # MoELayer: router, experts, shared experts (gate_weight, its own, before its linears)
             efc1 = (2 * self.moe_ffn if self.swiglu else self.moe_ffn, h)
             layer.append(KeySpec(f"{ROUTER}.weight", "mlp.router.weight", (self.experts, h), "rep", 1))

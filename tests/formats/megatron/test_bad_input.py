@@ -216,12 +216,12 @@ def test_a_bucket_without_its_fp32_params_is_refused(tmp_path):
     ("moe_layer_freq", [0, 1], "args.moe_layer_freq = [0, 1]: not one 0 / 1 per layer of 3"),
     ("moe_layer_freq", 2, "no tensor 'decoder.layers.0.mlp.router.weight'"),  # [1, 0, 1]: layer 0 MoE
     ("mtp_num_layers", 1, "args.mtp_num_layers = 1: multi-token prediction layers are not read by reshard"),
-    ("multi_latent_attention", True, "multi-latent attention are not read by reshard"),
+    ("multi_latent_attention", True, "the bucket layout args imply"),  # MLA at Megatron's default widths
     ("moe_grouped_gemm", True, "grouped-GEMM experts"),
     ("moe_shared_expert_intermediate_size", 31, "shared expert's ffn does not divide over TP=2"),
 ])
 def test_moe_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, value, needle):
-    """Shared experts, expert bias and mixed layers are read; what is still not (MTP, MLA, grouped GEMM) or
+    """Shared experts, expert bias and mixed layers are read; what is still not (MTP, grouped GEMM) or
     what the files contradict is refused naming the args field or the missing key."""
     src = _copy(tmp_path, "torch_dist_moe_tp2_ep2_shared_distopt")
     it = src / "iter_0000003"
@@ -230,3 +230,40 @@ def test_moe_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, val
     setattr(args, field, value)
     _plant(it, "common_state/shard_0_1", dict(common, args=args))
     _refused(src, tmp_path, needle, fmt="dcp")  # Megatron names (HF names of shared experts: not mapped yet)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("transformer_impl", "transformer_engine", "only the local spec's MLA keys are read"),
+    ("mla_down_proj_fusion", True, "fused MLA q/kv down projections"),
+    ("kv_lora_rank", 16, "decoder.layers.self_attention.linear_kv_down_proj.weight"),  # files hold 14 + 4 rows
+    ("qk_pos_emb_head_dim", 5, "do not divide over TP=2"),  # 14 + 5 kv down rows over TP 2
+])
+def test_mla_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, value, needle):
+    src = _copy(tmp_path, "torch_dist_tp2_mla")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    setattr(args, field, value)
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    _refused(src, tmp_path, needle, fmt="dcp")
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("layernorm_epsilon", 1e-5, "fixes its latent norms' eps at 1e-6"),
+    ("rope_type", "yarn", "MLA with YaRN RoPE"),
+    ("rotary_interleaved", True, "interleaved RoPE"),
+])
+def test_mla_models_no_deepseek_v3_config_computes_are_refused(tmp_path, field, value, needle):
+    """The HF export of MLA: where transformers' DeepseekV3 computes another function, no folder."""
+    from reshard.errors import ReshardError
+
+    src = _copy(tmp_path, "torch_dist_tp2_mla")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    setattr(args, field, value)
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    out = tmp_path / "out"
+    with pytest.raises(ReshardError, match=needle):
+        convert(src, out, fmt="hf")
+    assert not out.exists() or not any(out.iterdir())

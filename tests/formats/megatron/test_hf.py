@@ -36,11 +36,12 @@ def _export(fixture: str, out) -> tuple:
 
 @pytest.mark.parametrize("fixture", ["torch_dist_tp2_pp2", "legacy_tp2_pp2", "torch_dist_tp2_dp2_distopt",
                                      "torch_dist_moe_ep2", "torch_dist_pp2_vpp2", "torch_dist_pp2_uneven",
-                                     "legacy_pp2_vpp2", "torch_dist_tp2_qk_layernorm"])
+                                     "legacy_pp2_vpp2", "torch_dist_tp2_qk_layernorm", "torch_dist_tp2_mla"])
 def test_hf_export_loads_and_gives_megatron_logits(tmp_path, fixture):
     folder, reader = _export(fixture, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    want = "MixtralForCausalLM" if reader.arch.experts else "Qwen3ForCausalLM" if reader.arch.qk_norm else "LlamaForCausalLM"
+    want = ("DeepseekV3ForCausalLM" if reader.arch.mla else "MixtralForCausalLM" if reader.arch.experts
+            else "Qwen3ForCausalLM" if reader.arch.qk_norm else "LlamaForCausalLM")
     assert type(model).__name__ == want
     sd = model.state_dict()
     written = load_file(str(folder / "model.safetensors"))
@@ -99,6 +100,45 @@ def test_qwen3_export_imports_back_bit_exact(tmp_path):
     assert r.hf_config()["architectures"] == ["Qwen3ForCausalLM"]
 
 
+def test_deepseek_v3_export_imports_back_bit_exact(tmp_path):
+    """Multi-latent attention at both ends: the DeepseekV3 export of Megatron's MLA checkpoint,
+    imported into Megatron at TP=2 x PP=2 (column-parallel down projections, replicated latent
+    norms) and exported again, is the same folder of tensors and the same config."""
+    folder, _ = _export("torch_dist_tp2_mla", tmp_path)
+    mg = reshard(folder, tmp_path / "mg", to="megatron", tp=2, pp=2).out_dir
+    r = MegatronReader.open(mg)
+    assert r.arch.mla is not None and (r.arch.tp, r.arch.pp) == (2, 2)
+    assert r.shape("decoder.layers.self_attention.linear_kv_down_proj.weight") == (2, 18, 24)
+    back = convert(mg, tmp_path / "back", fmt="hf").out_dir
+    a, b = load_file(str(folder / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(a) == set(b) and any(k.endswith("kv_a_proj_with_mqa.weight") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    want = json.loads((folder / "config.json").read_text())
+    got = json.loads((back / "config.json").read_text())
+    for k in ("architectures", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "rope_interleave", "rms_norm_eps", "first_k_dense_replace", "hidden_size", "num_hidden_layers"):
+        assert got[k] == want[k], k
+
+
+def test_hf_deepseek_v3_megatron_hf_round_trip_is_bit_exact(tmp_path):
+    """A DeepseekV3 folder transformers wrote (MLA, dense) -> Megatron at TP=2 x PP=2 -> HF: the
+    same tensors, and the config's MLA widths kept."""
+    src = HF_FIXTURES / "pretrained_deepseek_v3"
+    mg = reshard(src, tmp_path / "mg", to="megatron", tp=2, pp=2).out_dir
+    r = MegatronReader.open(mg)
+    assert r.arch.mla is not None and r.args.q_lora_rank == 16 and r.args.kv_lora_rank == 12
+    back = convert(mg, tmp_path / "back", fmt="hf").out_dir
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    want, got = (json.loads((d / "config.json").read_text()) for d in (src, back))
+    for k in ("architectures", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "rope_interleave", "rms_norm_eps", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
+        assert got[k] == want[k], k
+
+
 def test_hf_import_then_megatron_names(tmp_path):
     """The imported checkpoint in Megatron's own names: q/k/v interleaved per query group."""
     src = HF_FIXTURES / "pretrained_llama"
@@ -121,4 +161,25 @@ def test_hf_import_without_config_is_refused(tmp_path):
     shutil.copy(HF_FIXTURES / "pretrained_llama" / "model.safetensors", src)
     with pytest.raises(Exception, match="config.json"):
         reshard(src, tmp_path / "out", to="megatron")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("q_lora_rank", None, "q_lora_rank = null"),
+    ("rope_interleave", False, "rope_interleave = false"),
+    ("first_k_dense_replace", 1, "MoE layers are not imported"),
+    ("rms_norm_eps", 1e-5, "rms_norm_eps = 1e-05"),
+])
+def test_deepseek_v3_imports_megatron_cannot_compute_are_refused(tmp_path, field, value, needle):
+    """A DeepSeek-V3 folder whose function no Megatron MLA model computes (or whose MoE layers are
+    not mapped yet) is refused by name, before any output exists."""
+    from reshard.errors import ReshardError
+
+    src = tmp_path / "src"
+    shutil.copytree(HF_FIXTURES / "pretrained_deepseek_v3", src, ignore=shutil.ignore_patterns("reference"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg[field] = value
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ReshardError, match=needle):
+        reshard(src, tmp_path / "out", to="megatron", tp=2)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -42,6 +42,11 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_pp2_uneven", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),  # uneven buckets
     ("torch_dist_pp2_uneven", dict(tp=2, pp=3, dp=1), True),
     ("torch_dist_tp2_qk_layernorm", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),
+    ("torch_dist_tp2_mla", dict(tp=1, pp=1, dp=1), True),
+    ("torch_dist_tp2_mla", dict(tp=2, pp=2, dp=1, optimizer="dp_reshardable"), True),
+    ("legacy_tp2_mla", dict(tp=1, pp=2, dp=1), True),
+    ("torch_dist_mla_moe_tp2_ep2", dict(tp=1, pp=1, dp=1, ep=1), True),
+    ("torch_dist_mla_moe_tp2_ep2", dict(tp=2, pp=1, dp=2, ep=2, etp=2), True),
     # shared experts + gate, expert bias, mixed dense / MoE layers; expert TP apart from TP (folded) or not
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=2, pp=1, dp=1, ep=2, etp=1), True),
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=2, pp=1, dp=2, ep=2, etp=2), True),
@@ -56,10 +61,10 @@ CASES = [  # (source, target topology, what Megatron loads)
 ]
 
 
-def _megatron(ckpt: Path, out: Path, topology: dict, optim: bool) -> dict:
+def _megatron(ckpt: Path, out: Path, topology: dict, optim: bool, forward: bool = False) -> dict:
     cmd = [str(VENV / "bin" / "python"), str(ORACLE), str(ckpt), "--out", str(out), "--venv", str(VENV),
            "--tp", str(topology["tp"]), "--pp", str(topology["pp"]), "--dp", str(topology["dp"]),
-           "--ep", str(topology.get("ep", 1))] + ([] if optim else ["--no-optim"])
+           "--ep", str(topology.get("ep", 1))] + ([] if optim else ["--no-optim"]) + (["--forward"] if forward else [])
     if topology.get("etp") is not None:
         cmd += ["--etp", str(topology["etp"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -94,11 +99,27 @@ def test_megatron_loads_the_resharded_checkpoint(tmp_path, fixture, topology, op
           file=sys.stderr)
 
 
-def test_megatron_loads_an_hf_import(tmp_path):
-    out = reshard(HF_FIXTURES / "pretrained_llama", tmp_path / "ckpt", to="megatron", tp=2, pp=1).out_dir
-    got = _megatron(out, tmp_path / "reload", {"tp": 2, "pp": 1, "dp": 1}, False)["model"]
+@pytest.mark.parametrize("source", ["pretrained_llama", "pretrained_deepseek_v3"])
+def test_megatron_loads_an_hf_import(tmp_path, source):
+    """An HF folder transformers wrote, imported at TP=2 (Llama's; DeepseekV3's: MLA), read by
+    Megatron; for MLA, Megatron's forward on it gives transformers' logits."""
+    src = HF_FIXTURES / source
+    out = reshard(src, tmp_path / "ckpt", to="megatron", tp=2, pp=1).out_dir
+    mla = source.endswith("deepseek_v3")
+    got = _megatron(out, tmp_path / "reload", {"tp": 2, "pp": 1, "dp": 1}, False, forward=mla)["model"]
     info = json.loads((tmp_path / "reload" / "oracle.json").read_text())
     reader = MegatronReader.open(out)
     for name, (key, idx) in info["names"].items():
         mine = full(reader, key, "weight")[tuple(idx)]
         assert torch.equal(got[name][:mine.shape[0]] if got[name].shape != mine.shape else got[name], mine), name
+    if mla:  # the rope part interleaved on both sides (deepseek_v3.json): equal logits prove it
+        import transformers
+        from safetensors.torch import load_file
+
+        fwd = load_file(str(tmp_path / "reload" / "forward.safetensors"))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+        with torch.no_grad():
+            logits = hf(fwd["input_ids"]).logits
+        diff = float((logits - fwd["logits"][..., :logits.shape[-1]]).abs().max())
+        print(f"{source}: transformers vs Megatron's forward on the import: max |diff| {diff:.2e}", file=sys.stderr)
+        assert diff < 1e-5, diff

@@ -37,7 +37,13 @@ def _hf_of(model: dict, name: str, reader: MegatronReader) -> torch.Tensor:
         return t[:a.vocab] if name != "model.norm.weight" else t
     i, rest = m.groups()
     p = f"decoder.layers.{i}."
-    qkv = model[p + "self_attention.linear_qkv.weight"].view(a.groups, a.per_group + 2, a.head_dim, a.hidden)
+    mla = {"q_a_proj": "linear_q_down_proj", "q_b_proj": "linear_q_up_proj", "q_a_layernorm": "q_layernorm",
+           "kv_a_proj_with_mqa": "linear_kv_down_proj", "kv_b_proj": "linear_kv_up_proj",
+           "kv_a_layernorm": "kv_layernorm"}
+    if a.mla and rest.startswith("self_attn.") and rest.split(".")[1] in mla:  # one for one (deepseek_v3.json)
+        return model[f"{p}self_attention.{mla[rest.split('.')[1]]}.weight"]
+    qkv = model.get(p + "self_attention.linear_qkv.weight")
+    qkv = qkv.view(a.groups, a.per_group + 2, a.head_dim, a.hidden) if qkv is not None else None
     fc1 = model.get(p + "mlp.linear_fc1.weight")
     experts = range(a.experts)
     return {

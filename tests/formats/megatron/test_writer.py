@@ -32,6 +32,10 @@ CASES = [
     ("torch_dist_pp2_uneven", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
     ("torch_dist_pp2_uneven", dict(tp=2, pp=3, dp=1), "adam"),
     ("torch_dist_tp2_qk_layernorm", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
+    # multi-latent attention: the column-parallel down projections and their replicated norms
+    ("torch_dist_tp2_mla", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
+    ("legacy_tp2_mla", dict(tp=1, pp=1, dp=1), "adam"),
+    ("torch_dist_mla_moe_tp2_ep2", dict(tp=1, pp=3, dp=2, ep=2, optimizer="fully_reshardable"), "fully_reshardable"),
     # shared experts + gate, expert bias, layer 0 dense: TP1 x EP1; PP3 (a layer per stage) with expert TP kept
     # apart (1); expert TP = TP (2) with the experts' fc1 halves split
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=1, ep=1), "dp_reshardable"),
