@@ -213,3 +213,21 @@ def test_cover_is_the_whole_blocks_a_shard_touches():
     assert torch.equal(extract(c, full, 2), full[:32]) and torch.equal(extract(c, full, 3), full[16:])
     r = row_parallel((40, 44), 2, ranks=[0, 1])
     assert torch.equal(extract(cover(r, (16, 16)), full.T.contiguous()[:40], 1), full.T.contiguous()[:40, 16:])
+
+
+def test_default_choice_is_the_weights_transformers_quantized():
+    """With the model's config, the sync quantizes exactly the weights transformers' FP8 quantizer
+    quantized in the committed fixture (``fp8_qwen2``: its payloads beside a ``weight_scale_inv``)."""
+    import struct
+
+    from tests.support.paths import HF
+
+    folder = HF / "fp8_qwen2"
+    config = json.loads((folder / "config.json").read_text())
+    raw = (folder / "model.safetensors").read_bytes()
+    doc = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    header = {n: tuple(e["shape"]) for n, e in doc.items() if n != "__metadata__"}
+    quantized = {n[:-len("_scale_inv")] for n in header if n.endswith("_scale_inv")}
+    shapes = {n: s for n, s in header.items() if not n.endswith("_scale_inv")}
+    assert quantized and Fp8Block((16, 32), hf_config=config).chosen(shapes) == quantized
+    assert Fp8Block((16, 32)).chosen(shapes) == quantized  # by name: the same here
