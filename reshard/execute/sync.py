@@ -52,25 +52,36 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError, ReshardError, ShardError, TransferError
+from ..errors import PlanError, QuantizedError, ReshardError, ShardError, TransferError
 from ..ir.apply import view_of
 from ..ir.param_map import ParamMap
+from ..ir.piece import prod
 from ..layouts.inference import Placed, check_placed, placed
 from ..plan.planner import plan_for_rank
 from .live import _transfer_device, _Wire
 from .memory import Workspace
 from .sync_program import Bound, Param, Program, compile_program, post_round, rounds_for, run_copy
+from .sync_quant import (
+    COVER,
+    Fp8Block,
+    QuantTarget,
+    RankQuant,
+    compile_rank,
+    quantize_rank,
+    quantized_targets,
+)
 
-__all__ = ["WeightSync"]
+__all__ = ["Fp8Block", "WeightSync"]
 
 
 @dataclass(frozen=True, slots=True)
 class _Expect:
     """What a push must hand this rank: source shards by name (shape), engine tensors by name
-    (shape)."""
+    (shape; their dtype where it is not the sync's: FP8 payloads and their scales)."""
 
     sources: dict[str, tuple[int, ...]]
     targets: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
 
 
 class WeightSync:
@@ -85,14 +96,26 @@ class WeightSync:
     (``None``: one round). ``group``: the process group (default: the world); every rank of it
     constructs the sync and calls every push. ``device``: where shards live (default: the current
     CUDA device under NCCL, else CPU). ``cost`` / ``allow_inexact_scale``: as for the planner.
+    ``quantize``: an :class:`Fp8Block`: the weights it chooses arrive as FP8 E4M3 payloads (the engine
+    tensor ``into``, ``float8_e4m3fn``) and their scales (``into + "_scale_inv"``), equal to
+    transformers' ``Fp8Quantize`` of the full weight in ``dtype`` sliced, whatever the trainer's
+    shard boundaries; only the whole blocks each engine rank's shard touches travel
+    (:mod:`reshard.execute.sync_quant`).
 
     Raises :class:`~reshard.PlanError` (on every rank, alike) when the maps cannot be planned or the
     ranks' plans do not fit together, :class:`~reshard.MapError` for an impossible placement."""
 
     def __init__(self, source_maps: Mapping[str, ParamMap], target_maps: Mapping[str, ParamMap | Placed],
                  dtype: torch.dtype = torch.bfloat16, max_inflight_bytes: int | None = None, group=None, *,
-                 device: torch.device | str | None = None, cost=None, allow_inexact_scale: bool = False) -> None:
+                 device: torch.device | str | None = None, cost=None, allow_inexact_scale: bool = False,
+                 quantize: Fp8Block | None = None) -> None:
         self.group, self.dtype, self.limit = group, dtype, max_inflight_bytes
+        if quantize is not None and not isinstance(quantize, Fp8Block):
+            raise PlanError(f"WeightSync: quantize must be an Fp8Block, got {type(quantize).__name__}")
+        self.quantize = quantize
+        self._quant: dict[str, QuantTarget] = {}
+        self._quant_plans: list[RankQuant] = []
+        self._covers: dict[str, torch.Tensor] = {}
         self.me, self.world = dist.get_rank(group), dist.get_world_size(group)
         if self.me < 0:
             raise PlanError("WeightSync: this process is not a member of the group")
@@ -110,9 +133,14 @@ class WeightSync:
         try:
             targets = _as_placed(source_maps, target_maps)
             check_placed(targets)
+            if quantize is not None:
+                chosen = quantize.chosen({n: m.logical_shape for n, m in source_maps.items()})
+                targets, self._quant = quantized_targets(targets, chosen, quantize)
             rank_of = self._group_ranks(source_maps, targets)
             src = {n: m.with_ranks(rank_of) for n, m in source_maps.items()}
             self._targets = {n: t.with_ranks(rank_of) for n, t in targets.items()}
+            self._quant = {n: QuantTarget(n, q.cover.with_ranks(rank_of), q.payload.with_ranks(rank_of),
+                                          q.scale.with_ranks(rank_of)) for n, q in self._quant.items()}
             self.plan = plan_for_rank(src, {n: t.map for n, t in self._targets.items()}, self.me, cost=cost,
                                       allow_inexact_scale=allow_inexact_scale)
         except ReshardError as e:  # every rank must learn of it, or the others would wait on this one
@@ -139,20 +167,28 @@ class WeightSync:
         return {r: dist.get_group_rank(self.group, r) for r in ranks}
 
     def _expected(self) -> _Expect:
-        me, sources, engine = self.me, {}, {}
+        me, sources, engine, dtypes = self.me, {}, {}, {}
         for n in self.names:
             p = self.plan.params[n]
             if me in p.source_shards:
                 sources[n] = tuple(p.source_shards[me])
-            t = self._targets[n]
-            if me in t.shapes:
-                engine[t.into] = tuple(t.shapes[me])
-        return _Expect(sources, engine)
+            q = self._quant.get(n)
+            for t, dtype in (((q.payload, torch.float8_e4m3fn), (q.scale, self.quantize.scale_dtype))  # type: ignore[union-attr]
+                             if q is not None else ((self._targets[n], self.dtype),)):
+                if me in t.shapes:
+                    engine[t.into] = tuple(t.shapes[me])
+                    if dtype != self.dtype:
+                        dtypes[t.into] = dtype
+            rq = compile_rank(q, me, self.quantize.block) if q is not None else None  # type: ignore[union-attr]
+            if rq is not None:
+                self._quant_plans.append(rq)
+        return _Expect(sources, engine, dtypes)
 
     def _link_digests(self) -> tuple[dict[int, list[int]], set[int]]:
         sends: dict[int, hashlib.blake2b] = {}
         recvs: dict[int, hashlib.blake2b] = {}
-        opts = repr((str(self.dtype), self.limit)).encode()
+        fp8 = None if self.quantize is None else (self.quantize.block, self.quantize.scale, sorted(self._quant))
+        opts = repr((str(self.dtype), self.limit, fp8)).encode()
         for n in self.names:
             p = self.plan.params[n]
             for s in p.segments:
@@ -181,7 +217,7 @@ class WeightSync:
             if q != self.me and got[q][:2] != [sent[q][1], sent[q][0]]:
                 a, b = sorted((self.me, q))
                 problems.append(f"ranks {a} and {b} (of the group) hold plans that disagree on what moves "
-                                f"between them (or on dtype, max_inflight_bytes)")
+                                f"between them (or on dtype, max_inflight_bytes, quantize)")
         plans = [self.plan.params[n] for n in self.names]
         rounds, small = rounds_for(plans, self.me, self.esize, self.limit, lambda q: got[q][2])
         if small:
@@ -231,8 +267,18 @@ class WeightSync:
                 self._src_dtypes = {n: local[n].dtype for n in self._expect.sources}
                 self._compile()
             self._run(self._bind(local, given))
+            if self._quant:
+                self._encode(given)
         self.pushes += 1
         return into
+
+    def _encode(self, given) -> None:
+        """Quantize the covers that landed here into the engine's FP8 tensors; a block FP8 cannot
+        hold (NaN, inf) on any rank makes every rank raise :class:`~reshard.QuantizedError` naming
+        it, with no engine tensor of this step written by the failing rank."""
+        into = {n: t.detach().view(-1) for n, t in given.items()}
+        lines = quantize_rank(self._quant_plans, self._covers, into, self.quantize, self.me)  # type: ignore[arg-type]
+        self._agree(lines, QuantizedError, "a weight cannot be quantized")
 
     def _problems(self, local, given) -> list[str]:
         me, exp, out = self.me, self._expect, []
@@ -245,7 +291,8 @@ class WeightSync:
         for name, shape in exp.sources.items():
             out += self._tensor_problem(f"source {name!r}", local.get(name), shape, self._src_dtypes.get(name), True)
         for name, shape in exp.targets.items():
-            out += self._tensor_problem(f"engine tensor {name!r}", given.get(name), shape, self.dtype, False)
+            out += self._tensor_problem(f"engine tensor {name!r}", given.get(name), shape,
+                                        exp.dtypes.get(name, self.dtype), False)
         return out
 
     def _tensor_problem(self, what: str, t, shape, dtype, source: bool) -> list[str]:
@@ -274,10 +321,14 @@ class WeightSync:
         before = self.workspace.nbytes
         self._staging = self.workspace.get(self._program.staging_bytes, self.device) if self._program.staging_bytes else None
         self.allocated_bytes = self.workspace.nbytes - before
+        # the covers of the quantized parameters this rank receives: staging of the sync's dtype, kept
+        self._covers = {rq.name: torch.empty(prod(rq.cover_shape), dtype=self.dtype, device=self.device)
+                        for rq in self._quant_plans}
 
     def _bind(self, local, given) -> Bound:
         sources = {self._index[n]: t.detach().view(-1) for n, t in local.items()}
         targets = {n: t.detach().view(-1) for n, t in given.items()}
+        targets.update({rq.name + COVER: self._covers[rq.name] for rq in self._quant_plans})
         return Bound(sources, targets, self._staging, self._program.scratch_at)
 
     def _run(self, b: Bound) -> None:

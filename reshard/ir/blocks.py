@@ -23,7 +23,7 @@ from .param_map import ParamMap
 from .piece import Piece, View, is_int, prod, row_major_strides
 from .shard import Shard
 
-__all__ = ["block_grid", "coarsen"]
+__all__ = ["block_grid", "block_runs", "coarsen", "cover", "shard_axes"]
 
 Run = tuple[int, int, int]  # (lo, hi, dest): S indices [lo, hi) of one dim at scale-shard index dest on
 
@@ -41,12 +41,59 @@ def coarsen(payload: ParamMap, block: tuple[int, ...]) -> ParamMap:
     b = _full_block(logical, block)
     grid = block_grid(logical, b)
     runs = {r: _shard_runs(r, s, logical, b) for r, s in payload.shards.items()}
+    valid = block_grid(payload.valid_shape, b) if payload.is_padded else None
+    return _map_of_runs(grid, runs, valid)
+
+
+def cover(payload: ParamMap, block: tuple[int, ...]) -> ParamMap:
+    """The map of the whole blocks each rank's payload shard touches (a block at F's edge cropped
+    to F), per dim in the order :func:`coarsen`'s scale shard holds their scales: what a rank must
+    hold to quantize its payload shard exactly, each of its blocks from the whole block. Where a
+    shard boundary cuts a block, the ranks on both sides hold all of it (a replicated piece)."""
+    logical = payload.logical_shape
+    b = _full_block(logical, block)
+    runs = {r: block_runs(payload, r, b) for r in payload.shards}
+    return _map_of_runs(logical, {r: None if per is None else _elements(per, logical, b) for r, per in runs.items()},
+                        None)
+
+
+def block_runs(payload: ParamMap, rank: int, block: tuple[int, ...]) -> list[list[Run]] | None:
+    """Per dim, the runs ``(lo, hi, dest)`` of blocks rank ``rank``'s payload shard touches, at their
+    places ``dest`` in its scale shard (:func:`coarsen`'s), in blocks; ``None`` where it holds none."""
+    logical = payload.logical_shape
+    return _shard_runs(rank, payload.shards[rank], logical, _full_block(logical, block))
+
+
+def shard_axes(payload: ParamMap, rank: int) -> list[list[tuple[int, int, int]]] | None:
+    """Rank ``rank``'s shard as one index map per dim: ``(dest lo, dest hi, F lo)`` intervals, dest
+    coordinate ``x`` in ``[lo, hi)`` holding F coordinate ``F lo + x - lo``; ``None`` where it holds none.
+    Raises :class:`MapError` for a shard that is no product of per-dim index maps."""
+    axes = _shard_axes(rank, payload.shards[rank], payload.logical_shape)
+    return None if axes is None else [[(lo, hi, lo + off) for lo, hi, off in dim] for dim in axes]
+
+
+def _elements(per: list[list[Run]], logical: tuple[int, ...], b: tuple[int, ...]) -> list[list[Run]]:
+    """Block runs as element runs (the last block of a dim cropped to F), at cumulative places."""
+    out = []
+    for runs, n, k in zip(per, logical, b):
+        dim, at = [], 0
+        for lo, hi, _ in runs:
+            e0, e1 = lo * k, min(hi * k, n)
+            dim.append((e0, e1, at))
+            at += e1 - e0
+        out.append(dim)
+    return out
+
+
+def _map_of_runs(grid: tuple[int, ...], runs: Mapping[int, list[list[Run]] | None],
+                 valid: tuple[int, ...] | None) -> ParamMap:
+    """The canonical map whose shard on each rank is the product of its per-dim runs of ``grid``."""
     holders = [_holders({r: [(lo, hi) for lo, hi, _ in per[d]] for r, per in runs.items() if per is not None})
-               for d in range(len(logical))]
+               for d in range(len(grid))]
     shards = {}
     for r, per in runs.items():
-        if per is None:  # a rank holding none of the payload holds none of its scales
-            shards[r] = Shard((0,) * len(logical), ())
+        if per is None:  # a rank holding none of the payload holds none of its blocks
+            shards[r] = Shard((0,) * len(grid), ())
             continue
         shape = tuple(sum(hi - lo for lo, hi, _ in dim) for dim in per)
         pieces = []
@@ -54,7 +101,6 @@ def coarsen(payload: ParamMap, block: tuple[int, ...]) -> ParamMap:
             locations = frozenset.intersection(*(h for _, _, _, h in cell))
             pieces.append(_box(grid, shape, cell, locations))
         shards[r] = Shard(shape, tuple(pieces))
-    valid = block_grid(payload.valid_shape, b) if payload.is_padded else None
     return canonicalize(ParamMap(grid, shards, valid))
 
 
@@ -68,6 +114,12 @@ def _full_block(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ..
 
 def _shard_runs(rank: int, shard: Shard, logical: tuple[int, ...], b: tuple[int, ...]) -> list[list[Run]] | None:
     """Per dim, the runs of S the shard touches at their scale-shard places (``None``: it holds nothing)."""
+    axes = _shard_axes(rank, shard, logical)
+    return None if axes is None else [_dim_runs(segments, k) for segments, k in zip(axes, b)]
+
+
+def _shard_axes(rank: int, shard: Shard, logical: tuple[int, ...]) -> list[list[list[int]]] | None:
+    """Per dim, the shard's index map as merged ``[dest lo, dest hi, F lo - dest lo]`` segments."""
     if len(shard.shape) != len(logical):
         raise MapError(f"rank {rank}: a {len(shard.shape)}-d shard of a {len(logical)}-d payload is not a product "
                        "of per-dim index maps (a flat partition): its block scales have no map")
@@ -90,12 +142,12 @@ def _shard_runs(rank: int, shard: Shard, logical: tuple[int, ...], b: tuple[int,
                     per_dim[d] += [(at[d] + j * hop, at[d] + j * hop + 1, lo + j * step) for j in range(n)]
     if not per_dim[0]:
         return None
-    return [_dim_runs(rank, d, sorted(set(spans)), k) for d, (spans, k) in enumerate(zip(per_dim, b))]
+    return [_dim_segments(rank, d, sorted(set(spans))) for d, spans in enumerate(per_dim)]
 
 
-def _dim_runs(rank: int, d: int, spans: list[tuple[int, int, int]], k: int) -> list[Run]:
+def _dim_segments(rank: int, d: int, spans: list[tuple[int, int, int]]) -> list[list[int]]:
     """Dim ``d``'s index map (dest intervals with their F starts, sorted) checked to be one function
-    of the dest coordinate, as runs of the blocks it touches (``k`` per block), each block once."""
+    of the dest coordinate, merged: ``[dest lo, dest hi, F lo - dest lo]``."""
     segments: list[list[int]] = []  # [dest lo, dest hi, F lo - dest lo]
     for lo, hi, f in spans:
         if segments and lo <= segments[-1][1] and f - lo == segments[-1][2]:
@@ -105,6 +157,12 @@ def _dim_runs(rank: int, d: int, spans: list[tuple[int, int, int]], k: int) -> l
                            f"{lo + segments[-1][2]} in another: the shard is not a product of per-dim index maps")
         else:
             segments.append([lo, hi, f - lo])
+    return segments
+
+
+def _dim_runs(segments: list[list[int]], k: int) -> list[Run]:
+    """A dim's segments as runs of the blocks they touch (``k`` per block), each block once, in
+    order of first touch."""
     runs: list[Run] = []
     placed: list[tuple[int, int]] = []
     dest = 0

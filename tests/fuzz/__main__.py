@@ -1,4 +1,4 @@
-"""``python -m tests.fuzz [--seed S] [--budget N] [--work DIR] [--cases I,J] [--families F,G]``: the large fuzz run (``make fuzz``),
+"""``python -m tests.fuzz [--seed S] [--budget N] [--work DIR] [--cases I,J] [--families F,G] [--sources A,B]``: the large fuzz run (``make fuzz``),
 printing the classification table; exits 1 if any run failed (silent wrong output, traceback,
 hang, partial folder left, pickle ran, a refusal naming no file)."""
 
@@ -28,6 +28,8 @@ def main() -> int:
                    help="run only these cases of the seed's list (a failure's case numbers, to re-check a fix)")
     p.add_argument("--families", default=None, metavar="F,G,...",
                    help=f"only these mutation families (of {', '.join(FAMILIES)}); the sources they apply to")
+    p.add_argument("--sources", default=None, metavar="A,B,...",
+                   help="only these fixtures (by name, e.g. fp8_qwen2,mxfp4_gpt_oss)")
     args = p.parse_args()
     families = tuple(args.families.split(",")) if args.families else FAMILIES
     unknown = [f for f in families if f not in FAMILIES]
@@ -40,7 +42,13 @@ def main() -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
-        cases = generate(args.seed, args.budget, sources(work), families)
+        srcs = sources(work)
+        if args.sources:
+            wanted_src = set(args.sources.split(","))
+            if wanted_src - {s.name for s in srcs}:
+                p.error(f"unknown sources {sorted(wanted_src - {s.name for s in srcs})}")
+            srcs = [s for s in srcs if s.name in wanted_src]
+        cases = generate(args.seed, args.budget, srcs, families)
         if args.cases:
             wanted = {int(i) for i in args.cases.split(",")}
             cases = [c for c in cases if c.index in wanted]

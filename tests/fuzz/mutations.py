@@ -30,7 +30,9 @@ FILE_FAMILIES = ("truncate", "empty", "delete", "flip_bytes", "symlink_same", "s
                  "symlink_dev")
 FOLDER_FAMILIES = ("swap", "latest_garbage", "dcp_metadata", "safetensors_header", "safetensors_data")
 MAP_FAMILIES = ("recorded_map",)  # a field of a map a file records (DeepSpeed's affine_map / affine_maps)
-FAMILIES = ARCHIVE_FAMILIES + FILE_FAMILIES + FOLDER_FAMILIES + MAP_FAMILIES
+# a quantized folder's scales (FP8 weight_scale_inv, MXFP4 *_scales), its config's block, its payloads
+QUANT_FAMILIES = ("quant_scale", "quant_swap", "quant_block", "quant_truncate")
+FAMILIES = ARCHIVE_FAMILIES + FILE_FAMILIES + FOLDER_FAMILIES + MAP_FAMILIES + QUANT_FAMILIES
 CANNOT_SHOW = ("safetensors_data",)  # no checksum in the format: a flipped tensor byte is a valid file
 UNSEEN = "[files cannot show]"  # in a description: damage no file can reveal (what the family alone does not say)
 
@@ -97,6 +99,8 @@ def candidates(root: Path, family: str) -> list[str]:
         return [f for f in files if kinds[f] == "dcp_metadata"]
     if family.startswith("safetensors"):
         return [f for f in files if kinds[f] == "safetensors"]
+    if family in QUANT_FAMILIES:
+        return _quant_candidates(root, family, [f for f in files if kinds[f] == "safetensors"])
     raise ValueError(family)
 
 
@@ -558,6 +562,127 @@ def _safetensors_data(root, path, rng, m, pristine, scratch) -> str:
         return _safetensors_header(root, path, rng, m, pristine, scratch)
     at, bit = _flip(path, 8 + n, len(raw), rng)
     return f"{m.file}: bit {bit} of tensor byte {at - 8 - n} flipped (safetensors has no checksum)"
+
+
+# -- quantized folders ---------------------------------------------------------------------------------
+
+SCALES = ("_scale_inv", "_scales")  # FP8 block scales, MXFP4 exponents
+PAYLOADS = ("F8_E4M3", "F8_E5M2")  # FP8 payload dtypes (MXFP4's *_blocks are U8)
+
+
+def _quant_config(root: Path) -> dict | None:
+    try:
+        q = json.loads((root / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    return q if isinstance(q, dict) else None
+
+
+def _st_header(path: Path) -> tuple[dict, int, bytes]:
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + n]), n, raw
+
+
+def _st_write(path: Path, header: dict, raw: bytes, n: int) -> None:
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
+
+
+def _scales(header: dict) -> list[str]:
+    return sorted(k for k in header if k != "__metadata__" and k.endswith(SCALES))
+
+
+def _payloads(header: dict) -> list[str]:
+    return sorted(k for k in header if k != "__metadata__" and (header[k]["dtype"] in PAYLOADS or k.endswith("_blocks")))
+
+
+def _quant_candidates(root: Path, family: str, tensors: list[str]) -> list[str]:
+    q = _quant_config(root)
+    if q is None:
+        return []
+    if family == "quant_block":
+        return ["config.json"] if q.get("quant_method") == "fp8" and "weight_block_size" in q else []
+    pick = _payloads if family == "quant_truncate" else _scales
+    return [f for f in tensors if len(pick(_st_header(root / f)[0])) >= (2 if family == "quant_swap" else 1)]
+
+
+def _quant_scale(root, path, rng, m, pristine, scratch) -> str:
+    """One scale entry made one a reader must refuse: NaN, inf, zero, negative (float scales); the
+    E8M0 byte 255, which is NaN (E8M0 and MXFP4's uint8 exponents)."""
+    header, n, raw = _st_header(path)
+    name = rng.choice(_scales(header))
+    e = header[name]
+    lo, hi = e["data_offsets"]
+    size = {"F32": 4, "BF16": 2, "F16": 2}.get(e["dtype"], 1)
+    at = 8 + n + lo + size * rng.randrange((hi - lo) // size)
+    if size == 1:
+        value, data = "255 (E8M0 NaN)", b"\xff"
+    else:
+        value = rng.choice(["nan", "inf", "-inf", "0", "-0", "-1", "-1e-30"])
+        data = torch.tensor([float(value)]).to({"F32": torch.float32, "BF16": torch.bfloat16,
+                                                 "F16": torch.float16}[e["dtype"]]).view(torch.uint8).numpy().tobytes()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+    return f"{m.file}: an entry of {name} set to {value}"
+
+
+def _quant_swap(root, path, rng, m, pristine, scratch) -> str:
+    """Two tensors' data exchanged under their names: two scale tensors, or a scale and a payload.
+    Two scales of one shape and dtype swapped are a valid folder with other values (no checksum)."""
+    header, n, raw = _st_header(path)
+    scales = _scales(header)
+    a = rng.choice(scales)
+    how = rng.choice(["scales", "scale and payload"])
+    others = [k for k in (scales if how == "scales" else _payloads(header)) if k != a]
+    b = rng.choice(others)
+    ea, eb = header[a], header[b]
+    header[a], header[b] = eb, ea
+    _st_write(path, header, raw, n)
+    same = ea["dtype"] == eb["dtype"] and ea["shape"] == eb["shape"]
+    return f"{m.file}: {a} and {b} swapped" + (f" (same shape and dtype) {UNSEEN}" if same else "")
+
+
+def _quant_block(root, path, rng, m, pristine, scratch) -> str:
+    """config.json's weight_block_size edited. A block that gives every scale tensor the same grid
+    is a valid config with other values (nothing in the files says which block was used)."""
+    cfg = json.loads(path.read_text())
+    q = cfg["quantization_config"]
+    bm, bn = q["weight_block_size"]
+    new = rng.choice([[bm * 2, bn], [bm, bn // 2], [bm + 1, bn], [0, bn], [-bm, bn], [bm], [bm, bn, 1], "16x32", None,
+                      [bm + 0.5, bn], [2**62, bn], [bn, bm]])
+    q["weight_block_size"] = new
+    path.write_text(json.dumps(cfg, indent=2))
+    return f"config.json: weight_block_size {[bm, bn]} -> {new!r}" + (f" {UNSEEN}" if _same_grid(root, new) else "")
+
+
+def _same_grid(root: Path, block: Any) -> bool:
+    """Whether ``block`` is a valid block giving every FP8 payload of the folder its scales' shape."""
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        return False
+    for f in files_of(root):
+        if not f.endswith(".safetensors"):
+            continue
+        header = _st_header(root / f)[0]
+        for k in _payloads(header):
+            *lead, rows, cols = header[k]["shape"]
+            s = header.get(k + "_scale_inv")
+            if s and s["shape"] != [*lead, -(-rows // block[0]), -(-cols // block[1])]:
+                return False
+    return True
+
+
+def _quant_truncate(root, path, rng, m, pristine, scratch) -> str:
+    """The file cut inside a quantized payload's bytes."""
+    header, n, raw = _st_header(path)
+    name = rng.choice(_payloads(header))
+    lo, hi = header[name]["data_offsets"]
+    at = 8 + n + rng.randrange(lo, hi)
+    with open(path, "r+b") as f:
+        f.truncate(at)
+    return f"{m.file} truncated to {at} of {len(raw)} bytes, inside {name}"
 
 
 def copy_folder(src: Path, dst: Path) -> None:
