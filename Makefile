@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.reshard-installed
 
-.PHONY: demo test test-all test-vllm bench fuzz lint clean
+.PHONY: demo test test-all test-vllm bench bench-vllm fuzz lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,6 +51,12 @@ $(VSTAMP): pyproject.toml
 # reshard's vLLM outputs loaded by a real vLLM (tests_vllm/; make test does not collect them)
 test-vllm: $(VSTAMP)
 	$(VBIN)/python -m pytest -p no:cacheprovider -o addopts="-q --durations=10" tests_vllm
+
+# reshard against vLLM itself, one run each (benchmarks/bench_vllm.py; docs/benchmarks.md): a live
+# update by the "reshard" backend against the common path, and --format vllm --tp 2 against vLLM's
+# own save_sharded_state after a full load (wall time, peak RSS of the process tree)
+bench-vllm: $(VSTAMP)
+	$(VBIN)/python -m benchmarks.bench_vllm
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all

@@ -44,3 +44,17 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("qwen2") / "hf"
     run([HERE / "make_qwen2.py", out], 300, out.parent / "make.log")
     return out
+
+
+ENGINE_S = 600  # one engine start, a few prompts and its teardown (about a minute here)
+
+
+@pytest.fixture(scope="session")
+def hf_engine(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """vLLM's own HF load of ``qwen2`` at TP 2 (``engine_run.py``): what every sharded state made
+    from its weights must generate and keep. One engine start for the whole session."""
+    import json
+
+    work = tmp_path_factory.mktemp("hf-engine")
+    run([HERE / "engine_run.py", qwen2, work / "hf.json"], ENGINE_S, work / "hf.log")
+    return json.loads((work / "hf.json").read_text())

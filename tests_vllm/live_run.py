@@ -10,7 +10,8 @@ saved as an HF folder ``OUT/step{k}`` for a fresh vLLM load to compare against.
 ``--kill-worker-at K``: update K kills vLLM worker 1 (SIGKILL) right after ``start_weight_update``;
 each trainer rank records whether ``send_weights`` raised ``TransferError`` and how long it took.
 ``--extra-param``: the trainers offer one parameter more than the model has; each records what
-``trainer_init`` raised. ``--bench N`` first times N updates by the backend and N by the common path (``bench``).
+``trainer_init`` raised. ``--bench N`` first times N updates by the backend and N by the common path (``bench``);
+``--timeout S`` sets the transfer group's timeout (30 s).
 ``--kill-trainer-at K``: trainer rank 1 exits instead of sending update K; rank 0 records its error and
 what the engine generates and keeps afterwards (``after_failure``, ``kept_after_failure``).
 Results: ``OUT/live.json`` (rank 0) and ``OUT/trainer{r}.json``.
@@ -224,7 +225,7 @@ def _trainer(rank: int, args, ports: list[int]) -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     info = ReshardTrainerInitInfo(rank=rank, host="127.0.0.1", port=ports[1], trainer_ranks=2, world_size=4,
-                                  timeout_s=TIMEOUT_S)
+                                  timeout_s=args.timeout)
     source = ShardSource.fsdp2(model)
     if args.extra_param:  # a parameter the engine's model does not have: every rank must refuse it at init
         from reshard.layouts.tp import replicated
@@ -314,6 +315,8 @@ def main() -> None:
     ap.add_argument("--kill-worker-at", type=int, default=0)
     ap.add_argument("--kill-trainer-at", type=int, default=0)
     ap.add_argument("--bench", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="the transfer group's (benchmarks: longer, for "
+                    "a busy machine where rank 0's engine calls outlast it)")
     ap.add_argument("--http", action="store_true")
     ap.add_argument("--extra-param", action="store_true")
     args = ap.parse_args()

@@ -1,8 +1,9 @@
-"""``reshard convert HF --format vllm --tp 2``, loaded by a real vLLM (CPU) with
-``load_format="sharded_state"`` at TP 2, against vLLM loading the HF folder itself at TP 2: the same
-greedy tokens and top-20 logprobs, and every tensor the engine keeps as loaded equal byte for byte
-(vLLM's CPU backend repacks the linears after loading, so those count through the logits; the
-loader tests compare them before that, tensor by tensor). Two engine starts in all."""
+"""``reshard convert HF --format vllm --tp 2``, and the same from a DCP checkpoint PyTorch wrote of
+the same weights, loaded by a real vLLM (CPU) with ``load_format="sharded_state"`` at TP 2, against
+vLLM loading the HF folder itself at TP 2: the same greedy tokens and top-20 logprobs, and every
+tensor the engine keeps as loaded equal byte for byte (vLLM's CPU backend repacks the linears after
+loading, so those count through the logits; vLLM's loaders compare them before that, tensor by
+tensor). Three engine starts in all (the HF load is shared: ``conftest.hf_engine``)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,22 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from .conftest import HERE, reshard_convert, run
+from .conftest import ENGINE_S, HERE, reshard_convert, run
 
 pytest.importorskip("vllm")
 
-ENGINE_S = 600  # one engine start, a few prompts and its teardown (about a minute here)
+def sharded_engine(folder: Path, work: Path) -> dict:
+    """``engine_run.py --sharded``: vLLM loading ``folder`` with ``load_format="sharded_state"``."""
+    run([HERE / "engine_run.py", folder, work / "sharded.json", "--sharded"], ENGINE_S, work / "sharded.log")
+    return json.loads((work / "sharded.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def engines(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def engines(qwen2: Path, hf_engine: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = tmp_path_factory.mktemp("engines")
     out = work / "vllm-tp2"
     reshard_convert(qwen2, out, 2, "bf16", work / "convert.log")
-    runs = {}
-    for kind, folder, extra in (("hf", qwen2, []), ("sharded", out, ["--sharded"])):
-        run([HERE / "engine_run.py", folder, work / f"{kind}.json", *extra], ENGINE_S, work / f"{kind}.log")
-        runs[kind] = json.loads((work / f"{kind}.json").read_text())
-    runs["out"] = out
-    return runs
+    return {"hf": hf_engine, "sharded": sharded_engine(out, work), "out": out}
 
 
 def test_files_are_vllms_sharded_state(engines):
@@ -43,18 +42,59 @@ def test_files_are_vllms_sharded_state(engines):
         assert f.get_tensor("model.layers.1.self_attn.attn._k_scale").item() == 1.0
 
 
+def same_outputs(sharded: dict, hf: dict) -> None:
+    """Greedy tokens and top-20 logprobs exactly equal."""
+    assert [o["tokens"] for o in sharded["outputs"]] == [o["tokens"] for o in hf["outputs"]]
+    assert all(len(step) >= 20 for o in hf["outputs"] for step in o["logprobs"])
+    assert [o["logprobs"] for o in sharded["outputs"]] == [o["logprobs"] for o in hf["outputs"]]  # every top-20 token
+
+
+def same_kept(sharded: dict, hf: dict) -> None:
+    """Every parameter the engine keeps as loaded, byte for byte (digests), on both ranks."""
+    assert len(hf["kept"]) == len(sharded["kept"]) == 2
+    for rank in range(2):
+        assert sharded["kept"][rank] == hf["kept"][rank], f"rank {rank}"
+        for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                     "model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.qkv_proj.bias"):
+            assert name in hf["kept"][rank], name
+
+
 def test_same_tokens_and_top20_logprobs(engines):
-    hf, sharded = engines["hf"]["outputs"], engines["sharded"]["outputs"]
-    assert [o["tokens"] for o in sharded] == [o["tokens"] for o in hf]
-    assert all(len(step) >= 20 for o in hf for step in o["logprobs"])
-    assert [o["logprobs"] for o in sharded] == [o["logprobs"] for o in hf]  # exactly, every token of the top 20
+    same_outputs(engines["sharded"], engines["hf"])
 
 
 def test_kept_parameters_equal_byte_for_byte(engines):
-    hf, sharded = engines["hf"]["kept"], engines["sharded"]["kept"]
-    assert len(hf) == len(sharded) == 2
-    for rank in range(2):
-        assert sharded[rank] == hf[rank], f"rank {rank}"
-        for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                     "model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.qkv_proj.bias"):
-            assert name in hf[rank], name
+    same_kept(engines["sharded"], engines["hf"])
+
+
+@pytest.fixture(scope="module")
+def dcp(qwen2: Path, hf_engine: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A DCP checkpoint PyTorch wrote of ``qwen2``'s weights (FSDP2 over 2 gloo ranks, model and
+    AdamW state: ``make_dcp.py``) converted with ``--format vllm --tp 2`` (config.json from the
+    model folder, ``--hf-config``) in fp32 and bf16; vLLM's own loaders on the HF folder at TP 2
+    (fp32, no engine: ``loader_run.py``); the bf16 output served by an engine."""
+    work = tmp_path_factory.mktemp("dcp")
+    run([HERE / "make_dcp.py", qwen2, work / "dcp"], 300, work / "dcp.log")
+    for dtype in ("fp32", "bf16"):
+        run(["-m", "reshard", "convert", work / "dcp", work / dtype, "--format", "vllm", "--tp", 2, "--dtype", dtype,
+             "--hf-config", qwen2], 300, work / f"convert-{dtype}.log")
+    run([HERE / "loader_run.py", qwen2, work / "loader", "--tp", 2, "--dtype", "float32"], 600, work / "loader.log")
+    return {"work": work, "hf": hf_engine, "sharded": sharded_engine(work / "bf16", work)}
+
+
+def test_dcp_source_is_what_vllms_loaders_load(dcp):
+    """Every tensor of every rank, the fused linears included, bit for bit (fp32)."""
+    from safetensors.torch import load_file
+
+    from .test_loaders import same_state
+
+    work = dcp["work"]
+    assert (work / "dcp" / ".metadata").is_file() and len(list((work / "dcp").glob("*.distcp"))) == 2
+    for r in range(2):
+        same_state(load_file(work / "fp32" / f"model-rank-{r}-part-0.safetensors"),
+                   load_file(work / "loader" / f"rank-{r}.safetensors"), r)
+
+
+def test_dcp_source_serves_as_vllms_hf_load(dcp):
+    same_outputs(dcp["sharded"], dcp["hf"])
+    same_kept(dcp["sharded"], dcp["hf"])
