@@ -181,6 +181,10 @@ SHARED_MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-r
                    "--moe-shared-expert-intermediate-size", "28", "--moe-shared-expert-gate",
                    "--moe-layer-freq", "[0,1,1]", "--sequence-parallel"]
 
+# Several DDP buckets per buffer: Megatron buckets only with --overlap-grad-reduce; 3000 elements
+# cut the 17208 parameters of the 2-layer model into buckets of one to four parameters.
+BUCKETS_ARGV = ["--overlap-grad-reduce", "--ddp-bucket-size", "3000"]
+
 FIXTURES = {f.name: f for f in [
     Fixture("torch_dist_tp2_pp2", "TP=2 x PP=2, DP=1; plain (non-distributed) Adam; torch_dist",
             tp=2, pp=2, layers=4, cross_checks=[(2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1)]),
@@ -234,6 +238,14 @@ FIXTURES = {f.name: f for f in [
             dp=2, ep=2, moe=True, distopt=True,
             extra_argv=[a for a in SHARED_MOE_ARGV if a not in ("--moe-layer-freq", "[0,1,1]", "--sequence-parallel")]
             + ["--bf16", "--accumulate-allreduce-grads-in-fp32"]),
+    Fixture("torch_dist_dp2_distopt_buckets",
+            "DP=2; distributed optimizer, dp_reshardable, several DDP buckets (--overlap-grad-reduce "
+            "--ddp-bucket-size 3000: bucket_idx_0..N per buffer); torch_dist",
+            dp=2, distopt=True, extra_argv=BUCKETS_ARGV, cross_checks=[(1, 1, 2, 1)]),
+    Fixture("legacy_dp2_distopt_buckets",
+            "DP=2; distributed optimizer with several DDP buckets as torch_dist_dp2_distopt_buckets; legacy "
+            "--ckpt-format torch (distrib_optim.pt: the buckets' unpadded parts back to back)",
+            dp=2, distopt=True, ckpt_format="torch", extra_argv=BUCKETS_ARGV),
     Fixture("torch_dist_tp2_qk_layernorm",
             "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
             "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),

@@ -1,7 +1,7 @@
 """A legacy ``--ckpt-format torch`` iteration folder (docs/megatron-checkpoints.md §3): one
 ``mp_rank_TT[_PPP]/model_optim_rng.pt`` per (TP, PP) rank holding that rank's local state dict,
 plain Adam's states by index, and with the distributed optimizer a ``distrib_optim.pt`` beside it
-(each stage's buffer gathered over DP, laid out as the bucket, cut at ``numel_unpadded``).
+(each stage's buffer gathered over DP: its buckets' unpadded parts back to back, ``buckets.py``).
 
 Each local tensor is a local parameter of its key (``lowering.local_map``), so a key's map is its
 local map: the legacy files' shards are exactly Megatron's module tensors, mapped from the files.
@@ -18,9 +18,10 @@ import torch
 
 from ...errors import CheckpointError
 from . import safe
+from .buckets import bucket_layouts, bucket_size, flat_layout
 from .files import LEGACY_RANK
 from .lowering import Lowered, local_map
-from .model import EMBED, Arch, KeySpec, LocalParam, bucket_layout
+from .model import EMBED, Arch, KeySpec, LocalParam
 
 __all__ = ["LegacyBackend"]
 
@@ -189,7 +190,8 @@ class LegacyBackend:
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise CheckpointError(f"{g}: not one DDP buffer of one dtype (experts or several buffers are not "
                                       "read by reshard)") from None
-            layout, unpadded, _ = bucket_layout(self.arch.stage_params(pp, tp), self.arch.dp)
+            size = bucket_size(self.args, self.arch, pp, 0, f"{self.files[(tp, pp)]}: args")
+            layout, unpadded = flat_layout(bucket_layouts(self.arch.stage_params(pp, tp), self.arch.dp, size))
             for k in ("param", "exp_avg", "exp_avg_sq"):
                 t = buf.get(k) if isinstance(buf, dict) else None
                 if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != unpadded:

@@ -230,3 +230,24 @@ def test_moe_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, val
     setattr(args, field, value)
     _plant(it, "common_state/shard_0_1", dict(common, args=args))
     _refused(src, tmp_path, needle, fmt="dcp")  # Megatron names (HF names of shared experts: not mapped yet)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("ddp_bucket_size", 5000, "its buffer holds buckets [0, 1, 2, 3], the args (overlap_grad_reduce, ddp_bucket_size, "
+                              "ddp_num_buckets) imply 3"),
+    ("overlap_grad_reduce", False, "imply 1"),
+    ("dist_ckpt_optim_fully_reshardable", True, "fully_reshardable optimizer with several DDP buckets"),
+])
+def test_bucket_args_the_files_do_not_hold_are_refused(tmp_path, field, value, needle):
+    """Several DDP buckets are read where the args say where Megatron cut them; args that disagree with
+    the bucket keys, or a fully_reshardable optimizer over several buckets, are refused by name."""
+    src = _copy(tmp_path, "torch_dist_dp2_distopt_buckets")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    setattr(args, field, value)
+    if field == "dist_ckpt_optim_fully_reshardable":
+        common = dict(common, content_metadata=dict(common.get("content_metadata") or {},
+                                                    distrib_optim_sharding_type="fully_reshardable"))
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    _refused(src, tmp_path, needle, fmt="dcp")

@@ -42,6 +42,10 @@ CASES = [
     # every layer MoE (stacked keys), bf16 weights with an fp32 expert bias
     ("torch_dist_moe_ep2_shared_bf16", dict(tp=2, pp=2, dp=1, ep=2, etp=1, optimizer="fully_reshardable"),
      "fully_reshardable"),
+    # several DDP buckets (--overlap-grad-reduce --ddp-bucket-size 3000): kept where Megatron buckets (stage 0)
+    ("torch_dist_dp2_distopt_buckets", dict(tp=2, pp=1, dp=2), "dp_reshardable"),
+    ("torch_dist_dp2_distopt_buckets", dict(tp=1, pp=2, dp=1, optimizer="adam"), "adam"),
+    ("legacy_dp2_distopt_buckets", dict(tp=1, pp=2, dp=2), "dp_reshardable"),
 ]
 
 
@@ -129,3 +133,41 @@ def test_impossible_topologies_are_refused(tmp_path):
     with pytest.raises(ReshardError, match="optimizer"):
         reshard(FIXTURES / "torch_dist_tp2_pp2", tmp_path, to="megatron", optimizer="sgd")
     assert not any(tmp_path.iterdir())
+
+
+def _bucket_sizes(reader: MegatronReader) -> dict[str, list[int]]:
+    """``{dp_group_idx: [unpadded size of each bucket]}`` of a dp_reshardable checkpoint."""
+    import re
+
+    out: dict[str, dict[int, int]] = {}
+    for k, e in reader.src.ck.tensors.items():
+        m = re.search(r"dp_group_idx_(\d+)\.gbuf_idx_0\..*\.bucket_idx_(\d+)\.param$", k)
+        if m:
+            out.setdefault(m.group(1), {})[int(m.group(2))] = e.shape[0]
+    return {g: [v[i] for i in sorted(v)] for g, v in sorted(out.items())}
+
+
+def test_several_buckets_are_written_as_megatron_cuts_them(tmp_path):
+    """The source's bucket args kept: at the source's topology the same buckets (sizes recorded by
+    Megatron's own per_bucket_numel_unpadded); at PP 2 only stage 0 is cut (Megatron buckets no later
+    stage); the layout's records say so."""
+    src = MegatronReader.open(FIXTURES / "torch_dist_dp2_distopt_buckets")
+    saved = src.src.obj("optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1")
+    assert list(saved[0].values())[0] == _bucket_sizes(src)["0"] == [3072, 4672, 3648, 6080]
+    same = MegatronReader.open(reshard(FIXTURES / "torch_dist_dp2_distopt_buckets", tmp_path / "a", to="megatron",
+                                       tp=1, pp=1, dp=2).out_dir)
+    assert _bucket_sizes(same) == _bucket_sizes(src)
+    assert same.src.obj("optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1") == saved
+    staged = MegatronReader.open(reshard(FIXTURES / "torch_dist_dp2_distopt_buckets", tmp_path / "b",
+                                         to="megatron", tp=1, pp=2, dp=2).out_dir)
+    sizes = _bucket_sizes(staged)
+    assert len(sizes["0"]) > 1 and len(sizes["1"]) == 1
+    assert compare_megatron(staged, "torch_dist_dp2_distopt_buckets") > 0
+
+
+def test_fully_reshardable_with_several_buckets_is_refused(tmp_path):
+    """Megatron-Core 0.19.2 reads a fully_reshardable optimizer with several buckets shifted: not written."""
+    with pytest.raises(ReshardError, match="fully_reshardable optimizer with several DDP buckets"):
+        reshard(FIXTURES / "torch_dist_dp2_distopt_buckets", tmp_path / "out", to="megatron", tp=1, pp=1, dp=2,
+                optimizer="fully_reshardable")
+    assert not (tmp_path / "out").exists()
