@@ -246,6 +246,15 @@ FIXTURES = {f.name: f for f in [
             "DP=2; distributed optimizer with several DDP buckets as torch_dist_dp2_distopt_buckets; legacy "
             "--ckpt-format torch (distrib_optim.pt: the buckets' unpadded parts back to back)",
             dp=2, distopt=True, ckpt_format="torch", extra_argv=BUCKETS_ARGV),
+    Fixture("torch_dist_moe_ep2_grouped_gemm_local",
+            "MoE as torch_dist_moe_ep2_distopt with --moe-grouped-gemm under --transformer-impl local: Megatron "
+            "0.19.2's LocalSpecProvider builds SequentialMLP whatever the flag (args.moe_grouped_gemm = True); "
+            "distributed optimizer, dp_reshardable; torch_dist",
+            dp=2, ep=2, moe=True, distopt=True, extra_argv=MOE_ARGV + ["--moe-grouped-gemm"]),
+    Fixture("torch_dist_tp2_mtp1",
+            "TP=2, DP=1; one multi-token-prediction layer (--mtp-num-layers 1: mtp.layers.0.{enorm,hnorm,eh_proj,"
+            "transformer_layer.*,final_layernorm}); plain Adam; torch_dist", tp=2,
+            extra_argv=["--mtp-num-layers", "1"]),
     Fixture("torch_dist_tp2_qk_layernorm",
             "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
             "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),

@@ -19,6 +19,7 @@ from ...errors import CheckpointError
 from ..dcp import checkpoint as dcp
 from . import safe
 from .buckets import FULLY_RESHARDABLE_SHIFTED, bucket_layouts, bucket_size, several_buckets
+from .grouped import TE_GROUPED, te_grouped
 from .lowering import Lowered, chunk_map, composite, local_map
 from .model import Arch, KeySpec, LocalParam
 
@@ -137,6 +138,10 @@ class TorchDistBackend:
             raise CheckpointError(f"{self._where('common_state/shard_0_1')}: distributed optimizer sharding "
                                   f"{kind!r} is not read by reshard")
         where = f"{self._where('common_state/shard_0_1')}: common_state"
+        if kind == "dp_reshardable" and te_grouped(self.args):
+            raise CheckpointError(f"{where}: args.moe_grouped_gemm = True (transformer_impl "
+                                  f"{getattr(self.args, 'transformer_impl', None)!r}): the dp_reshardable buckets of "
+                                  f"{TE_GROUPED} (every expert's fc1, then fc2) are not read by reshard")
         if kind == "fully_reshardable" and several_buckets(self.args, self.arch, where):
             raise CheckpointError(f"{where}: args.overlap_grad_reduce with ddp_bucket_size / ddp_num_buckets: "
                                   f"{FULLY_RESHARDABLE_SHIFTED} is not read by reshard")

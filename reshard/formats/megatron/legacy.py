@@ -20,6 +20,7 @@ from ...errors import CheckpointError
 from . import safe
 from .buckets import bucket_layouts, bucket_size, flat_layout
 from .files import LEGACY_RANK
+from .grouped import TE_GROUPED, te_grouped
 from .lowering import Lowered, local_map
 from .model import EMBED, Arch, KeySpec, LocalParam
 
@@ -53,6 +54,10 @@ class LegacyBackend:
         if self.arch.expert_apart:  # expert TP apart from TP: a chained optimizer, expert files of their own
             raise CheckpointError(f"{first}: args.expert_tensor_parallel_size = {self.arch.etp} (TP {self.arch.tp}): "
                                   "legacy checkpoints with expert TP apart from TP are not read by reshard")
+        if te_grouped(self.args):  # linear_fc1.weight<i> per local expert, not local_experts.<i>.linear_fc1.weight
+            raise CheckpointError(f"{first}: args.moe_grouped_gemm = True (transformer_impl "
+                                  f"{getattr(self.args, 'transformer_impl', None)!r}): legacy files of {TE_GROUPED} "
+                                  "are not read by reshard")
         self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
         if self.arch.vpp > 1 and self.distopt:
             raise CheckpointError(f"{first}: args.virtual_pipeline_model_parallel_size = {self.arch.vpp} with the "

@@ -38,6 +38,7 @@ from .buckets import FULLY_RESHARDABLE_SHIFTED, bucket_size, several_buckets
 from .common import KINDS, args_for, buffer_dtype, common_state, default_groups, extra_state_keys
 from .dist import TorchDistBackend
 from .files import TRACKER, iteration_folder
+from .grouped import TE_GROUPED, te_grouped
 from .held import carried
 from .hfconfig import args_from_hf, padded_vocab
 from .hfmap import hf_params, restrict
@@ -89,6 +90,9 @@ class MegatronWriter(Writer):
         if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
             raise ReshardError("--optimizer dp_reshardable with tied embeddings over several pipeline stages (the "
                                "last stage's bucket holds a copy of the embedding): not written by reshard")
+        if self.kind == "dp_reshardable" and te_grouped(self.args):
+            raise ReshardError(f"--optimizer dp_reshardable from a source of {TE_GROUPED}: its buckets (every expert's "
+                               "fc1, then fc2) are not written by reshard; --optimizer fully_reshardable or adam")
         if self.kind == "fully_reshardable" and several_buckets(self.args, self.arch, "target args"):
             raise ReshardError(f"--optimizer fully_reshardable where the source's args (overlap_grad_reduce, "
                                f"ddp_bucket_size) make several DDP buckets: {FULLY_RESHARDABLE_SHIFTED} is not written "

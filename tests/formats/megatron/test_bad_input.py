@@ -217,7 +217,7 @@ def test_a_bucket_without_its_fp32_params_is_refused(tmp_path):
     ("moe_layer_freq", 2, "no tensor 'decoder.layers.0.mlp.router.weight'"),  # [1, 0, 1]: layer 0 MoE
     ("mtp_num_layers", 1, "args.mtp_num_layers = 1: multi-token prediction layers are not read by reshard"),
     ("multi_latent_attention", True, "multi-latent attention are not read by reshard"),
-    ("moe_grouped_gemm", True, "grouped-GEMM experts"),
+    ("moe_single_grouped_weight", True, "grouped-GEMM experts held as one grouped parameter"),
     ("moe_shared_expert_intermediate_size", 31, "shared expert's ffn does not divide over TP=2"),
 ])
 def test_moe_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, value, needle):
@@ -251,3 +251,16 @@ def test_bucket_args_the_files_do_not_hold_are_refused(tmp_path, field, value, n
                                                     distrib_optim_sharding_type="fully_reshardable"))
     _plant(it, "common_state/shard_0_1", dict(common, args=args))
     _refused(src, tmp_path, needle, fmt="dcp")
+
+
+def test_te_grouped_gemm_buckets_are_refused_by_name(tmp_path):
+    """TEGroupedMLP keeps SequentialMLP's torch_dist keys but not its DDP bucket order: a dp_reshardable
+    optimizer of a Transformer Engine run with --moe-grouped-gemm is refused naming it."""
+    src = _copy(tmp_path, "torch_dist_moe_tp2_ep2_shared_distopt")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    args.moe_grouped_gemm, args.transformer_impl = True, "transformer_engine"
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    _refused(src, tmp_path, "args.moe_grouped_gemm = True (transformer_impl 'transformer_engine')",
+             "dp_reshardable buckets of grouped-GEMM experts under Transformer Engine", fmt="dcp")

@@ -46,6 +46,8 @@ CASES = [
     ("torch_dist_dp2_distopt_buckets", dict(tp=2, pp=1, dp=2), "dp_reshardable"),
     ("torch_dist_dp2_distopt_buckets", dict(tp=1, pp=2, dp=1, optimizer="adam"), "adam"),
     ("legacy_dp2_distopt_buckets", dict(tp=1, pp=2, dp=2), "dp_reshardable"),
+    # --moe-grouped-gemm under the local spec (SequentialMLP, the flag kept in args)
+    ("torch_dist_moe_ep2_grouped_gemm_local", dict(tp=1, pp=1, dp=2, ep=1), "dp_reshardable"),
 ]
 
 
@@ -171,3 +173,25 @@ def test_fully_reshardable_with_several_buckets_is_refused(tmp_path):
         reshard(FIXTURES / "torch_dist_dp2_distopt_buckets", tmp_path / "out", to="megatron", tp=1, pp=1, dp=2,
                 optimizer="fully_reshardable")
     assert not (tmp_path / "out").exists()
+
+
+def test_te_grouped_gemm_buckets_are_not_written(tmp_path):
+    """A Transformer Engine --moe-grouped-gemm source (plain Adam: read) is not written as dp_reshardable
+    buckets, whose order TEGroupedMLP changes; plain Adam is."""
+    import argparse
+    import shutil
+
+    from .test_bad_input import _common, _plant
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "torch_dist_moe_ep2", src, ignore=shutil.ignore_patterns("oracle"))
+    common = _common(src / "iter_0000003")
+    args = argparse.Namespace(**vars(common["args"]))
+    args.moe_grouped_gemm, args.transformer_impl = True, "transformer_engine"
+    _plant(src / "iter_0000003", "common_state/shard_0_1", dict(common, args=args))
+    with pytest.raises(ReshardError, match="dp_reshardable from a source of grouped-GEMM experts under Transformer"):
+        reshard(src, tmp_path / "out", to="megatron", tp=1, pp=1, dp=2, optimizer="dp_reshardable")
+    assert not (tmp_path / "out").exists()
+    out = reshard(src, tmp_path / "adam", to="megatron", tp=1, pp=1, dp=2, ep=1).out_dir
+    r = MegatronReader.open(out)
+    assert r.args.moe_grouped_gemm and compare_megatron(r, "torch_dist_moe_ep2") > 0
