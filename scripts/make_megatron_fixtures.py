@@ -251,9 +251,9 @@ FIXTURES = {f.name: f for f in [
             "0.19.2's LocalSpecProvider builds SequentialMLP whatever the flag (args.moe_grouped_gemm = True); "
             "distributed optimizer, dp_reshardable; torch_dist",
             dp=2, ep=2, moe=True, distopt=True, extra_argv=MOE_ARGV + ["--moe-grouped-gemm"]),
-    Fixture("torch_dist_tp2_mtp1",
-            "TP=2, DP=1; one multi-token-prediction layer (--mtp-num-layers 1: mtp.layers.0.{enorm,hnorm,eh_proj,"
-            "transformer_layer.*,final_layernorm}); plain Adam; torch_dist", tp=2,
+    Fixture("torch_dist_mtp1",
+            "TP=1, DP=1; one multi-token-prediction layer (--mtp-num-layers 1: mtp.layers.0.{enorm,hnorm,eh_proj,"
+            "transformer_layer.*,final_layernorm}); plain Adam; torch_dist",
             extra_argv=["--mtp-num-layers", "1"]),
     Fixture("torch_dist_tp2_qk_layernorm",
             "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.megatron import safe
 from reshard.jobs.convert import convert
 
@@ -215,7 +215,7 @@ def test_a_bucket_without_its_fp32_params_is_refused(tmp_path):
 @pytest.mark.parametrize("field,value,needle", [
     ("moe_layer_freq", [0, 1], "args.moe_layer_freq = [0, 1]: not one 0 / 1 per layer of 3"),
     ("moe_layer_freq", 2, "no tensor 'decoder.layers.0.mlp.router.weight'"),  # [1, 0, 1]: layer 0 MoE
-    ("mtp_num_layers", 1, "args.mtp_num_layers = 1: multi-token prediction layers are not read by reshard"),
+    ("mtp_num_layers", 1, "args.mtp_num_layers = 1 with num_experts: multi-token prediction layers of an MoE model"),
     ("multi_latent_attention", True, "multi-latent attention are not read by reshard"),
     ("moe_single_grouped_weight", True, "grouped-GEMM experts held as one grouped parameter"),
     ("moe_shared_expert_intermediate_size", 31, "shared expert's ffn does not divide over TP=2"),
@@ -264,3 +264,19 @@ def test_te_grouped_gemm_buckets_are_refused_by_name(tmp_path):
     _plant(it, "common_state/shard_0_1", dict(common, args=args))
     _refused(src, tmp_path, "args.moe_grouped_gemm = True (transformer_impl 'transformer_engine')",
              "dp_reshardable buckets of grouped-GEMM experts under Transformer Engine", fmt="dcp")
+
+
+def test_mtp_tensors_the_args_do_not_name_are_never_dropped(tmp_path):
+    """An MTP checkpoint whose args lost mtp_num_layers: its mtp.layers.* tensors are weights no parameter
+    takes, so the conversion is refused naming one (never a model silently without them) unless --drop."""
+    src = _copy(tmp_path, "torch_dist_mtp1")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    args.mtp_num_layers = None
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    with pytest.raises(ReshardError, match=r"mtp\.layers\.0\."):
+        convert(src, tmp_path / "out", fmt="dcp")
+    assert not (tmp_path / "out").exists()
+    report = convert(src, tmp_path / "dropped", fmt="dcp", drop=[r"^mtp\."])
+    assert any("mtp.layers.0.eh_proj.weight" in str(d) for d in report.dropped)
