@@ -102,9 +102,15 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         )
     if args.multi_latent_attention:
         _mla_core_attention(layer_spec)
+    mtp = None
+    if args.mtp_num_layers:  # as gpt_builders: the MTP block's layers take the decoder's (last) layer spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False, vp_stage=vp_stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
+        mtp_block_spec=mtp,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

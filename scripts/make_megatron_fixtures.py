@@ -194,6 +194,9 @@ for _flag, _value in (("--num-query-groups", None), ("--kv-channels", "5"), ("--
     MLA_MODEL_ARGV[_i:_i + 2] = [] if _value is None else [_flag, _value]
 MLA_MODEL_ARGV += ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "14", "--qk-head-dim", "6",
                    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "5", "--rope-type", "rope", "--qk-layernorm"]
+# Several DDP buckets per buffer: Megatron buckets only with --overlap-grad-reduce; 3000 elements
+# cut the 17208 parameters of the 2-layer model into buckets of one to four parameters.
+BUCKETS_ARGV = ["--overlap-grad-reduce", "--ddp-bucket-size", "3000"]
 
 FIXTURES = {f.name: f for f in [
     Fixture("torch_dist_tp2_pp2", "TP=2 x PP=2, DP=1; plain (non-distributed) Adam; torch_dist",
@@ -248,6 +251,23 @@ FIXTURES = {f.name: f for f in [
             dp=2, ep=2, moe=True, distopt=True,
             extra_argv=[a for a in SHARED_MOE_ARGV if a not in ("--moe-layer-freq", "[0,1,1]", "--sequence-parallel")]
             + ["--bf16", "--accumulate-allreduce-grads-in-fp32"]),
+    Fixture("torch_dist_dp2_distopt_buckets",
+            "DP=2; distributed optimizer, dp_reshardable, several DDP buckets (--overlap-grad-reduce "
+            "--ddp-bucket-size 3000: bucket_idx_0..N per buffer); torch_dist",
+            dp=2, distopt=True, extra_argv=BUCKETS_ARGV, cross_checks=[(1, 1, 2, 1)]),
+    Fixture("legacy_dp2_distopt_buckets",
+            "DP=2; distributed optimizer with several DDP buckets as torch_dist_dp2_distopt_buckets; legacy "
+            "--ckpt-format torch (distrib_optim.pt: the buckets' unpadded parts back to back)",
+            dp=2, distopt=True, ckpt_format="torch", extra_argv=BUCKETS_ARGV),
+    Fixture("torch_dist_moe_ep2_grouped_gemm_local",
+            "MoE as torch_dist_moe_ep2_distopt with --moe-grouped-gemm under --transformer-impl local: Megatron "
+            "0.19.2's LocalSpecProvider builds SequentialMLP whatever the flag (args.moe_grouped_gemm = True); "
+            "distributed optimizer, dp_reshardable; torch_dist",
+            dp=2, ep=2, moe=True, distopt=True, extra_argv=MOE_ARGV + ["--moe-grouped-gemm"]),
+    Fixture("torch_dist_mtp1",
+            "TP=1, DP=1; one multi-token-prediction layer (--mtp-num-layers 1: mtp.layers.0.{enorm,hnorm,eh_proj,"
+            "transformer_layer.*,final_layernorm}); plain Adam; torch_dist",
+            extra_argv=["--mtp-num-layers", "1"]),
     Fixture("torch_dist_tp2_qk_layernorm",
             "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
             "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),

@@ -168,6 +168,12 @@ def oracle_argv(ck, opts, fmt: str) -> list[str]:
         argv += ["--moe-token-dispatcher-type", ck.moe_token_dispatcher_type]
     if ck.use_distributed_optimizer:
         argv.append("--use-distributed-optimizer")
+    # the DDP bucket layout (a dp_reshardable optimizer keys its state per bucket): not restored either
+    if getattr(ck, "overlap_grad_reduce", False):
+        argv.append("--overlap-grad-reduce")
+        for flag, field in (("--ddp-bucket-size", "ddp_bucket_size"), ("--ddp-num-buckets", "ddp_num_buckets")):
+            if getattr(ck, field, None) is not None:
+                argv += [flag, str(getattr(ck, field))]
     if getattr(ck, "dist_ckpt_optim_fully_reshardable", False):
         argv.append("--dist-ckpt-optim-fully-reshardable")
     if opts.pp == ck.pipeline_model_parallel_size > 1:  # at the saved PP, its virtual / uneven stages too
@@ -302,6 +308,9 @@ def _optim_model_space(optimizer, model, metadata):
     out = []
     for sub in _optimizers(optimizer):
         msd = _model_sd(model, metadata)
+        if isinstance(sub, DistributedOptimizer) and _several_buckets(sub):
+            out.extend(_optim_gathered(sub, model, metadata))
+            continue
         if isinstance(sub, DistributedOptimizer):
             md = dict(metadata, distrib_optim_sharding_type="fully_reshardable",
                       distrib_optim_fully_reshardable_mem_efficient=False)
@@ -310,6 +319,47 @@ def _optim_model_space(optimizer, model, metadata):
         osd = sub.sharded_state_dict(msd, is_loading=False, metadata=md)
         out.extend(_pieces(osd, with_names=False))
     return out
+
+
+def _several_buckets(sub) -> bool:
+    return any(len(b.buckets) > 1 for b in getattr(sub, "buffers", []))
+
+
+def _optim_gathered(sub, model, metadata):
+    """Model-space pieces of a distributed optimizer with several buckets per DDP buffer, read from
+    its own shards (``_get_main_param_and_optimizer_states``, each rank's range of each parameter,
+    summed over the DP group into whole local tensors). Megatron 0.19.2's ``fully_reshardable``
+    view cannot be used there: ``sharded_param_state_fully_reshardable`` slices the buckets'
+    unpadded parts laid back to back (``get_parameter_state_dp_zero``) at the positions the padded
+    buffer gives (``param_index_map``), so every bucket after the first one with end padding is
+    read shifted."""
+    from dataclasses import replace
+
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    msd, factories = extract_sharded_tensors_and_factories(_model_sd(model, metadata))
+    meta = {sh.data: sh for sh in nested_values(msd)}
+    owned = {p: prm["param"] for maps in sub.gbuf_ranges for per_bucket in maps.values() for rmap in per_bucket
+             for p, prm in rmap["param_map"].items()}
+    state = {}
+    for buffer in sub.buffers:
+        for p in buffer.param_index_map:
+            mine = sub._get_main_param_and_optimizer_states(p) if p in owned else None
+            sh = meta[p]
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                t = torch.zeros(p.numel(), dtype=torch.float32)
+                if mine is not None:
+                    r = owned[p]
+                    t[r.start:r.end] = mine[k].detach().float().reshape(-1)
+                torch.distributed.all_reduce(t, group=sub.data_parallel_group)
+                kw = dict(key=f"optimizer.state.{k}.{sh.key}", data=t.view(p.shape))
+                if not isinstance(sh, ShardedTensorFactory):
+                    kw["dtype"] = t.dtype
+                state[len(state)] = replace(sh, **kw)
+    return _pieces(state, with_names=False)
 
 
 def _optim_buckets(optimizer, model, metadata):

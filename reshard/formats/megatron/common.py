@@ -124,6 +124,8 @@ def extra_state_keys(arch: Arch) -> list[str]:
         return attn + [f"{m}.{w}" for m in mlp for w in ("linear_fc1", "linear_fc2")]
 
     experts = [f"{EXPERTS}.{w}" for w in ("linear_fc1", "linear_fc2")]
+    mtp = [f"mtp.layers.{k}.{m}._extra_state/shard_0_1" for k in range(arch.mtp)
+           for m in ["eh_proj"] + [x.replace("decoder.layers.", "transformer_layer.", 1) for x in modules(False)]]
     if arch.per_layer:
         out = []
         for i in range(arch.layers):
@@ -133,9 +135,9 @@ def extra_state_keys(arch: Arch) -> list[str]:
             if moe:
                 out += [f"{m.replace('decoder.layers.', at, 1)}._extra_state/shard_{e}_{arch.experts}"
                         for m in experts for e in range(arch.experts)]
-        return out
+        return out + mtp
     out = [f"{m}._extra_state/shard_{i}_{arch.layers}" for m in modules(bool(arch.experts)) for i in range(arch.layers)]
     if arch.experts:
         out += [f"{m}._extra_state/shard_{i}.{e}_{arch.layers}.{arch.experts}"
                 for m in experts for i in range(arch.layers) for e in range(arch.experts)]
-    return out
+    return out + mtp

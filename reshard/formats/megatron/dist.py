@@ -18,8 +18,10 @@ import torch
 from ...errors import CheckpointError
 from ..dcp import checkpoint as dcp
 from . import safe
+from .buckets import FULLY_RESHARDABLE_SHIFTED, bucket_layouts, bucket_size, several_buckets
+from .grouped import TE_GROUPED, te_grouped
 from .lowering import Lowered, chunk_map, composite, local_map
-from .model import Arch, KeySpec, LocalParam, bucket_layout
+from .model import Arch, KeySpec, LocalParam
 
 __all__ = ["TorchDistBackend"]
 
@@ -135,6 +137,14 @@ class TorchDistBackend:
         if kind not in ("dp_reshardable", "fully_reshardable"):
             raise CheckpointError(f"{self._where('common_state/shard_0_1')}: distributed optimizer sharding "
                                   f"{kind!r} is not read by reshard")
+        where = f"{self._where('common_state/shard_0_1')}: common_state"
+        if kind == "dp_reshardable" and te_grouped(self.args):
+            raise CheckpointError(f"{where}: args.moe_grouped_gemm = True (transformer_impl "
+                                  f"{getattr(self.args, 'transformer_impl', None)!r}): the dp_reshardable buckets of "
+                                  f"{TE_GROUPED} (every expert's fc1, then fc2) are not read by reshard")
+        if kind == "fully_reshardable" and several_buckets(self.args, self.arch, where):
+            raise CheckpointError(f"{where}: args.overlap_grad_reduce with ddp_bucket_size / ddp_num_buckets: "
+                                  f"{FULLY_RESHARDABLE_SHIFTED} is not read by reshard")
         return kind
 
     def model_key(self, spec: KeySpec) -> str:
@@ -199,50 +209,63 @@ class TorchDistBackend:
             m = _BUCKET.match(key)
             if m:
                 groups.setdefault(m.groups()[:5], {})[m.group(6)] = key
-        for (prefix, mp, gbuf, _dtype, bucket), keys in sorted(groups.items()):
-            where = f"{self.dir / dcp.METADATA}: {next(iter(keys.values()))!r}"
-            # one DDP buffer per model chunk (virtual stages: gbuf_idx = the chunk), one bucket each
-            if int(gbuf) >= self.arch.vpp or bucket != "0":
-                raise CheckpointError(f"{where}: several DDP buffers or buckets (--overlap-grad-reduce / "
-                                      "--ddp-num-buckets, or several dtypes): not read by reshard")
-            # Megatron's distributed Adam saves a bucket's fp32 params and both moments together: one
-            # missing is a damaged .metadata, not a source without masters (which would be cast silently)
-            lost = [k for k in ("param", "exp_avg", "exp_avg_sq") if k not in keys]
-            if lost:
-                raise CheckpointError(f"{where}: its bucket has no {', '.join(lost)} entry, which Megatron's "
-                                      "distributed optimizer saves beside the others: damaged or not Megatron's")
-            params, dp = self._group_params(prefix or "", int(mp), where, int(gbuf))
-            layout, unpadded, _ = bucket_layout(params, dp)
-            for kind, key in keys.items():
-                e = self.ck.entry(key)
-                if e.shape != (unpadded,):
-                    raise CheckpointError(f"{self.dir / dcp.METADATA}: {key!r} holds {list(e.shape)} elements, the "
-                                          f"bucket layout args imply {unpadded}")
-                # a chunk lost or moved would leave part of every state it holds unread
-                chunk_map((unpadded,), [(c.offsets, c.sizes) for c in e.chunks], f"{self.dir / dcp.METADATA}: {key!r}")
-                state = "fp32" if kind == "param" else kind
-                for ci, c in enumerate(e.chunks):
-                    a, b = c.offsets[0], c.offsets[0] + c.sizes[0]
-                    for lp, s, t in layout:
-                        lo, hi = max(a, s), min(b, t)
-                        if lo < hi:
-                            n = counters.get((lp.spec.key, state), 0)
-                            counters[(lp.spec.key, state)] = n + 1
-                            out.setdefault(lp.spec.key, {})[(n, state)] = (lp, key, ci, lo - a, hi - lo, lo - s)
+        buffers: dict[tuple, dict[int, dict[str, str]]] = {}
+        for (prefix, mp, gbuf, dtype, bucket), keys in groups.items():
+            buffers.setdefault((prefix, int(mp), int(gbuf), dtype), {})[int(bucket)] = keys
+        for (prefix, mp, gbuf, _dtype), by_bucket in sorted(buffers.items()):
+            where = f"{self.dir / dcp.METADATA}: {next(iter(by_bucket[min(by_bucket)].values()))!r}"
+            # one DDP buffer per model chunk (virtual stages: gbuf_idx = the chunk)
+            if gbuf >= self.arch.vpp:
+                raise CheckpointError(f"{where}: several DDP buffers per model chunk (several dtypes): not read by "
+                                      "reshard")
+            if self.arch.tied and self.arch.pp > 1:  # the shared embedding's buckets of its own
+                raise CheckpointError(f"{where}: tied embeddings over {self.arch.pp} pipeline stages with the "
+                                      "distributed optimizer (the shared embedding's own buckets): not read by reshard")
+            params, dp, pp = self._group_params(prefix or "", mp, where, gbuf)
+            layouts = bucket_layouts(params, dp, bucket_size(self.args, self.arch, pp, gbuf, where))
+            if sorted(by_bucket) != list(range(len(layouts))):
+                raise CheckpointError(f"{where}: its buffer holds buckets {sorted(by_bucket)}, the args (overlap_grad_"
+                                      f"reduce, ddp_bucket_size, ddp_num_buckets) imply {len(layouts)}")
+            for bucket, keys in sorted(by_bucket.items()):
+                where = f"{self.dir / dcp.METADATA}: {next(iter(keys.values()))!r}"
+                # Megatron's distributed Adam saves a bucket's fp32 params and both moments together: one
+                # missing is a damaged .metadata, not a source without masters (which would be cast silently)
+                lost = [k for k in ("param", "exp_avg", "exp_avg_sq") if k not in keys]
+                if lost:
+                    raise CheckpointError(f"{where}: its bucket has no {', '.join(lost)} entry, which Megatron's "
+                                          "distributed optimizer saves beside the others: damaged or not Megatron's")
+                layout, unpadded = layouts[bucket].params, layouts[bucket].unpadded
+                for kind, key in keys.items():
+                    e = self.ck.entry(key)
+                    if e.shape != (unpadded,):
+                        raise CheckpointError(f"{self.dir / dcp.METADATA}: {key!r} holds {list(e.shape)} elements, "
+                                              f"the bucket layout args imply {unpadded}")
+                    # a chunk lost or moved would leave part of every state it holds unread
+                    chunk_map((unpadded,), [(c.offsets, c.sizes) for c in e.chunks],
+                              f"{self.dir / dcp.METADATA}: {key!r}")
+                    state = "fp32" if kind == "param" else kind
+                    for ci, c in enumerate(e.chunks):
+                        a, b = c.offsets[0], c.offsets[0] + c.sizes[0]
+                        for lp, s, t in layout:
+                            lo, hi = max(a, s), min(b, t)
+                            if lo < hi:
+                                n = counters.get((lp.spec.key, state), 0)
+                                counters[(lp.spec.key, state)] = n + 1
+                                out.setdefault(lp.spec.key, {})[(n, state)] = (lp, key, ci, lo - a, hi - lo, lo - s)
         return out
 
-    def _group_params(self, prefix: str, m: int, where: str, vp: int = 0) -> tuple[list[LocalParam], int]:
+    def _group_params(self, prefix: str, m: int, where: str, vp: int = 0) -> tuple[list[LocalParam], int, int]:
         a = self.arch
         if prefix in ("", "chained_0."):
             t, pp = m % a.tp, m // a.tp
             if pp >= a.pp:
                 raise CheckpointError(f"{where}: dp_group_idx {m} is outside TP x PP = {a.tp} x {a.pp}")
-            return a.stage_params(pp, t, vp=vp), a.dp
+            return a.stage_params(pp, t, vp=vp), a.dp, pp
         if prefix == "chained_1." and a.expert_apart:
             t, ep, pp = m % a.etp, (m // a.etp) % a.ep, m // (a.etp * a.ep)
             if pp >= a.pp:
                 raise CheckpointError(f"{where}: expert dp_group_idx {m} is outside ETP x EP x PP")
-            return a.stage_params(pp, t, expert_rank=ep, vp=vp), a.edp
+            return a.stage_params(pp, t, expert_rank=ep, vp=vp), a.edp, pp
         raise CheckpointError(f"{where}: optimizer prefix {prefix!r} is not Megatron's dense/expert pair")
 
     def _bucket_lowered(self, spec: KeySpec, state: str) -> Lowered:

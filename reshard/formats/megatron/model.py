@@ -102,10 +102,11 @@ def _refuse_unsupported(args: Any, where: str) -> None:
         ("account_for_embedding_in_pipeline_split", bool, "pipeline splits counting the embedding"),
         ("account_for_loss_in_pipeline_split", bool, "pipeline splits counting the loss"),
         ("mla_down_proj_fusion", bool, "fused MLA q/kv down projections (linear_qkv_down_proj)"),
-        ("moe_grouped_gemm", bool, "grouped-GEMM experts (TEGroupedMLP keys)"),
+        ("moe_single_grouped_weight", bool, "grouped-GEMM experts held as one grouped parameter"),
+        ("moe_single_grouped_bias", bool, "grouped-GEMM expert biases held as one grouped parameter"),
         ("add_bias_linear", bool, "linear-layer biases (add_bias_linear)"),
         ("context_parallel_size", lambda v: v not in (None, 1), "context parallelism"),
-        ("mtp_num_layers", lambda v: v not in (None, 0), "multi-token prediction layers"),
+        ("mtp_use_repeated_layer", bool, "one multi-token prediction layer repeated"),
     ]
     for field, bad, what in checks:
         if bad(_get(args, field)):
@@ -114,6 +115,9 @@ def _refuse_unsupported(args: Any, where: str) -> None:
         raise CheckpointError(f"{where}: args.transformer_impl = {_get(args, 'transformer_impl')!r} with "
                               "multi_latent_attention: only the local spec's MLA keys are read by reshard (Transformer "
                               "Engine's fold the latent norms into the up projections)")
+    if _get(args, "mtp_num_layers") and _get(args, "num_experts"):  # its layer takes the last layer's MoE spec
+        raise CheckpointError(f"{where}: args.mtp_num_layers = {_get(args, 'mtp_num_layers')!r} with num_experts: "
+                              "multi-token prediction layers of an MoE model are not read by reshard")
     for field in ("heterogeneous_block_specs", "hetereogenous_dist_checkpoint"):
         if _get(args, field):
             raise CheckpointError(f"{where}: args.{field} = {_get(args, field)!r}: heterogeneous layers are not read "
@@ -190,6 +194,7 @@ class Arch:
     moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every one, with experts)
     per_layer: bool = False  # keys per layer (mixed layers), not stacked over layers
     mla: MLA | None = None  # multi-latent attention's widths (--multi-latent-attention)
+    mtp: int = 0  # multi-token prediction layers (mtp_num_layers): ``mtp.layers.<k>.…`` on the last stage
 
     @classmethod
     def from_args(cls, args: Any, where: str) -> Arch:
@@ -222,7 +227,7 @@ class Arch:
                 shared_gate=bool(experts and _get(args, "moe_shared_expert_intermediate_size")
                                  and _get(args, "moe_shared_expert_gate")),
                 expert_bias=bool(experts and _get(args, "moe_router_enable_expert_bias")),
-                moe_layers=pattern, per_layer=per_layer, mla=mla)
+                moe_layers=pattern, per_layer=per_layer, mla=mla, mtp=int(_get(args, "mtp_num_layers") or 0))
         except (AttributeError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: args lack what the model shape needs ({type(e).__name__}: {e})") from None
         arch.check(where)
@@ -239,6 +244,8 @@ class Arch:
         need(self.ffn % self.tp == 0 and self.heads % self.tp == 0, f"ffn/heads do not divide over TP={self.tp}")
         need(self.padded_vocab % self.tp == 0 and self.padded_vocab >= self.vocab,
              f"padded vocabulary {self.padded_vocab} (vocab {self.vocab}) does not divide over TP={self.tp}")
+        if self.mtp:
+            need(self.hidden % self.tp == 0, f"hidden size (the MTP eh_proj's rows) does not divide over TP={self.tp}")
         if self.experts:
             need(self.experts % self.ep == 0, f"{self.experts} experts do not divide over EP={self.ep}")
             need(self.moe_ffn % self.etp == 0, f"moe_ffn_hidden_size does not divide over expert TP={self.etp}")
@@ -396,6 +403,7 @@ class Arch:
                 out += [dataclasses.replace(s, key=s.key.replace("decoder.layers.", f"decoder.layers.{i}.", 1),
                                             stacked=s.stacked - 1, layer=i) for s in self._layer_keys(self.is_moe(i))]
         out.append(KeySpec(FINAL, FINAL, (h,), "rep", 0))
+        out += self._mtp_keys()
         if not self.tied:
             out.append(KeySpec(OUTPUT, OUTPUT, (self.padded_vocab, h), "rows", 0))
         return tuple(out)
@@ -404,6 +412,23 @@ class Arch:
         """Every key, in registration order (embedding, the layers' -- one layer's when stacked --,
         final norm, output)."""
         return list(self._keys)
+
+    def _mtp_keys(self) -> list[KeySpec]:
+        """The MTP block's keys (GPTModel registers it after the decoder, before the output layer):
+        per MTP layer ``enorm``, ``hnorm``, ``eh_proj`` (2h -> h, column parallel), the transformer
+        layer (the decoder's last layer spec; module ``mtp_model_layer``, key
+        ``transformer_layer``) and its ``final_layernorm``; one key per MTP layer, not stacked."""
+        h, out = self.hidden, []
+        for k in range(self.mtp):
+            at = f"mtp.layers.{k}."
+            out += [KeySpec(f"{at}{n}.weight", f"{at}{n}.weight", (h,), "rep", 0) for n in ("enorm", "hnorm")]
+            out.append(KeySpec(f"{at}eh_proj.weight", f"{at}eh_proj.weight", (h, 2 * h), "rows", 0))
+            for s in self._layer_keys(False):
+                local = s.local.replace("decoder.layers.{layer}.", f"{at}mtp_model_layer.", 1)
+                out.append(dataclasses.replace(s, key=s.key.replace("decoder.layers.", f"{at}transformer_layer.", 1),
+                                               local=local, stacked=0))
+            out.append(KeySpec(f"{at}final_layernorm.weight", f"{at}final_layernorm.weight", (h,), "rep", 0))
+        return out
 
     def layer_keys(self, layer: int) -> list[KeySpec]:
         """The keys of global layer ``layer``, in registration order."""

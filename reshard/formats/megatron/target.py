@@ -4,19 +4,22 @@
 * model keys (and plain Adam's / ``fully_reshardable``'s states, chunked alike): one chunk per
   (layer[, expert], TP part) -- two per TP rank for SwiGLU's fc1 -- in the file of the rank that
   holds it at DP rank 0 (an expert's: its EP rank's first DP rank);
-* ``dp_reshardable`` buckets: per model-parallel rank (and, with experts, per expert rank) one
-  bucket laid out as Megatron does (``model.bucket_layout``), cut into one chunk per parameter
+* ``dp_reshardable`` buckets: per model-parallel rank (and, with experts, per expert rank) a DDP
+  buffer per model chunk, cut into buckets and laid out as Megatron does (``buckets.py``: one
+  bucket unless the args ask for several), each cut into one chunk per parameter
   range and gap of each DP rank's shard, in that DP rank's file; a key's map is its local map
   composed with the ranges (``lowering.composite``); gap chunks have no slots (zeros).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...ir.param_map import ParamMap
+from .buckets import bucket_layouts
 from .lowering import chunk_map, composite, local_map
-from .model import EMBED, OUTPUT, Arch, KeySpec, LocalParam, bucket_layout
+from .model import EMBED, OUTPUT, Arch, KeySpec, LocalParam
 
 __all__ = ["BucketChunk", "Bucket", "ModelChunk", "TargetLayout"]
 
@@ -42,7 +45,7 @@ class BucketChunk:
 
 @dataclass(slots=True)
 class Bucket:
-    """One DDP buffer's single bucket of one model-parallel (or expert) rank; ``gbuf`` its model
+    """Bucket ``idx`` of one DDP buffer of one model-parallel (or expert) rank; ``gbuf`` its model
     chunk (virtual stage)."""
 
     prefix: str
@@ -51,13 +54,16 @@ class Bucket:
     unpadded: int
     chunks: list[BucketChunk] = field(default_factory=list)
     gbuf: int = 0
+    idx: int = 0
 
 
 class TargetLayout:
     """Every chunk of the target and each key's maps (``weight`` chunks, ``bucket`` ranges)."""
 
-    def __init__(self, arch: Arch, *, buckets: bool, vocab_rows: int) -> None:
+    def __init__(self, arch: Arch, *, buckets: bool, vocab_rows: int,
+                 bucket_size: Callable[[int, int], int | None] | None = None) -> None:
         self.arch, self.vocab_rows = arch, vocab_rows
+        self._bucket_size = bucket_size or (lambda pp, vp: None)  # (stage, model chunk) -> Megatron's bucket size
         self._local: dict = {}
         self.model: dict[str, list[ModelChunk]] = {s.key: self._model_chunks(s) for s in arch.keys()}
         self.maps = {s.key: self._chunk_map(s) for s in arch.keys()}
@@ -81,38 +87,46 @@ class TargetLayout:
             m = ParamMap(m.logical_shape, m.shards, (self.vocab_rows, *m.logical_shape[1:]))
         return m
 
-    def _groups(self) -> list[tuple[str, int, int, list[LocalParam], int, list[int]]]:
-        """(prefix, m, model chunk, parameters in registration order, DP group size, rank of each DP
-        shard): a buffer per model chunk."""
+    def _groups(self) -> list[tuple[str, int, int, int, list[LocalParam], int, list[int]]]:
+        """(prefix, m, stage, model chunk, parameters in registration order, DP group size, rank of
+        each DP shard): a buffer per model chunk."""
         a = self.arch
         dense = "chained_0." if a.expert_apart else ""
-        out = [(dense, t + a.tp * pp, vp, a.stage_params(pp, t, vp=vp), a.dp, [a.rank(t, pp, d) for d in range(a.dp)])
+        out = [(dense, t + a.tp * pp, pp, vp, a.stage_params(pp, t, vp=vp), a.dp,
+                [a.rank(t, pp, d) for d in range(a.dp)])
                for pp in range(a.pp) for t in range(a.tp) for vp in range(a.vpp)]
         if a.expert_apart:
-            out += [("chained_1.", t + a.etp * (ep + a.ep * pp), vp, a.stage_params(pp, t, expert_rank=ep, vp=vp),
+            out += [("chained_1.", t + a.etp * (ep + a.ep * pp), pp, vp, a.stage_params(pp, t, expert_rank=ep, vp=vp),
                      a.edp, [a.expert_rank(t, ep, k, pp) for k in range(a.edp)])
                     for pp in range(a.pp) for ep in range(a.ep) for t in range(a.etp) for vp in range(a.vpp)]
         return out
 
     def _buckets(self) -> list[Bucket]:
-        out, counters = [], {}
-        for prefix, m, vp, params, dp, ranks in self._groups():
-            layout, unpadded, numel = bucket_layout(params, dp)
-            shard = numel // dp
-            cuts = sorted({0, unpadded} | {x for _, s, e in layout for x in (s, e)} |
-                          {k * shard for k in range(1, dp) if k * shard < unpadded})
-            b = Bucket(prefix, m, numel, unpadded, gbuf=vp)
-            for lo, hi in zip(cuts, cuts[1:]):
-                owner = next(((lp, s) for lp, s, e in layout if s <= lo and hi <= e), None)
-                if owner is None:
-                    b.chunks.append(BucketChunk(lo, hi, ranks[lo // shard], None, -1, 0))
-                    continue
-                lp, s = owner
-                n = counters.get(lp.spec.key, 0)
-                counters[lp.spec.key] = n + 1
-                b.chunks.append(BucketChunk(lo, hi, ranks[lo // shard], lp, n, lo - s))
-            out.append(b)
+        out: list[Bucket] = []
+        counters: dict[str, int] = {}
+        for prefix, m, pp, vp, params, dp, ranks in self._groups():
+            for idx, bl in enumerate(bucket_layouts(params, dp, self._bucket_size(pp, vp))):
+                out.append(self._bucket(Bucket(prefix, m, bl.numel, bl.unpadded, gbuf=vp, idx=idx), bl.params,
+                                        dp, ranks, counters))
         return out
+
+    @staticmethod
+    def _bucket(b: Bucket, layout: tuple[tuple[LocalParam, int, int], ...], dp: int, ranks: list[int],
+                counters: dict[str, int]) -> Bucket:
+        """``b`` cut into its parameters' ranges and gaps within each DP rank's shard."""
+        shard = b.numel // dp
+        cuts = sorted({0, b.unpadded} | {x for _, s, e in layout for x in (s, e)} |
+                      {k * shard for k in range(1, dp) if k * shard < b.unpadded})
+        for lo, hi in zip(cuts, cuts[1:]):
+            owner = next(((lp, s) for lp, s, e in layout if s <= lo and hi <= e), None)
+            if owner is None:
+                b.chunks.append(BucketChunk(lo, hi, ranks[lo // shard], None, -1, 0))
+                continue
+            lp, s = owner
+            n = counters.get(lp.spec.key, 0)
+            counters[lp.spec.key] = n + 1
+            b.chunks.append(BucketChunk(lo, hi, ranks[lo // shard], lp, n, lo - s))
+        return b
 
     def _bucket_maps(self) -> dict[str, ParamMap]:
         frags: dict[str, dict[int, list[tuple[int, int, int]]]] = {}

@@ -7,7 +7,7 @@ without iterations): ``metadata.json``, one ``__R_0.distcp`` per global rank and
 * Model keys stacked over layers (and experts), one chunk per TP part (``target``); the
   optimizer state as ``optimizer`` says: ``none``, plain ``adam`` (moments chunked as the model),
   ``fully_reshardable`` (fp32 main parameters and moments chunked as the model) or
-  ``dp_reshardable`` (each model-parallel rank's bucket over its DP group, Megatron's layout).
+  ``dp_reshardable`` (each model-parallel rank's buckets over its DP group, Megatron's layout).
 * From a Megatron source (its own names) every key's target map is planned against the source's
   map of the same key. From any other source (Hugging Face names: safetensors, a Megatron source
   read with HF names, ...) each target chunk is split by the architecture mapping document into
@@ -34,9 +34,11 @@ from ..contract import BEST, MODULE, Buffer, Held, Reader, Slot, Writer
 from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
 from ..table import noun_of
 from . import safe
+from .buckets import FULLY_RESHARDABLE_SHIFTED, bucket_size, several_buckets
 from .common import KINDS, args_for, buffer_dtype, common_state, default_groups, extra_state_keys
 from .dist import TorchDistBackend
 from .files import TRACKER, iteration_folder
+from .grouped import TE_GROUPED, te_grouped
 from .held import carried
 from .hfconfig import args_from_hf, padded_vocab
 from .hfmap import hf_params, restrict
@@ -88,9 +90,17 @@ class MegatronWriter(Writer):
         if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
             raise ReshardError("--optimizer dp_reshardable with tied embeddings over several pipeline stages (the "
                                "last stage's bucket holds a copy of the embedding): not written by reshard")
+        if self.kind == "dp_reshardable" and te_grouped(self.args):
+            raise ReshardError(f"--optimizer dp_reshardable from a source of {TE_GROUPED}: its buckets (every expert's "
+                               "fc1, then fc2) are not written by reshard; --optimizer fully_reshardable or adam")
+        if self.kind == "fully_reshardable" and several_buckets(self.args, self.arch, "target args"):
+            raise ReshardError(f"--optimizer fully_reshardable where the source's args (overlap_grad_reduce, "
+                               f"ddp_bucket_size) make several DDP buckets: {FULLY_RESHARDABLE_SHIFTED} is not written "
+                               "by reshard; --optimizer dp_reshardable keeps the buckets")
         self.tag = reader.tag
         self.folder = iteration_folder(self.iteration)
-        self.layout = TargetLayout(self.arch, buckets=self.kind == "dp_reshardable", vocab_rows=self.vocab_rows)
+        self.layout = TargetLayout(self.arch, buckets=self.kind == "dp_reshardable", vocab_rows=self.vocab_rows,
+                                   bucket_size=self._bucket_size)
         self.states = {"none": (), "adam": ("exp_avg", "exp_avg_sq"),
                        "fully_reshardable": ("fp32", "exp_avg", "exp_avg_sq"),
                        "dp_reshardable": ("fp32", "exp_avg", "exp_avg_sq")}[self.kind]
@@ -242,7 +252,7 @@ class MegatronWriter(Writer):
                         self._slots[(key, state)].get(c.label, []), self.layout.maps[key].logical_shape)
         for b in self.layout.buckets:
             for state in self.states:
-                bkey = self._bucket_key(b.prefix, b.m, state, b.gbuf)
+                bkey = self._bucket_key(b.prefix, b.m, state, b.gbuf, b.idx)
                 for bc in b.chunks:
                     slots = [] if bc.param is None else self._slots[(bc.param.spec.key, state)].get(bc.label, [])
                     put(bc.rank, bkey, (bc.start,), (bc.end - bc.start,), torch.float32, slots, (b.unpadded,))
@@ -269,9 +279,14 @@ class MegatronWriter(Writer):
             return key
         return f"optimizer.state.{_KIND_KEYS[state]}.{key}"
 
-    def _bucket_key(self, prefix: str, m: int, state: str, gbuf: int = 0) -> str:
+    def _bucket_size(self, pp: int, vp: int) -> int | None:
+        """Megatron's bucket size at the target (the source's bucket args kept: one bucket unless
+        they ask for several)."""
+        return bucket_size(self.args, self.arch, pp, vp, "target args")
+
+    def _bucket_key(self, prefix: str, m: int, state: str, gbuf: int = 0, idx: int = 0) -> str:
         return (f"{prefix}optimizer.distributed.dp_group_idx_{m}.gbuf_idx_{gbuf}.dtype_{buffer_dtype(self.args)}"
-                f".bucket_idx_0.{_KIND_KEYS[state]}")
+                f".bucket_idx_{idx}.{_KIND_KEYS[state]}")
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
         world = self.arch.tp * self.arch.pp * self.arch.dp
@@ -320,16 +335,18 @@ class MegatronWriter(Writer):
             dtypes = buffer_dtype(self.args)
             for b in self.layout.buckets:
                 first = next(c.rank for c in b.chunks)
-                if first != r or b.gbuf:
+                if first != r or b.gbuf or b.idx:
                     continue
-                chunks = [x for x in self.layout.buckets if (x.prefix, x.m) == (b.prefix, b.m)]  # a buffer per chunk
+                mine = [x for x in self.layout.buckets if (x.prefix, x.m) == (b.prefix, b.m)]
+                gbufs = [[x for x in mine if x.gbuf == g] for g in sorted({x.gbuf for x in mine})]  # one per chunk
                 pre = f"{b.prefix}optimizer.distributed.dp_group_idx_{b.m}"
                 groups = self.groups[1 if b.prefix == "chained_1." else 0]
                 out += [(f"{pre}.optimizer/shard_0_1", safe.dumps([{"param_groups": [
                             dict({k: v for k, v in g.items() if k != "params"}, step=self.step) for g in groups]}])),
-                        (f"{pre}.per_bucket_numel/shard_0_1", safe.dumps([[{dtypes: [x.numel]} for x in chunks]])),
+                        (f"{pre}.per_bucket_numel/shard_0_1",
+                         safe.dumps([[{dtypes: [x.numel for x in g]} for g in gbufs]])),
                         (f"{pre}.per_bucket_numel_unpadded/shard_0_1",
-                         safe.dumps([[{dtypes: [x.unpadded]} for x in chunks]]))]
+                         safe.dumps([[{dtypes: [x.unpadded for x in g]} for g in gbufs]]))]
         out += self._copied(r)
         return out
 

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.megatron import safe
 from reshard.jobs.convert import convert
 
@@ -215,9 +215,9 @@ def test_a_bucket_without_its_fp32_params_is_refused(tmp_path):
 @pytest.mark.parametrize("field,value,needle", [
     ("moe_layer_freq", [0, 1], "args.moe_layer_freq = [0, 1]: not one 0 / 1 per layer of 3"),
     ("moe_layer_freq", 2, "no tensor 'decoder.layers.0.mlp.router.weight'"),  # [1, 0, 1]: layer 0 MoE
-    ("mtp_num_layers", 1, "args.mtp_num_layers = 1: multi-token prediction layers are not read by reshard"),
+    ("mtp_num_layers", 1, "args.mtp_num_layers = 1 with num_experts: multi-token prediction layers of an MoE model"),
     ("multi_latent_attention", True, "the bucket layout args imply"),  # MLA at Megatron's default widths
-    ("moe_grouped_gemm", True, "grouped-GEMM experts"),
+    ("moe_single_grouped_weight", True, "grouped-GEMM experts held as one grouped parameter"),
     ("moe_shared_expert_intermediate_size", 31, "shared expert's ffn does not divide over TP=2"),
 ])
 def test_moe_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, value, needle):
@@ -267,3 +267,53 @@ def test_mla_models_no_deepseek_v3_config_computes_are_refused(tmp_path, field, 
     with pytest.raises(ReshardError, match=needle):
         convert(src, out, fmt="hf")
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("ddp_bucket_size", 5000, "its buffer holds buckets [0, 1, 2, 3], the args (overlap_grad_reduce, ddp_bucket_size, "
+                              "ddp_num_buckets) imply 3"),
+    ("overlap_grad_reduce", False, "imply 1"),
+    ("dist_ckpt_optim_fully_reshardable", True, "fully_reshardable optimizer with several DDP buckets"),
+])
+def test_bucket_args_the_files_do_not_hold_are_refused(tmp_path, field, value, needle):
+    """Several DDP buckets are read where the args say where Megatron cut them; args that disagree with
+    the bucket keys, or a fully_reshardable optimizer over several buckets, are refused by name."""
+    src = _copy(tmp_path, "torch_dist_dp2_distopt_buckets")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    setattr(args, field, value)
+    if field == "dist_ckpt_optim_fully_reshardable":
+        common = dict(common, content_metadata=dict(common.get("content_metadata") or {},
+                                                    distrib_optim_sharding_type="fully_reshardable"))
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    _refused(src, tmp_path, needle, fmt="dcp")
+
+
+def test_te_grouped_gemm_buckets_are_refused_by_name(tmp_path):
+    """TEGroupedMLP keeps SequentialMLP's torch_dist keys but not its DDP bucket order: a dp_reshardable
+    optimizer of a Transformer Engine run with --moe-grouped-gemm is refused naming it."""
+    src = _copy(tmp_path, "torch_dist_moe_tp2_ep2_shared_distopt")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    args.moe_grouped_gemm, args.transformer_impl = True, "transformer_engine"
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    _refused(src, tmp_path, "args.moe_grouped_gemm = True (transformer_impl 'transformer_engine')",
+             "dp_reshardable buckets of grouped-GEMM experts under Transformer Engine", fmt="dcp")
+
+
+def test_mtp_tensors_the_args_do_not_name_are_never_dropped(tmp_path):
+    """An MTP checkpoint whose args lost mtp_num_layers: its mtp.layers.* tensors are weights no parameter
+    takes, so the conversion is refused naming one (never a model silently without them) unless --drop."""
+    src = _copy(tmp_path, "torch_dist_mtp1")
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    args.mtp_num_layers = None
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    with pytest.raises(ReshardError, match=r"mtp\.layers\.0\."):
+        convert(src, tmp_path / "out", fmt="dcp")
+    assert not (tmp_path / "out").exists()
+    report = convert(src, tmp_path / "dropped", fmt="dcp", drop=[r"^mtp\."])
+    assert any("mtp.layers.0.eh_proj.weight" in str(d) for d in report.dropped)

@@ -58,6 +58,13 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=2, ep=1, etp=2), True),  # expert TP above TP
     ("torch_dist_moe_ep2_shared_bf16", dict(tp=2, pp=2, dp=1, ep=2, etp=1, optimizer="fully_reshardable"), True),
     ("torch_dist_moe_ep2_shared_bf16", dict(tp=1, pp=1, dp=1, ep=1), True),
+    # several DDP buckets (the oracle passes the source's --overlap-grad-reduce --ddp-bucket-size)
+    ("torch_dist_dp2_distopt_buckets", dict(tp=2, pp=1, dp=2), True),
+    ("torch_dist_dp2_distopt_buckets", dict(tp=1, pp=2, dp=2), True),
+    ("legacy_dp2_distopt_buckets", dict(tp=1, pp=1, dp=2, optimizer="dp_reshardable"), True),
+    # a multi-token-prediction layer: on the last stage, in its bucket after the final norm
+    ("torch_dist_mtp1", dict(tp=2, pp=2, dp=1), True),
+    ("torch_dist_mtp1", dict(tp=2, pp=2, dp=2, optimizer="dp_reshardable"), True),
 ]
 
 

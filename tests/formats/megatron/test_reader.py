@@ -73,6 +73,10 @@ def test_hf_names_are_the_weights_de_interleaved(fixture):
         with pytest.raises(ReshardError, match="shared experts .* not mapped by reshard yet"):
             open_reader(FIXTURES / fixture, route="safetensors")
         return
+    if MegatronReader.open(FIXTURES / fixture).arch.mtp:  # DeepSeek-V3's MTP names: no mapping, refused by name
+        with pytest.raises(ReshardError, match=r"no entry for Megatron key 'mtp\.layers\.0\.\w+\.weight' \(of 10\)"):
+            open_reader(FIXTURES / fixture, route="safetensors")
+        return
     reader = open_reader(FIXTURES / fixture, route="safetensors")
     assert reader.naming == "hf"
     for name in reader.names:
@@ -113,3 +117,39 @@ def test_hf_config():
     assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (24, 4, 2, 10)
     assert (cfg["vocab_size"], cfg["intermediate_size"], cfg["tie_word_embeddings"]) == (120, 36, False)
     assert cfg["rope_parameters"]["rope_theta"] == 10000.0 and cfg["rms_norm_eps"] == 1e-5
+
+
+def test_grouped_gemm_under_the_local_spec_is_sequential_mlp():
+    """Megatron 0.19.2 builds SequentialMLP for --moe-grouped-gemm under --transformer-impl local: the
+    same keys, shapes and bucket entries as the SequentialMLP fixture, read equal to Megatron's reload
+    (test_megatron_names_equal_the_oracle)."""
+    grouped = MegatronReader.open(FIXTURES / "torch_dist_moe_ep2_grouped_gemm_local")
+    plain = MegatronReader.open(FIXTURES / "torch_dist_moe_ep2_distopt")
+    assert grouped.args.moe_grouped_gemm and grouped.args.transformer_impl == "local"
+    assert not plain.args.moe_grouped_gemm
+    shapes = {k: tuple(e.shape) for k, e in grouped.src.ck.tensors.items()}
+    assert shapes == {k: tuple(e.shape) for k, e in plain.src.ck.tensors.items()}
+    assert sorted(grouped.src.ck.objects) == sorted(plain.src.ck.objects)
+
+
+def test_te_grouped_gemm_with_plain_adam_is_read(tmp_path):
+    """TEGroupedMLP's torch_dist keys are SequentialMLP's (Megatron's code: grouped.py), so a Transformer
+    Engine --moe-grouped-gemm checkpoint with plain Adam (model-space states) is read; the files here are
+    Megatron's SequentialMLP ones with the args a TE run records."""
+    import argparse
+    import shutil
+
+    from .test_bad_input import _common, _plant
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "torch_dist_moe_ep2", src, ignore=shutil.ignore_patterns("oracle"))
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    args.moe_grouped_gemm, args.transformer_impl = True, "transformer_engine"
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    reader = MegatronReader.open(src)
+    reader.check()
+    from .support import compare_megatron
+
+    assert compare_megatron(reader, "torch_dist_moe_ep2") > 0

@@ -46,6 +46,15 @@ CASES = [
     # every layer MoE (stacked keys), bf16 weights with an fp32 expert bias
     ("torch_dist_moe_ep2_shared_bf16", dict(tp=2, pp=2, dp=1, ep=2, etp=1, optimizer="fully_reshardable"),
      "fully_reshardable"),
+    # several DDP buckets (--overlap-grad-reduce --ddp-bucket-size 3000): kept where Megatron buckets (stage 0)
+    ("torch_dist_dp2_distopt_buckets", dict(tp=2, pp=1, dp=2), "dp_reshardable"),
+    ("torch_dist_dp2_distopt_buckets", dict(tp=1, pp=2, dp=1, optimizer="adam"), "adam"),
+    ("legacy_dp2_distopt_buckets", dict(tp=1, pp=2, dp=2), "dp_reshardable"),
+    # --moe-grouped-gemm under the local spec (SequentialMLP, the flag kept in args)
+    ("torch_dist_moe_ep2_grouped_gemm_local", dict(tp=1, pp=1, dp=2, ep=1), "dp_reshardable"),
+    # a multi-token-prediction layer (on the last stage, after the final norm; keys per MTP layer)
+    ("torch_dist_mtp1", dict(tp=2, pp=2, dp=1), "adam"),
+    ("torch_dist_mtp1", dict(tp=2, pp=1, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
 ]
 
 
@@ -133,3 +142,63 @@ def test_impossible_topologies_are_refused(tmp_path):
     with pytest.raises(ReshardError, match="optimizer"):
         reshard(FIXTURES / "torch_dist_tp2_pp2", tmp_path, to="megatron", optimizer="sgd")
     assert not any(tmp_path.iterdir())
+
+
+def _bucket_sizes(reader: MegatronReader) -> dict[str, list[int]]:
+    """``{dp_group_idx: [unpadded size of each bucket]}`` of a dp_reshardable checkpoint."""
+    import re
+
+    out: dict[str, dict[int, int]] = {}
+    for k, e in reader.src.ck.tensors.items():
+        m = re.search(r"dp_group_idx_(\d+)\.gbuf_idx_0\..*\.bucket_idx_(\d+)\.param$", k)
+        if m:
+            out.setdefault(m.group(1), {})[int(m.group(2))] = e.shape[0]
+    return {g: [v[i] for i in sorted(v)] for g, v in sorted(out.items())}
+
+
+def test_several_buckets_are_written_as_megatron_cuts_them(tmp_path):
+    """The source's bucket args kept: at the source's topology the same buckets (sizes recorded by
+    Megatron's own per_bucket_numel_unpadded); at PP 2 only stage 0 is cut (Megatron buckets no later
+    stage); the layout's records say so."""
+    src = MegatronReader.open(FIXTURES / "torch_dist_dp2_distopt_buckets")
+    saved = src.src.obj("optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1")
+    assert list(saved[0].values())[0] == _bucket_sizes(src)["0"] == [3072, 4672, 3648, 6080]
+    same = MegatronReader.open(reshard(FIXTURES / "torch_dist_dp2_distopt_buckets", tmp_path / "a", to="megatron",
+                                       tp=1, pp=1, dp=2).out_dir)
+    assert _bucket_sizes(same) == _bucket_sizes(src)
+    assert same.src.obj("optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1") == saved
+    staged = MegatronReader.open(reshard(FIXTURES / "torch_dist_dp2_distopt_buckets", tmp_path / "b",
+                                         to="megatron", tp=1, pp=2, dp=2).out_dir)
+    sizes = _bucket_sizes(staged)
+    assert len(sizes["0"]) > 1 and len(sizes["1"]) == 1
+    assert compare_megatron(staged, "torch_dist_dp2_distopt_buckets") > 0
+
+
+def test_fully_reshardable_with_several_buckets_is_refused(tmp_path):
+    """Megatron-Core 0.19.2 reads a fully_reshardable optimizer with several buckets shifted: not written."""
+    with pytest.raises(ReshardError, match="fully_reshardable optimizer with several DDP buckets"):
+        reshard(FIXTURES / "torch_dist_dp2_distopt_buckets", tmp_path / "out", to="megatron", tp=1, pp=1, dp=2,
+                optimizer="fully_reshardable")
+    assert not (tmp_path / "out").exists()
+
+
+def test_te_grouped_gemm_buckets_are_not_written(tmp_path):
+    """A Transformer Engine --moe-grouped-gemm source (plain Adam: read) is not written as dp_reshardable
+    buckets, whose order TEGroupedMLP changes; plain Adam is."""
+    import argparse
+    import shutil
+
+    from .test_bad_input import _common, _plant
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "torch_dist_moe_ep2", src, ignore=shutil.ignore_patterns("oracle"))
+    common = _common(src / "iter_0000003")
+    args = argparse.Namespace(**vars(common["args"]))
+    args.moe_grouped_gemm, args.transformer_impl = True, "transformer_engine"
+    _plant(src / "iter_0000003", "common_state/shard_0_1", dict(common, args=args))
+    with pytest.raises(ReshardError, match="dp_reshardable from a source of grouped-GEMM experts under Transformer"):
+        reshard(src, tmp_path / "out", to="megatron", tp=1, pp=1, dp=2, optimizer="dp_reshardable")
+    assert not (tmp_path / "out").exists()
+    out = reshard(src, tmp_path / "adam", to="megatron", tp=1, pp=1, dp=2, ep=1).out_dir
+    r = MegatronReader.open(out)
+    assert r.args.moe_grouped_gemm and compare_megatron(r, "torch_dist_moe_ep2") > 0
