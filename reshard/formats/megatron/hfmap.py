@@ -86,14 +86,20 @@ def load_document(doc: str | Path | Mapping | None = None) -> dict:
 def _sizes(arch: Arch) -> dict[str, int]:
     return {"hidden": arch.hidden, "heads": arch.heads, "groups": arch.groups, "per_group": arch.per_group,
             "head_dim": arch.head_dim, "q_group_rows": arch.per_group * arch.head_dim, "ffn": arch.ffn,
-            "moe_ffn": arch.moe_ffn, "experts": arch.experts}
+            "moe_ffn": arch.moe_ffn, "experts": arch.experts, "shared_ffn": arch.shared_ffn}
 
 
-def _holds(arch: Arch, cond: str | list | None) -> bool:
+def _holds(arch: Arch, cond: str | list | None, layer: int | None = None) -> bool:
+    """Whether condition ``cond`` holds of ``arch`` (of global ``layer`` for ``dense`` / ``moe``:
+    a model with dense and MoE layers mixed)."""
     if isinstance(cond, list):
-        return all(_holds(arch, c) for c in cond)
+        return all(_holds(arch, c, layer) for c in cond)
+    moe = arch.is_moe(layer) if layer is not None else bool(arch.experts)
     conds = {"qkv_bias": arch.qkv_bias, "swiglu": arch.swiglu, "untied": not arch.tied, "tied": arch.tied,
-             "experts": bool(arch.experts), "dense": not arch.experts, "qk_layernorm": arch.qk_norm, None: True}
+             "experts": bool(arch.experts), "dense": not moe, "moe": moe, "qk_layernorm": arch.qk_norm,
+             "shared_experts": bool(arch.shared_ffn), "shared_expert_gate": arch.shared_gate,
+             "expert_bias": arch.expert_bias, "mixed_layers": arch.moe_layers is not None and not all(arch.moe_layers),
+             None: True}
     if cond not in conds:
         raise ReshardError(f"architecture mapping: unknown condition {cond!r} (one of {sorted(c for c in conds if c)})")
     return conds[cond]
@@ -107,54 +113,79 @@ def _size(value: Any, sizes: dict[str, int], what: str) -> int:
     raise ReshardError(f"architecture mapping: {what} {value!r} is neither an integer nor one of {sorted(sizes)}")
 
 
+def _doc_key(spec: Any) -> str:
+    """The document's name of a key: a per-layer key (``decoder.layers.<i>.…``, mixed layers) is
+    entered once, as the stacked key's name."""
+    if spec.layer is None:
+        return spec.key
+    return spec.key.replace(f"decoder.layers.{spec.layer}.", "decoder.layers.", 1)
+
+
+def _axes(spec: Any) -> list[str]:
+    """The names of a key's stacked axes (the leading axes of its F)."""
+    return (["layer"] if spec.layer is None and spec.stacked >= 1 else []) + (["expert"] if spec.expert else [])
+
+
 def hf_params(arch: Arch, doc: Mapping | None = None) -> list[HfParam]:
     """Every HF tensor of ``arch`` under the mapping ``doc``, in HF model order (the entries' order,
-    each layer's entries together)."""
-    if arch.shared_ffn or arch.expert_bias or arch.per_layer:
-        what = ("shared experts" if arch.shared_ffn else "a router expert_bias" if arch.expert_bias
-                else "mixed dense and MoE layers")
-        raise ReshardError(f"Hugging Face names of a Megatron MoE model with {what} (Qwen2-MoE / DeepSeek-V3 "
-                           "shaped) are not mapped by reshard yet; use Megatron names (--names megatron)")
+    each layer's entries together). A key no entry maps is refused, naming it: nothing is dropped."""
     doc = load_document(doc)
     sizes = _sizes(arch)
-    specs = {s.key: s for s in arch.keys()}
-    entries = [e for e in doc.get("params", []) if _holds(arch, e.get("when"))]
-    unmapped = sorted(set(specs) - {e["megatron"] for e in entries})
-    if unmapped:
-        raise ReshardError(f"architecture mapping: no entry for Megatron key {unmapped[0]!r} (of {len(unmapped)})")
+    by_doc: dict[str, list] = {}
+    for s in arch.keys():
+        by_doc.setdefault(_doc_key(s), []).append(s)
+    mapped: set[str] = set()
     per_index: dict[tuple[int, ...], list[HfParam]] = {}
-    head, tail, seen_layer = [], [], False
-    for e in entries:
-        spec = specs.get(e["megatron"])
-        if spec is None:
+    head: list[HfParam] = []
+    tail: list[HfParam] = []
+    seen_layer = False
+    for e in doc.get("params", []):
+        specs = by_doc.get(e["megatron"], [])
+        if not specs and _holds(arch, e.get("when")):
             raise ReshardError(f"architecture mapping: {e['megatron']!r} is not a key of this model")
-        axes = e.get("index", ["layer", "expert"][:spec.stacked])
-        out = per_index if axes else None
-        for index in _indices(arch, len(axes)):
-            got = _entry(arch, spec, e, index, len(axes), sizes)
-            if out is None:
-                (tail if seen_layer else head).extend(got)
-            else:
-                out.setdefault(index, []).extend(got)
-        seen_layer = seen_layer or bool(axes)
+        for spec in specs:
+            if not _holds(arch, e.get("when"), spec.layer):
+                continue
+            mapped.add(spec.key)
+            axes = _axes(spec)
+            fixed = [a for a in e.get("index", axes) if a in axes]
+            if fixed != axes[:len(fixed)]:
+                raise ReshardError(f"architecture mapping: {e['megatron']!r} index {e.get('index')} is not a leading "
+                                   f"part of its stacked axes {axes}")
+            for index in _indices(arch, fixed):
+                fmt = dict(zip(fixed, index))
+                if spec.layer is not None:
+                    fmt["layer"] = spec.layer
+                got = _entry(spec, arch.full_shape(spec), e, index, fmt, sizes, arch.vocab)
+                if "layer" in fmt:
+                    rest = index[1:] if spec.layer is None else index  # the layer, then the expert
+                    per_index.setdefault((fmt["layer"], *rest), []).extend(got)
+                    seen_layer = True
+                else:
+                    (tail if seen_layer else head).extend(got)
+    unmapped = [s.key for s in arch.keys() if s.key not in mapped]
+    if unmapped:
+        raise ReshardError(f"architecture mapping: no entry for Megatron key {unmapped[0]!r} (of {len(unmapped)}): "
+                           f"{doc.get('name', 'this document')} has no Hugging Face name for it")
     return head + [p for ix in sorted(per_index) for p in per_index[ix]] + tail
 
 
-def _indices(arch: Arch, n: int) -> list[tuple[int, ...]]:
-    if n == 0:
-        return [()]
-    if n == 1:
-        return [(i,) for i in range(arch.layers)]
-    return [(i, x) for i in range(arch.layers) for x in range(arch.experts)]
+def _indices(arch: Arch, fixed: list[str]) -> list[tuple[int, ...]]:
+    """Every index of the ``fixed`` axes (``layer``, ``expert``)."""
+    out: list[tuple[int, ...]] = [()]
+    for a in fixed:
+        n = arch.layers if a == "layer" else arch.experts
+        out = [(*ix, i) for ix in out for i in range(n)]
+    return out
 
 
-def _entry(arch: Arch, spec: Any, e: Mapping, index: tuple[int, ...], fixed: int, sizes: dict) -> list[HfParam]:
-    full = arch.full_shape(spec)
+def _entry(spec: Any, full: tuple[int, ...], e: Mapping, index: tuple[int, ...], fmt: dict, sizes: dict,
+           vocab: int) -> list[HfParam]:
+    fixed = len(index)
     rest = full[fixed:]
     names = e["hf"] if isinstance(e["hf"], list) else [e["hf"]]
-    fmt = {"layer": index[0] if index else None, "expert": index[1] if len(index) > 1 else None}
-    names = [n.format(**fmt) for n in names]
-    valid_rows = arch.vocab if e.get("vocab") else None
+    names = [n.format(**{"layer": None, "expert": None, **fmt}) for n in names]
+    valid_rows = vocab if e.get("vocab") else None
     split = e.get("split")
     if split is None:
         start = tuple(index) + (0,) * len(rest)
