@@ -159,7 +159,8 @@ def _moe_args(cfg: dict, arch: str, layers: int, tp: int, ep: int, etp: int | No
                 moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef") or 0.0), moe_grouped_gemm=False,
                 moe_token_dispatcher_type="alltoall", moe_router_dtype=None, moe_expert_capacity_factor=None,
                 moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared),
-                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
+                sequence_parallel=tp > 1)  # Megatron's validate_args: MoE with TP needs sequence parallelism
 
 
 def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, divisible_by: int = 128,
@@ -205,7 +206,7 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
         consumed_valid_samples=0,
         # training fields: Megatron-LM's defaults (a training command line sets its own)
         optimizer="adam", lr=1e-4, min_lr=0.0, lr_decay_style="linear", weight_decay=0.01, adam_beta1=0.9,
-        adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, seed=1234, micro_batch_size=1, global_batch_size=1,
+        adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, seed=1234, micro_batch_size=1, global_batch_size=dp,
         train_iters=1, lr_warmup_iters=0,
     )
     fields.update(_moe_args(cfg, arch, fields["num_layers"], tp, ep, etp))
