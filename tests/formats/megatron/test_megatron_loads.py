@@ -111,8 +111,9 @@ def test_megatron_loads_an_hf_import(tmp_path):
 def test_megatron_loads_an_hf_moe_import(tmp_path, fixture, topology):
     """A Qwen-MoE HF folder (reshard's export of a Megatron fixture) imported at TP x EP (x PP):
     Megatron loads it, and its reload equals Megatron's own reload of the fixture (valid vocabulary rows)."""
-    from reshard.jobs.convert import convert
     from safetensors.torch import load_file
+
+    from reshard.jobs.convert import convert
 
     hf = convert(FIXTURES / fixture, tmp_path / "hf", fmt="hf").out_dir
     out = reshard(hf, tmp_path / "ckpt", to="megatron", **topology).out_dir
