@@ -146,7 +146,9 @@ def _moe_args(cfg: dict, arch: str, layers: int, tp: int, ep: int, etp: int | No
     if kind == "mixtral":
         experts, ffn, norm, dense = int(cfg["num_local_experts"]), int(cfg["intermediate_size"]), True, []
     else:
-        experts, ffn, norm = int(cfg["num_experts"]), int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob"))
+        # Qwen3-MoE: transformers 5 saves num_experts as num_local_experts (its attribute_map)
+        experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+        ffn, norm = int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob"))
         step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
         dense = [i for i in range(layers) if i in only or (i + 1) % step != 0]
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
@@ -209,5 +211,8 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
         adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, seed=1234, micro_batch_size=1, global_batch_size=dp,
         train_iters=1, lr_warmup_iters=0,
     )
-    fields.update(_moe_args(cfg, arch, fields["num_layers"], tp, ep, etp))
+    try:
+        fields.update(_moe_args(cfg, arch, fields["num_layers"], tp, ep, etp))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ReshardError(f"config.json ({arch}): lacks or mis-states a field the MoE model needs ({e!r})") from None
     return argparse.Namespace(**fields)

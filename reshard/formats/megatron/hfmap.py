@@ -33,9 +33,11 @@ from ...layouts import compose, flat_ranges
 from ...layouts._core import finish
 from .model import Arch
 
-__all__ = ["Block", "HfParam", "hf_params", "load_document", "restrict"]
+__all__ = ["HUB_EXPERTS", "LLAMA", "Block", "HfParam", "hf_params", "load_document", "restrict"]
 
 LLAMA = Path(__file__).with_name("llama.json")
+# the same models with each expert's tensors apart, as transformers' save_pretrained and the Hub write them
+HUB_EXPERTS = Path(__file__).with_name("llama_hub_experts.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,15 +73,34 @@ def _document(path: str) -> dict:
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ReshardError(f"{path}: unreadable architecture mapping document ({e})") from None
-    return doc
+    return _extended(doc, Path(path).parent)
+
+
+def _extended(doc: dict, folder: Path) -> dict:
+    """A document that ``extends`` another (a file beside it): the base's entries, those of each
+    Megatron key the document enters replaced, in place, by its own entries for that key."""
+    base_name = doc.get("extends")
+    if base_name is None:
+        return doc
+    base = _document(str(folder / base_name))
+    own = doc.get("params", [])
+    keys = {e["megatron"] for e in own}
+    params: list = []
+    for e in base.get("params", []):
+        if e["megatron"] not in keys:
+            params.append(e)
+        elif not any(x["megatron"] == e["megatron"] for x in params):
+            params += [x for x in own if x["megatron"] == e["megatron"]]
+    params += [x for x in own if not any(y is x for y in params)]
+    return {**base, **{k: v for k, v in doc.items() if k != "extends"}, "params": params}
 
 
 def load_document(doc: str | Path | Mapping | None = None) -> dict:
     """The mapping document: the built-in Llama one, a path, or a dict."""
     if doc is None:
         return _document(str(LLAMA))
-    if isinstance(doc, Mapping):
-        return dict(doc)
+    if isinstance(doc, Mapping):  # its "extends" names a document beside llama.json
+        return _extended(dict(doc), LLAMA.parent)
     return _document(str(doc))
 
 
@@ -94,11 +115,15 @@ def _holds(arch: Arch, cond: str | list | None, layer: int | None = None) -> boo
     a model with dense and MoE layers mixed)."""
     if isinstance(cond, list):
         return all(_holds(arch, c, layer) for c in cond)
+    if isinstance(cond, str) and cond.startswith("!"):
+        return not _holds(arch, cond[1:], layer)
     moe = arch.is_moe(layer) if layer is not None else bool(arch.experts)
     conds = {"qkv_bias": arch.qkv_bias, "swiglu": arch.swiglu, "untied": not arch.tied, "tied": arch.tied,
              "experts": bool(arch.experts), "dense": not moe, "moe": moe, "qk_layernorm": arch.qk_norm,
              "shared_experts": bool(arch.shared_ffn), "shared_expert_gate": arch.shared_gate,
              "expert_bias": arch.expert_bias, "mixed_layers": arch.moe_layers is not None and not all(arch.moe_layers),
+             # the HF model with experts is a Mixtral (no QK layer norms, no shared expert; hfconfig)
+             "mixtral": bool(arch.experts) and not arch.qk_norm and not arch.shared_ffn,
              None: True}
     if cond not in conds:
         raise ReshardError(f"architecture mapping: unknown condition {cond!r} (one of {sorted(c for c in conds if c)})")
@@ -126,7 +151,7 @@ def _axes(spec: Any) -> list[str]:
     return (["layer"] if spec.layer is None and spec.stacked >= 1 else []) + (["expert"] if spec.expert else [])
 
 
-def hf_params(arch: Arch, doc: Mapping | None = None) -> list[HfParam]:
+def hf_params(arch: Arch, doc: str | Path | Mapping | None = None) -> list[HfParam]:
     """Every HF tensor of ``arch`` under the mapping ``doc``, in HF model order (the entries' order,
     each layer's entries together). A key no entry maps is refused, naming it: nothing is dropped."""
     doc = load_document(doc)
@@ -167,7 +192,13 @@ def hf_params(arch: Arch, doc: Mapping | None = None) -> list[HfParam]:
     if unmapped:
         raise ReshardError(f"architecture mapping: no entry for Megatron key {unmapped[0]!r} (of {len(unmapped)}): "
                            f"{doc.get('name', 'this document')} has no Hugging Face name for it")
-    return head + [p for ix in sorted(per_index) for p in per_index[ix]] + tail
+    out = head + [p for ix in sorted(per_index) for p in per_index[ix]] + tail
+    seen: set[str] = set()
+    for p in out:
+        if p.name in seen:
+            raise ReshardError(f"architecture mapping: Hugging Face name {p.name!r} comes from two entries")
+        seen.add(p.name)
+    return out
 
 
 def _indices(arch: Arch, fixed: list[str]) -> list[tuple[int, ...]]:

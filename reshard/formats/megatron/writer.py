@@ -39,7 +39,7 @@ from .dist import TorchDistBackend
 from .files import TRACKER, iteration_folder
 from .held import carried
 from .hfconfig import args_from_hf, padded_vocab
-from .hfmap import hf_params, restrict
+from .hfmap import HUB_EXPERTS, hf_params, restrict
 from .model import EMBED, Arch
 from .reader import MegatronReader
 from .target import TargetLayout
@@ -167,10 +167,17 @@ class MegatronWriter(Writer):
             raise ReshardError(f"optimizer (--optimizer) must be one of {', '.join(KINDS)}, got {self.kind!r}")
 
     def _hf_names(self, reader: Reader) -> dict[str, list]:
-        """Each key's HF tensors, checked against the source's names and shapes."""
+        """Each key's HF tensors, checked against the source's names and shapes: of the Megatron
+        source's own mapping, else of the document whose names an HF source holds (experts fused
+        as transformers 5 holds them in memory, or apart as save_pretrained and the Hub write them)."""
         out: dict[str, list] = {}
         have = set(reader.names)
-        for p in hf_params(self.arch, self.own.mapping if self.own is not None else None):
+        doc = self.own.mapping if self.own is not None else None
+        if self.own is None and self.arch.experts:
+            params = hf_params(self.arch)
+            if any(p.name not in have for p in params) and all(p.name in have for p in hf_params(self.arch, HUB_EXPERTS)):
+                doc = HUB_EXPERTS
+        for p in hf_params(self.arch, doc):
             if p.name not in have:
                 raise ReshardError(f"{reader.sources[-1]}: has no {p.name!r}, which the Megatron model needs")
             if tuple(reader.shape(p.name)) != tuple(p.valid):

@@ -174,3 +174,42 @@ def test_qwen_moe_config_imports_its_dense_layers_and_router():
     assert args.add_qkv_bias and args.expert_model_parallel_size == 2
     with pytest.raises(ReshardError, match="no experts"):
         args_from_hf(dict(cfg, model_type="qwen2"), tp=1, pp=1, dp=2, ep=2, dtype=torch.float32)
+
+
+def _saved(tmp_path, kind: str):
+    """A tiny random model of ``kind`` saved by transformers' own ``save_pretrained`` (each
+    expert's tensors apart, as on the Hub)."""
+    common = dict(vocab_size=96, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, num_experts_per_tok=2)
+    cfg = {"qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, intermediate_size=24, moe_intermediate_size=8,
+                                                            num_experts=4, mlp_only_layers=[0], norm_topk_prob=True),
+           "mixtral": lambda: transformers.MixtralConfig(**common, intermediate_size=8, num_local_experts=4),
+           "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**common, intermediate_size=24, moe_intermediate_size=8,
+                                                            shared_expert_intermediate_size=12, num_experts=4,
+                                                            decoder_sparse_step=2)}[kind]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(tmp_path / kind)
+    return model, tmp_path / kind
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_save_pretrained_moe_folder_imports_at_tp_ep_pp_and_exports_back(tmp_path, kind):
+    """A folder as transformers writes it (per-expert tensors: the document llama_hub_experts.json)
+    imported at TP2 x PP2 x EP2 x DP2 and exported again (fused experts): the model transformers
+    loads holds the same tensors and gives the same logits, bit for bit."""
+    model, src = _saved(tmp_path, kind)
+    assert any(".experts.0." in k for k in load_file(str(src / "model.safetensors")))
+    mg = reshard(src, tmp_path / "mg", to="megatron", tp=2, pp=2, dp=2, ep=2).out_dir
+    a = MegatronReader.open(mg).arch
+    assert (a.tp, a.pp, a.ep, a.experts) == (2, 2, 2, 4)
+    assert a.moe_layers == ((True, True) if kind == "mixtral" else (False, True))
+    back = transformers.AutoModelForCausalLM.from_pretrained(convert(mg, tmp_path / "hf", fmt="hf").out_dir).eval()
+    assert type(back) is type(model)
+    want, got = model.state_dict(), back.state_dict()
+    assert set(want) == set(got)
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, back(ids).logits)
