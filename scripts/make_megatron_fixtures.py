@@ -197,6 +197,10 @@ MLA_MODEL_ARGV += ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora
 # Several DDP buckets per buffer: Megatron buckets only with --overlap-grad-reduce; 3000 elements
 # cut the 17208 parameters of the 2-layer model into buckets of one to four parameters.
 BUCKETS_ARGV = ["--overlap-grad-reduce", "--ddp-bucket-size", "3000"]
+# Qwen-MoE shaped: a softmax router (as transformers' Qwen2-MoE / Qwen3-MoE compute), a dense layer 0
+QWEN_MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
+                 "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "none",
+                 "--moe-layer-freq", "[0,1]"]
 
 FIXTURES = {f.name: f for f in [
     Fixture("torch_dist_tp2_pp2", "TP=2 x PP=2, DP=1; plain (non-distributed) Adam; torch_dist",
@@ -288,6 +292,19 @@ FIXTURES = {f.name: f for f in [
             "layers 1-2 MoE, 4 experts top-2, a shared expert with its gate, a sigmoid router with an expert "
             "bias); plain Adam; torch_dist",
             tp=2, ep=2, etp=1, layers=3, moe=True, model_argv=MLA_MODEL_ARGV, extra_argv=SHARED_MOE_ARGV),
+    Fixture("torch_dist_moe_tp2_ep2_qk_layernorm",
+            "Qwen3-MoE shaped: --qk-layernorm with MoE, TP=2 x EP=2 on 2 processes (MoE parallel folding: expert "
+            "TP 1, --sequence-parallel), layer 0 dense and layer 1 MoE (--moe-layer-freq [0,1]: per-layer keys), "
+            "4 experts top-2 (SequentialMLP, allgather), softmax router (top-k then softmax: norm_topk_prob); "
+            "plain Adam; torch_dist",
+            tp=2, ep=2, etp=1, moe=True, extra_argv=QWEN_MOE_ARGV + ["--sequence-parallel", "--qk-layernorm"]),
+    Fixture("torch_dist_moe_ep2_shared_softmax",
+            "Qwen2-MoE shaped: q/k/v biases, EP=2 x DP=2 (world 2), layer 0 dense and layer 1 MoE (--moe-layer-freq "
+            "[0,1]), 4 experts top-2, softmax router with --moe-router-pre-softmax (softmax, top-k, not "
+            "renormalised), a shared expert (ffn 28) with its sigmoid gate; plain Adam; torch_dist",
+            dp=2, ep=2, moe=True, extra_argv=QWEN_MOE_ARGV + [
+                "--add-qkv-bias", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "28",
+                "--moe-shared-expert-gate"]),
 ]}
 
 # --------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The two directions between Megatron's ``args`` and a transformers ``config.json`` for
-Llama / Qwen2-style GQA models (Qwen3 with QK layer norms, Mixtral with experts):
+Llama / Qwen2-style GQA models (Qwen3 with QK layer norms) and their MoE kin (Mixtral; Qwen2-MoE
+with a gated shared expert; Qwen3-MoE with QK layer norms; both Qwen ones with dense layers mixed
+in, ``mlp_only_layers``):
 
 * :func:`hf_config`: the ``config.json`` of a Hugging Face export of a Megatron model;
 * :func:`args_from_hf`: the ``argparse.Namespace`` a Megatron-LM ``load_checkpoint`` needs
@@ -26,7 +28,7 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 def _refuse(args: Any, field: str, bad: Any, what: str) -> None:
     value = getattr(args, field, None)
     if bad(value):
-        raise ReshardError(f"args.{field} = {value!r}: {what} has no Llama/Qwen2 config")
+        raise ReshardError(f"args.{field} = {value!r}: {what} has no Llama/Qwen/Mixtral config")
 
 
 def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
@@ -52,11 +54,8 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
     }
     if arch.mla:
         return _deepseek_v3(args, arch, base)
-    if arch.experts and arch.qk_norm:
-        raise ReshardError("args.qk_layernorm = True with experts: a Qwen3-MoE config is not written by reshard")
     if arch.experts:
-        base.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=arch.moe_ffn,
-                    num_local_experts=arch.experts, num_experts_per_tok=int(getattr(args, "moe_router_topk", 2)))
+        base.update(_moe_config(args, arch))
     elif arch.qk_norm:  # Qwen3: RMSNorm of each q / k head (head_dim wide) before RoPE, as Megatron's
         if arch.qkv_bias:
             raise ReshardError("args.qk_layernorm with add_qkv_bias: no Qwen3 config holds both")
@@ -94,6 +93,55 @@ def _deepseek_v3(args: Any, arch: Arch, base: dict[str, Any]) -> dict[str, Any]:
                 first_k_dense_replace=arch.layers, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
                 moe_intermediate_size=arch.ffn, n_group=1, topk_group=1, num_nextn_predict_layers=0, pretraining_tp=1)
     return base
+def _refuse_router(args: Any) -> None:
+    """Megatron router settings under which no Mixtral / Qwen-MoE model routes the same: the HF
+    routers are ``softmax`` over all experts, top-k, optionally renormalised (``norm_topk_prob``)."""
+    where = "the Hugging Face MoE router (softmax, top-k)"
+    _refuse(args, "moe_router_score_function", lambda v: v not in (None, "softmax"), f"a router other than {where}")
+    _refuse(args, "moe_router_enable_expert_bias", bool, "a router expert_bias (no place in a Mixtral/Qwen-MoE model)")
+    _refuse(args, "moe_router_topk_scaling_factor", lambda v: v not in (None, 1.0), "scaled routing weights")
+    _refuse(args, "moe_router_num_groups", lambda v: v not in (None, 0, 1), "group-limited routing")
+    _refuse(args, "moe_router_group_topk", lambda v: v not in (None, 0), "group-limited routing")
+    _refuse(args, "moe_expert_capacity_factor", lambda v: v is not None and v >= 0, "token dropping (capacity)")
+    _refuse(args, "moe_input_jitter_eps", lambda v: v is not None, "router input jitter")
+    _refuse(args, "moe_router_force_load_balancing", bool, "forced (random) routing")
+    _refuse(args, "moe_apply_probs_on_input", bool, "routing weights applied to the expert input")
+    _refuse(args, "moe_latent_size", lambda v: v is not None, "latent MoE projections")
+
+
+def _moe_config(args: Any, arch: Arch) -> dict[str, Any]:
+    """The MoE part of the config: Qwen2-MoE (a gated shared expert), Qwen3-MoE (QK layer norms)
+    or Mixtral. Megatron's default router (top-k of the logits, then softmax over those k) equals
+    softmax, top-k, renormalised (``norm_topk_prob``); ``--moe-router-pre-softmax`` is softmax,
+    top-k without it."""
+    _refuse_router(args)
+    norm = not bool(getattr(args, "moe_router_pre_softmax", False))
+    topk = int(getattr(args, "moe_router_topk", 2))
+    dense = [i for i in range(arch.layers) if not arch.is_moe(i)]
+    qwen = dict(intermediate_size=arch.ffn, moe_intermediate_size=arch.moe_ffn, num_experts=arch.experts,
+                num_experts_per_tok=topk, norm_topk_prob=norm, decoder_sparse_step=1, mlp_only_layers=dense,
+                use_sliding_window=False, sliding_window=None, max_window_layers=arch.layers, output_router_logits=False)
+    if arch.shared_ffn:  # Qwen2-MoE: shared_expert_gate is sigmoid(x W) times the shared expert, as Megatron's
+        if not arch.shared_gate:
+            raise ReshardError("args.moe_shared_expert_gate = False: a shared expert without its gate has no HF "
+                               "config (Qwen2-MoE always gates it)")
+        if arch.qk_norm:
+            raise ReshardError("args.qk_layernorm with a shared expert: no Qwen2-MoE / Qwen3-MoE config holds both")
+        return dict(qwen, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", qkv_bias=arch.qkv_bias,
+                    shared_expert_intermediate_size=arch.shared_ffn)
+    if arch.qk_norm:
+        if arch.qkv_bias:
+            raise ReshardError("args.qk_layernorm with add_qkv_bias: no Qwen3-MoE config holds both")
+        return dict(qwen, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False)
+    if dense:
+        raise ReshardError(f"args.moe_layer_freq = {getattr(args, 'moe_layer_freq', None)!r}: dense layers among MoE "
+                           "ones without QK layer norms or a shared expert have no HF config (Mixtral is MoE only)")
+    if arch.qkv_bias:
+        raise ReshardError("args.add_qkv_bias with experts: no Mixtral config holds q/k/v biases")
+    if not norm:
+        raise ReshardError("args.moe_router_pre_softmax = True: Mixtral always renormalises its top-k weights")
+    return dict(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=arch.moe_ffn,
+                num_local_experts=arch.experts, num_experts_per_tok=topk, sliding_window=None, output_router_logits=False)
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -109,18 +157,57 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return -(-vocab // m) * m
 
 
-def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, divisible_by: int = 128) -> argparse.Namespace:
-    """Megatron-LM ``args`` for the HF model ``cfg`` at TP x PP x DP (see the module doc)."""
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _moe_args(cfg: dict, arch: str, layers: int, tp: int, ep: int, etp: int | None) -> dict[str, Any]:
+    """The MoE fields of Megatron's ``args`` for a Mixtral / Qwen2-MoE / Qwen3-MoE config (empty
+    for a dense model); the router as the HF one computes (see :func:`_moe_config`)."""
+    kind = cfg.get("model_type")
+    if kind not in _MOE_TYPES:
+        if ep != 1 or etp not in (None, tp):
+            raise ReshardError(f"--ep / --etp: the HF model ({arch}) has no experts")
+        return {}
+    if kind == "mixtral":
+        experts, ffn, norm, dense = int(cfg["num_local_experts"]), int(cfg["intermediate_size"]), True, []
+    else:
+        # Qwen3-MoE: transformers 5 saves num_experts as num_local_experts (its attribute_map)
+        experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+        ffn, norm = int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob"))
+        step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+        dense = [i for i in range(layers) if i in only or (i + 1) % step != 0]
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
+    if kind == "qwen2_moe" and not shared:
+        raise ReshardError(f"config.json ({arch}): shared_expert_intermediate_size = 0 is not imported")
+    return dict(num_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=int(cfg["num_experts_per_tok"]),
+                moe_layer_freq=[0 if i in dense else 1 for i in range(layers)] if dense else 1,
+                moe_router_pre_softmax=not norm, moe_router_score_function="softmax",
+                moe_router_enable_expert_bias=False, moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef") or 0.0), moe_grouped_gemm=False,
+                moe_token_dispatcher_type="alltoall", moe_router_dtype=None, moe_expert_capacity_factor=None,
+                moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared),
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
+                sequence_parallel=tp > 1)  # Megatron's validate_args: MoE with TP needs sequence parallelism
+
+
+def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, divisible_by: int = 128,
+                 ep: int = 1, etp: int | None = None) -> argparse.Namespace:
+    """Megatron-LM ``args`` for the HF model ``cfg`` at TP x PP x DP (x EP, expert TP) (see the
+    module doc)."""
     arch = (cfg.get("architectures") or ["?"])[0]
-    if cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3"):
+    if cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", *_MOE_TYPES):
         raise ReshardError(f"config.json: model_type {cfg.get('model_type')!r} ({arch}): reshard imports Llama, "
-                           "Qwen2, Qwen3, Mistral and dense DeepSeek-V3 models into Megatron")
+                           "Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE and dense DeepSeek-V3 models into "
+                           "Megatron")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (cfg.get("sliding_window") and cfg.get(
             "use_sliding_window")):
         raise ReshardError(f"config.json ({arch}): a non-SwiGLU MLP, MLP biases or sliding windows are not imported")
     heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
     groups = int(cfg.get("num_key_value_heads") or heads)
-    qkv_bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias"))
+    kind = cfg.get("model_type")
+    qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and cfg.get("qkv_bias", True)) or bool(cfg.get("attention_bias"))
+    if kind == "qwen3_moe" and cfg.get("attention_bias"):
+        raise ReshardError(f"config.json ({arch}): attention_bias (o_proj too) is not imported")
     vocab = int(cfg["vocab_size"])
     seq = int(cfg.get("max_position_embeddings") or 4096)
     bf16, fp16 = dtype == torch.bfloat16, dtype == torch.float16
@@ -135,7 +222,7 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
         layernorm_zero_centered_gamma=False, add_bias_linear=False, disable_bias_linear=True, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not bool(cfg.get("tie_word_embeddings", False)),
         apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0,
-        qk_layernorm=cfg.get("model_type") == "qwen3",
+        qk_layernorm=kind in ("qwen3", "qwen3_moe"),
         multi_latent_attention=False, num_experts=None, vocab_size=vocab, make_vocab_size_divisible_by=divisible_by,
         padded_vocab_size=padded_vocab(vocab, divisible_by, tp),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp, world_size=tp * pp * dp,
@@ -147,11 +234,15 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
         consumed_valid_samples=0,
         # training fields: Megatron-LM's defaults (a training command line sets its own)
         optimizer="adam", lr=1e-4, min_lr=0.0, lr_decay_style="linear", weight_decay=0.01, adam_beta1=0.9,
-        adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, seed=1234, micro_batch_size=1, global_batch_size=1,
+        adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, seed=1234, micro_batch_size=1, global_batch_size=dp,
         train_iters=1, lr_warmup_iters=0,
     )
     if cfg.get("model_type") == "deepseek_v3":
         fields.update(_mla_args(cfg, arch))
+    try:
+        fields.update(_moe_args(cfg, arch, fields["num_layers"], tp, ep, etp))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ReshardError(f"config.json ({arch}): lacks or mis-states a field the MoE model needs ({e!r})") from None
     return argparse.Namespace(**fields)
 
 

@@ -34,10 +34,12 @@ from ...layouts import compose, flat_ranges
 from ...layouts._core import finish
 from .model import Arch
 
-__all__ = ["Block", "HfParam", "hf_params", "load_document", "restrict"]
+__all__ = ["HUB_EXPERTS", "LLAMA", "Block", "HfParam", "hf_params", "load_document", "restrict"]
 
 LLAMA = Path(__file__).with_name("llama.json")
 DEEPSEEK_V3 = Path(__file__).with_name("deepseek_v3.json")  # multi-latent attention
+# the same models with each expert's tensors apart, as transformers' save_pretrained and the Hub write them
+HUB_EXPERTS = Path(__file__).with_name("llama_hub_experts.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +75,26 @@ def _document(path: str) -> dict:
         doc = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ReshardError(f"{path}: unreadable architecture mapping document ({e})") from None
-    return doc
+    return _extended(doc, Path(path).parent)
+
+
+def _extended(doc: dict, folder: Path) -> dict:
+    """A document that ``extends`` another (a file beside it): the base's entries, those of each
+    Megatron key the document enters replaced, in place, by its own entries for that key."""
+    base_name = doc.get("extends")
+    if base_name is None:
+        return doc
+    base = _document(str(folder / base_name))
+    own = doc.get("params", [])
+    keys = {e["megatron"] for e in own}
+    params: list = []
+    for e in base.get("params", []):
+        if e["megatron"] not in keys:
+            params.append(e)
+        elif not any(x["megatron"] == e["megatron"] for x in params):
+            params += [x for x in own if x["megatron"] == e["megatron"]]
+    params += [x for x in own if not any(y is x for y in params)]
+    return {**base, **{k: v for k, v in doc.items() if k != "extends"}, "params": params}
 
 
 def load_document(doc: str | Path | Mapping | None = None, arch: Arch | None = None) -> dict:
@@ -81,24 +102,32 @@ def load_document(doc: str | Path | Mapping | None = None, arch: Arch | None = N
     Llama's), a path, or a dict."""
     if doc is None:
         return _document(str(DEEPSEEK_V3 if arch is not None and arch.mla else LLAMA))
-    if isinstance(doc, Mapping):
-        return dict(doc)
+    if isinstance(doc, Mapping):  # its "extends" names a document beside llama.json
+        return _extended(dict(doc), LLAMA.parent)
     return _document(str(doc))
 
 
 def _sizes(arch: Arch) -> dict[str, int]:
     return {"hidden": arch.hidden, "heads": arch.heads, "groups": arch.groups, "per_group": arch.per_group,
             "head_dim": arch.head_dim, "q_group_rows": arch.per_group * arch.head_dim, "ffn": arch.ffn,
-            "moe_ffn": arch.moe_ffn, "experts": arch.experts}
+            "moe_ffn": arch.moe_ffn, "experts": arch.experts, "shared_ffn": arch.shared_ffn}
 
 
-def _holds(arch: Arch, cond: str | list | None) -> bool:
+def _holds(arch: Arch, cond: str | list | None, layer: int | None = None) -> bool:
+    """Whether condition ``cond`` holds of ``arch`` (of global ``layer`` for ``dense`` / ``moe``:
+    a model with dense and MoE layers mixed)."""
     if isinstance(cond, list):
-        return all(_holds(arch, c) for c in cond)
+        return all(_holds(arch, c, layer) for c in cond)
+    if isinstance(cond, str) and cond.startswith("!"):
+        return not _holds(arch, cond[1:], layer)
+    moe = arch.is_moe(layer) if layer is not None else bool(arch.experts)
     conds = {"qkv_bias": arch.qkv_bias, "swiglu": arch.swiglu, "untied": not arch.tied, "tied": arch.tied,
-             "experts": bool(arch.experts), "dense": not arch.experts, "qk_layernorm": arch.qk_norm,
-             "mla": arch.mla is not None, "q_lora": bool(arch.mla and arch.mla.q_lora),
-             "no_q_lora": bool(arch.mla and not arch.mla.q_lora), None: True}
+             "experts": bool(arch.experts), "dense": not moe, "moe": moe, "qk_layernorm": arch.qk_norm,
+             "shared_experts": bool(arch.shared_ffn), "shared_expert_gate": arch.shared_gate,
+             "expert_bias": arch.expert_bias, "mixed_layers": arch.moe_layers is not None and not all(arch.moe_layers),
+             # the HF model with experts is a Mixtral (no QK layer norms, no shared expert; hfconfig)
+             "mixtral": bool(arch.experts) and not arch.qk_norm and not arch.shared_ffn,
+             None: True}
     if cond not in conds:
         raise ReshardError(f"architecture mapping: unknown condition {cond!r} (one of {sorted(c for c in conds if c)})")
     return conds[cond]
@@ -112,54 +141,85 @@ def _size(value: Any, sizes: dict[str, int], what: str) -> int:
     raise ReshardError(f"architecture mapping: {what} {value!r} is neither an integer nor one of {sorted(sizes)}")
 
 
-def hf_params(arch: Arch, doc: Mapping | None = None) -> list[HfParam]:
+def _doc_key(spec: Any) -> str:
+    """The document's name of a key: a per-layer key (``decoder.layers.<i>.…``, mixed layers) is
+    entered once, as the stacked key's name."""
+    if spec.layer is None:
+        return spec.key
+    return spec.key.replace(f"decoder.layers.{spec.layer}.", "decoder.layers.", 1)
+
+
+def _axes(spec: Any) -> list[str]:
+    """The names of a key's stacked axes (the leading axes of its F)."""
+    return (["layer"] if spec.layer is None and spec.stacked >= 1 else []) + (["expert"] if spec.expert else [])
+
+
+def hf_params(arch: Arch, doc: str | Path | Mapping | None = None) -> list[HfParam]:
     """Every HF tensor of ``arch`` under the mapping ``doc``, in HF model order (the entries' order,
-    each layer's entries together)."""
-    if arch.shared_ffn or arch.expert_bias or arch.per_layer:
-        what = ("shared experts" if arch.shared_ffn else "a router expert_bias" if arch.expert_bias
-                else "mixed dense and MoE layers")
-        raise ReshardError(f"Hugging Face names of a Megatron MoE model with {what} (Qwen2-MoE / DeepSeek-V3 "
-                           "shaped) are not mapped by reshard yet; use Megatron names (--names megatron)")
+    each layer's entries together). A key no entry maps is refused, naming it: nothing is dropped."""
     doc = load_document(doc, arch)
     sizes = _sizes(arch)
-    specs = {s.key: s for s in arch.keys()}
-    entries = [e for e in doc.get("params", []) if _holds(arch, e.get("when"))]
-    unmapped = sorted(set(specs) - {e["megatron"] for e in entries})
-    if unmapped:
-        raise ReshardError(f"architecture mapping: no entry for Megatron key {unmapped[0]!r} (of {len(unmapped)})")
+    by_doc: dict[str, list] = {}
+    for s in arch.keys():
+        by_doc.setdefault(_doc_key(s), []).append(s)
+    mapped: set[str] = set()
     per_index: dict[tuple[int, ...], list[HfParam]] = {}
-    head, tail, seen_layer = [], [], False
-    for e in entries:
-        spec = specs.get(e["megatron"])
-        if spec is None:
+    head: list[HfParam] = []
+    tail: list[HfParam] = []
+    seen_layer = False
+    for e in doc.get("params", []):
+        specs = by_doc.get(e["megatron"], [])
+        if not specs and _holds(arch, e.get("when")):
             raise ReshardError(f"architecture mapping: {e['megatron']!r} is not a key of this model")
-        axes = e.get("index", ["layer", "expert"][:spec.stacked])
-        out = per_index if axes else None
-        for index in _indices(arch, len(axes)):
-            got = _entry(arch, spec, e, index, len(axes), sizes)
-            if out is None:
-                (tail if seen_layer else head).extend(got)
-            else:
-                out.setdefault(index, []).extend(got)
-        seen_layer = seen_layer or bool(axes)
-    return head + [p for ix in sorted(per_index) for p in per_index[ix]] + tail
+        for spec in specs:
+            if not _holds(arch, e.get("when"), spec.layer):
+                continue
+            mapped.add(spec.key)
+            axes = _axes(spec)
+            fixed = [a for a in e.get("index", axes) if a in axes]
+            if fixed != axes[:len(fixed)]:
+                raise ReshardError(f"architecture mapping: {e['megatron']!r} index {e.get('index')} is not a leading "
+                                   f"part of its stacked axes {axes}")
+            for index in _indices(arch, fixed):
+                fmt = dict(zip(fixed, index))
+                if spec.layer is not None:
+                    fmt["layer"] = spec.layer
+                got = _entry(spec, arch.full_shape(spec), e, index, fmt, sizes, arch.vocab)
+                if "layer" in fmt:
+                    rest = index[1:] if spec.layer is None else index  # the layer, then the expert
+                    per_index.setdefault((fmt["layer"], *rest), []).extend(got)
+                    seen_layer = True
+                else:
+                    (tail if seen_layer else head).extend(got)
+    unmapped = [s.key for s in arch.keys() if s.key not in mapped]
+    if unmapped:
+        raise ReshardError(f"architecture mapping: no entry for Megatron key {unmapped[0]!r} (of {len(unmapped)}): "
+                           f"{doc.get('name', 'this document')} has no Hugging Face name for it")
+    out = head + [p for ix in sorted(per_index) for p in per_index[ix]] + tail
+    seen: set[str] = set()
+    for p in out:
+        if p.name in seen:
+            raise ReshardError(f"architecture mapping: Hugging Face name {p.name!r} comes from two entries")
+        seen.add(p.name)
+    return out
 
 
-def _indices(arch: Arch, n: int) -> list[tuple[int, ...]]:
-    if n == 0:
-        return [()]
-    if n == 1:
-        return [(i,) for i in range(arch.layers)]
-    return [(i, x) for i in range(arch.layers) for x in range(arch.experts)]
+def _indices(arch: Arch, fixed: list[str]) -> list[tuple[int, ...]]:
+    """Every index of the ``fixed`` axes (``layer``, ``expert``)."""
+    out: list[tuple[int, ...]] = [()]
+    for a in fixed:
+        n = arch.layers if a == "layer" else arch.experts
+        out = [(*ix, i) for ix in out for i in range(n)]
+    return out
 
 
-def _entry(arch: Arch, spec: Any, e: Mapping, index: tuple[int, ...], fixed: int, sizes: dict) -> list[HfParam]:
-    full = arch.full_shape(spec)
+def _entry(spec: Any, full: tuple[int, ...], e: Mapping, index: tuple[int, ...], fmt: dict, sizes: dict,
+           vocab: int) -> list[HfParam]:
+    fixed = len(index)
     rest = full[fixed:]
     names = e["hf"] if isinstance(e["hf"], list) else [e["hf"]]
-    fmt = {"layer": index[0] if index else None, "expert": index[1] if len(index) > 1 else None}
-    names = [n.format(**fmt) for n in names]
-    valid_rows = arch.vocab if e.get("vocab") else None
+    names = [n.format(**{"layer": None, "expert": None, **fmt}) for n in names]
+    valid_rows = vocab if e.get("vocab") else None
     split = e.get("split")
     if split is None:
         start = tuple(index) + (0,) * len(rest)

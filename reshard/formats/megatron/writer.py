@@ -41,7 +41,7 @@ from .files import TRACKER, iteration_folder
 from .grouped import TE_GROUPED, te_grouped
 from .held import carried
 from .hfconfig import args_from_hf, padded_vocab
-from .hfmap import hf_params, restrict
+from .hfmap import HUB_EXPERTS, hf_params, restrict
 from .model import EMBED, Arch
 from .reader import MegatronReader
 from .target import TargetLayout
@@ -84,9 +84,7 @@ class MegatronWriter(Writer):
         if self.own is not None:
             self._from_megatron(self.own, tp, pp, dp, ep, etp, optimizer, dtype)
         else:
-            if etp not in (None, 1) and etp != tp:
-                raise ReshardError("--etp: an HF model imported into Megatron is dense (no experts)")
-            self._from_hf(reader, tp, pp, dp, ep, optimizer, dtype)
+            self._from_hf(reader, tp, pp, dp, ep, etp, optimizer, dtype)
         if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
             raise ReshardError("--optimizer dp_reshardable with tied embeddings over several pipeline stages (the "
                                "last stage's bucket holds a copy of the embedding): not written by reshard")
@@ -151,17 +149,15 @@ class MegatronWriter(Writer):
                                    if (g.get("wd_mult", 1.0) != 0) in decays])
         self.step = self._step(own)
 
-    def _from_hf(self, reader: Reader, tp: int, pp: int, dp: int, ep: int | None, optimizer: str | None,
-                 dtype: torch.dtype | None) -> None:
+    def _from_hf(self, reader: Reader, tp: int, pp: int, dp: int, ep: int | None, etp: int | None,
+                 optimizer: str | None, dtype: torch.dtype | None) -> None:
         cfg = reader.hf_config()
         if not isinstance(cfg, dict):
             raise ReshardError(f"{reader.sources[-1]}: a Megatron target from {noun_of(reader)} needs the "
                                "model's Hugging Face config.json beside its weights")
-        if ep not in (None, 1):
-            raise ReshardError("--ep: an HF model imported into Megatron is dense (EP=1)")
         have = {reader.dtype(n, s) for n in reader.names for s in reader.states(n)[:1]}
         dtype = dtype or (have.pop() if len(have) == 1 else torch.float32)
-        self.args = args_from_hf(cfg, tp=tp, pp=pp, dp=dp, dtype=dtype)
+        self.args = args_from_hf(cfg, tp=tp, pp=pp, dp=dp, dtype=dtype, ep=ep or 1, etp=etp)
         self.arch = Arch.from_args(self.args, f"{reader.sources[-1]}: config.json")
         self.kind = optimizer or "none"
         self._check_kind()
@@ -170,6 +166,8 @@ class MegatronWriter(Writer):
         self.hf = self._hf_names(reader)
         self.vocab_rows = self.arch.vocab
         self.groups = [default_groups(self.args)]
+        if self.arch.expert_apart:  # the experts' optimizer: Megatron makes only the groups they fill (decay)
+            self.groups.append([g for g in default_groups(self.args, expert=True) if g["wd_mult"] != 0])
         self.step = self._step(reader)
         self._notes.append(f"args built from config.json (Megatron-LM defaults for training fields); a release "
                            f"checkpoint, padded vocabulary {self.arch.padded_vocab}")
@@ -179,10 +177,17 @@ class MegatronWriter(Writer):
             raise ReshardError(f"optimizer (--optimizer) must be one of {', '.join(KINDS)}, got {self.kind!r}")
 
     def _hf_names(self, reader: Reader) -> dict[str, list]:
-        """Each key's HF tensors, checked against the source's names and shapes."""
+        """Each key's HF tensors, checked against the source's names and shapes: of the Megatron
+        source's own mapping, else of the document whose names an HF source holds (experts fused
+        as transformers 5 holds them in memory, or apart as save_pretrained and the Hub write them)."""
         out: dict[str, list] = {}
         have = set(reader.names)
-        for p in hf_params(self.arch, self.own.mapping if self.own is not None else None):
+        doc = self.own.mapping if self.own is not None else None
+        if self.own is None and self.arch.experts:
+            params = hf_params(self.arch)
+            if any(p.name not in have for p in params) and all(p.name in have for p in hf_params(self.arch, HUB_EXPERTS)):
+                doc = HUB_EXPERTS
+        for p in hf_params(self.arch, doc):
             if p.name not in have:
                 raise ReshardError(f"{reader.sources[-1]}: has no {p.name!r}, which the Megatron model needs")
             if tuple(reader.shape(p.name)) != tuple(p.valid):
