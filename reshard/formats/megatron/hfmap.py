@@ -127,7 +127,8 @@ def _holds(arch: Arch, cond: str | list | None, layer: int | None = None) -> boo
              "expert_bias": arch.expert_bias, "mixed_layers": arch.moe_layers is not None and not all(arch.moe_layers),
              # the HF model with experts is a Mixtral (no QK layer norms, no shared expert; hfconfig)
              "mixtral": bool(arch.experts) and not arch.qk_norm and not arch.shared_ffn,
-             None: True}
+             "mla": arch.mla is not None, "q_lora": bool(arch.mla and arch.mla.q_lora),
+             "no_q_lora": bool(arch.mla and not arch.mla.q_lora), None: True}
     if cond not in conds:
         raise ReshardError(f"architecture mapping: unknown condition {cond!r} (one of {sorted(c for c in conds if c)})")
     return conds[cond]

@@ -80,7 +80,7 @@ def _hf_of(model: dict, name: str, reader: MegatronReader) -> torch.Tensor:
 def test_hf_names_are_the_weights_de_interleaved(fixture):
     model, optim, _, _ = oracle(fixture)
     if MegatronReader.open(FIXTURES / fixture).arch.expert_bias:  # no place in llama.json's models: refused by name
-        with pytest.raises(ReshardError, match="no entry for Megatron key .*router.expert_bias"):
+        with pytest.raises(ReshardError, match=r"no entry for Megatron key .*router\."):
             open_reader(FIXTURES / fixture, route="safetensors")
         return
     if MegatronReader.open(FIXTURES / fixture).arch.mtp:  # DeepSeek-V3's MTP names: no mapping, refused by name
