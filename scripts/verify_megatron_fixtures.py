@@ -313,7 +313,11 @@ def stage_params(c: Cfg, pp: int, expert: bool = False, vp: int | None = None) -
         names.append("embedding.word_embeddings.weight")
     for i in (c.stage_layers(pp) if vp is None else c.chunk_layers(pp, vp)):
         p = f"decoder.layers.{i}."
-        if not expert:
+        if not expert and c.mla:  # MLASelfAttention's registration order (docs §2.9)
+            names += [p + "input_layernorm.weight"] + [f"{p}self_attention.{m}.weight" for m in (
+                "linear_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                "q_layernorm", "kv_layernorm")] + [p + "pre_mlp_layernorm.weight"]
+        elif not expert:
             names += [p + "input_layernorm.weight", p + "self_attention.linear_proj.weight",
                       p + "self_attention.linear_qkv.weight", p + "pre_mlp_layernorm.weight"]
         if c.E:
