@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ...errors import ReshardError
-from .model import Arch
+from .model import MLA, Arch
 
 __all__ = ["args_from_hf", "hf_config"]
 
@@ -51,7 +51,7 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
         "initializer_range": float(getattr(args, "init_method_std", 0.02) or 0.02), "use_cache": True,
     }
     if arch.mla:
-        return _deepseek_v3(args, arch, base)
+        return _deepseek_v3(args, arch, arch.mla, base)
     if arch.experts and arch.qk_norm:
         raise ReshardError("args.qk_layernorm = True with experts: a Qwen3-MoE config is not written by reshard")
     if arch.experts:
@@ -71,11 +71,9 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
     return base
 
 
-def _deepseek_v3(args: Any, arch: Arch, base: dict[str, Any]) -> dict[str, Any]:
+def _deepseek_v3(args: Any, arch: Arch, m: MLA, base: dict[str, Any]) -> dict[str, Any]:
     """A dense DeepSeek-V3 config for multi-latent attention (``deepseek_v3.json``): the rope
     part interleaved on both sides (``rope_interleave``), the latent norms present."""
-    m = arch.mla
-    assert m is not None
     _refuse(args, "rope_type", lambda v: v not in (None, "rope"), "MLA with YaRN RoPE (--rope-type yarn)")
     _refuse(args, "qk_layernorm", lambda v: not v, "MLA without latent norms (DeepseekV3 always has them)")
     if float(getattr(args, "mscale_all_dim", 0) or 0) and float(getattr(args, "rotary_scaling_factor", 1) or 1) > 1:
