@@ -267,3 +267,14 @@ def test_mla_models_no_deepseek_v3_config_computes_are_refused(tmp_path, field, 
     with pytest.raises(ReshardError, match=needle):
         convert(src, out, fmt="hf")
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_mla_without_latent_norms_has_no_deepseek_v3_config(tmp_path):
+    """Megatron's MLA without --qk-layernorm (identity latent norms) reads and reshards; its HF
+    export is refused by name (DeepseekV3 always normalizes the latents)."""
+    from reshard.errors import ReshardError
+
+    out = tmp_path / "out"
+    with pytest.raises(ReshardError, match="MLA without latent norms"):
+        convert(FIXTURES / "torch_dist_tp2_mla_q_proj", out, fmt="hf")
+    assert not out.exists() or not any(out.iterdir())
