@@ -284,6 +284,11 @@ FIXTURES = {f.name: f for f in [
             "TP=2 x DP=2; multi-latent attention as torch_dist_tp2_mla; distributed optimizer, dp_reshardable "
             "(the MLA linears and latent norms in the bucket's registration order); torch_dist",
             tp=2, dp=2, distopt=True, model_argv=MLA_MODEL_ARGV),
+    Fixture("torch_dist_tp2_mla_q_proj",
+            "TP=2, DP=1; multi-latent attention without q_lora_rank (one column-parallel linear_q_proj) and "
+            "without latent norms (no --qk-layernorm); plain Adam; torch_dist", tp=2,
+            model_argv=[a for i, a in enumerate(MLA_MODEL_ARGV) if a not in ("--q-lora-rank", "--qk-layernorm")
+                        and MLA_MODEL_ARGV[i - 1] != "--q-lora-rank"]),
     Fixture("legacy_tp2_mla", "TP=2, DP=1; multi-latent attention as torch_dist_tp2_mla; plain Adam; legacy "
             "--ckpt-format torch", tp=2, ckpt_format="torch", model_argv=MLA_MODEL_ARGV),
     Fixture("torch_dist_mla_moe_tp2_ep2",

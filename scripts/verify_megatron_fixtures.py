@@ -313,7 +313,11 @@ def stage_params(c: Cfg, pp: int, expert: bool = False, vp: int | None = None) -
         names.append("embedding.word_embeddings.weight")
     for i in (c.stage_layers(pp) if vp is None else c.chunk_layers(pp, vp)):
         p = f"decoder.layers.{i}."
-        if not expert:
+        if not expert and c.mla:  # MLASelfAttention's registration order (docs §2.9)
+            names += [p + "input_layernorm.weight"] + [f"{p}self_attention.{m}.weight" for m in (
+                "linear_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                "q_layernorm", "kv_layernorm")] + [p + "pre_mlp_layernorm.weight"]
+        elif not expert:
             names += [p + "input_layernorm.weight", p + "self_attention.linear_proj.weight",
                       p + "self_attention.linear_qkv.weight", p + "pre_mlp_layernorm.weight"]
         if c.E:
@@ -627,8 +631,9 @@ def check_hf_forward(fx: Path, c: Cfg, args, rep: Report):
                   num_key_value_heads=c.G, head_dim=c.d, rms_norm_eps=c.eps,
                   max_position_embeddings=args.max_position_embeddings, tie_word_embeddings=False,
                   attention_bias=False, rope_theta=float(c.rope_base))
-    if c.mla and c.E:
-        print(f"  {fx.name}: MLA with experts: no HF forward check here (DeepSeek-V3 MoE names are not mapped)")
+    if c.mla and (c.E or not c.qk_norm):
+        print(f"  {fx.name}: MLA with experts or without latent norms: no HF forward check here (no DeepseekV3 "
+              "config computes it)")
         return
     if c.mla:
         common.update(num_key_value_heads=c.heads, q_lora_rank=c.q_lora, kv_lora_rank=c.kv_lora,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...errors import ReshardError
-from .model import Arch
+from .model import MLA, Arch
 
 __all__ = ["args_from_hf", "hf_config"]
 
@@ -53,7 +53,7 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
         "initializer_range": float(getattr(args, "init_method_std", 0.02) or 0.02), "use_cache": True,
     }
     if arch.mla:
-        return _deepseek_v3(args, arch, base)
+        return _deepseek_v3(args, arch, arch.mla, base)
     if arch.experts:
         base.update(_moe_config(args, arch))
     elif arch.qk_norm:  # Qwen3: RMSNorm of each q / k head (head_dim wide) before RoPE, as Megatron's
@@ -70,11 +70,9 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
     return base
 
 
-def _deepseek_v3(args: Any, arch: Arch, base: dict[str, Any]) -> dict[str, Any]:
+def _deepseek_v3(args: Any, arch: Arch, m: MLA, base: dict[str, Any]) -> dict[str, Any]:
     """A dense DeepSeek-V3 config for multi-latent attention (``deepseek_v3.json``): the rope
     part interleaved on both sides (``rope_interleave``), the latent norms present."""
-    m = arch.mla
-    assert m is not None
     _refuse(args, "rope_type", lambda v: v not in (None, "rope"), "MLA with YaRN RoPE (--rope-type yarn)")
     _refuse(args, "qk_layernorm", lambda v: not v, "MLA without latent norms (DeepseekV3 always has them)")
     if float(getattr(args, "mscale_all_dim", 0) or 0) and float(getattr(args, "rotary_scaling_factor", 1) or 1) > 1:

@@ -336,7 +336,8 @@ class Arch:
         projection column-parallel (rows split over TP, the down projections' too: their output is
         gathered), ``linear_proj`` row-parallel, the latent norms replicated."""
         m, h, heads = self.mla, self.hidden, self.heads
-        assert m is not None
+        if m is None:
+            return []
         rows = {"linear_q_down_proj": (m.q_lora, h), "linear_q_up_proj": (heads * (m.qk_head + m.rope), m.q_lora),
                 "linear_q_proj": (heads * (m.qk_head + m.rope), h), "linear_kv_down_proj": (m.kv_lora + m.rope, h),
                 "linear_kv_up_proj": (heads * (m.qk_head + m.v_head), m.kv_lora),

@@ -317,3 +317,14 @@ def test_mtp_tensors_the_args_do_not_name_are_never_dropped(tmp_path):
     assert not (tmp_path / "out").exists()
     report = convert(src, tmp_path / "dropped", fmt="dcp", drop=[r"^mtp\."])
     assert any("mtp.layers.0.eh_proj.weight" in str(d) for d in report.dropped)
+
+
+def test_mla_without_latent_norms_has_no_deepseek_v3_config(tmp_path):
+    """Megatron's MLA without --qk-layernorm (identity latent norms) reads and reshards; its HF
+    export is refused by name (DeepseekV3 always normalizes the latents)."""
+    from reshard.errors import ReshardError
+
+    out = tmp_path / "out"
+    with pytest.raises(ReshardError, match="MLA without latent norms"):
+        convert(FIXTURES / "torch_dist_tp2_mla_q_proj", out, fmt="hf")
+    assert not out.exists() or not any(out.iterdir())

@@ -45,6 +45,8 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_tp2_mla", dict(tp=1, pp=1, dp=1), True),
     ("torch_dist_tp2_mla", dict(tp=2, pp=2, dp=1, optimizer="dp_reshardable"), True),
     ("legacy_tp2_mla", dict(tp=1, pp=2, dp=1), True),
+    ("torch_dist_tp2_mla_q_proj", dict(tp=1, pp=1, dp=2, optimizer="dp_reshardable"), True),
+    ("torch_dist_tp2_dp2_mla_distopt", dict(tp=2, pp=1, dp=1, optimizer="fully_reshardable"), True),
     ("torch_dist_mla_moe_tp2_ep2", dict(tp=1, pp=1, dp=1, ep=1), True),
     ("torch_dist_mla_moe_tp2_ep2", dict(tp=2, pp=1, dp=2, ep=2, etp=2), True),
     # shared experts + gate, expert bias, mixed dense / MoE layers; expert TP apart from TP (folded) or not

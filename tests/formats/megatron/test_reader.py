@@ -39,7 +39,7 @@ def _hf_of(model: dict, name: str, reader: MegatronReader) -> torch.Tensor:
     p = f"decoder.layers.{i}."
     mla = {"q_a_proj": "linear_q_down_proj", "q_b_proj": "linear_q_up_proj", "q_a_layernorm": "q_layernorm",
            "kv_a_proj_with_mqa": "linear_kv_down_proj", "kv_b_proj": "linear_kv_up_proj",
-           "kv_a_layernorm": "kv_layernorm"}
+           "kv_a_layernorm": "kv_layernorm", "q_proj": "linear_q_proj"}
     if a.mla and rest.startswith("self_attn.") and rest.split(".")[1] in mla:  # one for one (deepseek_v3.json)
         return model[f"{p}self_attention.{mla[rest.split('.')[1]]}.weight"]
     qkv = model.get(p + "self_attention.linear_qkv.weight")
