@@ -87,6 +87,10 @@ class MegatronWriter(Writer):
             if etp not in (None, 1) and etp != tp:
                 raise ReshardError("--etp: an HF model imported into Megatron is dense (no experts)")
             self._from_hf(reader, tp, pp, dp, ep, optimizer, dtype)
+        if self.kind == "dp_reshardable" and self.arch.mtp and self.arch.pp > 1:
+            raise ReshardError("--optimizer dp_reshardable with multi-token prediction layers over several pipeline "
+                               "stages (the last stage's bucket holds a copy of the embedding, which Megatron buckets "
+                               "apart): not written by reshard")
         if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
             raise ReshardError("--optimizer dp_reshardable with tied embeddings over several pipeline stages (the "
                                "last stage's bucket holds a copy of the embedding): not written by reshard")
