@@ -218,9 +218,10 @@ class TorchDistBackend:
             if gbuf >= self.arch.vpp:
                 raise CheckpointError(f"{where}: several DDP buffers per model chunk (several dtypes): not read by "
                                       "reshard")
-            if self.arch.tied and self.arch.pp > 1:  # the shared embedding's buckets of its own
-                raise CheckpointError(f"{where}: tied embeddings over {self.arch.pp} pipeline stages with the "
-                                      "distributed optimizer (the shared embedding's own buckets): not read by reshard")
+            if (self.arch.tied or self.arch.mtp) and self.arch.pp > 1:  # the shared embedding's own buckets
+                what = "tied embeddings" if self.arch.tied else "multi-token prediction (the last stage's embedding)"
+                raise CheckpointError(f"{where}: {what} over {self.arch.pp} pipeline stages with the distributed "
+                                      "optimizer (the shared embedding's own buckets): not read by reshard")
             params, dp, pp = self._group_params(prefix or "", mp, where, gbuf)
             layouts = bucket_layouts(params, dp, bucket_size(self.args, self.arch, pp, gbuf, where))
             if sorted(by_bucket) != list(range(len(layouts))):

@@ -85,6 +85,10 @@ class MegatronWriter(Writer):
             self._from_megatron(self.own, tp, pp, dp, ep, etp, optimizer, dtype)
         else:
             self._from_hf(reader, tp, pp, dp, ep, etp, optimizer, dtype)
+        if self.kind == "dp_reshardable" and self.arch.mtp and self.arch.pp > 1:
+            raise ReshardError("--optimizer dp_reshardable with multi-token prediction layers over several pipeline "
+                               "stages (the last stage's bucket holds a copy of the embedding, which Megatron buckets "
+                               "apart): not written by reshard")
         if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
             raise ReshardError("--optimizer dp_reshardable with tied embeddings over several pipeline stages (the "
                                "last stage's bucket holds a copy of the embedding): not written by reshard")
