@@ -144,6 +144,7 @@ def _args(fixture: str, **changes) -> tuple[argparse.Namespace, object]:
     (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
     (dict(moe_input_jitter_eps=0.01), "moe_input_jitter_eps"),
     (dict(moe_router_pre_softmax=True), "moe_router_pre_softmax"),  # Mixtral always renormalises
+    (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type"),
 ])
 def test_router_settings_hf_would_compute_differently_are_refused(change, match):
     args, arch = _args("torch_dist_moe_ep2", **change)
