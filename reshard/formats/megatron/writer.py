@@ -189,10 +189,9 @@ class MegatronWriter(Writer):
         out: dict[str, list] = {}
         have = set(reader.names)
         doc = self.own.mapping if self.own is not None else None
-        if self.own is None and self.arch.experts:
-            params = hf_params(self.arch)
-            if any(p.name not in have for p in params) and all(p.name in have for p in hf_params(self.arch, HUB_EXPERTS)):
-                doc = HUB_EXPERTS
+        if self.own is None and self.arch.experts:  # the layout the folder holds more of (a missing name is named)
+            docs: list[Any] = [None, HUB_EXPERTS]
+            doc = min(docs, key=lambda d: sum(p.name not in have for p in hf_params(self.arch, d)))
         for p in hf_params(self.arch, doc):
             if p.name not in have:
                 raise ReshardError(f"{reader.sources[-1]}: has no {p.name!r}, which the Megatron model needs")

@@ -239,3 +239,30 @@ def test_megatron_moe_to_dcp_or_universal_and_back_keeps_weights_and_moments(tmp
             assert got.dtype == want.dtype and torch.equal(got, want), (name, state)
             n += 1
     assert n == 3 * len(info["names"])
+
+
+def test_hf_moe_import_refuses_a_tensor_it_has_no_key_for(tmp_path):
+    """Every source tensor accounted for: a planted router bias (DeepSeek's name) in a Qwen3-MoE
+    folder has no Megatron key in the document, so the import is refused naming it, before any
+    output -- not dropped."""
+    from safetensors.torch import save_file
+
+    _, src = _saved(tmp_path, "qwen3_moe")
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.1.mlp.gate.e_score_correction_bias"] = torch.zeros(4)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ReshardError, match=r"e_score_correction_bias.*has no Megatron key"):
+        reshard(src, tmp_path / "mg", to="megatron", tp=1, ep=2, dp=2)
+    assert not (tmp_path / "mg").exists()
+
+
+def test_hf_moe_import_names_a_missing_expert_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    _, src = _saved(tmp_path, "mixtral")
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ReshardError, match=r"has no 'model.layers.1.block_sparse_moe.experts.3.w3.weight'"):
+        reshard(src, tmp_path / "mg", to="megatron", tp=1, ep=2, dp=2)
+    assert not (tmp_path / "mg").exists()
