@@ -258,7 +258,8 @@ def _cmd_reshard(args) -> int:
                          zero_stage=args.zero_stage, ep=args.ep, etp=args.etp, files=args.files, layout=args.layout,
                          dtype=_dtype(args), workers=args.workers, overwrite=args.overwrite, checksum=args.checksum,
                          cluster=cluster, on_replica_mismatch=args.on_replica_mismatch, optimizer=args.optimizer,
-                         verify_source=args.verify_source, verify=args.verify, drop=args.drop)
+                         verify_source=args.verify_source, verify=args.verify, drop=args.drop,
+                         hf_config=args.hf_config)
     _report(report)
     return 0
 

@@ -161,11 +161,13 @@ FORMATS: tuple[Format, ...] = (
            target_example="reshard convert CKPT OUT --format hf --dtype bf16"),
     Format("megatron", "a Megatron-Core checkpoint", probe=1,  # before dcp: a torch_dist iteration folder is one
            reads="Megatron-LM's save folder (torch_dist or legacy torch, TP x PP x DP x EP)",
-           writes="Megatron-Core torch_dist at TP x PP x DP (x EP), from a Megatron source or an HF folder",
+           writes="Megatron-Core torch_dist at TP x PP x DP (x EP), from a Megatron source, an HF folder, or a DCP / "
+           "universal checkpoint in HF names (with --hf-config)",
            detect="reshard.formats.megatron.files:is_megatron", hint="latest_checkpointed_iteration.txt, iter_*",
            reader="reshard.formats.megatron.reader:MegatronReader.open", reader_names=True,
            writer="reshard.formats.megatron.writer:MegatronWriter",
-           reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype"), writes_from=("megatron", "safetensors"),
+           reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype", "hf_config"),
+           writes_from=("megatron", "safetensors", "dcp", "universal"),
            source_example="reshard reshard MEGATRON OUT --tp 1 --pp 2",
            target_example="reshard reshard HF_FOLDER OUT --to megatron --tp 2 --pp 2"),
     Format("vllm", "a vLLM sharded state",

@@ -177,6 +177,7 @@ def reshard(
     verify_source: bool = True,
     verify: str = "records",
     drop: Sequence[str] = (),
+    hf_config: str | Path | None = None,
 ) -> Report:
     """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``, in the
     format ``to`` names, by default the source's own where it is written at a topology (a
@@ -192,10 +193,11 @@ def reshard(
     document, or ``"geometry"``). Where the target merges copies of a replicated block (another TP
     degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep. Or a
     Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP, x expert TP ``etp``), from a
-    Megatron source or an HF one, its optimizer state laid out as ``optimizer`` says
+    Megatron source or an HF one (or DCP / universal in HF names, the model's ``config.json`` in
+    the folder ``hf_config``), its optimizer state laid out as ``optimizer`` says
     (``formats.megatron.writer``). ``verify_source``, ``verify`` and ``drop`` as for :func:`convert`."""
     given = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep, "etp": etp,
-             "layout": layout, "dtype": dtype, "optimizer": optimizer}
+             "layout": layout, "dtype": dtype, "optimizer": optimizer, "hf_config": hf_config}
     target = reshard_target(ckpt_dir, to, given)
     check_options(target.name, given)
     patterns(drop)

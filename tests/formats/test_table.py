@@ -103,11 +103,12 @@ def test_a_megatron_source_stays_megatron_with_its_iteration_naming(tmp_path):
 
 
 @pytest.mark.parametrize("source,options,match", [
-    (DCP / "llama_fsdp2_ws2", {}, r"PyTorch DCP checkpoint keeps its format at --files N.*--to takes deepspeed, dcp, vllm$"),
-    (DCP / "llama_fsdp2_ws2", {"tp": 1, "dp": 2}, r"--files N.*--to takes deepspeed, dcp, vllm$"),
-    (DCP / "llama_fsdp2_ws2", {"to": "megatron"},
-     r"a Megatron-Core checkpoint is written from a Megatron-Core checkpoint or a Hugging Face safetensors folder, "
-     r"not from a PyTorch DCP checkpoint; --to takes deepspeed, dcp, vllm for it"),
+    (DCP / "llama_fsdp2_ws2", {}, r"PyTorch DCP checkpoint keeps its format at --files N.*--to takes deepspeed, dcp, "
+     r"megatron, vllm$"),
+    (DCP / "llama_fsdp2_ws2", {"tp": 1, "dp": 2}, r"--files N.*--to takes deepspeed, dcp, megatron, vllm$"),
+    (DCP / "llama_fsdp2_ws2", {"to": "megatron"},  # DCP in HF names goes to Megatron with the model's config.json
+     r"a Megatron target from a PyTorch DCP checkpoint needs the model's Hugging Face config.json beside its "
+     r"weights \(or --hf-config DIR\)"),
     (DEEPSPEED / "llama_zero1_dp2", {"to": "safetensors"},
      r"--to must be one of deepspeed, dcp, megatron, vllm, got 'safetensors'; safetensors has no topology"),
     (DEEPSPEED / "llama_zero1_dp2", {"optimizer": "adam"}, r"--optimizer goes with --to megatron, not with a "

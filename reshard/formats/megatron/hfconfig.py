@@ -96,6 +96,9 @@ def _refuse_router(args: Any) -> None:
     routers are ``softmax`` over all experts, top-k, optionally renormalised (``norm_topk_prob``)."""
     where = "the Hugging Face MoE router (softmax, top-k)"
     _refuse(args, "moe_router_score_function", lambda v: v not in (None, "softmax"), f"a router other than {where}")
+    # sinkhorn and quantile balancing choose experts (and weights) their own way, at inference too
+    _refuse(args, "moe_router_load_balancing_type", lambda v: v in ("sinkhorn", "quantile_balancing") or (
+        isinstance(v, list) and any(x in ("sinkhorn", "quantile_balancing") for x in v)), f"a router other than {where}")
     _refuse(args, "moe_router_enable_expert_bias", bool, "a router expert_bias (no place in a Mixtral/Qwen-MoE model)")
     _refuse(args, "moe_router_topk_scaling_factor", lambda v: v not in (None, 1.0), "scaled routing weights")
     _refuse(args, "moe_router_num_groups", lambda v: v not in (None, 0, 1), "group-limited routing")

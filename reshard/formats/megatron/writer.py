@@ -21,9 +21,11 @@ without iterations): ``metadata.json``, one ``__R_0.distcp`` per global rank and
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +60,18 @@ def _positive(value: Any, what: str) -> int:
     return value
 
 
+def _config_file(folder: str | Path) -> dict:
+    """``config.json`` of the folder ``--hf-config`` names (a source in HF names without one)."""
+    path = Path(folder) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ReshardError(f"{path}: unreadable (--hf-config takes the folder of a model's config.json: {e})") from None
+    if not isinstance(cfg, dict):
+        raise ReshardError(f"{path}: not a JSON object")
+    return cfg
+
+
 def _want(state: str) -> tuple[str, ...]:
     return MODULE if state == "weight" else BEST if state == "fp32" else (state,)
 
@@ -69,7 +83,7 @@ class MegatronWriter(Writer):
 
     def __init__(self, reader: Reader, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
                  ep: int | None = None, etp: int | None = None, optimizer: str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, hf_config: str | Path | None = None) -> None:
         self.reader = reader
         own = reader.native("megatron")
         self.own = own if isinstance(own, MegatronReader) else None  # a Megatron source: its args, files, naming
@@ -82,9 +96,11 @@ class MegatronWriter(Writer):
         self.source: MegatronReader | None = None  # the source cut to the target's vocabulary rows (view)
         etp = _positive(etp, "etp") if etp is not None else None
         if self.own is not None:
+            if hf_config is not None:
+                raise ReshardError("--hf-config: a Megatron target from a Megatron source keeps the source's args")
             self._from_megatron(self.own, tp, pp, dp, ep, etp, optimizer, dtype)
         else:
-            self._from_hf(reader, tp, pp, dp, ep, etp, optimizer, dtype)
+            self._from_hf(reader, tp, pp, dp, ep, etp, optimizer, dtype, hf_config)
         if self.kind == "dp_reshardable" and self.arch.mtp and self.arch.pp > 1:
             raise ReshardError("--optimizer dp_reshardable with multi-token prediction layers over several pipeline "
                                "stages (the last stage's bucket holds a copy of the embedding, which Megatron buckets "
@@ -154,11 +170,11 @@ class MegatronWriter(Writer):
         self.step = self._step(own)
 
     def _from_hf(self, reader: Reader, tp: int, pp: int, dp: int, ep: int | None, etp: int | None,
-                 optimizer: str | None, dtype: torch.dtype | None) -> None:
-        cfg = reader.hf_config()
+                 optimizer: str | None, dtype: torch.dtype | None, hf_config: str | Path | None) -> None:
+        cfg = _config_file(hf_config) if hf_config is not None else reader.hf_config()
         if not isinstance(cfg, dict):
             raise ReshardError(f"{reader.sources[-1]}: a Megatron target from {noun_of(reader)} needs the "
-                               "model's Hugging Face config.json beside its weights")
+                               "model's Hugging Face config.json beside its weights (or --hf-config DIR)")
         have = {reader.dtype(n, s) for n in reader.names for s in reader.states(n)[:1]}
         dtype = dtype or (have.pop() if len(have) == 1 else torch.float32)
         self.args = args_from_hf(cfg, tp=tp, pp=pp, dp=dp, dtype=dtype, ep=ep or 1, etp=etp)
@@ -187,10 +203,9 @@ class MegatronWriter(Writer):
         out: dict[str, list] = {}
         have = set(reader.names)
         doc = self.own.mapping if self.own is not None else None
-        if self.own is None and self.arch.experts:
-            params = hf_params(self.arch)
-            if any(p.name not in have for p in params) and all(p.name in have for p in hf_params(self.arch, HUB_EXPERTS)):
-                doc = HUB_EXPERTS
+        if self.own is None and self.arch.experts:  # the layout the folder holds more of (a missing name is named)
+            docs: list[Any] = [None, HUB_EXPERTS]
+            doc = min(docs, key=lambda d: sum(p.name not in have for p in hf_params(self.arch, d)))
         for p in hf_params(self.arch, doc):
             if p.name not in have:
                 raise ReshardError(f"{reader.sources[-1]}: has no {p.name!r}, which the Megatron model needs")

@@ -144,6 +144,7 @@ def _args(fixture: str, **changes) -> tuple[argparse.Namespace, object]:
     (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
     (dict(moe_input_jitter_eps=0.01), "moe_input_jitter_eps"),
     (dict(moe_router_pre_softmax=True), "moe_router_pre_softmax"),  # Mixtral always renormalises
+    (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type"),
 ])
 def test_router_settings_hf_would_compute_differently_are_refused(change, match):
     args, arch = _args("torch_dist_moe_ep2", **change)
@@ -213,3 +214,55 @@ def test_save_pretrained_moe_folder_imports_at_tp_ep_pp_and_exports_back(tmp_pat
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, back(ids).logits)
+
+
+@pytest.mark.parametrize("via", ["dcp", pytest.param("universal", marks=pytest.mark.slow)])  # universal: ~6 s
+def test_megatron_moe_to_dcp_or_universal_and_back_keeps_weights_and_moments(tmp_path, via):
+    """Cross-framework: the Qwen3-MoE-shaped Megatron checkpoint to DCP / a universal checkpoint
+    (HF names) and back to Megatron at its own TP2 x EP2 x expert TP1 with plain Adam
+    (``--hf-config``: the export's config.json): every weight and Adam moment equals Megatron's own
+    reload of the source (the padded vocabulary on its valid rows: HF names hold only those)."""
+    from .support import STATES
+
+    hf = convert(FIXTURES / QWEN3_MOE, tmp_path / "hf", fmt="hf").out_dir
+    mid = convert(FIXTURES / QWEN3_MOE, tmp_path / via, fmt=via, names="hf").out_dir
+    back = reshard(mid, tmp_path / "back", to="megatron", tp=2, ep=2, etp=1, optimizer="adam", hf_config=hf).out_dir
+    r = MegatronReader.open(back)
+    model, optim, _, info = oracle(QWEN3_MOE)
+    n = 0
+    for name, (key, idx) in info["names"].items():
+        for state, prefix in STATES[:3]:
+            want = model[name] if prefix is None else optim[prefix + name]
+            got = full(r, key, state)[tuple(idx)]
+            if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                got, want = got[:r.arch.vocab], want[:r.arch.vocab]
+            assert got.dtype == want.dtype and torch.equal(got, want), (name, state)
+            n += 1
+    assert n == 3 * len(info["names"])
+
+
+def test_hf_moe_import_refuses_a_tensor_it_has_no_key_for(tmp_path):
+    """Every source tensor accounted for: a planted router bias (DeepSeek's name) in a Qwen3-MoE
+    folder has no Megatron key in the document, so the import is refused naming it, before any
+    output -- not dropped."""
+    from safetensors.torch import save_file
+
+    _, src = _saved(tmp_path, "qwen3_moe")
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.1.mlp.gate.e_score_correction_bias"] = torch.zeros(4)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ReshardError, match=r"e_score_correction_bias.*has no Megatron key"):
+        reshard(src, tmp_path / "mg", to="megatron", tp=1, ep=2, dp=2)
+    assert not (tmp_path / "mg").exists()
+
+
+def test_hf_moe_import_names_a_missing_expert_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    _, src = _saved(tmp_path, "mixtral")
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ReshardError, match=r"has no 'model.layers.1.block_sparse_moe.experts.3.w3.weight'"):
+        reshard(src, tmp_path / "mg", to="megatron", tp=1, ep=2, dp=2)
+    assert not (tmp_path / "mg").exists()
