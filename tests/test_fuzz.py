@@ -18,8 +18,9 @@ def test_a_small_fuzz_budget_finds_no_failure(tmp_path):
 
 
 def test_a_tensor_renamed_by_a_flipped_header_byte_is_marked_unseen(tmp_path):
-    """Fuzz case 168 (``fp8_qwen2``, seed 20261201, budget 240 over the quantized sources): bit 2 of
-    header byte 2002 flipped renames ``q_proj.bias`` to ``q_prkj.bias``, a valid safetensors file
+    """Fuzz case 168 (``fp8_qwen2``, seed 20261201, budget 240 over the quantized sources; and cases
+    3 and 189 of the ``safetensors_header`` family's flips, ``mOdel.embed_tokens.weight``,
+    ``model.l`yers.0...``): bit 2 of header byte 2002 flipped renames ``q_proj.bias`` to ``q_prkj.bias``, a valid safetensors file
     every route carries under the new name. Nothing in the format can show it (a model's parameter
     names could; docs/robustness.md), so it is counted as such, as a JSON value that still parses is;
     a flip that breaks the header is not."""
@@ -47,3 +48,14 @@ def test_a_tensor_renamed_by_a_flipped_header_byte_is_marked_unseen(tmp_path):
     what = _flip_bytes(tmp_path / "src2", tmp_path / "src2" / "model.safetensors", At(2, 6), m, HF / "fp8_qwen2",
                        tmp_path)  # the header's length: not a valid file
     assert UNSEEN not in what, what
+    from tests.fuzz.mutations import _safetensors_header
+
+    copy_folder(HF / "mxfp4_gpt_oss", tmp_path / "src3")
+
+    class Flip(At):
+        def choice(self, seq):  # the entry (any), then the header edit
+            return "flip" if "flip" in seq else seq[0]
+
+    what = _safetensors_header(tmp_path / "src3", tmp_path / "src3" / "model.safetensors", Flip(118, 5), m,
+                               HF / "mxfp4_gpt_oss", tmp_path)
+    assert UNSEEN in what and "renamed" in what, what

@@ -553,7 +553,9 @@ def _safetensors_header(root, path, rng, m, pristine, scratch) -> str:
     e = header[name]
     if how == "flip":
         at, bit = _flip(path, 8, 8 + n, rng)
-        return f"{m.file}: bit {bit} of header byte {at} flipped"
+        renamed = f" {UNSEEN}: a tensor renamed (no checksum), its entry otherwise the same" \
+            if _renamed(pristine / m.file, path) else ""
+        return f"{m.file}: bit {bit} of header byte {at} flipped{renamed}"
     if how == "shape":
         e["shape"] = [*e["shape"][:-1], e["shape"][-1] + 1] if e["shape"] else [2]
     elif how == "dtype":
