@@ -7,6 +7,10 @@
   minimal quantizer object, as loading-time quantization needs a GPU): FP8 E4M3 payloads and a
   ``weight_scale_inv`` per block, float32 (block 16 x 32) or E8M0 (``scale_fmt="ue8m0"``, block
   32 x 32). Embeddings, norms, biases and ``lm_head`` stay bf16, as transformers leaves them.
+* ``fp8_qwen2_sharded``: ``fp8_qwen2``'s tensors in two files as ``save_pretrained`` shards them
+  (the tensors in name order, a new file before one would pass 57,600 bytes, so that
+  `model.layers.0.mlp.up_proj.weight_scale_inv` opens the second file, apart from its payload) with ``model.safetensors.index.json``: the payloads and scales of some weights in
+  different files.
 * ``mxfp4_gpt_oss``: a tiny gpt-oss (``GptOssForCausalLM``; random weights, seeded, bf16) whose
   experts are MXFP4 as the released checkpoints hold them. transformers' MXFP4 quantizer needs the
   Triton kernels, so the packed tensors are built here by hand, in transformers' layout:
@@ -55,10 +59,11 @@ GPT_OSS = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8 = {"fp8_qwen2": {"weight_block_size": [16, 32]},
        "fp8_qwen2_ue8m0": {"weight_block_size": [32, 32], "scale_fmt": "ue8m0"}}
+SHARDED = {"fp8_qwen2_sharded": ("fp8_qwen2", 57_600)}  # name: (the folder whose tensors, max shard bytes)
 MXFP4_EXPONENTS = (118, 126)  # E8M0 scales 2**-9 .. 2**-2: weights of an initialised model's size
 
 
-def fp8_fixture(out: Path, options: dict) -> dict:
+def fp8_fixture(out: Path, options: dict, max_shard: int | None = None) -> dict:
     torch.manual_seed(SEED)
     config = Qwen2Config(**QWEN2, dtype="bfloat16")
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -73,13 +78,38 @@ def fp8_fixture(out: Path, options: dict) -> dict:
             tensors.update(made)
         else:
             tensors[name] = t.detach().clone()
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    _save(tensors, out, max_shard)
     config.quantization_config = qconfig
     config.save_pretrained(out)
     return {"model": "Qwen2ForCausalLM", "model_config": QWEN2, "dtype": "bfloat16", "seed": SEED,
             "quantizer": "transformers.integrations.finegrained_fp8.Fp8Quantize(quantizer with "
                          f"FineGrainedFP8Config(**{options}))",
-            "quantized": quantized}
+            "quantized": quantized, **({"max_shard_size": max_shard} if max_shard else {})}
+
+
+def _save(tensors: dict[str, torch.Tensor], out: Path, max_shard: int | None) -> None:
+    """``model.safetensors``, or shards and their index as ``save_pretrained`` names them: the
+    tensors in name order, a new file whenever the next tensor would take one past ``max_shard`` bytes."""
+    if max_shard is None:
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        return
+    groups: list[list[str]] = [[]]
+    size = 0
+    for n in sorted(tensors):
+        nbytes = tensors[n].numel() * tensors[n].element_size()
+        if groups[-1] and size + nbytes > max_shard:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += nbytes
+    weight_map = {}
+    for i, names in enumerate(groups, 1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, out / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, fname))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _packed(g: torch.Generator, experts: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,15 +146,21 @@ def mxfp4_fixture(out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--only", default=None, help="build only these fixtures (comma-separated names)")
     args = ap.parse_args()
-    jobs = {**{name: (lambda d, o=o: fp8_fixture(d, o)) for name, o in FP8.items()}, "mxfp4_gpt_oss": mxfp4_fixture}
+    jobs = {**{name: (lambda d, o=o: fp8_fixture(d, o)) for name, o in FP8.items()},
+            **{name: (lambda d, f=f, n=n: fp8_fixture(d, FP8[f], n)) for name, (f, n) in SHARDED.items()},
+            "mxfp4_gpt_oss": mxfp4_fixture}
     for name, job in jobs.items():
+        if args.only and name not in args.only.split(","):
+            continue
         folder = args.out / name
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         recipe = job(folder)
-        (folder / "model.safetensors").chmod(0o644)
+        for st in folder.glob("*.safetensors"):
+            st.chmod(0o644)
         files = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
                  for p in sorted(folder.iterdir())}
         doc = {"name": name, "kind": "quantized save_pretrained folder", "recipe": recipe,

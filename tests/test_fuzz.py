@@ -15,3 +15,47 @@ def test_a_small_fuzz_budget_finds_no_failure(tmp_path):
     assert len({o.case.index for o in outcomes}) == BUDGET
     bad = [o for o in outcomes if o.cls in FAILURES]
     assert not bad, table(outcomes)
+
+
+def test_a_tensor_renamed_by_a_flipped_header_byte_is_marked_unseen(tmp_path):
+    """Fuzz case 168 (``fp8_qwen2``, seed 20261201, budget 240 over the quantized sources; and cases
+    3 and 189 of the ``safetensors_header`` family's flips, ``mOdel.embed_tokens.weight``,
+    ``model.l`yers.0...``): bit 2 of header byte 2002 flipped renames ``q_proj.bias`` to ``q_prkj.bias``, a valid safetensors file
+    every route carries under the new name. Nothing in the format can show it (a model's parameter
+    names could; docs/robustness.md), so it is counted as such, as a JSON value that still parses is;
+    a flip that breaks the header is not."""
+    import random
+
+    from tests.fuzz.mutations import UNSEEN, Mutation, _flip_bytes, copy_folder
+    from tests.support.paths import HF
+
+    src = tmp_path / "src"
+    copy_folder(HF / "fp8_qwen2", src)
+
+    class At(random.Random):
+        def __init__(self, at: int, bit: int) -> None:
+            super().__init__(0)
+            self.values = [at, bit]
+
+        def randrange(self, *args):  # noqa: ANN002 -- the two draws of _flip: the byte, the bit
+            return self.values.pop(0)
+
+    m = Mutation("flip_bytes", "model.safetensors", 0)
+    what = _flip_bytes(src, src / "model.safetensors", At(2002, 2), m, HF / "fp8_qwen2", tmp_path)
+    assert UNSEEN in what and "renamed" in what, what
+    assert b"q_prkj.bias" in (src / "model.safetensors").read_bytes()[:5000]
+    copy_folder(HF / "fp8_qwen2", tmp_path / "src2")
+    what = _flip_bytes(tmp_path / "src2", tmp_path / "src2" / "model.safetensors", At(2, 6), m, HF / "fp8_qwen2",
+                       tmp_path)  # the header's length: not a valid file
+    assert UNSEEN not in what, what
+    from tests.fuzz.mutations import _safetensors_header
+
+    copy_folder(HF / "mxfp4_gpt_oss", tmp_path / "src3")
+
+    class Flip(At):
+        def choice(self, seq):  # the entry (any), then the header edit
+            return "flip" if "flip" in seq else seq[0]
+
+    what = _safetensors_header(tmp_path / "src3", tmp_path / "src3" / "model.safetensors", Flip(118, 5), m,
+                               HF / "mxfp4_gpt_oss", tmp_path)
+    assert UNSEEN in what and "renamed" in what, what

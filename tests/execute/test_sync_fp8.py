@@ -78,9 +78,11 @@ def _transformers(x: torch.Tensor, block: tuple[int, int], fmt: str) -> tuple[to
     return out["m.weight"][:rows, :cols], out["m.weight_scale_inv"]
 
 
-def _check_phase(job: dict, tag: str, fmt: str, oracle: bool) -> dict[str, int]:
-    """Every engine tensor of phase ``tag`` against the full masters; the quantized names."""
+def _check_phase(job: dict, tag: str, fmt: str, oracle: bool, engine: list[int] | None = None) -> dict[str, int]:
+    """Every engine tensor of phase ``tag`` (engine ranks ``engine``, else the job's) against the
+    full masters; the quantized names."""
     cfg, workdir = job["cfg"], job["workdir"]
+    cfg = {**cfg, "engine": engine or cfg["engine"]}
     block = tuple(cfg["block"])
     full = torch.load(workdir / f"full-{tag}.pt", weights_only=True)
     tg = J.targets(cfg)
@@ -149,6 +151,13 @@ def test_a_nan_block_is_refused_on_every_rank_and_nothing_is_written(small):
     for r in (2, 3):  # row-parallel: the cut block is quantized on both engine ranks, both refuse it
         assert f"rank {r}: 'model.layers.0.mlp.down_proj.weight': element [47, 20] is nan: block [2, 1]" in msg, msg
     assert all(rec["after"]["raised"] is None for rec in recs.values()), recs
+
+
+def test_colocated_engine_quantizes_local_and_received_covers(small):
+    trainer = small["cfg"]["trainer"]
+    _check_phase(small, "colocated", "float32", oracle=False, engine=trainer[:2])
+    stats = {r: small["records"]["colocated"][r]["stats"] for r in trainer}
+    assert all(s["local_bytes"] > 0 and s["received_bytes"] > 0 for s in stats.values()), stats
 
 
 @pytest.mark.slow

@@ -99,7 +99,7 @@ def sources(cache: Path) -> list[Source]:
             for n in ("pretrained_llama_sharded", "pretrained_qwen2_tied")]
     # quantized folders (FP8 block scales, float32 and UE8M0; MXFP4), decoded on every route
     out += [Source(n, "quantized", HF / n, (CONVERT_UCP, CONVERT_ST, _reshard("--tp", "1", "--dp", "2"), INSPECT))
-            for n in ("fp8_qwen2", "fp8_qwen2_ue8m0", "mxfp4_gpt_oss")]
+            for n in ("fp8_qwen2", "fp8_qwen2_ue8m0", "fp8_qwen2_sharded", "mxfp4_gpt_oss")]
     if (Path(cli.__file__).parent / "formats" / "megatron").is_dir() and MEGATRON.is_dir():  # once its reader lands
         out += [Source(p.name, "megatron", p, (CONVERT_UCP, _megatron_st(p), INSPECT))
                 for p in sorted(MEGATRON.iterdir()) if p.is_dir()]

@@ -182,7 +182,20 @@ def _flip_bytes(root, path, rng, m, pristine, scratch) -> str:
         unseen = f" {UNSEEN}: a tensor byte of safetensors, which has no checksum"
     elif path.suffix == ".json" and _parses(path):
         unseen = f" {UNSEEN}: a JSON file (no checksum) that still parses, a value in it changed"
+    elif path.suffix == ".safetensors" and _renamed(pristine / m.file, path):
+        unseen = f" {UNSEEN}: a tensor renamed in a safetensors header (no checksum), its entry otherwise the same"
     return f"{m.file}: bit {bit} of byte {at} flipped{unseen}"
+
+
+def _renamed(before: Path, after: Path) -> bool:
+    """Whether a safetensors header still parses with the same entries, one under another name: a
+    valid file holding a tensor of another name (only a model's parameter names could show it)."""
+    try:
+        old, new = (_st_header(p)[0] for p in (before, after))
+    except (ValueError, UnicodeDecodeError, struct.error):
+        return False
+    entries = sorted(json.dumps(v, sort_keys=True) for v in old.values())
+    return set(old) != set(new) and entries == sorted(json.dumps(v, sort_keys=True) for v in new.values())
 
 
 def _parses(path: Path) -> bool:
@@ -540,7 +553,9 @@ def _safetensors_header(root, path, rng, m, pristine, scratch) -> str:
     e = header[name]
     if how == "flip":
         at, bit = _flip(path, 8, 8 + n, rng)
-        return f"{m.file}: bit {bit} of header byte {at} flipped"
+        renamed = f" {UNSEEN}: a tensor renamed (no checksum), its entry otherwise the same" \
+            if _renamed(pristine / m.file, path) else ""
+        return f"{m.file}: bit {bit} of header byte {at} flipped{renamed}"
     if how == "shape":
         e["shape"] = [*e["shape"][:-1], e["shape"][-1] + 1] if e["shape"] else [2]
     elif how == "dtype":

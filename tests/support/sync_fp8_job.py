@@ -8,6 +8,7 @@ Phases, each rank writing one JSON line per phase:
 * **float32** -- ``WeightSync(..., quantize=Fp8Block(block))`` (the offline choice of weights, by
   name), one push; trainer rank 0 saves the full masters, each engine rank its tensors, to ``workdir``.
 * **ue8m0** -- a second sync with UE8M0 scales and a predicate that also quantizes ``lm_head``.
+* **colocated** -- the engine on trainer ranks 0 and 1 themselves (part of each cover is local).
 * **nan** -- a NaN planted in trainer rank 1's shard of ``down_proj``: every rank raises the same
   ``QuantizedError``, the engine's tensors keep the float32 phase's bits; then a good push.
 """
@@ -163,6 +164,15 @@ def run(rank: int, workdir: Path, cfg: dict, mesh) -> dict:
     got["after"] = _raises(lambda: sync.push(local, into=engine))
     got["is_quantized_error"] = got["raised"] == QuantizedError.__name__
     recs["nan"] = got
+
+    # colocated: the engine on the trainer's own ranks (a cover partly local: cast-copied, not sent)
+    colo = {**cfg, "engine": cfg["trainer"][:2]}
+    tg3 = targets(colo)
+    sync3 = WeightSync(maps, tg3, torch.bfloat16, quantize=fp8)
+    engine3 = engine_tensors(colo, tg3, set(sync3._quant), torch.float32, rank) if rank in colo["engine"] else None
+    sync3.push(local, into=engine3)
+    recs["colocated"] = {"quantized": sorted(sync3._quant), "stats": dict(sync3.stats)}
+    _save(rank, colo, workdir, "colocated", local, engine3, model)
     return recs
 
 

@@ -197,3 +197,16 @@ def test_dcp_at_two_files_cuts_each_decoded_tensor(tmp_path: Path) -> None:
     for k in reader.names:
         want = reader.fragment(k, "weight", 0).view(reader.shape(k)).float()  # DCP holds fp32 weights
         assert torch.equal(_bits(back[k]), _bits(want)), k
+
+
+def test_a_sharded_fp8_folder_decodes_as_the_single_file_one(tmp_path):
+    """``fp8_qwen2_sharded`` (two files and an index; one weight's scales in the file after its
+    payload's) is ``fp8_qwen2``'s tensors: every decoded weight is the same, bit for bit."""
+    from reshard import cli
+
+    outs = {}
+    for name in ("fp8_qwen2", "fp8_qwen2_sharded"):
+        assert cli.main(["convert", str(HF / name), str(tmp_path / name), "--format", "safetensors"]) == 0
+        outs[name] = load_file(next((tmp_path / name).rglob("model.safetensors")))
+    a, b = outs.values()
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
