@@ -171,7 +171,8 @@ FORMATS: tuple[Format, ...] = (
     Format("vllm", "a vLLM sharded state",
            writes="vLLM's load_format='sharded_state' files at TP T (Llama, Qwen2), with config.json and the "
            "tokenizer carried",
-           writer="reshard.formats.vllm.writer:VllmWriter", convert=("tp", "max_file_bytes", "dtype", "hf_config"),
+           writer="reshard.formats.vllm.writer:VllmWriter",
+           convert=("tp", "max_file_bytes", "dtype", "hf_config", "quantize", "block"),
            reshard=("tp", "dtype"), names="hf",
            target_example="reshard convert CKPT OUT --format vllm --tp 2 --dtype bf16"),
 )

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from ..errors import MapError
+from .apply import extract
 from .canonical import canonicalize
 from .geometry import piece_blocks, unravel
 from .param_map import ParamMap
 from .piece import Piece, View, is_int, prod, row_major_strides
 from .shard import Shard
 
-__all__ = ["block_grid", "coarsen"]
+__all__ = ["block_grid", "coarsen", "cut_blocks"]
 
 Run = tuple[int, int, int]  # (lo, hi, dest): S indices [lo, hi) of one dim at scale-shard index dest on
 
@@ -56,6 +59,20 @@ def coarsen(payload: ParamMap, block: tuple[int, ...]) -> ParamMap:
         shards[r] = Shard(shape, tuple(pieces))
     valid = block_grid(payload.valid_shape, b) if payload.is_padded else None
     return canonicalize(ParamMap(grid, shards, valid))
+
+
+def cut_blocks(payload: ParamMap, block: tuple[int, ...]) -> dict[int, int]:
+    """Per rank, the elements of the blocks its scale shard holds that its payload shard does
+    not (0 everywhere: no shard boundary cuts a block). A block counts its elements inside the
+    tensor (a partial last block, fewer)."""
+    logical = payload.logical_shape
+    b = _full_block(logical, block)
+    sizes = torch.ones((), dtype=torch.int64)
+    for n, k in zip(logical, b):  # elements per block, the outer product of each dim's block lengths
+        per = torch.tensor([min(k, n - i * k) for i in range(-(-n // k))], dtype=torch.int64)
+        sizes = sizes.unsqueeze(-1) * per
+    scales = coarsen(payload, block)
+    return {r: int(extract(scales, sizes, r).sum()) - payload.shard(r).numel for r in payload.ranks}
 
 
 def _full_block(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
