@@ -143,36 +143,36 @@ class VllmWriter(Writer):
                 raise QuantizedError(f"{where}: engine tensor {into!r} fuses FP8 {fp8} with {sorted(set(names) - set(fp8))}, "
                                      "which the source does not store as FP8: vLLM holds one dtype per tensor")
             for n in names:
-                self._refuse_cut(n, self.placed[n], block, fused=len(names) > 1)
+                self._refuse_cut(n, self.placed[n], block)
             try:
                 out[into] = [(self.sources[n], self.placed[n], scale_placed(self.placed[n], block), kept[n])
                              for n in names]
-            except ReshardError as e:
-                raise QuantizedError(f"{where}: parameter {names[0]!r}: {e}") from None
+            except ReshardError as e:  # a fused part starting inside a block row (after a partial block)
+                raise QuantizedError(f"{where}: --format vllm --tp {self.tp}: {e}") from None
         return out
 
-    def _refuse_cut(self, name: str, p: Placed, block: tuple[int, int], fused: bool) -> None:
-        """vLLM's refusal (``Fp8LinearMethod.create_weights``): a split or fused part whose rows, or a
-        split's columns, are not whole blocks; and, in the IR's terms, a shard boundary inside a block
-        (``ir.blocks.cut_blocks``)."""
+    def _refuse_cut(self, name: str, p: Placed, block: tuple[int, int]) -> None:
+        """Refuse a TP split that cuts a block of ``name`` (``ir.blocks.cut_blocks``: a rank would hold
+        a scale for elements another rank holds), in the words of vLLM's ``validate_fp8_block_shape``
+        where it names the split; vLLM keeps no shared scale block (its loader narrows the scales by
+        ``⌈size/block⌉`` per rank, which reads past them or misplaces them)."""
         rows, cols = p.map.logical_shape
         bm, bn = block
-        why = f"{self.reader.sources[-1]}: parameter {self.sources[name]!r} {[rows, cols]} at --format vllm --tp {self.tp}"
-        for r, s in sorted(p.map.shards.items()):
-            pr, pc = s.shape
-            if pc != cols and pc % bn:
-                raise QuantizedError(f"{why}: rank {r} holds {pc} of its columns, which vLLM refuses for FP8 block "
-                                     f"scales (validate_fp8_block_shape: input_size_per_partition = {pc} is not "
-                                     f"divisible by block_k = {bn}); choose a TP that splits whole blocks")
-            if (pr != rows or fused) and pr % bm:
-                raise QuantizedError(f"{why}: rank {r} holds {pr} of its rows, which vLLM refuses for FP8 block "
-                                     f"scales (validate_fp8_block_shape: output_partition_size = {pr} is not "
-                                     f"divisible by block_n = {bm}); choose a TP that splits whole blocks")
         cut = {r: n for r, n in cut_blocks(p.map, block).items() if n}
-        if cut:
-            r = min(cut)
-            raise QuantizedError(f"{why}: rank {r}'s shard cuts a {bm}x{bn} block ({cut[r]} of the elements its "
-                                 "scales cover are another rank's): vLLM holds no shared scale block")
+        if not cut:
+            return
+        r = min(cut)
+        pr, pc = p.map.shard(r).shape
+        why = f"{self.reader.sources[-1]}: parameter {self.sources[name]!r} {[rows, cols]} at --format vllm --tp {self.tp}"
+        if pc != cols and pc % bn:
+            split = (f"holds {pc} of its columns, which vLLM refuses for FP8 block scales (validate_fp8_block_shape: "
+                     f"input_size_per_partition = {pc} is not divisible by block_k = {bn})")
+        elif pr != rows and pr % bm:
+            split = (f"holds {pr} of its rows, which vLLM refuses for FP8 block scales (validate_fp8_block_shape: "
+                     f"output_partition_size = {pr} is not divisible by block_n = {bm})")
+        else:
+            split = f"holds part of a {bm}x{bn} block ({cut[r]} of the elements its scales cover are another rank's)"
+        raise QuantizedError(f"{why}: rank {r} {split}; choose a TP that splits whole blocks")
 
     def _names(self, config: dict[str, Any], where: str) -> dict[str, str]:
         """The source's parameters by their Hugging Face names (a wrapper's prefix dropped; a tied
