@@ -51,6 +51,9 @@ __all__ = ["ARCHITECTURES", "SCALES", "VllmWriter"]
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 # each attention layer's scalars that vLLM's state dict holds beside the weights (unquantized: 1.0)
 SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+# with an FP8 quantization_config, vLLM's Fp8KVCacheMethod adds these parameters (-1.0, "none in the
+# checkpoint", in the model dtype) to each attention layer: its state dict, and so the files, hold them
+FP8_SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale")
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's ShardedStateLoader.DEFAULT_PATTERN
 SKIPPED = re.compile(r".*rotary_emb\.inv_freq\Z")  # a buffer older checkpoints keep; vLLM's loaders skip it
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -201,12 +204,16 @@ class VllmWriter(Writer):
                     continue
                 specs.setdefault(p.into, (p.into, tuple(p.shapes[r]), self.dtype))
             specs.update({n: (n, (), torch.float32) for n in self._scales()})
+            specs.update({n: (n, (), self.dtype) for n in self._fp8_scales()})
             for part, group in enumerate(plan_files(list(specs.values()), max_file_bytes)):
                 out.append((r, PATTERN.format(rank=r, part=part), group))
         return out
 
     def _scales(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn.{s}" for i in range(self.layers) for s in SCALES]
+
+    def _fp8_scales(self) -> list[str]:
+        return [f"model.layers.{i}.self_attn.attn.{s}" for i in range(self.layers) for s in FP8_SCALES] if self.fp8 else []
 
     def targets(self) -> list[Target]:
         return [Target(self.sources[n], BEST, p.map) for n, p in self.placed.items()]
@@ -223,7 +230,8 @@ class VllmWriter(Writer):
         if self.fp8:
             block = self.hf.inner.block or (128, 128)
             dtype += (f"; {len(self.fp8)} engine tensors FP8 E4M3 with float32 weight_scale_inv per "
-                      f"{block[0]}x{block[1]} block, moved as the source stores them (never decoded)")
+                      f"{block[0]}x{block[1]} block, moved as the source stores them (never decoded), and "
+                      f"{len(FP8_SCALES)} unset attention scales per layer (-1.0) as vLLM's FP8 layers hold them")
         return [f"vLLM sharded state at TP={self.tp}: {len(self.files)} file(s) model-rank-R-part-P.safetensors, "
                 f"{dtype}, {len({p.into for p in self.placed.values()})} engine tensors per rank and "
                 f"{len(SCALES)} float32 attention scales per layer (1.0)"
@@ -244,17 +252,20 @@ class VllmWriter(Writer):
               by_into: dict[str, list[tuple[str, Placed]]]) -> None:
         with staging.open(fname) as out:
             w = SafetensorsFile(out, group)
-            scales: dict[str, torch.Tensor] = {}  # an FP8 payload's scales, written right after it
+            scales: dict[str, torch.Tensor] = {}  # an FP8 payload's scales, written right after it (same file)
             for name, shape, dtype in group:
                 if name in scales:
                     w.write(name, scales.pop(name))
+                    continue
+                if name.endswith(".weight_scale_inv") and name[:-len("_scale_inv")] in self.fp8:  # in another part
+                    w.write(name, self._fp8_tensors(name[:-len("_scale_inv")], rank)[1])
                     continue
                 if name in self.fp8:
                     payload, scales[_scales_of(name)] = self._fp8_tensors(name, rank)
                     w.write(name, payload)
                     continue
-                if name not in by_into:  # an attention scale
-                    w.write(name, torch.ones((), dtype=torch.float32))
+                if name not in by_into:  # an attention scale: 1.0, or an FP8 layer's unset one (-1.0)
+                    w.write(name, torch.full((), -1.0 if name.rsplit(".", 1)[1] in FP8_SCALES else 1.0, dtype=dtype))
                     continue
                 slots = tuple(Slot(p.offsets[rank], src, BEST, p.map, rank) for src, p in by_into[name])
                 w.write_fill(name, shape, dtype, engine.fill(Buffer(f"{fname}:{name}", dtype, prod(shape), slots)))

@@ -77,6 +77,9 @@ def test_ranks_hold_payload_and_scale_rows_as_vllm(tmp_path: Path, name: str, tp
                 assert torch.equal(u8(got[into]), u8(hf[into]).chunk(tp, 1)[r])  # row-parallel: columns
                 assert torch.equal(got[into.replace(".weight", ".weight_scale_inv")], scales(into).chunk(tp, 1)[r])
         assert got["lm_head.weight"].dtype == torch.bfloat16  # not a linear vLLM quantizes
+        # Fp8KVCacheMethod's parameters, unset (-1.0) in the model dtype, beside the float32 scalars (1.0)
+        assert got[ATTN.format(i=1) + "attn.k_scale"].dtype == torch.bfloat16 and got[ATTN.format(i=1) + "attn.k_scale"] == -1
+        assert got[ATTN.format(i=1) + "attn._k_scale"] == 1
     assert config["quantization_config"]["quant_method"] == "fp8"
 
 
