@@ -142,6 +142,10 @@ class VllmWriter(Writer):
             fp8 = [n for n in names if n in kept]
             if not fp8:
                 continue
+            if into in TIED:  # ParallelLMHead / VocabParallelEmbedding: vLLM's Fp8Config leaves them unquantized
+                raise QuantizedError(f"{where}: parameter {self.sources[fp8[0]]!r} is stored as FP8, but vLLM holds "
+                                     f"{into!r} unquantized (its FP8 layers are the linears); decode it to an hf "
+                                     "folder first (--format hf) or leave the output head unquantized")
             if len(fp8) != len(names):
                 raise QuantizedError(f"{where}: engine tensor {into!r} fuses FP8 {fp8} with {sorted(set(names) - set(fp8))}, "
                                      "which the source does not store as FP8: vLLM holds one dtype per tensor")

@@ -135,3 +135,20 @@ def test_refused_before_any_output(tmp_path: Path, name: str, tp: int, quantize:
     with pytest.raises(QuantizedError, match=match):
         convert(source(tmp_path, name), tmp_path / "out", fmt="vllm", tp=tp, quantize=quantize)
     assert not (tmp_path / "out").exists()
+
+
+def test_fp8_output_head_refused(tmp_path: Path) -> None:
+    """A folder whose lm_head is FP8 too (transformers leaves it; some releases do not): vLLM's output
+    head is no FP8 linear, so its FP8 bytes would be read as weights. Refused by name."""
+    from safetensors.torch import save_file
+
+    from reshard.ir.codec import fp8_block_encode
+
+    src = source(tmp_path, "fp8_qwen2")
+    t = load_file(src / "model.safetensors")
+    t["lm_head.weight"], t["lm_head.weight_scale_inv"] = fp8_block_encode(t["lm_head.weight"], (16, 32))
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantizedError, match=r"'lm_head.weight' is stored as FP8, but vLLM holds 'lm_head.weight' "
+                                             "unquantized"):
+        convert(src, tmp_path / "out", fmt="vllm", tp=2, quantize="fp8")
+    assert not (tmp_path / "out").exists()
