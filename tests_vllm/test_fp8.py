@@ -28,17 +28,20 @@ def _same(ours: dict[str, torch.Tensor], engine: dict[str, torch.Tensor], what: 
         assert torch.equal(ours[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (what, k)
 
 
-def test_fp8_ranks_are_what_vllm_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "tp", "quantize"), [("fp8_qwen2", 2, "fp8"), ("fp8_qwen2_ue8m0", 1, "fp8-ue8m0")])
+def test_fp8_ranks_are_what_vllm_loads(tmp_path: Path, name: str, tp: int, quantize: str) -> None:
+    """Float32 scales at TP 2; E8M0 scales (32 x 32 blocks, which TP 2 would cut) at TP 1, where vLLM's
+    loader converts them into its float32 parameter as reshard does."""
     src = tmp_path / "fp8"
-    shutil.copytree(ROOT / "tests" / "fixtures" / "hf" / "fp8_qwen2", src)
+    shutil.copytree(ROOT / "tests" / "fixtures" / "hf" / name, src)
     config = json.loads((src / "config.json").read_text())  # config.save_pretrained leaves the class out
     (src / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForCausalLM"]}))
-    run([HERE / "loader_run.py", src, tmp_path / "vllm", "--tp", 2, "--no-fp8-kernel"], 600, tmp_path / "loader.log")
-    run(["-m", "reshard", "convert", src, tmp_path / "reshard", "--format", "vllm", "--tp", 2, "--quantize", "fp8",
+    run([HERE / "loader_run.py", src, tmp_path / "vllm", "--tp", tp, "--no-fp8-kernel"], 600, tmp_path / "loader.log")
+    run(["-m", "reshard", "convert", src, tmp_path / "reshard", "--format", "vllm", "--tp", tp, "--quantize", quantize,
          "--max-file-gb", 0.00002], 300, tmp_path / "convert.log")  # ~21 kB parts: payloads and scales apart
-    run([HERE / "loader_run.py", tmp_path / "reshard", tmp_path / "back", "--tp", 2, "--no-fp8-kernel",
+    run([HERE / "loader_run.py", tmp_path / "reshard", tmp_path / "back", "--tp", tp, "--no-fp8-kernel",
          "--load-format", "sharded_state"], 600, tmp_path / "back.log")
-    for r in range(2):
+    for r in range(tp):
         engine = load_file(tmp_path / "vllm" / f"rank-{r}.safetensors")
         assert engine["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
         ours: dict[str, torch.Tensor] = {}
