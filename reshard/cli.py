@@ -112,7 +112,9 @@ def _cmd_inspect(args) -> int:
         rank_names = None
         if view == "composed":
             rank_names = {g: f"rank {g} (dp {g // src.tp}, tp {g % src.tp})" for g in range(src.tp * src.dp)}
-        draw_map(maps[name], args.png, name=name, topology=topology, rank_names=rank_names)
+        scale = next((s for s, (payload, _) in src.scales.items() if payload == name), None)
+        draw_map(maps[name], args.png, name=name, topology=topology, rank_names=rank_names,
+                 beside=(scale, src.maps[scale]) if scale is not None else None)  # its block scales' map
         if not args.json:
             print(f"wrote {args.png} ({name})")
     return 0
@@ -179,6 +181,8 @@ def _plan_to_topology(args) -> int:
               + (f" (rank = dp_rank * {tplan.tp} + tp_rank)" if tplan.dp > 1 else ""))
         counts = Counter(fam.text for fam in tplan.families.values())
         print("layouts: " + "; ".join(f"{v}× {k}" for k, v in counts.most_common()))
+        if src.scales:
+            print(_scales_line(src, tplan.target_maps))
         print("\n".join(stats_lines(tplan.plan, args.element_size)))
     if args.png:
         title = (f"plan: {Path(src.path).name} (TP={tplan.source_tp} DP={tplan.source_dp}) → "
@@ -187,6 +191,18 @@ def _plan_to_topology(args) -> int:
         if not args.json:
             print(f"wrote {args.png}")
     return 0
+
+
+def _scales_line(src, targets) -> str:
+    """The block scales beside their payloads at the target: which a TP boundary cuts (a block held
+    by every rank it touches, ``ir.blocks.cut_blocks``)."""
+    from .ir.blocks import cut_blocks
+
+    cut = [s for s, (payload, block) in src.scales.items() if any(cut_blocks(targets[payload], block).values())]
+    return (f"block scales: {len(src.scales)} tensors, each map the payload's coarsened by its block; "
+            + (f"{len(cut)} cut by a TP boundary, each such block held by every rank it touches: "
+               + ", ".join(cut[:4]) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
+               if cut else "no TP boundary cuts a block"))
 
 
 @contextlib.contextmanager

@@ -4,7 +4,15 @@ are) each build vLLM's model class for MODEL_DIR, load its HF weights with vLLM'
 on that rank -- the engine's own state *before* post-processing (CPU repacks the linears after
 it) -- as ``OUT/rank-{r}.safetensors``.
 
-    python tests_vllm/loader_run.py MODEL_DIR OUT_DIR --tp T [--dtype bfloat16]
+    python tests_vllm/loader_run.py MODEL_DIR OUT_DIR --tp T [--dtype bfloat16] [--no-fp8-kernel]
+                                    [--load-format sharded_state]
+
+``--load-format sharded_state``: MODEL_DIR is a sharded state (``--format vllm``) that vLLM's
+``ShardedStateLoader`` loads (refusing a missing or unknown key), saved back the same way.
+
+``--no-fp8-kernel`` (an FP8 block-scale model): vLLM's CPU build chooses an FP8 matmul kernel when
+it builds each linear and has one only on AMX CPUs; loading never uses it, so the layers are built
+without one (the kernel choice returns ``None``) and every weight_loader runs as vLLM ships it.
 
 No engine starts (a few seconds a rank): this is how the tests read every tensor vLLM loads,
 fused linears included, and learn the maps vLLM's loaders lay each HF tensor out in.
@@ -17,7 +25,8 @@ import os
 import socket
 
 
-def worker(rank: int, tp: int, port: int, model: str, dtype: str, out: str) -> None:
+def worker(rank: int, tp: int, port: int, model: str, dtype: str, out: str, no_fp8_kernel: bool = False,
+           load_format: str = "auto") -> None:
     import torch
     from safetensors.torch import save_file
     from vllm.config import set_current_vllm_config
@@ -28,8 +37,13 @@ def worker(rank: int, tp: int, port: int, model: str, dtype: str, out: str) -> N
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    if no_fp8_kernel:
+        from vllm.model_executor.layers.quantization import fp8
+
+        fp8.init_fp8_linear_kernel = lambda **_: None
+
     cfg = EngineArgs(model=model, dtype=dtype, tensor_parallel_size=tp, skip_tokenizer_init=True, enforce_eager=True,
-                     max_model_len=64).create_engine_config()
+                     max_model_len=64, load_format=load_format).create_engine_config()
     os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPU worker sets: its shared-memory group's name
     with set_current_vllm_config(cfg):
         init_distributed_environment(tp, rank, f"tcp://127.0.0.1:{port}", rank, "gloo")
@@ -47,11 +61,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run(model: str, out: str, tp: int, dtype: str = "bfloat16") -> None:
+def run(model: str, out: str, tp: int, dtype: str = "bfloat16", no_fp8_kernel: bool = False,
+        load_format: str = "auto") -> None:
     import torch.multiprocessing as mp
 
     os.makedirs(out, exist_ok=True)
-    mp.start_processes(worker, args=(tp, _port(), model, dtype, out), nprocs=tp, start_method="spawn")
+    mp.start_processes(worker, args=(tp, _port(), model, dtype, out, no_fp8_kernel, load_format), nprocs=tp,
+                       start_method="spawn")
 
 
 if __name__ == "__main__":
@@ -60,5 +76,7 @@ if __name__ == "__main__":
     ap.add_argument("out")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--no-fp8-kernel", action="store_true")
+    ap.add_argument("--load-format", default="auto", choices=("auto", "sharded_state"))
     a = ap.parse_args()
-    run(a.model, a.out, a.tp, a.dtype)
+    run(a.model, a.out, a.tp, a.dtype, a.no_fp8_kernel, a.load_format)

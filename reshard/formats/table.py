@@ -64,7 +64,8 @@ OPTIONS: dict[str, Option] = {
                      {"metavar": "CKPT|MAPS.json|geometry"}),
     "quantize": Option("--quantize", "write 2-D linear weights as FP8 E4M3 with a weight_scale_inv per block, as "
                        "transformers' Fp8Quantize does (fp8: float32 scales; fp8-ue8m0: power-of-two E8M0 scales); "
-                       "embeddings, norms and the output head stay as they are", {"choices": ("fp8", "fp8-ue8m0")}),
+                       "embeddings, norms and the output head stay as they are; an FP8 source in that encoding is "
+                       "moved as stored (vllm: only so, to each TP rank)", {"choices": ("fp8", "fp8-ue8m0")}),
     "block": Option("--block", "with --quantize: the scale block, rows x columns (default: an FP8 source's own, "
                     "else 128x128)", {"type": "block", "metavar": "RxC"}),
     "optimizer": Option("--optimizer", "its optimizer state's layout (default: the source's; from an HF "
@@ -173,7 +174,8 @@ FORMATS: tuple[Format, ...] = (
     Format("vllm", "a vLLM sharded state",
            writes="vLLM's load_format='sharded_state' files at TP T (Llama, Qwen2), with config.json and the "
            "tokenizer carried",
-           writer="reshard.formats.vllm.writer:VllmWriter", convert=("tp", "max_file_bytes", "dtype", "hf_config"),
+           writer="reshard.formats.vllm.writer:VllmWriter",
+           convert=("tp", "max_file_bytes", "dtype", "hf_config", "quantize", "block"),
            reshard=("tp", "dtype"), names="hf",
            target_example="reshard convert CKPT OUT --format vllm --tp 2 --dtype bf16"),
 )

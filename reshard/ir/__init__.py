@@ -1,6 +1,6 @@
 """The affine IR: pieces, maps, checks, canonical form, JSON format. No I/O."""
 
-from .blocks import block_grid, coarsen
+from .blocks import block_grid, coarsen, cut_blocks
 from .canonical import canonicalize
 from .check import check, uncovered
 from .param_map import ParamMap, map_from_dict, map_to_dict, maps_from_document, maps_to_document
@@ -16,6 +16,7 @@ __all__ = [
     "canonicalize",
     "check",
     "coarsen",
+    "cut_blocks",
     "map_from_dict",
     "map_to_dict",
     "maps_from_document",

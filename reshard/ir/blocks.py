@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from ..errors import MapError
+from .apply import extract
 from .canonical import canonicalize
 from .geometry import piece_blocks, unravel
 from .param_map import ParamMap
 from .piece import Piece, View, is_int, prod, row_major_strides
 from .shard import Shard
 
-__all__ = ["block_grid", "block_runs", "coarsen", "cover", "shard_axes"]
+__all__ = ["block_grid", "block_runs", "coarsen", "cover", "cut_blocks", "shard_axes"]
 
 Run = tuple[int, int, int]  # (lo, hi, dest): S indices [lo, hi) of one dim at scale-shard index dest on
 
@@ -102,6 +105,20 @@ def _map_of_runs(grid: tuple[int, ...], runs: Mapping[int, list[list[Run]] | Non
             pieces.append(_box(grid, shape, cell, locations))
         shards[r] = Shard(shape, tuple(pieces))
     return canonicalize(ParamMap(grid, shards, valid))
+
+
+def cut_blocks(payload: ParamMap, block: tuple[int, ...]) -> dict[int, int]:
+    """Per rank, the elements of the blocks its scale shard holds that its payload shard does
+    not (0 everywhere: no shard boundary cuts a block). A block counts its elements inside the
+    tensor (a partial last block, fewer)."""
+    logical = payload.logical_shape
+    b = _full_block(logical, block)
+    sizes = torch.ones((), dtype=torch.int64)
+    for n, k in zip(logical, b):  # elements per block, the outer product of each dim's block lengths
+        per = torch.tensor([min(k, n - i * k) for i in range(-(-n // k))], dtype=torch.int64)
+        sizes = sizes.unsqueeze(-1) * per
+    scales = coarsen(payload, block)
+    return {r: int(extract(scales, sizes, r).sum()) - payload.shard(r).numel for r in payload.ranks}
 
 
 def _full_block(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:

@@ -96,9 +96,11 @@ def convert(
     ``fmt="vllm"``: vLLM's sharded state at TP=``tp`` (default 1) in ``out_dir`` itself, with
     ``config.json`` and the tokenizer files as for ``"hf"`` (``formats.vllm.writer``).
 
-    ``quantize`` (``"fp8"`` or ``"fp8-ue8m0"``; ``"hf"`` and ``"safetensors"``): 2-D linear weights
+    ``quantize`` (``"fp8"`` or ``"fp8-ue8m0"``; ``"hf"``, ``"safetensors"``, ``"vllm"``): 2-D linear weights
     written as FP8 E4M3 and a ``weight_scale_inv`` per ``block`` (rows, cols; default an FP8 source's
     own, else 128 x 128), transformers' ``Fp8Quantize`` bit for bit (``formats.safetensors.writer``).
+    On ``"vllm"``: an FP8 source's linears kept FP8, payload and scales moved to each TP rank as vLLM
+    holds them, never decoded (``formats.vllm.writer``); a TP that cuts a block is refused.
 
     Every entry of the source is written, reported as not carried (a state the target has no
     place for: ``_extra_state``, RNG, a scheduler) or refused (``UnplacedError``: model weights

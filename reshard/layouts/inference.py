@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import MapError
+from ..ir.blocks import block_grid, coarsen
 from ..ir.param_map import ParamMap
 from ..ir.piece import Piece, prod
 from ._core import Shape, as_shape, box_piece, dim_blocks, finish, global_ranks, positive
@@ -55,6 +56,7 @@ __all__ = [
     "placed",
     "qkv_parts",
     "row_parallel",
+    "scale_placed",
     "vocab_padded_rows",
     "vocab_parallel_padded",
 ]
@@ -93,6 +95,28 @@ class Placed:
 def placed(m: ParamMap, into: str) -> Placed:
     """A target that is a whole engine tensor (not fused): offset 0, the map's shard shapes."""
     return Placed(m, into, {r: s.shape for r, s in m.shards.items()}, dict.fromkeys(m.ranks, 0))
+
+
+def scale_placed(p: Placed, block: tuple[int, int]) -> Placed:
+    """The placement of a block-scaled 2-d payload's scales (docs/spec.md §7.5): the map
+    ``ir.blocks.coarsen`` derives from the payload's, in each rank's scale tensor (the block grid
+    of the payload's engine tensor) from the block row where the part starts, ``⌈row / bm⌉``
+    (vLLM's and SGLang's ``BlockQuantScaleParameter`` loaders). Raises :class:`MapError` where a
+    part is not whole rows of its engine tensor or starts inside a block row."""
+    scales = coarsen(p.map, block)
+    shapes, offsets = {}, {}
+    for r, s in p.map.shards.items():
+        shape = tuple(p.shapes[r])
+        if len(shape) != 2 or len(s.shape) != 2 or s.shape[1] != shape[1] or p.offsets[r] % shape[1]:
+            raise MapError(f"{p.into!r} on rank {r}: a part {list(s.shape)} at element {p.offsets[r]} is not whole "
+                           f"rows of the 2-d engine tensor {list(shape)}: its block scales have no place")
+        row = p.offsets[r] // shape[1]
+        if row % block[0]:
+            raise MapError(f"{p.into!r} on rank {r}: a part starts at row {row}, inside a block of {block[0]} rows "
+                           "(the scale row would hold two parts' blocks)")
+        grid = block_grid(shape, block)
+        shapes[r], offsets[r] = grid, row // block[0] * grid[1]
+    return Placed(scales, p.into, shapes, offsets)
 
 
 def check_placed(targets: Mapping[str, Placed]) -> None:

@@ -9,6 +9,9 @@ maps by parameter name and what is known of its topology.
   ``latest_universal``; each parameter is F itself on one rank.
 * A PyTorch DCP folder (``.metadata``) lists every tensor entry (weights and optimizer states) by
   its DCP key; each map has one piece per chunk on the storage rank that wrote it (``formats.dcp``).
+* A parameter stored as FP8 block scales (``Reader.stored``) is followed by its scale tensor, whose
+  map is the payload's coarsened by the block (``ir.blocks.coarsen``, docs/spec.md §7.5), here
+  and at a planned TP (:func:`hf_plan_targets`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..formats.dcp.checkpoint import DcpCheckpoint
 from ..formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from ..formats.deepspeed.reader import DeepSpeedNative
 from ..formats.registry import open_reader
+from ..ir.blocks import coarsen
 from ..ir.canonical import canonicalize
 from ..ir.param_map import ParamMap, map_from_dict, maps_from_document
 
@@ -42,6 +46,7 @@ class Inspected:
     zero_stage: int | None = None
     families: dict[str, str] = field(default_factory=dict)  # lowering family per parameter (DeepSpeed)
     checkpoint: DeepSpeedCheckpoint | None = None  # for the ZeRO split
+    scales: dict[str, tuple[str, tuple[int, int]]] = field(default_factory=dict)  # scale tensor: payload, block
 
     @property
     def names(self) -> list[str]:
@@ -82,9 +87,15 @@ def open_source(path: str | Path) -> Inspected:
         ck = dcp
         maps = {key: ck.param_map(key) for key in ck.tensors}
         return Inspected(str(p), "dcp", maps, reader.description)
-    maps = {n: reader.map(n, reader.states(n)[0]) for n in reader.names}
+    maps, scales = {}, {}
+    for n in reader.names:
+        maps[n] = reader.map(n, reader.states(n)[0])
+        stored = reader.stored(n)
+        if stored is not None:  # the payload's scales beside it, their map derived from its map
+            scale = (n[:-len(".weight")] if n.endswith(".weight") else n) + ".weight_scale_inv"
+            maps[scale], scales[scale] = coarsen(maps[n], stored.block), (n, stored.block)
     kind = "universal" if reader.format == "universal" else "maps"
-    return Inspected(str(p), kind, maps, reader.description)
+    return Inspected(str(p), kind, maps, reader.description, scales=scales)
 
 
 def hf_plan_targets(src: Inspected, tp: int) -> dict[str, tuple[ParamMap, str]] | None:
@@ -97,10 +108,13 @@ def hf_plan_targets(src: Inspected, tp: int) -> dict[str, tuple[ParamMap, str]] 
         return None
     from ..formats.hf.tp_plan import tp_plan
 
-    shapes = {n: tuple(m.logical_shape) for n, m in src.maps.items()}
+    shapes = {n: tuple(m.logical_shape) for n, m in src.maps.items() if n not in src.scales}
     plan = tp_plan(folder, shapes)
     maps = plan.maps(shapes, tp)
-    return {n: (maps[n], f"transformers' TP plan: {plan.params[n].style or 'no rule, whole'}") for n in shapes}
+    out = {n: (maps[n], f"transformers' TP plan: {plan.params[n].style or 'no rule, whole'}") for n in shapes}
+    for scale, (payload, block) in src.scales.items():  # coarsened from the payload's target, not by name
+        out[scale] = (coarsen(maps[payload], block), f"block scales: the payload's map coarsened by {block[0]}x{block[1]}")
+    return out
 
 
 def _open_maps(p: Path) -> Inspected:

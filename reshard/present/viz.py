@@ -283,21 +283,50 @@ def axes_rect(shape: tuple[int, ...]) -> tuple[float, float, float, float]:
 
 
 def draw_map(m: ParamMap, path: str | Path, *, name: str, topology: str, note: str | None = None,
-             rank_names: Mapping[int, str] | None = None) -> None:
+             rank_names: Mapping[int, str] | None = None, beside: tuple[str, ParamMap] | None = None) -> None:
     """Write a PNG of ``m`` (see the module docstring) to ``path``. ``rank_names`` labels ranks in
-    the legend (default ``rank N``)."""
+    the legend (default ``rank N``). ``beside``: a second map drawn to its right in the same
+    colours (a block-scaled payload's scales, ``ir.blocks.coarsen``), titled with its name."""
     fig = _new_figure(MAP_PNG_SIZE)
+    rect = full = axes_rect(m.logical_shape)
+    ranks = sorted(set(m.ranks) | (set(beside[1].ranks) if beside else set()))
+    colors = rank_colors(ranks)
+    if beside is not None:  # the payload in the left 60 %, the scales in the right third of the map's width
+        left, bottom, width, height = rect
+        rect = (left, bottom, width * 0.58, height)
+        side = (left + width * 0.66, bottom, width * 0.34, height)
+        sb, spads, sscaled = _draw_on(fig, side, beside[1], colors)
+        fig.text(side[0], side[1] + side[3] + 0.012, f"{beside[0]} {list(beside[1].logical_shape)}", fontsize=10,
+                 ha="left", va="bottom")
+    blocks, pads, scaled = _draw_on(fig, rect, m, colors)
+    if beside is not None:
+        blocks, pads, scaled = blocks + sb, pads + spads, scaled or sscaled
+    _legend(fig, full, colors, blocks, bool(pads), scaled, rank_names or {})
+    shape_txt = f"F {list(m.logical_shape)}"
+    if m.is_padded:
+        shape_txt += f", valid {list(m.valid_shape)}"
+    fig.text(AXES_RECT[0], 0.955, name, fontsize=13, weight="bold", ha="left", va="center")
+    n = len(m.ranks)
+    fig.text(AXES_RECT[0], 0.915, f"{shape_txt} · {topology} · {n} rank{'s' * (n != 1)} · {m.num_pieces} pieces",
+             fontsize=11, ha="left", va="center")
+    notes = [n for n in (note, _flatten_note(m.logical_shape), _approx_note(blocks)) if n]
+    if notes:
+        fig.text(AXES_RECT[0], 0.015, "  ".join(notes), fontsize=9, ha="left", va="bottom", color="#444444")
+    _save(fig, path)
+
+
+def _draw_on(fig, rect: tuple[float, float, float, float], m: ParamMap,
+             colors: Mapping[int, tuple]) -> tuple[list[Region], list[Rect], bool]:
+    """``m`` drawn in new axes at ``rect``: its regions, its padding and whether a piece is scaled."""
     from matplotlib.collections import PolyCollection
 
     rows, cols = grid_shape(m.logical_shape)
-    rect = axes_rect(m.logical_shape)
     ax = fig.add_axes(rect)
     ax.set_xlim(0, cols)
     ax.set_ylim(rows, 0)  # row 0 at the top, like a printed matrix
     ax.set_facecolor("white")
     kx = rect[2] * MAP_PNG_SIZE[0] / cols  # pixels per element
     ky = rect[3] * MAP_PNG_SIZE[1] / rows
-    colors = rank_colors(m.ranks)
     blocks = map_regions(m)
 
     fill, fill_c, stripe, stripe_c = [], [], [], []
@@ -321,18 +350,7 @@ def draw_map(m: ParamMap, path: str | Path, *, name: str, topology: str, note: s
                                          edgecolors="#555555", linewidths=0.6, hatch="xx"))
     scaled = _annotate(ax, blocks, kx, ky)
     _axes_labels(ax, m.logical_shape)
-    _legend(fig, rect, colors, blocks, bool(pads), scaled, rank_names or {})
-    shape_txt = f"F {list(m.logical_shape)}"
-    if m.is_padded:
-        shape_txt += f", valid {list(m.valid_shape)}"
-    fig.text(AXES_RECT[0], 0.955, name, fontsize=13, weight="bold", ha="left", va="center")
-    n = len(m.ranks)
-    fig.text(AXES_RECT[0], 0.915, f"{shape_txt} · {topology} · {n} rank{'s' * (n != 1)} · {m.num_pieces} pieces",
-             fontsize=11, ha="left", va="center")
-    notes = [n for n in (note, _flatten_note(m.logical_shape), _approx_note(blocks)) if n]
-    if notes:
-        fig.text(AXES_RECT[0], 0.015, "  ".join(notes), fontsize=9, ha="left", va="bottom", color="#444444")
-    _save(fig, path)
+    return blocks, pads, scaled
 
 
 def _annotate(ax, blocks: list[Region], kx: float, ky: float) -> bool:

@@ -194,3 +194,23 @@ def test_fp8_tp_shards_and_back(rows: int, cols: int, bm: int, bn: int, dim: int
     back_q = payload.rebuild({r: t.view(torch.uint8) for r, t in qs.items()}).view(torch.float8_e4m3fn)
     assert torch.equal(back_q.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(scales.rebuild(ss), s)  # rebuild verifies every replicated scale bitwise (P2)
+
+
+@SETTINGS
+@given(rows=st.integers(1, 70), cols=st.integers(1, 70), bm=st.integers(1, 16), bn=st.integers(1, 16),
+       dim=st.sampled_from([0, 1]), cuts=st.lists(st.integers(0, 70), max_size=3))
+def test_cut_blocks_counts_what_a_rank_does_not_hold(rows: int, cols: int, bm: int, bn: int, dim: int,
+                                                     cuts: list[int]) -> None:
+    """``cut_blocks``: a rank's count is the elements of its scales' blocks it does not hold (blocks
+    clipped to the tensor); all zero exactly where every TP boundary falls on a block boundary."""
+    from reshard.ir.blocks import cut_blocks
+
+    n, b = (rows, cols)[dim], (bm, bn)[dim]
+    bounds = sorted({0, n, *(c for c in cuts if c <= n)})
+    payload = split((rows, cols), dim, [z - a for a, z in zip(bounds, bounds[1:])])
+    got = cut_blocks(payload, (bm, bn))
+    other = (cols, rows)[dim]
+    for r, (a, z) in zip(payload.ranks, zip(bounds, bounds[1:])):
+        held = (min(n, -(-z // b) * b) - a // b * b) if z > a else 0  # its blocks' indices along dim, clipped
+        assert got[r] == (held - (z - a)) * other
+    assert any(got.values()) == any(c % b for c in bounds[1:-1])

@@ -15,6 +15,14 @@ what ``LLM(model=OUT, load_format="sharded_state", tensor_parallel_size=T)`` loa
 * ``config.json``, the tokenizer and generation files as the HF export carries them
   (:class:`reshard.formats.hf.writer.HfWriter`); the dtype likewise (``dtype``, else the config's).
 * **Architectures**: Llama and Qwen2 (dense); any other is refused by name before any output exists.
+* **FP8 kept** (``--quantize fp8``, or ``fp8-ue8m0`` for a source with E8M0 scales; from a source
+  that stores its linears as FP8 block scales, ``Reader.stored``): each linear's payload moved byte for byte into the rank's
+  ``X.weight`` (E4M3) and its scales, as float32 (E8M0 ones converted exactly), into
+  ``X.weight_scale_inv`` ``[⌈rows_r/bm⌉, ⌈cols_r/bn⌉]``, each part's at block row ``⌈offset/bm⌉``
+  -- the scale map ``ir.blocks.coarsen`` derives from the payload's (``layouts.inference.scale_placed``),
+  never decoded. ``config.json`` keeps the FP8 ``quantization_config``. A TP split that cuts a block
+  is refused as vLLM's ``Fp8LinearMethod.create_weights`` refuses it (``validate_fp8_block_shape``),
+  naming the tensor, before any output exists; so is a linear the source does not store as FP8.
 """
 
 from __future__ import annotations
@@ -26,11 +34,14 @@ from typing import Any
 
 import torch
 
-from ...errors import ReshardError
+from ...errors import QuantizedError, ReshardError
+from ...ir.apply import extract
+from ...ir.blocks import cut_blocks
+from ...ir.codec import e8m0
 from ...ir.piece import prod
 from ...layouts.arch import LLAMA_VLLM, inference_targets
-from ...layouts.inference import Placed
-from ..contract import BEST, Buffer, Held, Reader, Slot, Writer
+from ...layouts.inference import Placed, scale_placed
+from ..contract import BEST, Buffer, Held, Reader, Slot, Stored, Writer
 from ..hf.writer import TIED, HfWriter
 from ..safetensors.io import SafetensorsFile, plan_files
 
@@ -40,6 +51,9 @@ __all__ = ["ARCHITECTURES", "SCALES", "VllmWriter"]
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 # each attention layer's scalars that vLLM's state dict holds beside the weights (unquantized: 1.0)
 SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+# with an FP8 quantization_config, vLLM's Fp8KVCacheMethod adds these parameters (-1.0, "none in the
+# checkpoint", in the model dtype) to each attention layer: its state dict, and so the files, hold them
+FP8_SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale")
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"  # vLLM's ShardedStateLoader.DEFAULT_PATTERN
 SKIPPED = re.compile(r".*rotary_emb\.inv_freq\Z")  # a buffer older checkpoints keep; vLLM's loaders skip it
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -72,11 +86,13 @@ class VllmWriter(Writer):
     tag = None  # the output folder itself is the model folder vLLM is given
 
     def __init__(self, reader: Reader, *, tp: int = 1, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
-                 hf_config: Any = None) -> None:
+                 hf_config: Any = None, quantize: str | None = None, block: tuple[int, int] | None = None) -> None:
         if not isinstance(tp, int) or tp < 1:
             raise ReshardError(f"--tp must be a positive number of ranks, got {tp!r}")
         self.reader, self.tp = reader, tp
-        self.hf = HfWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, hf_config=hf_config)
+        # the HF export's config.json: with the FP8 quantization_config where the weights stay FP8
+        self.hf = HfWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, hf_config=hf_config,
+                           quantize=quantize, block=block)
         self.dtype, config = self.hf.dtype, self.hf.config
         where = f"{self.hf.folder / 'config.json'}" if self.hf.folder is not None else f"{reader.sources[-1]}"
         arch = config.get("architectures") or [config.get("model_type")]
@@ -99,8 +115,72 @@ class VllmWriter(Writer):
         if self.tied:  # the table vLLM keeps under its smaller name
             self.placed = {n: (p.named(TIED[0]) if p.into == TIED[1] else p) for n, p in self.placed.items()}
         self.layers = layers
+        # engine tensor -> its FP8 parts: (source parameter, payload placement, scale placement, stored)
+        self.fp8: dict[str, list[tuple[str, Placed, Placed, Stored]]] = self._fp8() if quantize else {}
         self.files = self._files(max_file_bytes)
         self._buffers = self._declare()
+
+    def _fp8(self) -> dict[str, list[tuple[str, Placed, Placed, Stored]]]:
+        """Every FP8 engine tensor's parts, each moved as stored; refuses (before any output exists)
+        a linear the source does not store as FP8 at the block, a fused tensor of FP8 and other parts,
+        and a TP split that cuts a block, as vLLM does."""
+        block = self.hf.inner.block or (128, 128)
+        where = f"{self.reader.sources[-1]}"
+        kept = {}
+        for name, (_, _, copy) in self.hf.inner.encoded.items():
+            if copy is None:
+                raise QuantizedError(f"{where}: parameter {self.hf.inner.source[name]!r}: --format vllm --quantize fp8 "
+                                     f"moves FP8 weights as the source stores them, and it stores this one otherwise "
+                                     f"(not FP8 E4M3 with {self.hf.inner.scale_fmt} scales per {block[0]}x{block[1]} "
+                                     "block); name the source's own (--quantize fp8 for float32 scales, fp8-ue8m0 "
+                                     "for E8M0) or write an FP8 folder first (--format hf --quantize fp8)")
+            kept[name] = copy
+        parts: dict[str, list[str]] = {}
+        for n, p in self.placed.items():
+            parts.setdefault(p.into, []).append(n)
+        out: dict[str, list[tuple[str, Placed, Placed, Stored]]] = {}
+        for into, names in parts.items():
+            fp8 = [n for n in names if n in kept]
+            if not fp8:
+                continue
+            if into in TIED:  # ParallelLMHead / VocabParallelEmbedding: vLLM's Fp8Config leaves them unquantized
+                raise QuantizedError(f"{where}: parameter {self.sources[fp8[0]]!r} is stored as FP8, but vLLM holds "
+                                     f"{into!r} unquantized (its FP8 layers are the linears); decode it to an hf "
+                                     "folder first (--format hf) or leave the output head unquantized")
+            if len(fp8) != len(names):
+                raise QuantizedError(f"{where}: engine tensor {into!r} fuses FP8 {fp8} with {sorted(set(names) - set(fp8))}, "
+                                     "which the source does not store as FP8: vLLM holds one dtype per tensor")
+            for n in names:
+                self._refuse_cut(n, self.placed[n], block)
+            try:
+                out[into] = [(self.sources[n], self.placed[n], scale_placed(self.placed[n], block), kept[n])
+                             for n in names]
+            except ReshardError as e:  # a fused part starting inside a block row (after a partial block)
+                raise QuantizedError(f"{where}: --format vllm --tp {self.tp}: {e}") from None
+        return out
+
+    def _refuse_cut(self, name: str, p: Placed, block: tuple[int, int]) -> None:
+        """Refuse a TP split that cuts a block of ``name`` (``ir.blocks.cut_blocks``: a rank would hold
+        a scale for elements another rank holds), in the words of vLLM's ``validate_fp8_block_shape``
+        where it names the split; vLLM keeps no shared scale block (its loader narrows the scales by
+        ``⌈size/block⌉`` per rank, which reads past them or misplaces them)."""
+        rows, cols = p.map.logical_shape
+        bm, bn = block
+        cut = {r: n for r, n in cut_blocks(p.map, block).items() if n}
+        if not cut:
+            return
+        r = min(cut)
+        pr, pc = p.map.shard(r).shape
+        why = f"{self.reader.sources[-1]}: parameter {self.sources[name]!r} {[rows, cols]} at --format vllm --tp {self.tp}"
+        if pc != cols and pc % bn:
+            split = (f"holds {pc} of its columns, which vLLM refuses for FP8 block scales (validate_fp8_block_shape: "
+                     f"input_size_per_partition = {pc} is not divisible by block_k = {bn})")
+        elif pr != rows and pr % bm:
+            split = (f"holds {pr} of its rows, which vLLM refuses for FP8 block scales (validate_fp8_block_shape: "
+                     f"output_partition_size = {pr} is not divisible by block_n = {bm})")
+        else:
+            split = f"holds part of a {bm}x{bn} block ({cut[r]} of the elements its scales cover are another rank's)"
+        raise QuantizedError(f"{why}: rank {r} {split}; choose a TP that splits whole blocks")
 
     def _names(self, config: dict[str, Any], where: str) -> dict[str, str]:
         """The source's parameters by their Hugging Face names (a wrapper's prefix dropped; a tied
@@ -122,8 +202,14 @@ class VllmWriter(Writer):
         for r in range(self.tp):
             specs: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
             for p in self.placed.values():
+                if p.into in self.fp8:  # the payload, its scales right after it (the state dict's order)
+                    sp = self.fp8[p.into][0][2]
+                    specs.setdefault(p.into, (p.into, tuple(p.shapes[r]), torch.float8_e4m3fn))
+                    specs.setdefault(_scales_of(p.into), (_scales_of(p.into), tuple(sp.shapes[r]), torch.float32))
+                    continue
                 specs.setdefault(p.into, (p.into, tuple(p.shapes[r]), self.dtype))
             specs.update({n: (n, (), torch.float32) for n in self._scales()})
+            specs.update({n: (n, (), self.dtype) for n in self._fp8_scales()})
             for part, group in enumerate(plan_files(list(specs.values()), max_file_bytes)):
                 out.append((r, PATTERN.format(rank=r, part=part), group))
         return out
@@ -144,10 +230,14 @@ class VllmWriter(Writer):
         by_into = self._by_into()
         return {f"{fname}:{name}": Buffer(f"{fname}:{name}", dtype, prod(shape),
                                           tuple(Slot(p.offsets[r], src, BEST, p.map, r) for src, p in by_into[name]))
-                for r, fname, group in self.files for name, shape, dtype in group if name in by_into}
+                for r, fname, group in self.files for name, shape, dtype in group
+                if name in by_into and name not in self.fp8}  # FP8 tensors move as stored, not through the engine
 
     def buffers(self) -> list[Buffer]:
         return list(self._buffers.values())
+
+    def _fp8_scales(self) -> list[str]:
+        return [f"model.layers.{i}.self_attn.attn.{s}" for i in range(self.layers) for s in FP8_SCALES] if self.fp8 else []
 
     def carries(self, held: Held) -> bool:
         """A tied ``lm_head.weight``: written once, as the table it is tied to (``_names``)."""
@@ -158,6 +248,11 @@ class VllmWriter(Writer):
 
     def notes(self) -> list[str]:
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.fp8:
+            block = self.hf.inner.block or (128, 128)
+            dtype += (f"; {len(self.fp8)} engine tensors FP8 E4M3 with float32 weight_scale_inv per "
+                      f"{block[0]}x{block[1]} block, moved as the source stores them (never decoded), and "
+                      f"{len(FP8_SCALES)} unset attention scales per layer (-1.0) as vLLM's FP8 layers hold them")
         return [f"vLLM sharded state at TP={self.tp}: {len(self.files)} file(s) model-rank-R-part-P.safetensors, "
                 f"{dtype}, {len({p.into for p in self.placed.values()})} engine tensors per rank and "
                 f"{len(SCALES)} float32 attention scales per layer (1.0)"
@@ -176,9 +271,43 @@ class VllmWriter(Writer):
               by_into: dict[str, list[tuple[str, Placed]]]) -> None:
         with staging.open(fname) as out:
             w = SafetensorsFile(out, group)
+            scales: dict[str, torch.Tensor] = {}  # an FP8 payload's scales, written right after it (same file)
             for name, shape, dtype in group:
-                if name not in by_into:  # an attention scale
-                    w.write(name, torch.ones((), dtype=torch.float32))
+                if name in scales:
+                    w.write(name, scales.pop(name))
+                    continue
+                if name.endswith(".weight_scale_inv") and name[:-len("_scale_inv")] in self.fp8:  # in another part
+                    w.write(name, self._fp8_tensors(name[:-len("_scale_inv")], rank)[1])
+                    continue
+                if name in self.fp8:
+                    payload, scales[_scales_of(name)] = self._fp8_tensors(name, rank)
+                    w.write(name, payload)
+                    continue
+                if name not in by_into:  # an attention scale: 1.0, or an FP8 layer's unset one (-1.0)
+                    w.write(name, torch.full((), -1.0 if name.rsplit(".", 1)[1] in FP8_SCALES else 1.0, dtype=dtype))
                     continue
                 w.write_fill(name, shape, dtype, engine.fill(self._buffers[f"{fname}:{name}"]))
             w.close()
+
+    def _fp8_tensors(self, into: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Engine tensor ``into`` on ``rank`` (FP8) and its ``weight_scale_inv``: each part's payload
+        and scale shards cut from the source's stored tensors by their maps, bytes as stored (one
+        source parameter at a time)."""
+        parts = self.fp8[into]
+        p0, s0 = parts[0][1], parts[0][2]
+        payload = torch.empty(prod(tuple(p0.shapes[rank])), dtype=torch.uint8)
+        scales = torch.empty(prod(tuple(s0.shapes[rank])), dtype=torch.float32)
+        for _, p, sp, stored in parts:
+            shard = extract(p.map, stored.payload().view(torch.uint8), rank).reshape(-1)
+            payload[p.offsets[rank]:p.offsets[rank] + shard.numel()] = shard
+            raw = stored.scales()
+            value = e8m0(raw) if raw.dtype in (torch.uint8, torch.float8_e8m0fnu) else raw.to(torch.float32)
+            s = extract(sp.map, value, rank).reshape(-1)
+            scales[sp.offsets[rank]:sp.offsets[rank] + s.numel()] = s
+        return (payload.view(torch.float8_e4m3fn).view(tuple(p0.shapes[rank])),
+                scales.view(tuple(s0.shapes[rank])))
+
+
+def _scales_of(weight: str) -> str:
+    """``X.weight``'s scales in vLLM's state dict (``Fp8LinearMethod``'s name, DeepSeek-V3's)."""
+    return weight[:-len(".weight")] + ".weight_scale_inv"

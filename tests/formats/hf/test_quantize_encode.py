@@ -152,7 +152,7 @@ def test_nan_weight_refused_leaving_nothing(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"fmt": "ucp", "quantize": "fp8"}, "--quantize goes with"),
     ({"fmt": "dcp", "quantize": "fp8"}, "--quantize goes with"),
-    ({"fmt": "vllm", "quantize": "fp8"}, "--quantize goes with"),
+    ({"fmt": "vllm", "quantize": "fp8"}, "moves FP8 weights as the source stores them"),
     ({"fmt": "hf", "block": (128, 128)}, "--block goes with --quantize"),
     ({"fmt": "hf", "quantize": "fp8", "block": (0, 128)}, "two positive integers"),
     ({"fmt": "hf", "quantize": "fp8", "block": (128,)}, "two positive integers"),
