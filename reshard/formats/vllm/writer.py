@@ -239,6 +239,10 @@ class VllmWriter(Writer):
     def _fp8_scales(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn.{s}" for i in range(self.layers) for s in FP8_SCALES] if self.fp8 else []
 
+    def copied(self) -> list[str]:
+        """The FP8 parameters: payload and scales moved as the source stores them, from no buffer."""
+        return [src for parts in self.fp8.values() for src, _, _, _ in parts]
+
     def carries(self, held: Held) -> bool:
         """A tied ``lm_head.weight``: written once, as the table it is tied to (``_names``)."""
         return self.tied and held.key.startswith(self.hf.prefix) and held.key[len(self.hf.prefix):] == TIED[0]
