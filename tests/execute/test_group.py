@@ -28,6 +28,14 @@ def _record(workdir: str, rank: int, **rec) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
+def _all_ready(workdir: str, rank: int, limit_s: float = 60.0) -> None:
+    """Wait until every rank has started (a file each), at most ``limit_s``."""
+    (Path(workdir) / f"ready{rank}").touch()
+    t0 = time.monotonic()
+    while not all((Path(workdir) / f"ready{q}").exists() for q in range(WORLD)) and time.monotonic() - t0 < limit_s:
+        time.sleep(0.05)
+
+
 def _worker(rank: int, workdir: str) -> None:
     import tempfile
 
@@ -40,6 +48,7 @@ def _worker(rank: int, workdir: str) -> None:
     ports = json.loads((Path(workdir) / "ports.json").read_text())
     # a default group of one, this process's own: the transfer group must not need or disturb it
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+    _all_ready(workdir, rank)  # the group's 3 s join must not also cover a loaded machine's process start-up
     g = TransferGroup("127.0.0.1", ports[0], rank, WORLD, timeout_s=TIMEOUT_S, name="a")
     got = g.broadcast_bytes(b"init info" if rank == 0 else None, 0)
     _record(workdir, rank, case="broadcast", ok=got == b"init info")
