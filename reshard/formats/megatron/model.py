@@ -115,6 +115,10 @@ def _refuse_unsupported(args: Any, where: str) -> None:
         raise CheckpointError(f"{where}: args.transformer_impl = {_get(args, 'transformer_impl')!r} with "
                               "multi_latent_attention: only the local spec's MLA keys are read by reshard (Transformer "
                               "Engine's fold the latent norms into the up projections)")
+    if _get(args, "mtp_num_layers") and _get(args, "multi_latent_attention"):  # no fixture shows its keys
+        raise CheckpointError(f"{where}: args.mtp_num_layers = {_get(args, 'mtp_num_layers')!r} with "
+                              "multi_latent_attention: multi-token prediction layers of an MLA model are not read by "
+                              "reshard")
     if _get(args, "mtp_num_layers") and _get(args, "num_experts"):  # its layer takes the last layer's MoE spec
         raise CheckpointError(f"{where}: args.mtp_num_layers = {_get(args, 'mtp_num_layers')!r} with num_experts: "
                               "multi-token prediction layers of an MoE model are not read by reshard")

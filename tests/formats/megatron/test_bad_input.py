@@ -235,6 +235,7 @@ def test_moe_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, val
 @pytest.mark.parametrize("field,value,needle", [
     ("transformer_impl", "transformer_engine", "only the local spec's MLA keys are read"),
     ("mla_down_proj_fusion", True, "fused MLA q/kv down projections"),
+    ("mtp_num_layers", 1, "multi-token prediction layers of an MLA model"),
     ("kv_lora_rank", 16, "decoder.layers.self_attention.linear_kv_down_proj.weight"),  # files hold 14 + 4 rows
     ("qk_pos_emb_head_dim", 5, "do not divide over TP=2"),  # 14 + 5 kv down rows over TP 2
 ])
