@@ -44,6 +44,8 @@ SIZES = {
            "num_key_value_heads": 4, "vocab_size": 32000},
     "250m": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16,
              "num_key_value_heads": 4, "vocab_size": 32000},
+    "100m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
+             "num_key_value_heads": 4, "vocab_size": 32000},
     "tiny": {"hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "vocab_size": 512},
 }
