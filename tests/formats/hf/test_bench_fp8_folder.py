@@ -1,8 +1,9 @@
 """The FP8 folder ``benchmarks/bench_fp8_export.py`` generates one tensor at a time (hand-written
 safetensors headers) is a valid sharded HF folder: safetensors reads every shard, the index names
 every tensor's file, each decoder linear is an E4M3 payload with a float32 ``weight_scale_inv`` of
-its block grid, and reshard reads the folder and decodes it (the benchmark's own runs compare the
-decoded output with transformers' dequantizing load, bit for bit)."""
+its block grid and decodes (``fp8_block_decode``) to finite weights of the generated size (the
+benchmark's own runs compare reshard's decoded output with transformers' dequantizing load, bit
+for bit)."""
 
 from __future__ import annotations
 
