@@ -58,6 +58,8 @@ test-vllm: $(VSTAMP)
 bench-vllm: $(VSTAMP)
 	$(VBIN)/python -m benchmarks.bench_vllm
 
+# every benchmark in benchmarks/; the FP8 -> bf16 export's model size: FP8_EXPORT_SIZES=250m,1b (default 1b;
+# also 100m, tiny)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 
