@@ -173,6 +173,8 @@ def measured(args: list, log: Path) -> tuple[float, int, int]:
     Linux carries the forking parent's RSS into it (this process's, with its generated tensors' arena)."""
     import psutil
 
+    from benchmarks.common import tree_rss
+
     os.sync()  # the previous command's writeback is not this one's
     with open(log, "w") as out:
         t0 = time.perf_counter()
@@ -181,16 +183,8 @@ def measured(args: list, log: Path) -> tuple[float, int, int]:
                          start_new_session=True)
         peak, hwm = 0, {}
         while p.poll() is None:
-            total = 0
-            try:
-                procs = [p, *p.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                procs = []
+            total, procs = tree_rss(p)
             for q in procs:
-                try:
-                    total += q.memory_info().rss
-                except psutil.NoSuchProcess:
-                    pass
                 hwm[q.pid] = max(hwm.get(q.pid, 0), _hwm(q.pid))
             peak = max(peak, total)
             if time.perf_counter() - t0 > RUN_S:

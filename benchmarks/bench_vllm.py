@@ -44,22 +44,15 @@ def measured(args: list, log: Path) -> tuple[float, int, int]:
     most processes that tree held at once."""
     import psutil
 
+    from benchmarks.common import tree_rss
+
     with open(log, "w") as out:
         t0 = time.perf_counter()
         p = psutil.Popen([sys.executable, *map(str, args)], stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=ROOT,
                          start_new_session=True)
         peak = most = 0
         while p.poll() is None:
-            total = 0
-            try:
-                procs = [p, *p.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                procs = []
-            for q in procs:
-                try:
-                    total += q.memory_info().rss
-                except psutil.NoSuchProcess:
-                    pass
+            total, procs = tree_rss(p)
             peak, most = max(peak, total), max(most, len(procs))
             if time.perf_counter() - t0 > RUN_S:
                 os.killpg(p.pid, 9)

@@ -8,6 +8,24 @@ import time
 from collections.abc import Callable
 
 
+def tree_rss(p: object) -> tuple[int, list]:
+    """The summed RSS of psutil process ``p`` and its descendants now, and those processes (ones
+    that exit while read count nothing)."""
+    import psutil
+
+    try:
+        procs = [p, *p.children(recursive=True)]  # type: ignore[attr-defined]
+    except psutil.NoSuchProcess:
+        return 0, []
+    total = 0
+    for q in procs:
+        try:
+            total += q.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total, procs
+
+
 def best_of(fn: Callable[[], object], repeat: int = 5) -> float:
     """Best wall time of ``repeat`` runs (seconds): the least noisy estimate on a shared box."""
     best = float("inf")
