@@ -167,8 +167,8 @@ class Fixture:
     def model_reload_topology(self) -> tuple[int, int, int, int]:
         """Where the oracle reloads the model: TP=1/PP=1, except for legacy checkpoints (Megatron
         reads those only at the topology that wrote them)."""
-        if self.ckpt_format == "torch":
-            return (self.tp, self.pp, 1, 1)
+        if self.ckpt_format == "torch":  # with EP the saved DP and EP too (files per EP rank)
+            return (self.tp, self.pp, self.dp, self.ep) if self.ep > 1 else (self.tp, self.pp, 1, 1)
         return (1, 1, 1, 1)
 
 
@@ -303,6 +303,12 @@ FIXTURES = {f.name: f for f in [
             "4 experts top-2 (SequentialMLP, allgather), softmax router (top-k then softmax: norm_topk_prob); "
             "plain Adam; torch_dist",
             tp=2, ep=2, etp=1, moe=True, extra_argv=QWEN_MOE_ARGV + ["--sequence-parallel", "--qk-layernorm"]),
+    Fixture("legacy_moe_tp2_ep2_shared",
+            "MoE as torch_dist_moe_tp2_ep2_shared_distopt (TP=2 x EP=2 on 2 processes, MoE parallel folding: expert "
+            "TP 1; layer 0 dense, layers 1-2 MoE; 4 experts top-2, a shared expert with its gate, a sigmoid router "
+            "with an expert bias); plain Adam (a chained optimizer: [dense, experts] per file); legacy --ckpt-format "
+            "torch (mp_rank_TT_EEE: the files of global ranks 0 and 1, mp_rank_00_000 and mp_rank_01_001)",
+            tp=2, ep=2, etp=1, layers=3, moe=True, ckpt_format="torch", extra_argv=SHARED_MOE_ARGV),
     Fixture("torch_dist_moe_ep2_shared_softmax",
             "Qwen2-MoE shaped: q/k/v biases, EP=2 x DP=2 (world 2), layer 0 dense and layer 1 MoE (--moe-layer-freq "
             "[0,1]), 4 experts top-2, softmax router with --moe-router-pre-softmax (softmax, top-k, not "
@@ -444,7 +450,7 @@ def generate(fx: Fixture, out_root: Path, venv: Path) -> dict:
     optim_here = fx.optimizer_loads_at_tp1() or topo != (1, 1, 1, 1)
     times = {"train_s": round(t_train, 1)}
     times["oracle_s"] = round(_oracle(venv, save, oracle, topo, no_optim=not optim_here, forward=True,
-                                      log=work / "oracle.log"), 1)
+                                      log=work / "oracle.log", etp=fx.etp if topo[3] > 1 else None), 1)
     if not optim_here:
         side = work / "oracle_optim"
         times["oracle_optimizer_s"] = round(_oracle(venv, save, side, fx.optimizer_reload_topology(), no_optim=False,

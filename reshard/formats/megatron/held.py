@@ -69,12 +69,15 @@ def _dist(src: TorchDistBackend, specs: Any) -> list[Held]:
 
 def _legacy(src: LegacyBackend) -> list[Held]:
     a, out = src.arch, []
-    for (tp, pp), f in sorted(src.files.items()):
-        sd = src.state_dict(tp, pp)
-        for v, mk in enumerate(src._model_keys):
+    for (tp, pp, ep), f in sorted(src.files.items()):
+        sd = src.state_dict((tp, pp, ep))
+        for v, mk in enumerate(src._model_keys):  # every file holds its TP part of the dense keys, its EP rank's experts
             local = {src._local_name(lp) for lp in a.stage_params(pp, tp, vp=v)}
             if a.experts:
-                local |= {src._local_name(lp) for lp in a.stage_params(pp, tp, expert_rank=0, vp=v)}
+                local |= {src._local_name(lp) for lp in a.stage_params(pp, 0, expert_rank=ep, vp=v)}
+            # buffers read as keys (a router's expert_bias): no parameter, so not in stage_params
+            local |= {src._local_name(lp) for s in a.keys() if s.buffer for lp in a.locals_of(s)
+                      if lp.tp == tp and a.stage_of(s, lp.index) == pp and src._chunk_of(lp) == v}
             for name in sd[mk]:
                 if name in local:
                     continue
@@ -83,9 +86,10 @@ def _legacy(src: LegacyBackend) -> list[Held]:
                                 "state" if extra else "weights",
                                 _why(name) if extra else "a module tensor that is no parameter reshard reads"))
         for k in sd:
-            if k in READ or k.startswith("model") or (k in KEPT and (tp, pp) != min(src.files)):
+            if k in READ or k.startswith("model") or (k in KEPT and (tp, pp, ep) != min(src.files)):
                 continue  # the common entries once, from the first file
-            out.append(Held(k if k != "rng_state" else f"rng_state (TP {tp}, PP {pp})", str(f), "state", _why(k)))
+            rank = f"TP {tp}, PP {pp}" + (f", EP {ep}" if a.ep > 1 else "")
+            out.append(Held(k if k != "rng_state" else f"rng_state ({rank})", str(f), "state", _why(k)))
     return out
 
 

@@ -1,7 +1,13 @@
 """A legacy ``--ckpt-format torch`` iteration folder (docs/megatron-checkpoints.md §3): one
-``mp_rank_TT[_PPP]/model_optim_rng.pt`` per (TP, PP) rank holding that rank's local state dict,
-plain Adam's states by index, and with the distributed optimizer a ``distrib_optim.pt`` beside it
-(each stage's buffer gathered over DP: its buckets' unpadded parts back to back, ``buckets.py``).
+``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per (TP, PP[, EP]) rank holding that rank's local
+state dict, plain Adam's states by index, and with the distributed optimizer a ``distrib_optim.pt``
+beside it (each stage's buffer gathered over DP: its buckets' unpadded parts back to back,
+``buckets.py``).
+
+With expert parallelism (``_EEE``: the EP rank) the ranks that save are those of DP rank 0 or of
+expert-DP rank 0 (Megatron's ``save_checkpoint``): each file holds its rank's dense TP part and its
+EP rank's experts, and plain Adam is a chained optimizer, ``optimizer = [dense, experts]``. A dense
+TP part is read from the file of DP rank 0, an expert from the file of expert-DP rank 0.
 
 Each local tensor is a local parameter of its key (``lowering.local_map``), so a key's map is its
 local map: the legacy files' shards are exactly Megatron's module tensors, mapped from the files.
@@ -30,8 +36,9 @@ MODEL_FILE, OPTIM_FILE = "model_optim_rng.pt", "distrib_optim.pt"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _rank_dir(tp: int, pp: int, arch: Arch) -> str:
-    return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if arch.pp > 1 else "")
+def _rank_dir(tp: int, pp: int, ep: int, arch: Arch) -> str:
+    """Megatron's ``get_checkpoint_name``: the PP rank when PP > 1, the EP rank when EP > 1."""
+    return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if arch.pp > 1 else "") + (f"_{ep:03d}" if arch.ep > 1 else "")
 
 
 class LegacyBackend:
@@ -48,12 +55,11 @@ class LegacyBackend:
             raise CheckpointError(f"{first}: not a Megatron model_optim_rng.pt (no 'args')")
         self.args = self.first["args"]
         self.arch = Arch.from_args(self.args, f"{first}: args")
-        if self.arch.ep > 1:
-            raise CheckpointError(f"{first}: args.expert_model_parallel_size = {self.arch.ep}: legacy checkpoints "
-                                  "with expert parallelism are not read by reshard")
-        if self.arch.expert_apart:  # expert TP apart from TP: a chained optimizer, expert files of their own
-            raise CheckpointError(f"{first}: args.expert_tensor_parallel_size = {self.arch.etp} (TP {self.arch.tp}): "
-                                  "legacy checkpoints with expert TP apart from TP are not read by reshard")
+        self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
+        if self.arch.expert_apart and self.distopt:  # distrib_optim.pt: [dense, experts], each its DP rank 0's
+            raise CheckpointError(f"{first}: args.expert_model_parallel_size = {self.arch.ep}, expert TP "
+                                  f"{self.arch.etp} (TP {self.arch.tp}) with the distributed optimizer: legacy "
+                                  "distrib_optim.pt files of a chained (dense, experts) optimizer are not read by reshard")
         if self.arch.mtp:  # no legacy fixture: the MTP block's legacy names are unverified
             raise CheckpointError(f"{first}: args.mtp_num_layers = {self.arch.mtp}: legacy checkpoints with "
                                   "multi-token prediction layers are not read by reshard")
@@ -61,39 +67,62 @@ class LegacyBackend:
             raise CheckpointError(f"{first}: args.moe_grouped_gemm = True (transformer_impl "
                                   f"{getattr(self.args, 'transformer_impl', None)!r}): legacy files of {TE_GROUPED} "
                                   "are not read by reshard")
-        self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
         if self.arch.vpp > 1 and self.distopt:
             raise CheckpointError(f"{first}: args.virtual_pipeline_model_parallel_size = {self.arch.vpp} with the "
                                   "distributed optimizer: legacy distrib_optim.pt buffers of virtual pipeline stages are "
                                   "not read by reshard")
         self.sharding = "dp_reshardable" if self.distopt else "adam"
-        self.files: dict[tuple[int, int], Path] = {}
-        for pp in range(self.arch.pp):
-            for tp in range(self.arch.tp):
-                f = iter_dir / _rank_dir(tp, pp, self.arch) / MODEL_FILE
-                if not f.is_file():
-                    raise CheckpointError(f"{f}: file is missing (TP rank {tp}, PP rank {pp} of {self.arch.tp} x "
-                                          f"{self.arch.pp})")
-                self.files[(tp, pp)] = f
-        self._sd: dict[tuple[int, int], dict] = {}
+        a = self.arch
+        # (TP, PP, EP) of every file read: the dense parts' (DP rank 0) and the experts' (expert-DP rank 0)
+        keys = {self._dense_key(t, pp) for pp in range(a.pp) for t in range(a.tp)}
+        if a.experts:
+            keys |= {self._expert_key(x, e, pp) for pp in range(a.pp) for x in range(a.etp) for e in range(a.ep)}
+        self.files: dict[tuple[int, int, int], Path] = {}
+        for tp, pp, ep in sorted(keys):
+            f = iter_dir / _rank_dir(tp, pp, ep, a) / MODEL_FILE
+            if not f.is_file():
+                raise CheckpointError(f"{f}: file is missing (TP rank {tp}, PP rank {pp}"
+                                      + (f", EP rank {ep}" if a.ep > 1 else "") + f" of {a.tp} x {a.pp}"
+                                      + (f" x EP {a.ep}" if a.ep > 1 else "") + ")")
+            self.files[(tp, pp, ep)] = f
+        self._sd: dict[tuple[int, int, int], dict] = {}
         self._local: dict = {}
 
-    def state_dict(self, tp: int, pp: int) -> dict:
-        sd = self._sd.get((tp, pp))
+    # -- which file --------------------------------------------------------------------------------
+    def _dense_key(self, tp: int, pp: int) -> tuple[int, int, int]:
+        """The file of TP rank ``tp``'s dense part: global rank ``tp`` of the stage (DP rank 0),
+        whose EP rank Megatron's expert order ``tp-ep-dp`` gives."""
+        return (tp, pp, (tp // self.arch.etp) % self.arch.ep)
+
+    def _expert_key(self, x: int, e: int, pp: int) -> tuple[int, int, int]:
+        """The file of expert TP rank ``x``, EP rank ``e`` (expert-DP rank 0): global rank
+        ``x + etp * e`` of the stage, whose TP rank is that rank modulo TP."""
+        return ((x + self.arch.etp * e) % self.arch.tp, pp, e)
+
+    def _ep_rank(self, lp: LocalParam) -> int:
+        return lp.index[-1] // (self.arch.experts // self.arch.ep)
+
+    def _key_of(self, lp: LocalParam) -> tuple[int, int, int]:
+        pp = self.arch.stage_of(lp.spec, lp.index)
+        return self._expert_key(lp.tp, self._ep_rank(lp), pp) if lp.spec.expert else self._dense_key(lp.tp, pp)
+
+    def state_dict(self, key: tuple[int, int, int]) -> dict:
+        sd = self._sd.get(key)
         if sd is None:
-            f = self.files[(tp, pp)]
-            sd = self.first if f == self.files[min(self.files)] and (tp, pp) == min(self.files) else safe.load_file(f)
+            f = self.files[key]
+            sd = self.first if key == min(self.files) else safe.load_file(f)
             if not isinstance(sd, dict) or not all(isinstance(sd.get(k), dict) for k in self._model_keys):
                 raise CheckpointError(f"{f}: not a Megatron model_optim_rng.pt (no {' / '.join(self._model_keys)} "
                                       "state dict)")
-            self._saved_by(f, sd, tp, pp)
-            self._sd[(tp, pp)] = sd
+            self._saved_by(f, sd, *key)
+            self._sd[key] = sd
         return sd
 
-    def _saved_by(self, f: Path, sd: dict, tp: int, pp: int) -> None:
-        """The file's ``args.rank`` (the global rank that saved it) must be of the TP and PP rank
-        its folder names: Megatron's rank order keeps TP innermost, then CP, then DP and PP (or
-        PP and DP with ``use_tp_pp_dp_mapping``). Two same-shaped rank files swapped are refused."""
+    def _saved_by(self, f: Path, sd: dict, tp: int, pp: int, ep: int) -> None:
+        """The file's ``args.rank`` (the global rank that saved it) must be of the TP and PP (and EP)
+        rank its folder names: Megatron's rank order keeps TP innermost, then CP, then DP and PP
+        (or PP and DP with ``use_tp_pp_dp_mapping``); the expert order ``tp-ep-dp-pp``. Two
+        same-shaped rank files swapped are refused."""
         args = sd.get("args")
         rank = getattr(args, "rank", None)
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
@@ -107,10 +136,16 @@ class LegacyBackend:
             want_pp: int | None = rank // (t * cp) % p
         else:
             want_pp = rank // (t * cp * dp) if isinstance(dp, int) and dp > 0 else None
-        if rank % t != tp or (want_pp is not None and want_pp != pp):
-            saved = f"TP rank {rank % t}" + (f", PP rank {want_pp}" if want_pp is not None else "")
+        want_ep = None
+        if self.arch.ep > 1 and cp == 1 and isinstance(dp, int) and dp > 0 and not getattr(args, "use_tp_pp_dp_mapping",
+                                                                                             False):
+            want_ep = (rank % (t * dp) // self.arch.etp) % self.arch.ep
+        if rank % t != tp or (want_pp is not None and want_pp != pp) or (want_ep is not None and want_ep != ep):
+            saved = (f"TP rank {rank % t}" + (f", PP rank {want_pp}" if want_pp is not None else "")
+                     + (f", EP rank {want_ep}" if want_ep is not None else ""))
             raise CheckpointError(f"{f}: saved by global rank {rank} ({saved}), but it lies in the folder of TP rank "
-                                  f"{tp}, PP rank {pp}: rank files swapped or misplaced")
+                                  f"{tp}, PP rank {pp}" + (f", EP rank {ep}" if self.arch.ep > 1 else "")
+                                  + ": rank files swapped or misplaced")
 
     @property
     def _model_keys(self) -> list[str]:
@@ -127,15 +162,15 @@ class LegacyBackend:
         name = lp.spec.local
         if lp.spec.layered:  # the stage's module counts its layers from 0
             name = name.replace("{layer}", str(self.arch.place(lp.spec.layer_at(lp.index))[2]))
-        if lp.spec.expert:
-            name = name.replace("{expert}", str(lp.index[-1]))
+        if lp.spec.expert:  # the EP rank's module counts its experts from 0
+            name = name.replace("{expert}", str(lp.index[-1] % (self.arch.experts // self.arch.ep)))
         return name
 
     def tensor(self, lp: LocalParam) -> torch.Tensor:
         """The module tensor of local parameter ``lp``, checked against its shape and dtype."""
-        pp = self.arch.stage_of(lp.spec, lp.index)
-        f, name = self.files[(lp.tp, pp)], self._local_name(lp)
-        t = self.state_dict(lp.tp, pp)[self._model_keys[self._chunk_of(lp)]].get(name)
+        pp, key = self.arch.stage_of(lp.spec, lp.index), self._key_of(lp)
+        f, name = self.files[key], self._local_name(lp)
+        t = self.state_dict(key)[self._model_keys[self._chunk_of(lp)]].get(name)
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{f}: model has no tensor {name!r} ({lp.spec.key}{list(lp.index)}, TP rank {lp.tp})")
         if tuple(t.shape) != lp.shape:
@@ -148,38 +183,55 @@ class LegacyBackend:
         return self.tensor(self.arch.local(self.arch.keys()[0], (), 0)).dtype
 
     # -- optimizer -------------------------------------------------------------------------------
-    def _state_index(self, tp: int, pp: int) -> dict[tuple[int, str], int]:
+    def _optimizer(self, key: tuple[int, int, int], experts: bool) -> dict:
+        """A file's plain Adam state dict: the dense one's, or (``experts``, when they are apart)
+        the expert optimizer's, the second of a chained optimizer's list."""
+        opt = self.state_dict(key).get("optimizer")
+        if not self.arch.expert_apart:
+            return opt if isinstance(opt, dict) else {}
+        if not isinstance(opt, list) or len(opt) != 2 or not all(isinstance(o, dict) for o in opt):
+            got = f"a list of {len(opt)}" if isinstance(opt, list) else type(opt).__name__
+            raise CheckpointError(f"{self.files[key]}: optimizer is {got}, the chained [dense, experts] optimizer "
+                                  "of experts apart (args: expert parallelism or expert TP) is a list of 2")
+        return opt[1] if experts else opt[0]
+
+    def _state_index(self, key: tuple[int, int, int], experts: bool) -> dict[tuple[int, str], int]:
         """Plain Adam's state index of each (model chunk, local name): group 0's (decay) then group
-        1's, each in the state dicts' (registration) order, chunk after chunk."""
-        sd = self.state_dict(tp, pp)
-        buffers = {(self._chunk_of(lp), self._local_name(lp)) for s in self.arch.keys() if s.buffer
-                   for lp in self.arch.locals_of(s) if lp.tp == tp and self.arch.stage_of(s, lp.index) == pp}
-        specs = {(v, self._local_name(lp)): lp.spec for v in range(self.arch.vpp)
-                 for lp in self.arch.stage_params(pp, tp, vp=v)}
-        experts = {(v, self._local_name(lp)) for v in range(self.arch.vpp) if self.arch.experts
-                   for lp in self.arch.stage_params(pp, tp, expert_rank=0, vp=v)}
+        1's, each in the state dicts' (registration) order, chunk after chunk. With experts apart
+        the dense optimizer's and the expert optimizer's (that file's EP rank's experts) apart."""
+        tp, pp, ep = key
+        a = self.arch
+        sd = self.state_dict(key)
+        specs: dict[tuple[int, str], KeySpec] = {}
+        if not experts:
+            specs = {(v, self._local_name(lp)): lp.spec for v in range(a.vpp) for lp in a.stage_params(pp, tp, vp=v)}
+        if a.experts and (experts or not a.expert_apart):  # the experts' names depend on their local number only
+            specs |= {(v, self._local_name(lp)): lp.spec for v in range(a.vpp)
+                      for lp in a.stage_params(pp, 0, expert_rank=ep if a.expert_apart else 0, vp=v)}
         # the optimizer holds parameters only: a buffer (a router's expert_bias, or one no parameter names: held.py)
         # has no index
         names = [(v, k) for v, mk in enumerate(self._model_keys) for k, x in sd[mk].items()
-                 if isinstance(x, torch.Tensor) and ((v, k) in specs or (v, k) in experts) and (v, k) not in buffers]
-        decay = [n for n in names if specs.get(n) is None or specs[n].decay]
+                 if isinstance(x, torch.Tensor) and (v, k) in specs and not specs[(v, k)].buffer]
+        decay = [n for n in names if specs[n].decay]
         order = decay + [n for n in names if n not in set(decay)]
-        groups = (sd.get("optimizer") or {}).get("param_groups") or []
-        want = [len(decay), len(order) - len(decay)]
-        if [len(g.get("params", ())) for g in groups] != want:
-            raise CheckpointError(f"{self.files[(tp, pp)]}: optimizer param groups hold "
-                                  f"{[len(g.get('params', ())) for g in groups]} parameters, the model {want}")
+        groups = self._optimizer(key, experts).get("param_groups") or []
+        have = [len(g.get("params", ())) for g in groups]
+        # Megatron makes a group only for the parameters some rank has (no no-decay expert group)
+        if [n for n in have if n] != [n for n in (len(decay), len(order) - len(decay)) if n]:
+            raise CheckpointError(f"{self.files[key]}: {'expert ' if experts else ''}optimizer param groups hold "
+                                  f"{have} parameters, the model {[len(decay), len(order) - len(decay)]}")
         return {n: i for i, n in enumerate(order)}
 
     def _adam(self, lp: LocalParam, state: str) -> torch.Tensor:
-        pp = self.arch.stage_of(lp.spec, lp.index)
-        f, name = self.files[(lp.tp, pp)], self._local_name(lp)
-        i = self._state_index(lp.tp, pp)[(self._chunk_of(lp), name)]
-        st = ((self.state_dict(lp.tp, pp).get("optimizer") or {}).get("state") or {}).get(i) or {}
+        key = self._key_of(lp)
+        experts = lp.spec.expert and self.arch.expert_apart
+        f, name = self.files[key], self._local_name(lp)
+        i = self._state_index(key, experts)[(self._chunk_of(lp), name)]
+        st = (self._optimizer(key, experts).get("state") or {}).get(i) or {}
         t = st.get(state)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != lp.shape:
-            raise CheckpointError(f"{f}: optimizer state {i} ({name}, TP rank {lp.tp}) has no {state} of shape "
-                                  f"{list(lp.shape)}")
+            raise CheckpointError(f"{f}: {'expert ' if experts else ''}optimizer state {i} ({name}, TP rank {lp.tp}) "
+                                  f"has no {state} of shape {list(lp.shape)}")
         if t.dtype != torch.float32:  # Megatron's Adam keeps its moments in fp32 whatever the weights' dtype
             raise CheckpointError(f"{f}: optimizer state {i} ({name}, TP rank {lp.tp}): {state} is {t.dtype}, not "
                                   "torch.float32")
@@ -190,7 +242,7 @@ class LegacyBackend:
         """Per (TP, PP) rank: the flat ``param``/``exp_avg``/``exp_avg_sq`` buffers and each local
         parameter's ``(start, end)`` in them, by (key, label)."""
         out = {}
-        for (tp, pp), f in self.files.items():
+        for (tp, pp, _), f in self.files.items():  # experts apart are refused with it: EP rank 0 throughout
             g = f.parent / OPTIM_FILE
             d = safe.load_file(g)
             try:
@@ -198,7 +250,7 @@ class LegacyBackend:
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise CheckpointError(f"{g}: not one DDP buffer of one dtype (experts or several buffers are not "
                                       "read by reshard)") from None
-            size = bucket_size(self.args, self.arch, pp, 0, f"{self.files[(tp, pp)]}: args")
+            size = bucket_size(self.args, self.arch, pp, 0, f"{f}: args")
             layout, unpadded = flat_layout(bucket_layouts(self.arch.stage_params(pp, tp), self.arch.dp, size))
             for k in ("param", "exp_avg", "exp_avg_sq"):
                 t = buf.get(k) if isinstance(buf, dict) else None
@@ -238,14 +290,13 @@ class LegacyBackend:
             for lp in self.arch.locals_of(spec):
                 t = self.tensor(lp)
                 if t.dtype != (torch.float32 if spec.buffer else self.dtype):  # expert_bias: fp32 always
-                    raise CheckpointError(f"{self.files[(lp.tp, self.arch.stage_of(spec, lp.index))]}: "
-                                          f"{self._local_name(lp)} is {t.dtype}, other weights {self.dtype}")
+                    raise CheckpointError(f"{self.files[self._key_of(lp)]}: {self._local_name(lp)} is {t.dtype}, "
+                                          f"other weights {self.dtype}")
                 for s in self.states(spec)[1:]:
                     (self._flat(lp, s) if self.distopt else self._adam(lp, s))
 
     def step(self) -> Any:
-        sd = self.state_dict(0, 0)
-        opt = sd.get("optimizer") or {}
+        opt = self._optimizer(min(self.files), False)
         if self.distopt:
             groups = (opt.get("optimizer") or {}).get("param_groups") or []
             return groups[0].get("step") if groups else None
@@ -253,9 +304,14 @@ class LegacyBackend:
         return st.get("step")
 
     def param_groups(self) -> list[dict[str, Any]]:
-        opt = self.state_dict(0, 0).get("optimizer") or {}
-        groups = (opt.get("optimizer") or {}).get("param_groups") if self.distopt else opt.get("param_groups")
-        return [{k: v for k, v in g.items() if k != "params"} for g in groups or []]
+        """Every optimizer's groups: the dense one's, then (experts apart) the expert optimizer's."""
+        if self.distopt:
+            opt = self.state_dict(min(self.files)).get("optimizer") or {}
+            groups = (opt.get("optimizer") or {}).get("param_groups") or []
+        else:
+            groups = [g for experts in ((False, True) if self.arch.expert_apart else (False,))
+                      for g in self._optimizer(min(self.files), experts).get("param_groups") or []]
+        return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
     @property
     def iteration_files(self) -> list[Path]:
