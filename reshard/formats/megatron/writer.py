@@ -152,7 +152,7 @@ class MegatronWriter(Writer):
         self._check_kind()
         self.arch = arch
         self.iteration = own.iteration
-        self.template = own.src.common if isinstance(own.src, TorchDistBackend) else own.src.state_dict(0, 0)
+        self.template = own.src.common if isinstance(own.src, TorchDistBackend) else own.src.state_dict(min(own.src.files))
         self.args = args_for(args, arch, self.kind)
         self.dtype = own.dtype(own.names[0], "weight")
         self.hf = None if self.native else self._hf_names(own)

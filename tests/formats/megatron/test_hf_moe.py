@@ -216,19 +216,30 @@ def test_save_pretrained_moe_folder_imports_at_tp_ep_pp_and_exports_back(tmp_pat
         assert torch.equal(model(ids).logits, back(ids).logits)
 
 
-@pytest.mark.parametrize("via", ["dcp", pytest.param("universal", marks=pytest.mark.slow)])  # universal: ~6 s
-def test_megatron_moe_to_dcp_or_universal_and_back_keeps_weights_and_moments(tmp_path, via):
-    """Cross-framework: the Qwen3-MoE-shaped Megatron checkpoint to DCP / a universal checkpoint
-    (HF names) and back to Megatron at its own TP2 x EP2 x expert TP1 with plain Adam
-    (``--hf-config``: the export's config.json): every weight and Adam moment equals Megatron's own
-    reload of the source (the padded vocabulary on its valid rows: HF names hold only those)."""
+# (fixture, via): Qwen3-MoE (TP2 x EP2 x expert TP1, a dense layer, QK norms), Qwen2-MoE (EP2 x DP2, a shared
+# expert and its gate, q/k/v biases), Mixtral-like (EP2 x DP2, every layer MoE: stacked expert keys)
+MOE_VIA = [(QWEN3_MOE, "dcp"), pytest.param(QWEN3_MOE, "universal", marks=pytest.mark.slow),  # universal: ~6 s
+           (QWEN2_MOE, "dcp"), ("torch_dist_moe_ep2", "universal"),
+           pytest.param(QWEN2_MOE, "universal", marks=pytest.mark.slow), pytest.param("torch_dist_moe_ep2", "dcp",
+                                                                                     marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("fixture,via", MOE_VIA)
+def test_megatron_moe_to_dcp_or_universal_and_back_keeps_weights_and_moments(tmp_path, fixture, via):
+    """Cross-framework: a Megatron MoE checkpoint to DCP / a universal checkpoint (HF names) and
+    back to Megatron at its own TP x EP x expert TP x DP with plain Adam (``--hf-config``: the
+    export's config.json): every weight and Adam moment equals Megatron's own reload of the source
+    (the padded vocabulary on its valid rows: HF names hold only those)."""
     from .support import STATES
 
-    hf = convert(FIXTURES / QWEN3_MOE, tmp_path / "hf", fmt="hf").out_dir
-    mid = convert(FIXTURES / QWEN3_MOE, tmp_path / via, fmt=via, names="hf").out_dir
-    back = reshard(mid, tmp_path / "back", to="megatron", tp=2, ep=2, etp=1, optimizer="adam", hf_config=hf).out_dir
+    a = MegatronReader.open(FIXTURES / fixture).arch
+    hf = convert(FIXTURES / fixture, tmp_path / "hf", fmt="hf").out_dir
+    mid = convert(FIXTURES / fixture, tmp_path / via, fmt=via, names="hf").out_dir
+    back = reshard(mid, tmp_path / "back", to="megatron", tp=a.tp, dp=a.dp, ep=a.ep, etp=a.etp, optimizer="adam",
+                   hf_config=hf).out_dir
     r = MegatronReader.open(back)
-    model, optim, _, info = oracle(QWEN3_MOE)
+    assert (r.arch.tp, r.arch.dp, r.arch.ep, r.arch.etp, r.arch.experts) == (a.tp, a.dp, a.ep, a.etp, a.experts)
+    model, optim, _, info = oracle(fixture)
     n = 0
     for name, (key, idx) in info["names"].items():
         for state, prefix in STATES[:3]:
@@ -239,6 +250,7 @@ def test_megatron_moe_to_dcp_or_universal_and_back_keeps_weights_and_moments(tmp
             assert got.dtype == want.dtype and torch.equal(got, want), (name, state)
             n += 1
     assert n == 3 * len(info["names"])
+    assert any(".local_experts." in name for name in info["names"])  # the experts' weights and moments among them
 
 
 def test_hf_moe_import_refuses_a_tensor_it_has_no_key_for(tmp_path):

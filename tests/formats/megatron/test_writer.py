@@ -54,6 +54,9 @@ CASES = [
     ("legacy_dp2_distopt_buckets", dict(tp=1, pp=2, dp=2), "dp_reshardable"),
     # --moe-grouped-gemm under the local spec (SequentialMLP, the flag kept in args)
     ("torch_dist_moe_ep2_grouped_gemm_local", dict(tp=1, pp=1, dp=2, ep=1), "dp_reshardable"),
+    # legacy files with EP (mp_rank_TT_EEE, a chained [dense, experts] Adam): TP1 x EP1; expert TP = TP at EP 2
+    ("legacy_moe_tp2_ep2_shared", dict(tp=1, pp=1, dp=1, ep=1), "adam"),
+    ("legacy_moe_tp2_ep2_shared", dict(tp=2, pp=1, dp=2, ep=2, etp=2, optimizer="dp_reshardable"), "dp_reshardable"),
     # a multi-token-prediction layer (on the last stage, after the final norm; keys per MTP layer)
     ("torch_dist_mtp1", dict(tp=2, pp=2, dp=1), "adam"),
     ("torch_dist_mtp1", dict(tp=2, pp=1, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
