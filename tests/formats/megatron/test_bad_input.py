@@ -329,3 +329,57 @@ def test_mla_without_latent_norms_has_no_deepseek_v3_config(tmp_path):
     with pytest.raises(ReshardError, match="MLA without latent norms"):
         convert(FIXTURES / "torch_dist_tp2_mla_q_proj", out, fmt="hf")
     assert not out.exists() or not any(out.iterdir())
+
+
+# -- legacy files with expert parallelism (mp_rank_TT_EEE; a chained [dense, experts] plain Adam) ---------------
+LEGACY_EP = "legacy_moe_tp2_ep2_shared"  # files mp_rank_00_000 (global rank 0) and mp_rank_01_001 (rank 1)
+
+
+def test_missing_legacy_expert_rank_file(tmp_path):
+    src = _copy(tmp_path, LEGACY_EP)
+    (src / "iter_0000003" / "mp_rank_01_001" / "model_optim_rng.pt").unlink()
+    _refused(src, tmp_path, "mp_rank_01_001", "TP rank 1, PP rank 0, EP rank 1", fmt="dcp")
+
+
+def test_legacy_expert_rank_files_swapped(tmp_path):
+    """Both files hold the same names and shapes (expert TP 1: each EP rank's two experts whole): only
+    ``args.rank`` tells them apart, and it must be of the TP and EP rank the folder names."""
+    src = _copy(tmp_path, LEGACY_EP)
+    it = src / "iter_0000003"
+    a, b = it / "mp_rank_00_000" / "model_optim_rng.pt", it / "mp_rank_01_001" / "model_optim_rng.pt"
+    da, db = a.read_bytes(), b.read_bytes()
+    a.write_bytes(db)
+    b.write_bytes(da)
+    _refused(src, tmp_path, "saved by global rank 1 (TP rank 1, PP rank 0, EP rank 1)", "TP rank 0, PP rank 0, EP rank 0",
+             "swapped", fmt="dcp")
+
+
+def test_legacy_ep_file_without_the_chained_optimizer(tmp_path):
+    src = _copy(tmp_path, LEGACY_EP)
+    f = src / "iter_0000003" / "mp_rank_01_001" / "model_optim_rng.pt"
+    sd = safe.load_file(f)
+    sd["optimizer"] = sd["optimizer"][0]  # the dense optimizer's only: the experts' moments are gone
+    _save(sd, f)
+    _refused(src, tmp_path, "mp_rank_01_001", "optimizer is dict", "list of 2", fmt="dcp")
+
+
+def test_legacy_ep_expert_moments_that_do_not_fit(tmp_path):
+    src = _copy(tmp_path, LEGACY_EP)
+    f = src / "iter_0000003" / "mp_rank_01_001" / "model_optim_rng.pt"
+    sd = safe.load_file(f)
+    experts = sd["optimizer"][1]
+    experts["state"] = dict(experts["state"])
+    experts["state"][1] = {k: (v[:-1].clone() if k == "exp_avg" else v) for k, v in experts["state"][1].items()}
+    _save(sd, f)
+    _refused(src, tmp_path, "mp_rank_01_001", "expert optimizer state 1", "local_experts.0.linear_fc2.weight",
+             "exp_avg of shape [24, 16]", fmt="dcp")
+
+
+def test_legacy_ep_with_the_distributed_optimizer_is_refused_by_name(tmp_path):
+    src = _copy(tmp_path, LEGACY_EP)
+    f = src / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt"
+    sd = safe.load_file(f)
+    sd["args"].use_distributed_optimizer = True
+    _save(sd, f)
+    _refused(src, tmp_path, "mp_rank_00_000", "expert_model_parallel_size = 2",
+             "distrib_optim.pt files of a chained (dense, experts) optimizer", fmt="dcp")
