@@ -309,6 +309,11 @@ FIXTURES = {f.name: f for f in [
             "with an expert bias); plain Adam (a chained optimizer: [dense, experts] per file); legacy --ckpt-format "
             "torch (mp_rank_TT_EEE: the files of global ranks 0 and 1, mp_rank_00_000 and mp_rank_01_001)",
             tp=2, ep=2, etp=1, layers=3, moe=True, ckpt_format="torch", extra_argv=SHARED_MOE_ARGV),
+    Fixture("legacy_moe_tp2_ep2_shared_distopt",
+            "MoE as legacy_moe_tp2_ep2_shared; distributed optimizer: distrib_optim.pt per file is the chained "
+            "optimizer's [dense, experts] buffers, each gathered to its own DP group's rank 0; legacy --ckpt-format "
+            "torch", tp=2, ep=2, etp=1, layers=3, moe=True, distopt=True, ckpt_format="torch",
+            extra_argv=SHARED_MOE_ARGV),
     Fixture("torch_dist_moe_ep2_shared_softmax",
             "Qwen2-MoE shaped: q/k/v biases, EP=2 x DP=2 (world 2), layer 0 dense and layer 1 MoE (--moe-layer-freq "
             "[0,1]), 4 experts top-2, softmax router with --moe-router-pre-softmax (softmax, top-k, not "

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
+from ...storage import verified
 from . import safe
 from .buckets import bucket_layouts, bucket_size, flat_layout
 from .files import LEGACY_RANK
@@ -56,10 +57,6 @@ class LegacyBackend:
         self.args = self.first["args"]
         self.arch = Arch.from_args(self.args, f"{first}: args")
         self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
-        if self.arch.expert_apart and self.distopt:  # distrib_optim.pt: [dense, experts], each its DP rank 0's
-            raise CheckpointError(f"{first}: args.expert_model_parallel_size = {self.arch.ep}, expert TP "
-                                  f"{self.arch.etp} (TP {self.arch.tp}) with the distributed optimizer: legacy "
-                                  "distrib_optim.pt files of a chained (dense, experts) optimizer are not read by reshard")
         if self.arch.mtp:  # no legacy fixture: the MTP block's legacy names are unverified
             raise CheckpointError(f"{first}: args.mtp_num_layers = {self.arch.mtp}: legacy checkpoints with "
                                   "multi-token prediction layers are not read by reshard")
@@ -238,33 +235,57 @@ class LegacyBackend:
         return t
 
     @cached_property
-    def _buffers(self) -> dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[tuple[str, int], tuple[int, int]]]]:
-        """Per (TP, PP) rank: the flat ``param``/``exp_avg``/``exp_avg_sq`` buffers and each local
-        parameter's ``(start, end)`` in them, by (key, label)."""
-        out = {}
-        for (tp, pp, _), f in self.files.items():  # experts apart are refused with it: EP rank 0 throughout
-            g = f.parent / OPTIM_FILE
-            d = safe.load_file(g)
-            try:
-                (buf,) = d[0].values()
-            except (KeyError, TypeError, ValueError, AttributeError):
-                raise CheckpointError(f"{g}: not one DDP buffer of one dtype (experts or several buffers are not "
-                                      "read by reshard)") from None
-            size = bucket_size(self.args, self.arch, pp, 0, f"{f}: args")
-            layout, unpadded = flat_layout(bucket_layouts(self.arch.stage_params(pp, tp), self.arch.dp, size))
-            for k in ("param", "exp_avg", "exp_avg_sq"):
-                t = buf.get(k) if isinstance(buf, dict) else None
-                if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != unpadded:
-                    got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise CheckpointError(f"{g}: '{k}' is {got}, the bucket layout args imply [{unpadded}]: "
-                                          "truncated or another layout")
-                if t.dtype != torch.float32:  # the distributed optimizer's main params and moments are fp32
-                    raise CheckpointError(f"{g}: '{k}' is {t.dtype}, not torch.float32 (TP rank {tp}, PP rank {pp})")
-            out[(tp, pp)] = (buf, {(lp.spec.key, lp.label): (s, e) for lp, s, e in layout})
+    def _buffers(self) -> dict[tuple[int, ...], tuple[dict[str, torch.Tensor], dict[tuple[str, int], tuple[int, int]]]]:
+        """Per buffer -- ``(TP, PP)`` a dense one, ``(expert TP, EP, PP)`` an expert one (experts
+        apart) -- the flat ``param``/``exp_avg``/``exp_avg_sq`` tensors and each local parameter's
+        ``(start, end)`` in them, by (key, label)."""
+        a, out = self.arch, {}
+        loaded: dict[Path, Any] = {}
+        for pp in range(a.pp):
+            for tp in range(a.tp):
+                out[(tp, pp)] = self._buffer(self._dense_key(tp, pp), 0, a.stage_params(pp, tp), a.dp, loaded)
+            for x in range(a.etp if a.expert_apart else 0):
+                for e in range(a.ep):
+                    out[(x, e, pp)] = self._buffer(self._expert_key(x, e, pp), 1, a.stage_params(pp, x, expert_rank=e),
+                                                   a.edp, loaded)
         return out
 
+    def _buffer(self, key: tuple[int, int, int], which: int, params: list[LocalParam], dp: int,
+                loaded: dict[Path, Any]) -> tuple[dict[str, torch.Tensor], dict[tuple[str, int], tuple[int, int]]]:
+        """One DDP buffer of a ``distrib_optim.pt``: the file's own (one optimizer), or entry
+        ``which`` of a chained optimizer's ``[dense, experts]`` list (each its DP group's rank 0's)."""
+        f = self.files[key]
+        g = f.parent / OPTIM_FILE
+        d = loaded[g] = loaded[g] if g in loaded else safe.load_file(g)
+        what = "dense" if which == 0 else "expert"
+        if self.arch.expert_apart:
+            if not isinstance(d, list) or len(d) != 2 or not isinstance(d[which], dict):
+                got = f"a list of {len(d)}" if isinstance(d, list) else type(d).__name__
+                raise CheckpointError(f"{g}: holds {got}, not the chained [dense, experts] optimizer's states with the "
+                                      f"{what} one (saved by its DP group's rank 0: this file's rank)")
+            d = d[which]
+        try:
+            (buf,) = d[0].values()
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise CheckpointError(f"{g}: not one {what} DDP buffer of one dtype (several buffers are not read by "
+                                  "reshard)") from None
+        tp, pp, ep = key
+        size = bucket_size(self.args, self.arch, pp, 0, f"{f}: args")
+        layout, unpadded = flat_layout(bucket_layouts(params, dp, size))
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            t = buf.get(k) if isinstance(buf, dict) else None
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != unpadded:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CheckpointError(f"{g}: {what} '{k}' is {got}, the bucket layout args imply [{unpadded}]: "
+                                      "truncated or another layout")
+            if t.dtype != torch.float32:  # the distributed optimizer's main params and moments are fp32
+                raise CheckpointError(f"{g}: '{k}' is {t.dtype}, not torch.float32 (TP rank {tp}, PP rank {pp})")
+        return buf, {(lp.spec.key, lp.label): (s, e) for lp, s, e in layout}
+
     def _flat(self, lp: LocalParam, state: str) -> torch.Tensor:
-        buf, where = self._buffers[(lp.tp, self.arch.stage_of(lp.spec, lp.index))]
+        pp = self.arch.stage_of(lp.spec, lp.index)
+        apart = lp.spec.expert and self.arch.expert_apart
+        buf, where = self._buffers[(lp.tp, self._ep_rank(lp), pp) if apart else (lp.tp, pp)]
         s, e = where[(lp.spec.key, lp.label)]
         return buf["param" if state == "fp32" else state].narrow(0, s, e - s)
 
@@ -301,16 +322,17 @@ class LegacyBackend:
             groups = (opt.get("optimizer") or {}).get("param_groups") or []
             return groups[0].get("step") if groups else None
         st = (opt.get("state") or {}).get(0) or {}
-        return st.get("step")
+        step = st.get("step")
+        if isinstance(step, torch.Tensor):  # read outside the engine's fills: its record is checked now
+            verified.ensure(step, f"{self.files[min(self.files)]}: optimizer state 0 (step)")
+        return step
 
     def param_groups(self) -> list[dict[str, Any]]:
         """Every optimizer's groups: the dense one's, then (experts apart) the expert optimizer's."""
-        if self.distopt:
-            opt = self.state_dict(min(self.files)).get("optimizer") or {}
-            groups = (opt.get("optimizer") or {}).get("param_groups") or []
-        else:
-            groups = [g for experts in ((False, True) if self.arch.expert_apart else (False,))
-                      for g in self._optimizer(min(self.files), experts).get("param_groups") or []]
+        groups = []
+        for experts in (False, True) if self.arch.expert_apart else (False,):
+            opt = self._optimizer(min(self.files), experts)  # distributed: {'optimizer': {'param_groups': ...}}
+            groups += ((opt.get("optimizer") or {}) if self.distopt else opt).get("param_groups") or []
         return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
     @property
