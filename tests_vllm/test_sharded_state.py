@@ -3,7 +3,8 @@ the same weights, loaded by a real vLLM (CPU) with ``load_format="sharded_state"
 vLLM loading the HF folder itself at TP 2: the same greedy tokens and top-20 logprobs, and every
 tensor the engine keeps as loaded equal byte for byte (vLLM's CPU backend repacks the linears after
 loading, so those count through the logits; vLLM's loaders compare them before that, tensor by
-tensor). Three engine starts in all (the HF load is shared: ``conftest.hf_engine``)."""
+tensor). Three engine starts in all (the HF load is shared: ``conftest.hf_engine``), and two more for
+a Megatron-Core checkpoint (a model of its own)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from .conftest import ENGINE_S, HERE, reshard_convert, run
 
 pytest.importorskip("vllm")
 
-def sharded_engine(folder: Path, work: Path) -> dict:
-    """``engine_run.py --sharded``: vLLM loading ``folder`` with ``load_format="sharded_state"``."""
-    run([HERE / "engine_run.py", folder, work / "sharded.json", "--sharded"], ENGINE_S, work / "sharded.log")
-    return json.loads((work / "sharded.json").read_text())
+def sharded_engine(folder: Path, work: Path, sharded: bool = True) -> dict:
+    """``engine_run.py --sharded``: vLLM loading ``folder`` with ``load_format="sharded_state"``
+    (``sharded=False``: vLLM's own load of the HF folder ``folder``)."""
+    name = "sharded" if sharded else "hf"
+    run([HERE / "engine_run.py", folder, work / f"{name}.json", *(["--sharded"] if sharded else [])], ENGINE_S,
+        work / f"{name}.log")
+    return json.loads((work / f"{name}.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +53,14 @@ def same_outputs(sharded: dict, hf: dict) -> None:
     assert [o["logprobs"] for o in sharded["outputs"]] == [o["logprobs"] for o in hf["outputs"]]  # every top-20 token
 
 
-def same_kept(sharded: dict, hf: dict) -> None:
-    """Every parameter the engine keeps as loaded, byte for byte (digests), on both ranks."""
+def same_kept(sharded: dict, hf: dict, last: int = 1) -> None:
+    """Every parameter the engine keeps as loaded, byte for byte (digests), on both ranks
+    (``last``: the model's last layer)."""
     assert len(hf["kept"]) == len(sharded["kept"]) == 2
     for rank in range(2):
         assert sharded["kept"][rank] == hf["kept"][rank], f"rank {rank}"
         for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                     "model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.qkv_proj.bias"):
+                     "model.layers.0.input_layernorm.weight", f"model.layers.{last}.self_attn.qkv_proj.bias"):
             assert name in hf["kept"][rank], name
 
 
@@ -98,3 +103,46 @@ def test_dcp_source_is_what_vllms_loaders_load(dcp):
 def test_dcp_source_serves_as_vllms_hf_load(dcp):
     same_outputs(dcp["sharded"], dcp["hf"])
     same_kept(dcp["sharded"], dcp["hf"])
+
+
+MEGATRON = HERE.parent / "tests" / "fixtures" / "megatron" / "torch_dist_tp2_qwen2_vllm"
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The committed Megatron-Core fixture ``torch_dist_tp2_qwen2_vllm`` (a Qwen2-shaped GPTModel
+    Megatron-LM trained and saved at TP 2, bf16: head_dim 64, 4 query heads in 2 groups, q/k/v
+    biases, a 120-token vocabulary padded to 128 by Megatron) converted with ``--format vllm --tp
+    2`` and ``--format hf``, each in bf16 (as stored) and fp32; vLLM's own loaders on the fp32 HF
+    folder at TP 2 (``loader_run.py``); an engine on the bf16 sharded state and one on the bf16 HF
+    folder (the reference: a model of its own, so not ``hf_engine``)."""
+    work = tmp_path_factory.mktemp("megatron")
+    for fmt, dtype in (("vllm", "bf16"), ("vllm", "fp32"), ("hf", "bf16"), ("hf", "fp32")):
+        run(["-m", "reshard", "convert", MEGATRON, work / f"{fmt}-{dtype}", "--format", fmt, "--dtype", dtype,
+             *(["--tp", 2] if fmt == "vllm" else [])], 300, work / f"convert-{fmt}-{dtype}.log")
+    run([HERE / "loader_run.py", work / "hf-fp32", work / "loader", "--tp", 2, "--dtype", "float32"], 600,
+        work / "loader.log")
+    (work / "e-hf").mkdir()
+    (work / "e-sharded").mkdir()
+    return {"work": work, "hf": sharded_engine(work / "hf-bf16", work / "e-hf", sharded=False),
+            "sharded": sharded_engine(work / "vllm-bf16", work / "e-sharded")}
+
+
+def test_megatron_source_is_what_vllms_loaders_load(megatron):
+    """Every tensor of every rank, the fused q/k/v (Megatron's per-group interleaving undone, then
+    vLLM's per-rank [q; k; v]) and its bias included, bit for bit (fp32)."""
+    from safetensors.torch import load_file
+
+    from .test_loaders import same_state
+
+    work = megatron["work"]
+    for r in range(2):
+        ours = load_file(work / "vllm-fp32" / f"model-rank-{r}-part-0.safetensors")
+        assert ours["model.embed_tokens.weight"].shape == (64, 256)  # 120 rows -> 128, 64 a rank
+        assert ours["model.layers.0.self_attn.qkv_proj.bias"].shape == (256,)  # [q 128; k 64; v 64]
+        same_state(ours, load_file(work / "loader" / f"rank-{r}.safetensors"), r)
+
+
+def test_megatron_source_serves_as_vllms_hf_load(megatron):
+    same_outputs(megatron["sharded"], megatron["hf"])
+    same_kept(megatron["sharded"], megatron["hf"], last=0)
