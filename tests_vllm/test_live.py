@@ -12,6 +12,8 @@ optimizer steps.
 * Over a server's HTTP routes (``vllm serve``, vLLM's ``HTTPVLLMWeightSyncClient``): the same
   greedy tokens as a fresh load after a step.
 * A parameter the engine's model lacks: every trainer rank raises ``MapError`` naming it at init.
+* The learned maps are cached: a second engine on the same model and TP reads them from disk at
+  init and gets the same maps.
 * A vLLM worker killed during an update: both trainer ranks raise ``TransferError`` within the
   group's timeout; nothing hangs. A trainer rank killed before it sends: the other raises
   ``TransferError``, and the engine still serves the previous update's weights (the same tokens,
@@ -39,25 +41,32 @@ TIMEOUT_S = 30  # live_run.TIMEOUT_S: the transfer group's
 @pytest.fixture(scope="module")
 def live(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("live")
-    run([HERE / "live_run.py", qwen2, out, "--steps", STEPS, "--bench", BENCH], RUN_S, out / "live.log")
-    result = {"out": out, "live": json.loads((out / "live.json").read_text()),
-              "trainers": [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)], "fresh": []}
+    run([HERE / "live_run.py", qwen2, out, "--steps", STEPS, "--bench", BENCH], RUN_S, out / "live.log",
+        env={"RESHARD_CACHE_DIR": str(out / "cache")})  # empty: the backend learns the maps, then keeps them
+    return {"out": out, "live": json.loads((out / "live.json").read_text()),
+            "trainers": [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)]}
+
+
+@pytest.fixture(scope="module")
+def fresh(live: dict) -> list:
+    """A fresh vLLM load of the trainer's weights after each step (one engine each)."""
+    out, result = live["out"], []
     for step in range(1, STEPS + 1):
         run([HERE / "engine_run.py", out / f"step{step}", out / f"fresh{step}.json"], ENGINE_S,
             out / f"fresh{step}.log")
-        result["fresh"].append(json.loads((out / f"fresh{step}.json").read_text()))
+        result.append(json.loads((out / f"fresh{step}.json").read_text()))
     return result
 
 
-def test_engine_generates_what_a_fresh_load_generates(live):
+def test_engine_generates_what_a_fresh_load_generates(live, fresh):
     steps = live["live"]["steps"]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     before = live["live"]["before"]
-    for s, fresh in zip(steps, live["fresh"]):
-        assert [o["tokens"] for o in s["outputs"]] == [o["tokens"] for o in fresh["outputs"]], s["step"]
-        assert all(len(t) >= 20 for o in fresh["outputs"] for t in o["logprobs"])
-        assert [o["logprobs"] for o in s["outputs"]] == [o["logprobs"] for o in fresh["outputs"]], s["step"]
-        assert s["kept"] == fresh["kept"], s["step"]
+    for s, load in zip(steps, fresh):
+        assert [o["tokens"] for o in s["outputs"]] == [o["tokens"] for o in load["outputs"]], s["step"]
+        assert all(len(t) >= 20 for o in load["outputs"] for t in o["logprobs"])
+        assert [o["logprobs"] for o in s["outputs"]] == [o["logprobs"] for o in load["outputs"]], s["step"]
+        assert s["kept"] == load["kept"], s["step"]
         assert len(s["kept"]) == 2 and "model.layers.1.self_attn.qkv_proj.bias" in s["kept"][1]
         assert s["outputs"] != before  # the update changed what the engine computes
         before = s["outputs"]
@@ -67,7 +76,7 @@ def test_learned_targets_of_the_running_engine(live):
     """``learned_targets(llm, shapes)`` (for WeightSync) equals the backend's own targets and
     reshard's vLLM layouts for this model."""
     learned = live["live"]["learned"]
-    assert learned == {"params": 27, "differ_from_backend": [], "differ_from_arch": []}
+    assert learned == {"params": 27, "differ_from_backend": [], "differ_from_cached": [], "differ_from_arch": []}
 
 
 def test_each_worker_received_exactly_its_bytes(live):
@@ -103,9 +112,34 @@ def test_killed_worker_makes_trainers_raise(qwen2: Path, tmp_path: Path):
         assert steps[1]["send_s"] < TIMEOUT_S + 30, steps[1]
 
 
-def test_killed_trainer_leaves_the_last_good_weights(qwen2: Path, tmp_path: Path):
-    out = tmp_path / "kill"
-    run([HERE / "live_run.py", qwen2, out, "--steps", 2, "--kill-trainer-at", 2], RUN_S, tmp_path / "kill.log")
+@pytest.fixture(scope="module")
+def killed_trainer(qwen2: Path, live: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second engine, on the cache folder ``live`` left (its maps on disk), whose trainer rank 1
+    dies before update 2."""
+    out = tmp_path_factory.mktemp("killed-trainer") / "kill"
+    run([HERE / "live_run.py", qwen2, out, "--steps", 2, "--kill-trainer-at", 2], RUN_S, out.parent / "kill.log",
+        env={"RESHARD_CACHE_DIR": str(live["out"] / "cache")})
+    return out
+
+
+def test_a_second_engine_reads_the_cached_maps(live, killed_trainer: Path):
+    """The learned maps are cached per (model class, config, TP, ...): the first engine's workers
+    learned them and wrote one entry each; a second engine (new processes, the same model and TP)
+    read them from disk at init, built no marker model, and got the same maps (with which its
+    update 1 changed what the engine generates: ``test_killed_trainer_leaves_the_last_good_weights``)."""
+    first = live["live"]["init_workers"]
+    second = json.loads((killed_trainer / "live.json").read_text())["init_workers"]
+    assert [w["maps_from"] for w in first] == ["learned", "learned"]
+    assert [w["maps_from"] for w in second] == ["disk", "disk"]
+    assert [w["maps_key"] for w in second] == [w["maps_key"] for w in first]
+    assert [w["maps_digest"] for w in second] == [w["maps_digest"] for w in first]
+    assert [w["marked_elements"] for w in second] == [w["marked_elements"] for w in first]
+    files = sorted(p.name for p in (live["out"] / "cache" / "vllm-maps").iterdir())
+    assert files == [f"{first[0]['maps_key']}.w0.json", f"{first[0]['maps_key']}.w1.json"]
+
+
+def test_killed_trainer_leaves_the_last_good_weights(killed_trainer: Path):
+    out = killed_trainer
     steps = json.loads((out / "trainer0.json").read_text())["steps"]
     assert steps[0]["raised"] is None
     assert steps[1]["raised"].startswith("TransferError: ") and "update 2 failed" in steps[1]["raised"], steps[1]
