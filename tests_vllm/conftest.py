@@ -21,8 +21,8 @@ def run(args: list, timeout: float, log: Path, env: dict | None = None) -> None:
     killing the process group: vLLM's engine and workers included) on a non-zero exit or a
     timeout. The learned-maps cache stays in each process (``RESHARD_CACHE_DIR=off``: no entry of
     an earlier run is read) unless ``env`` names a cache folder."""
-    env = dict(os.environ, RESHARD_CACHE_DIR="off", **(env or {}),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = {**os.environ, "RESHARD_CACHE_DIR": "off", **(env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as out:
         p = subprocess.Popen([sys.executable, *map(str, args)], stdout=out, stderr=subprocess.STDOUT, env=env,
                              cwd=ROOT, start_new_session=True)

@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ...errors import MapError, ReshardError, TransferError
 from ...execute.group import TransferGroup
-from ...execute.sources import fsdp2_sources
+from ...execute.sources import fsdp2_sources, reader_sources
 from ...ir.param_map import ParamMap
 from ...layouts.inference import Placed
 from ...layouts.learned import learn_placed
@@ -78,6 +78,15 @@ class ShardSource(WeightSource):
     def fsdp2(cls, model: torch.nn.Module) -> ShardSource:
         """A model under FSDP2's ``fully_shard``: its DTensors' maps and local shards."""
         return cls(*fsdp2_sources(model))
+
+    @classmethod
+    def checkpoint(cls, reader: Any, rank: int, *, ranks: list[int] | None = None,
+                   states: tuple[str, ...] = ("fp32", "weight")) -> ShardSource:
+        """A checkpoint folder's reader (``reshard.open(path, names="hf")``: any format reshard
+        reads, under the engine's HF names): storage rank ``k``'s fragments on trainer rank
+        ``ranks[k]`` (default ``k``), memory-mapped, never gathered; this rank's are ``rank``'s
+        (``execute.sources.reader_sources``: the fp32 masters where the checkpoint has them)."""
+        return cls(*reader_sources(reader, rank, ranks=ranks, states=states))
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
