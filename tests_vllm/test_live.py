@@ -11,6 +11,10 @@ optimizer steps.
   inside ``send_weights``) or sent more than its local shards.
 * Over a server's HTTP routes (``vllm serve``, vLLM's ``HTTPVLLMWeightSyncClient``): the same
   greedy tokens as a fresh load after a step.
+* Fed by a checkpoint folder's reader instead of a trainer (``reader_run.py``: the Megatron
+  fixture's 2 TP ranks, each offering its own files' fragments): one update makes an engine that
+  started on random weights generate and keep exactly what vLLM's own load of the checkpoint
+  (exported to HF) does.
 * A parameter the engine's model lacks: every trainer rank raises ``MapError`` naming it at init.
 * The learned maps are cached: a second engine on the same model and TP reads them from disk at
   init and gets the same maps.
@@ -185,3 +189,36 @@ def test_a_parameter_the_engine_lacks_is_refused_at_init(qwen2: Path, tmp_path: 
         rec = json.loads((out / f"trainer{r}.json").read_text())
         assert rec["raised"].startswith("MapError: ") and "layers.0.mlp.extra_proj" in rec["raised"], rec
         assert rec["init_s"] < TIMEOUT_S, rec
+
+
+def test_a_checkpoint_folders_reader_feeds_the_backend(megatron_hf: dict, tmp_path: Path):
+    """``ShardSource.checkpoint(reshard.open(MEGATRON, names="hf"), rank)`` on 2 trainer ranks (each
+    the fragments of its own TP rank's files, memory-mapped: Megatron's fused and interleaved q/k/v
+    and gate/up cut into HF tensors, then into vLLM's fused per-rank tensors) into an engine started
+    with random weights (``load_format="dummy"``): after one ``send_weights`` it generates (greedy
+    tokens, top-20 logprobs) and keeps (byte for byte) exactly what vLLM's load of the checkpoint
+    exported to HF does; each worker received each of its elements once, and each trainer rank sent
+    only what its own files hold."""
+    from .conftest import MEGATRON
+
+    out = tmp_path / "reader"
+    run([HERE / "reader_run.py", MEGATRON, megatron_hf["work"] / "hf-bf16", out], RUN_S, tmp_path / "reader.log")
+    got = json.loads((out / "reader.json").read_text())
+    hf = megatron_hf["hf"]
+    assert [o["tokens"] for o in got["before"]] != [o["tokens"] for o in hf["outputs"]]  # random weights first
+    assert [o["tokens"] for o in got["after"]] == [o["tokens"] for o in hf["outputs"]]
+    assert all(len(t) >= 20 for o in hf["outputs"] for t in o["logprobs"])
+    assert [o["logprobs"] for o in got["after"]] == [o["logprobs"] for o in hf["outputs"]]
+    assert got["kept"] == hf["kept"]
+    trainers = [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)]
+    for w in got["workers"]:
+        assert w["updates"] == 1 and w["received_bytes"] == 2 * w["marked_elements"]
+        assert sum(t["sent_bytes"].get(str(w["rank"]), 0) for t in trainers) == w["received_bytes"]
+    # 15 HF tensors; TP rank 1's files hold a part of each but the norms (Megatron keeps replicated
+    # tensors' replica 0): no rank holds or sends a whole tensor but those three norms, on rank 0
+    assert [(t["params"], t["held"]) for t in trainers] == [(15, 15), (15, 12)]
+    assert trainers[0]["whole"] == ["model.layers.0.input_layernorm.weight",
+                                    "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"]
+    assert trainers[1]["whole"] == []
+    for t in trainers:
+        assert all(b <= 2 * t["local_numel"] for b in t["sent_bytes"].values())  # bf16: its own elements at most

@@ -8,24 +8,14 @@ a Megatron-Core checkpoint (a model of its own)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from .conftest import ENGINE_S, HERE, reshard_convert, run
+from .conftest import HERE, reshard_convert, run, sharded_engine
 
 pytest.importorskip("vllm")
-
-def sharded_engine(folder: Path, work: Path, sharded: bool = True) -> dict:
-    """``engine_run.py --sharded``: vLLM loading ``folder`` with ``load_format="sharded_state"``
-    (``sharded=False``: vLLM's own load of the HF folder ``folder``)."""
-    name = "sharded" if sharded else "hf"
-    run([HERE / "engine_run.py", folder, work / f"{name}.json", *(["--sharded"] if sharded else [])], ENGINE_S,
-        work / f"{name}.log")
-    return json.loads((work / f"{name}.json").read_text())
-
 
 @pytest.fixture(scope="module")
 def engines(qwen2: Path, hf_engine: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -103,29 +93,6 @@ def test_dcp_source_is_what_vllms_loaders_load(dcp):
 def test_dcp_source_serves_as_vllms_hf_load(dcp):
     same_outputs(dcp["sharded"], dcp["hf"])
     same_kept(dcp["sharded"], dcp["hf"])
-
-
-MEGATRON = HERE.parent / "tests" / "fixtures" / "megatron" / "torch_dist_tp2_qwen2_vllm"
-
-
-@pytest.fixture(scope="module")
-def megatron(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The committed Megatron-Core fixture ``torch_dist_tp2_qwen2_vllm`` (a Qwen2-shaped GPTModel
-    Megatron-LM trained and saved at TP 2, bf16: head_dim 64, 4 query heads in 2 groups, q/k/v
-    biases, a 120-token vocabulary padded to 128 by Megatron) converted with ``--format vllm --tp
-    2`` and ``--format hf``, each in bf16 (as stored) and fp32; vLLM's own loaders on the fp32 HF
-    folder at TP 2 (``loader_run.py``); an engine on the bf16 sharded state and one on the bf16 HF
-    folder (the reference: a model of its own, so not ``hf_engine``)."""
-    work = tmp_path_factory.mktemp("megatron")
-    for fmt, dtype in (("vllm", "bf16"), ("vllm", "fp32"), ("hf", "bf16"), ("hf", "fp32")):
-        run(["-m", "reshard", "convert", MEGATRON, work / f"{fmt}-{dtype}", "--format", fmt, "--dtype", dtype,
-             *(["--tp", 2] if fmt == "vllm" else [])], 300, work / f"convert-{fmt}-{dtype}.log")
-    run([HERE / "loader_run.py", work / "hf-fp32", work / "loader", "--tp", 2, "--dtype", "float32"], 600,
-        work / "loader.log")
-    (work / "e-hf").mkdir()
-    (work / "e-sharded").mkdir()
-    return {"work": work, "hf": sharded_engine(work / "hf-bf16", work / "e-hf", sharded=False),
-            "sharded": sharded_engine(work / "vllm-bf16", work / "e-sharded")}
 
 
 def test_megatron_source_is_what_vllms_loaders_load(megatron):
