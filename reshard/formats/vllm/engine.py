@@ -182,8 +182,13 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, Re
         setup = wire.Setup.decode(g.broadcast_bytes(None, 0, "receive the setup"))
         self.dtype = wire.wire_dtype(setup.dtype)
         self.full_shapes = setup.shapes
-        key = maps_key(self.vllm_config, setup.shapes)
-        hit = cache.get(key, vrank, setup.shapes)
+        key: cache.MapsKey | None = None
+        hit: cache.CachedMaps | None = None
+        try:  # before the agreement: a rank that raised here would leave the others waiting in it
+            key = maps_key(self.vllm_config, setup.shapes)
+            hit = cache.get(key, vrank, setup.shapes)
+        except Exception as e:  # noqa: BLE001 -- without a key the maps are learned and not kept
+            _log.warning("reshard weight transfer: no cache key for this engine: %s", e)
         # every worker must hold an entry, else all learn (rank 0 learns from all marker states)
         missing = g.failures(hit is None, "agree on the cached maps")
         if missing or hit is None:
@@ -211,15 +216,17 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, Re
         if hit is None:
             placed = sum(int((t > 0).sum()) for n, t in marked.items() if n in self.shapes)
             relabel = {init_info.trainer_ranks + w: w for w in range(vworld)}
-            cache.put(key, vrank, cache.CachedMaps({n: p.with_ranks(relabel) for n, p in self.targets.items()},
-                                                   engine_tensors, placed))
+            if key is not None:
+                cache.put(key, vrank, cache.CachedMaps({n: p.with_ranks(relabel) for n, p in self.targets.items()},
+                                                       engine_tensors, placed))
         else:
             placed = hit.placed_elements
         # padding (a padded vocabulary's rows) is never sent: zero once, here
         self.staging = {n: torch.zeros(s, dtype=self.dtype) for n, s in self.shapes.items()}
         self.inbox = {q: torch.empty(link.numel, dtype=self.dtype) for q, link in self.recvs.items()}
         self.stats = {"rank": self.me, "init_s": time.perf_counter() - t0, "marked_elements": placed,
-                      "maps_from": "learned" if hit is None else hit.source, "maps_key": key.digest,
+                      "maps_from": "learned" if hit is None else hit.source,
+                      "maps_key": key.digest if key is not None else None,
                       "maps_digest": cache.maps_digest(self.targets), "engine_tensors": len(self.shapes), "updates": 0}
 
     # -- update -----------------------------------------------------------------------------------
