@@ -122,6 +122,7 @@ class Fixture:
     distopt: bool = False
     fully_reshardable: bool = False
     moe: bool = False
+    save_optim: bool = True  # False: --no-save-optim (the oracle then reloads the model only)
     extra_argv: list[str] = field(default_factory=list)
     model_argv: list[str] = field(default_factory=lambda: MODEL_ARGV)
     # (tp, pp, dp, ep) reloads compared against the TP=1/PP=1 oracle (Megatron's own resharding)
@@ -144,6 +145,8 @@ class Fixture:
             a.append("--use-distributed-optimizer")
         if self.fully_reshardable:
             a.append("--dist-ckpt-optim-fully-reshardable")
+        if not self.save_optim:
+            a.append("--no-save-optim")
         return a + self.extra_argv
 
     def optimizer_loads_at_tp1(self) -> bool:
@@ -197,6 +200,16 @@ MLA_MODEL_ARGV += ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora
 # Several DDP buckets per buffer: Megatron buckets only with --overlap-grad-reduce; 3000 elements
 # cut the 17208 parameters of the 2-layer model into buckets of one to four parameters.
 BUCKETS_ARGV = ["--overlap-grad-reduce", "--ddp-bucket-size", "3000"]
+# Qwen2 shaped for a real vLLM (its CPU attention wants head_dim 64; its Qwen2 takes head_dim as
+# hidden / heads): hidden 256 = 4 query heads of 64, 2 query groups (GQA, one per TP rank), q/k/v
+# biases, ffn 64, max positions 128 (vLLM's tests serve 64 tokens); bf16 and no optimizer state
+# (--no-save-optim), one layer, so that the folder with its oracle stays near 1.3 MB.
+QWEN2_VLLM_ARGV = list(MODEL_ARGV)
+for _flag, _value in (("--hidden-size", "256"), ("--kv-channels", "64"), ("--ffn-hidden-size", "64"),
+                      ("--max-position-embeddings", "128")):
+    QWEN2_VLLM_ARGV[QWEN2_VLLM_ARGV.index(_flag) + 1] = _value
+QWEN2_VLLM_ARGV += ["--add-qkv-bias"]
+
 # Qwen-MoE shaped: a softmax router (as transformers' Qwen2-MoE / Qwen3-MoE compute), a dense layer 0
 QWEN_MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
                  "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "none",
@@ -321,6 +334,12 @@ FIXTURES = {f.name: f for f in [
             dp=2, ep=2, moe=True, extra_argv=QWEN_MOE_ARGV + [
                 "--add-qkv-bias", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "28",
                 "--moe-shared-expert-gate"]),
+    Fixture("torch_dist_tp2_qwen2_vllm",
+            "Qwen2 shaped for vLLM (tests_vllm): hidden 256, 4 query heads of 64 in 2 groups (GQA), q/k/v biases, "
+            "ffn 64, vocabulary 120 (padded to 128), one layer, untied; TP=2, DP=1; --bf16, plain Adam, "
+            "--no-save-optim (weights only); torch_dist",
+            tp=2, layers=1, save_optim=False, model_argv=QWEN2_VLLM_ARGV,
+            extra_argv=["--bf16", "--accumulate-allreduce-grads-in-fp32"]),
 ]}
 
 # --------------------------------------------------------------------------------------------
@@ -452,10 +471,11 @@ def generate(fx: Fixture, out_root: Path, venv: Path) -> dict:
     # too where Megatron allows it, else at the saved TP/PP with DP=1.
     oracle = work / "oracle"
     topo = fx.model_reload_topology()
-    optim_here = fx.optimizer_loads_at_tp1() or topo != (1, 1, 1, 1)
+    optim_here = fx.optimizer_loads_at_tp1() or topo != (1, 1, 1, 1) or not fx.save_optim
     times = {"train_s": round(t_train, 1)}
-    times["oracle_s"] = round(_oracle(venv, save, oracle, topo, no_optim=not optim_here, forward=True,
-                                      log=work / "oracle.log", etp=fx.etp if topo[3] > 1 else None), 1)
+    times["oracle_s"] = round(_oracle(venv, save, oracle, topo, no_optim=not optim_here or not fx.save_optim,
+                                      forward=True, log=work / "oracle.log",
+                                      etp=fx.etp if topo[3] > 1 else None), 1)
     if not optim_here:
         side = work / "oracle_optim"
         times["oracle_optimizer_s"] = round(_oracle(venv, save, side, fx.optimizer_reload_topology(), no_optim=False,
@@ -472,7 +492,7 @@ def generate(fx: Fixture, out_root: Path, venv: Path) -> dict:
     cross = []
     for i, ctopo in enumerate(fx.cross_checks):
         cdir = work / f"cross_{i}"
-        dt = _oracle(venv, save, cdir, ctopo, no_optim=False, forward=True, log=work / f"cross_{i}.log")
+        dt = _oracle(venv, save, cdir, ctopo, no_optim=not fx.save_optim, forward=True, log=work / f"cross_{i}.log")
         entry = {"tp": ctopo[0], "pp": ctopo[1], "dp": ctopo[2], "ep": ctopo[3], "seconds": round(dt, 1),
                  "model": _compare(oracle, cdir, "model.safetensors"),
                  "forward": _compare(oracle, cdir, "forward.safetensors")}

@@ -4,6 +4,7 @@ with its process group if it outlives its timeout."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,10 +17,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def run(args: list, timeout: float, log: Path) -> None:
-    """``python ARGS`` in this environment, output to ``log``; fails the test (after killing the
-    process group: vLLM's engine and workers included) on a non-zero exit or a timeout."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+def run(args: list, timeout: float, log: Path, env: dict | None = None) -> None:
+    """``python ARGS`` in this environment (plus ``env``), output to ``log``; fails the test (after
+    killing the process group: vLLM's engine and workers included) on a non-zero exit or a
+    timeout. The learned-maps cache stays in each process (``RESHARD_CACHE_DIR=off``: no entry of
+    an earlier run is read) unless ``env`` names a cache folder."""
+    env = {**os.environ, "RESHARD_CACHE_DIR": "off", **(env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as out:
         p = subprocess.Popen([sys.executable, *map(str, args)], stdout=out, stderr=subprocess.STDOUT, env=env,
                              cwd=ROOT, start_new_session=True)
@@ -53,8 +57,49 @@ ENGINE_S = 600  # one engine start, a few prompts and its teardown (about a minu
 def hf_engine(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """vLLM's own HF load of ``qwen2`` at TP 2 (``engine_run.py``): what every sharded state made
     from its weights must generate and keep. One engine start for the whole session."""
-    import json
 
     work = tmp_path_factory.mktemp("hf-engine")
     run([HERE / "engine_run.py", qwen2, work / "hf.json"], ENGINE_S, work / "hf.log")
     return json.loads((work / "hf.json").read_text())
+
+
+def sharded_engine(folder: Path, work: Path, sharded: bool = True) -> dict:
+    """``engine_run.py --sharded``: vLLM loading ``folder`` with ``load_format="sharded_state"``
+    (``sharded=False``: vLLM's own load of the HF folder ``folder``)."""
+    name = "sharded" if sharded else "hf"
+    run([HERE / "engine_run.py", folder, work / f"{name}.json", *(["--sharded"] if sharded else [])], ENGINE_S,
+        work / f"{name}.log")
+    return json.loads((work / f"{name}.json").read_text())
+
+
+MEGATRON = HERE.parent / "tests" / "fixtures" / "megatron" / "torch_dist_tp2_qwen2_vllm"
+
+
+@pytest.fixture(scope="session")
+def megatron_hf(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The committed Megatron-Core fixture ``torch_dist_tp2_qwen2_vllm`` (a Qwen2-shaped GPTModel
+    Megatron-LM trained and saved at TP 2, bf16: head_dim 64, 4 query heads in 2 groups, q/k/v
+    biases, a 120-token vocabulary padded to 128 by Megatron) converted with ``--format hf`` in
+    bf16 (as stored) and fp32, and vLLM's own load of the bf16 folder at TP 2: the reference for
+    everything made of that checkpoint (a model of its own, so not ``hf_engine``)."""
+    work = tmp_path_factory.mktemp("megatron")
+    for dtype in ("bf16", "fp32"):
+        run(["-m", "reshard", "convert", MEGATRON, work / f"hf-{dtype}", "--format", "hf", "--dtype", dtype], 300,
+            work / f"convert-hf-{dtype}.log")
+    (work / "e-hf").mkdir()
+    return {"work": work, "hf": sharded_engine(work / "hf-bf16", work / "e-hf", sharded=False)}
+
+
+@pytest.fixture(scope="session")
+def megatron(megatron_hf: dict) -> dict:
+    """``megatron_hf``, and the checkpoint converted with ``--format vllm --tp 2`` in bf16 and fp32;
+    vLLM's own loaders on the fp32 HF folder at TP 2 (``loader_run.py``); an engine on the bf16
+    sharded state."""
+    work = megatron_hf["work"]
+    for dtype in ("bf16", "fp32"):
+        run(["-m", "reshard", "convert", MEGATRON, work / f"vllm-{dtype}", "--format", "vllm", "--dtype", dtype,
+             "--tp", 2], 300, work / f"convert-vllm-{dtype}.log")
+    run([HERE / "loader_run.py", work / "hf-fp32", work / "loader", "--tp", 2, "--dtype", "float32"], 600,
+        work / "loader.log")
+    (work / "e-sharded").mkdir()
+    return {**megatron_hf, "sharded": sharded_engine(work / "vllm-bf16", work / "e-sharded")}

@@ -15,9 +15,16 @@ import json
 import os
 import sys
 
-PROMPTS = [[1, 17, 42, 99, 7], [250, 3, 3, 3, 128, 64, 299], [5]]
+PROMPTS = [[1, 17, 42, 99, 7], [250, 3, 3, 3, 128, 64, 299], [5]]  # token ids modulo the model's vocabulary
 MAX_TOKENS = 8
 TOP = 20
+
+
+def prompts_for(model: str) -> list[list[int]]:
+    """``PROMPTS`` with each token id modulo the vocabulary of MODEL_DIR's ``config.json``."""
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    return [[t % vocab for t in p] for p in PROMPTS]
 
 
 def main() -> None:
@@ -41,8 +48,9 @@ def main() -> None:
     llm = LLM(model=args.model, load_format="sharded_state" if args.sharded else "auto",
               tensor_parallel_size=args.tp, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
               max_model_len=64, max_num_seqs=2, gpu_memory_utilization=0.05, seed=0)
+    prompts = prompts_for(args.model)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     result = {"outputs": [], "kept": llm.apply_model(kept)}
     for o in outs:
         c = o.outputs[0]

@@ -94,11 +94,12 @@ def compare_learned(llm, eng, model: str) -> dict:
     shapes = eng.shard_source.shapes
     with open(os.path.join(model, "config.json")) as f:
         config = json.load(f)
-    got = learned_targets(llm, shapes)
-    backend = learned_targets(llm, shapes, ranks=[2, 3])
+    got = learned_targets(llm, shapes, ranks=[2, 3], use_cache=False)  # learned afresh from markers
+    cached = learned_targets(llm, shapes)  # the workers' cache, which the backend's init filled
     arch = inference_targets(LLAMA_VLLM, shapes, tp=2, num_heads=config["num_attention_heads"],
-                             num_kv_heads=config["num_key_value_heads"])
-    return {"params": len(got), "differ_from_backend": [n for n in shapes if not same(backend[n], eng.targets[n])],
+                             num_kv_heads=config["num_key_value_heads"], ranks=[2, 3])
+    return {"params": len(got), "differ_from_backend": [n for n in shapes if not same(got[n], eng.targets[n])],
+            "differ_from_cached": [n for n in shapes if not same(cached[n].with_ranks({0: 2, 1: 3}), got[n])],
             "differ_from_arch": [n for n in shapes if not same(got[n], arch[n])]}
 
 
@@ -242,6 +243,9 @@ def _trainer(rank: int, args, ports: list[int]) -> None:
         return
     eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     if rank == 0 and not args.http:
+        from live_probe import engine_stats
+
+        init_workers = llm.collective_rpc(engine_stats)  # before learned_targets: where init took the maps from
         live_learned = compare_learned(llm, eng, args.model)
     local_bytes = {n: t.numel() * t.element_size() for n, t in eng.source.shards.items()}
     record: dict = {"rank": rank, "init_s": eng.stats["init_s"], "steps": [],
@@ -249,7 +253,8 @@ def _trainer(rank: int, args, ports: list[int]) -> None:
                     "local_numel": sum(t.numel() for t in eng.source.shards.values()), "local_bytes": local_bytes}
     before = (llm.generate() if args.http else generate(llm)) if rank == 0 else None
     live: dict = {"steps": [], "before": before,
-                  "learned": live_learned if rank == 0 and not args.http else None}
+                  "learned": live_learned if rank == 0 and not args.http else None,
+                  "init_workers": init_workers if rank == 0 and not args.http else None}
     if args.bench:
         bench(rank, args, eng, model, llm, record)
     g = torch.Generator().manual_seed(100 + rank)

@@ -11,7 +11,13 @@ optimizer steps.
   inside ``send_weights``) or sent more than its local shards.
 * Over a server's HTTP routes (``vllm serve``, vLLM's ``HTTPVLLMWeightSyncClient``): the same
   greedy tokens as a fresh load after a step.
+* Fed by a checkpoint folder's reader instead of a trainer (``reader_run.py``: the Megatron
+  fixture's 2 TP ranks, each offering its own files' fragments): one update makes an engine that
+  started on random weights generate and keep exactly what vLLM's own load of the checkpoint
+  (exported to HF) does.
 * A parameter the engine's model lacks: every trainer rank raises ``MapError`` naming it at init.
+* The learned maps are cached: a second engine on the same model and TP reads them from disk at
+  init and gets the same maps.
 * A vLLM worker killed during an update: both trainer ranks raise ``TransferError`` within the
   group's timeout; nothing hangs. A trainer rank killed before it sends: the other raises
   ``TransferError``, and the engine still serves the previous update's weights (the same tokens,
@@ -39,25 +45,32 @@ TIMEOUT_S = 30  # live_run.TIMEOUT_S: the transfer group's
 @pytest.fixture(scope="module")
 def live(qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("live")
-    run([HERE / "live_run.py", qwen2, out, "--steps", STEPS, "--bench", BENCH], RUN_S, out / "live.log")
-    result = {"out": out, "live": json.loads((out / "live.json").read_text()),
-              "trainers": [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)], "fresh": []}
+    run([HERE / "live_run.py", qwen2, out, "--steps", STEPS, "--bench", BENCH], RUN_S, out / "live.log",
+        env={"RESHARD_CACHE_DIR": str(out / "cache")})  # empty: the backend learns the maps, then keeps them
+    return {"out": out, "live": json.loads((out / "live.json").read_text()),
+            "trainers": [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)]}
+
+
+@pytest.fixture(scope="module")
+def fresh(live: dict) -> list:
+    """A fresh vLLM load of the trainer's weights after each step (one engine each)."""
+    out, result = live["out"], []
     for step in range(1, STEPS + 1):
         run([HERE / "engine_run.py", out / f"step{step}", out / f"fresh{step}.json"], ENGINE_S,
             out / f"fresh{step}.log")
-        result["fresh"].append(json.loads((out / f"fresh{step}.json").read_text()))
+        result.append(json.loads((out / f"fresh{step}.json").read_text()))
     return result
 
 
-def test_engine_generates_what_a_fresh_load_generates(live):
+def test_engine_generates_what_a_fresh_load_generates(live, fresh):
     steps = live["live"]["steps"]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     before = live["live"]["before"]
-    for s, fresh in zip(steps, live["fresh"]):
-        assert [o["tokens"] for o in s["outputs"]] == [o["tokens"] for o in fresh["outputs"]], s["step"]
-        assert all(len(t) >= 20 for o in fresh["outputs"] for t in o["logprobs"])
-        assert [o["logprobs"] for o in s["outputs"]] == [o["logprobs"] for o in fresh["outputs"]], s["step"]
-        assert s["kept"] == fresh["kept"], s["step"]
+    for s, load in zip(steps, fresh):
+        assert [o["tokens"] for o in s["outputs"]] == [o["tokens"] for o in load["outputs"]], s["step"]
+        assert all(len(t) >= 20 for o in load["outputs"] for t in o["logprobs"])
+        assert [o["logprobs"] for o in s["outputs"]] == [o["logprobs"] for o in load["outputs"]], s["step"]
+        assert s["kept"] == load["kept"], s["step"]
         assert len(s["kept"]) == 2 and "model.layers.1.self_attn.qkv_proj.bias" in s["kept"][1]
         assert s["outputs"] != before  # the update changed what the engine computes
         before = s["outputs"]
@@ -67,7 +80,7 @@ def test_learned_targets_of_the_running_engine(live):
     """``learned_targets(llm, shapes)`` (for WeightSync) equals the backend's own targets and
     reshard's vLLM layouts for this model."""
     learned = live["live"]["learned"]
-    assert learned == {"params": 27, "differ_from_backend": [], "differ_from_arch": []}
+    assert learned == {"params": 27, "differ_from_backend": [], "differ_from_cached": [], "differ_from_arch": []}
 
 
 def test_each_worker_received_exactly_its_bytes(live):
@@ -103,9 +116,34 @@ def test_killed_worker_makes_trainers_raise(qwen2: Path, tmp_path: Path):
         assert steps[1]["send_s"] < TIMEOUT_S + 30, steps[1]
 
 
-def test_killed_trainer_leaves_the_last_good_weights(qwen2: Path, tmp_path: Path):
-    out = tmp_path / "kill"
-    run([HERE / "live_run.py", qwen2, out, "--steps", 2, "--kill-trainer-at", 2], RUN_S, tmp_path / "kill.log")
+@pytest.fixture(scope="module")
+def killed_trainer(qwen2: Path, live: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second engine, on the cache folder ``live`` left (its maps on disk), whose trainer rank 1
+    dies before update 2."""
+    out = tmp_path_factory.mktemp("killed-trainer") / "kill"
+    run([HERE / "live_run.py", qwen2, out, "--steps", 2, "--kill-trainer-at", 2], RUN_S, out.parent / "kill.log",
+        env={"RESHARD_CACHE_DIR": str(live["out"] / "cache")})
+    return out
+
+
+def test_a_second_engine_reads_the_cached_maps(live, killed_trainer: Path):
+    """The learned maps are cached per (model class, config, TP, ...): the first engine's workers
+    learned them and wrote one entry each; a second engine (new processes, the same model and TP)
+    read them from disk at init, built no marker model, and got the same maps (with which its
+    update 1 changed what the engine generates: ``test_killed_trainer_leaves_the_last_good_weights``)."""
+    first = live["live"]["init_workers"]
+    second = json.loads((killed_trainer / "live.json").read_text())["init_workers"]
+    assert [w["maps_from"] for w in first] == ["learned", "learned"]
+    assert [w["maps_from"] for w in second] == ["disk", "disk"]
+    assert [w["maps_key"] for w in second] == [w["maps_key"] for w in first]
+    assert [w["maps_digest"] for w in second] == [w["maps_digest"] for w in first]
+    assert [w["marked_elements"] for w in second] == [w["marked_elements"] for w in first]
+    files = sorted(p.name for p in (live["out"] / "cache" / "vllm-maps").iterdir())
+    assert files == [f"{first[0]['maps_key']}.w0.json", f"{first[0]['maps_key']}.w1.json"]
+
+
+def test_killed_trainer_leaves_the_last_good_weights(killed_trainer: Path):
+    out = killed_trainer
     steps = json.loads((out / "trainer0.json").read_text())["steps"]
     assert steps[0]["raised"] is None
     assert steps[1]["raised"].startswith("TransferError: ") and "update 2 failed" in steps[1]["raised"], steps[1]
@@ -151,3 +189,36 @@ def test_a_parameter_the_engine_lacks_is_refused_at_init(qwen2: Path, tmp_path: 
         rec = json.loads((out / f"trainer{r}.json").read_text())
         assert rec["raised"].startswith("MapError: ") and "layers.0.mlp.extra_proj" in rec["raised"], rec
         assert rec["init_s"] < TIMEOUT_S, rec
+
+
+def test_a_checkpoint_folders_reader_feeds_the_backend(megatron_hf: dict, tmp_path: Path):
+    """``ShardSource.checkpoint(reshard.open(MEGATRON, names="hf"), rank)`` on 2 trainer ranks (each
+    the fragments of its own TP rank's files, memory-mapped: Megatron's fused and interleaved q/k/v
+    and gate/up cut into HF tensors, then into vLLM's fused per-rank tensors) into an engine started
+    with random weights (``load_format="dummy"``): after one ``send_weights`` it generates (greedy
+    tokens, top-20 logprobs) and keeps (byte for byte) exactly what vLLM's load of the checkpoint
+    exported to HF does; each worker received each of its elements once, and each trainer rank sent
+    only what its own files hold."""
+    from .conftest import MEGATRON
+
+    out = tmp_path / "reader"
+    run([HERE / "reader_run.py", MEGATRON, megatron_hf["work"] / "hf-bf16", out], RUN_S, tmp_path / "reader.log")
+    got = json.loads((out / "reader.json").read_text())
+    hf = megatron_hf["hf"]
+    assert [o["tokens"] for o in got["before"]] != [o["tokens"] for o in hf["outputs"]]  # random weights first
+    assert [o["tokens"] for o in got["after"]] == [o["tokens"] for o in hf["outputs"]]
+    assert all(len(t) >= 20 for o in hf["outputs"] for t in o["logprobs"])
+    assert [o["logprobs"] for o in got["after"]] == [o["logprobs"] for o in hf["outputs"]]
+    assert got["kept"] == hf["kept"]
+    trainers = [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)]
+    for w in got["workers"]:
+        assert w["updates"] == 1 and w["received_bytes"] == 2 * w["marked_elements"]
+        assert sum(t["sent_bytes"].get(str(w["rank"]), 0) for t in trainers) == w["received_bytes"]
+    # 15 HF tensors; TP rank 1's files hold a part of each but the norms (Megatron keeps replicated
+    # tensors' replica 0): no rank holds or sends a whole tensor but those three norms, on rank 0
+    assert [(t["params"], t["held"]) for t in trainers] == [(15, 15), (15, 12)]
+    assert trainers[0]["whole"] == ["model.layers.0.input_layernorm.weight",
+                                    "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"]
+    assert trainers[1]["whole"] == []
+    for t in trainers:
+        assert all(b <= 2 * t["local_numel"] for b in t["sent_bytes"].values())  # bf16: its own elements at most

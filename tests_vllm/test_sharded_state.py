@@ -3,25 +3,19 @@ the same weights, loaded by a real vLLM (CPU) with ``load_format="sharded_state"
 vLLM loading the HF folder itself at TP 2: the same greedy tokens and top-20 logprobs, and every
 tensor the engine keeps as loaded equal byte for byte (vLLM's CPU backend repacks the linears after
 loading, so those count through the logits; vLLM's loaders compare them before that, tensor by
-tensor). Three engine starts in all (the HF load is shared: ``conftest.hf_engine``)."""
+tensor). Three engine starts in all (the HF load is shared: ``conftest.hf_engine``), and two more for
+a Megatron-Core checkpoint (a model of its own)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from .conftest import ENGINE_S, HERE, reshard_convert, run
+from .conftest import HERE, reshard_convert, run, sharded_engine
 
 pytest.importorskip("vllm")
-
-def sharded_engine(folder: Path, work: Path) -> dict:
-    """``engine_run.py --sharded``: vLLM loading ``folder`` with ``load_format="sharded_state"``."""
-    run([HERE / "engine_run.py", folder, work / "sharded.json", "--sharded"], ENGINE_S, work / "sharded.log")
-    return json.loads((work / "sharded.json").read_text())
-
 
 @pytest.fixture(scope="module")
 def engines(qwen2: Path, hf_engine: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -49,13 +43,14 @@ def same_outputs(sharded: dict, hf: dict) -> None:
     assert [o["logprobs"] for o in sharded["outputs"]] == [o["logprobs"] for o in hf["outputs"]]  # every top-20 token
 
 
-def same_kept(sharded: dict, hf: dict) -> None:
-    """Every parameter the engine keeps as loaded, byte for byte (digests), on both ranks."""
+def same_kept(sharded: dict, hf: dict, last: int = 1) -> None:
+    """Every parameter the engine keeps as loaded, byte for byte (digests), on both ranks
+    (``last``: the model's last layer)."""
     assert len(hf["kept"]) == len(sharded["kept"]) == 2
     for rank in range(2):
         assert sharded["kept"][rank] == hf["kept"][rank], f"rank {rank}"
         for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                     "model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.qkv_proj.bias"):
+                     "model.layers.0.input_layernorm.weight", f"model.layers.{last}.self_attn.qkv_proj.bias"):
             assert name in hf["kept"][rank], name
 
 
@@ -98,3 +93,23 @@ def test_dcp_source_is_what_vllms_loaders_load(dcp):
 def test_dcp_source_serves_as_vllms_hf_load(dcp):
     same_outputs(dcp["sharded"], dcp["hf"])
     same_kept(dcp["sharded"], dcp["hf"])
+
+
+def test_megatron_source_is_what_vllms_loaders_load(megatron):
+    """Every tensor of every rank, the fused q/k/v (Megatron's per-group interleaving undone, then
+    vLLM's per-rank [q; k; v]) and its bias included, bit for bit (fp32)."""
+    from safetensors.torch import load_file
+
+    from .test_loaders import same_state
+
+    work = megatron["work"]
+    for r in range(2):
+        ours = load_file(work / "vllm-fp32" / f"model-rank-{r}-part-0.safetensors")
+        assert ours["model.embed_tokens.weight"].shape == (64, 256)  # 120 rows -> 128, 64 a rank
+        assert ours["model.layers.0.self_attn.qkv_proj.bias"].shape == (256,)  # [q 128; k 64; v 64]
+        same_state(ours, load_file(work / "loader" / f"rank-{r}.safetensors"), r)
+
+
+def test_megatron_source_serves_as_vllms_hf_load(megatron):
+    same_outputs(megatron["sharded"], megatron["hf"])
+    same_kept(megatron["sharded"], megatron["hf"], last=0)

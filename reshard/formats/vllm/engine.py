@@ -7,7 +7,10 @@ float32 copy of its model class and loads a unique marker per element with the m
 ``load_weights`` (vLLM's loaders: fused ``qkv_proj`` / ``gate_up_proj``, replicated key/value
 heads, padded vocabularies -- whatever the class does), sends what landed to trainer rank 0, and
 gets back every parameter's placement; then it plans its receives and allocates one staging
-tensor per engine tensor it holds (the engine dtype; padding stays zero).
+tensor per engine tensor it holds (the engine dtype; padding stays zero). What was learned is
+cached per (model class, config, parallel sizes, vLLM version, parameter shapes) in the process
+and on disk (``cache.py``): when every worker holds an entry for its key (one agreement over the
+group), they send their cached maps instead and no marker model is built.
 
 Update: ``start_weight_update`` enters vLLM's layerwise-reload lifecycle
 (``initialize_layerwise_reload``: the loadable parameters are restored, the kernels' copies kept);
@@ -43,10 +46,10 @@ from ...errors import MapError, ReshardError, TransferError
 from ...execute.group import TransferGroup
 from ...layouts.learned import markers
 from ...plan.planner import plan_for_rank
-from . import wire
+from . import cache, wire
 
-__all__ = ["ReshardUpdateInfo", "ReshardWeightTransferEngine", "ReshardWorkerInitInfo", "marker_state",
-           "worker_marker_state"]
+__all__ = ["ReshardUpdateInfo", "ReshardWeightTransferEngine", "ReshardWorkerInitInfo", "maps_key", "marker_state",
+           "worker_maps_reply", "worker_marker_state", "worker_put_maps"]
 
 _log = logging.getLogger(__name__)
 
@@ -107,6 +110,50 @@ def worker_marker_state(worker, shapes: dict[str, list[int]]) -> bytes:
     return wire.encode_tensors(marker_state(worker.vllm_config, {n: tuple(s) for n, s in shapes.items()}))
 
 
+def maps_key(vllm_config, shapes: dict[str, tuple[int, ...]]) -> cache.MapsKey:
+    """The cache key of the maps vLLM's loaders give ``shapes`` on this engine (``cache.MapsKey``)."""
+    import vllm
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    model_cls, _ = get_model_architecture(mc)
+    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    return cache.MapsKey(model_cls.__name__, cache.config_digest(mc.hf_config.to_dict()), str(mc.quantization),
+                         tp, pc.pipeline_parallel_size, dp, tp * dp if pc.enable_expert_parallel else 1,
+                         vllm.__version__, cache.shapes_digest(shapes))
+
+
+def _vllm_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def worker_maps_reply(worker, shapes: dict[str, list[int]], use_cache: bool = True) -> bytes:
+    """For ``LLM.collective_rpc`` (``trainer.learned_targets``): this worker's cached entry
+    (``wire.encode_cached_reply``) where it has one and ``use_cache``, else its marker state."""
+    full = {n: tuple(s) for n, s in shapes.items()}
+    hit = cache.get(maps_key(worker.vllm_config, full), _vllm_rank(), full) if use_cache else None
+    if hit is not None:
+        return wire.encode_cached_reply(hit.maps)
+    return wire.encode_marker_reply(marker_state(worker.vllm_config, full))
+
+
+def worker_put_maps(worker, shapes: dict[str, list[int]], targets: bytes,
+                    engines: dict[int, tuple[list[str], int]]) -> str:
+    """For ``LLM.collective_rpc``: keep the maps ``targets`` (``wire.encode_targets``, workers
+    ``0..W-1``) learned from the workers' marker states as this worker's cache entry, with its
+    engine tensors and placed element count (``engines[w]``, read from its marker state); only
+    where the maps fill every one of those tensors (what ``init_transfer_engine`` checks).
+    Returns where it went (a path, ``"memory"``, or why not)."""
+    full = {n: tuple(s) for n, s in shapes.items()}
+    me = _vllm_rank()
+    names, placed = engines[me]
+    maps = wire.decode_targets(targets)
+    if set(names) - {p.into for p in maps.values() if me in p.shapes}:
+        return "not kept: engine tensors no parameter fills"
+    path = cache.put(maps_key(worker.vllm_config, full), me, cache.CachedMaps(maps, tuple(names), placed))
+    return str(path) if path is not None else "memory"
+
+
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, ReshardUpdateInfo]):
     init_info_cls = ReshardWorkerInitInfo
     update_info_cls = ReshardUpdateInfo
@@ -135,28 +182,52 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardWorkerInitInfo, Re
         setup = wire.Setup.decode(g.broadcast_bytes(None, 0, "receive the setup"))
         self.dtype = wire.wire_dtype(setup.dtype)
         self.full_shapes = setup.shapes
-        try:
-            marked = marker_state(self.vllm_config, setup.shapes)
-        except Exception as e:  # vLLM's loader refused a name or shape: rank 0 tells every rank
-            g.send_bytes(wire.encode_marker_reply(None, f"{type(e).__name__}: {e}"), 0, "send the marker state")
-            g.broadcast_bytes(None, 0, "receive the targets")
-            raise MapError(f"reshard weight transfer: worker rank {self.me}: vLLM's loader could not load the "
-                           f"trainer's parameters: {type(e).__name__}: {e}") from e
-        g.send_bytes(wire.encode_marker_reply(marked), 0, "send the marker state")
+        key: cache.MapsKey | None = None
+        hit: cache.CachedMaps | None = None
+        try:  # before the agreement: a rank that raised here would leave the others waiting in it
+            key = maps_key(self.vllm_config, setup.shapes)
+            hit = cache.get(key, vrank, setup.shapes)
+        except Exception as e:  # noqa: BLE001 -- without a key the maps are learned and not kept
+            _log.warning("reshard weight transfer: no cache key for this engine: %s", e)
+        # every worker must hold an entry, else all learn (rank 0 learns from all marker states)
+        missing = g.failures(hit is None, "agree on the cached maps")
+        if missing or hit is None:
+            hit = None
+            try:
+                marked = marker_state(self.vllm_config, setup.shapes)
+            except Exception as e:  # vLLM's loader refused a name or shape: rank 0 tells every rank
+                g.send_bytes(wire.encode_marker_reply(None, f"{type(e).__name__}: {e}"), 0, "send the marker state")
+                g.broadcast_bytes(None, 0, "receive the targets")
+                raise MapError(f"reshard weight transfer: worker rank {self.me}: vLLM's loader could not load the "
+                               f"trainer's parameters: {type(e).__name__}: {e}") from e
+            g.send_bytes(wire.encode_marker_reply(marked), 0, "send the marker state")
+            engine_tensors = tuple(sorted(marked))
+        else:
+            g.send_bytes(wire.encode_cached_reply(hit.maps), 0, "send the cached maps")
+            engine_tensors = hit.engine_tensors
         self.targets = wire.decode_targets(g.broadcast_bytes(None, 0, "receive the targets"))
         plan = plan_for_rank(setup.sources, {n: t.map for n, t in self.targets.items()}, self.me)
         _, self.recvs = wire.link_program(plan, self.me)
         self.shapes = {t.into: tuple(t.shapes[self.me]) for t in self.targets.values() if self.me in t.shapes}
-        unfilled = sorted(set(marked) - set(self.shapes))
+        unfilled = sorted(set(engine_tensors) - set(self.shapes))
         if unfilled:  # a layer loaded in part would be post-processed with uninitialized elements
             raise MapError(f"reshard weight transfer: worker rank {self.me}: engine tensors no trainer parameter "
                            f"fills: {unfilled[:5]}")
+        if hit is None:
+            placed = sum(int((t > 0).sum()) for n, t in marked.items() if n in self.shapes)
+            relabel = {init_info.trainer_ranks + w: w for w in range(vworld)}
+            if key is not None:
+                cache.put(key, vrank, cache.CachedMaps({n: p.with_ranks(relabel) for n, p in self.targets.items()},
+                                                       engine_tensors, placed))
+        else:
+            placed = hit.placed_elements
         # padding (a padded vocabulary's rows) is never sent: zero once, here
         self.staging = {n: torch.zeros(s, dtype=self.dtype) for n, s in self.shapes.items()}
         self.inbox = {q: torch.empty(link.numel, dtype=self.dtype) for q, link in self.recvs.items()}
-        self.stats = {"rank": self.me, "init_s": time.perf_counter() - t0,
-                      "marked_elements": sum(int((t > 0).sum()) for n, t in marked.items() if n in self.shapes),
-                      "engine_tensors": len(self.shapes), "updates": 0}
+        self.stats = {"rank": self.me, "init_s": time.perf_counter() - t0, "marked_elements": placed,
+                      "maps_from": "learned" if hit is None else hit.source,
+                      "maps_key": key.digest if key is not None else None,
+                      "maps_digest": cache.maps_digest(self.targets), "engine_tensors": len(self.shapes), "updates": 0}
 
     # -- update -----------------------------------------------------------------------------------
 

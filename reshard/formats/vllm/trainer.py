@@ -40,12 +40,12 @@ from vllm.distributed.weight_transfer.base import (
 
 from ...errors import MapError, ReshardError, TransferError
 from ...execute.group import TransferGroup
-from ...execute.sources import fsdp2_sources
+from ...execute.sources import fsdp2_sources, reader_sources
 from ...ir.param_map import ParamMap
 from ...layouts.inference import Placed
 from ...layouts.learned import learn_placed
 from ...plan.planner import plan_for_rank
-from . import wire
+from . import cache, wire
 
 __all__ = ["LLMClient", "ReshardTrainerInitInfo", "ReshardTrainerWeightTransferEngine", "ShardSource",
            "learned_targets"]
@@ -79,6 +79,15 @@ class ShardSource(WeightSource):
         """A model under FSDP2's ``fully_shard``: its DTensors' maps and local shards."""
         return cls(*fsdp2_sources(model))
 
+    @classmethod
+    def checkpoint(cls, reader: Any, rank: int, *, ranks: list[int] | None = None,
+                   states: tuple[str, ...] = ("fp32", "weight")) -> ShardSource:
+        """A checkpoint folder's reader (``reshard.open(path, names="hf")``: any format reshard
+        reads, under the engine's HF names): storage rank ``k``'s fragments on trainer rank
+        ``ranks[k]`` (default ``k``), memory-mapped, never gathered; this rank's are ``rank``'s
+        (``execute.sources.reader_sources``: the fp32 masters where the checkpoint has them)."""
+        return cls(*reader_sources(reader, rank, ranks=ranks, states=states))
+
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(m.valid_shape) for n, m in self.maps.items()}
@@ -110,21 +119,33 @@ class LLMClient:
         self.llm.finish_weight_update(weight_version)
 
 
-def learned_targets(llm: Any, shapes: Mapping[str, tuple[int, ...]], *, ranks: list[int] | None = None
-                    ) -> dict[str, Placed]:
+def learned_targets(llm: Any, shapes: Mapping[str, tuple[int, ...]], *, ranks: list[int] | None = None,
+                    use_cache: bool = True) -> dict[str, Placed]:
     """The maps of a running engine: every parameter of ``shapes`` (full HF shapes) as vLLM's own
     loaders place it on each worker, learned from markers (``layouts.learned``), for
     :class:`reshard.WeightSync` or the planner. ``llm``: an offline ``LLM`` (started with
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: its ``collective_rpc`` then takes a function);
-    worker ``w`` becomes rank ``ranks[w]`` (default ``w``)."""
-    from .engine import worker_marker_state
+    worker ``w`` becomes rank ``ranks[w]`` (default ``w``). The workers' cached maps are used
+    where every worker has them (``cache.py``), and what is learned is cached on them;
+    ``use_cache=False`` learns afresh and keeps nothing."""
+    from .engine import worker_maps_reply, worker_put_maps
 
-    states = llm.collective_rpc(worker_marker_state, args=({n: list(s) for n, s in shapes.items()},))
-    learned = learn_placed(shapes, {w: wire.decode_tensors(b) for w, b in enumerate(states)})
+    args = {n: list(s) for n, s in shapes.items()}
+    replies = llm.collective_rpc(worker_maps_reply, args=(args, use_cache))
+    if use_cache and all(r[:1] == b"C" for r in replies):
+        learned = _agreed(dict(enumerate(replies)))
+    else:
+        if any(r[:1] == b"C" for r in replies):  # some workers lack them: every worker's markers
+            replies = llm.collective_rpc(worker_maps_reply, args=(args, False))
+        states = {w: wire.decode_marker_reply(r, w) for w, r in enumerate(replies)}
+        learned = learn_placed(shapes, states)
+        if use_cache:
+            engines = {w: (sorted(st), sum(int((t > 0).sum()) for t in st.values())) for w, st in states.items()}
+            llm.collective_rpc(worker_put_maps, args=(args, wire.encode_targets(learned), engines))
     if ranks is None:
         return learned
-    if len(ranks) != len(states):
-        raise MapError(f"learned_targets: {len(ranks)} ranks for {len(states)} vLLM workers")
+    if len(ranks) != len(replies):
+        raise MapError(f"learned_targets: {len(ranks)} ranks for {len(replies)} vLLM workers")
     return {n: p.with_ranks(dict(enumerate(ranks))) for n, p in learned.items()}
 
 
@@ -170,16 +191,19 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         setup = wire.Setup(src.shapes, src.maps, info.dtype)
         if self.me == 0:
             g.broadcast_bytes(setup.encode(), 0, "send the setup")
-            replies = {w: g.recv_bytes(T + w, f"receive worker {w}'s marker state") for w in range(W)}
+            cached = not g.failures(False, "agree on the cached maps")  # the workers say whether they lack them
+            replies = {w: g.recv_bytes(T + w, f"receive worker {w}'s " + ("cached maps" if cached else "marker state"))
+                       for w in range(W)}
             try:
-                engine = {w: wire.decode_marker_reply(data, w) for w, data in replies.items()}
-                learned = learn_placed(setup.shapes, engine)
+                learned = _agreed(replies) if cached else learn_placed(
+                    setup.shapes, {w: wire.decode_marker_reply(data, w) for w, data in replies.items()})
                 msg = wire.encode_targets({n: p.with_ranks({w: T + w for w in range(W)}) for n, p in learned.items()})
             except ReshardError as e:
                 msg = wire.encode_targets(None, str(e))
             got = g.broadcast_bytes(msg, 0, "send the targets")
         else:
             setup = wire.Setup.decode(g.broadcast_bytes(None, 0, "receive the setup"))
+            g.failures(False, "agree on the cached maps")
             got = g.broadcast_bytes(None, 0, "receive the targets")
         self.targets = wire.decode_targets(got)
         self.dtype = wire.wire_dtype(setup.dtype)
@@ -271,6 +295,17 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def _agreed(replies: Mapping[int, bytes]) -> dict[str, Placed]:
+    """The workers' cached maps, which must be one and the same (each worker keeps its own copy)."""
+    maps = {w: wire.decode_cached_reply(data, w) for w, data in replies.items()}
+    first = min(maps)
+    for w, m in maps.items():
+        if wire.encode_targets(m) != wire.encode_targets(maps[first]):
+            raise MapError(f"vLLM workers {first} and {w} hold different cached maps for the same model; clear the "
+                           f"reshard cache ({cache.cache_root()})")
+    return maps[first]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

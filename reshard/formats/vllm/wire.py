@@ -12,6 +12,10 @@ Init, over the group (rank 0 is trainer rank 0):
    sends rank 0 what landed in each of its engine tensors (:func:`encode_tensors`);
 3. rank 0 learns every parameter's placement (``layouts.learned.learn_placed``) and broadcasts the
    **targets** (or one error line, which every rank raises);
+
+   (before 2, every rank reports in one reduction whether it lacks cached maps, ``cache.py``;
+   when no worker does, each sends its cached maps instead of markers (:func:`encode_cached_reply`),
+   and rank 0 checks they agree and broadcasts them as the targets)
 4. every rank plans its own part (``plan_for_rank``) and cuts it into one message per link
    (:func:`link_program`): the same segments in the same order at both ends, so a link's message
    is the concatenation of its segments' elements, cast to the wire dtype, and nothing else.
@@ -34,7 +38,7 @@ from ...ir.piece import View
 from ...layouts.inference import Placed
 from ...plan.values import ModelPlan, Segment
 
-__all__ = ["Link", "Setup", "decode_marker_reply", "decode_targets", "decode_tensors", "encode_marker_reply",
+__all__ = ["Link", "Setup", "decode_cached_reply", "decode_marker_reply", "encode_cached_reply", "decode_targets", "decode_tensors", "encode_marker_reply",
            "encode_targets", "encode_tensors",
            "link_program", "pack", "unpack", "wire_dtype"]
 
@@ -101,6 +105,18 @@ def decode_marker_reply(data: bytes, worker: int) -> dict[str, torch.Tensor]:
     if data[:1] == b"E":
         raise MapError(f"vLLM worker {worker} could not load the markers: {data[1:].decode(errors='replace')}")
     return decode_tensors(data[1:])
+
+
+def encode_cached_reply(maps: Mapping[str, Placed]) -> bytes:
+    """A worker's reply to the setup when every worker holds cached maps (``cache.py``): the maps
+    of every parameter on workers ``0..W-1``."""
+    return b"C" + encode_targets(maps)
+
+
+def decode_cached_reply(data: bytes, worker: int) -> dict[str, Placed]:
+    if data[:1] != b"C":
+        raise MapError(f"vLLM worker {worker} sent its marker state where every worker had agreed to send cached maps")
+    return decode_targets(data[1:])
 
 
 def encode_targets(targets: Mapping[str, Placed] | None, error: str | None = None) -> bytes:
