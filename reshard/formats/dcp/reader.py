@@ -31,9 +31,10 @@ from ..hf.trainer_files import trainer_held
 from ..safetensors.quantized import QUANTIZED_DTYPES, Codec, Coded, open_codec
 from .checkpoint import DcpCheckpoint
 
-__all__ = ["RAW", "DcpReader"]
+__all__ = ["QUANTIZATION_CONFIG", "RAW", "DcpReader"]
 
 RAW = "raw"  # a tensor entry by its own key
+QUANTIZATION_CONFIG = "quantization_config"  # the entry (or dcp.save's flattened entries) saying how weights are quantized
 
 
 class DcpReader(Reader):
@@ -65,13 +66,31 @@ class DcpReader(Reader):
         """The codec of the quantized model entries (``None``: none); refuses an FP8 payload without
         a ``quantization_config`` entry, and what the codec cannot decode."""
         key = "quantization_config"
-        q = self.ck.object(key) if key in self.ck.objects else None
+        q = self._quantization_config()
         where = self.ck.path / ".metadata"
         entries = {n: SimpleNamespace(dtype=e.dtype, shape=tuple(e.shape), file=where)
                    for n in self.ck.params for e in (self.ck.entry(self.ck.param_key(n)),)}
         if q is None and not any(e.dtype in QUANTIZED_DTYPES for e in entries.values()):
             return None, None  # an ordinary checkpoint: read as before
         return open_codec({key: q} if q is not None else None, entries, where), q
+
+    def _quantization_config(self) -> Any:
+        """The ``quantization_config`` entry: one object, or a dict ``dcp.save`` flattened into an
+        entry per leaf (``quantization_config.<key>``, its path in the planner data)."""
+        ck = self.ck
+        if QUANTIZATION_CONFIG in ck.objects:
+            return ck.object(QUANTIZATION_CONFIG)
+        leaves = [k for k in ck.objects if k.startswith(QUANTIZATION_CONFIG + ".")]
+        if not leaves:
+            return None
+        out: dict[str, Any] = {}
+        for k in leaves:
+            path = ck.planner_data.get(k) or tuple(k.split("."))
+            at = out
+            for part in path[1:-1]:
+                at = at.setdefault(str(part), {})
+            at[str(path[-1])] = ck.object(k)
+        return out
     @classmethod
     def open(cls, path: str | Path) -> DcpReader:
         return cls(DcpCheckpoint.open(path), Path(path))
@@ -135,7 +154,7 @@ class DcpReader(Reader):
                 else:
                     out.append(Held(key, where, "weights", "a tensor entry outside the model's and the optimizer's"))
             for key in ck.objects:
-                if ck is self.ck and key == "quantization_config" and self.codec is not None:
+                if ck is self.ck and self.codec is not None and key.split(".")[0] == QUANTIZATION_CONFIG:
                     continue  # what the quantized entries are decoded by
                 if key.startswith(f"{ck.optim}param_groups.") or (key.startswith(prefix) and key.endswith(".step")):
                     continue

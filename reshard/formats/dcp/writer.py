@@ -39,12 +39,10 @@ from ...layouts._core import finish as finish_map
 from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Stored, Writer
 from ..safetensors.io import plan_files
 from .checkpoint import DcpCheckpoint
-from .reader import RAW
+from .reader import QUANTIZATION_CONFIG, RAW
 from .records import DcpFile, Record, TensorSpec, metadata_bytes
 
-__all__ = ["QUANTIZATION_CONFIG", "DcpWriter", "fsdp_chunks", "fsdp_map", "renamer"]
-
-QUANTIZATION_CONFIG = "quantization_config"  # the non-tensor entry kept quantized weights are read back by
+__all__ = ["DcpWriter", "fsdp_chunks", "fsdp_map", "renamer"]
 
 
 def fsdp_chunks(shape: tuple[int, ...], n: int) -> list[tuple[int, int]]:
@@ -100,8 +98,17 @@ def _as_step(step: Any) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32)
 
 
+def _flat(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    """``value``'s leaves under ``prefix``, a dict's keys joined by dots (``dcp.save``'s flattening)."""
+    if isinstance(value, dict) and value:
+        return [kv for k, v in value.items() for kv in _flat(f"{prefix}.{k}", v)]
+    return [(prefix, value)]
+
+
 def _path_of(key: str) -> tuple:
     """The nested-dict path DCP's planners rebuild a flattened key from."""
+    if key.startswith(QUANTIZATION_CONFIG + "."):
+        return tuple(key.split("."))
     if key.startswith("model."):
         return ("model", key[len("model."):])
     if key.startswith("optim.state."):
@@ -238,13 +245,15 @@ class DcpWriter(Writer):
         f.tensor(e.key, offsets, e.dtype, sizes, engine.fill(self._buffers[_buffer_key(i, e.key)]))
 
     def _quantization_config(self, f: DcpFile) -> None:
-        """The source's ``quantization_config`` (what the kept tensors are decoded by), one entry."""
+        """The source's ``quantization_config`` (what the kept tensors are decoded by), flattened
+        as ``dcp.save`` flattens a nested dict: an entry per leaf, ``quantization_config.<key>``."""
         config = next((s.quantization_config for s in self.kept.values() if s.quantization_config is not None), None)
         if config is None:
             return
-        f.value(QUANTIZATION_CONFIG, config)
-        with self._lock:
-            self.values.append(QUANTIZATION_CONFIG)
+        for key, value in _flat(QUANTIZATION_CONFIG, config):
+            f.value(key, value)
+            with self._lock:
+                self.values.append(key)
 
     def _rank_file(self, engine: Any, staging: Any, r: int) -> None:
         """Loading rank ``r``'s chunk of every tensor (and on rank 0 the rest)."""

@@ -80,17 +80,19 @@ def test_hf_dcp_hf_gives_the_source_bytes(tmp_path: Path, monkeypatch: pytest.Mo
 @pytest.mark.parametrize("name", FOLDERS)
 def test_torch_dcp_load_reads_the_source_tensors(tmp_path: Path, name: str) -> None:
     """torch's own ``dcp.load`` (no process group) of the kept DCP: every payload and scale entry the
-    source's bytes (experts split over 3 files for MXFP4), the quantization_config entry the source's."""
+    source's bytes (experts split over 3 files for MXFP4), the quantization_config entries the source's
+    (a dict, flattened as ``dcp.save`` flattens one)."""
     reshard(HF / name, tmp_path / "dcp", to="dcp", files=3, quantize="keep")
     src = _source(name)
     keys = _quantized(name, src)
     assert keys
+    q = json.loads((HF / name / "config.json").read_text())["quantization_config"]
     state: dict[str, object] = {f"model.{k}": torch.empty_like(src[k]) for k in keys}
-    state["quantization_config"] = None
+    state["quantization_config"] = {k: None for k in q}  # flattened as dcp.save flattens a dict
     dcp.load(state, checkpoint_id=str(tmp_path / "dcp" / name), no_dist=True)
     for k in keys:
         assert _same(state[f"model.{k}"], src[k]), k  # type: ignore[arg-type]
-    assert state["quantization_config"] == json.loads((HF / name / "config.json").read_text())["quantization_config"]
+    assert state["quantization_config"] == q
 
 
 @pytest.mark.parametrize("name", FOLDERS)
