@@ -100,15 +100,22 @@ def targets_of(buffers: Iterable[Buffer]) -> list[Target]:
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    """A parameter its source stores quantized as FP8 block scales (docs/spec.md §7.4): the payload
-    and ``weight_scale_inv`` tensors as stored (not decoded), what a quantized target holding the
-    same encoding copies byte for byte instead of decoding and re-encoding."""
+    """A parameter its source stores quantized (docs/spec.md §7.4): the payload and scale tensors as
+    stored (not decoded), what a quantized target holding the same encoding copies byte for byte
+    instead of decoding and re-encoding. FP8 block scales: payload ``X.weight`` (the parameter's
+    name, its shape) and ``X.weight_scale_inv``; MXFP4 (``kind="mxfp4"``): ``X_blocks`` and
+    ``X_scales``, whose shapes are not the parameter's. A tensor's name is the parameter's with
+    its suffix."""
 
-    payload_dtype: torch.dtype  # float8_e4m3fn or float8_e5m2
-    block: tuple[int, int]  # rows, cols per scale
+    payload_dtype: torch.dtype  # float8_e4m3fn or float8_e5m2; MXFP4: uint8
+    block: tuple[int, int]  # rows, cols per scale (MXFP4: 1 x 32 values along the input dim)
     scale_fmt: str  # "float32" or "ue8m0" (ir.codec.SCALE_FORMATS), whatever dtype holds the scales
-    payload: Callable[[], torch.Tensor]  # the payload tensor, the weight's shape
+    payload: Callable[[], torch.Tensor]  # the payload tensor as stored (FP8: the weight's shape)
     scales: Callable[[], torch.Tensor]  # the scales as stored (their dtype: float32, E8M0 or its byte)
+    kind: str = "fp8"  # "fp8" | "mxfp4"
+    payload_suffix: str = ""  # the payload tensor's name: the parameter's with this suffix
+    scales_suffix: str = "_scale_inv"  # the scales tensor's name: the parameter's with this suffix
+    quantization_config: Any = None  # the source's quantization_config (what a kept copy is read back by)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +186,8 @@ class Reader(ABC):
         return None
 
     def stored(self, name: str) -> Stored | None:
-        """Parameter ``name`` as stored where the source holds it quantized (FP8 block scales), else
-        ``None``. Its ``weight`` state is still the decoded value; this is the encoding beside it."""
+        """Parameter ``name`` as stored where the source holds it quantized (FP8 block scales, MXFP4),
+        else ``None``. Its ``weight`` state is still the decoded value; this is the encoding beside it."""
         return None
     def unlowered(self) -> list[Held]:
         """Every entry the source holds beside the parameter states it lowers (buffers, a run's

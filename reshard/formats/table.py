@@ -65,7 +65,9 @@ OPTIONS: dict[str, Option] = {
     "quantize": Option("--quantize", "write 2-D linear weights as FP8 E4M3 with a weight_scale_inv per block, as "
                        "transformers' Fp8Quantize does (fp8: float32 scales; fp8-ue8m0: power-of-two E8M0 scales); "
                        "embeddings, norms and the output head stay as they are; an FP8 source in that encoding is "
-                       "moved as stored (vllm: only so, to each TP rank)", {"choices": ("fp8", "fp8-ue8m0")}),
+                       "moved as stored (vllm: to each TP rank). keep: every weight a quantized source stores "
+                       "quantized (FP8 of any block, MXFP4) moved as stored, payload and scales byte for byte, "
+                       "never decoded (dcp: as entries of their own)", {"choices": ("fp8", "fp8-ue8m0", "keep")}),
     "block": Option("--block", "with --quantize: the scale block, rows x columns (default: an FP8 source's own, "
                     "else 128x128)", {"type": "block", "metavar": "RxC"}),
     "optimizer": Option("--optimizer", "its optimizer state's layout (default: the source's; from an HF "
@@ -137,7 +139,8 @@ FORMATS: tuple[Format, ...] = (
            writes="PyTorch DCP that dcp.load reads at any world size, or laid out for N loading ranks (--files N)",
            detect="reshard.formats.registry:is_dcp", hint=".metadata",
            reader="reshard.formats.dcp.reader:DcpReader.open",
-           writer="reshard.formats.dcp.writer:DcpWriter", convert=("max_file_bytes", "rename"), reshard=("files",),
+           writer="reshard.formats.dcp.writer:DcpWriter", convert=("max_file_bytes", "rename", "quantize"),
+           reshard=("files", "quantize"),
            needs="files", source_example="reshard reshard DCP OUT --files 8",
            target_example="reshard convert CKPT OUT --format dcp"),
     Format("accelerate", "an Accelerate FSDP checkpoint", probe=2,  # before dcp: its folders are DCP ones

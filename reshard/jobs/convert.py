@@ -96,6 +96,10 @@ def convert(
     ``fmt="vllm"``: vLLM's sharded state at TP=``tp`` (default 1) in ``out_dir`` itself, with
     ``config.json`` and the tokenizer files as for ``"hf"`` (``formats.vllm.writer``).
 
+    ``quantize="keep"`` (``"hf"``, ``"safetensors"``, ``"dcp"``, ``"vllm"``): every weight a quantized
+    source stores quantized (FP8 block scales, MXFP4) written as it stores it, payload and scales
+    byte for byte, never decoded (DCP: entries of their own, with the source's ``quantization_config``).
+
     ``quantize`` (``"fp8"`` or ``"fp8-ue8m0"``; ``"hf"``, ``"safetensors"``, ``"vllm"``): 2-D linear weights
     written as FP8 E4M3 and a ``weight_scale_inv`` per ``block`` (rows, cols; default an FP8 source's
     own, else 128 x 128), transformers' ``Fp8Quantize`` bit for bit (``formats.safetensors.writer``).
@@ -180,6 +184,7 @@ def reshard(
     verify: str = "records",
     drop: Sequence[str] = (),
     hf_config: str | Path | None = None,
+    quantize: str | None = None,
 ) -> Report:
     """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``, in the
     format ``to`` names, by default the source's own where it is written at a topology (a
@@ -197,9 +202,11 @@ def reshard(
     Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP, x expert TP ``etp``), from a
     Megatron source or an HF one (or DCP / universal in HF names, the model's ``config.json`` in
     the folder ``hf_config``), its optimizer state laid out as ``optimizer`` says
-    (``formats.megatron.writer``). ``verify_source``, ``verify`` and ``drop`` as for :func:`convert`."""
+    (``formats.megatron.writer``). ``verify_source``, ``verify`` and ``drop`` as for :func:`convert`;
+    ``quantize="keep"`` (``to="dcp"``): a quantized source's payloads and scales as entries of their own,
+    byte for byte (``formats.dcp.writer``)."""
     given = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep, "etp": etp,
-             "layout": layout, "dtype": dtype, "optimizer": optimizer, "hf_config": hf_config}
+             "layout": layout, "dtype": dtype, "optimizer": optimizer, "hf_config": hf_config, "quantize": quantize}
     target = reshard_target(ckpt_dir, to, given)
     check_options(target.name, given)
     patterns(drop)

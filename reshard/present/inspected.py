@@ -91,7 +91,7 @@ def open_source(path: str | Path) -> Inspected:
     for n in reader.names:
         maps[n] = reader.map(n, reader.states(n)[0])
         stored = reader.stored(n)
-        if stored is not None:  # the payload's scales beside it, their map derived from its map
+        if stored is not None and stored.kind == "fp8":  # the payload's scales beside it, their map derived from its map
             scale = (n[:-len(".weight")] if n.endswith(".weight") else n) + ".weight_scale_inv"
             maps[scale], scales[scale] = coarsen(maps[n], stored.block), (n, stored.block)
     kind = "universal" if reader.format == "universal" else "maps"

@@ -77,7 +77,7 @@ class _RecordUnpickler(pickle.Unpickler):
             return collections.OrderedDict
         if module == "torch" and name in _STORAGE_DTYPES:
             return ("typed", _STORAGE_DTYPES[name])
-        if module == "torch" and name == "UntypedStorage":
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":  # torch.save: the latter (FP8)
             return ("untyped", torch.uint8)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

@@ -3,26 +3,38 @@ the storage ranks that wrote them (``formats.dcp.checkpoint``), each rank's shar
 mapped. ``model.<fqn>`` is a parameter's ``weight``, ``optim.state.<fqn>.<s>`` its state ``s``
 (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``, or any other the optimizer keeps); every tensor
 entry is also readable by its own key as the state ``raw``, which a DCP target laid out again
-uses to keep every entry exactly (``formats.dcp.writer``)."""
+uses to keep every entry exactly (``formats.dcp.writer``).
+
+Quantized weights (``--quantize keep``'s DCP target, or any DCP whose model entries hold an FP8
+payload): the non-tensor entry ``quantization_config`` says how, as a Hugging Face folder's
+``config.json`` does, and the payload and scale entries are paired and checked by the same codec
+(``formats.safetensors.quantized``): each is one parameter, decoded when the engine reads it (whole,
+on rank 0, one at a time), its encoding beside it (:meth:`DcpReader.stored`). Without the entry
+a quantized payload is refused, never read as a weight."""
 
 from __future__ import annotations
 
-from functools import cached_property
+import threading
+from functools import cached_property, partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
+from ...layouts import replicated
 from ...storage import verified
-from ..contract import MOMENTS, Held, Reader
+from ..contract import MOMENTS, Held, Reader, Stored
 from ..hf.trainer_files import trainer_held
+from ..safetensors.quantized import QUANTIZED_DTYPES, Codec, Coded, open_codec
 from .checkpoint import DcpCheckpoint
 
-__all__ = ["RAW", "DcpReader"]
+__all__ = ["QUANTIZATION_CONFIG", "RAW", "DcpReader"]
 
 RAW = "raw"  # a tensor entry by its own key
+QUANTIZATION_CONFIG = "quantization_config"  # the entry (or dcp.save's flattened entries) saying how weights are quantized
 
 
 class DcpReader(Reader):
@@ -39,7 +51,46 @@ class DcpReader(Reader):
         self.description = f"PyTorch DCP checkpoint, {len(ranks)} storage ranks"
         self.topology: dict[str, int] = {}
         self.names = ck.params
+        self.codec, self.quantization = self._codec()
+        self.coded: dict[str, Coded] = {}  # quantized parameters by name
+        if self.codec is not None:
+            by_payload, consumed = self.codec.coded, self.codec.consumed()
+            self.coded = {c.name: c for c in by_payload.values()}
+            self.names = [by_payload[n].name if n in by_payload else n for n in self.names
+                          if n in by_payload or n not in consumed]
+            self.description += f", {self.codec.description}"
+        self._decoded: tuple[str, torch.Tensor] | None = None  # the last parameter decoded: one at a time
+        self._lock = threading.Lock()
 
+    def _codec(self) -> tuple[Codec | None, Any]:
+        """The codec of the quantized model entries (``None``: none); refuses an FP8 payload without
+        a ``quantization_config`` entry, and what the codec cannot decode."""
+        key = "quantization_config"
+        q = self._quantization_config()
+        where = self.ck.path / ".metadata"
+        entries = {n: SimpleNamespace(dtype=e.dtype, shape=tuple(e.shape), file=where)
+                   for n in self.ck.params for e in (self.ck.entry(self.ck.param_key(n)),)}
+        if q is None and not any(e.dtype in QUANTIZED_DTYPES for e in entries.values()):
+            return None, None  # an ordinary checkpoint: read as before
+        return open_codec({key: q} if q is not None else None, entries, where), q
+
+    def _quantization_config(self) -> Any:
+        """The ``quantization_config`` entry: one object, or a dict ``dcp.save`` flattened into an
+        entry per leaf (``quantization_config.<key>``, its path in the planner data)."""
+        ck = self.ck
+        if QUANTIZATION_CONFIG in ck.objects:
+            return ck.object(QUANTIZATION_CONFIG)
+        leaves = [k for k in ck.objects if k.startswith(QUANTIZATION_CONFIG + ".")]
+        if not leaves:
+            return None
+        out: dict[str, Any] = {}
+        for k in leaves:
+            path = ck.planner_data.get(k) or tuple(k.split("."))
+            at = out
+            for part in path[1:-1]:
+                at = at.setdefault(str(part), {})
+            at[str(path[-1])] = ck.object(k)
+        return out
     @classmethod
     def open(cls, path: str | Path) -> DcpReader:
         return cls(DcpCheckpoint.open(path), Path(path))
@@ -77,6 +128,8 @@ class DcpReader(Reader):
         for ck in {id(self.ck): self.ck, id(self.optim): self.optim}.values():
             for key in ck.tensors:  # every entry's chunks tile its tensor
                 ck.param_map(key)
+        if self.codec is not None:  # every scale finite and positive
+            self.codec.check(self._tensor, lambda n: self.ck.path / ".metadata")
 
     def unlowered(self) -> list[Held]:
         """Entries beside the model's parameters and their Adam states: tensors outside the model
@@ -86,6 +139,8 @@ class DcpReader(Reader):
         for ck in {id(self.ck): self.ck, id(self.optim): self.optim}.values():
             where, prefix = str(ck.path / ".metadata"), f"{ck.optim}state."
             lowered = {ck.param_key(n) for n in names} if ck is self.ck else set()
+            if ck is self.ck and self.codec is not None:  # payloads and scales, decoded to their parameters
+                lowered |= {ck.param_key(n) for n in self.codec.consumed()}
             for key in ck.tensors:
                 if key in lowered:
                     continue
@@ -99,6 +154,8 @@ class DcpReader(Reader):
                 else:
                     out.append(Held(key, where, "weights", "a tensor entry outside the model's and the optimizer's"))
             for key in ck.objects:
+                if ck is self.ck and self.codec is not None and key.split(".")[0] == QUANTIZATION_CONFIG:
+                    continue  # what the quantized entries are decoded by
                 if key.startswith(f"{ck.optim}param_groups.") or (key.startswith(prefix) and key.endswith(".step")):
                     continue
                 out.append(Held(key, where, "state", "a non-tensor entry"))
@@ -107,22 +164,62 @@ class DcpReader(Reader):
         return out
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.ck.entry(self.ck.param_key(name)).shape)
+        c = self.coded.get(name)
+        return c.shape if c is not None else tuple(self.ck.entry(self.ck.param_key(name)).shape)
 
     def states(self, name: str) -> tuple[str, ...]:
         return self._states.get(name, ()) + ((RAW,) if name in self.ck.tensors else ())
 
     def dtype(self, name: str, state: str) -> torch.dtype:
+        if state == "weight" and name in self.coded:
+            return torch.float32
         ck, key = self._where(name, state)
         return ck.entry(key).dtype
 
     def map(self, name: str, state: str) -> ParamMap:
+        c = self.coded.get(name) if state == "weight" else None
+        if c is not None:  # decoded whole, on rank 0 (as a safetensors folder's)
+            return replicated(c.shape, 1)
         ck, key = self._where(name, state)
         return ck.param_map(key)
 
     def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
+        c = self.coded.get(name) if state == "weight" else None
+        if c is not None and self.codec is not None:
+            with self._lock:
+                last = self._decoded
+            if last is not None and last[0] == name:  # another segment of the parameter the engine is filling
+                return last[1]
+            t = self.codec.decode(c, self._tensor).reshape(-1)
+            for n in (c.payload, c.scales):
+                self.ck.release(self.ck.param_key(n))
+            with self._lock:
+                self._decoded = (name, t)
+            return t
         ck, key = self._where(name, state)
         return ck.shard(key, rank).reshape(-1)
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        """Model entry ``name`` whole, as stored."""
+        return self.ck.full(self.ck.param_key(name))
+
+    def stored(self, name: str) -> Stored | None:
+        """A quantized parameter's payload and scales as the entries hold them."""
+        c = self.coded.get(name)
+        if c is None:
+            return None
+        payload, scales = partial(self._tensor, c.payload), partial(self._tensor, c.scales)
+        q = self.quantization
+        if c.kind == "mxfp4":
+            return Stored(torch.uint8, c.block, "ue8m0", payload, scales, kind="mxfp4",
+                          payload_suffix=c.payload[len(name):], scales_suffix=c.scales[len(name):],
+                          quantization_config=q)
+        sdtype = self.ck.entry(self.ck.param_key(c.scales)).dtype
+        fmt = "float32" if sdtype == torch.float32 else "ue8m0" if sdtype in (torch.uint8, torch.float8_e8m0fnu) else None
+        if fmt is None:
+            return None
+        return Stored(self.ck.entry(self.ck.param_key(c.payload)).dtype, c.block, fmt, payload, scales,
+                      scales_suffix=c.scales[len(name):], quantization_config=q)
 
     def tp_index(self, name: str, state: str, rank: int) -> None:
         return None

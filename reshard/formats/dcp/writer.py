@@ -9,6 +9,13 @@ exp_avg_sq,step}`` and ``optim.param_groups.<i>.<key>``.
   reads every byte once. From a DCP source every entry is kept by its own key (the objects go
   with rank 0's file); from any other, the keys above.
 
+* ``quantize="keep"``: each weight the source stores quantized (``Reader.stored``: FP8 block
+  scales, MXFP4) is two entries of its own, its payload and its scales as stored, byte for byte
+  (``model.X.weight`` E4M3 and ``model.X.weight_scale_inv``; ``model.X_blocks`` and
+  ``model.X_scales``), each laid out as any tensor (``--files N``: dim-0 chunks, so MXFP4 experts
+  split over the loading ranks), and the source's ``quantization_config`` a non-tensor entry of
+  that name, which the DCP reader decodes them by (``formats.dcp.reader``). Never decoded.
+
 Every chunk is streamed from the source fragments through the engine's plan; ``.metadata`` is
 written last, by one process, from every file's records (:meth:`DcpWriter.finish`).
 """
@@ -29,10 +36,10 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...layouts._core import box_piece
 from ...layouts._core import finish as finish_map
-from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Writer
+from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Stored, Writer
 from ..safetensors.io import plan_files
 from .checkpoint import DcpCheckpoint
-from .reader import RAW
+from .reader import QUANTIZATION_CONFIG, RAW
 from .records import DcpFile, Record, TensorSpec, metadata_bytes
 
 __all__ = ["DcpWriter", "fsdp_chunks", "fsdp_map", "renamer"]
@@ -91,8 +98,17 @@ def _as_step(step: Any) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32)
 
 
+def _flat(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    """``value``'s leaves under ``prefix``, a dict's keys joined by dots (``dcp.save``'s flattening)."""
+    if isinstance(value, dict) and value:
+        return [kv for k, v in value.items() for kv in _flat(f"{prefix}.{k}", v)]
+    return [(prefix, value)]
+
+
 def _path_of(key: str) -> tuple:
     """The nested-dict path DCP's planners rebuild a flattened key from."""
+    if key.startswith(QUANTIZATION_CONFIG + "."):
+        return tuple(key.split("."))
     if key.startswith("model."):
         return ("model", key[len("model."):])
     if key.startswith("optim.state."):
@@ -110,9 +126,13 @@ class DcpWriter(Writer):
     keeps_replicas = False
 
     def __init__(self, reader: Reader, *, files: int | None = None, max_file_bytes: int = 5 * 2**30,
-                 rename: Sequence[str] = ()) -> None:
+                 rename: Sequence[str] = (), quantize: str | None = None) -> None:
         if files is not None and (isinstance(files, bool) or not isinstance(files, int) or files < 1):
             raise ReshardError(f"--files must be a positive integer, got {files!r}")
+        if quantize not in (None, "keep"):
+            raise ReshardError(f"--quantize {quantize!r}: a DCP target keeps a quantized source's weights as it stores "
+                               "them (--quantize keep); it encodes none (--quantize fp8 goes with hf, safetensors "
+                               "and vllm)")
         self.reader, self.files, self.max_file_bytes = reader, files, max_file_bytes
         self.tag = reader.tag
         own = reader.native("dcp")
@@ -123,6 +143,9 @@ class DcpWriter(Writer):
                                "again with --files keeps its keys")
         rename_fn = renamer(rename)
         self.new = {n: rename_fn(n) for n in reader.names}
+        # --quantize keep: the parameters moved as stored (payload and scales), from no buffer
+        self.kept: dict[str, Stored] = {} if self.native or quantize is None else {
+            n: s for n in reader.names if (s := reader.stored(n)) is not None}
         dup = sorted({v for v in self.new.values() if list(self.new.values()).count(v) > 1})
         if dup:
             raise ReshardError(f"--rename maps several parameters to {dup[0]!r}")
@@ -152,9 +175,15 @@ class DcpWriter(Writer):
             state = next((s for s in BEST if s in have), None)
             if state is None:
                 raise ReshardError(f"{r.sources[-1]}: parameter {n!r} has no weights to write")
-            dtype = r.dtype(n, state)
-            out.append(_Entry(f"model.{self.new[n]}", n, BEST, torch.float32 if dtype.is_floating_point else dtype,
-                              r.shape(n)))
+            kept = self.kept.get(n)
+            if kept is not None:  # payload and scales as stored (their shapes: views, nothing read)
+                for want, suffix, t in ((PAYLOAD, kept.payload_suffix, kept.payload()),
+                                        (SCALES, kept.scales_suffix, kept.scales())):
+                    out.append(_Entry(f"model.{self.new[n]}{suffix}", n, (want,), t.dtype, tuple(t.shape)))
+            else:
+                dtype = r.dtype(n, state)
+                out.append(_Entry(f"model.{self.new[n]}", n, BEST, torch.float32 if dtype.is_floating_point else dtype,
+                                  r.shape(n)))
             out += [_Entry(f"optim.state.{self.new[n]}.{m}", n, (m,), torch.float32, r.shape(n))
                     for m in MOMENTS if m in have]
         return out
@@ -169,7 +198,12 @@ class DcpWriter(Writer):
             where = [(group[e.name], 0, e) for e in self.entries]
             where.sort(key=lambda w: w[0])
         return [Buffer(_buffer_key(i, e.key), e.dtype, prod(self.layout[e.key][r][1]),
-                       (Slot(0, e.name, e.want, self._maps[e.key], r),)) for i, r, e in where]
+                       (Slot(0, e.name, e.want, self._maps[e.key], r),)) for i, r, e in where
+                if e.want not in ((PAYLOAD,), (SCALES,))]  # kept quantized tensors: copied, not planned
+
+    def copied(self) -> list[str]:
+        """``--quantize keep``: the parameters whose payload and scales are copied as stored."""
+        return list(self.kept)
 
     def buffers(self) -> list[Buffer]:
         return list(self._buffers.values())
@@ -183,7 +217,10 @@ class DcpWriter(Writer):
         return {"target": "PyTorch DCP checkpoint", **({"files": self.files} if self.files is not None else {})}
 
     def notes(self) -> list[str]:
-        return []
+        if not self.kept:
+            return []
+        return [f"{len(self.kept)} weights kept quantized as the source stores them: payload and scales entries of "
+                f"their own, byte for byte (never decoded), and the source's {QUANTIZATION_CONFIG} as an entry"]
 
     # -- files ---------------------------------------------------------------------------------
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
@@ -199,7 +236,24 @@ class DcpWriter(Writer):
 
     def _put(self, engine: Any, f: DcpFile, i: int, e: _Entry, rank: int) -> None:
         offsets, sizes = self.layout[e.key][rank]
+        if e.want in ((PAYLOAD,), (SCALES,)):  # a kept quantized tensor: its dim-0 chunk, bytes as stored
+            kept = self.kept[e.name]
+            whole = kept.payload() if e.want == (PAYLOAD,) else kept.scales()
+            chunk = whole[offsets[0]:offsets[0] + sizes[0]] if sizes else whole
+            f.tensor(e.key, offsets, e.dtype, sizes, chunk.contiguous())
+            return
         f.tensor(e.key, offsets, e.dtype, sizes, engine.fill(self._buffers[_buffer_key(i, e.key)]))
+
+    def _quantization_config(self, f: DcpFile) -> None:
+        """The source's ``quantization_config`` (what the kept tensors are decoded by), flattened
+        as ``dcp.save`` flattens a nested dict: an entry per leaf, ``quantization_config.<key>``."""
+        config = next((s.quantization_config for s in self.kept.values() if s.quantization_config is not None), None)
+        if config is None:
+            return
+        for key, value in _flat(QUANTIZATION_CONFIG, config):
+            f.value(key, value)
+            with self._lock:
+                self.values.append(key)
 
     def _rank_file(self, engine: Any, staging: Any, r: int) -> None:
         """Loading rank ``r``'s chunk of every tensor (and on rank 0 the rest)."""
@@ -219,6 +273,7 @@ class DcpWriter(Writer):
                 for n in self.reader.names:
                     self._step(f, n)
                 self._groups(f)
+                self._quantization_config(f)
         self._record(f.records)
 
     def _whole_file(self, engine: Any, staging: Any, i: int, members: list[str]) -> None:
@@ -260,6 +315,7 @@ class DcpWriter(Writer):
         with staging.open(rel) as out:
             f = DcpFile(out, rel)
             self._groups(f)
+            self._quantization_config(f)
         self._record(f.records)
 
     def _record(self, records: list[Record]) -> None:
@@ -278,6 +334,9 @@ class DcpWriter(Writer):
         planner = {k: _path_of(k) for k in sorted(list(specs) + values)}
         with staging.open(".metadata") as out:
             out.write(metadata_bytes(dict(sorted(specs.items())), sorted(values), records, planner))
+
+
+PAYLOAD, SCALES = "stored payload", "stored scales"  # a kept quantized weight's entries (not states: no buffer)
 
 
 def _buffer_key(i: int, key: str) -> str:

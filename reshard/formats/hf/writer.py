@@ -141,7 +141,9 @@ class HfWriter(Writer):
         # reshard writes weights, never a quantized payload: a quantization_config would make
         # from_pretrained read them as one
         quantized = config.pop("quantization_config", None) is not None
-        if self.inner.encoded:  # what transformers' quantized save_pretrained writes (FineGrainedFP8Config.to_dict())
+        if self.inner.encoded and self.inner.keep:  # the source's own, which its kept tensors are read back by
+            config["quantization_config"] = self.inner.kept_config()
+        elif self.inner.encoded:  # what transformers' quantized save_pretrained writes (FineGrainedFP8Config.to_dict())
             config["quantization_config"] = fp8_config(self.inner.block, self.inner.scale_fmt)
         if self.folder is not None and not quantized and not self.inner.encoded and \
                 config.get("dtype", config.get("torch_dtype")) == name:

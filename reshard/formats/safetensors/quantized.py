@@ -30,7 +30,7 @@ import torch
 from ...errors import QuantizedError
 from ...ir.codec import E8M0_NAN, MXFP4_BYTES, fp8_block_decode, mxfp4_decode, mxfp4_shape, scale_grid
 
-__all__ = ["FP8_DTYPES", "SCALE_SUFFIXES", "Codec", "Coded", "open_codec"]
+__all__ = ["FP8_DTYPES", "QUANTIZED_DTYPES", "SCALE_SUFFIXES", "Codec", "Coded", "open_codec"]
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)

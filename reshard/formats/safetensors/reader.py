@@ -240,16 +240,22 @@ class SafetensorsReader(Reader):
         return t
 
     def stored(self, name: str) -> Stored | None:
-        """An FP8 parameter's payload and scales as the files hold them (float32 or E8M0 scales)."""
+        """A quantized parameter's payload and scales as the files hold them: FP8 (float32 or E8M0
+        scales), MXFP4 (``X_blocks``, ``X_scales``)."""
         c = self.coded.get(name)
-        if c is None or c.kind != "fp8":
+        if c is None:
             return None
+        q = (self.config or {}).get("quantization_config")
+        if c.kind == "mxfp4":
+            return Stored(torch.uint8, c.block, "ue8m0", partial(self._tensor, c.payload), partial(self._tensor, c.scales),
+                          kind="mxfp4", payload_suffix=c.payload[len(name):], scales_suffix=c.scales[len(name):],
+                          quantization_config=q)
         sdtype = self.entries[c.scales].dtype
         fmt = "float32" if sdtype == torch.float32 else "ue8m0" if sdtype in (torch.uint8, torch.float8_e8m0fnu) else None
         if fmt is None:
             return None
         return Stored(self.entries[c.payload].dtype, c.block, fmt, partial(self._tensor, c.payload),
-                      partial(self._tensor, c.scales))
+                      partial(self._tensor, c.scales), scales_suffix=c.scales[len(name):], quantization_config=q)
 
     def _tensor(self, name: str) -> torch.Tensor:
         return self._raw(name).view(self.entries[name].shape)

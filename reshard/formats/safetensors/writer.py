@@ -15,6 +15,10 @@ of the values the weight would otherwise be written as (``dtype``), bit for bit
 (``ir.codec.fp8_block_encode``), one run of block rows at a time. A weight the source already
 stores in that encoding (same block, same scale format: ``Reader.stored``) is copied as stored,
 payload and scales byte for byte, never decoded and re-encoded.
+
+``quantize="keep"`` writes every weight the source stores quantized as it stores it, whatever its
+encoding (FP8 of any block and scale format; MXFP4's ``X_blocks`` / ``X_scales``), payload and
+scales byte for byte, and every other tensor as it is; nothing is encoded or decoded.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from .reader import INDEX
 __all__ = ["QUANTIZE", "SafetensorsWriter", "fp8_block", "quantizable"]
 
 QUANTIZE = {"fp8": "float32", "fp8-ue8m0": "ue8m0"}  # --quantize: the scale format it writes
+KEEP = "keep"  # --quantize keep: the source's quantized weights as it stores them, nothing encoded
 DEFAULT_BLOCK = (128, 128)
 HEADS = ("lm_head", "output", "embed_out")  # output heads (a model's last module), as transformers skips them
 RUN = 1 << 22  # elements of a weight read and encoded at a time (whole block rows)
@@ -90,7 +95,8 @@ def fp8_linears(config: dict[str, Any] | None, names: list[str]) -> tuple[set[st
 def fp8_block(reader: Reader, block: Any) -> tuple[int, int]:
     """``--block``: two positive ints; by default an FP8 source's own block, else 128 x 128."""
     if block is None:
-        return next((s.block for s in map(reader.stored, reader.names) if s is not None), DEFAULT_BLOCK)
+        return next((s.block for s in map(reader.stored, reader.names) if s is not None and s.kind == "fp8"),
+                    DEFAULT_BLOCK)
     if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(is_int(b) and b > 0 for b in block)):
         raise ReshardError(f"--block {block!r}: the scale block is two positive integers, rows x columns (128x128)")
     return int(block[0]), int(block[1])
@@ -107,19 +113,23 @@ class SafetensorsWriter(Writer):
                  config: dict[str, Any] | None = None) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise ReshardError(f"--dtype {dtype} is not a safetensors dtype")
-        if quantize is not None and quantize not in QUANTIZE:
-            raise ReshardError(f"--quantize {quantize!r}: reshard writes {' or '.join(QUANTIZE)}")
-        if block is not None and quantize is None:
-            raise ReshardError("--block goes with --quantize (the block of the scales it writes)")
+        if quantize is not None and quantize not in (*QUANTIZE, KEEP):
+            raise ReshardError(f"--quantize {quantize!r}: reshard writes {' or '.join(QUANTIZE)}, or {KEEP} "
+                               "(the source's own encoding)")
+        if block is not None and quantize in (None, KEEP):
+            raise ReshardError("--block goes with --quantize fp8 or fp8-ue8m0 (the block of the scales it writes; "
+                               "--quantize keep keeps the source's)")
+        self.keep = quantize == KEEP
         self.reader, self.tag = reader, reader.tag
         masters = any("fp32" in reader.states(n) for n in reader.names)
         # each parameter's name in the files (``names``: a subset of the source's, renamed)
         self.names = {n: n for n in reader.names} if names is None else dict(names)
         self.source = {out: n for n, out in self.names.items()}
-        self.scale_fmt = QUANTIZE[quantize] if quantize is not None else None
-        self.block = fp8_block(reader, block) if quantize is not None else None
+        self.scale_fmt = QUANTIZE.get(quantize) if quantize is not None else None
+        self.block = fp8_block(reader, block) if self.scale_fmt is not None else None
         # the model's own linears where transformers can build it (``config``, else the source's)
-        self.linears = fp8_linears(config or reader.hf_config(), list(self.names.values())) if quantize else None
+        self.linears = fp8_linears(config or reader.hf_config(), list(self.names.values())) \
+            if self.scale_fmt else None
         self.specs = []  # every tensor of the files: (name, shape, dtype), a payload's scales right after it
         self.params = []  # the parameters among them, with the dtype their values are read in
         self.encoded: dict[str, tuple[str, torch.dtype, Stored | None]] = {}  # payload -> scales, values' dtype, copy
@@ -132,6 +142,14 @@ class SafetensorsWriter(Writer):
             out, shape = self.names[n], reader.shape(n)
             self.params.append((out, shape, dtype or own))
             copy = self._as_stored(n)
+            if self.keep and copy is not None:  # payload and scales by the source's names for them
+                payload, raw = out + copy.payload_suffix, copy.payload()
+                self.source[payload] = n
+                self.encoded[payload] = (out + copy.scales_suffix, dtype or own, copy)
+                scales = copy.scales()
+                self.specs += [(payload, tuple(raw.shape), raw.dtype), (out + copy.scales_suffix, tuple(scales.shape),
+                                                                         scales.dtype)]
+                continue
             if self.scale_fmt is None or not (copy is not None or quantizable(out, shape, self.linears)):
                 self.specs.append((out, shape, dtype or own))
                 continue
@@ -176,6 +194,11 @@ class SafetensorsWriter(Writer):
     def copied(self) -> list[str]:
         return [self.source[o] for o, (_, _, c) in self.encoded.items() if c is not None]
 
+    def kept_config(self) -> dict[str, Any] | None:
+        """``--quantize keep``: the source's ``quantization_config`` its kept weights are read back by."""
+        return next((c.quantization_config for _, _, c in self.encoded.values()
+                     if c is not None and c.quantization_config is not None), None)
+
     def meta(self) -> dict[str, Any]:
         return {"target": "safetensors weights"}
 
@@ -184,6 +207,11 @@ class SafetensorsWriter(Writer):
 
     def quantized_note(self) -> str:
         copied = sum(1 for _, _, c in self.encoded.values() if c is not None)
+        if self.keep:
+            kinds = sorted({"MXFP4" if c.kind == "mxfp4" else f"FP8 {c.block[0]}x{c.block[1]} {c.scale_fmt}"
+                            for _, _, c in self.encoded.values() if c is not None})
+            return (f"{copied} weights kept quantized as the source stores them ({', '.join(kinds)}; payload and "
+                    f"scales byte for byte, never decoded); {len(self.params) - copied} tensors as they are")
         block = self.block or DEFAULT_BLOCK
         return (f"{len(self.encoded)} weights FP8 E4M3 with {self.scale_fmt} scales per {block[0]}x{block[1]} block"
                 + (f" ({copied} copied as the source stores them)" if copied else "")
@@ -199,8 +227,10 @@ class SafetensorsWriter(Writer):
 
     def _as_stored(self, name: str) -> Stored | None:
         """The source's own encoding of ``name`` where it is the one asked for (copied as stored)."""
+        if self.keep:
+            return self.reader.stored(name)
         s = self.reader.stored(name) if self.scale_fmt is not None else None
-        if s is None or s.payload_dtype != torch.float8_e4m3fn or s.block != self.block or s.scale_fmt != self.scale_fmt:
+        if s is None or s.kind != "fp8" or s.payload_dtype != torch.float8_e4m3fn or s.block != self.block or s.scale_fmt != self.scale_fmt:
             return None
         return s
 

@@ -22,7 +22,14 @@ what ``LLM(model=OUT, load_format="sharded_state", tensor_parallel_size=T)`` loa
   -- the scale map ``ir.blocks.coarsen`` derives from the payload's (``layouts.inference.scale_placed``),
   never decoded. ``config.json`` keeps the FP8 ``quantization_config``. A TP split that cuts a block
   is refused as vLLM's ``Fp8LinearMethod.create_weights`` refuses it (``validate_fp8_block_shape``),
-  naming the tensor, before any output exists; so is a linear the source does not store as FP8.
+  naming the tensor, before any output exists. ``--quantize keep``: the source's own encoding.
+* **FP8 encoded** (``--quantize fp8`` / ``fp8-ue8m0`` where the source stores a linear otherwise:
+  bf16, or FP8 in another block or scale format): each rank's shard of the engine tensor is read in
+  the dtype the weights are written in and each part's shard quantized there
+  (``ir.codec.fp8_block_encode``): with no block cut by a TP boundary (refused, as above) a shard is
+  whole blocks but at the weight's edge, so it equals the TP slice of transformers' ``Fp8Quantize``
+  of the full weight -- what ``--format hf --quantize fp8`` and then ``--format vllm --tp T`` gives,
+  byte for byte -- with no whole weight gathered.
 """
 
 from __future__ import annotations
@@ -34,10 +41,10 @@ from typing import Any
 
 import torch
 
-from ...errors import QuantizedError, ReshardError
+from ...errors import QuantizedError, ReshardError, in_context
 from ...ir.apply import extract
 from ...ir.blocks import cut_blocks
-from ...ir.codec import e8m0
+from ...ir.codec import e8m0, fp8_block_encode
 from ...ir.piece import prod
 from ...layouts.arch import LLAMA_VLLM, inference_targets
 from ...layouts.inference import Placed, scale_placed
@@ -90,6 +97,10 @@ class VllmWriter(Writer):
         if not isinstance(tp, int) or tp < 1:
             raise ReshardError(f"--tp must be a positive number of ranks, got {tp!r}")
         self.reader, self.tp = reader, tp
+        if quantize == "keep":  # the source's own encoding (an FP8 source's scale format and block)
+            own = next((st for st in map(reader.stored, reader.names) if st is not None and st.kind == "fp8"), None)
+            quantize = None if own is None else "fp8-ue8m0" if own.scale_fmt == "ue8m0" else "fp8"
+            block = None
         # the HF export's config.json: with the FP8 quantization_config where the weights stay FP8
         self.hf = HfWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, hf_config=hf_config,
                            quantize=quantize, block=block)
@@ -115,30 +126,23 @@ class VllmWriter(Writer):
         if self.tied:  # the table vLLM keeps under its smaller name
             self.placed = {n: (p.named(TIED[0]) if p.into == TIED[1] else p) for n, p in self.placed.items()}
         self.layers = layers
-        # engine tensor -> its FP8 parts: (source parameter, payload placement, scale placement, stored)
-        self.fp8: dict[str, list[tuple[str, Placed, Placed, Stored]]] = self._fp8() if quantize else {}
+        # engine tensor -> its FP8 parts: (source parameter, payload placement, scale placement, stored;
+        # None: encoded from the values)
+        self.fp8: dict[str, list[tuple[str, Placed, Placed, Stored | None]]] = self._fp8() if quantize else {}
         self.files = self._files(max_file_bytes)
         self._buffers = self._declare()
 
-    def _fp8(self) -> dict[str, list[tuple[str, Placed, Placed, Stored]]]:
-        """Every FP8 engine tensor's parts, each moved as stored; refuses (before any output exists)
-        a linear the source does not store as FP8 at the block, a fused tensor of FP8 and other parts,
-        and a TP split that cuts a block, as vLLM does."""
+    def _fp8(self) -> dict[str, list[tuple[str, Placed, Placed, Stored | None]]]:
+        """Every FP8 engine tensor's parts, each moved as stored or encoded (``None``); refuses
+        (before any output exists) a fused tensor of FP8 and other parts, and a TP split that cuts a
+        block, as vLLM does."""
         block = self.hf.inner.block or (128, 128)
         where = f"{self.reader.sources[-1]}"
-        kept = {}
-        for name, (_, _, copy) in self.hf.inner.encoded.items():
-            if copy is None:
-                raise QuantizedError(f"{where}: parameter {self.hf.inner.source[name]!r}: --format vllm --quantize fp8 "
-                                     f"moves FP8 weights as the source stores them, and it stores this one otherwise "
-                                     f"(not FP8 E4M3 with {self.hf.inner.scale_fmt} scales per {block[0]}x{block[1]} "
-                                     "block); name the source's own (--quantize fp8 for float32 scales, fp8-ue8m0 "
-                                     "for E8M0) or write an FP8 folder first (--format hf --quantize fp8)")
-            kept[name] = copy
+        kept = {name: copy for name, (_, _, copy) in self.hf.inner.encoded.items()}
         parts: dict[str, list[str]] = {}
         for n, p in self.placed.items():
             parts.setdefault(p.into, []).append(n)
-        out: dict[str, list[tuple[str, Placed, Placed, Stored]]] = {}
+        out: dict[str, list[tuple[str, Placed, Placed, Stored | None]]] = {}
         for into, names in parts.items():
             fp8 = [n for n in names if n in kept]
             if not fp8:
@@ -226,12 +230,24 @@ class VllmWriter(Writer):
 
     def _declare(self) -> dict[str, Buffer]:
         """Each rank's file's engine tensors, a slot per source parameter at its place in the fused
-        tensor (the attention scales are constants, no buffer)."""
+        tensor (the attention scales are constants, no buffer). An FP8 tensor's parts moved as stored
+        take no slot; those encoded are read in the weights' dtype, then quantized."""
         by_into = self._by_into()
-        return {f"{fname}:{name}": Buffer(f"{fname}:{name}", dtype, prod(shape),
-                                          tuple(Slot(p.offsets[r], src, BEST, p.map, r) for src, p in by_into[name]))
-                for r, fname, group in self.files for name, shape, dtype in group
-                if name in by_into and name not in self.fp8}  # FP8 tensors move as stored, not through the engine
+        out = {}
+        for r, fname, group in self.files:
+            for name, shape, dtype in group:
+                if name not in by_into:
+                    continue
+                parts = by_into[name]
+                if name in self.fp8:
+                    encoded = {src for src, _, _, stored in self.fp8[name] if stored is None}
+                    parts = [(src, p) for src, p in parts if src in encoded]
+                    if not parts:
+                        continue
+                    dtype = self.dtype
+                out[f"{fname}:{name}"] = Buffer(f"{fname}:{name}", dtype, prod(shape),
+                                                tuple(Slot(p.offsets[r], src, BEST, p.map, r) for src, p in parts))
+        return out
 
     def buffers(self) -> list[Buffer]:
         return list(self._buffers.values())
@@ -240,8 +256,8 @@ class VllmWriter(Writer):
         return [f"model.layers.{i}.self_attn.attn.{s}" for i in range(self.layers) for s in FP8_SCALES] if self.fp8 else []
 
     def copied(self) -> list[str]:
-        """The FP8 parameters: payload and scales moved as the source stores them, from no buffer."""
-        return [src for parts in self.fp8.values() for src, _, _, _ in parts]
+        """The FP8 parameters moved as the source stores them (payload and scales), from no buffer."""
+        return [src for parts in self.fp8.values() for src, _, _, stored in parts if stored is not None]
 
     def carries(self, held: Held) -> bool:
         """A tied ``lm_head.weight``: written once, as the table it is tied to (``_names``)."""
@@ -254,8 +270,14 @@ class VllmWriter(Writer):
         dtype = str(self.dtype).removeprefix("torch.")
         if self.fp8:
             block = self.hf.inner.block or (128, 128)
+            parts = [stored for ps in self.fp8.values() for _, _, _, stored in ps]
+            moved = sum(1 for s in parts if s is not None)
+            how = ", ".join(w for w in ((f"{moved} weights moved as the source stores them (never decoded)" if moved
+                                         else ""),
+                                        (f"{len(parts) - moved} encoded per rank as transformers' Fp8Quantize "
+                                         f"({self.hf.inner.scale_fmt} scales)" if len(parts) > moved else "")) if w)
             dtype += (f"; {len(self.fp8)} engine tensors FP8 E4M3 with float32 weight_scale_inv per "
-                      f"{block[0]}x{block[1]} block, moved as the source stores them (never decoded), and "
+                      f"{block[0]}x{block[1]} block ({how}), and "
                       f"{len(FP8_SCALES)} unset attention scales per layer (-1.0) as vLLM's FP8 layers hold them")
         return [f"vLLM sharded state at TP={self.tp}: {len(self.files)} file(s) model-rank-R-part-P.safetensors, "
                 f"{dtype}, {len({p.into for p in self.placed.values()})} engine tensors per rank and "
@@ -281,10 +303,10 @@ class VllmWriter(Writer):
                     w.write(name, scales.pop(name))
                     continue
                 if name.endswith(".weight_scale_inv") and name[:-len("_scale_inv")] in self.fp8:  # in another part
-                    w.write(name, self._fp8_tensors(name[:-len("_scale_inv")], rank)[1])
+                    w.write(name, self._fp8_tensors(engine, fname, name[:-len("_scale_inv")], rank)[1])
                     continue
                 if name in self.fp8:
-                    payload, scales[_scales_of(name)] = self._fp8_tensors(name, rank)
+                    payload, scales[_scales_of(name)] = self._fp8_tensors(engine, fname, name, rank)
                     w.write(name, payload)
                     continue
                 if name not in by_into:  # an attention scale: 1.0, or an FP8 layer's unset one (-1.0)
@@ -293,15 +315,27 @@ class VllmWriter(Writer):
                 w.write_fill(name, shape, dtype, engine.fill(self._buffers[f"{fname}:{name}"]))
             w.close()
 
-    def _fp8_tensors(self, into: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fp8_tensors(self, engine: Any, fname: str, into: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Engine tensor ``into`` on ``rank`` (FP8) and its ``weight_scale_inv``: each part's payload
         and scale shards cut from the source's stored tensors by their maps, bytes as stored (one
-        source parameter at a time)."""
+        source parameter at a time), or its shard of the values encoded (:meth:`_encode`)."""
         parts = self.fp8[into]
         p0, s0 = parts[0][1], parts[0][2]
         payload = torch.empty(prod(tuple(p0.shapes[rank])), dtype=torch.uint8)
         scales = torch.empty(prod(tuple(s0.shapes[rank])), dtype=torch.float32)
-        for _, p, sp, stored in parts:
+        buffer = self._buffers.get(f"{fname}:{into}")
+        values = None
+        if buffer is not None:  # the parts to encode, read in the weights' dtype
+            values = torch.empty(buffer.numel, dtype=buffer.dtype)
+            engine.fill(buffer)(values, 0)
+        for src, p, sp, stored in parts:
+            if stored is None:
+                if values is None:  # every encoded part has a slot in the buffer (_declare)
+                    raise ReshardError(f"{into!r} on rank {rank}: no buffer declared for {src!r}")
+                q, s = self._encode(src, p, sp, values, rank)
+                payload[p.offsets[rank]:p.offsets[rank] + q.numel()] = q
+                scales[sp.offsets[rank]:sp.offsets[rank] + s.numel()] = s
+                continue
             shard = extract(p.map, stored.payload().view(torch.uint8), rank).reshape(-1)
             payload[p.offsets[rank]:p.offsets[rank] + shard.numel()] = shard
             raw = stored.scales()
@@ -310,6 +344,23 @@ class VllmWriter(Writer):
             scales[sp.offsets[rank]:sp.offsets[rank] + s.numel()] = s
         return (payload.view(torch.float8_e4m3fn).view(tuple(p0.shapes[rank])),
                 scales.view(tuple(s0.shapes[rank])))
+
+    def _encode(self, src: str, p: Placed, sp: Placed, values: torch.Tensor, rank: int) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+        """Part ``src``'s shard on ``rank`` quantized: its payload bytes and its float32 scales, flat.
+        No block is cut by a TP boundary (``_refuse_cut``), so the shard is whole blocks but at the
+        weight's edge and its encoding is the slice of the whole weight's."""
+        shape = p.map.shard(rank).shape
+        part = values[p.offsets[rank]:p.offsets[rank] + prod(shape)].view(shape)
+        try:
+            q, s = fp8_block_encode(part, self.hf.inner.block or (128, 128), self.hf.inner.scale_fmt or "float32")
+        except QuantizedError as e:
+            raise in_context(e, f"{self.reader.sources[-1]}: parameter {src!r} (rank {rank}'s shard)") from None
+        if tuple(s.shape) != tuple(sp.map.shard(rank).shape):  # no cut block: the shard's own grid is its scales'
+            raise QuantizedError(f"{src!r} on rank {rank}: scales {list(s.shape)}, its scale map holds "
+                                 f"{list(sp.map.shard(rank).shape)}")
+        value = e8m0(s) if s.dtype == torch.float8_e8m0fnu else s
+        return q.reshape(-1).view(torch.uint8), value.reshape(-1)
 
 
 def _scales_of(weight: str) -> str:

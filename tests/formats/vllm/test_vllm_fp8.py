@@ -128,8 +128,6 @@ def test_hf_at_another_file_split_moves_the_bytes(tmp_path: Path) -> None:
     # k_proj [32, 64] in 32 x 32 blocks at TP 2: one 16-row key/value head a rank, half a block
     ("fp8_qwen2_ue8m0", 2, "fp8-ue8m0", r"'model.layers.0.self_attn.q_proj.weight'.*rank 0 holds 32 of its rows|"
                                         r"'model.layers.0.self_attn.k_proj.weight'.*output_partition_size = 16"),
-    ("fp8_qwen2_ue8m0", 1, "fp8", r"parameter 'model.layers.0.[a-z_.]+weight': --format vllm --quantize fp8 moves "
-                                  r"FP8 weights as the source stores them.*fp8-ue8m0"),
 ])
 def test_refused_before_any_output(tmp_path: Path, name: str, tp: int, quantize: str, match: str) -> None:
     with pytest.raises(QuantizedError, match=match):
