@@ -26,6 +26,27 @@ def _mark(what: str, t0: list) -> None:
     t0[0] = now
 
 
+EXPERT_BIAS_SEED = 2025  # make_megatron_fixtures.EXPERT_BIAS_SEED
+
+
+def set_expert_bias(model, std: float) -> None:
+    """Every router's ``expert_bias`` buffer set to ``N(0, std^2)`` from a generator seeded by the
+    global layer number (the same on every rank holding that router): three steps of
+    ``moe_router_bias_update_rate`` leave it at a few 1e-3, too small to move this model's routing,
+    so a converter dropping it would go unseen."""
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for chunk in model:
+        for name, module in chunk.named_modules():
+            if isinstance(module, TopKRouter) and getattr(module, "expert_bias", None) is not None:
+                layer = module.layer_number if getattr(module, "layer_number", None) is not None else \
+                    int(name.split("layers.")[1].split(".")[0])
+                g = torch.Generator().manual_seed(EXPERT_BIAS_SEED + int(layer))
+                with torch.no_grad():
+                    module.expert_bias.copy_(torch.randn(module.expert_bias.shape, generator=g) * std)
+
+
 def main(spec_path: str) -> None:
     t0 = [time.monotonic()]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,6 +70,8 @@ def main(spec_path: str) -> None:
     from megatron.training.checkpointing import save_checkpoint
     from megatron.training.training import num_floating_point_operations
 
+    if spec.get("expert_bias_std") is not None:
+        set_expert_bias(model, float(spec["expert_bias_std"]))
     flops = steps * num_floating_point_operations(args, args.global_batch_size)
     save_checkpoint(steps, model, optimizer, scheduler, flops)
     _mark("save", t0)

@@ -58,6 +58,7 @@ DEFAULT_OUT = REPO / "tests" / "fixtures" / "megatron"
 DEFAULT_VENV = os.environ.get("MEGATRON_VENV", "/work/venvs/megatron")
 WORK_ROOT = Path("/tmp/reshard-megatron-fixtures")
 STEPS = 3
+EXPERT_BIAS_SEED = 2025  # _fixture_megatron.set_expert_bias
 LAUNCH_TIMEOUT_S = 600
 
 VENV_HELP = """\
@@ -123,6 +124,9 @@ class Fixture:
     fully_reshardable: bool = False
     moe: bool = False
     save_optim: bool = True  # False: --no-save-optim (the oracle then reloads the model only)
+    # after training, before save_checkpoint: every router's expert_bias buffer set to N(0, this^2)
+    # (seeded per layer), so a converter that drops or zeroes it changes the routing (None: as trained)
+    expert_bias_std: float | None = None
     extra_argv: list[str] = field(default_factory=list)
     model_argv: list[str] = field(default_factory=lambda: MODEL_ARGV)
     # (tp, pp, dp, ep) reloads compared against the TP=1/PP=1 oracle (Megatron's own resharding)
@@ -211,6 +215,17 @@ for _flag, _value in (("--hidden-size", "256"), ("--kv-channels", "64"), ("--ffn
 QWEN2_VLLM_ARGV += ["--add-qkv-bias"]
 
 # Qwen-MoE shaped: a softmax router (as transformers' Qwen2-MoE / Qwen3-MoE compute), a dense layer 0
+# DeepSeek-V3 shaped MoE: 8 experts in 2 groups (group-limited routing: the best group by the sum of
+# its top-2 biased scores, then the top-2 experts in it), a sigmoid router with an expert bias,
+# routing weights renormalised and scaled by 2.5 (routed_scaling_factor), a shared expert twice the
+# expert's width (n_shared_experts 2) with no gate, layer 0 dense (first_k_dense_replace 1). Two
+# layers: each expert is a record of its own, a third layer took the folder to 1.6 MB.
+DEEPSEEK_V3_MOE_ARGV = ["--num-experts", "8", "--moe-ffn-hidden-size", "8", "--moe-router-topk", "2",
+                        "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "none",
+                        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                        "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+                        "--moe-router-topk-scaling-factor", "2.5", "--moe-shared-expert-intermediate-size", "16",
+                        "--moe-layer-freq", "[0,1]", "--sequence-parallel"]
 QWEN_MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
                  "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "none",
                  "--moe-layer-freq", "[0,1]"]
@@ -310,6 +325,14 @@ FIXTURES = {f.name: f for f in [
             "layers 1-2 MoE, 4 experts top-2, a shared expert with its gate, a sigmoid router with an expert "
             "bias); plain Adam; torch_dist",
             tp=2, ep=2, etp=1, layers=3, moe=True, model_argv=MLA_MODEL_ARGV, extra_argv=SHARED_MOE_ARGV),
+    Fixture("torch_dist_deepseek_v3_tp2_ep2",
+            "DeepSeek-V3 shaped MoE: multi-latent attention as torch_dist_tp2_mla, TP=2 x EP=2 on 2 processes "
+            "(expert TP 1, --sequence-parallel), layer 0 dense and layer 1 MoE, 8 experts top-2 in 2 groups "
+            "(group-limited routing, 1 group per token), sigmoid router with an expert bias (set to N(0, 0.05^2) "
+            "before the save), routing weights scaled by 2.5, a shared expert (ffn 16 = 2 x 8) without a gate; "
+            "plain Adam; torch_dist",
+            tp=2, ep=2, etp=1, layers=2, moe=True, expert_bias_std=0.05, model_argv=MLA_MODEL_ARGV,
+            extra_argv=DEEPSEEK_V3_MOE_ARGV),
     Fixture("torch_dist_moe_tp2_ep2_qk_layernorm",
             "Qwen3-MoE shaped: --qk-layernorm with MoE, TP=2 x EP=2 on 2 processes (MoE parallel folding: expert "
             "TP 1, --sequence-parallel), layer 0 dense and layer 1 MoE (--moe-layer-freq [0,1]: per-layer keys), "
@@ -459,7 +482,8 @@ def generate(fx: Fixture, out_root: Path, venv: Path) -> dict:
     work.mkdir(parents=True)
     save = work / "ckpt"
     reports = work / "reports"
-    spec = {"mlm_argv": fx.argv(save), "steps": STEPS, "report_dir": str(reports)}
+    spec = {"mlm_argv": fx.argv(save), "steps": STEPS, "report_dir": str(reports),
+            "expert_bias_std": fx.expert_bias_std}
     (work / "spec.json").write_text(json.dumps(spec, indent=1))
     t_train = _run([str(_torchrun(venv)), "--standalone", f"--nproc-per-node={fx.world}", str(WORKER),
                     str(work / "spec.json")], work / "train.log", f"{fx.name} training job")
@@ -516,6 +540,9 @@ def generate(fx: Fixture, out_root: Path, venv: Path) -> dict:
         "versions": _versions(venv),
         "topology": {"world": fx.world, "tp": fx.tp, "pp": fx.pp, "dp": fx.dp, "ep": fx.ep,
                      "layers": fx.layers, "layers_per_stage": fx.layers // fx.pp, "extra_argv": fx.extra_argv},
+        "expert_bias": None if fx.expert_bias_std is None else
+        f"set after training, before save_checkpoint: N(0, {fx.expert_bias_std}^2) per router, generator seeded "
+        f"{EXPERT_BIAS_SEED} + the router's layer_number (1-based; _fixture_megatron.set_expert_bias)",
         "optimizer": {"type": "adam", "distributed": fx.distopt,
                       "dist_ckpt_sharding": ("fully_reshardable" if fx.fully_reshardable else "dp_reshardable")
                       if fx.distopt else None,

@@ -160,6 +160,9 @@ def oracle_argv(ck, opts, fmt: str) -> list[str]:
             argv += ["--rope-type", ck.rope_type]
     if getattr(ck, "moe_shared_expert_gate", False):
         argv.append("--moe-shared-expert-gate")
+    if getattr(ck, "moe_router_group_topk", None):  # group-limited routing: not restored either
+        argv += ["--moe-router-num-groups", str(ck.moe_router_num_groups),
+                 "--moe-router-group-topk", str(ck.moe_router_group_topk)]
     if opts.etp is not None:
         argv += ["--expert-tensor-parallel-size", str(opts.etp)]
     if opts.tp > 1 and getattr(ck, "sequence_parallel", False):

@@ -78,9 +78,6 @@ def _deepseek_v3(args: Any, arch: Arch, m: MLA, base: dict[str, Any]) -> dict[st
     if float(getattr(args, "mscale_all_dim", 0) or 0) and float(getattr(args, "rotary_scaling_factor", 1) or 1) > 1:
         raise ReshardError("args.mscale_all_dim with rotary_scaling_factor > 1: a YaRN softmax scale DeepseekV3 "
                            "applies only with YaRN RoPE")
-    if arch.experts:
-        raise ReshardError("args.num_experts with multi_latent_attention: a DeepSeek-V3 MoE config is not written "
-                           "by reshard yet (dense MLA only)")
     if base["rms_norm_eps"] != 1e-6:  # DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): eps fixed at 1e-6
         raise ReshardError(f"args.norm_epsilon = {base['rms_norm_eps']!r} with multi_latent_attention: transformers' "
                            "DeepseekV3 fixes its latent norms' eps at 1e-6, so no DeepseekV3 config computes this model")
@@ -90,7 +87,56 @@ def _deepseek_v3(args: Any, arch: Arch, m: MLA, base: dict[str, Any]) -> dict[st
                 qk_rope_head_dim=m.rope, v_head_dim=m.v_head, rope_interleave=True, attention_bias=False,
                 first_k_dense_replace=arch.layers, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
                 moe_intermediate_size=arch.ffn, n_group=1, topk_group=1, num_nextn_predict_layers=0, pretraining_tp=1)
+    if arch.experts:
+        base.update(_deepseek_v3_moe(args, arch))
     return base
+
+
+def _deepseek_v3_moe(args: Any, arch: Arch) -> dict[str, Any]:
+    """The MoE part of a DeepSeek-V3 config. DeepseekV3TopkRouter: sigmoid scores, the expert
+    bias added for the choice only, ``n_group`` groups ranked by the sum of their top-2 biased
+    scores, the best ``topk_group`` kept, top-k experts among them, their unbiased scores
+    renormalised (``norm_topk_prob``) and scaled (``routed_scaling_factor``) -- Megatron's sigmoid
+    router with ``moe_router_num_groups`` / ``moe_router_group_topk`` computes the same when it
+    ranks groups by their top ``topk // group_topk`` = 2 scores, and it renormalises whenever top-k > 1."""
+    where = "the DeepseekV3 router (sigmoid, expert bias, group-limited top-k)"
+    _refuse(args, "moe_router_score_function", lambda v: v != "sigmoid", f"a router other than {where}")
+    _refuse(args, "moe_router_load_balancing_type", lambda v: v in ("sinkhorn", "quantile_balancing") or (
+        isinstance(v, list) and any(x in ("sinkhorn", "quantile_balancing") for x in v)), f"a router other than {where}")
+    _refuse(args, "moe_expert_capacity_factor", lambda v: v is not None and v >= 0, "token dropping (capacity)")
+    _refuse(args, "moe_input_jitter_eps", lambda v: v is not None, "router input jitter")
+    _refuse(args, "moe_router_force_load_balancing", bool, "forced (random) routing")
+    _refuse(args, "moe_apply_probs_on_input", bool, "routing weights applied to the expert input")
+    _refuse(args, "moe_latent_size", lambda v: v is not None, "latent MoE projections")
+    _refuse(args, "moe_router_dtype", lambda v: v not in (None, "fp32"), f"a router dtype other than {where}'s fp32")
+    if not arch.expert_bias:  # DeepseekV3 always holds the bias: leaving it to from_pretrained's zero init hides a loss
+        raise ReshardError("args.moe_router_enable_expert_bias = False: DeepseekV3's router always holds "
+                           "e_score_correction_bias, which this checkpoint has no tensor for")
+    if arch.shared_gate:
+        raise ReshardError("args.moe_shared_expert_gate = True: DeepseekV3's shared experts have no gate")
+    if not arch.shared_ffn or arch.shared_ffn % arch.moe_ffn:
+        raise ReshardError(f"args.moe_shared_expert_intermediate_size = {arch.shared_ffn or None!r}: DeepseekV3's "
+                           f"shared experts are n_shared_experts x moe_intermediate_size ({arch.moe_ffn}) wide")
+    moe = [arch.is_moe(i) for i in range(arch.layers)]
+    k = moe.index(True)
+    if not all(moe[k:]):
+        raise ReshardError(f"args.moe_layer_freq = {getattr(args, 'moe_layer_freq', None)!r}: DeepseekV3's MoE "
+                           "layers are all those from first_k_dense_replace on")
+    topk = int(getattr(args, "moe_router_topk", 2))
+    groups = int(getattr(args, "moe_router_num_groups", None) or 1)
+    group_topk = int(getattr(args, "moe_router_group_topk", None) or 0)
+    if group_topk and topk // group_topk != 2:
+        raise ReshardError(f"args.moe_router_group_topk = {group_topk} with moe_router_topk {topk}: Megatron ranks "
+                           f"groups by their top {topk // group_topk} scores, DeepseekV3 by their top 2")
+    if arch.experts // groups < 2:  # DeepseekV3 takes each group's top 2
+        raise ReshardError(f"args.num_experts = {arch.experts} in {groups} groups: DeepseekV3 ranks groups by "
+                           "their top 2 experts, so needs 2 or more per group")
+    scale = getattr(args, "moe_router_topk_scaling_factor", None)
+    return dict(n_routed_experts=arch.experts, num_experts_per_tok=topk, moe_intermediate_size=arch.moe_ffn,
+                n_shared_experts=arch.shared_ffn // arch.moe_ffn, first_k_dense_replace=k,
+                n_group=groups if group_topk else 1, topk_group=group_topk or 1, norm_topk_prob=topk > 1,
+                routed_scaling_factor=float(scale) if scale else 1.0, scoring_func="sigmoid", topk_method="noaux_tc",
+                output_router_logits=False)
 def _refuse_router(args: Any) -> None:
     """Megatron router settings under which no Mixtral / Qwen-MoE model routes the same: the HF
     routers are ``softmax`` over all experts, top-k, optionally renormalised (``norm_topk_prob``)."""
@@ -165,6 +211,8 @@ def _moe_args(cfg: dict, arch: str, layers: int, tp: int, ep: int, etp: int | No
     """The MoE fields of Megatron's ``args`` for a Mixtral / Qwen2-MoE / Qwen3-MoE config (empty
     for a dense model); the router as the HF one computes (see :func:`_moe_config`)."""
     kind = cfg.get("model_type")
+    if kind == "deepseek_v3" and int(cfg.get("first_k_dense_replace", 0) or 0) < layers:
+        return _deepseek_v3_moe_args(cfg, arch, layers, tp, ep, etp)
     if kind not in _MOE_TYPES:
         if ep != 1 or etp not in (None, tp):
             raise ReshardError(f"--ep / --etp: the HF model ({arch}) has no experts")
@@ -191,6 +239,43 @@ def _moe_args(cfg: dict, arch: str, layers: int, tp: int, ep: int, etp: int | No
                 sequence_parallel=tp > 1)  # Megatron's validate_args: MoE with TP needs sequence parallelism
 
 
+def _deepseek_v3_moe_args(cfg: dict, arch: str, layers: int, tp: int, ep: int, etp: int | None) -> dict[str, Any]:
+    """Megatron's MoE fields for a DeepSeek-V3 config (see :func:`_deepseek_v3_moe`): the first
+    ``first_k_dense_replace`` layers dense, a sigmoid router with an expert bias, group-limited
+    where DeepseekV3 limits groups, the shared experts one ungated MLP."""
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts"))
+    ffn, topk = int(cfg["moe_intermediate_size"]), int(cfg["num_experts_per_tok"])
+    k = int(cfg.get("first_k_dense_replace", 0) or 0)
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ReshardError(f"config.json ({arch}): scoring_func = {cfg.get('scoring_func')!r}: transformers' "
+                           "DeepseekV3 scores with a sigmoid whatever it says; not imported")
+    if bool(cfg.get("norm_topk_prob", True)) != (topk > 1):  # Megatron's sigmoid router: renormalised iff k > 1
+        raise ReshardError(f"config.json ({arch}): norm_topk_prob = {cfg.get('norm_topk_prob')!r} with "
+                           f"num_experts_per_tok = {topk}: Megatron's sigmoid router renormalises exactly when top-k > 1")
+    shared = int(cfg.get("n_shared_experts") or 0)
+    if not shared:
+        raise ReshardError(f"config.json ({arch}): n_shared_experts = 0 (an empty shared MLP) is not imported")
+    groups, group_topk = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if experts % groups or experts // groups < 2 or not 1 <= group_topk <= groups:
+        raise ReshardError(f"config.json ({arch}): {experts} experts in n_group = {groups}, topk_group = {group_topk}: "
+                           "not a grouping DeepseekV3 computes")
+    limited = group_topk < groups  # every group kept: no limit
+    if limited and topk // group_topk != 2:
+        raise ReshardError(f"config.json ({arch}): num_experts_per_tok = {topk} with topk_group = {group_topk}: "
+                           f"DeepseekV3 ranks groups by their top 2 experts, Megatron by their top {topk // group_topk}")
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    return dict(num_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=topk,
+                moe_layer_freq=[0 if i < k else 1 for i in range(layers)] if k else 1,
+                moe_router_pre_softmax=False, moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
+                moe_router_num_groups=groups if limited else None, moe_router_group_topk=group_topk if limited else None,
+                moe_router_topk_scaling_factor=scale if scale != 1.0 else None,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                moe_token_dispatcher_type="alltoall", moe_router_dtype=None, moe_expert_capacity_factor=None,
+                moe_shared_expert_intermediate_size=shared * ffn, moe_shared_expert_gate=False,
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp, sequence_parallel=tp > 1)
+
+
 def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, divisible_by: int = 128,
                  ep: int = 1, etp: int | None = None) -> argparse.Namespace:
     """Megatron-LM ``args`` for the HF model ``cfg`` at TP x PP x DP (x EP, expert TP) (see the
@@ -198,7 +283,7 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
     arch = (cfg.get("architectures") or ["?"])[0]
     if cfg.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", *_MOE_TYPES):
         raise ReshardError(f"config.json: model_type {cfg.get('model_type')!r} ({arch}): reshard imports Llama, "
-                           "Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE and dense DeepSeek-V3 models into "
+                           "Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 models into "
                            "Megatron")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias") or (cfg.get("sliding_window") and cfg.get(
             "use_sliding_window")):
@@ -248,11 +333,9 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
 
 
 def _mla_args(cfg: dict, arch: str) -> dict[str, Any]:
-    """Megatron's multi-latent attention fields for a dense DeepSeek-V3 (``deepseek_v3.json``)."""
-    layers = int(cfg["num_hidden_layers"])
-    if int(cfg.get("first_k_dense_replace", 0) or 0) < layers:
-        raise ReshardError(f"config.json ({arch}): first_k_dense_replace = {cfg.get('first_k_dense_replace')} < "
-                           f"{layers} layers: DeepSeek-V3 MoE layers are not imported by reshard yet (dense only)")
+    """Megatron's multi-latent attention fields for a DeepSeek-V3 (``deepseek_v3.json``)."""
+    # num_nextn_predict_layers (transformers' default 1) is read by no DeepseekV3 module: a folder's MTP tensors
+    # (model.layers.<num_hidden_layers>.*) have no Megatron key, so they are refused by name unless --drop
     if not cfg.get("rope_interleave", True):
         raise ReshardError(f"config.json ({arch}): rope_interleave = false: Megatron's MLA takes the rope part "
                            "interleaved (rows would need permuting), not imported by reshard")

@@ -34,12 +34,13 @@ from ...layouts import compose, flat_ranges
 from ...layouts._core import finish
 from .model import Arch
 
-__all__ = ["HUB_EXPERTS", "LLAMA", "Block", "HfParam", "hf_params", "load_document", "restrict"]
+__all__ = ["HUB_EXPERTS", "LLAMA", "Block", "HfParam", "hf_params", "hub_document", "load_document", "restrict"]
 
 LLAMA = Path(__file__).with_name("llama.json")
 DEEPSEEK_V3 = Path(__file__).with_name("deepseek_v3.json")  # multi-latent attention
 # the same models with each expert's tensors apart, as transformers' save_pretrained and the Hub write them
 HUB_EXPERTS = Path(__file__).with_name("llama_hub_experts.json")
+DEEPSEEK_V3_HUB_EXPERTS = Path(__file__).with_name("deepseek_v3_hub_experts.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,12 @@ def load_document(doc: str | Path | Mapping | None = None, arch: Arch | None = N
     if isinstance(doc, Mapping):  # its "extends" names a document beside llama.json
         return _extended(dict(doc), LLAMA.parent)
     return _document(str(doc))
+
+
+def hub_document(arch: Arch) -> Path:
+    """The document naming each expert's tensors apart (save_pretrained's and the Hub's layout)
+    for ``arch``'s built-in document."""
+    return DEEPSEEK_V3_HUB_EXPERTS if arch.mla is not None else HUB_EXPERTS
 
 
 def _sizes(arch: Arch) -> dict[str, int]:

@@ -43,7 +43,7 @@ from .files import TRACKER, iteration_folder
 from .grouped import TE_GROUPED, te_grouped
 from .held import carried
 from .hfconfig import args_from_hf, padded_vocab
-from .hfmap import HUB_EXPERTS, hf_params, restrict
+from .hfmap import hf_params, hub_document, restrict
 from .model import EMBED, Arch
 from .reader import MegatronReader
 from .target import TargetLayout
@@ -204,7 +204,7 @@ class MegatronWriter(Writer):
         have = set(reader.names)
         doc = self.own.mapping if self.own is not None else None
         if self.own is None and self.arch.experts:  # the layout the folder holds more of (a missing name is named)
-            docs: list[Any] = [None, HUB_EXPERTS]
+            docs: list[Any] = [None, hub_document(self.arch)]
             doc = min(docs, key=lambda d: sum(p.name not in have for p in hf_params(self.arch, d)))
         for p in hf_params(self.arch, doc):
             if p.name not in have:
