@@ -224,3 +224,4 @@ def _striped_copies(out: torch.Tensor, start: int, flat: Striped, blocks: list, 
             part, base = flat.span(lo, hi)
             strided_copy(out, View.trusted(dd.offset - start, dd.strides), part, View.trusted(ss.offset - base, ss.strides),
                          sub, factor)
+            del part  # the stripe's only holder is the source's cache: dropped there before the next is made

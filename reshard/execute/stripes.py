@@ -55,7 +55,7 @@ class Striped:
                 a = r0 // self.align * self.align
                 b = max(r1, a + max(1, self.stripe // max(1, self.row * self.dtype.itemsize)))
                 b = min(total, -(-b // self.align) * self.align)
-                self._cached = None  # the last stripe dropped before the next is made: one in memory
+                c = self._cached = None  # the last stripe dropped before the next is made: one in memory
                 c = self._cached = (a, b, self.rows(a, b))
         return c[2], c[0] * self.row
 
