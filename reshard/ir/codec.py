@@ -54,31 +54,58 @@ def e8m0(scales: torch.Tensor) -> torch.Tensor:
     return scales.to(torch.float32)
 
 
-def fp8_block_decode(payload: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def fp8_block_decode(payload: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                     rows: tuple[int, int] | None = None) -> torch.Tensor:
     """``payload`` (``[..., rows, cols]``, FP8) times its per-block ``scales`` (``scale_grid``'s
     shape), in float32, shaped as ``payload``. Each element is multiplied by its block's scale (the
     products of DeepSeek's pad-multiply-crop and of transformers' block reshape, bit for bit), a
-    run of whole block rows at a time: memory is the output and one run."""
-    *lead, rows, cols = payload.shape
+    run of whole block rows at a time: memory is the output and one run.
+
+    ``rows`` ``(r0, r1)``: only those rows of the payload seen as ``[prod(lead) * rows, cols]``,
+    flat (``(r1 - r0) * cols`` elements): each element's product is the same as in the whole
+    decode (a stripe of a weight too wide to decode whole, ``rows_run``)."""
+    *lead, n_rows, cols = payload.shape
     bm, bn = block
     s = e8m0(scales) if scales.dtype in (torch.uint8, torch.float8_e8m0fnu) else scales.to(torch.float32)
     n = prod(lead)
-    q, s = payload.reshape(n, rows, cols), s.reshape(n, -(-rows // bm), -(-cols // bn))
-    out = torch.empty(q.shape, dtype=torch.float32)
+    q, s = payload.reshape(n, n_rows, cols), s.reshape(n, -(-n_rows // bm), -(-cols // bn))
+    if rows is None:
+        out = torch.empty(q.shape, dtype=torch.float32)
+        for i in range(n):
+            _decode_rows(q[i], s[i], 0, n_rows, block, out[i])
+        return out.reshape(payload.shape)
+    r0, r1 = rows
+    out = torch.empty((r1 - r0, cols), dtype=torch.float32)
+    for i in range(r0 // max(1, n_rows), -(-r1 // max(1, n_rows))):  # each leading index the rows reach
+        a, b = max(r0, i * n_rows) - i * n_rows, min(r1, (i + 1) * n_rows) - i * n_rows
+        a0, b0 = a // bm * bm, min(n_rows, -(-b // bm) * bm)  # whole blocks: decoded as in the whole weight
+        if (a0, b0) == (a, b):
+            _decode_rows(q[i], s[i], a, b, block, out[i * n_rows + a - r0:i * n_rows + b - r0])
+        else:
+            part = torch.empty((b0 - a0, cols), dtype=torch.float32)
+            _decode_rows(q[i], s[i], a0, b0, block, part)
+            out[i * n_rows + a - r0:i * n_rows + b - r0] = part[a - a0:b - a0]
+    return out.reshape(-1)
+
+
+def _decode_rows(q: torch.Tensor, s: torch.Tensor, lo: int, hi: int, block: tuple[int, int], out: torch.Tensor) -> None:
+    """Rows ``lo..hi`` of one payload ``q`` ``[rows, cols]`` (``lo`` a multiple of the block's rows,
+    ``hi`` one too or the last row) decoded into ``out`` ``[hi - lo, cols]``, a run of whole
+    block rows (about ``_RUN`` elements) at a time."""
+    rows, cols = q.shape
+    bm, bn = block
     k = -(-cols // bn)
     step = max(1, _RUN // max(1, bm * cols)) * bm  # rows per run: whole blocks, about _RUN elements
-    for i in range(n):
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            nb = -(-(r1 - r0) // bm)
-            scale = s[i, r0 // bm:r0 // bm + nb].reshape(nb, 1, k, 1)
-            if (r1 - r0) % bm or cols % bn:  # a partial last block: pad, multiply, crop
-                padded = torch.nn.functional.pad(q[i, r0:r1].to(torch.float32), (0, k * bn - cols, 0, nb * bm - r1 + r0))
-                out[i, r0:r1] = (padded.reshape(nb, bm, k, bn) * scale).reshape(nb * bm, k * bn)[:r1 - r0, :cols]
-            else:
-                torch.mul(q[i, r0:r1].to(torch.float32).reshape(nb, bm, k, bn), scale,
-                          out=out[i, r0:r1].view(nb, bm, k, bn))
-    return out.reshape(payload.shape)
+    for r0 in range(lo, hi, step):
+        r1 = min(hi, r0 + step)
+        nb = -(-(r1 - r0) // bm)
+        scale = s[r0 // bm:r0 // bm + nb].reshape(nb, 1, k, 1)
+        dst = out[r0 - lo:r1 - lo]
+        if (r1 - r0) % bm or cols % bn:  # a partial last block: pad, multiply, crop
+            padded = torch.nn.functional.pad(q[r0:r1].to(torch.float32), (0, k * bn - cols, 0, nb * bm - r1 + r0))
+            dst[:] = (padded.reshape(nb, bm, k, bn) * scale).reshape(nb * bm, k * bn)[:r1 - r0, :cols]
+        else:
+            torch.mul(q[r0:r1].to(torch.float32).reshape(nb, bm, k, bn), scale, out=dst.view(nb, bm, k, bn))
 
 
 def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -87,19 +114,28 @@ def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
     return (e, g * b * MXFP4_VALUES_PER_BYTE, out)
 
 
-def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """``blocks`` ``[E, out, G, 16]`` and ``scales`` ``[E, out, G]`` as float32 ``[E, in, out]``,
-    one expert at a time: memory is the output and one expert's values."""
-    e, rows, g, b = blocks.shape
+    one expert at a time: memory is the output and one expert's values.
+
+    ``rows`` ``(r0, r1)``: only those rows of the result seen as ``[E * in, out]``, flat: each value
+    the same as in the whole decode (each is one table value times a power of two), the blocks of
+    the 32-row groups they fall in decoded, the rest cropped."""
+    e, n_out, g, b = blocks.shape
+    per = b * MXFP4_VALUES_PER_BYTE  # input rows of one block
     # a byte's two values (low nibble first) in one lookup: the same values as nibble by nibble, faster
     pairs = torch.tensor([[E2M1[v & 0x0F], E2M1[v >> 4]] for v in range(256)], dtype=torch.float32)
-    out = torch.empty(e, g * b * MXFP4_VALUES_PER_BYTE, rows, dtype=torch.float32)
-    for x in range(e):
-        index = blocks[x].reshape(-1).to(torch.int)
-        values = pairs.index_select(0, index).reshape(rows * g, b * MXFP4_VALUES_PER_BYTE)
-        torch.ldexp(values, (scales[x].to(torch.int32) - 127).reshape(rows * g, 1), out=values)
-        out[x] = values.reshape(rows, g * b * MXFP4_VALUES_PER_BYTE).T
-    return out
+    n_in = g * per
+    r0, r1 = rows if rows is not None else (0, e * n_in)
+    out = torch.empty(r1 - r0, n_out, dtype=torch.float32)
+    for x in range(r0 // n_in, -(-r1 // n_in)):
+        a, b_ = max(r0, x * n_in) - x * n_in, min(r1, (x + 1) * n_in) - x * n_in
+        g0, g1 = a // per, -(-b_ // per)
+        index = blocks[x, :, g0:g1].reshape(-1).to(torch.int)
+        values = pairs.index_select(0, index).reshape(n_out * (g1 - g0), per)
+        torch.ldexp(values, (scales[x, :, g0:g1].to(torch.int32) - 127).reshape(n_out * (g1 - g0), 1), out=values)
+        out[x * n_in + a - r0:x * n_in + b_ - r0] = values.reshape(n_out, (g1 - g0) * per).T[a - g0 * per:b_ - g0 * per]
+    return out.reshape(e, n_in, n_out) if rows is None else out.reshape(-1)
 
 
 def fp8_block_encode(tensor: torch.Tensor, block: tuple[int, int], scale_fmt: str = "float32", *,

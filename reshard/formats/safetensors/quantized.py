@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +80,20 @@ class Codec:
                 raise QuantizedError(f"{where(c.scales)}: tensor {c.scales!r}: the scale of block {list(at)} of "
                                      f"{c.payload!r} is {value}; a scale must be a finite positive number")
 
-    def decode(self, c: Coded, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """Parameter ``c`` decoded: float32, its shape."""
+    def decode(self, c: Coded, tensor: Callable[[str], torch.Tensor], rows: tuple[int, int] | None = None
+               ) -> torch.Tensor:
+        """Parameter ``c`` decoded: float32, its shape; or, with ``rows`` ``(r0, r1)``, only those rows
+        of it as :meth:`rows_of` counts them, flat (the same values)."""
         if c.kind == "fp8":
-            return fp8_block_decode(tensor(c.payload), tensor(c.scales), c.block)
-        return mxfp4_decode(tensor(c.payload), tensor(c.scales))
+            return fp8_block_decode(tensor(c.payload), tensor(c.scales), c.block, rows)
+        return mxfp4_decode(tensor(c.payload), tensor(c.scales), rows)
+
+    @staticmethod
+    def rows_of(c: Coded) -> tuple[int, int, int]:
+        """How the decoded parameter splits into rows (its last dim): ``(row, rows, align)``, the
+        elements of a row, how many rows, and the rows of one block (a stripe starts at a multiple)."""
+        row = c.shape[-1]
+        return row, prod(c.shape) // max(1, row), c.block[0] if c.kind == "fp8" else c.block[1]
 
 
 def open_codec(config: dict[str, Any] | None, entries: dict[str, Any], config_path: Path) -> Codec | None:

@@ -30,6 +30,7 @@ import torch
 
 from ...errors import CheckpointError, QuantizedError
 from ...execute.memory import release
+from ...execute.stripes import Striped
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
@@ -237,6 +238,29 @@ class SafetensorsReader(Reader):
             release(self._raw(n))
         with self._lock:
             self._decoded = (name, t)
+        return t
+
+    def striped(self, name: str, state: str, rank: int) -> Striped | None:
+        """A quantized parameter decoded a stripe of block rows at a time (``fragment``'s values)."""
+        c = self.coded.get(name)
+        if c is None:
+            return None
+        row, rows, align = self.codec.rows_of(c)  # type: ignore[union-attr]
+        return Striped(prod(c.shape), torch.float32, row, partial(self._decode_rows, c, rows), align=align)
+
+    def _decode_rows(self, c: Coded, rows: int, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0..r1`` of ``c`` decoded; the payload's pages it read are dropped (read once), and
+        the scales' after the last row."""
+        t = self.codec.decode(c, self._tensor, (r0, r1))  # type: ignore[union-attr]
+        raw = self._raw(c.payload)
+        if c.kind == "fp8":  # row-major: rows r0..r1 are one run of the payload
+            release(raw.narrow(0, r0 * c.shape[-1], (r1 - r0) * c.shape[-1]))
+        else:  # MXFP4: an expert's blocks once its last row is decoded
+            per = rows // c.shape[0]
+            for x in range(r0 // per, r1 // per):
+                release(raw.narrow(0, x * raw.numel() // c.shape[0], raw.numel() // c.shape[0]))
+        if r1 == rows:
+            release(self._raw(c.scales))
         return t
 
     def stored(self, name: str) -> Stored | None:

@@ -1,0 +1,80 @@
+"""Source fragments computed a stripe of rows at a time (docs/spec.md §1 "stripe"): a quantized
+weight decoded on the way is produced only where a window reads it, so a fill's memory follows the
+stripe, never the widest tensor (DeepSeek-V3's 18432 x 7168 MLP weights are 504 MiB each in float32).
+
+A :class:`Striped` fragment stands where a flat source tensor would (``WindowFill``'s sources): its
+``rows(r0, r1)`` computes rows ``r0..r1`` (``row`` elements each) as a flat tensor whose every
+element is the one the whole fragment would hold there, so a striped fill equals the whole one bit
+for bit. The last stripe computed is kept (windows read a weight in order); a read reaching past it
+computes the rows it needs, from a multiple of ``align`` (a block row: no block decoded twice in a
+sweep) and at least ``stripe`` bytes' worth.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..ir.piece import View
+
+__all__ = ["STRIPE_BYTES", "Striped", "bounded", "stripe_bytes"]
+
+STRIPE_BYTES = 32 << 20  # a stripe's size by default: about two 16 MiB windows of float32
+
+
+def stripe_bytes() -> int:
+    """The stripe size in bytes: ``$RESHARD_STRIPE_BYTES`` where set (tests lower it), else ``STRIPE_BYTES``."""
+    raw = os.environ.get("RESHARD_STRIPE_BYTES")
+    return max(1, int(raw)) if raw else STRIPE_BYTES
+
+
+class Striped:
+    """A flat fragment of ``numel`` elements of ``dtype``, rows of ``row`` elements, computed by
+    ``rows(r0, r1)`` (a flat tensor of ``(r1 - r0) * row`` elements) a stripe at a time: from a
+    multiple of ``align`` rows, at least ``stripe`` bytes (default :func:`stripe_bytes`)."""
+
+    __slots__ = ("_cached", "_lock", "align", "dtype", "numel", "row", "rows", "stripe")
+
+    def __init__(self, numel: int, dtype: torch.dtype, row: int, rows: Callable[[int, int], torch.Tensor], *,
+                 align: int = 1, stripe: int | None = None) -> None:
+        self.numel, self.dtype, self.row, self.rows = numel, dtype, max(1, row), rows
+        self.align, self.stripe = max(1, align), stripe or stripe_bytes()
+        self._cached: tuple[int, int, torch.Tensor] | None = None  # first row, end row, their values
+        self._lock = threading.Lock()
+
+    def span(self, lo: int, hi: int) -> tuple[torch.Tensor, int]:
+        """A flat tensor holding elements ``lo..hi`` and the element its first one is."""
+        r0, r1 = lo // self.row, -(-hi // self.row)
+        with self._lock:  # fills of disjoint windows may run in threads (storage.zip_stripes)
+            c = self._cached
+            if c is None or not (c[0] <= r0 and r1 <= c[1]):
+                total = self.numel // self.row
+                a = r0 // self.align * self.align
+                b = max(r1, a + max(1, self.stripe // max(1, self.row * self.dtype.itemsize)))
+                b = min(total, -(-b // self.align) * self.align)
+                c = self._cached = None  # the last stripe dropped before the next is made: one in memory
+                c = self._cached = (a, b, self.rows(a, b))
+        return c[2], c[0] * self.row
+
+    def limit(self) -> int:
+        """Elements one copy may read of it at most (a stripe's, at least a row)."""
+        return max(self.row, self.stripe // self.dtype.itemsize)
+
+
+def bounded(dst: View, src: View, shape: tuple[int, ...], limit: int) -> Iterator[tuple[View, View, tuple[int, ...]]]:
+    """The strided copy ``(dst, src, shape)`` as sub-copies, each reading a source span of at most
+    ``limit`` elements where a single row allows (split along the outermost dimensions first)."""
+    lo, hi = src.span(shape)
+    k = next((j for j, n in enumerate(shape) if n > 1), None)
+    if hi - lo <= limit or k is None:
+        yield dst, src, shape
+        return
+    n = shape[k]
+    chunk = max(1, n * limit // (hi - lo))
+    for a in range(0, n, chunk):
+        sub = (*shape[:k], min(chunk, n - a), *shape[k + 1:])
+        yield from bounded(View.trusted(dst.offset + a * dst.strides[k], dst.strides),
+                           View.trusted(src.offset + a * src.strides[k], src.strides), sub, limit)
