@@ -219,13 +219,15 @@ def with_config(out: dict, ds_config: dict | None, uc_info: dict | None) -> dict
     return out
 
 
-def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: int,
+def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: int | Sequence[int],
                  fp32: Sequence[torch.Tensor | Storage], moments: Sequence[Mapping[str, torch.Tensor | TensorRef]],
                  zero_stage: int, ds_config: dict | None, uc_info: dict | None) -> dict:
     """One ``zero_pp_rank_D_mp_rank_XX_optim_states.pt`` dict, built on a source optimizer file's
     dict (its keys and order, loss scaler, hyper-parameters and ``step``). ``fp32[g]`` and
     ``moments[g]`` are whole partitions (``groups[g].partition`` elements, padding zero): tensors,
-    or for ``torch_zip.save`` a :class:`~reshard.storage.torch_zip.Storage` and views of one."""
+    or for ``torch_zip.save`` a :class:`~reshard.storage.torch_zip.Storage` and views of one. ``d``: the
+    partition of every group, or of each (an expert group's is its EDP rank's)."""
+    qs = [d] * len(groups) if isinstance(d, int) else list(d)
     src = source["optimizer_state_dict"]
     base = src["base_optimizer_state"]
     state = {}
@@ -243,7 +245,7 @@ def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: i
             state[g] = entry
     lean = []  # a view of the padded partition, as DeepSpeed saves it (the file keeps the padding)
     for g, group in enumerate(groups):
-        n = group.partition - group.tail_padding(d)
+        n = group.partition - group.tail_padding(qs[g])
         if isinstance(fp32[g], Storage):  # a placeholder the streamed writer fills: the same tensor
             lean.append(fp32[g].view((n,), requires_grad=True))
         else:
@@ -254,10 +256,10 @@ def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: i
     osd["base_optimizer_state"] = {"state": state, "param_groups": copy.deepcopy(base["param_groups"])}
     osd["single_partition_of_fp32_groups"] = lean
     osd["zero_stage"] = ZeroStageEnum(zero_stage)
-    osd["group_paddings"] = [group.tail_padding(d) for group in groups]
+    osd["group_paddings"] = [group.tail_padding(q) for group, q in zip(groups, qs)]
     osd["param_alignment_paddings"] = [group.param_paddings() for group in groups]
     osd["partition_count"] = [group.dp for group in groups]
-    osd["param_slice_mappings"] = [slice_mappings(group, d) for group in groups]
+    osd["param_slice_mappings"] = [slice_mappings(group, q) for group, q in zip(groups, qs)]
     if "universal_checkpoint_info" in osd:
         if uc_info is None:
             del osd["universal_checkpoint_info"]
