@@ -34,7 +34,7 @@ def _ds_ids(ck: DeepSpeedCheckpoint, ax: dse.AutoEP, names: list[str]) -> tuple[
     exact = sorted(order) == sorted(names)
     ids = {n: i for i, n in enumerate(order if exact else names)}
     flats = ck.osd(0, 0)["fp32_flat_groups"]
-    for k, sg in enumerate(ck.model_state(0)["param_shapes"]):
+    for k, sg in enumerate(ck.groups(0)):
         got = str(getattr(flats[k], "ds_id", ""))
         if got != f"{ids[next(iter(sg))]}_{ids[list(sg)[-1]]}":
             exact = False
@@ -50,7 +50,7 @@ class AutoEPZero3Partitions:
         self.ck, self.ax = ck, ck.experts
         self.template = ck.model_state(0)
         self.cfg = self.template.get("ds_config")
-        shapes = dse._param_groups(self.template, ck.model_files[0])
+        shapes = ck.groups(0)
         self.group_names = self._groups(shapes)
         self.names = [n for g in self.group_names for n in g]
         self.shapes = {n: s for sg in shapes for n, s in sg.items()}

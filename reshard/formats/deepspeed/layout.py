@@ -30,9 +30,10 @@ from ...layouts.topology import Topology
 from ...layouts.zero import FlatGroup
 from ...storage.torch_zip import Storage
 from ..contract import BEST, MOMENTS, Buffer, Slot
+from . import zero12 as dsw
 from .zero3 import SubGroup
 
-__all__ = ["Group", "Layout", "Part", "Unit", "want"]
+__all__ = ["Group", "Layout", "Part", "Unit", "check_flat", "flat_source", "want"]
 
 
 def want(state: str) -> tuple[str, ...]:
@@ -184,3 +185,45 @@ class Layout:
             fp32.append(bufs["fp32"])
             moments.append({m: bufs[m].view((part.numel,)) for m in MOMENTS if m in bufs})
         return fp32, moments
+
+
+# -- a source's layout, from what it records -----------------------------------------------------------
+
+
+def flat_source(ck: Any, align: int) -> Layout:
+    """The layout a ZeRO-1/2 checkpoint's ``param_shapes`` imply under DeepSpeed 0.19.8's rule: per
+    model-parallel rank and parameter group one flat group over the DP ranks; an expert group
+    (AutoEP, classic MoE: TP = PP = 1) one flat group of EP rank 0's shapes over each EP rank's EDP
+    group. Outer maps are not needed to check what the files record, and are left out."""
+    experts = ck.experts if ck.experts is not None else ck.moe
+    dense = Group.dense(ck.mp, ck.dp)
+    units = []
+    for g in range(len(ck.groups(0))):
+        if experts is not None and g in experts.groups:
+            grp = ck.groups(0)[g]
+            fg = dsw.flat_group(list(grp), list(grp.values()), experts.edp, param_align=align)
+            edp = Group(tuple(tuple(experts.members(e)) for e in range(experts.ep)))
+            units.append(Unit(edp, dict.fromkeys(range(experts.ep), Part(fg, fg.names))))
+            continue
+        parts = {}
+        for t in range(ck.mp):
+            grp = ck.groups(t)[g]
+            fg = dsw.flat_group(list(grp), list(grp.values()), ck.dp, param_align=align)
+            parts[t] = Part(fg, fg.names)
+        units.append(Unit(dense, parts))
+    return Layout("flat", {}, units, [d * ck.mp + t for t in range(ck.mp) for d in range(ck.dp)])
+
+
+def check_flat(ck: Any, align: int) -> None:
+    """Every ZeRO-1/2 rank's recorded ``param_slice_mappings``, ``group_paddings``,
+    ``param_alignment_paddings`` and fp32 partition length against :func:`flat_source`: one check
+    for every kind (dense, AutoTP, pipeline stages, AutoEP and classic MoE experts)."""
+    layout = flat_source(ck, align)
+    for r in layout.ranks:
+        t, d = r % ck.mp, r // ck.mp
+        osd, path = ck.osd(t, d), ck.optim_files[(t, d)]
+        for k, part, q in layout.rank_units(r):
+            if not isinstance(part.unit, FlatGroup):
+                raise CheckpointError(f"internal: {path}: unit {k} is not a flat group")
+            dsw.check_partition(part.unit, q, osd, k, f"{ck.tag_dir} (model-parallel rank {t}, {path.name}): dp rank {d}",
+                                path)

@@ -45,7 +45,6 @@ from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
 from .experts_zero3 import AutoEPZero3Partitions
 from .layout import Group, Layout, Part, Unit
-from .moe import _param_groups
 from .placement import AutoEPPlacement, split_local
 from .templates import Templates, ds_id_notes
 
@@ -373,7 +372,7 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
     and shapes there; ``holder_names(g, group, e)``: the parameters of F EP rank ``e`` holds at its
     positions)."""
     ms0 = ck.model_state(0)
-    src_groups = _param_groups(ms0, ck.model_files[0])
+    src_groups = ck.groups(0)
     zo = (ms0.get("ds_config") or {}).get("zero_optimization") or {}
     dtype = next(iter((ms0.get("module") or {}).values())).dtype
     align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
@@ -404,7 +403,7 @@ def autoep_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_
     """AutoEP's fused experts, placed uniformly at EP ``ep``: each fused parameter's EP-local shape
     in the expert group."""
     placement = AutoEPPlacement(ck.experts, ep, dp)
-    src_groups = _param_groups(ck.model_state(0), ck.model_files[0])
+    src_groups = ck.groups(0)
 
     def expert_group(g: int) -> tuple[list[str], list[tuple[int, ...]]]:
         names = list(src_groups[g])
@@ -434,7 +433,7 @@ def moe_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_fil
         if sub not in subs:
             subs.append(sub)
         local[prefix], src_local[prefix] = counts[p.layer] // ep, counts[p.layer] // ax.ep
-    src_groups = _param_groups(ck.model_state(0), path)
+    src_groups = ck.groups(0)
     for g, by_prefix in layout.items():  # the target's order is the source's at another L
         src_order = [f"{prefix}.{j}.{sub}" for prefix, subs in by_prefix.items()
                      for j in range(src_local[prefix]) for sub in subs]
