@@ -33,7 +33,7 @@ from ...storage.safe_load import load
 from . import experts as deepspeed_experts
 from . import lowering
 from . import moe as deepspeed_moe
-from .checks import check_step, shape_of
+from .checks import check_step, param_groups
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE, resolve_tag_dir
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -183,11 +183,15 @@ class DeepSpeedCheckpoint:
     @cached_property
     def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         """Per model-parallel rank: ``{name: shard shape}`` over all groups, in model order."""
-        out = []
-        for t in range(self.mp):
-            groups = self._z3_groups(t)
-            out.append({n: shape_of(s, n, self.model_files[t]) for g in groups for n, s in g.items()})
-        return out
+        return [{n: s for g in self.groups(t) for n, s in g.items()} for t in range(self.mp)]
+
+    def groups(self, t: int) -> list[dict[str, tuple[int, ...]]]:
+        """Model-parallel rank ``t``'s ``param_shapes``: per parameter group (ZeRO-3: per
+        sub-group) ``{name: shard shape}``, read once."""
+        key = ("groups", t)
+        if key not in self._cache:
+            self._cache[key] = param_groups(self.model_state(t), self.model_files[t])
+        return self._cache[key]
 
     @cached_property
     def _stage(self) -> dict[str, int]:
@@ -269,7 +273,7 @@ class DeepSpeedCheckpoint:
         for t in range(self.mp):
             out[t] = {}
             if self.zero_stage == 3:
-                for g, group in enumerate(self._z3_groups(t)):
+                for g, group in enumerate(self.groups(t)):
                     if self.experts is not None and g in self.experts.groups:
                         continue  # cut over expert-data-parallel groups: deepspeed_experts
                     for name, shape in group.items():
@@ -372,23 +376,13 @@ class DeepSpeedCheckpoint:
         key = ("z3off", t)
         if key not in self._cache:
             out = {}
-            for group in self._z3_groups(t):
+            for group in self.groups(t):
                 off = 0
                 for n, shape in group.items():
                     out[n] = off
                     off += -(-prod(shape) // self.dp)
             self._cache[key] = out
         return self._cache[key][name]
-
-    def _z3_groups(self, t: int) -> list[dict]:
-        groups = _get(self.model_state(t), "param_shapes", self.model_files[t])
-        groups = groups if isinstance(groups, list) else [groups]
-        if not all(isinstance(g, dict) for g in groups):
-            raise CheckpointError(f"{self.model_files[t]}: param_shapes is not a list of name -> shape dicts")
-        for g in groups:
-            for n, s in g.items():
-                shape_of(s, n, self.model_files[t])
-        return groups
 
     def tp_shard(self, name: str, t: int, state: str, shape: tuple[int, ...]) -> torch.Tensor:
         """TP rank ``t``'s shard of ``name`` (of ``shape``) for one state, rebuilt from its DP

@@ -61,6 +61,17 @@ def _flat(x: Any, n: int | None, where: Any, what: str) -> int:
     return x.numel()
 
 
+def param_groups(state: Mapping, path: Any) -> list[dict[str, tuple[int, ...]]]:
+    """A model-state file's ``param_shapes``: per parameter group (ZeRO-3: per sub-group)
+    ``{name: shape}`` in the recorded order, every shape checked. The one reading of the entry
+    (``DeepSpeedCheckpoint.groups`` keeps each model-parallel rank's)."""
+    groups = state.get("param_shapes") if isinstance(state, Mapping) else None
+    groups = groups if isinstance(groups, list) else [groups]
+    if not all(isinstance(g, Mapping) for g in groups):
+        raise CheckpointError(f"{path}: param_shapes is not a list of {{name: shape}} groups")
+    return [{n: shape_of(s, n, path) for n, s in g.items()} for g in groups]
+
+
 def shape_of(value: Any, name: Any, where: Any) -> tuple[int, ...]:
     """A ``param_shapes`` entry as a shape: a sequence of non-negative Python ints (``torch.Size``)."""
     ok = isinstance(name, str) and isinstance(value, (tuple, list)) and all(

@@ -38,7 +38,7 @@ from ...layouts import autoep_placement, compose_zero, zero3, zero12_from_slice_
 from ...layouts.topology import Topology
 from ...layouts.zero import zero3_partition_numel
 from ...storage.safe_load import load
-from .checks import first_difference
+from .checks import first_difference, param_groups
 from .lowering import Lowered
 
 # a ``formats.deepspeed.DeepSpeedCheckpoint``, which imports this module (its hooks call these)
@@ -106,7 +106,7 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
         raise CheckpointError(f"{where}: expected a non-empty list of layer entries, got {type(layers).__name__}")
     if ck.zero_stage == 3:
         _check_z3_format(layers, where)
-    groups = _param_groups(state, path)
+    groups = ck.groups(0)
     params: dict[str, ExpertParam] = {}
     for i, layer in enumerate(layers):
         for p in _layer_params(layer, groups, f"{where}[{i}]"):
@@ -177,7 +177,8 @@ def _check_z3_partitions(ck: DeepSpeedCheckpoint, ax: AutoEP, n_sub: int) -> Non
                                       f"{e}, EDP groups in DeepSpeed's {order} order) should have {want!r}")
         if d:  # every rank's model states: the same parameters and shapes, its own EP rank
             ms = load(ck.z3_model_files[(0, d)])
-            if _param_groups(ms, ck.z3_model_files[(0, d)]) != _param_groups(ck.model_state(0), ck.model_files[0]):
+            if [list(g.items()) for g in param_groups(ms, ck.z3_model_files[(0, d)])] != \
+                    [list(g.items()) for g in ck.groups(0)]:
                 raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: param_shapes differ from DP rank 0's")
             _same_copies(ms, ck.z3_model_files[(0, d)])
             for i, (x, y) in enumerate(zip(ck.model_state(0)[LAYERS_KEY], ms.get(LAYERS_KEY) or [])):
@@ -189,14 +190,6 @@ def _check_z3_partitions(ck: DeepSpeedCheckpoint, ax: AutoEP, n_sub: int) -> Non
             if ranks != {e}:
                 raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: {LAYERS_KEY} records EP rank(s) {sorted(ranks)}, "
                                       f"the partition groups say DP rank {d} is EP rank {e}")
-
-
-def _param_groups(state: dict, path: Any) -> list[dict[str, tuple[int, ...]]]:
-    groups = state.get("param_shapes")
-    groups = groups if isinstance(groups, list) else [groups]
-    if not all(isinstance(g, Mapping) for g in groups):
-        raise CheckpointError(f"{path}: param_shapes is not a list of {{name: shape}} groups")
-    return [{n: tuple(s) for n, s in g.items()} for g in groups]
 
 
 def _layer_params(layer: Any, groups: list[dict], where: str) -> list[ExpertParam]:
@@ -317,7 +310,7 @@ def z3_offset(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int) -> int:
     """Under ZeRO-3: where ``p``'s partition starts in EP rank ``e``'s flat sub-group (the
     partitions of the sub-group's parameters, ``ceil(numel / edp)`` each, in order)."""
     off, ax = 0, ck.experts
-    for name in ck.model_state(0)["param_shapes"][p.group]:
+    for name in ck.groups(0)[p.group]:
         if name == p.name:
             return off
         off += zero3_partition_numel(prod(ax.params[name].shard_shape(e)), ax.edp)

@@ -86,7 +86,7 @@ def read(ck: DeepSpeedCheckpoint) -> ClassicMoE | None:
     if ck.zero_stage == 3 or ck.mp != 1:
         raise CheckpointError(f"{path}: classic MoE experts are read only from ZeRO-1/2 checkpoints without tensor "
                               f"or pipeline parallelism (this one: ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp})")
-    groups = _param_groups(state, path)
+    groups = ck.groups(0)
     layers = _local_layers(groups, path)
     if len(layers) != len(counts):
         raise CheckpointError(f"{path}: num_experts lists {len(counts)} MoE layers, param_shapes has expert "
@@ -110,14 +110,6 @@ def read(ck: DeepSpeedCheckpoint) -> ClassicMoE | None:
             raise CheckpointError(f"{path}: optimizer group {g} holds experts and also {strays[:3]}")
     return ClassicMoE(params, local_names, expert_groups, ep, ck.dp // ep,
                       bool(cfg.get("use_data_before_expert_parallelism", False)), files)
-
-
-def _param_groups(state: dict, path: Path) -> list[dict[str, tuple[int, ...]]]:
-    groups = state.get("param_shapes")
-    groups = groups if isinstance(groups, list) else [groups]
-    if not all(isinstance(g, Mapping) for g in groups):
-        raise CheckpointError(f"{path}: param_shapes is not a list of {{name: shape}} groups")
-    return [{n: tuple(s) for n, s in g.items()} for g in groups]
 
 
 def _local_layers(groups: list[dict], path: Path) -> dict[str, list[tuple[int, str]]]:

@@ -33,10 +33,11 @@ from ..hf.trainer_files import trainer_held
 from . import checks
 from .checkpoint import DeepSpeedCheckpoint
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE
+from .layout import check_flat
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
 from .zero3 import Zero3Partitions
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS
-from .zero12 import Zero12Partitions, check_dense_layouts
+from .zero12 import Zero12Partitions, layout_alignment
 
 __all__ = ["DeepSpeedNative", "DeepSpeedReader", "model_state_held", "optimizer_state"]
 
@@ -132,8 +133,8 @@ class DeepSpeedReader(Reader):
             checks.check_partitions(ck)
             checks.check_module_weights(ck, self.names, self.module_dtype)
             checks.check_expert_files(ck, self.module_dtype)
-            if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout is Zero12Partitions's
-                check_dense_layouts(ck, self.module_dtype)
+            if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout is checked building Zero12Partitions
+                check_flat(ck, layout_alignment(ck, self.module_dtype))
         checks.check_recorded_maps(ck, self.names)
         for name in self.names:  # every map lowers and composes
             for state in self.states(name):

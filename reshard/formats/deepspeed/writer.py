@@ -5,10 +5,13 @@ checkpoint involved): ``OUT/<tag>`` and ``OUT/latest``.
 :class:`DeepSpeedWriter` decides which layout the target takes and refuses, before any output
 folder exists, what it cannot write:
 
-* ZeRO-1/2 at TP x DP (x PP) (``target_zero12``), from a ZeRO-1/2, ZeRO-3 or non-DeepSpeed source;
-* ZeRO-3 at TP x DP (``target_zero3``);
-* AutoEP or classic MoE experts at another EP x DP (``target_experts``), AutoEP under ZeRO-3
-  (``experts_zero3``).
+* ZeRO-1/2 at TP x DP (x PP), from a ZeRO-1/2, ZeRO-3 or non-DeepSpeed source;
+* ZeRO-3 at TP x DP;
+* AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``).
+
+Every kind is one :class:`~reshard.formats.deepspeed.target.DeepSpeedTarget` over a
+:class:`~reshard.formats.deepspeed.layout.Layout` (outer maps, partition groups, flat groups or
+sub-groups).
 
 The target's model-parallel maps come from ``target_layout``: the source's TP maps kept, whole at
 TP=1, or from ``layout=`` at another degree (a Hugging Face folder without one: its architecture's
@@ -32,9 +35,15 @@ from ..contract import BEST, Buffer, Held, Reader, Writer
 from ..table import noun_of
 from . import templates
 from .reader import DeepSpeedNative
+from .target import (
+    DeepSpeedTarget,
+    autoep_target,
+    autoep_zero3_target,
+    moe_target,
+    zero3_target,
+    zero12_target,
+)
 from .target_layout import TargetLayout, hf_plan_maps, layout_sources, target_stage_maps, target_tp_maps
-from .target_zero3 import Zero3Target
-from .target_zero12 import Zero12Target
 
 __all__ = ["DeepSpeedWriter"]
 
@@ -61,7 +70,7 @@ class DeepSpeedWriter(Writer):
         self._notes: list[str] = []
         self._source: dict[str, int] = {}
         self.keeps_replicas = False
-        self.kind: Any = None  # the target's kind: Zero12Target, Zero3Target, ExpertFiles or AutoEPZero3Target
+        self.target: DeepSpeedTarget
         own = reader.native("deepspeed")
         self.own = own if isinstance(own, DeepSpeedNative) else None  # a DeepSpeed source's files and layout
         if self.own is not None:
@@ -88,28 +97,24 @@ class DeepSpeedWriter(Writer):
         self.keeps_replicas = self._target["tp"] == ck.tp
 
     def _autoep_zero3(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
-        from .experts_zero3 import AutoEPZero3Partitions, AutoEPZero3Target, check_autoep_zero3
+        from .experts_zero3 import AutoEPZero3Partitions
+        from .placement import check_autoep_zero3
 
         stage = 3 if stage is None else stage
         check_autoep_zero3(ck, ep, dp, tp, pp, stage)
-        src = AutoEPZero3Partitions(ck)
-        tgt = AutoEPZero3Target(src, ep, dp)
-        tgt.bind(src)
-        self.kind = tgt
+        self.target = autoep_zero3_target(AutoEPZero3Partitions(ck), ep, dp)
         self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": 3, "ep": ck.experts.ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
-        self._notes += tgt.notes()
+        self._notes += self.target.notes
 
     def _experts(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
-        from .target_experts import EXPERT_FILE, AutoEPTarget, ExpertFiles, MoETarget, check_autoep, check_moe
+        from .placement import EXPERT_FILE, check_autoep, check_moe
 
         stage = ck.zero_stage if stage is None else stage
         if ck.experts is None and ck.zero_stage != 3 and ck.moe is not None:
             check_moe(ck, ep, dp, tp, pp, stage)
-            tgt = MoETarget(ck, ep, dp)
-            files = [ck.moe.files[k] for k in sorted(ck.moe.files)]
+            self.target = moe_target(ck, ep, dp, stage, [ck.moe.files[k] for k in sorted(ck.moe.files)])
             source_ep = ck.moe.ep
-            note = f"classic MoE experts at EP {ep} (EDP {tgt.edp}): EP rank e holds experts [e*L, (e+1)*L)"
         else:
             check_autoep(ck, ep, dp, tp, pp, stage)
             files = sorted(ck.tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
@@ -118,13 +123,11 @@ class DeepSpeedWriter(Writer):
             missing = sorted(want - {p.name for p in files})
             if missing:
                 raise CheckpointError(f"{ck.tag_dir}: AutoEP per-expert files missing: {missing[:3]}")
-            tgt = AutoEPTarget(ck, ep, dp)
+            self.target = autoep_target(ck, ep, dp, stage, files)
             source_ep = ck.experts.ep
-            note = f"AutoEP experts at EP {ep} (EDP {tgt.edp}), uniform placement"
-        self.kind = ExpertFiles(ck, tgt, stage, files)
         self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": source_ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
-        self._notes.append(note)
+        self._notes += self.target.notes
 
     def _zero3_route(self, own: DeepSpeedNative, tp: int, dp: int, pp: int, stage: int | None,
                      layout: TargetLayout) -> None:
@@ -145,14 +148,14 @@ class DeepSpeedWriter(Writer):
         maps, uc_info, origin = target_tp_maps(ck, tpl.names, tp, layout)
         uc_info = uc_info if tp > 1 else None
         if stage == 3:
-            self.kind = Zero3Target(tpl, maps, tp=tp, dp=dp, uc_info=uc_info, where=str(ck.model_files[0]))
+            self.target = zero3_target(tpl, maps, tp=tp, dp=dp, uc_info=uc_info, where=str(ck.model_files[0]),
+                                       model_size=ck.model_files[0].stat().st_size)
         else:
-            self.kind = Zero12Target(tpl, maps, tp=tp, dp=dp, pp=1, stage=stage, uc_info=uc_info)
+            self.target = zero12_target(tpl, maps, tp=tp, dp=dp, pp=1, stage=stage, uc_info=uc_info)
         self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage}
         self.origin = "none (TP=1)" if tp == 1 and ck.tp == 1 else origin
         self._notes += [] if tp == 1 and ck.tp == 1 else [f"target TP layout {origin}"]
-        if stage == 3:
-            self._notes += self.kind.notes()
+        self._notes += self.target.notes
 
     def _zero12_route(self, own: DeepSpeedNative, tp: int, dp: int, pp: int, stage: int | None,
                       layout: TargetLayout) -> None:
@@ -174,8 +177,8 @@ class DeepSpeedWriter(Writer):
             if pp != 1:
                 raise ReshardError(f"{ck.tag_dir}: not a pipeline (deepspeed.pipe) checkpoint; pp={pp} needs one")
             maps, uc_info, origin = target_tp_maps(ck, tpl.names, tp, layout)
-        self.kind = Zero12Target(tpl, maps, tp=tp, dp=dp, pp=pp, stage=stage, uc_info=uc_info, pipe=src.pipe,
-                                 layer_files=ck.layer_files, source_ck=ck)
+        self.target = zero12_target(tpl, maps, tp=tp, dp=dp, pp=pp, stage=stage, uc_info=uc_info, pipe=src.pipe,
+                                    layer_files=ck.layer_files, source_ck=ck)
         self._target = {"tp": tp, "dp": dp, "pp": pp, "zero_stage": stage}
         self.origin = origin
         self._notes.append(f"target TP layout {origin}")
@@ -213,9 +216,9 @@ class DeepSpeedWriter(Writer):
                                                    source_maps={n: replicated(reader.shape(n), 1) for n in reader.names})
             origin = plan_origin if planned is not None else origin
         if stage == 3:
-            self.kind = Zero3Target(tpl, maps, tp=tp, dp=dp, uc_info=uc_info, where=str(where))
+            self.target = zero3_target(tpl, maps, tp=tp, dp=dp, uc_info=uc_info, where=str(where), model_size=1 << 16)
         else:
-            self.kind = Zero12Target(tpl, maps, tp=tp, dp=dp, pp=1, stage=stage, uc_info=uc_info)
+            self.target = zero12_target(tpl, maps, tp=tp, dp=dp, pp=1, stage=stage, uc_info=uc_info)
         self._source = dict(reader.topology)
         self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage}
         self.origin = origin
@@ -228,21 +231,13 @@ class DeepSpeedWriter(Writer):
 
     # -- the contract ----------------------------------------------------------------------------
     def buffers(self) -> list[Buffer]:
-        return self.kind.buffers()
+        return self.target.buffers()
 
     def tp_index(self, rank: int) -> int:
-        return self.kind.tp_index(rank) if isinstance(self.kind, (Zero12Target, Zero3Target)) else 0
+        return self.target.tp_index(rank)
 
     def jobs(self, engine: Any, staging: Any) -> list:
-        kind = self.kind
-        if isinstance(kind, Zero3Target):
-            model = self.own.ck.model_files[0].stat().st_size if self.own is not None else 1 << 16
-            return kind.jobs(engine, staging, ArchiveJob, model)
-        if isinstance(kind, Zero12Target):
-            return kind.jobs(engine, staging, ArchiveJob)
-        if hasattr(kind, "bind"):  # AutoEP under ZeRO-3
-            return kind.jobs(engine, staging, ArchiveJob)
-        return kind.jobs(engine, staging)
+        return self.target.jobs(engine, staging, ArchiveJob)
 
     def carries(self, held: Held) -> bool:
         """From a DeepSpeed source, the model states' buffers, scheduler and client state (its

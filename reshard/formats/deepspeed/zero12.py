@@ -100,46 +100,35 @@ def slice_mappings(group: FlatGroup, d: int) -> OrderedDict:
                        for i, lo, hi in group.fragments(d))
 
 
-def check_source_group(group: FlatGroup, osds: Sequence[Mapping], g: int, where: str) -> None:
-    """Refuse a source whose recorded ZeRO layout is not the one :func:`flat_group` computes
-    (round-robin gradients, another DeepSpeed version): every later step relies on it."""
-    for d, osd in enumerate(osds):
-        got = [(n, int(f.numel), int(f.start)) for n, f in osd["param_slice_mappings"][g].items()]
-        want = [(n, int(f.numel), int(f.start)) for n, f in slice_mappings(group, d).items()]
-        if got != want:
-            diff = next(((a, b) for a, b in zip(got, want) if a != b), (got[len(want):][:1], want[len(got):][:1]))
-            raise CheckpointError(
-                f"{where}: dp rank {d} group {g}: param_slice_mappings differ from DeepSpeed 0.19.8's ZeRO-1/2 "
-                f"flat layout (recorded {diff[0]}, expected {diff[1]}); round_robin_gradients or an unknown "
-                "layout is not supported")
-        if int(osd["group_paddings"][g]) != group.tail_padding(d):
-            raise CheckpointError(f"{where}: dp rank {d} group {g}: group_paddings {osd['group_paddings'][g]}, "
-                                  f"expected {group.tail_padding(d)}")
-        recorded = osd.get("param_alignment_paddings")
-        if recorded is not None and [int(x) for x in recorded[g]] != group.param_paddings():
-            raise CheckpointError(f"{where}: dp rank {d} group {g}: param_alignment_paddings differ from the layout "
-                                  "parameter_alignment implies")
+def check_partition(group: FlatGroup, q: int, osd: Mapping, g: int, where: str, path: Any) -> None:
+    """Refuse a rank whose recorded ZeRO layout of group ``g`` (its partition ``q`` of ``group``)
+    is not the one :func:`flat_group` computes (round-robin gradients, another DeepSpeed version,
+    two ranks' files swapped, a truncated partition): every later step relies on it. ``where``
+    names the rank, ``path`` its file."""
+    got = [(n, int(f.numel), int(f.start)) for n, f in osd["param_slice_mappings"][g].items()]
+    want = [(n, int(f.numel), int(f.start)) for n, f in slice_mappings(group, q).items()]
+    if got != want:
+        diff = next(((a, b) for a, b in zip(got, want) if a != b), (got[len(want):][:1], want[len(got):][:1]))
+        raise CheckpointError(
+            f"{where} group {g}: param_slice_mappings differ from DeepSpeed 0.19.8's ZeRO-1/2 flat layout "
+            f"(recorded {diff[0]}, expected {diff[1]}); round_robin_gradients or an unknown layout is not supported")
+    if int(osd["group_paddings"][g]) != group.tail_padding(q):
+        raise CheckpointError(f"{where} group {g}: group_paddings {osd['group_paddings'][g]}, expected "
+                              f"{group.tail_padding(q)}")
+    recorded = osd.get("param_alignment_paddings")
+    if recorded is not None and [int(x) for x in recorded[g]] != group.param_paddings():
+        raise CheckpointError(f"{where} group {g}: param_alignment_paddings differ from the layout "
+                              "parameter_alignment implies")
+    lean, expected = osd["single_partition_of_fp32_groups"][g].numel(), group.partition - group.tail_padding(q)
+    if lean != expected:
+        raise CheckpointError(f"{path}: group {g} fp32 partition has {lean} elements, the layout implies {expected}: "
+                              "truncated or not a DeepSpeed 0.19.8 file")
 
 
-def check_dense_layouts(ck: Any, dtype: torch.dtype) -> None:
-    """ZeRO-1/2 with experts (AutoEP, classic MoE): every dense group's ``param_slice_mappings``
-    on every DP rank against DeepSpeed 0.19.8's flat layout of the group's ``param_shapes``, as
-    a dense checkpoint's (``zero12.Zero12Partitions``): two DP ranks' optimizer files swapped, or a
-    fragment start shifted, are refused rather than read at the wrong place. (The expert groups'
-    layouts are their EDP groups' own; swapped EP ranks' files of one shape are the deep check's.)"""
+def layout_alignment(ck: Any, dtype: torch.dtype) -> int:
+    """The per-parameter alignment ``ck``'s ds_config and training dtype give."""
     zo = (ck.model_state(0).get("ds_config") or {}).get("zero_optimization") or {}
-    align = param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
-    experts = set(ck.experts.groups if ck.experts is not None else ()) | set(ck.moe.groups if ck.moe is not None else ())
-    for t in range(ck.mp):
-        shapes = ck.model_state(t).get("param_shapes")
-        shapes = shapes if isinstance(shapes, list) else [shapes]
-        osds = [ck.osd(t, d) for d in range(ck.dp)]
-        for g, grp in enumerate(shapes):
-            if g in experts or not isinstance(grp, Mapping):
-                continue
-            group = flat_group(list(grp), [tuple(s) for s in grp.values()], ck.dp, param_align=align)
-            check_source_group(group, osds, g, f"{ck.tag_dir} (model-parallel rank {t}, files "
-                               f"{', '.join(ck.optim_files[(t, d)].name for d in range(ck.dp))})")
+    return param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
 
 
 # -- dictionaries --------------------------------------------------------------------------------
@@ -219,13 +208,15 @@ def with_config(out: dict, ds_config: dict | None, uc_info: dict | None) -> dict
     return out
 
 
-def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: int,
+def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: int | Sequence[int],
                  fp32: Sequence[torch.Tensor | Storage], moments: Sequence[Mapping[str, torch.Tensor | TensorRef]],
                  zero_stage: int, ds_config: dict | None, uc_info: dict | None) -> dict:
     """One ``zero_pp_rank_D_mp_rank_XX_optim_states.pt`` dict, built on a source optimizer file's
     dict (its keys and order, loss scaler, hyper-parameters and ``step``). ``fp32[g]`` and
     ``moments[g]`` are whole partitions (``groups[g].partition`` elements, padding zero): tensors,
-    or for ``torch_zip.save`` a :class:`~reshard.storage.torch_zip.Storage` and views of one."""
+    or for ``torch_zip.save`` a :class:`~reshard.storage.torch_zip.Storage` and views of one. ``d``: the
+    partition of every group, or of each (an expert group's is its EDP rank's)."""
+    qs = [d] * len(groups) if isinstance(d, int) else list(d)
     src = source["optimizer_state_dict"]
     base = src["base_optimizer_state"]
     state = {}
@@ -243,7 +234,7 @@ def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: i
             state[g] = entry
     lean = []  # a view of the padded partition, as DeepSpeed saves it (the file keeps the padding)
     for g, group in enumerate(groups):
-        n = group.partition - group.tail_padding(d)
+        n = group.partition - group.tail_padding(qs[g])
         if isinstance(fp32[g], Storage):  # a placeholder the streamed writer fills: the same tensor
             lean.append(fp32[g].view((n,), requires_grad=True))
         else:
@@ -254,10 +245,10 @@ def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: i
     osd["base_optimizer_state"] = {"state": state, "param_groups": copy.deepcopy(base["param_groups"])}
     osd["single_partition_of_fp32_groups"] = lean
     osd["zero_stage"] = ZeroStageEnum(zero_stage)
-    osd["group_paddings"] = [group.tail_padding(d) for group in groups]
+    osd["group_paddings"] = [group.tail_padding(q) for group, q in zip(groups, qs)]
     osd["param_alignment_paddings"] = [group.param_paddings() for group in groups]
     osd["partition_count"] = [group.dp for group in groups]
-    osd["param_slice_mappings"] = [slice_mappings(group, d) for group in groups]
+    osd["param_slice_mappings"] = [slice_mappings(group, q) for group, q in zip(groups, qs)]
     if "universal_checkpoint_info" in osd:
         if uc_info is None:
             del osd["universal_checkpoint_info"]
@@ -288,11 +279,7 @@ class Zero12Partitions:
         for key in ("num_experts", "ds_autoep_layers"):
             if ms0.get(key):
                 raise CheckpointError(f"{ck.model_files[0]}: mixture-of-experts checkpoints are not supported")
-        groups = []
-        for t in range(self.mp):
-            g = ck.model_state(t).get("param_shapes")
-            g = g if isinstance(g, list) else [g]
-            groups.append([OrderedDict((n, tuple(s)) for n, s in grp.items()) for grp in g])
+        groups = [ck.groups(t) for t in range(self.mp)]
         if len({len(g) for g in groups}) != 1:
             raise CheckpointError(f"{ck.tag_dir}: model-parallel ranks record different numbers of parameter groups")
         self.groups = groups  # [tp][group] -> {name: shard shape}
@@ -345,16 +332,9 @@ class Zero12Partitions:
                 if len(osd["param_slice_mappings"]) != self.n_groups:
                     raise CheckpointError(f"{ck.optim_files[(t, d)]}: {len(osd['param_slice_mappings'])} groups, "
                                           f"the model states record {self.n_groups}")
-            for g in range(self.n_groups):
-                names, shapes = list(self.groups[t][g]), list(self.groups[t][g].values())
-                group = flat_group(names, shapes, ck.dp, param_align=self.param_align)
-                check_source_group(group, osds, g, f"{ck.tag_dir} (tp rank {t})")
-                for d in range(ck.dp):
-                    lean = ck.osd(t, d)["single_partition_of_fp32_groups"][g].numel()
-                    want = group.partition - group.tail_padding(d)
-                    if lean != want:
-                        raise CheckpointError(f"{ck.optim_files[(t, d)]}: group {g} fp32 partition has {lean} elements, "
-                                              f"the layout implies {want}: truncated or not a DeepSpeed 0.19.8 file")
+        from .layout import check_flat  # (layout builds on this module)
+
+        check_flat(ck, self.param_align)
 
     def _check_rest(self, ms0: dict) -> None:
         ck = self.ck

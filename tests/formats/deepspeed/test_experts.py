@@ -13,7 +13,7 @@ import torch
 from reshard import ReshardError, apply_plan
 from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
-from reshard.formats.deepspeed.target_experts import ds_affine_entry
+from reshard.formats.deepspeed.placement import ds_affine_entry
 from reshard.ir import canonicalize
 from reshard.ir.param_map import map_from_dict
 from reshard.jobs.convert import reshard

@@ -1,0 +1,197 @@
+"""Where a DeepSpeed target puts its experts (the outer map of an expert parameter), and what it
+refuses before anything is written.
+
+AutoEP places experts uniformly at the target (``legacy_uniform_autoep_placement_descriptor``: EP
+rank ``e`` holds experts ``[e * L, (e + 1) * L)``, ``L = num_experts / ep``); each EP rank's
+partition group is its expert-data-parallel (EDP) group, the source's EDP order at the new sizes.
+What changes in the files with the placement (docs/deepspeed-checkpoints.md §11, §11.1): the
+``ds_autoep_layers`` entries (also in ``universal_checkpoint_info``), each a rank's view (EP rank,
+EDP rank and size, placement, affine maps), and under ZeRO-3 the optimizer's
+``ds_zero_partition_groups``. Classic MoE (§12) places global expert ``x`` on EP rank ``x // L``
+under the local name ``<prefix>.deepspeed_experts.<x % L>.<sub>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from ...errors import CheckpointError, ReshardError
+from ...ir.param_map import ParamMap
+from ...ir.piece import prod, row_major_strides
+from ...layouts import autoep_placement
+from . import experts as dse
+from .checkpoint import DeepSpeedCheckpoint
+from .layout import Group, Layout
+from .moe import LOCAL_RE
+
+__all__ = ["EXPERT_FILE", "AutoEPPlacement", "check_autoep", "check_autoep_zero3", "check_moe", "ds_affine_entry",
+           "split_local", "uniform_placement"]
+
+EXPERT_FILE = "layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
+
+
+def uniform_placement(num_experts: int, ep: int) -> dict:
+    """AutoEP's placement descriptor at EP ``ep`` (``legacy_uniform_autoep_placement_descriptor``)."""
+    local = num_experts // ep
+    return {"version": 1, "num_experts": num_experts, "ep_size": ep,
+            "ranks": [{"rank": e, "experts": list(range(e * local, (e + 1) * local))} for e in range(ep)]}
+
+
+def ds_affine_entry(desc: dict, full_shape: tuple[int, ...]) -> dict:
+    """A placement's ``affine_maps`` entry exactly as DeepSpeed writes it
+    (``autoep_placement_to_affine_map(...).to_dict()``): one piece per run of consecutive experts
+    on one holder, full-rank strides, not the canonical (dimension-merged) form reshard keeps."""
+    full_shape = tuple(int(x) for x in full_shape)
+    rest, per = full_shape[1:], list(row_major_strides(full_shape))[0] if full_shape else 1
+    holders: dict[int, list[int]] = {}
+    for r in desc["ranks"]:
+        for x in r["experts"]:
+            holders.setdefault(x, []).append(r["rank"])
+    ranks = {}
+    for r in sorted(desc["ranks"], key=lambda r: r["rank"]):
+        experts, shard = r["experts"], (len(r["experts"]),) + rest
+        pieces, start = [], 0
+        for j in range(1, len(experts) + 1):
+            if j < len(experts) and experts[j] == experts[j - 1] + 1 and holders[experts[j]] == holders[experts[j - 1]] \
+                    and len(holders[experts[j]]) == 1:
+                continue
+            pieces.append({"shape": [j - start, *rest], "source": [experts[start] * per, list(row_major_strides(full_shape))],
+                           "dest": [start * per, list(row_major_strides(shard))], "locations": sorted(holders[experts[start]])})
+            start = j
+        ranks[r["rank"]] = {"shard_shape": list(shard), "pieces": pieces}
+    return {"logical_shape": list(full_shape), "ranks": ranks}
+
+
+def check_target(ck: DeepSpeedCheckpoint, what: str, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
+    """The refusals every expert checkpoint shares (``what``: "AutoEP", "classic MoE")."""
+    if tp != 1 or pp != 1 or ck.layer_files:
+        raise ReshardError(f"{ck.tag_dir}: {what} checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, pp={pp})")
+    if stage not in (1, 2) or stage != ck.zero_stage:
+        raise ReshardError(f"{ck.tag_dir}: {what} resharding keeps the source's ZeRO stage {ck.zero_stage} "
+                           f"(asked {stage})")
+    if dp % ep:
+        raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
+
+
+def _check_placements(ck: DeepSpeedCheckpoint, ep: int) -> None:
+    """AutoEP's uniform placement at ``ep`` of every fused expert parameter, from a uniform one."""
+    for name, p in ck.experts.params.items():
+        if p.full_shape[0] % ep:
+            raise ReshardError(f"{ck.model_files[0]}: {name}: {p.full_shape[0]} experts do not split evenly over "
+                               f"ep={ep} (AutoEP's uniform placement)")
+        uniform = uniform_placement(p.full_shape[0], p.ep)["ranks"]
+        if [list(x) for x in p.experts_by_rank] != [r["experts"] for r in uniform]:
+            raise CheckpointError(f"{ck.model_files[0]}: {name}: a non-uniform source placement "
+                                  f"{[list(x) for x in p.experts_by_rank]} is not supported yet")
+
+
+def check_autoep(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
+    if ck.experts is None:
+        raise ReshardError(f"{ck.model_files[0]}: ep= needs an AutoEP checkpoint (ds_autoep_layers) or a classic MoE "
+                           "one (num_experts); this one has neither")
+    check_target(ck, "AutoEP", ep, dp, tp, pp, stage)
+    _check_placements(ck, ep)
+    ck.check_steps()
+
+
+def split_local(name: str) -> tuple[str, int, str]:
+    """A classic MoE expert parameter's (prefix, local expert, sub-name)."""
+    m = LOCAL_RE.match(name)
+    if m is None:  # deepspeed_moe.read only admits names that match
+        raise CheckpointError(f"internal: {name!r} is not a classic MoE expert parameter name")
+    return m["prefix"], int(m["local"]), m["sub"]
+
+
+def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
+    ax, path = ck.moe, ck.model_files[0]
+    check_target(ck, "classic MoE", ep, dp, tp, pp, stage)
+    counts = ck.model_state(0)["num_experts"]
+    for p in ax.params.values():
+        if counts[p.layer] % ep:
+            raise ReshardError(f"{path}: MoE layer {p.layer} ({split_local(p.name)[0]}): {counts[p.layer]} experts do not "
+                               f"split evenly over ep={ep}")
+    try:
+        groups = ck.optim_state(0, 0)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{ck.optim_files[(0, 0)]}: no optimizer param_groups ({e!r})") from None
+    for g in sorted(ax.groups):
+        group = groups[g] if g < len(groups) and isinstance(groups[g], dict) else {}
+        if not group.get("moe") or group.get("name") != f"ep_size_{ax.ep}":
+            raise CheckpointError(f"{ck.optim_files[(0, 0)]}: optimizer group {g} holds the experts but is not "
+                                  f"DeepSpeed's MoE group (moe: True, name 'ep_size_{ax.ep}'): "
+                                  f"{ {k: group.get(k) for k in ('name', 'moe')} }")
+    ck.check_steps()
+
+
+def check_autoep_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
+    """What an AutoEP ZeRO-3 target refuses, before anything is written."""
+    if tp != 1 or pp != 1:
+        raise ReshardError(f"{ck.tag_dir}: AutoEP ZeRO-3 checkpoints are resharded at TP = PP = 1 only "
+                           f"(asked tp={tp}, pp={pp})")
+    if stage != 3:
+        raise ReshardError(f"{ck.tag_dir}: an AutoEP ZeRO-3 checkpoint is written at ZeRO stage 3 only (asked "
+                           f"{stage}); moving AutoEP experts between ZeRO-3 and ZeRO-1/2 is not supported")
+    if dp % ep:
+        raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
+    _check_placements(ck, ep)
+    ms = ck.model_state(0)
+    if any(prod(tuple(s)) for s in (ms.get("frozen_param_shapes") or {}).values()):
+        raise CheckpointError(f"{ck.model_files[0]}: frozen parameters are not supported")
+    ck.check_steps()
+
+
+class AutoEPPlacement:
+    """AutoEP's uniform placement at EP ``ep`` over ``dp`` ranks: each fused parameter's outer map
+    over the EP ranks, each EP rank's EDP group, and the per-rank records that follow from them."""
+
+    def __init__(self, ax: dse.AutoEP, ep: int, dp: int) -> None:
+        self.ep, self.dp, self.edp = ep, dp, dp // ep
+        self.ax = dataclasses.replace(ax, ep=ep, edp=dp // ep)  # the source's EDP order at the new sizes
+        self.placements = {p.layer: uniform_placement(p.full_shape[0], ep) for p in ax.params.values()}
+        self.maps: dict[str, ParamMap] = {n: autoep_placement(self.placements[p.layer], p.full_shape)
+                                          for n, p in ax.params.items()}
+        self.ep_of = {d: e for e in range(ep) for d in self.ax.members(e)}
+
+    def group(self) -> Group:
+        """Each EP rank's partition group: its EDP ranks."""
+        return Group(tuple(tuple(self.ax.members(e)) for e in range(self.ep)))
+
+    def ds_config(self, cfg: dict | None) -> dict | None:
+        if cfg is not None and isinstance(cfg.get("expert_parallel"), dict):
+            cfg["expert_parallel"]["autoep_size"] = self.ep
+        return cfg
+
+    def layer(self, entry: dict, d: int, *, copied: bool) -> dict:
+        """One ``ds_autoep_layers`` entry as DP rank ``d`` writes it at the target (``copied``: its
+        own copies of the source's objects, as DeepSpeed's ZeRO-3 save clones the state)."""
+        desc = self.placements[int(entry["moe_layer_id"])]
+        desc = copy.deepcopy(desc) if copied else desc
+        e = self.ep_of[d]
+        local = len(desc["ranks"][e]["experts"])
+        out = copy.deepcopy(dict(entry)) if copied else dict(entry)
+        out.update(num_local_experts=local, ep_size=self.ep, expert_placement=desc, ep_group_name=f"ep_size_{self.ep}",
+                   ep_rank=e, expert_data_parallel_rank=self.ax.members(e).index(d),
+                   expert_data_parallel_world_size=self.edp, global_expert_start=e * local,
+                   global_expert_end=(e + 1) * local)
+        if "affine_maps" in entry:
+            params = {n: ds_affine_entry(desc, self.maps[n].logical_shape) for n in entry["affine_maps"].get("params", {})}
+            maps = copy.deepcopy(entry["affine_maps"]) if copied else entry["affine_maps"]
+            out["affine_maps"] = {**maps, "params": params}
+        return out
+
+    def partition_groups(self, layout: Layout, d: int) -> list[dict]:
+        """DP rank ``d``'s ``ds_zero_partition_groups`` (``_zero3_partition_group_metadata``)."""
+        out: list[dict[str, Any]] = []
+        for k, u in enumerate(layout.units):
+            h, q = u.group.place(d)
+            if any(n in self.maps for p in u.parts.values() for n in p.names):
+                out.append({"sub_group": k, "partition_count": self.edp, "partition_rank": q,
+                            "partition_ranks": list(u.group.members[h]), "families": ["autoep_expert"],
+                            "group_names": [f"ep_size_{self.ep}"]})
+            else:
+                out.append({"sub_group": k, "partition_count": self.dp, "partition_rank": d,
+                            "partition_ranks": list(range(self.dp)), "families": ["replicated"],
+                            "group_names": ["replicated"]})
+        return out
