@@ -327,6 +327,8 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
         fields.update(_mla_args(cfg, arch))
     try:
         fields.update(_moe_args(cfg, arch, fields["num_layers"], tp, ep, etp))
+    except ReshardError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise ReshardError(f"config.json ({arch}): lacks or mis-states a field the MoE model needs ({e!r})") from None
     return argparse.Namespace(**fields)

@@ -170,9 +170,8 @@ def test_hf_deepseek_v3_mtp_tensors_are_refused_unless_dropped(tmp_path):
         reshard(src, tmp_path / "mg", to="megatron", tp=1, ep=2, dp=2)
     assert not (tmp_path / "mg").exists()
     report = reshard(src, tmp_path / "mg", to="megatron", tp=1, ep=2, dp=2, drop=[r"^model\.layers\.4\."])
-    assert {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight"} <= {str(d.name) if hasattr(d, "name")
-                                                                                 else str(d) for d in report.dropped} \
-        or all(any(n in str(d) for d in report.dropped) for n in ("eh_proj", "enorm"))
+    for name in ("model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight"):
+        assert any(name in str(d) for d in report.dropped), name
 
 
 # -- refusals: what DeepseekV3 computes otherwise ---------------------------------------------------
