@@ -1,7 +1,8 @@
 """The two directions between Megatron's ``args`` and a transformers ``config.json`` for
 Llama / Qwen2-style GQA models (Qwen3 with QK layer norms) and their MoE kin (Mixtral; Qwen2-MoE
 with a gated shared expert; Qwen3-MoE with QK layer norms; both Qwen ones with dense layers mixed
-in, ``mlp_only_layers``):
+in, ``mlp_only_layers``), and DeepSeek-V3 (multi-latent attention, dense or MoE with a sigmoid
+router, an expert bias, group-limited routing and ungated shared experts):
 
 * :func:`hf_config`: the ``config.json`` of a Hugging Face export of a Megatron model;
 * :func:`args_from_hf`: the ``argparse.Namespace`` a Megatron-LM ``load_checkpoint`` needs
@@ -71,8 +72,9 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _deepseek_v3(args: Any, arch: Arch, m: MLA, base: dict[str, Any]) -> dict[str, Any]:
-    """A dense DeepSeek-V3 config for multi-latent attention (``deepseek_v3.json``): the rope
-    part interleaved on both sides (``rope_interleave``), the latent norms present."""
+    """A DeepSeek-V3 config for multi-latent attention (``deepseek_v3.json``): the rope part
+    interleaved on both sides (``rope_interleave``), the latent norms present; dense, or MoE
+    from ``first_k_dense_replace`` on (:func:`_deepseek_v3_moe`)."""
     _refuse(args, "rope_type", lambda v: v not in (None, "rope"), "MLA with YaRN RoPE (--rope-type yarn)")
     _refuse(args, "qk_layernorm", lambda v: not v, "MLA without latent norms (DeepseekV3 always has them)")
     if float(getattr(args, "mscale_all_dim", 0) or 0) and float(getattr(args, "rotary_scaling_factor", 1) or 1) > 1:
