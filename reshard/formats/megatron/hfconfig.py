@@ -14,6 +14,7 @@ router, an expert bias, group-limited routing and ungated shared experts):
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,10 +27,10 @@ __all__ = ["args_from_hf", "hf_config"]
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _refuse(args: Any, field: str, bad: Any, what: str) -> None:
+def _refuse(args: Any, field: str, bad: Any, what: str, model: str = "Llama/Qwen/Mixtral") -> None:
     value = getattr(args, field, None)
     if bad(value):
-        raise ReshardError(f"args.{field} = {value!r}: {what} has no Llama/Qwen/Mixtral config")
+        raise ReshardError(f"args.{field} = {value!r}: {what} has no {model} config")
 
 
 def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
@@ -102,15 +103,16 @@ def _deepseek_v3_moe(args: Any, arch: Arch) -> dict[str, Any]:
     router with ``moe_router_num_groups`` / ``moe_router_group_topk`` computes the same when it
     ranks groups by their top ``topk // group_topk`` = 2 scores, and it renormalises whenever top-k > 1."""
     where = "the DeepseekV3 router (sigmoid, expert bias, group-limited top-k)"
-    _refuse(args, "moe_router_score_function", lambda v: v != "sigmoid", f"a router other than {where}")
-    _refuse(args, "moe_router_load_balancing_type", lambda v: v in ("sinkhorn", "quantile_balancing") or (
+    refuse = partial(_refuse, model="DeepseekV3")
+    refuse(args, "moe_router_score_function", lambda v: v != "sigmoid", f"a router other than {where}")
+    refuse(args, "moe_router_load_balancing_type", lambda v: v in ("sinkhorn", "quantile_balancing") or (
         isinstance(v, list) and any(x in ("sinkhorn", "quantile_balancing") for x in v)), f"a router other than {where}")
-    _refuse(args, "moe_expert_capacity_factor", lambda v: v is not None and v >= 0, "token dropping (capacity)")
-    _refuse(args, "moe_input_jitter_eps", lambda v: v is not None, "router input jitter")
-    _refuse(args, "moe_router_force_load_balancing", bool, "forced (random) routing")
-    _refuse(args, "moe_apply_probs_on_input", bool, "routing weights applied to the expert input")
-    _refuse(args, "moe_latent_size", lambda v: v is not None, "latent MoE projections")
-    _refuse(args, "moe_router_dtype", lambda v: v not in (None, "fp32"), f"a router dtype other than {where}'s fp32")
+    refuse(args, "moe_expert_capacity_factor", lambda v: v is not None and v >= 0, "token dropping (capacity)")
+    refuse(args, "moe_input_jitter_eps", lambda v: v is not None, "router input jitter")
+    refuse(args, "moe_router_force_load_balancing", bool, "forced (random) routing")
+    refuse(args, "moe_apply_probs_on_input", bool, "routing weights applied to the expert input")
+    refuse(args, "moe_latent_size", lambda v: v is not None, "latent MoE projections")
+    refuse(args, "moe_router_dtype", lambda v: v not in (None, "fp32"), f"a router dtype other than {where}'s fp32")
     if not arch.expert_bias:  # DeepseekV3 always holds the bias: leaving it to from_pretrained's zero init hides a loss
         raise ReshardError("args.moe_router_enable_expert_bias = False: DeepseekV3's router always holds "
                            "e_score_correction_bias, which this checkpoint has no tensor for")
