@@ -113,6 +113,8 @@ def _deepseek_v3_moe(args: Any, arch: Arch) -> dict[str, Any]:
     refuse(args, "moe_apply_probs_on_input", bool, "routing weights applied to the expert input")
     refuse(args, "moe_latent_size", lambda v: v is not None, "latent MoE projections")
     refuse(args, "moe_router_dtype", lambda v: v not in (None, "fp32"), f"a router dtype other than {where}'s fp32")
+    # the deprecated spelling of group-limited routing (num_groups = EP): Megatron's config rewrites it, args keep it
+    refuse(args, "moe_router_topk_limited_devices", lambda v: v is not None, "device-limited routing (deprecated)")
     if not arch.expert_bias:  # DeepseekV3 always holds the bias: leaving it to from_pretrained's zero init hides a loss
         raise ReshardError("args.moe_router_enable_expert_bias = False: DeepseekV3's router always holds "
                            "e_score_correction_bias, which this checkpoint has no tensor for")
@@ -153,6 +155,7 @@ def _refuse_router(args: Any) -> None:
     _refuse(args, "moe_router_topk_scaling_factor", lambda v: v not in (None, 1.0), "scaled routing weights")
     _refuse(args, "moe_router_num_groups", lambda v: v not in (None, 0, 1), "group-limited routing")
     _refuse(args, "moe_router_group_topk", lambda v: v not in (None, 0), "group-limited routing")
+    _refuse(args, "moe_router_topk_limited_devices", lambda v: v is not None, "device-limited routing")
     _refuse(args, "moe_expert_capacity_factor", lambda v: v is not None and v >= 0, "token dropping (capacity)")
     _refuse(args, "moe_input_jitter_eps", lambda v: v is not None, "router input jitter")
     _refuse(args, "moe_router_force_load_balancing", bool, "forced (random) routing")

@@ -198,6 +198,7 @@ def _args(fixture: str = DSV3, **changes):
     (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
     (dict(moe_router_dtype="fp64"), "moe_router_dtype"),
     (dict(moe_apply_probs_on_input=True), "moe_apply_probs_on_input"),
+    (dict(moe_router_topk_limited_devices=1), "moe_router_topk_limited_devices"),  # groups = EP, under another name
 ])
 def test_router_settings_deepseek_v3_computes_otherwise_are_refused(change, match):
     args, arch = _args(**change)
