@@ -214,7 +214,6 @@ for _flag, _value in (("--hidden-size", "256"), ("--kv-channels", "64"), ("--ffn
     QWEN2_VLLM_ARGV[QWEN2_VLLM_ARGV.index(_flag) + 1] = _value
 QWEN2_VLLM_ARGV += ["--add-qkv-bias"]
 
-# Qwen-MoE shaped: a softmax router (as transformers' Qwen2-MoE / Qwen3-MoE compute), a dense layer 0
 # DeepSeek-V3 shaped MoE: 8 experts in 2 groups (group-limited routing: the best group by the sum of
 # its top-2 biased scores, then the top-2 experts in it), a sigmoid router with an expert bias,
 # routing weights renormalised and scaled by 2.5 (routed_scaling_factor), a shared expert twice the
@@ -226,6 +225,7 @@ DEEPSEEK_V3_MOE_ARGV = ["--num-experts", "8", "--moe-ffn-hidden-size", "8", "--m
                         "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
                         "--moe-router-topk-scaling-factor", "2.5", "--moe-shared-expert-intermediate-size", "16",
                         "--moe-layer-freq", "[0,1]", "--sequence-parallel"]
+# Qwen-MoE shaped: a softmax router (as transformers' Qwen2-MoE / Qwen3-MoE compute), a dense layer 0
 QWEN_MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
                  "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "none",
                  "--moe-layer-freq", "[0,1]"]

@@ -1,7 +1,8 @@
 """The two directions between Megatron's ``args`` and a transformers ``config.json`` for
 Llama / Qwen2-style GQA models (Qwen3 with QK layer norms) and their MoE kin (Mixtral; Qwen2-MoE
 with a gated shared expert; Qwen3-MoE with QK layer norms; both Qwen ones with dense layers mixed
-in, ``mlp_only_layers``):
+in, ``mlp_only_layers``), and DeepSeek-V3 (multi-latent attention, dense or MoE with a sigmoid
+router, an expert bias, group-limited routing and ungated shared experts):
 
 * :func:`hf_config`: the ``config.json`` of a Hugging Face export of a Megatron model;
 * :func:`args_from_hf`: the ``argparse.Namespace`` a Megatron-LM ``load_checkpoint`` needs
@@ -13,6 +14,7 @@ in, ``mlp_only_layers``):
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,10 +27,10 @@ __all__ = ["args_from_hf", "hf_config"]
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _refuse(args: Any, field: str, bad: Any, what: str) -> None:
+def _refuse(args: Any, field: str, bad: Any, what: str, model: str = "Llama/Qwen/Mixtral") -> None:
     value = getattr(args, field, None)
     if bad(value):
-        raise ReshardError(f"args.{field} = {value!r}: {what} has no Llama/Qwen/Mixtral config")
+        raise ReshardError(f"args.{field} = {value!r}: {what} has no {model} config")
 
 
 def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
@@ -71,8 +73,9 @@ def hf_config(args: Any, arch: Arch, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _deepseek_v3(args: Any, arch: Arch, m: MLA, base: dict[str, Any]) -> dict[str, Any]:
-    """A dense DeepSeek-V3 config for multi-latent attention (``deepseek_v3.json``): the rope
-    part interleaved on both sides (``rope_interleave``), the latent norms present."""
+    """A DeepSeek-V3 config for multi-latent attention (``deepseek_v3.json``): the rope part
+    interleaved on both sides (``rope_interleave``), the latent norms present; dense, or MoE
+    from ``first_k_dense_replace`` on (:func:`_deepseek_v3_moe`)."""
     _refuse(args, "rope_type", lambda v: v not in (None, "rope"), "MLA with YaRN RoPE (--rope-type yarn)")
     _refuse(args, "qk_layernorm", lambda v: not v, "MLA without latent norms (DeepseekV3 always has them)")
     if float(getattr(args, "mscale_all_dim", 0) or 0) and float(getattr(args, "rotary_scaling_factor", 1) or 1) > 1:
@@ -100,15 +103,18 @@ def _deepseek_v3_moe(args: Any, arch: Arch) -> dict[str, Any]:
     router with ``moe_router_num_groups`` / ``moe_router_group_topk`` computes the same when it
     ranks groups by their top ``topk // group_topk`` = 2 scores, and it renormalises whenever top-k > 1."""
     where = "the DeepseekV3 router (sigmoid, expert bias, group-limited top-k)"
-    _refuse(args, "moe_router_score_function", lambda v: v != "sigmoid", f"a router other than {where}")
-    _refuse(args, "moe_router_load_balancing_type", lambda v: v in ("sinkhorn", "quantile_balancing") or (
+    refuse = partial(_refuse, model="DeepseekV3")
+    refuse(args, "moe_router_score_function", lambda v: v != "sigmoid", f"a router other than {where}")
+    refuse(args, "moe_router_load_balancing_type", lambda v: v in ("sinkhorn", "quantile_balancing") or (
         isinstance(v, list) and any(x in ("sinkhorn", "quantile_balancing") for x in v)), f"a router other than {where}")
-    _refuse(args, "moe_expert_capacity_factor", lambda v: v is not None and v >= 0, "token dropping (capacity)")
-    _refuse(args, "moe_input_jitter_eps", lambda v: v is not None, "router input jitter")
-    _refuse(args, "moe_router_force_load_balancing", bool, "forced (random) routing")
-    _refuse(args, "moe_apply_probs_on_input", bool, "routing weights applied to the expert input")
-    _refuse(args, "moe_latent_size", lambda v: v is not None, "latent MoE projections")
-    _refuse(args, "moe_router_dtype", lambda v: v not in (None, "fp32"), f"a router dtype other than {where}'s fp32")
+    refuse(args, "moe_expert_capacity_factor", lambda v: v is not None and v >= 0, "token dropping (capacity)")
+    refuse(args, "moe_input_jitter_eps", lambda v: v is not None, "router input jitter")
+    refuse(args, "moe_router_force_load_balancing", bool, "forced (random) routing")
+    refuse(args, "moe_apply_probs_on_input", bool, "routing weights applied to the expert input")
+    refuse(args, "moe_latent_size", lambda v: v is not None, "latent MoE projections")
+    refuse(args, "moe_router_dtype", lambda v: v not in (None, "fp32"), f"a router dtype other than {where}'s fp32")
+    # the deprecated spelling of group-limited routing (num_groups = EP): Megatron's config rewrites it, args keep it
+    refuse(args, "moe_router_topk_limited_devices", lambda v: v is not None, "device-limited routing (deprecated)")
     if not arch.expert_bias:  # DeepseekV3 always holds the bias: leaving it to from_pretrained's zero init hides a loss
         raise ReshardError("args.moe_router_enable_expert_bias = False: DeepseekV3's router always holds "
                            "e_score_correction_bias, which this checkpoint has no tensor for")
@@ -149,6 +155,7 @@ def _refuse_router(args: Any) -> None:
     _refuse(args, "moe_router_topk_scaling_factor", lambda v: v not in (None, 1.0), "scaled routing weights")
     _refuse(args, "moe_router_num_groups", lambda v: v not in (None, 0, 1), "group-limited routing")
     _refuse(args, "moe_router_group_topk", lambda v: v not in (None, 0), "group-limited routing")
+    _refuse(args, "moe_router_topk_limited_devices", lambda v: v is not None, "device-limited routing")
     _refuse(args, "moe_expert_capacity_factor", lambda v: v is not None and v >= 0, "token dropping (capacity)")
     _refuse(args, "moe_input_jitter_eps", lambda v: v is not None, "router input jitter")
     _refuse(args, "moe_router_force_load_balancing", bool, "forced (random) routing")
@@ -327,6 +334,8 @@ def args_from_hf(cfg: dict, *, tp: int, pp: int, dp: int, dtype: torch.dtype, di
         fields.update(_mla_args(cfg, arch))
     try:
         fields.update(_moe_args(cfg, arch, fields["num_layers"], tp, ep, etp))
+    except ReshardError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise ReshardError(f"config.json ({arch}): lacks or mis-states a field the MoE model needs ({e!r})") from None
     return argparse.Namespace(**fields)

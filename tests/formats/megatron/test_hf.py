@@ -167,12 +167,13 @@ def test_hf_import_without_config_is_refused(tmp_path):
 @pytest.mark.parametrize("field,value,needle", [
     ("q_lora_rank", None, "q_lora_rank = null"),
     ("rope_interleave", False, "rope_interleave = false"),
-    ("first_k_dense_replace", 1, "MoE layers are not imported"),
+    # MoE from layer 1 with this config's 1 expert, top-1, norm_topk_prob (HF's weight 1, Megatron's the raw score)
+    ("first_k_dense_replace", 1, "norm_topk_prob = True with num_experts_per_tok = 1"),
     ("rms_norm_eps", 1e-5, "rms_norm_eps = 1e-05"),
 ])
 def test_deepseek_v3_imports_megatron_cannot_compute_are_refused(tmp_path, field, value, needle):
-    """A DeepSeek-V3 folder whose function no Megatron MLA model computes (or whose MoE layers are
-    not mapped yet) is refused by name, before any output exists."""
+    """A DeepSeek-V3 folder whose function no Megatron MLA model computes is refused by name, before
+    any output exists."""
     from reshard.errors import ReshardError
 
     src = tmp_path / "src"

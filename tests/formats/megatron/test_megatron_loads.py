@@ -49,6 +49,9 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_tp2_dp2_mla_distopt", dict(tp=2, pp=1, dp=1, optimizer="fully_reshardable"), True),
     ("torch_dist_mla_moe_tp2_ep2", dict(tp=1, pp=1, dp=1, ep=1), True),
     ("torch_dist_mla_moe_tp2_ep2", dict(tp=2, pp=1, dp=2, ep=2, etp=2), True),
+    # DeepSeek-V3 shaped: group-limited sigmoid router, scaled weights, an ungated shared expert, random expert bias
+    ("torch_dist_deepseek_v3_tp2_ep2", dict(tp=1, pp=1, dp=1, ep=1), True),
+    ("torch_dist_deepseek_v3_tp2_ep2", dict(tp=1, pp=2, dp=2, ep=2), True),
     # shared experts + gate, expert bias, mixed dense / MoE layers; expert TP apart from TP (folded) or not
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=2, pp=1, dp=1, ep=2, etp=1), True),
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=2, pp=1, dp=2, ep=2, etp=2), True),
@@ -144,9 +147,11 @@ def test_megatron_loads_an_hf_import(tmp_path, source):
 @pytest.mark.parametrize("fixture,topology", [
     ("torch_dist_moe_tp2_ep2_qk_layernorm", {"tp": 2, "pp": 1, "dp": 1, "ep": 2, "etp": 1}),  # Qwen3-MoE
     ("torch_dist_moe_ep2_shared_softmax", {"tp": 1, "pp": 2, "dp": 2, "ep": 2}),  # Qwen2-MoE
+    ("torch_dist_deepseek_v3_tp2_ep2", {"tp": 2, "pp": 1, "dp": 1, "ep": 2, "etp": 1}),  # DeepSeek-V3 MoE
+    ("torch_dist_deepseek_v3_tp2_ep2", {"tp": 1, "pp": 2, "dp": 2, "ep": 2}),
 ])
 def test_megatron_loads_an_hf_moe_import(tmp_path, fixture, topology):
-    """A Qwen-MoE HF folder (reshard's export of a Megatron fixture) imported at TP x EP (x PP):
+    """A Qwen-MoE / DeepSeek-V3 MoE HF folder (reshard's export of a Megatron fixture) imported at TP x EP (x PP):
     Megatron loads it, and its reload equals Megatron's own reload of the fixture (valid vocabulary rows)."""
     from safetensors.torch import load_file
 
@@ -163,6 +168,38 @@ def test_megatron_loads_an_hf_moe_import(tmp_path, fixture, topology):
         if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
             g, v = g[:vocab], v[:vocab]
         assert torch.equal(g, v), k
+
+
+def test_megatron_loads_a_transformers_deepseek_v3_moe_import_and_gives_its_logits(tmp_path):
+    """A DeepSeek-V3 MoE folder transformers' save_pretrained wrote (per-expert tensors, a non-zero
+    expert bias, 4 groups of which 2 are kept, routed_scaling_factor 2.5, a dense first layer)
+    imported at TP2 x EP2 (expert TP 1): Megatron loads it, its reload is what reshard wrote, and
+    Megatron's forward on it gives transformers' logits (the router computed alike on both sides)."""
+    import transformers
+
+    from .test_hf_deepseek_v3_moe import _saved
+
+    model, src = _saved(tmp_path)
+    topology = {"tp": 2, "pp": 1, "dp": 1, "ep": 2, "etp": 1}
+    out = reshard(src, tmp_path / "ckpt", to="megatron", **topology).out_dir
+    got = _megatron(out, tmp_path / "reload", topology, False, forward=True)["model"]
+    info = json.loads((tmp_path / "reload" / "oracle.json").read_text())
+    reader = MegatronReader.open(out)
+    for name, (key, idx) in info["names"].items():
+        mine = full(reader, key, "weight")[tuple(idx)]
+        assert torch.equal(got[name][:mine.shape[0]] if got[name].shape != mine.shape else got[name], mine), name
+    assert any(n.endswith("router.expert_bias") for n in got)
+    from safetensors.torch import load_file
+
+    fwd = load_file(str(tmp_path / "reload" / "forward.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    assert isinstance(hf, transformers.DeepseekV3ForCausalLM)
+    with torch.no_grad():
+        logits = hf(fwd["input_ids"]).logits
+    diff = float((logits - fwd["logits"][..., :logits.shape[-1]]).abs().max())
+    print(f"save_pretrained DeepSeek-V3 MoE: transformers vs Megatron's forward on the import: max |diff| {diff:.2e}",
+          file=sys.stderr)
+    assert diff < 1e-5, diff
 
 
 def test_megatron_loads_a_moe_checkpoint_back_from_dcp(tmp_path):

@@ -73,14 +73,21 @@ def _hf_of(model: dict, name: str, reader: MegatronReader) -> torch.Tensor:
         "mlp.shared_expert.up_proj.weight": lambda: shared[a.shared_ffn:],
         "mlp.shared_expert.down_proj.weight": lambda: model[p + "mlp.shared_experts.linear_fc2.weight"],
         "mlp.shared_expert_gate.weight": lambda: model[p + "mlp.shared_experts.gate_weight"],
+        # DeepseekV3 (deepseek_v3.json): the router's bias buffer, the shared experts under another name
+        "mlp.gate.e_score_correction_bias": lambda: model[p + "mlp.router.expert_bias"],
+        "mlp.shared_experts.gate_proj.weight": lambda: shared[:a.shared_ffn],
+        "mlp.shared_experts.up_proj.weight": lambda: shared[a.shared_ffn:],
+        "mlp.shared_experts.down_proj.weight": lambda: model[p + "mlp.shared_experts.linear_fc2.weight"],
     }[rest]()
 
 
 @pytest.mark.parametrize("fixture", ALL)
 def test_hf_names_are_the_weights_de_interleaved(fixture):
     model, optim, _, _ = oracle(fixture)
-    if MegatronReader.open(FIXTURES / fixture).arch.expert_bias:  # no place in llama.json's models: refused by name
-        with pytest.raises(ReshardError, match=r"no entry for Megatron key .*router\."):
+    arch = MegatronReader.open(FIXTURES / fixture).arch
+    if arch.expert_bias and (not arch.mla or arch.shared_gate):
+        # an expert bias has no place in llama.json's models, a shared-expert gate none in DeepseekV3: refused by name
+        with pytest.raises(ReshardError, match=r"no entry for Megatron key .*(router\.|shared_experts\.gate_weight)"):
             open_reader(FIXTURES / fixture, route="safetensors")
         return
     if MegatronReader.open(FIXTURES / fixture).arch.mtp:  # DeepSeek-V3's MTP names: no mapping, refused by name

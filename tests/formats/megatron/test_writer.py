@@ -38,6 +38,8 @@ CASES = [
     ("torch_dist_tp2_mla_q_proj", dict(tp=1, pp=2, dp=1), "adam"),  # linear_q_proj, no latent norms
     ("torch_dist_tp2_dp2_mla_distopt", dict(tp=1, pp=1, dp=2), "dp_reshardable"),
     ("torch_dist_mla_moe_tp2_ep2", dict(tp=1, pp=3, dp=2, ep=2, optimizer="fully_reshardable"), "fully_reshardable"),
+    # DeepSeek-V3 shaped (ungated shared expert, 8 experts in 2 groups, random expert bias): PP2 x EP2 x DP2
+    ("torch_dist_deepseek_v3_tp2_ep2", dict(tp=1, pp=2, dp=2, ep=2), "adam"),
     # shared experts + gate, expert bias, layer 0 dense: TP1 x EP1; PP3 (a layer per stage) with expert TP kept
     # apart (1); expert TP = TP (2) with the experts' fc1 halves split
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=1, ep=1), "dp_reshardable"),
