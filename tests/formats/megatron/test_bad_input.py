@@ -393,3 +393,20 @@ def test_legacy_ep_expert_buffer_that_does_not_fit(tmp_path):
     f.write_bytes(safe.dumps(d))
     _refused(src, tmp_path, "mp_rank_00_000/distrib_optim.pt", "expert 'exp_avg_sq' is [4544]",
              "bucket layout args imply [4608]", fmt="dcp")
+
+
+def test_a_flipped_legacy_adam_step_is_refused_when_records_are_checked_as_read(tmp_path, monkeypatch):
+    """Fuzz case 7 (legacy_moe_tp2_ep2_shared, seed 20261201, lazy): with every record checked only
+    when read (``EAGER_BYTES = 0``, the large-file path), Adam's ``step`` -- read outside the engine
+    for the target's optimizer state -- went out flipped; its record is now checked when read."""
+    from reshard.storage import verified
+    from tests.fuzz.mutations import _index
+
+    src = _copy(tmp_path, LEGACY_EP)
+    f = src / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt"
+    rec = _index(f).records["data/35"]  # optimizer[0].state.0.step
+    data = bytearray(f.read_bytes())
+    data[rec.start + 1] ^= 0x80
+    f.write_bytes(bytes(data))
+    monkeypatch.setattr(verified, "EAGER_BYTES", 0)
+    _refused(src, tmp_path, "mp_rank_00_000", "optimizer[0].state.0.step", "CRC-32", fmt="ucp")
