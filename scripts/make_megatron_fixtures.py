@@ -350,6 +350,12 @@ FIXTURES = {f.name: f for f in [
             "optimizer's [dense, experts] buffers, each gathered to its own DP group's rank 0; legacy --ckpt-format "
             "torch", tp=2, ep=2, etp=1, layers=3, moe=True, distopt=True, ckpt_format="torch",
             extra_argv=SHARED_MOE_ARGV),
+    Fixture("legacy_moe_tp2_dp2_ep2",
+            "MoE, TP=2 x DP=2 x EP=2 with expert TP = TP (world 4, no folding: EP carved out of DP), layer 0 dense "
+            "and layer 1 MoE (--moe-layer-freq [0,1]), 4 experts top-2 (SequentialMLP, allgather), softmax router; "
+            "plain Adam (chained [dense, experts]); legacy --ckpt-format torch: every rank saves (DP rank 0 or "
+            "expert-DP rank 0), mp_rank_{00,01}_{000,001}, the dense TP parts twice",
+            tp=2, dp=2, ep=2, etp=2, moe=True, ckpt_format="torch", extra_argv=QWEN_MOE_ARGV + ["--sequence-parallel"]),
     Fixture("torch_dist_moe_ep2_shared_softmax",
             "Qwen2-MoE shaped: q/k/v biases, EP=2 x DP=2 (world 2), layer 0 dense and layer 1 MoE (--moe-layer-freq "
             "[0,1]), 4 experts top-2, softmax router with --moe-router-pre-softmax (softmax, top-k, not "

@@ -375,11 +375,38 @@ def test_legacy_ep_expert_moments_that_do_not_fit(tmp_path):
              "exp_avg of shape [24, 16]", fmt="dcp")
 
 
-def test_legacy_ep_with_the_distributed_optimizer_is_refused_by_name(tmp_path):
+def test_legacy_ep_distrib_optim_without_the_chained_buffers(tmp_path):
+    """With experts apart ``distrib_optim.pt`` is ``[dense, experts]``: a file holding one optimizer's
+    buffers (as without experts) is refused naming it, not read as the dense one."""
+    src = _copy(tmp_path, LEGACY_EP + "_distopt")
+    f = src / "iter_0000003" / "mp_rank_01_001" / "distrib_optim.pt"
+    f.write_bytes(safe.dumps(safe.load_file(f)[0]))
+    _refused(src, tmp_path, "mp_rank_01_001/distrib_optim.pt", "holds dict", "chained [dense, experts]", fmt="dcp")
+
+
+def test_legacy_ep_expert_buffer_that_does_not_fit(tmp_path):
+    src = _copy(tmp_path, LEGACY_EP + "_distopt")
+    f = src / "iter_0000003" / "mp_rank_00_000" / "distrib_optim.pt"
+    d = safe.load_file(f)
+    (buf,) = d[1][0].values()
+    buf["exp_avg_sq"] = buf["exp_avg_sq"][:-64].clone()
+    f.write_bytes(safe.dumps(d))
+    _refused(src, tmp_path, "mp_rank_00_000/distrib_optim.pt", "expert 'exp_avg_sq' is [4544]",
+             "bucket layout args imply [4608]", fmt="dcp")
+
+
+def test_a_flipped_legacy_adam_step_is_refused_when_records_are_checked_as_read(tmp_path, monkeypatch):
+    """Fuzz case 7 (legacy_moe_tp2_ep2_shared, seed 20261201, lazy): with every record checked only
+    when read (``EAGER_BYTES = 0``, the large-file path), Adam's ``step`` -- read outside the engine
+    for the target's optimizer state -- went out flipped; its record is now checked when read."""
+    from reshard.storage import verified
+    from tests.fuzz.mutations import _index
+
     src = _copy(tmp_path, LEGACY_EP)
     f = src / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt"
-    sd = safe.load_file(f)
-    sd["args"].use_distributed_optimizer = True
-    _save(sd, f)
-    _refused(src, tmp_path, "mp_rank_00_000", "expert_model_parallel_size = 2",
-             "distrib_optim.pt files of a chained (dense, experts) optimizer", fmt="dcp")
+    rec = _index(f).records["data/35"]  # optimizer[0].state.0.step
+    data = bytearray(f.read_bytes())
+    data[rec.start + 1] ^= 0x80
+    f.write_bytes(bytes(data))
+    monkeypatch.setattr(verified, "EAGER_BYTES", 0)
+    _refused(src, tmp_path, "mp_rank_00_000", "optimizer[0].state.0.step", "CRC-32", fmt="ucp")

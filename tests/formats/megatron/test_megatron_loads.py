@@ -71,6 +71,9 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("legacy_moe_tp2_ep2_shared", dict(tp=1, pp=1, dp=1, ep=1), True),
     ("legacy_moe_tp2_ep2_shared", dict(tp=2, pp=1, dp=2, ep=2, etp=2, optimizer="dp_reshardable"), True),
     ("legacy_moe_tp2_ep2_shared", dict(tp=1, pp=3, dp=2, ep=2, optimizer="adam"), True),
+    ("legacy_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=2, ep=2), True),
+    ("legacy_moe_tp2_ep2_shared_distopt", dict(tp=2, pp=1, dp=1, ep=2, etp=1, optimizer="fully_reshardable"), True),
+    ("legacy_moe_tp2_dp2_ep2", dict(tp=1, pp=1, dp=1, ep=1), True),
     # --moe-grouped-gemm under the local spec (SequentialMLP; the oracle reload keeps the flag)
     ("torch_dist_moe_ep2_grouped_gemm_local", dict(tp=1, pp=1, dp=2, ep=1), True),
     # a multi-token-prediction layer: on the last stage, in its bucket after the final norm (dp_reshardable at PP 1:

@@ -59,6 +59,11 @@ CASES = [
     # legacy files with EP (mp_rank_TT_EEE, a chained [dense, experts] Adam): TP1 x EP1; expert TP = TP at EP 2
     ("legacy_moe_tp2_ep2_shared", dict(tp=1, pp=1, dp=1, ep=1), "adam"),
     ("legacy_moe_tp2_ep2_shared", dict(tp=2, pp=1, dp=2, ep=2, etp=2, optimizer="dp_reshardable"), "dp_reshardable"),
+    # with the distributed optimizer (distrib_optim.pt = [dense, experts]): kept as dp_reshardable; plain Adam at PP 3
+    ("legacy_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=2, ep=2), "dp_reshardable"),
+    ("legacy_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=3, dp=1, ep=1, optimizer="adam"), "adam"),
+    # every rank's file (EP carved out of DP, expert TP = TP): the dense parts from DP rank 0's, to EP 4 x expert TP 1
+    ("legacy_moe_tp2_dp2_ep2", dict(tp=1, pp=1, dp=4, ep=4, etp=1, optimizer="fully_reshardable"), "fully_reshardable"),
     # a multi-token-prediction layer (on the last stage, after the final norm; keys per MTP layer)
     ("torch_dist_mtp1", dict(tp=2, pp=2, dp=1), "adam"),
     ("torch_dist_mtp1", dict(tp=2, pp=1, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
