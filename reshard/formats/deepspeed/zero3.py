@@ -211,8 +211,6 @@ class Zero3Partitions:
                                       "groups than TP rank 0")
         self.names = [n for g in self.group_names for n in g]
         self.shapes, self.groups, self.subs = self.shard_shapes[0], self.groups_by_tp[0], self.subs_by_tp[0]  # TP 0's
-        self.where = [{n: (k, off) for k, sg in enumerate(subs) for n, off in zip(sg.names, sg.offsets)}
-                      for subs in self.subs_by_tp]
         self.has_moments = self._check_optim_files()
         self._check_module()
         ck.check_steps()
@@ -352,17 +350,6 @@ class Zero3Partitions:
                 out[n] = first + i
             base = first + len(sg.names)
         return out, exact
-
-    def fragment(self, t: int, d: int, name: str, state: str) -> torch.Tensor:
-        """(TP rank ``t``, DP rank ``d``)'s partition of ``name``'s TP shard for one state, without
-        its padding (the shard of ``zero3(shard shape, dp, shard="fragment")``), as it lies in the
-        mapped file."""
-        k, off = self.where[t][name]
-        numel = prod(self.shard_shapes[t][name])
-        part = zero3_partition_numel(numel, self.dp)
-        n = max(0, min(part, numel - d * part))
-        return self.ck.flat_state(t, d, k, state).narrow(0, off, n)
-
 
 def _as_dict(x: Any, path: Any) -> dict:
     if not isinstance(x, dict):
