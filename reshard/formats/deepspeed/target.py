@@ -303,15 +303,12 @@ def autoep_zero3_target(src: AutoEPZero3Partitions, ep: int, dp: int) -> DeepSpe
     placement = AutoEPPlacement(src.ax, ep, dp)
     outer = {n: placement.maps[n] if n in placement.maps else replicated(src.shapes[n], 1) for n in src.names}
     shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else src.shapes[n]) for n in src.names}
-    size = z3.sub_group_size(src.cfg, str(src.ck.model_files[0]))
     dense, experts = Group.dense(1, dp), placement.group()
+    parts = [placement.edp if g in src.expert_groups else dp for g in range(len(src.group_names))]
     units = []
-    for g, names in enumerate(src.group_names):
-        expert = g in src.expert_groups
-        for sg in z3.sub_groups([[(n, shape[n]) for n in names]], placement.edp if expert else dp, size):
-            sg = dataclasses.replace(sg, group=g)
-            units.append(Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if expert
-                         else Unit(dense, {0: Part(sg, sg.names)}))
+    for sg in z3.sub_groups([[(n, shape[n]) for n in names] for names in src.group_names], parts, src.sub_group_size):
+        units.append(Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if sg.group in src.expert_groups
+                     else Unit(dense, {0: Part(sg, sg.names)}))
     layout = Layout("sub", outer, units, range(dp))
     ds_config = placement.ds_config(dsw.target_ds_config(src.cfg, tp=1, dp=dp, zero_stage=3))
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3"]

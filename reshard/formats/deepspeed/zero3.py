@@ -113,13 +113,16 @@ class SubGroup:
         return sum(self.partitions)
 
 
-def sub_groups(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], dp: int, size: int) -> list[SubGroup]:
-    """DeepSpeed 0.19.8's ``_create_fp16_sub_groups`` over every parameter group at DP=``dp``:
-    a group whose partitions total at most ``size`` stays whole; otherwise parameters are added
-    until the running total reaches ``size``, and the last parameter closes the final one."""
+def sub_groups(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], dp: int | Sequence[int],
+               size: int) -> list[SubGroup]:
+    """DeepSpeed 0.19.8's ``_create_fp16_sub_groups`` over every parameter group at DP=``dp`` (or
+    group ``g`` over ``dp[g]`` ranks: an AutoEP expert group over its EDP group): a group whose
+    partitions total at most ``size`` stays whole; otherwise parameters are added until the
+    running total reaches ``size``, and the last parameter closes the final one."""
     out: list[SubGroup] = []
     for g, params in enumerate(groups):
-        parts = [zero3_partition_numel(prod(s), dp) for _, s in params]
+        n = dp if isinstance(dp, int) else dp[g]
+        parts = [zero3_partition_numel(prod(s), n) for _, s in params]
         if size >= sum(parts):
             cuts = [list(params)]
         else:
@@ -131,8 +134,17 @@ def sub_groups(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], dp: int,
                     cuts.append(cur)
                     cur, run = [], 0
         for cut in cuts:
-            out.append(SubGroup(g, tuple(n for n, _ in cut), tuple(tuple(s) for _, s in cut), dp))
+            out.append(SubGroup(g, tuple(name for name, _ in cut), tuple(tuple(s) for _, s in cut), n))
     return out
+
+
+def check_cut(subs: Sequence[SubGroup], recorded: Sequence[Mapping[str, Any]], size: int, where: Any) -> None:
+    """Refuse a ZeRO-3 source whose recorded sub-groups (``param_shapes``) are not the ones
+    DeepSpeed 0.19.8's rule cuts (:func:`sub_groups`, ``subs``): every later step relies on it."""
+    if [sg.names for sg in subs] != [tuple(sg) for sg in recorded]:
+        raise CheckpointError(f"{where}: param_shapes records sub-groups of sizes {[len(sg) for sg in recorded]}, "
+                              f"DeepSpeed 0.19.8's rule (sub_group_size {size}) gives {[len(sg.names) for sg in subs]}: "
+                              "an unknown layout")
 
 
 def _zero_config(cfg: Any) -> dict:
@@ -196,11 +208,7 @@ class Zero3Partitions:
                     groups.append([])
                 groups[group_of_sub[k]].extend(sg.items())
             subs = sub_groups(groups, self.dp, self.sub_group_size)
-            if [sg.names for sg in subs] != [tuple(sg) for sg in recorded]:
-                raise CheckpointError(f"{ck.model_files[t]}: param_shapes records sub-groups of sizes "
-                                      f"{[len(sg) for sg in recorded]}, DeepSpeed 0.19.8's rule (sub_group_size "
-                                      f"{self.sub_group_size}) gives {[len(sg.names) for sg in subs]}: an "
-                                      "unknown layout")
+            check_cut(subs, recorded, self.sub_group_size, ck.model_files[t])
             self.shard_shapes.append({n: s for sg in recorded for n, s in sg.items()})
             self.groups_by_tp.append(groups)
             self.subs_by_tp.append(subs)
