@@ -42,4 +42,3 @@ def _ds_to_universal(tag: Path, out_root: Path, name: str) -> Path:
     if res.returncode != 0:
         raise RuntimeError(f"ds_to_universal failed on {name}:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     return out
-
