@@ -324,7 +324,7 @@ def _uniform(num_experts: int, ep: int) -> dict:
 def _expert_maps(ep: int) -> dict[str, ParamMap]:
     """AutoEP expert parameters at EP ``ep`` over 4 ranks, each EP rank's experts cut by ZeRO over
     its expert-data-parallel group (EDP = 4 / ep; EP rank of global rank d is d % ep), as
-    ``formats/deepspeed/target_experts.py`` composes them; plus one dense parameter flat over all 4."""
+    ``formats/deepspeed/layout.py`` composes them; plus one dense parameter flat over all 4."""
     from reshard.layouts.topology import Topology
 
     edp = WORLD // ep

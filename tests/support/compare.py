@@ -109,9 +109,14 @@ def rebase_ds_ids(obj: dict) -> dict:
 
 
 def full_state(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
-    """The logical tensor of one state, rebuilt from every EP (or TP) rank's shard."""
-    m = ck.tp_map(name).map
-    return m.rebuild({r: ck.tp_shard(name, r, state, m.shards[r].shape) for r in m.ranks})
+    """The logical tensor of one optimizer state, as reshard's DeepSpeed reader rebuilds it from
+    the ranks' fragments: how a target is compared with its source, each read the way every route
+    reads them."""
+    from reshard.formats.deepspeed.reader import DeepSpeedReader
+
+    reader = DeepSpeedReader(ck)
+    m = reader.map(name, state)
+    return m.rebuild({r: reader.fragment(name, state, r) for r in m.ranks})
 
 
 def skeleton(obj):

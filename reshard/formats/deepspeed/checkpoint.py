@@ -15,7 +15,6 @@ from TP ranks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -24,7 +23,6 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError, ReshardError, UnplacedError, in_context
-from ...execute.memory import empty, own_bytes, release
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import compose_zero, zero3, zero12_from_slice_mappings
@@ -49,15 +47,6 @@ def _grid(files: dict[tuple[int, int], Path], what: str, folder: Path) -> tuple[
         want = [f"tp {t} dp {d}" for t, d in missing] or ["ranks numbered 0.. without gaps"]
         raise CheckpointError(f"{folder}: {what} files are missing for {', '.join(want[:4])}")
     return tp, dp
-
-
-@dataclass
-class Fragment:
-    """Where one parameter's elements sit in one (tp, dp) rank's flat optimizer partition."""
-
-    group: int
-    start: int
-    numel: int
 
 
 @dataclass
@@ -383,56 +372,6 @@ class DeepSpeedCheckpoint:
                     off += -(-prod(shape) // self.dp)
             self._cache[key] = out
         return self._cache[key][name]
-
-    def tp_shard(self, name: str, t: int, state: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """TP rank ``t``'s shard of ``name`` (of ``shape``) for one state, rebuilt from its DP
-        fragments. Where one fragment is the whole shard, it is returned as it lies in the
-        memory-mapped file (a view, not a copy). For an AutoEP expert ``t`` is the EP rank."""
-        if (p := self.expert(name)) is not None:
-            return deepspeed_experts.shard(self, p, t, state)
-        if (q := self.moe_param(name)) is not None:
-            return deepspeed_moe.shard(self, q, state)
-        tp_rank, t = t, self.mp_rank(name, t)
-        if name not in self._zero_index[t]:
-            if prod(shape) == 0:  # a rank holding none of an unevenly split parameter
-                return torch.empty(shape, dtype=torch.float32)
-            raise CheckpointError(f"{self.optim_files[(t, 0)]}: no optimizer fragments for {name!r}, "
-                                  f"whose TP rank {tp_rank} shard has shape {list(shape)}")
-        group, zmap = self._zero_index[t][name]
-
-        def where(d: int) -> tuple[int, int, int, int]:
-            start = self._z3_offset(t, name) if self.zero_stage == 3 else self._fragment_start(t, d, group, name)
-            return t, d, group, start
-
-        return self.gather(zmap, shape, state, where, f"{name} (tp rank {tp_rank}, {state})")
-
-    def gather(self, zmap: ParamMap, shape: tuple[int, ...], state: str,
-               where: Callable[[int], tuple[int, int, int, int]], label: str) -> torch.Tensor:
-        """The shard ``zmap`` describes, for one state, rebuilt from its fragments in the flat
-        partitions: ``where(k)`` gives map rank ``k``'s ``(model-parallel rank, DP rank, group,
-        first element)``. Where one fragment is the whole shard, it is returned as it lies in the
-        memory-mapped file (a view, not a copy; the caller releases its pages once written)."""
-        frags = {}
-        for k in zmap.ranks:
-            t, d, group, start = where(k)
-            flat = self.flat_state(t, d, group, state)
-            n = zmap.shards[k].numel
-            if flat.numel() < start + n:
-                raise CheckpointError(f"{self.optim_files[(t, d)]}: {label}: fragment [{start}, {start + n}) lies past "
-                                      f"the flat {state} partition of {flat.numel()} elements: truncated or corrupt")
-            frags[k] = flat.narrow(0, start, n)
-        if zmap.identity_rank is not None:
-            return own_bytes(frags[zmap.identity_rank].detach()).view(shape)
-        try:
-            shard = zmap.rebuild(frags, out=empty(zmap.numel, frags[zmap.ranks[0]].dtype)).view(shape)
-        except ReshardError as e:
-            raise CheckpointError(f"{self.tag_dir}: {label}: {e}") from None
-        for frag in frags.values():  # each fragment is read once: let its pages go
-            release(frag)
-        return shard
-
-    def _fragment_start(self, t: int, d: int, group: int, name: str) -> int:
-        return int(self.osd(t, d)["param_slice_mappings"][group][name].start)
 
     def step(self, name: str) -> Any:
         if (p := self.expert(name)) is not None:

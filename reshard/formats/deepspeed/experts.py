@@ -28,8 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ...errors import CheckpointError, ReshardError
 from ...ir.canonical import canonicalize
 from ...ir.param_map import ParamMap, map_from_dict
@@ -322,17 +320,6 @@ def start(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int, d: int) -> int:
     if ck.zero_stage == 3:
         return z3_offset(ck, p, e)
     return int(ck.osd(0, d)["param_slice_mappings"][p.group][p.name].start)
-
-
-def shard(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int, state: str) -> torch.Tensor:
-    """EP rank ``e``'s local experts of ``p`` for one state, from its EDP fragments."""
-    zmap, members = zero_map(ck, p, e), ck.experts.members(e)
-
-    def where(k: int) -> tuple[int, int, int, int]:
-        d = members[k]
-        return 0, d, p.group, start(ck, p, e, d)
-
-    return ck.gather(zmap, p.shard_shape(e), state, where, f"{p.name} (EP rank {e}, {state})")
 
 
 def composite(ck: DeepSpeedCheckpoint, p: ExpertParam, model_map: ParamMap) -> ParamMap:

@@ -52,6 +52,12 @@ class AutoEPZero3Partitions:
         self.cfg = self.template.get("ds_config")
         shapes = ck.groups(0)
         self.group_names = self._groups(shapes)
+        # the recorded sub-groups are DeepSpeed's cut: a dense group's over all DP ranks, an expert
+        # group's over its EDP group (the rule the target's layout cuts with)
+        self.sub_group_size = z3.sub_group_size(self.cfg, str(ck.model_files[0]))
+        parts = [self.ax.edp if g in self.expert_groups else ck.dp for g in range(len(self.group_names))]
+        z3.check_cut(z3.sub_groups([[(n, shapes[k][n]) for k in lst for n in shapes[k]] for lst in self._lists],
+                                   parts, self.sub_group_size), shapes, self.sub_group_size, ck.model_files[0])
         self.names = [n for g in self.group_names for n in g]
         self.shapes = {n: s for sg in shapes for n, s in sg.items()}
         self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
@@ -69,6 +75,7 @@ class AutoEPZero3Partitions:
         if [i for lst in lists for i in lst] != list(range(len(subs))) or any(not lst for lst in lists):
             raise CheckpointError(f"{path}: param_groups number the sub-groups {lists}, expected 0..{len(subs) - 1} "
                                   "in order: an unknown layout")
+        self._lists = lists
         groups = [[n for k in lst for n in subs[k]] for lst in lists]
         for g, lst in enumerate(lists):
             kinds = {k in self.ax.groups for k in lst}

@@ -17,7 +17,7 @@ optimizer files through it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,7 +163,7 @@ class Layout:
                 out.append((k, part, q))
         return out
 
-    def buffers(self, key: Any, states: Sequence[str]) -> list[Buffer]:
+    def buffers(self, key: Callable[[int, int], str], states: Sequence[str]) -> list[Buffer]:
         """Every rank's partition of every unit, one buffer per state, keyed
         ``key(rank, unit):state``; each parameter's fragment a slot of its composite."""
         out = []
@@ -175,7 +175,7 @@ class Layout:
                                tuple(Slot(off, n, want(s), self.composite(n), r) for off, n in frags)) for s in states]
         return out
 
-    def partitions(self, engine: Any, declared: Mapping[str, Buffer], key: Any, rank: int,
+    def partitions(self, engine: Any, declared: Mapping[str, Buffer], key: Callable[[int, int], str], rank: int,
                    states: Sequence[str]) -> tuple[list[Storage], list[dict[str, Any]]]:
         """Global rank ``rank``'s declared partitions: per unit the fp32 master's storage and the
         moments' views (those of ``states``)."""

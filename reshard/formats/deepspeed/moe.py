@@ -205,17 +205,6 @@ def dp_map(ck: DeepSpeedCheckpoint, p: MoEParam) -> ParamMap:
     return zmap.with_ranks({k: members[k] for k in zmap.ranks})
 
 
-def shard(ck: DeepSpeedCheckpoint, p: MoEParam, state: str) -> torch.Tensor:
-    """The whole expert parameter for one state, from its EP rank's EDP fragments."""
-    zmap, members = zero_map(ck, p), ck.moe.members(p.ep_rank)
-
-    def where(k: int) -> tuple[int, int, int, int]:
-        d = members[k]
-        return 0, d, p.group, int(ck.osd(0, d)["param_slice_mappings"][p.group][p.local].start)
-
-    return ck.gather(zmap, p.shape, state, where, f"{p.local} ({p.name}, {state})")
-
-
 def composite(ck: DeepSpeedCheckpoint, p: MoEParam, model_map: ParamMap) -> ParamMap:
     """The expert map composed with its EP rank's EDP split, over global (DP) ranks."""
     ax = ck.moe

@@ -173,7 +173,6 @@ class ModuleFiles:
         self.layer_files = layer_files  # the source's (layer, TP rank) -> file
         self.source_ck = source_ck
         self.empty = [[n for n in tpl.names if not _holds(maps[n], t)] for t in range(self.mp)]
-        self.declared: Callable[[], dict[str, Buffer]] = dict
 
     def before(self) -> list[Buffer]:
         """Each model-parallel rank's module weights: per group one flat buffer."""
@@ -198,11 +197,10 @@ class ModuleFiles:
                                           (Slot(0, f"{L}.{key}", MODULE, m, dst),)))
         return out
 
-    def _views(self, engine: Any, t: int) -> dict[str, Any]:
+    def _views(self, engine: Any, declared: Mapping[str, Buffer], t: int) -> dict[str, Any]:
         """Model-parallel rank ``t``'s module weights: per group one flat buffer, each parameter
         a view at its place; a zero-element shard an empty tensor."""
         views: dict[str, Any] = {}
-        declared = self.declared()
         for g, grp in enumerate(self.groups[t]):
             flat = engine.storage(declared[f"{dsw.model_file(t)}:{g}"])
             for name, off, shape in zip(grp.names, grp.offsets, grp.shapes):
@@ -211,7 +209,7 @@ class ModuleFiles:
             views[name] = torch.empty(self.maps[name].shard(t).shape, dtype=self.tpl.dtype)
         return views
 
-    def model(self, engine: Any, t: int) -> dict:
+    def model(self, engine: Any, declared: Mapping[str, Buffer], t: int) -> dict:
         """``mp_rank_TT_model_states.pt``: the template's keys in its order, the module's weights
         the target's, tied aliases sharing their parameter's tensor, buffers as the source holds them."""
         tpl = self.tpl
@@ -219,7 +217,7 @@ class ModuleFiles:
             return dsw.model_states(tpl.model, module=None, param_shapes=self._param_shapes(t), tp=self.tp,
                                     dp=self.dp, tp_rank=t % self.tp, zero_stage=self.stage, shared_params={},
                                     uc_info=self.uc_info, ds_config=self.ds_config, pp=self.pp)
-        views = self._views(engine, t)
+        views = self._views(engine, declared, t)
         module = OrderedDict()
         for key, value in (tpl.model.get("module") or {}).items():
             if key in views:
@@ -241,11 +239,10 @@ class ModuleFiles:
     def _param_shapes(self, t: int) -> list[OrderedDict]:
         return [OrderedDict((n, torch.Size(s)) for n, s in zip(grp.names, grp.shapes)) for grp in self.groups[t]]
 
-    def layer(self, engine: Any, layer: int, t: int) -> dict:
+    def layer(self, engine: Any, declared: Mapping[str, Buffer], layer: int, t: int) -> dict:
         """Layer file ``layer`` of target TP rank ``t``: each parameter's target shard in a storage
         of its own (DeepSpeed clones every tensor before saving), in the source file's key order."""
         state = OrderedDict()
-        declared = self.declared()
         for key in self.source_ck.layer_state(self.layer_files[(layer, 0)]):
             m = self.maps[f"{layer}.{key}"]
             shape = m.shard(min(m.ranks) + t).shape  # TP rank t of the target stage: stage * tp + t
@@ -253,10 +250,9 @@ class ModuleFiles:
         return state
 
     def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
-        self.declared = tgt.by_key
         esize = self.tpl.dtype.itemsize
         before = [archive(dsw.model_file(t), sum(g.total for g in self.groups[t]) * esize,
-                          lambda t=t: self.model(engine, t)) for t in range(self.mp)]
+                          lambda t=t: self.model(engine, tgt.by_key(), t)) for t in range(self.mp)]
         after: list = []
         if self.layer_files:
             ck = self.source_ck
@@ -265,7 +261,8 @@ class ModuleFiles:
             else:
                 layers = sorted({layer for layer, _ in self.layer_files})
                 after = [archive(dsw.layer_file(L, t), self.layer_files[(L, 0)].stat().st_size // ck.tp,
-                                 lambda L=L, t=t: self.layer(engine, L, t)) for L in layers for t in range(self.tp)]
+                                 lambda L=L, t=t: self.layer(engine, tgt.by_key(), L, t))
+                         for L in layers for t in range(self.tp)]
         return before, after
 
 
@@ -303,15 +300,12 @@ def autoep_zero3_target(src: AutoEPZero3Partitions, ep: int, dp: int) -> DeepSpe
     placement = AutoEPPlacement(src.ax, ep, dp)
     outer = {n: placement.maps[n] if n in placement.maps else replicated(src.shapes[n], 1) for n in src.names}
     shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else src.shapes[n]) for n in src.names}
-    size = z3.sub_group_size(src.cfg, str(src.ck.model_files[0]))
     dense, experts = Group.dense(1, dp), placement.group()
+    parts = [placement.edp if g in src.expert_groups else dp for g in range(len(src.group_names))]
     units = []
-    for g, names in enumerate(src.group_names):
-        expert = g in src.expert_groups
-        for sg in z3.sub_groups([[(n, shape[n]) for n in names]], placement.edp if expert else dp, size):
-            sg = dataclasses.replace(sg, group=g)
-            units.append(Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if expert
-                         else Unit(dense, {0: Part(sg, sg.names)}))
+    for sg in z3.sub_groups([[(n, shape[n]) for n in names] for names in src.group_names], parts, src.sub_group_size):
+        units.append(Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if sg.group in src.expert_groups
+                     else Unit(dense, {0: Part(sg, sg.names)}))
     layout = Layout("sub", outer, units, range(dp))
     ds_config = placement.ds_config(dsw.target_ds_config(src.cfg, tp=1, dp=dp, zero_stage=3))
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3"]

@@ -356,12 +356,3 @@ class Zero12Partitions:
                                     "parameters, buffers nor tied aliases (frozen parameters?): model weights no "
                                     "DeepSpeed target has a place for (not supported)", entries=tuple(unknown))
         ck.check_steps()
-
-    def start(self, t: int, d: int, name: str) -> int:
-        g = self.group_of[name]
-        return int(self.ck.osd(t, d)["param_slice_mappings"][g][name].start)
-
-    def composite(self, name: str) -> ParamMap:
-        """``name``'s model-parallel map composed with its ZeRO split, over global ranks
-        ``dp_rank * mp + mp_rank``."""
-        return self.ck.composite_map(name, self.maps[name], stages=True)

@@ -113,13 +113,16 @@ class SubGroup:
         return sum(self.partitions)
 
 
-def sub_groups(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], dp: int, size: int) -> list[SubGroup]:
-    """DeepSpeed 0.19.8's ``_create_fp16_sub_groups`` over every parameter group at DP=``dp``:
-    a group whose partitions total at most ``size`` stays whole; otherwise parameters are added
-    until the running total reaches ``size``, and the last parameter closes the final one."""
+def sub_groups(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], dp: int | Sequence[int],
+               size: int) -> list[SubGroup]:
+    """DeepSpeed 0.19.8's ``_create_fp16_sub_groups`` over every parameter group at DP=``dp`` (or
+    group ``g`` over ``dp[g]`` ranks: an AutoEP expert group over its EDP group): a group whose
+    partitions total at most ``size`` stays whole; otherwise parameters are added until the
+    running total reaches ``size``, and the last parameter closes the final one."""
     out: list[SubGroup] = []
     for g, params in enumerate(groups):
-        parts = [zero3_partition_numel(prod(s), dp) for _, s in params]
+        n = dp if isinstance(dp, int) else dp[g]
+        parts = [zero3_partition_numel(prod(s), n) for _, s in params]
         if size >= sum(parts):
             cuts = [list(params)]
         else:
@@ -131,8 +134,17 @@ def sub_groups(groups: Sequence[Sequence[tuple[str, tuple[int, ...]]]], dp: int,
                     cuts.append(cur)
                     cur, run = [], 0
         for cut in cuts:
-            out.append(SubGroup(g, tuple(n for n, _ in cut), tuple(tuple(s) for _, s in cut), dp))
+            out.append(SubGroup(g, tuple(name for name, _ in cut), tuple(tuple(s) for _, s in cut), n))
     return out
+
+
+def check_cut(subs: Sequence[SubGroup], recorded: Sequence[Mapping[str, Any]], size: int, where: Any) -> None:
+    """Refuse a ZeRO-3 source whose recorded sub-groups (``param_shapes``) are not the ones
+    DeepSpeed 0.19.8's rule cuts (:func:`sub_groups`, ``subs``): every later step relies on it."""
+    if [sg.names for sg in subs] != [tuple(sg) for sg in recorded]:
+        raise CheckpointError(f"{where}: param_shapes records sub-groups of sizes {[len(sg) for sg in recorded]}, "
+                              f"DeepSpeed 0.19.8's rule (sub_group_size {size}) gives {[len(sg.names) for sg in subs]}: "
+                              "an unknown layout")
 
 
 def _zero_config(cfg: Any) -> dict:
@@ -196,11 +208,7 @@ class Zero3Partitions:
                     groups.append([])
                 groups[group_of_sub[k]].extend(sg.items())
             subs = sub_groups(groups, self.dp, self.sub_group_size)
-            if [sg.names for sg in subs] != [tuple(sg) for sg in recorded]:
-                raise CheckpointError(f"{ck.model_files[t]}: param_shapes records sub-groups of sizes "
-                                      f"{[len(sg) for sg in recorded]}, DeepSpeed 0.19.8's rule (sub_group_size "
-                                      f"{self.sub_group_size}) gives {[len(sg.names) for sg in subs]}: an "
-                                      "unknown layout")
+            check_cut(subs, recorded, self.sub_group_size, ck.model_files[t])
             self.shard_shapes.append({n: s for sg in recorded for n, s in sg.items()})
             self.groups_by_tp.append(groups)
             self.subs_by_tp.append(subs)
@@ -211,8 +219,6 @@ class Zero3Partitions:
                                       "groups than TP rank 0")
         self.names = [n for g in self.group_names for n in g]
         self.shapes, self.groups, self.subs = self.shard_shapes[0], self.groups_by_tp[0], self.subs_by_tp[0]  # TP 0's
-        self.where = [{n: (k, off) for k, sg in enumerate(subs) for n, off in zip(sg.names, sg.offsets)}
-                      for subs in self.subs_by_tp]
         self.has_moments = self._check_optim_files()
         self._check_module()
         ck.check_steps()
@@ -352,17 +358,6 @@ class Zero3Partitions:
                 out[n] = first + i
             base = first + len(sg.names)
         return out, exact
-
-    def fragment(self, t: int, d: int, name: str, state: str) -> torch.Tensor:
-        """(TP rank ``t``, DP rank ``d``)'s partition of ``name``'s TP shard for one state, without
-        its padding (the shard of ``zero3(shard shape, dp, shard="fragment")``), as it lies in the
-        mapped file."""
-        k, off = self.where[t][name]
-        numel = prod(self.shard_shapes[t][name])
-        part = zero3_partition_numel(numel, self.dp)
-        n = max(0, min(part, numel - d * part))
-        return self.ck.flat_state(t, d, k, state).narrow(0, off, n)
-
 
 def _as_dict(x: Any, path: Any) -> dict:
     if not isinstance(x, dict):

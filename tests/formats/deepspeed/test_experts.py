@@ -22,6 +22,7 @@ from reshard.plan.planner import plan
 from reshard.present.inspected import open_source
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
+from tests.support.compare import full_state
 from tests.support.dsconv import FIXTURES, ds_to_universal, tag_dir
 
 NAME = "mixtral_autoep_ep2"
@@ -66,15 +67,14 @@ def test_every_map_checks_and_composes(ck):
     assert comp.ranks == (0, 1)  # EP rank e is DP rank e (EDP groups of one)
 
 
-def test_shards_are_the_expert_files(ck):
-    """The fp32 master of EP rank e equals the per-expert files DeepSpeed wrote."""
+def test_masters_are_the_expert_files(ck):
+    """Every expert's fp32 master, as the reader rebuilds it, equals the per-expert file DeepSpeed wrote."""
     for name in EXPERTS:
         layer = int(name.split(".")[2])
-        for e, experts in enumerate(ck.experts.params[name].experts_by_rank):
-            shard = ck.tp_shard(name, e, "fp32", ck.tp_map(name).map.shards[e].shape)
-            for i, x in enumerate(experts):
-                sd = load(tag_dir(NAME) / f"layer_{layer}_expert_{x}_mp_rank_00_model_states.pt")
-                assert torch.equal(shard[i], sd[f"{name}.{x}"])
+        full = _full(ck, name, "fp32").reshape(ck.experts.params[name].full_shape)
+        for x in range(full.shape[0]):
+            sd = load(tag_dir(NAME) / f"layer_{layer}_expert_{x}_mp_rank_00_model_states.pt")
+            assert torch.equal(full[x], sd[f"{name}.{x}"])
 
 
 def test_inspect():
@@ -110,15 +110,14 @@ def test_refuses_a_placement_disagreeing_with_affine_maps(tmp_path: Path):
         _ = DeepSpeedCheckpoint.open(root).experts
 
 
-# -- reshard reshard to another EP degree (reshard/formats/deepspeed/target_experts.py) ---------------------------
+# -- reshard reshard to another EP degree (reshard/formats/deepspeed/target.py) -------------------------------------
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def _full(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
-    """The logical tensor of one state, rebuilt from every EP (or DP) rank's shard."""
-    m = ck.tp_map(name).map
-    return m.rebuild({r: ck.tp_shard(name, r, state, m.shards[r].shape) for r in m.ranks})
+    """The logical tensor of one state, as reshard's reader rebuilds it from the ranks' fragments."""
+    return full_state(ck, name, state)
 
 
 def test_affine_entry_is_deepspeeds(ck):

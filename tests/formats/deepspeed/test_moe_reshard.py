@@ -1,5 +1,5 @@
 """``reshard reshard --ep`` of a classic ``deepspeed.moe.layer.MoE`` checkpoint (issue #12;
-``reshard/formats/deepspeed/target_experts.py``): ``moe_ep2`` (EP 2 x DP 2, 4 experts, 2 MoE layers) written at other
+``reshard/formats/deepspeed/target.py``): ``moe_ep2`` (EP 2 x DP 2, 4 experts, 2 MoE layers) written at other
 (EP, DP) as DeepSpeed 0.19.8 saves them there, round trips, universal conversion of the output,
 refusals, and a real DeepSpeed job resuming the output natively (e2e)."""
 
@@ -20,6 +20,7 @@ from reshard.formats.deepspeed.checkpoint import STATES, DeepSpeedCheckpoint
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
+from tests.support.compare import full_state
 from tests.support.compare import same as _same
 from tests.support.compare import skeleton as _skeleton
 from tests.support.dsconv import FIXTURES, tag_dir
@@ -46,9 +47,8 @@ def outs(tmp_path_factory) -> dict[tuple[int, int], Path]:
 
 
 def _state(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
-    """The whole parameter for one state (every parameter here is whole on one model rank)."""
-    m = ck.tp_map(name).map
-    return ck.tp_shard(name, m.ranks[0], state, m.shards[m.ranks[0]].shape)
+    """The whole parameter for one state, as reshard's reader rebuilds it from the ranks' fragments."""
+    return full_state(ck, name, state)
 
 
 @pytest.mark.parametrize("ep,dp", TARGETS)

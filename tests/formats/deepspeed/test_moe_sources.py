@@ -21,6 +21,7 @@ import torch
 from reshard.formats.deepspeed.checkpoint import STATES, DeepSpeedCheckpoint
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.safe_load import load
+from tests.support.compare import full_state
 from tests.support.compare import same as _same
 from tests.support.dsconv import FIXTURES, tag_dir
 
@@ -95,8 +96,7 @@ def universal(tmp_path_factory) -> dict[str, Path]:
 
 
 def _state(ck: DeepSpeedCheckpoint, name: str, state: str) -> torch.Tensor:
-    m = ck.tp_map(name).map
-    return ck.tp_shard(name, m.ranks[0], state, m.shards[m.ranks[0]].shape)
+    return full_state(ck, name, state).reshape(ck.tp_map(name).map.logical_shape)
 
 
 @pytest.mark.parametrize("name", SOURCES)

@@ -1,6 +1,6 @@
 """``reshard.jobs.convert.reshard`` with ZeRO-3 at either end (TP=1): a ZeRO-3 checkpoint at another DP size or at
 ZeRO stage 1/2, or a ZeRO-1/2 one at ZeRO-3, written as DeepSpeed 0.19.8 saves it there
-(``reshard.formats.deepspeed.target_zero3``), in fp32 and bf16. AutoTP x ZeRO-3: ``tests/formats/deepspeed/test_zero3_tp.py``.
+(``reshard.formats.deepspeed.target``), in fp32 and bf16. AutoTP x ZeRO-3: ``tests/formats/deepspeed/test_zero3_tp.py``.
 
 Fast tests (no DeepSpeed job):
 
