@@ -23,6 +23,7 @@ from reshard.jobs.convert import reshard
 from tests.support.paths import HF
 
 FOLDERS = ["fp8_qwen2", "fp8_qwen2_ue8m0", "mxfp4_gpt_oss"]
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save / load, one process
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -186,3 +187,29 @@ def test_block_with_keep_refused(tmp_path: Path) -> None:
     with pytest.raises(ReshardError, match=r"--block goes with --quantize fp8 or fp8-ue8m0"):
         convert(HF / "fp8_qwen2", tmp_path / "out", fmt="hf", quantize="keep", block=(16, 32))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["fp8_qwen2", "mxfp4_gpt_oss"])
+def test_kept_dcp_laid_out_again_keeps_the_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A kept DCP laid out again for 2 loading ranks (its own entries, as stored) and written to HF:
+    the source's bytes."""
+    _never_decoded(monkeypatch)
+    reshard(HF / name, tmp_path / "a", to="dcp", files=3, quantize="keep")
+    reshard(tmp_path / "a" / name, tmp_path / "b", to="dcp", files=2)
+    convert(tmp_path / "b" / name, tmp_path / "hf", fmt="hf", quantize="keep", hf_config=HF / name)
+    src, got = _source(name), _tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(src) and all(_same(got[k], v) for k, v in src.items())
+
+
+def test_mxfp4_experts_split_whole_over_the_loading_ranks(tmp_path: Path) -> None:
+    """``--files 2``: each MXFP4 ``_blocks`` / ``_scales`` entry is cut on dim 0, the experts (2 of the 4
+    each), never inside a 32-value block (dims 2 and 3 whole), as torch's metadata records it."""
+    reshard(HF / "mxfp4_gpt_oss", tmp_path / "dcp", to="dcp", files=2, quantize="keep")
+    md = dcp.FileSystemReader(str(tmp_path / "dcp" / "mxfp4_gpt_oss")).read_metadata()
+    packed = {k: v for k, v in md.state_dict_metadata.items() if k.endswith(("_blocks", "_scales"))}
+    assert len(packed) == 8
+    for key, entry in packed.items():
+        chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+        shape = tuple(entry.size)
+        assert shape[0] == 4 and chunks == [((0,) * len(shape), (2, *shape[1:])),
+                                            ((2,) + (0,) * (len(shape) - 1), (2, *shape[1:]))], key
