@@ -213,3 +213,22 @@ def test_mxfp4_experts_split_whole_over_the_loading_ranks(tmp_path: Path) -> Non
         shape = tuple(entry.size)
         assert shape[0] == 4 and chunks == [((0,) * len(shape), (2, *shape[1:])),
                                             ((2,) + (0,) * (len(shape) - 1), (2, *shape[1:]))], key
+
+
+def test_cli(tmp_path: Path) -> None:
+    """``reshard reshard FP8 OUT --to dcp --files 2 --quantize keep`` writes the kept DCP; ``--quantize fp8``
+    there is one line naming why, status 2, no output."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "reshard", "reshard", str(HF / "fp8_qwen2")]
+    bad = subprocess.run([*run, str(tmp_path / "bad"), "--to", "dcp", "--files", "2", "--quantize", "fp8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "a DCP target keeps a quantized source's weights" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    good = subprocess.run([*run, str(tmp_path / "good"), "--to", "dcp", "--files", "2", "--quantize", "keep"],
+                          capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert "14 weights kept quantized as the source stores them" in good.stdout
+    md = dcp.FileSystemReader(str(tmp_path / "good" / "fp8_qwen2")).read_metadata()
+    assert md.state_dict_metadata["model.model.layers.0.mlp.down_proj.weight"].properties.dtype == torch.float8_e4m3fn
