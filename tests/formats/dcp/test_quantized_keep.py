@@ -161,6 +161,19 @@ def test_fp8_dcp_entry_without_its_config_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_mxfp4_dcp_entries_without_their_config_refused(tmp_path: Path) -> None:
+    """MXFP4's uint8 blocks saved by torch with no quantization_config: refused by name, not read as
+    weights of values 0-255."""
+    src = _source("mxfp4_gpt_oss")
+    key = "model.layers.0.mlp.experts.down_proj"
+    _save_dcp(tmp_path / "ck", {"model.model.norm.weight": src["model.norm.weight"].float(),
+                                f"model.{key}_blocks": src[key + "_blocks"], f"model.{key}_scales": src[key + "_scales"]})
+    with pytest.raises(QuantizedError, match=rf"tensor '{key}_(blocks|scales)' \(torch.uint8\) is part of a quantized "
+                                             r"weight.*no quantization_config"):
+        convert(tmp_path / "ck", tmp_path / "out", fmt="dcp")
+    assert not (tmp_path / "out").exists()
+
+
 def test_fp8_dcp_scale_of_the_wrong_shape_refused(tmp_path: Path) -> None:
     src = _source("fp8_qwen2")
     key = "model.layers.0.mlp.down_proj.weight"
