@@ -62,12 +62,13 @@ OPTIONS: dict[str, Option] = {
     "layout": Option("--layout", "target TP layout where TP changes to a degree the source does not record (a "
                      "DeepSpeed checkpoint at that degree, a map document, or 'geometry')",
                      {"metavar": "CKPT|MAPS.json|geometry"}),
-    "quantize": Option("--quantize", "write 2-D linear weights as FP8 E4M3 with a weight_scale_inv per block, as "
-                       "transformers' Fp8Quantize does (fp8: float32 scales; fp8-ue8m0: power-of-two E8M0 scales); "
+    "quantize": Option("--quantize", "keep: every weight a quantized source stores quantized (FP8 of any block, "
+                       "MXFP4) moved as stored, payload and scales byte for byte, never decoded (dcp: as entries of "
+                       "their own, with the source's quantization_config). fp8, fp8-ue8m0 (not dcp): write 2-D linear "
+                       "weights as FP8 E4M3 with a weight_scale_inv per block, as transformers' Fp8Quantize does "
+                       "(fp8: float32 scales; fp8-ue8m0: power-of-two E8M0 scales; vllm: each rank's shard); "
                        "embeddings, norms and the output head stay as they are; an FP8 source in that encoding is "
-                       "moved as stored (vllm: to each TP rank). keep: every weight a quantized source stores "
-                       "quantized (FP8 of any block, MXFP4) moved as stored, payload and scales byte for byte, "
-                       "never decoded (dcp: as entries of their own)", {"choices": ("fp8", "fp8-ue8m0", "keep")}),
+                       "moved as stored", {"choices": ("fp8", "fp8-ue8m0", "keep")}),
     "block": Option("--block", "with --quantize: the scale block, rows x columns (default: an FP8 source's own, "
                     "else 128x128)", {"type": "block", "metavar": "RxC"}),
     "optimizer": Option("--optimizer", "its optimizer state's layout (default: the source's; from an HF "

@@ -104,7 +104,8 @@ def convert(
     written as FP8 E4M3 and a ``weight_scale_inv`` per ``block`` (rows, cols; default an FP8 source's
     own, else 128 x 128), transformers' ``Fp8Quantize`` bit for bit (``formats.safetensors.writer``).
     On ``"vllm"``: an FP8 source's linears kept FP8, payload and scales moved to each TP rank as vLLM
-    holds them, never decoded (``formats.vllm.writer``); a TP that cuts a block is refused.
+    holds them, never decoded, and linears stored otherwise quantized per rank, each shard's encoding
+    the slice of the whole weight's (``formats.vllm.writer``); a TP that cuts a block is refused.
 
     Every entry of the source is written, reported as not carried (a state the target has no
     place for: ``_extra_state``, RNG, a scheduler) or refused (``UnplacedError``: model weights

@@ -28,7 +28,7 @@ from ...layouts import replicated
 from ...storage import verified
 from ..contract import MOMENTS, Held, Reader, Stored
 from ..hf.trainer_files import trainer_held
-from ..safetensors.quantized import QUANTIZED_DTYPES, Codec, Coded, open_codec
+from ..safetensors.quantized import Codec, Coded, open_codec
 from .checkpoint import DcpCheckpoint
 
 __all__ = ["QUANTIZATION_CONFIG", "RAW", "DcpReader"]
@@ -63,15 +63,14 @@ class DcpReader(Reader):
         self._lock = threading.Lock()
 
     def _codec(self) -> tuple[Codec | None, Any]:
-        """The codec of the quantized model entries (``None``: none); refuses an FP8 payload without
-        a ``quantization_config`` entry, and what the codec cannot decode."""
+        """The codec of the quantized model entries (``None``: none); refuses, as the HF reader does, a
+        quantized payload or scale-named entry without a ``quantization_config`` entry, and what the
+        codec cannot decode."""
         key = "quantization_config"
         q = self._quantization_config()
         where = self.ck.path / ".metadata"
         entries = {n: SimpleNamespace(dtype=e.dtype, shape=tuple(e.shape), file=where)
                    for n in self.ck.params for e in (self.ck.entry(self.ck.param_key(n)),)}
-        if q is None and not any(e.dtype in QUANTIZED_DTYPES for e in entries.values()):
-            return None, None  # an ordinary checkpoint: read as before
         return open_codec({key: q} if q is not None else None, entries, where), q
 
     def _quantization_config(self) -> Any:

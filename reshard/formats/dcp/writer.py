@@ -202,7 +202,12 @@ class DcpWriter(Writer):
                 if e.want not in ((PAYLOAD,), (SCALES,))]  # kept quantized tensors: copied, not planned
 
     def copied(self) -> list[str]:
-        """``--quantize keep``: the parameters whose payload and scales are copied as stored."""
+        """``--quantize keep``: the parameters whose payload and scales are copied as stored; a DCP
+        source laid out again keeps its quantized entries as every entry, by their keys."""
+        own = self.own
+        if own is not None:  # an MXFP4 parameter is no entry of its own: its _blocks and _scales are
+            return [n for n in self.reader.names if own.param_key(n) not in own.tensors
+                    and self.reader.stored(n) is not None]
         return list(self.kept)
 
     def buffers(self) -> list[Buffer]:

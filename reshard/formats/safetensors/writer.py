@@ -143,12 +143,11 @@ class SafetensorsWriter(Writer):
             self.params.append((out, shape, dtype or own))
             copy = self._as_stored(n)
             if self.keep and copy is not None:  # payload and scales by the source's names for them
-                payload, raw = out + copy.payload_suffix, copy.payload()
+                payload, raw, raw_scales = out + copy.payload_suffix, copy.payload(), copy.scales()
                 self.source[payload] = n
                 self.encoded[payload] = (out + copy.scales_suffix, dtype or own, copy)
-                scales = copy.scales()
-                self.specs += [(payload, tuple(raw.shape), raw.dtype), (out + copy.scales_suffix, tuple(scales.shape),
-                                                                         scales.dtype)]
+                self.specs += [(payload, tuple(raw.shape), raw.dtype),
+                               (out + copy.scales_suffix, tuple(raw_scales.shape), raw_scales.dtype)]
                 continue
             if self.scale_fmt is None or not (copy is not None or quantizable(out, shape, self.linears)):
                 self.specs.append((out, shape, dtype or own))

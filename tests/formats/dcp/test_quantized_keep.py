@@ -23,6 +23,7 @@ from reshard.jobs.convert import reshard
 from tests.support.paths import HF
 
 FOLDERS = ["fp8_qwen2", "fp8_qwen2_ue8m0", "mxfp4_gpt_oss"]
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save / load, one process
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -160,6 +161,19 @@ def test_fp8_dcp_entry_without_its_config_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_mxfp4_dcp_entries_without_their_config_refused(tmp_path: Path) -> None:
+    """MXFP4's uint8 blocks saved by torch with no quantization_config: refused by name, not read as
+    weights of values 0-255."""
+    src = _source("mxfp4_gpt_oss")
+    key = "model.layers.0.mlp.experts.down_proj"
+    _save_dcp(tmp_path / "ck", {"model.model.norm.weight": src["model.norm.weight"].float(),
+                                f"model.{key}_blocks": src[key + "_blocks"], f"model.{key}_scales": src[key + "_scales"]})
+    with pytest.raises(QuantizedError, match=rf"tensor '{key}_(blocks|scales)' \(torch.uint8\) is part of a quantized "
+                                             r"weight.*no quantization_config"):
+        convert(tmp_path / "ck", tmp_path / "out", fmt="dcp")
+    assert not (tmp_path / "out").exists()
+
+
 def test_fp8_dcp_scale_of_the_wrong_shape_refused(tmp_path: Path) -> None:
     src = _source("fp8_qwen2")
     key = "model.layers.0.mlp.down_proj.weight"
@@ -186,3 +200,48 @@ def test_block_with_keep_refused(tmp_path: Path) -> None:
     with pytest.raises(ReshardError, match=r"--block goes with --quantize fp8 or fp8-ue8m0"):
         convert(HF / "fp8_qwen2", tmp_path / "out", fmt="hf", quantize="keep", block=(16, 32))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["fp8_qwen2", "mxfp4_gpt_oss"])
+def test_kept_dcp_laid_out_again_keeps_the_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A kept DCP laid out again for 2 loading ranks (its own entries, as stored) and written to HF:
+    the source's bytes."""
+    _never_decoded(monkeypatch)
+    reshard(HF / name, tmp_path / "a", to="dcp", files=3, quantize="keep")
+    reshard(tmp_path / "a" / name, tmp_path / "b", to="dcp", files=2)
+    convert(tmp_path / "b" / name, tmp_path / "hf", fmt="hf", quantize="keep", hf_config=HF / name)
+    src, got = _source(name), _tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(src) and all(_same(got[k], v) for k, v in src.items())
+
+
+def test_mxfp4_experts_split_whole_over_the_loading_ranks(tmp_path: Path) -> None:
+    """``--files 2``: each MXFP4 ``_blocks`` / ``_scales`` entry is cut on dim 0, the experts (2 of the 4
+    each), never inside a 32-value block (dims 2 and 3 whole), as torch's metadata records it."""
+    reshard(HF / "mxfp4_gpt_oss", tmp_path / "dcp", to="dcp", files=2, quantize="keep")
+    md = dcp.FileSystemReader(str(tmp_path / "dcp" / "mxfp4_gpt_oss")).read_metadata()
+    packed = {k: v for k, v in md.state_dict_metadata.items() if k.endswith(("_blocks", "_scales"))}
+    assert len(packed) == 8
+    for key, entry in packed.items():
+        chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+        shape = tuple(entry.size)
+        assert shape[0] == 4 and chunks == [((0,) * len(shape), (2, *shape[1:])),
+                                            ((2,) + (0,) * (len(shape) - 1), (2, *shape[1:]))], key
+
+
+def test_cli(tmp_path: Path) -> None:
+    """``reshard reshard FP8 OUT --to dcp --files 2 --quantize keep`` writes the kept DCP; ``--quantize fp8``
+    there is one line naming why, status 2, no output."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "reshard", "reshard", str(HF / "fp8_qwen2")]
+    bad = subprocess.run([*run, str(tmp_path / "bad"), "--to", "dcp", "--files", "2", "--quantize", "fp8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "a DCP target keeps a quantized source's weights" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    good = subprocess.run([*run, str(tmp_path / "good"), "--to", "dcp", "--files", "2", "--quantize", "keep"],
+                          capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert "14 weights kept quantized as the source stores them" in good.stdout
+    md = dcp.FileSystemReader(str(tmp_path / "good" / "fp8_qwen2")).read_metadata()
+    assert md.state_dict_metadata["model.model.layers.0.mlp.down_proj.weight"].properties.dtype == torch.float8_e4m3fn

@@ -151,12 +151,13 @@ def test_nan_weight_refused_leaving_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"fmt": "ucp", "quantize": "fp8"}, "--quantize goes with"),
-    ({"fmt": "dcp", "quantize": "fp8"}, "--quantize goes with"),
-    ({"fmt": "vllm", "quantize": "fp8"}, "moves FP8 weights as the source stores them"),
+    ({"fmt": "dcp", "quantize": "fp8"}, "a DCP target keeps a quantized source's weights as it stores them"),
+    # gate_up_proj's up part starts at row 72 (intermediate 72), inside a 128-row block: vLLM's rule
+    ({"fmt": "vllm", "quantize": "fp8"}, "'model.layers.0.mlp.gate_up_proj.weight' on rank 0: a part starts at row 72"),
     ({"fmt": "hf", "block": (128, 128)}, "--block goes with --quantize"),
     ({"fmt": "hf", "quantize": "fp8", "block": (0, 128)}, "two positive integers"),
     ({"fmt": "hf", "quantize": "fp8", "block": (128,)}, "two positive integers"),
-    ({"fmt": "safetensors", "quantize": "int4"}, "reshard writes fp8 or fp8-ue8m0"),
+    ({"fmt": "safetensors", "quantize": "int4"}, "reshard writes fp8 or fp8-ue8m0, or keep"),
 ])
 def test_refused(tmp_path: Path, kwargs: dict, match: str) -> None:
     with pytest.raises(ReshardError, match=match):
