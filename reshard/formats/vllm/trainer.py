@@ -45,6 +45,7 @@ from ...ir.param_map import ParamMap
 from ...layouts.inference import Placed
 from ...layouts.learned import learn_placed
 from ...plan.planner import plan_for_rank
+from ..contract import Reader
 from . import cache, wire
 
 __all__ = ["LLMClient", "ReshardTrainerInitInfo", "ReshardTrainerWeightTransferEngine", "ShardSource",
@@ -80,7 +81,7 @@ class ShardSource(WeightSource):
         return cls(*fsdp2_sources(model))
 
     @classmethod
-    def checkpoint(cls, reader: Any, rank: int, *, ranks: list[int] | None = None,
+    def checkpoint(cls, reader: Reader, rank: int, *, ranks: list[int] | None = None,
                    states: tuple[str, ...] = ("fp32", "weight")) -> ShardSource:
         """A checkpoint folder's reader (``reshard.open(path, names="hf")``: any format reshard
         reads, under the engine's HF names): storage rank ``k``'s fragments on trainer rank
