@@ -16,7 +16,9 @@ sharded state (unfused here as vLLM fuses them). Consolidations of the source: D
 the live model and moments the HF Trainer and Accelerate fixtures recorded at save time (weights of
 the Accelerate one: ``dcp_to_torch_save`` of its model folder, as Accelerate's ``merge_fsdp_weights``),
 Megatron's own TP=1 reload (``oracle/``). Hugging Face names and Megatron's keys are compared in
-Megatron's (q/k/v per query group, gate/up fused, layers stacked, the valid vocabulary rows).
+Megatron's (q/k/v per query group, gate/up fused, layers stacked, the valid vocabulary rows); a
+Megatron MoE source's oracle (DeepSeek-V3, Qwen3-MoE) is cut into Hugging Face names by its mapping
+document instead, states and expert bias included.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ SOURCES = {
     "accelerate": ("accelerate", ACCELERATE / "checkpoint-3", LLAMA, {"hf_config": ACCELERATE / "hf_files"}),
     "megatron-torch-dist": ("megatron", MEGATRON / "torch_dist_tp2_dp2_distopt", MEGATRON_GPT, {}),
     "megatron-legacy": ("megatron", MEGATRON / "legacy_tp2_pp2", MEGATRON_GPT, {}),
+    # DeepSeek-V3 MoE (MLA, TP2 x EP2 x expert TP1, a shared expert, the router's expert bias): no geometry, its
+    # HF names are Megatron's oracle cut by the mapping document (_documented)
+    "megatron-deepseek-v3": ("megatron", MEGATRON / "torch_dist_deepseek_v3_tp2_ep2", None, {}),
+    # Qwen3-MoE (TP2 x EP2 x expert TP1, QK layer norms, a dense layer among MoE ones)
+    "megatron-qwen3-moe": ("megatron", MEGATRON / "torch_dist_moe_tp2_ep2_qk_layernorm", None, {}),
 }
 NO_CONFIG = r"no config.json beside the checkpoint and the source does not record its architecture; pass --hf-config"
 NOT_MEGATRON = r"a Megatron-Core checkpoint is written from a Megatron-Core checkpoint or a Hugging Face safetensors folder"
@@ -75,6 +82,9 @@ REFUSED = {
        for s, (k, _, _, _) in SOURCES.items() if k not in ("hf", "megatron")},
     # Accelerate saves a config without "architectures"; vLLM's writer takes the architecture from there
     ("accelerate", "vllm"): r"architecture \['llama'\] -- --format vllm writes LlamaForCausalLM",
+    # vLLM's writer fuses dense Llama / Qwen2 layers only
+    ("megatron-deepseek-v3", "vllm"): r"architecture \['DeepseekV3ForCausalLM'\] -- --format vllm writes",
+    ("megatron-qwen3-moe", "vllm"): r"architecture \['Qwen3MoeForCausalLM'\] -- --format vllm writes",
 }
 ROUTES = [(s, t) for s in SOURCES for t in TARGETS if (s, t) not in REFUSED]
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight", "model.embed_tokens.weight", "lm_head.weight")
@@ -240,6 +250,25 @@ def _to_megatron(tensors: Tensors, geometry: tuple[int, int, int]) -> Tensors:
     return out
 
 
+def _documented(tensors: Tensors, fixture: Path) -> Tensors:
+    """Megatron keys as Hugging Face names by the fixture's mapping document (``hfmap.hf_params``:
+    each name's blocks of its key, the valid vocabulary rows), for every state the keys hold: no
+    code per name, so MoE, MLA and shared experts too. The document itself is checked against
+    ``from_pretrained`` and the logits (tests/formats/megatron/test_hf_*.py)."""
+    from reshard.formats.megatron.hfmap import hf_params
+    from reshard.formats.megatron.reader import MegatronReader
+
+    out: Tensors = {}
+    for p in hf_params(MegatronReader.open(fixture).arch):
+        for state, full in tensors[p.key].items():
+            t = full.new_zeros(p.shape)
+            for b in p.blocks:
+                src = full[tuple(slice(s, s + n) for s, n in zip(b.start, b.size))].reshape(b.size[b.fixed:])
+                t[tuple(slice(h, h + n) for h, n in zip(b.hf_start, b.size[b.fixed:]))] = src
+            out.setdefault(p.name, {})[state] = t[tuple(slice(0, n) for n in p.valid)]
+    return out
+
+
 def _megatron_keyed(tensors: Tensors) -> bool:
     return any(n.startswith(("decoder.", "embedding.")) for n in tensors)
 
@@ -344,7 +373,10 @@ def test_every_route_gives_the_source_frameworks_tensors(source: str, target: st
     got = _read_target(target, out, tmp_path, shapes)
     if _megatron_keyed(got) != _megatron_keyed(ref):  # one end in HF names, the other in Megatron's keys
         geometry = SOURCES[source][2]
-        got, ref = (got, _to_megatron(ref, geometry)) if _megatron_keyed(got) else (_to_megatron(got, geometry), ref)
+        if geometry is None:  # a Megatron MoE source written in HF names: its oracle in them too
+            ref = _documented(ref, SOURCES[source][1])
+        else:
+            got, ref = (got, _to_megatron(ref, geometry)) if _megatron_keyed(got) else (_to_megatron(got, geometry), ref)
     assert sorted(got) == sorted(ref), (sorted(set(got) ^ set(ref)))
     # Megatron's distributed optimizer keeps moments in flat buckets, which torch's reader reads as such
     bucketed = target == "megatron" and not any(m in s for s in got.values() for m in MOMENTS)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.errors import UnplacedError
+from reshard.errors import CheckpointError, ReshardError, UnplacedError
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.safe_load import load
 from tests.support.paths import DCP, DEEPSPEED, HF, MEGATRON
@@ -144,10 +144,19 @@ SOURCES = {
     "megatron-moe": ("megatron", MEGATRON / "torch_dist_moe_tp2_ep2_qk_layernorm"),
     "megatron-mla-moe": ("megatron", MEGATRON / "torch_dist_mla_moe_tp2_ep2"),
     "megatron-legacy-moe": ("megatron-legacy", MEGATRON / "legacy_moe_tp2_ep2_shared"),
+    # DeepSeek-V3 MoE (MLA, TP2 x EP2, a dense first layer, a shared expert without gate, the expert bias): HF names
+    "megatron-deepseek-v3": ("megatron", MEGATRON / "torch_dist_deepseek_v3_tp2_ep2"),
 }
 TARGETS = ("ucp", "safetensors", "dcp", "deepspeed")  # as tests/formats/test_routes.py: DeepSpeed to DeepSpeed aside
-# safetensors takes HF names, which the expert bias (and DeepSeek-V3's router) have none of yet: refused by that name
-OWN_TARGETS = {"megatron-mla-moe": ("ucp", "dcp", "deepspeed"), "megatron-legacy-moe": ("ucp", "dcp", "deepspeed")}
+# safetensors takes HF names, which a shared-expert gate has none of in deepseek_v3.json (DeepseekV3 has no such
+# gate), nor an expert bias beside one in llama.json (Qwen2-MoE has no expert bias): the route is refused naming
+# that key of the source's own, before the planted one is looked at
+UNNAMED = {"megatron-mla-moe": "decoder.layers.1.mlp.shared_experts.gate_weight",
+           "megatron-legacy-moe": "decoder.layers.1.mlp.router.expert_bias"}
+# the contract suite's other targets (tests/formats/test_routes.py), for the source that has HF names for every
+# tensor: an HF folder and a Megatron checkpoint take the route; vLLM's writer refuses the architecture by name
+MORE_TARGETS = {"megatron-deepseek-v3": ("hf", "megatron", "vllm")}
+ARCH_REFUSED = {("megatron-deepseek-v3", "vllm"): r"architecture \['DeepseekV3ForCausalLM'\] -- --format vllm writes"}
 # where the target copies the source's own files, the planted buffer is written, not refused
 CARRIED = {("deepspeed-autotp-zero1", "ucp"), ("deepspeed-zero3", "ucp"), *(("deepspeed-autoep", t) for t in TARGETS)}
 # AutoEP reads every module entry its optimizer does not own as a module weight (a router alias):
@@ -156,20 +165,33 @@ CARRIED = {("deepspeed-autotp-zero1", "ucp"), ("deepspeed-zero3", "ucp"), *(("de
 DROPPED = {"deepspeed-autotp-zero1": "safetensors", "deepspeed-zero3": "dcp", "deepspeed-autoep": None,
            "universal": "deepspeed", "dcp-fsdp2": "ucp", "accelerate": "safetensors", "hf-sharded": "dcp",
            "megatron-torch-dist": "deepspeed", "megatron-legacy": "ucp", "megatron-moe": "dcp",
-           "megatron-mla-moe": "ucp", "megatron-legacy-moe": "deepspeed"}
+           "megatron-mla-moe": "ucp", "megatron-legacy-moe": "deepspeed",
+           "megatron-deepseek-v3": ("safetensors", "hf", "megatron")}
 
 
 def _run(src: Path, target: str, out: Path, **kw):
     if target == "deepspeed":
         return reshard(src, out, to="deepspeed", tp=1, dp=2, **kw)
+    if target == "megatron":
+        return reshard(src, out, to="megatron", tp=1, ep=1, **kw)
     return convert(src, out, fmt=target, **kw)
 
 
 @pytest.mark.parametrize("source", list(SOURCES))
 def test_a_planted_tensor_is_written_reported_or_refused_never_lost(source, tmp_path_factory):
     src, key = _planted(source, tmp_path_factory.mktemp(source))
-    for target in TARGETS[:3] if SOURCES[source][0] == "deepspeed" else OWN_TARGETS.get(source, TARGETS):
+    for target in TARGETS[:3] if SOURCES[source][0] == "deepspeed" else TARGETS + MORE_TARGETS.get(source, ()):
         out = tmp_path_factory.mktemp(f"{source}-{target}") / "out"
+        if (source, target) in ARCH_REFUSED:
+            with pytest.raises(ReshardError, match=ARCH_REFUSED[source, target]):
+                _run(src, target, out)
+            assert not out.exists()
+            continue
+        if source in UNNAMED and target == "safetensors":
+            with pytest.raises(CheckpointError, match=rf"no entry for Megatron key '{UNNAMED[source]}'"):
+                _run(src, target, out)
+            assert not out.exists()
+            continue
         if (source, target) in CARRIED:
             report = _run(src, target, out)
             assert key not in report.dropped and key not in report.not_carried
@@ -184,7 +206,8 @@ def test_a_planted_tensor_is_written_reported_or_refused_never_lost(source, tmp_
         assert key in str(e.value) and key in e.value.entries, (target, str(e.value))
         assert "--drop" in str(e.value)
         assert not out.exists(), f"{target}: an output folder exists after the refusal"
-        if DROPPED[source] == target:
+        dropped = DROPPED[source]
+        if target == dropped or isinstance(dropped, tuple) and target in dropped:
             report = _run(src, target, out, drop=[BUFFER])
             assert key in report.dropped
             assert any(key in n and n.startswith("dropped by --drop") for n in report.notes), report.notes
@@ -242,7 +265,6 @@ def test_a_layer_file_tensor_of_a_pipeline_is_refused_by_name(tmp_path):
 
 
 def test_drop_patterns_are_checked_first(tmp_path):
-    from reshard.errors import ReshardError
 
     with pytest.raises(ReshardError, match=r"drop \(--drop\): '\(' is not a regular expression"):
         convert(DCP / "llama_fsdp2_ws2", tmp_path / "out", fmt="safetensors", drop=["("])
@@ -273,7 +295,6 @@ def _hf_with(tmp: Path, extra: dict[str, torch.Tensor]) -> Path:
 def test_drop_leaves_out_a_tensor_a_target_architecture_has_no_place_for(tmp_path):
     """An expert bias in an HF folder whose Megatron mapping has no key for it: refused naming it,
     and with --drop written without it (the report and manifest say so)."""
-    from reshard.errors import ReshardError
 
     bias = "model.layers.0.mlp.gate.e_score_correction_bias"
     src = _hf_with(tmp_path, {bias: torch.zeros(4)})
@@ -349,7 +370,6 @@ def test_megatron_to_megatron_drops_a_tensor_and_refuses_to_drop_what_it_copies(
     """An expert-bias-like tensor no parameter takes is refused, then dropped, Megatron to Megatron
     (the target still written from the source's own files); the RNG records that target copies at
     the same topology cannot be dropped: refused naming them."""
-    from reshard.errors import ReshardError
 
     src, key = _planted("megatron-torch-dist", tmp_path)
     with pytest.raises(UnplacedError, match=BUFFER):

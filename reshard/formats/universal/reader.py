@@ -80,7 +80,10 @@ class UniversalReader(Reader):
         fp32 file's shape."""
         kinds = {}
         for name in self.names:  # every parameter the same states and a step, or none
-            kinds.setdefault((self.states(name), (self.root / name / "step.pt").is_file()), name)
+            held = (self.states(name), (self.root / name / "step.pt").is_file())
+            if held == (("fp32",), False) and name in self._buffer_names:
+                continue  # a buffer the model states name (an expert bias): no optimizer state, as recorded
+            kinds.setdefault(held, name)
         if len(kinds) > 1:
             (a, na), (b, nb) = list(kinds.items())[:2]
             raise CheckpointError(f"{self.root}: parameters hold different optimizer states ({na!r}: {list(a[0])}"
@@ -127,6 +130,15 @@ class UniversalReader(Reader):
             groups = groups if isinstance(groups, list) else [groups] if isinstance(groups, dict) else []
             return {n: tuple(int(x) for x in s) for g in groups if isinstance(g, dict) for n, s in g.items()}
         return {}
+
+    @cached_property
+    def _buffer_names(self) -> frozenset[str]:
+        """What the model-state files beside ``zero/`` name as buffers (``buffer_names``): entries
+        no optimizer group holds, whose folder has ``fp32.pt`` alone."""
+        for f in sorted(self.tag_dir.glob("*model_states.pt")):
+            names = load(f).get("buffer_names")
+            return frozenset(n for n in names if isinstance(n, str)) if isinstance(names, list) else frozenset()
+        return frozenset()
 
     def _tensor(self, name: str, state: str) -> torch.Tensor:
         f = self.root / name / f"{state}.pt"

@@ -29,6 +29,7 @@ from safetensors.torch import load_file  # noqa: E402  (after the skip: transfor
 LOGITS_ATOL = 1e-5
 
 QWEN3_MOE, QWEN2_MOE = "torch_dist_moe_tp2_ep2_qk_layernorm", "torch_dist_moe_ep2_shared_softmax"
+DEEPSEEK_V3 = "torch_dist_deepseek_v3_tp2_ep2"
 ARCHS = {QWEN3_MOE: "Qwen3MoeForCausalLM", QWEN2_MOE: "Qwen2MoeForCausalLM", "torch_dist_moe_ep2": "MixtralForCausalLM"}
 
 
@@ -216,9 +217,10 @@ def test_save_pretrained_moe_folder_imports_at_tp_ep_pp_and_exports_back(tmp_pat
         assert torch.equal(model(ids).logits, back(ids).logits)
 
 
-# (fixture, via): Qwen3-MoE (TP2 x EP2 x expert TP1, a dense layer, QK norms), Qwen2-MoE (EP2 x DP2, a shared
+# (fixture, via): DeepSeek-V3 MoE (MLA, TP2 x EP2 x expert TP1, a dense layer, a shared expert, the sigmoid
+# router's expert bias: a buffer, compared as a weight), Qwen3-MoE (TP2 x EP2 x expert TP1, a dense layer, QK norms), Qwen2-MoE (EP2 x DP2, a shared
 # expert and its gate, q/k/v biases), Mixtral-like (EP2 x DP2, every layer MoE: stacked expert keys)
-MOE_VIA = [(QWEN3_MOE, "dcp"), pytest.param(QWEN3_MOE, "universal", marks=pytest.mark.slow),  # universal: ~6 s
+MOE_VIA = [(DEEPSEEK_V3, "dcp"), (DEEPSEEK_V3, "universal"), (QWEN3_MOE, "dcp"), pytest.param(QWEN3_MOE, "universal", marks=pytest.mark.slow),  # universal: ~6 s
            (QWEN2_MOE, "dcp"), ("torch_dist_moe_ep2", "universal"),
            pytest.param(QWEN2_MOE, "universal", marks=pytest.mark.slow), pytest.param("torch_dist_moe_ep2", "dcp",
                                                                                      marks=pytest.mark.slow)]
@@ -229,7 +231,8 @@ def test_megatron_moe_to_dcp_or_universal_and_back_keeps_weights_and_moments(tmp
     """Cross-framework: a Megatron MoE checkpoint to DCP / a universal checkpoint (HF names) and
     back to Megatron at its own TP x EP x expert TP x DP with plain Adam (``--hf-config``: the
     export's config.json): every weight and Adam moment equals Megatron's own reload of the source
-    (the padded vocabulary on its valid rows: HF names hold only those)."""
+    (the padded vocabulary on its valid rows: HF names hold only those); DeepSeek-V3's expert bias,
+    a buffer without moments, comes back equal and non-zero."""
     from .support import STATES
 
     a = MegatronReader.open(FIXTURES / fixture).arch
@@ -243,14 +246,48 @@ def test_megatron_moe_to_dcp_or_universal_and_back_keeps_weights_and_moments(tmp
     n = 0
     for name, (key, idx) in info["names"].items():
         for state, prefix in STATES[:3]:
+            if prefix is not None and name.endswith(".expert_bias"):  # a buffer: no moments
+                continue
             want = model[name] if prefix is None else optim[prefix + name]
             got = full(r, key, state)[tuple(idx)]
             if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 got, want = got[:r.arch.vocab], want[:r.arch.vocab]
             assert got.dtype == want.dtype and torch.equal(got, want), (name, state)
             n += 1
-    assert n == 3 * len(info["names"])
+    buffers = sum(name.endswith(".expert_bias") for name in info["names"])
+    assert n == 3 * len(info["names"]) - 2 * buffers
     assert any(".local_experts." in name for name in info["names"])  # the experts' weights and moments among them
+    if fixture == DEEPSEEK_V3:  # the expert bias came back (non-zero, fp32), not re-initialised
+        assert buffers == 1 and bool(full(r, "decoder.layers.1.mlp.router.expert_bias", "weight").ne(0).all())
+
+
+@pytest.mark.parametrize("via", ["dcp", "universal"])
+def test_a_shared_expert_gate_deepseek_v3_has_no_name_for_is_refused_on_the_way_out(tmp_path, via):
+    """MLA + MoE with a shared-expert gate (``torch_dist_mla_moe_tp2_ep2``): DeepseekV3 has no
+    such gate, so HF names -- which DCP and universal need to come back -- are refused naming the
+    key, before any output; the gate is never dropped."""
+    from reshard.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"'decoder\.layers\.1\.mlp\.shared_experts\.gate_weight'.*"
+                                              r"deepseek_v3\.json has no Hugging Face name"):
+        convert(FIXTURES / "torch_dist_mla_moe_tp2_ep2", tmp_path / via, fmt=via, names="hf")
+    assert not (tmp_path / via).exists()
+
+
+def test_a_universal_expert_bias_is_a_buffer_and_a_missing_moment_is_still_refused(tmp_path):
+    """The DeepSeek-V3 expert bias goes to a universal checkpoint as ``fp32.pt`` alone (no optimizer
+    state; the model states name it in ``buffer_names``) and reads back; a weight whose moment file
+    is deleted is still refused as a missing file."""
+    from reshard.errors import CheckpointError
+    from reshard.formats.registry import open_reader
+
+    out = convert(FIXTURES / DEEPSEEK_V3, tmp_path / "ucp", fmt="universal", names="hf").out_dir
+    zero = out / "zero"
+    assert sorted(f.name for f in (zero / "model.layers.1.mlp.gate.e_score_correction_bias").iterdir()) == ["fp32.pt"]
+    open_reader(out).check()
+    (zero / "model.layers.1.mlp.gate.weight" / "exp_avg.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"parameters hold different optimizer states.*a file is missing"):
+        open_reader(out).check()
 
 
 def test_hf_moe_import_refuses_a_tensor_it_has_no_key_for(tmp_path):
