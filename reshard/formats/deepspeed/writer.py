@@ -187,9 +187,19 @@ class DeepSpeedWriter(Writer):
                   layout: TargetLayout, dtype: torch.dtype | None) -> None:
         """A non-DeepSpeed source: the files of a fresh ZeRO job over its parameters."""
         where = reader.sources[-1]
-        if pp != 1 or ep is not None:
-            raise ReshardError(f"{where}: {noun_of(reader)} records no pipeline stages or experts; it is "
-                               "written as DeepSpeed at --tp/--dp/--zero-stage only (pp=1, no ep)")
+        if ep is not None:
+            # DeepSpeed's expert files (the expert placement, ds_autoep_layers, the per-expert model
+            # files) are built on a DeepSpeed AutoEP / classic MoE source's own, which this one lacks
+            raise ReshardError(f"{where}: --ep {ep} is refused from {noun_of(reader)}: a DeepSpeed expert-parallel "
+                               "target (AutoEP or classic MoE) is written only from a DeepSpeed checkpoint of that "
+                               "kind, whose placement and expert files it is built on; from this source DeepSpeed "
+                               "is written at --tp/--dp/--zero-stage only, without --ep, every parameter (experts "
+                               "included) a dense one")
+        if pp != 1:
+            raise ReshardError(f"{where}: --pp {pp} is refused from {noun_of(reader)}: a DeepSpeed pipeline "
+                               "(deepspeed.pipe) target is written only from a DeepSpeed pipeline checkpoint, whose "
+                               "layer files it is built on; from this source DeepSpeed is written at "
+                               "--tp/--dp/--zero-stage only (pp=1)")
         stage = 1 if stage is None else stage
         if stage not in (1, 2, 3):
             raise ReshardError(f"target ZeRO stage {stage!r} must be 1, 2 or 3")
