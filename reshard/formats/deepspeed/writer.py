@@ -37,6 +37,7 @@ from . import templates
 from .reader import DeepSpeedNative
 from .target import (
     DeepSpeedTarget,
+    autoep_from_zero3_target,
     autoep_target,
     autoep_zero3_target,
     moe_target,
@@ -102,9 +103,10 @@ class DeepSpeedWriter(Writer):
 
         stage = 3 if stage is None else stage
         check_autoep_zero3(ck, ep, dp, tp, pp, stage)
-        self.target = autoep_zero3_target(AutoEPZero3Partitions(ck), ep, dp)
+        src = AutoEPZero3Partitions(ck)
+        self.target = autoep_zero3_target(src, ep, dp) if stage == 3 else autoep_from_zero3_target(src, ep, dp, stage)
         self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": 3, "ep": ck.experts.ep}
-        self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
+        self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
         self._notes += self.target.notes
 
     def _experts(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
