@@ -506,8 +506,9 @@ def router_aliases(template: Mapping[str, Any], params: Sequence[str], where: st
     """The module entries of an AutoEP ZeRO-3 template that are no parameter: each the router's
     alias (DeepSpeed's AutoEP layer sets its router a second time under the name transformers'
     OutputRecorder captures, ``<module_path>.<alias>.<rest>`` for ``<module_path>.router.<rest>``),
-    mapped to that router parameter. Anything else is refused: its value is not in the source."""
-    owned, out = set(params), {}
+    mapped to that router parameter. A buffer (``buffer_names``, held whole) is kept as it is;
+    anything else is refused: its value is not in the source."""
+    owned, out = set(params) | set(template.get("buffer_names") or []), {}
     paths = [str(e.get("module_path", "")) for e in template.get(dse.LAYERS_KEY) or []]
     for key in template.get("module") or {}:
         if key in owned:
@@ -574,7 +575,8 @@ class ExpertWeightFiles(ExpertModelFile):
         super().__init__(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement, expert_files=[])
         self.template, self.dtype, self.names, self.outer, self.aliases = template, dtype, list(names), outer, aliases
         self.placement = placement
-        self.dense = [n for n in self.names if n not in placement.maps]
+        owned = set(self.names) | set(aliases)  # the module entries whose weights are the masters'
+        self.weights = [k for k in template.get("module") or {} if k in owned]
         # per fused parameter a map whose rank x holds expert x: one per-expert file's slot
         self.per_expert = {n: autoep_placement(uniform_placement(m.logical_shape[0], m.logical_shape[0]),
                                                m.logical_shape) for n, m in placement.maps.items()}
@@ -591,7 +593,7 @@ class ExpertWeightFiles(ExpertModelFile):
 
     def before(self) -> list[Buffer]:
         out = []
-        for key in self.template.get("module") or {}:
+        for key in self.weights:
             n = self.aliases.get(key, key)
             m = self.outer[n]
             out.append(Buffer(self._module_key(key), self.dtype, m.shards[0].numel, (Slot(0, n, MODULE, m, 0),)))
@@ -610,7 +612,10 @@ class ExpertWeightFiles(ExpertModelFile):
     def model_obj(self, tgt: DeepSpeedTarget, engine: Any) -> dict:
         declared = tgt.by_key()
         module = OrderedDict()
-        for key in self.template.get("module") or {}:
+        for key, value in (self.template.get("module") or {}).items():
+            if key not in self.weights:  # a buffer, whole in the source
+                module[key] = value
+                continue
             shape = self.outer[self.aliases.get(key, key)].logical_shape
             module[key] = engine.storage(declared[self._module_key(key)]).view(shape)
         shapes = [OrderedDict((n, tuple(s)) for n, s in zip(p.unit.names, p.unit.shapes))
@@ -634,7 +639,7 @@ class ExpertWeightFiles(ExpertModelFile):
 
     def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
         esize = self.dtype.itemsize
-        size = sum(self.outer[self.aliases.get(k, k)].shards[0].numel for k in self.template.get("module") or {})
+        size = sum(self.outer[self.aliases.get(k, k)].shards[0].numel for k in self.weights)
         before = [archive(dsw.model_file(0), size * esize, lambda: self.model_obj(tgt, engine))]
         after = [archive(EXPERT_FILE.format(layer=layer, expert=x),
                          sum(self.per_expert[n].shards[x].numel for n in names) * esize,

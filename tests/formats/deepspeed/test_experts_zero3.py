@@ -310,3 +310,18 @@ def test_deepspeed_loads_the_zero3_experts_written_at_zero1(tmp_path):
     assert mine["digests"]["after_load"] == theirs["digests"]["after_load"]
     assert mine["losses"] == theirs["losses"]
     assert mine["optimizer_step_after_steps"] == [5.0]
+
+
+def test_a_module_entry_the_zero3_source_holds_no_value_of_is_refused_at_zero1(tmp_path):
+    """A ZeRO-3 module entry that is neither a parameter, a buffer nor an AutoEP router alias has no
+    value in the checkpoint (a placeholder): a ZeRO-1/2 target, whose module holds weights, refuses
+    it, naming the file and the entry, before anything exists."""
+    root = _copy(tmp_path)
+    for d in (0, 1):
+        _edit(root, f"zero_pp_rank_{d}_mp_rank_00_model_states.pt",
+              lambda sd: sd["module"].update({"model.layers.0.mlp.extra.weight": torch.empty(0)}))
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_0_mp_rank_00_model_states.pt: module entry "
+                                              r"'model.layers.0.mlp.extra.weight' is neither a parameter nor an "
+                                              r"AutoEP router alias"):
+        reshard(root, tmp_path / "out", tp=1, dp=2, ep=2, zero_stage=1)
+    assert not (tmp_path / "out").exists()
