@@ -7,7 +7,8 @@ folder exists, what it cannot write:
 
 * ZeRO-1/2 at TP x DP (x PP), from a ZeRO-1/2, ZeRO-3 or non-DeepSpeed source;
 * ZeRO-3 at TP x DP;
-* AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``).
+* AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``), and an
+  AutoEP ZeRO-3 checkpoint at ZeRO-1/2 (its weights the fp32 masters cast).
 
 Every kind is one :class:`~reshard.formats.deepspeed.target.DeepSpeedTarget` over a
 :class:`~reshard.formats.deepspeed.layout.Layout` (outer maps, partition groups, flat groups or
