@@ -418,8 +418,13 @@ def test_megatron_names_in_safetensors_are_megatrons_reload(tmp_path: Path):
 # read it, so it is no route's source here; tests/formats/deepspeed/test_moe*.py compare it otherwise)
 REFUSALS = [
     ("dcp-fsdp2", "deepspeed", {"tp": 2}, r"does not record how its parameters split over TP ranks.*--layout"),
-    ("hf-sharded", "deepspeed", {"pp": 2}, r"records no pipeline stages or experts"),
-    ("dcp-fsdp2", "deepspeed", {"ep": 2}, r"records no pipeline stages or experts"),
+    ("hf-sharded", "deepspeed", {"pp": 2}, r"--pp 2 is refused from a Hugging Face .*: a DeepSpeed pipeline "
+     r"\(deepspeed.pipe\) target is written only from a DeepSpeed pipeline checkpoint"),
+    ("dcp-fsdp2", "deepspeed", {"ep": 2}, r"--ep 2 is refused from a PyTorch DCP checkpoint: a DeepSpeed "
+     r"expert-parallel target \(AutoEP or classic MoE\) is written only from a DeepSpeed checkpoint of that kind"),
+    (MEGATRON / "torch_dist_moe_ep2", "deepspeed", {"ep": 2}, r"torch_dist_moe_ep2.*: --ep 2 is refused from a "
+     r"Megatron-Core checkpoint: a DeepSpeed expert-parallel target \(AutoEP or classic MoE\) is written only from "
+     r"a DeepSpeed checkpoint of that kind.*without --ep, every parameter \(experts included\) a dense one"),
     ("deepspeed-zero3", "deepspeed", {"pp": 2}, r"PP=1"),
     ("universal", "dcp", {"files": 2, "tp": 2}, r"--tp goes with --to deepspeed or --to megatron or --format vllm, not with a "
      r"PyTorch DCP checkpoint \(the target\)"),
@@ -439,8 +444,8 @@ REFUSALS = [
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 1, "dp": 3, "ep": 3}, r"4 experts do not split evenly over ep=3"),
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 2, "dp": 2, "ep": 2},
      r"AutoEP ZeRO-3 checkpoints are resharded at TP = PP = 1 only"),
-    ("deepspeed-autoep-zero3", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 1},
-     r"written at ZeRO stage 3 only \(asked 1\)"),
+    ("deepspeed-autoep-zero3", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 0},
+     r"written at ZeRO stage 1, 2 or 3 \(asked 0\)"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 3, "ep": 3},
      r"mp_rank_00_model_states.pt: MoE layer 0 \(blocks.0.moe.deepspeed_moe.experts.deepspeed_experts\): 4 experts "
      r"do not split evenly over ep=3"),

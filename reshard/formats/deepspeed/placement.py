@@ -130,9 +130,9 @@ def check_autoep_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: i
     if tp != 1 or pp != 1:
         raise ReshardError(f"{ck.tag_dir}: AutoEP ZeRO-3 checkpoints are resharded at TP = PP = 1 only "
                            f"(asked tp={tp}, pp={pp})")
-    if stage != 3:
-        raise ReshardError(f"{ck.tag_dir}: an AutoEP ZeRO-3 checkpoint is written at ZeRO stage 3 only (asked "
-                           f"{stage}); moving AutoEP experts between ZeRO-3 and ZeRO-1/2 is not supported")
+    if stage not in (1, 2, 3):
+        raise ReshardError(f"{ck.tag_dir}: an AutoEP ZeRO-3 checkpoint is written at ZeRO stage 1, 2 or 3 (asked "
+                           f"{stage})")
     if dp % ep:
         raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
     _check_placements(ck, ep)

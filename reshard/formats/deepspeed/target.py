@@ -36,7 +36,7 @@ import torch
 from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
-from ...layouts import replicated
+from ...layouts import autoep_placement, replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, MOMENTS, OPTIMIZER, Buffer, Slot
 from . import experts as dse
@@ -45,10 +45,11 @@ from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
 from .experts_zero3 import AutoEPZero3Partitions
 from .layout import Group, Layout, Part, Unit
-from .placement import AutoEPPlacement, split_local
+from .placement import EXPERT_FILE, AutoEPPlacement, split_local, uniform_placement
 from .templates import Templates, ds_id_notes
 
-__all__ = ["DeepSpeedTarget", "autoep_target", "autoep_zero3_target", "moe_target", "zero3_target", "zero12_target"]
+__all__ = ["DeepSpeedTarget", "autoep_from_zero3_target", "autoep_target", "autoep_zero3_target", "moe_target",
+           "zero3_target", "zero12_target"]
 
 
 class DeepSpeedTarget:
@@ -496,3 +497,153 @@ class ExpertModelFile:
     def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
         before = [(self.ck.model_files[0].stat().st_size, lambda: self.model(tgt, staging))]
         return before, [(p.stat().st_size, lambda p=p: staging.copy(p, p.name)) for p in self.expert_files]
+
+
+# -- AutoEP ZeRO-3 -> ZeRO-1/2 ---------------------------------------------------------------------
+
+
+def router_aliases(template: Mapping[str, Any], params: Sequence[str], where: str) -> dict[str, str]:
+    """The module entries of an AutoEP ZeRO-3 template that are no parameter: each the router's
+    alias (DeepSpeed's AutoEP layer sets its router a second time under the name transformers'
+    OutputRecorder captures, ``<module_path>.<alias>.<rest>`` for ``<module_path>.router.<rest>``),
+    mapped to that router parameter. A buffer (``buffer_names``, held whole) is kept as it is;
+    anything else is refused: its value is not in the source."""
+    owned, out = set(params) | set(template.get("buffer_names") or []), {}
+    paths = [str(e.get("module_path", "")) for e in template.get(dse.LAYERS_KEY) or []]
+    for key in template.get("module") or {}:
+        if key in owned:
+            continue
+        path = next((p for p in paths if key.startswith(p + ".")), None)
+        rest = key[len(path) + 1:].split(".", 1) if path is not None else []
+        router = f"{path}.router.{rest[1]}" if len(rest) == 2 else None
+        if router is None or router not in owned:
+            raise CheckpointError(f"{where}: module entry {key!r} is neither a parameter nor an AutoEP router alias; "
+                                  "its value is not in a ZeRO-3 checkpoint, so it cannot be written at ZeRO-1/2")
+        out[key] = router
+    return out
+
+
+def autoep_from_zero3_target(src: AutoEPZero3Partitions, ep: int, dp: int, stage: int) -> DeepSpeedTarget:
+    """An AutoEP ZeRO-3 checkpoint written at ZeRO stage ``stage`` (1 or 2), EP ``ep`` x world
+    ``dp``: the layout of :func:`autoep_target` (a dense group flat over all ``dp`` ranks, an expert
+    group flat over each EP rank's EDP group), the optimizer file built on the source's recast
+    (``zero3.optim_source_from_zero3``) and the weights a ZeRO-3 checkpoint keeps only as fp32
+    masters -- the module's and each per-expert file's -- cast from them (:class:`ExpertWeightFiles`)."""
+    ck, template = src.ck, src.template
+    placement = AutoEPPlacement(src.ax, ep, dp)
+    outer = {n: placement.maps[n] if n in placement.maps else replicated(src.shapes[n], 1) for n in src.names}
+    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else src.shapes[n]) for n in src.names}
+    module = template.get("module") or {}
+    dtypes = {module[n].dtype for n in src.names if isinstance(module.get(n), torch.Tensor)}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{ck.model_files[0]}: the module's parameter placeholders have dtypes "
+                              f"{sorted(map(str, dtypes))}; expected one training dtype")
+    dtype = dtypes.pop()
+    cfg = src.cfg if isinstance(src.cfg, dict) else {}
+    zo = cfg.get("zero_optimization") or {}
+    align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
+    dense, experts = Group.dense(1, dp), placement.group()
+    units = []
+    for g, names in enumerate(src.group_names):
+        part = placement.edp if g in src.expert_groups else dp
+        fg = dsw.flat_group(list(names), [shape[n] for n in names], part, param_align=align)
+        units.append(Unit(experts, dict.fromkeys(range(ep), Part(fg, fg.names))) if g in src.expert_groups
+                     else Unit(dense, {0: Part(fg, fg.names)}))
+    layout = Layout("flat", outer, units, range(dp))
+    ds_config = placement.ds_config(dsw.target_ds_config(src.cfg, tp=1, dp=dp, zero_stage=stage))
+    aliases = router_aliases(template, src.names, str(ck.model_files[0]))
+    models = ExpertWeightFiles(ck, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
+                               dtype=dtype, names=src.names, outer=outer, aliases=aliases)
+    clip = cfg.get("gradient_clipping", 0.0)
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=src.bf16, states=OPTIMIZER,
+                           optim_template=lambda: z3.optim_source_from_zero3(ck.optim_state(0, 0), clip_grad=clip),
+                           ds_config=ds_config, uc_info=None, models=models, placement=None,
+                           notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3 -> "
+                                  f"ZeRO-{stage}: the module's and the per-expert files' weights are the fp32 "
+                                  f"masters cast to {dtype}, as the ZeRO-3 checkpoint keeps no other copy"])
+
+
+class ExpertWeightFiles(ExpertModelFile):
+    """ZeRO-1/2 with AutoEP experts from a ZeRO-3 source, whose module holds placeholders: the
+    module's weights (each in a storage of its own, as DeepSpeed's AutoEP save clones them, a
+    router alias its router's) and each per-expert file's (``layer_L_expert_X``: expert ``X`` of
+    every fused parameter of layer ``L``) are buffers filled from the masters."""
+
+    def __init__(self, ck: DeepSpeedCheckpoint, template: dict, *, dp: int, stage: int, ds_config: dict | None,
+                 placement: AutoEPPlacement, dtype: torch.dtype, names: Sequence[str], outer: Mapping[str, ParamMap],
+                 aliases: Mapping[str, str]) -> None:
+        super().__init__(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement, expert_files=[])
+        self.template, self.dtype, self.names, self.outer, self.aliases = template, dtype, list(names), outer, aliases
+        self.placement = placement
+        owned = set(self.names) | set(aliases)  # the module entries whose weights are the masters'
+        self.weights = [k for k in template.get("module") or {} if k in owned]
+        # per fused parameter a map whose rank x holds expert x: one per-expert file's slot
+        self.per_expert = {n: autoep_placement(uniform_placement(m.logical_shape[0], m.logical_shape[0]),
+                                               m.logical_shape) for n, m in placement.maps.items()}
+        self.layers: dict[int, list[str]] = {}
+        for n in self.names:
+            if n in placement.maps:
+                self.layers.setdefault(placement.ax.params[n].layer, []).append(n)
+
+    def _module_key(self, key: str) -> str:
+        return f"{dsw.model_file(0)}:module:{key}"
+
+    def _expert_key(self, layer: int, x: int, name: str) -> str:
+        return f"{EXPERT_FILE.format(layer=layer, expert=x)}:{name}"
+
+    def before(self) -> list[Buffer]:
+        out = []
+        for key in self.weights:
+            n = self.aliases.get(key, key)
+            m = self.outer[n]
+            out.append(Buffer(self._module_key(key), self.dtype, m.shards[0].numel, (Slot(0, n, MODULE, m, 0),)))
+        return out
+
+    def after(self) -> list[Buffer]:
+        out = []
+        for layer, names in sorted(self.layers.items()):
+            for n in names:
+                m = self.per_expert[n]
+                for x in range(m.logical_shape[0]):
+                    out.append(Buffer(self._expert_key(layer, x, n), self.dtype, m.shards[x].numel,
+                                      (Slot(0, n, MODULE, m, x),)))
+        return out
+
+    def model_obj(self, tgt: DeepSpeedTarget, engine: Any) -> dict:
+        declared = tgt.by_key()
+        module = OrderedDict()
+        for key, value in (self.template.get("module") or {}).items():
+            if key not in self.weights:  # a buffer, whole in the source
+                module[key] = value
+                continue
+            shape = self.outer[self.aliases.get(key, key)].logical_shape
+            module[key] = engine.storage(declared[self._module_key(key)]).view(shape)
+        shapes = [OrderedDict((n, tuple(s)) for n, s in zip(p.unit.names, p.unit.shapes))
+                  for _, p, _ in tgt.layout.rank_units(0)]
+        uc, extras = self._extras(self.template)
+        for entry in [*(uc or {}).get(dse.LAYERS_KEY, []), *extras[dse.LAYERS_KEY]]:
+            # the ZeRO-1/2 expert format (per-expert files), as DeepSpeed's AutoEP ZeRO-1/2 save records it
+            entry.update(checkpoint_format="per_expert_files", checkpoint_format_version=None)
+        obj = dsw.model_states(self.template, module=module, param_shapes=shapes, tp=1, dp=self.dp, tp_rank=0,
+                               zero_stage=self.stage, shared_params=self.template.get("shared_params") or {},
+                               uc_info=uc, ds_config=self.ds_config)
+        obj.update(extras)
+        return obj
+
+    def expert(self, tgt: DeepSpeedTarget, engine: Any, layer: int, x: int) -> dict:
+        """``layer_L_expert_X_mp_rank_00_model_states.pt``: ``<fused name>.<X>`` of each of the
+        layer's fused parameters, its own storage."""
+        declared = tgt.by_key()
+        return {f"{n}.{x}": engine.storage(declared[self._expert_key(layer, x, n)]).view(
+            self.per_expert[n].logical_shape[1:]) for n in self.layers[layer]}
+
+    def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
+        esize = self.dtype.itemsize
+        size = sum(self.outer[self.aliases.get(k, k)].shards[0].numel for k in self.weights)
+        before = [archive(dsw.model_file(0), size * esize, lambda: self.model_obj(tgt, engine))]
+        after = [archive(EXPERT_FILE.format(layer=layer, expert=x),
+                         sum(self.per_expert[n].shards[x].numel for n in names) * esize,
+                         lambda layer=layer, x=x: self.expert(tgt, engine, layer, x))
+                 for layer, names in sorted(self.layers.items())
+                 for x in range(self.per_expert[names[0]].logical_shape[0])]
+        return before, after

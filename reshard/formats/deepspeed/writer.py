@@ -7,7 +7,8 @@ folder exists, what it cannot write:
 
 * ZeRO-1/2 at TP x DP (x PP), from a ZeRO-1/2, ZeRO-3 or non-DeepSpeed source;
 * ZeRO-3 at TP x DP;
-* AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``).
+* AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``), and an
+  AutoEP ZeRO-3 checkpoint at ZeRO-1/2 (its weights the fp32 masters cast).
 
 Every kind is one :class:`~reshard.formats.deepspeed.target.DeepSpeedTarget` over a
 :class:`~reshard.formats.deepspeed.layout.Layout` (outer maps, partition groups, flat groups or
@@ -37,6 +38,7 @@ from . import templates
 from .reader import DeepSpeedNative
 from .target import (
     DeepSpeedTarget,
+    autoep_from_zero3_target,
     autoep_target,
     autoep_zero3_target,
     moe_target,
@@ -102,9 +104,10 @@ class DeepSpeedWriter(Writer):
 
         stage = 3 if stage is None else stage
         check_autoep_zero3(ck, ep, dp, tp, pp, stage)
-        self.target = autoep_zero3_target(AutoEPZero3Partitions(ck), ep, dp)
+        src = AutoEPZero3Partitions(ck)
+        self.target = autoep_zero3_target(src, ep, dp) if stage == 3 else autoep_from_zero3_target(src, ep, dp, stage)
         self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": 3, "ep": ck.experts.ep}
-        self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
+        self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
         self._notes += self.target.notes
 
     def _experts(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
@@ -187,9 +190,19 @@ class DeepSpeedWriter(Writer):
                   layout: TargetLayout, dtype: torch.dtype | None) -> None:
         """A non-DeepSpeed source: the files of a fresh ZeRO job over its parameters."""
         where = reader.sources[-1]
-        if pp != 1 or ep is not None:
-            raise ReshardError(f"{where}: {noun_of(reader)} records no pipeline stages or experts; it is "
-                               "written as DeepSpeed at --tp/--dp/--zero-stage only (pp=1, no ep)")
+        if ep is not None:
+            # DeepSpeed's expert files (the expert placement, ds_autoep_layers, the per-expert model
+            # files) are built on a DeepSpeed AutoEP / classic MoE source's own, which this one lacks
+            raise ReshardError(f"{where}: --ep {ep} is refused from {noun_of(reader)}: a DeepSpeed expert-parallel "
+                               "target (AutoEP or classic MoE) is written only from a DeepSpeed checkpoint of that "
+                               "kind, whose placement and expert files it is built on; from this source DeepSpeed "
+                               "is written at --tp/--dp/--zero-stage only, without --ep, every parameter (experts "
+                               "included) a dense one")
+        if pp != 1:
+            raise ReshardError(f"{where}: --pp {pp} is refused from {noun_of(reader)}: a DeepSpeed pipeline "
+                               "(deepspeed.pipe) target is written only from a DeepSpeed pipeline checkpoint, whose "
+                               "layer files it is built on; from this source DeepSpeed is written at "
+                               "--tp/--dp/--zero-stage only (pp=1)")
         stage = 1 if stage is None else stage
         if stage not in (1, 2, 3):
             raise ReshardError(f"target ZeRO stage {stage!r} must be 1, 2 or 3")

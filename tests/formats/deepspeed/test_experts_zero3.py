@@ -27,6 +27,7 @@ from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
 from tests.support.compare import full_state as _full
 from tests.support.compare import same as _same
+from tests.support.compare import tensor_meta
 from tests.support.dsconv import FIXTURES, ds_to_universal, tag_dir
 
 NAME = "mixtral_autoep_ep2_zero3"
@@ -107,6 +108,61 @@ def test_reshard_to_other_ep_and_dp(ep, dp, ucp, tmp_path):
         flats = load(out / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]["fp32_flat_groups"]
         assert flats[1].ds_id == "6_18"
     assert not list(out.glob("layer_*"))
+
+
+# -- ZeRO-3 -> ZeRO-1/2 ----------------------------------------------------------------------------------
+
+
+def _layout(obj):
+    """``obj`` with each tensor as its metadata (dtype, shape, strides, storage size and offset,
+    attributes), every other value kept: a file's structure, without its numbers."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tensor_meta(obj))
+    if isinstance(obj, dict):
+        return (type(obj).__name__, [(k, _layout(v)) for k, v in obj.items()])
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [_layout(v) for v in obj])
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return (type(obj).__name__, _layout(vars(obj)))
+    return obj
+
+
+@pytest.mark.parametrize("ep,dp,stage", [(2, 2, 1), (1, 2, 2), (2, 4, 1)])
+def test_zero3_experts_written_at_zero12(ck, ep, dp, stage, tmp_path):
+    """AutoEP ZeRO-3 -> ZeRO-1/2: every state of every parameter is the source's (read back through
+    the ZeRO-1/2 reader, which checks the flat layout against ``param_shapes``); the weights the
+    ZeRO-3 source keeps only as fp32 masters -- the module's (a router alias its router's) and each
+    per-expert file's -- are those masters (fp32 training)."""
+    out = reshard(FIXTURES / NAME, tmp_path, tp=1, dp=dp, ep=ep, zero_stage=stage).out_dir
+    new = DeepSpeedCheckpoint.open(out)
+    assert (new.zero_stage, new.experts.ep, new.experts.edp, new.dp) == (stage, ep, dp // ep, dp)
+    for name in ck.names:
+        for state in STATES:
+            assert torch.equal(_full(new, name, state), _full(ck, name, state)), (name, state)
+    module = load(out / "mp_rank_00_model_states.pt")["module"]
+    assert sorted(module) == sorted(ck.model_state(0)["module"])
+    for key, value in module.items():
+        router = key.replace(".mlp.gate.gate.", ".mlp.router.gate.")
+        assert torch.equal(value, _full(ck, router, "fp32")), key
+    for name in EXPERTS:
+        master, layer = _full(ck, name, "fp32"), name.split(".")[2]
+        for x in range(4):
+            got = load(out / f"layer_{layer}_expert_{x}_mp_rank_00_model_states.pt")
+            assert list(got) == [f"{name.rsplit('.', 1)[0]}.{w}.{x}" for w in ("w1", "w2", "w3")]
+            assert torch.equal(got[f"{name}.{x}"], master[x]), (name, x)
+
+
+def test_zero3_experts_at_zero1_are_laid_out_as_deepspeeds_own_zero1_save(tmp_path):
+    """``mixtral_autoep_ep2`` is the same recipe trained at ZeRO-1 (EP 2, world 2): every file reshard
+    writes from the ZeRO-3 checkpoint at that topology has DeepSpeed's ZeRO-1 save's structure --
+    keys in order, every non-tensor value (configuration, placement entries, parameter groups,
+    step, loss scaler), each tensor's dtype, shape, strides and storage -- only the numbers
+    differ (ZeRO-3 and ZeRO-1 training round differently)."""
+    out = reshard(FIXTURES / NAME, tmp_path, tp=1, dp=2, ep=2, zero_stage=1).out_dir
+    native = tag_dir("mixtral_autoep_ep2")
+    assert sorted(p.name for p in out.glob("*.pt")) == sorted(p.name for p in native.glob("*.pt"))
+    for p in native.glob("*.pt"):
+        assert _layout(load(out / p.name)) == _layout(load(p)), p.name
 
 
 def test_zero1_autoep_to_zero3_is_refused(tmp_path):
@@ -223,3 +279,49 @@ def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(world, ep
     shared = load(native / ours.name / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     state = shared["optimizer_state_dict"]["optimizer_state_dict"]["state"]
     assert state[0]["step"].untyped_storage().data_ptr() == state[1]["step"].untyped_storage().data_ptr()
+
+
+@pytest.mark.e2e
+def test_deepspeed_loads_the_zero3_experts_written_at_zero1(tmp_path):
+    """One real job at world 2, EP 2: DeepSpeed resumes the ZeRO-3 source natively at ZeRO-3, then
+    reshard's ZeRO-1 files natively at ZeRO-1. After the load every parameter's master, moments and
+    module weight are the same (layout-free digests), Adam's step is 3 in both, and both train the
+    same two losses. DeepSpeed's own native save of what it loaded from reshard's files is those
+    files (``diff_files``). The digests after the steps are not compared: ZeRO-3 and ZeRO-1 reduce
+    gradients in another order. (DeepSpeed cannot make this move itself: its universal of a ZeRO-3
+    AutoEP checkpoint has no ``mp_rank_00_model_states.pt`` for a ZeRO-1 engine to load.)"""
+    pytest.importorskip("deepspeed")
+    from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
+    from tests.support.compare import diff_files
+
+    spec = model_spec_from_fixture(FIXTURES / NAME)
+    ours = reshard(FIXTURES / NAME, tmp_path / "ours", tp=1, dp=2, ep=2, zero_stage=1).out_dir
+    native = tmp_path / "native"
+    loads = [resume_load("deepspeed", FIXTURES / NAME, model_spec=spec, tp=1, dp=2, universal=False, zero_stage=3),
+             resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=2, universal=False, zero_stage=1,
+                         save_dir=native)]
+    reports = resume_many(loads, world_size=2, workdir=tmp_path / "job")
+    theirs, mine = reports["deepspeed"], reports["reshard"]
+    diff_files(ours, native / ours.name)
+    assert mine["global_steps_after_load"] == theirs["global_steps_after_load"] == 3
+    assert mine["optimizer_step_after_load"] == theirs["optimizer_step_after_load"] == [3.0]
+    assert mine["ranks_agree"] and theirs["ranks_agree"]
+    assert mine["layouts"][EXPERTS[0]] == "autoep"
+    assert mine["digests"]["after_load"] == theirs["digests"]["after_load"]
+    assert mine["losses"] == theirs["losses"]
+    assert mine["optimizer_step_after_steps"] == [5.0]
+
+
+def test_a_module_entry_the_zero3_source_holds_no_value_of_is_refused_at_zero1(tmp_path):
+    """A ZeRO-3 module entry that is neither a parameter, a buffer nor an AutoEP router alias has no
+    value in the checkpoint (a placeholder): a ZeRO-1/2 target, whose module holds weights, refuses
+    it, naming the file and the entry, before anything exists."""
+    root = _copy(tmp_path)
+    for d in (0, 1):
+        _edit(root, f"zero_pp_rank_{d}_mp_rank_00_model_states.pt",
+              lambda sd: sd["module"].update({"model.layers.0.mlp.extra.weight": torch.empty(0)}))
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_0_mp_rank_00_model_states.pt: module entry "
+                                              r"'model.layers.0.mlp.extra.weight' is neither a parameter nor an "
+                                              r"AutoEP router alias"):
+        reshard(root, tmp_path / "out", tp=1, dp=2, ep=2, zero_stage=1)
+    assert not (tmp_path / "out").exists()
