@@ -155,7 +155,7 @@ def _write_tensor(f, name: str, dtype: str, shape: tuple[int, ...], seed: int, s
         raw = t.view(torch.uint8).numpy().tobytes()
         f.write(raw)
         return {name: zlib.crc32(raw)}
-    rows, cols = shape
+    rows, cols = prod(shape[:-1]), shape[-1]  # stacked experts [E, out, in]: E * out rows
     per = min(_Pool.rows(cols), -(-rows // BLOCK[0]) * BLOCK[0])
     parts = []
     for i, r0 in enumerate(range(0, rows, per)):
