@@ -59,7 +59,8 @@ bench-vllm: $(VSTAMP)
 	$(VBIN)/python -m benchmarks.bench_vllm
 
 # every benchmark in benchmarks/; the FP8 -> bf16 export's model size: FP8_EXPORT_SIZES=250m,1b (default 1b;
-# also 100m, tiny)
+# also 100m, tiny); the DeepSeek-V3-shaped HF -> Megatron -> HF memory run at a sixteenth of its widths by
+# default, DSV3_FULL=1 for full widths (layers: DSV3_LAYERS=2,4; DSV3_FP8=1: FP8 linears; ~20 GB in /tmp or $$DSV3_TMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 

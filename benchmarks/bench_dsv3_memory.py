@@ -19,9 +19,10 @@ RSS every 20 ms) and each process's ``VmHWM`` (``bench_fp8_export.measured``):
 1. ``reshard reshard SRC MG --to megatron --tp 1 --pp 1 --dtype bf16`` (reshard's own ``torch_dist`` writer);
 2. ``reshard convert MG/hf BACK --format hf --dtype bf16``.
 
-Then BACK is checked against what the generator wrote (sha256 of every tensor's bytes, computed while
+Then BACK is checked against what the generator wrote (a CRC-32 of every tensor's bytes, computed while
 generating: the source's own bytes, or for ``fp8`` its decoded values cast to bf16): every tensor bit for
-bit. The source's hashes are taken as it is written, so SRC is deleted once imported (disk: two
+bit. Random stripes are made once per width and reused (``_Pool``): the weights are random, not all
+different. The source's hashes are taken as it is written, so SRC is deleted once imported (disk: two
 checkpoints at a time). Everything lives in a temporary folder (``$DSV3_TMP``, default /tmp), deleted after.
 
     python -m benchmarks.bench_dsv3_memory [--layers 2,4] [--fp8] [--moe-layers 0]
@@ -31,7 +32,6 @@ checkpoints at a time). Everything lives in a temporary folder (``$DSV3_TMP``, d
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -39,7 +39,7 @@ import struct
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
+from math import prod
 from pathlib import Path
 
 from benchmarks.bench_fp8_export import measured
@@ -104,49 +104,70 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return n
 
 
-def _stripes(name: str, shape: tuple[int, ...], seed: int, rows_multiple: int = 1) -> Iterator:
-    """The tensor's bf16 values, row stripes of about ``STRIPE`` elements (a multiple of ``rows_multiple`` rows)."""
-    import torch
+class _Pool:
+    """Random stripes made once per width and reused (``POOL`` of them, in turn, from a place each
+    tensor's seed picks): generating 10 GB of fresh random numbers, and FP8-encoding them, would
+    take the benchmark longer than the commands it measures. Each stripe is held as the bytes the
+    source stores and the bytes the HF export back must hold (the decoded values, for FP8)."""
 
-    rows = shape[0] if shape else 1
-    cols = max(1, int(torch.Size(shape[1:]).numel())) if len(shape) > 1 else 1
-    step = max(rows_multiple, STRIPE // cols // rows_multiple * rows_multiple)
-    g = torch.Generator().manual_seed(seed)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        if name.endswith("norm.weight") or name.endswith("e_score_correction_bias"):
-            yield torch.ones((r1 - r0, *shape[1:]), dtype=torch.bfloat16).reshape((r1 - r0, *shape[1:]) if shape else ())
-        else:
-            yield (torch.randn((r1 - r0, *shape[1:]), generator=g) * 0.02).to(torch.bfloat16)
+    def __init__(self) -> None:
+        self.made: dict = {}
+
+    def stripe(self, rows: int, cols: int, k: int, fp8: bool) -> tuple[bytes, bytes, object]:
+        """Stripe ``k`` of ``rows`` x ``cols``: (stored bytes, bytes back, FP8 scales or None)."""
+        import torch
+
+        from reshard.ir.codec import fp8_block_decode, fp8_block_encode
+
+        key = (rows, cols, k % POOL, fp8)
+        if key not in self.made:
+            g = torch.Generator().manual_seed(cols * POOL + k % POOL)
+            t = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+            if fp8:
+                q, sc = fp8_block_encode(t, BLOCK, "float32")
+                back = fp8_block_decode(q, sc, BLOCK).to(torch.bfloat16)
+                self.made[key] = (q.view(torch.uint8).numpy().tobytes(), back.view(torch.uint8).numpy().tobytes(), sc)
+            else:
+                raw = t.view(torch.uint8).numpy().tobytes()
+                self.made[key] = (raw, raw, None)
+        return self.made[key]
+
+    @staticmethod
+    def rows(cols: int) -> int:
+        return max(BLOCK[0], STRIPE // cols // BLOCK[0] * BLOCK[0])
 
 
-def _write_tensor(f, name: str, dtype: str, shape: tuple[int, ...], seed: int, scales: dict) -> dict[str, str]:
+POOL = 3
+
+
+def _write_tensor(f, name: str, dtype: str, shape: tuple[int, ...], seed: int, scales: dict, pool: _Pool
+                  ) -> dict[str, int]:
     """Write one tensor's bytes (an FP8 payload's scales kept in ``scales`` for the next entry);
-    returns ``{name: sha256}`` of what the HF export back must hold (bf16: the decoded values)."""
+    returns ``{name: CRC-32}`` of the bytes the HF export back must hold (bf16: the decoded values)."""
     import torch
-
-    from reshard.ir.codec import fp8_block_decode, fp8_block_encode
 
     if name in scales:
-        s = scales.pop(name)
-        f.write(s.contiguous().view(torch.uint8).numpy().tobytes())
+        f.write(scales.pop(name).contiguous().view(torch.uint8).numpy().tobytes())
         return {}
-    h = hashlib.sha256()
-    if dtype == "F8_E4M3":
-        parts = []
-        for t in _stripes(name, shape, seed, BLOCK[0]):
-            q, s = fp8_block_encode(t, BLOCK, "float32")
-            f.write(q.view(torch.uint8).numpy().tobytes())
-            h.update(fp8_block_decode(q, s, BLOCK).to(torch.bfloat16).view(torch.uint8).numpy().tobytes())
-            parts.append(s)
+    crc = 0
+    if len(shape) < 2 or name.endswith("norm.weight"):  # norms: ones
+        t = torch.ones(shape, dtype=torch.bfloat16 if dtype == "BF16" else torch.float32)
+        raw = t.view(torch.uint8).numpy().tobytes()
+        f.write(raw)
+        return {name: zlib.crc32(raw)}
+    rows, cols = prod(shape[:-1]), shape[-1]  # stacked experts [E, out, in]: E * out rows
+    per = min(_Pool.rows(cols), -(-rows // BLOCK[0]) * BLOCK[0])
+    parts = []
+    for i, r0 in enumerate(range(0, rows, per)):
+        n = min(per, rows - r0)
+        stored, back, sc = pool.stripe(per, cols, seed + i, dtype == "F8_E4M3")
+        f.write(memoryview(stored)[:n * cols * (1 if dtype == "F8_E4M3" else 2)])
+        crc = zlib.crc32(memoryview(back)[:n * cols * 2], crc)
+        if dtype == "F8_E4M3":
+            parts.append(sc[:-(-n // BLOCK[0])])
+    if parts:
         scales[name + "_scale_inv"] = torch.cat(parts)
-    else:
-        for t in _stripes(name, shape, seed):
-            t = t.to(torch.float32) if dtype == "F32" else t
-            raw = t.contiguous().view(torch.uint8).numpy().tobytes()
-            f.write(raw)
-            h.update(raw)
-    return {name: h.hexdigest()}
+    return {name: crc}
 
 
 def write_folder(folder: Path, cfg: dict, fp8: bool, seed: int = 0) -> dict:
@@ -163,7 +184,7 @@ def write_folder(folder: Path, cfg: dict, fp8: bool, seed: int = 0) -> dict:
         shards[-1].append(e)
         used += n
     folder.mkdir(parents=True)
-    weight_map, total, sums, scales = {}, 0, {}, {}
+    weight_map, total, sums, scales, pool = {}, 0, {}, {}, _Pool()
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         header: dict = {"__metadata__": {"format": "pt"}}
@@ -177,7 +198,7 @@ def write_folder(folder: Path, cfg: dict, fp8: bool, seed: int = 0) -> dict:
         with open(folder / fname, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             for j, (name, dtype, shp) in enumerate(shard):
-                sums.update(_write_tensor(f, name, dtype, shp, seed * 1_000_003 + zlib.crc32(name.encode()) + j, scales))
+                sums.update(_write_tensor(f, name, dtype, shp, seed + zlib.crc32(name.encode()) + j, scales, pool))
         total += at
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
@@ -187,8 +208,9 @@ def write_folder(folder: Path, cfg: dict, fp8: bool, seed: int = 0) -> dict:
     return {"parameters": params, "bytes": total, "files": len(shards), "sums": sums}
 
 
-def sums_of(folder: Path) -> dict[str, str]:
-    """sha256 of every tensor's bytes in an HF folder, a stripe at a time."""
+def sums_of(folder: Path) -> dict[str, int]:
+    """CRC-32 of every tensor's bytes in an HF folder, read a stripe at a time (``safe_open``'s slices)."""
+    import torch
     from safetensors import safe_open
 
     out = {}
@@ -197,20 +219,11 @@ def sums_of(folder: Path) -> dict[str, str]:
             for name in g.keys():
                 sl = g.get_slice(name)
                 shape = sl.get_shape()
-                rows = shape[0] if shape else 1
-                cols = 1
-                for d in shape[1:]:
-                    cols *= d
-                step = max(1, STRIPE // max(1, cols))
-                h = hashlib.sha256()
-                if not shape:
-                    h.update(g.get_tensor(name).view(-1).view(__import__("torch").uint8).numpy().tobytes())
-                for r0 in range(0, rows, step) if shape else ():
-                    t = sl[r0:min(rows, r0 + step)]
-                    import torch
-
-                    h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-                out[name] = h.hexdigest()
+                step = max(1, STRIPE // max(1, prod(shape[1:])))
+                crc = 0
+                for r0 in range(0, shape[0], step):
+                    crc = zlib.crc32(sl[r0:min(shape[0], r0 + step)].contiguous().view(torch.uint8).numpy(), crc)
+                out[name] = crc
     return out
 
 

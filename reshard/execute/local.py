@@ -13,8 +13,8 @@ from ..ir.apply import flatten, strided_copy
 from ..ir.geometry import clip_segment
 from ..ir.piece import View, prod
 from ..plan.values import ModelPlan, Segment, TransferPlan
+from .bands import Banded, bounded
 from .memory import release
-from .stripes import Striped, bounded
 
 
 def _runs(items: list) -> list[tuple[int, int]] | None:
@@ -84,8 +84,8 @@ def apply_model_plan(plan: ModelPlan, source_shards: Mapping[str, Mapping[int, t
     return {n: apply_plan(p, source_shards[n], scale_power=scale_power) for n, p in plan.params.items()}
 
 
-# a segment's flat source shard, looked up when first needed: a tensor, or computed a stripe at a time
-SourceOf = Callable[[], "torch.Tensor | Striped"]
+# a segment's flat source shard, looked up when first needed: a tensor, or computed a band at a time
+SourceOf = Callable[[], "torch.Tensor | Banded"]
 
 
 class WindowFill:
@@ -103,9 +103,9 @@ class WindowFill:
     is one contiguous run (flat partitions), the gaps between runs are known up front and the
     writer need not zero each window first (``zeroes_gaps``); otherwise a window is zeroed whole
     before the copies. A window that starts before the previous one ended starts the sweep again
-    (a buffer written twice). A source that is computed rather than stored (``stripes.Striped``:
-    a quantized weight decoded on the way) is read a stripe at a time, each copy cut so that it
-    reads at most a stripe (``stripes.bounded``): memory is a window and a stripe, whatever the
+    (a buffer written twice). A source that is computed rather than stored (``bands.Banded``:
+    a quantized weight decoded on the way) is read a band at a time, each copy cut so that it
+    reads at most a band (``bands.bounded``): memory is a window and a band, whatever the
     tensor's width, and every element is the one the whole source holds."""
 
     zeroes_gaps = True  # storage.torch_zip: hand over an uninitialised buffer
@@ -153,7 +153,7 @@ class WindowFill:
             if a > pos:
                 pieces.append(a - pos)
             flat = source()
-            if isinstance(flat, Striped) or flat.dtype != dtype or flat.device.type != "cpu" \
+            if isinstance(flat, Banded) or flat.dtype != dtype or flat.device.type != "cpu" \
                     or not flat.is_contiguous():
                 return None
             pieces.append(flat.narrow(0, seg.src.offset + a - lo, b - a))
@@ -201,8 +201,8 @@ class WindowFill:
             if blocks and flat is None:
                 flat = item[4] = source()
             factor = seg.factor ** self._power
-            if isinstance(flat, Striped):
-                _striped_copies(out, start, flat, blocks, factor)
+            if isinstance(flat, Banded):
+                _banded_copies(out, start, flat, blocks, factor)
                 blocks = []
             for d, s, shape in blocks:
                 strided_copy(out, View.trusted(d.offset - start, d.strides), flat, s, shape, factor)
@@ -210,18 +210,18 @@ class WindowFill:
                 release(flat.narrow(0, lo, hi - lo))  # read once for this buffer: drop the pages
             if end > stop:
                 keep.append(item)
-            elif flat is not None and not isinstance(flat, Striped):  # done: the pages at the edges of its blocks too
+            elif flat is not None and not isinstance(flat, Banded):  # done: the pages at the edges of its blocks too
                 lo, hi = seg.src.span(seg.shape)
                 release(flat.narrow(0, lo, hi - lo))
         self._active = keep
 
 
-def _striped_copies(out: torch.Tensor, start: int, flat: Striped, blocks: list, factor: float) -> None:
-    """The window's copies from a striped source, each reading at most a stripe of it."""
+def _banded_copies(out: torch.Tensor, start: int, flat: Banded, blocks: list, factor: float) -> None:
+    """The window's copies from a banded source, each reading at most a band of it."""
     for d, s, shape in blocks:
         for dd, ss, sub in bounded(d, s, shape, flat.limit()):
             lo, hi = ss.span(sub)
             part, base = flat.span(lo, hi)
             strided_copy(out, View.trusted(dd.offset - start, dd.strides), part, View.trusted(ss.offset - base, ss.strides),
                          sub, factor)
-            del part  # the stripe's only holder is the source's cache: dropped there before the next is made
+            del part  # the band's only holder is the source's cache: dropped there before the next is made

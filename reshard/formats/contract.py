@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..execute.stripes import Striped
+from ..execute.bands import Banded
 from ..ir.param_map import ParamMap
 
 __all__ = ["BEST", "HELD", "MODULE", "MOMENTS", "OPTIMIZER", "SCALE_POWER", "STATES", "Buffer", "Held", "Reader", "Slot",
@@ -186,12 +186,12 @@ class Reader(ABC):
         """A transformers ``config.json`` for the model, where the source records its architecture."""
         return None
 
-    def striped(self, name: str, state: str, rank: int) -> Striped | None:
-        """Rank ``rank``'s fragment as computed a stripe of rows at a time, where the source computes it
-        rather than storing it (a quantized weight decoded on the way): what the engine fills from, so
-        that its memory follows a stripe, not the tensor's width. Every element equals
-        :meth:`fragment`'s; the reader checks (``storage.verified``) what its stripes read. By
-        default ``None``: :meth:`fragment` is read."""
+    def banded(self, name: str, state: str, rank: int) -> Banded | None:
+        """Rank ``rank``'s fragment computed a band of rows at a time (docs/spec.md §1), where the source
+        computes it rather than storing it (a quantized weight decoded on the way): what the engine
+        fills from, so that its memory follows a band, not the tensor's width. Every element equals
+        :meth:`fragment`'s; the reader checks (``storage.verified``) what its bands read. By default
+        ``None``: :meth:`fragment` is read."""
         return None
 
     def stored(self, name: str) -> Stored | None:

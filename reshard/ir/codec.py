@@ -63,7 +63,7 @@ def fp8_block_decode(payload: torch.Tensor, scales: torch.Tensor, block: tuple[i
 
     ``rows`` ``(r0, r1)``: only those rows of the payload seen as ``[prod(lead) * rows, cols]``,
     flat (``(r1 - r0) * cols`` elements): each element's product is the same as in the whole
-    decode (a stripe of a weight too wide to decode whole, ``rows_run``)."""
+    decode (a band of a weight, docs/spec.md §1: memory follows the rows, not the weight)."""
     *lead, n_rows, cols = payload.shape
     bm, bn = block
     s = e8m0(scales) if scales.dtype in (torch.uint8, torch.float8_e8m0fnu) else scales.to(torch.float32)

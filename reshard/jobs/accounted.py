@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import ReshardError, UnplacedError
-from ..execute.stripes import Striped
+from ..execute.bands import Banded
 from ..formats.contract import HELD, MOMENTS, Held, Reader, Target, Writer
 from ..ir.param_map import ParamMap
 
@@ -190,8 +190,8 @@ class Without(Reader):
     def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
         return self.inner.fragment(name, state, rank)
 
-    def striped(self, name: str, state: str, rank: int) -> Striped | None:
-        return self.inner.striped(name, state, rank)
+    def banded(self, name: str, state: str, rank: int) -> Banded | None:
+        return self.inner.banded(name, state, rank)
 
     def tp_index(self, name: str, state: str, rank: int) -> int | None:
         return self.inner.tp_index(name, state, rank)

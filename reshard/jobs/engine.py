@@ -15,7 +15,7 @@
 3. **Fill**: the writer's jobs build their files from the declared buffers (a buffer it did not
    declare is an internal error); the engine turns each buffer into a window-by-window fill from
    the memory-mapped source fragments (``execute.local.WindowFill``), or, where the reader
-   computes a fragment (a quantized weight decoded), a stripe of it at a time (``Reader.striped``),
+   computes a fragment (a quantized weight decoded), a band of it at a time (``Reader.banded``),
    checking that the plan covers every slot. Files are shared by bytes over processes and workers, large archives stripe
    by stripe (``jobs.cluster``).
 4. **Commit** with the manifest and report, once every declared buffer was filled (by some
@@ -36,8 +36,8 @@ import torch
 
 from .. import __version__
 from ..errors import CheckpointError, ReplicaMismatchError, ReshardError, in_context
+from ..execute.bands import Banded
 from ..execute.local import WindowFill
-from ..execute.stripes import Striped
 from ..formats.contract import (
     OPTIMIZER,
     SCALE_POWER,
@@ -196,12 +196,12 @@ class Engine:
         over = self._overrides.get((name, state))
         return over[0] if over is not None else self.reader.map(name, state)
 
-    def _fragment(self, name: str, state: str, rank: int) -> torch.Tensor | Striped:
+    def _fragment(self, name: str, state: str, rank: int) -> torch.Tensor | Banded:
         over = self._overrides.get((name, state))
         if over is not None:
             return over[1]
-        striped = self.reader.striped(name, state, rank)  # computed a stripe at a time (a decoded weight)
-        return striped if striped is not None else self.read(name, state, rank)
+        banded = self.reader.banded(name, state, rank)  # computed a band at a time (a decoded weight)
+        return banded if banded is not None else self.read(name, state, rank)
 
     def read(self, name: str, state: str, rank: int) -> torch.Tensor:
         """The source fragment, its records marked as read: checked before the job commits

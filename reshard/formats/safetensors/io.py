@@ -16,6 +16,7 @@ DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
           torch.bool: "BOOL"}
 QUANTIZED = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0"}
 HEADER_DTYPES = DTYPES | QUANTIZED  # what a file may hold: --dtype takes DTYPES; payloads and scales these
+CHUNK = 16 << 20  # bytes of a whole tensor written at a time
 
 
 class SafetensorsFile:
@@ -43,8 +44,15 @@ class SafetensorsFile:
             raise ValueError(f"safetensors writer expected {want}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
         self.index += 1
         t = tensor.detach().contiguous().cpu()
-        if t.numel():  # the tensor's own bytes, no copy (a mapped source is written straight out)
-            self.f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+        if not t.numel():
+            return
+        from ...execute.memory import release
+
+        raw = t.reshape(-1).view(torch.uint8)
+        for at in range(0, raw.numel(), CHUNK):  # the tensor's own bytes, no copy, a chunk at a time:
+            part = raw[at:at + CHUNK]
+            self.f.write(memoryview(part.numpy()).cast("B"))
+            release(part)  # a mapped source's pages (a payload copied as stored) dropped once written
 
     def write_runs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, runs: Iterable[torch.Tensor]) -> None:
         """Write tensor ``name`` as consecutive runs of its elements (a quantized payload, block row

@@ -15,7 +15,8 @@ refuses (``QuantizedError``, naming the tensor) what it cannot decode exactly:
   a scale-named tensor no rule consumes) is refused.
 
 The scales' values are checked (finite, positive; E8M0 not its NaN byte) by :meth:`Codec.check`,
-before any output exists. A parameter is decoded whole when the engine reads it, one at a time.
+before any output exists. The engine decodes a parameter a band of block rows at a time as it fills
+from it (:meth:`Codec.decode` with ``rows``; docs/spec.md §1 "band").
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ checksum, so the bytes themselves cannot be verified.
 
 A quantized folder (``config.json``'s ``quantization_config``: FP8 block scales, MXFP4) is read as
 the parameters it encodes (``quantized.py``): each payload under its HF parameter name, with the
-weight's shape, float32, decoded when the engine reads it (one parameter at a time); its scales
-are consumed, not listed. What cannot be decoded exactly is refused (``QuantizedError``).
+weight's shape, float32, decoded a band of block rows at a time as the engine fills from it
+(``banded``; ``fragment`` decodes one whole, for what reads it whole); its scales are consumed,
+not listed. What cannot be decoded exactly is refused (``QuantizedError``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError, QuantizedError
+from ...execute.bands import Banded
 from ...execute.memory import release
-from ...execute.stripes import Striped
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
@@ -240,13 +241,13 @@ class SafetensorsReader(Reader):
             self._decoded = (name, t)
         return t
 
-    def striped(self, name: str, state: str, rank: int) -> Striped | None:
-        """A quantized parameter decoded a stripe of block rows at a time (``fragment``'s values)."""
+    def banded(self, name: str, state: str, rank: int) -> Banded | None:
+        """A quantized parameter decoded a band of block rows at a time (``fragment``'s values)."""
         c = self.coded.get(name)
         if c is None:
             return None
         row, rows, align = self.codec.rows_of(c)  # type: ignore[union-attr]
-        return Striped(prod(c.shape), torch.float32, row, partial(self._decode_rows, c, rows), align=align)
+        return Banded(prod(c.shape), torch.float32, row, partial(self._decode_rows, c, rows), align=align)
 
     def _decode_rows(self, c: Coded, rows: int, r0: int, r1: int) -> torch.Tensor:
         """Rows ``r0..r1`` of ``c`` decoded; the payload's pages it read are dropped (read once), and

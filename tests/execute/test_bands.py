@@ -1,9 +1,9 @@
-"""Striped fills (``execute.stripes``): a fragment computed a stripe of rows at a time (a quantized
-weight decoded on the way) fills every buffer bit for bit as the whole fragment does, each stripe
-bounded by the stripe size, whatever the tensor's width: the decoders' row ranges equal the whole
-decode's rows, a ``WindowFill`` from a ``Striped`` source equals one from the tensor at every window
-size and target layout, and a whole convert / reshard with the stripe lowered below every weight
-(``$RESHARD_STRIPE_BYTES``) writes the same bytes as with one stripe per weight."""
+"""Banded fills (``execute.bands``): a fragment computed a band of rows at a time (a quantized
+weight decoded on the way) fills every buffer bit for bit as the whole fragment does, each band
+bounded by the band size, whatever the tensor's width: the decoders' row ranges equal the whole
+decode's rows, a ``WindowFill`` from a ``Banded`` source equals one from the tensor at every window
+size and target layout, and a whole convert / reshard with the band lowered below every weight
+(``$RESHARD_BAND_BYTES``) writes the same bytes as with one band per weight."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from reshard import convert, reshard
+from reshard.execute.bands import Banded, bounded
 from reshard.execute.local import WindowFill
-from reshard.execute.stripes import Striped, bounded
 from reshard.formats.safetensors.reader import SafetensorsReader
 from reshard.ir.codec import fp8_block_decode, mxfp4_decode
 from reshard.ir.piece import View
@@ -61,10 +61,10 @@ def _fill(parts, numel: int, window: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("window", [7, 64, 1000])
 @pytest.mark.parametrize("dim", [0, 1])
-def test_window_fill_from_stripes_equals_the_tensor(window, dim):
+def test_window_fill_from_bands_equals_the_tensor(window, dim):
     """A [40, 24] source to a split along rows or columns (strided reads), cast to bf16, window by
-    window: the striped source (stripes of 3 rows, aligned to 4) gives the tensor's bytes, and no
-    stripe it computes is wider than the stripe (or one aligned run past the rows asked for)."""
+    window: the banded source (bands of 3 rows, aligned to 4) gives the tensor's bytes, and no
+    band it computes is wider than the band (or one aligned run past the rows asked for)."""
     full = torch.randn(40, 24, generator=torch.Generator().manual_seed(1))
     flat = full.reshape(-1)
     calls = []
@@ -79,10 +79,10 @@ def test_window_fill_from_stripes_equals_the_tensor(window, dim):
         segs = [s for s in p.segments if s.dst_rank == rank]
         numel = target.shard(rank).numel
         want = _fill([(0, s, lambda: flat) for s in segs], numel, window, torch.bfloat16)
-        striped = Striped(flat.numel(), torch.float32, 24, rows, align=4, stripe=3 * 24 * 4)
-        got = _fill([(0, s, lambda: striped) for s in segs], numel, window, torch.bfloat16)
+        banded = Banded(flat.numel(), torch.float32, 24, rows, align=4, band=3 * 24 * 4)
+        got = _fill([(0, s, lambda: banded) for s in segs], numel, window, torch.bfloat16)
         assert torch.equal(_bits(got), _bits(want)), rank
-    assert calls and all(r1 - r0 <= 4 + 4 for r0, r1 in calls), calls  # a stripe: 3 rows, to a multiple of 4
+    assert calls and all(r1 - r0 <= 4 + 4 for r0, r1 in calls), calls  # a band: 3 rows, to a multiple of 4
 
 
 def test_bounded_cuts_a_copy_to_the_limit():
@@ -98,14 +98,14 @@ def _sums(folder: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("name,fmt", [("fp8_qwen2", "safetensors"), ("mxfp4_gpt_oss", "safetensors"),
                                       ("fp8_qwen2_sharded", "megatron")])
-def test_convert_with_small_stripes_writes_the_same_bytes(tmp_path, monkeypatch, name, fmt):
-    """Stripes of 512 bytes (every quantized weight is several) and of 1 GiB (each weight one stripe,
-    the unstriped decode) write byte-identical files; each decoded tensor of the safetensors output
+def test_convert_with_small_bands_writes_the_same_bytes(tmp_path, monkeypatch, name, fmt):
+    """Bands of 512 bytes (every quantized weight is several) and of 1 GiB (each weight one band,
+    the whole decode) write byte-identical files; each decoded tensor of the safetensors output
     is the reader's whole decode (``fragment``)."""
     outs = []
-    for stripe in ("512", str(1 << 30)):
-        monkeypatch.setenv("RESHARD_STRIPE_BYTES", stripe)
-        out = tmp_path / stripe
+    for band in ("512", str(1 << 30)):
+        monkeypatch.setenv("RESHARD_BAND_BYTES", band)
+        out = tmp_path / band
         if fmt == "megatron":
             reshard(HF / name, out, to="megatron", tp=2, pp=1)
         else:

@@ -1,13 +1,13 @@
-"""Source fragments computed a stripe of rows at a time (docs/spec.md §1 "stripe"): a quantized
+"""Source fragments computed a band of rows at a time (docs/spec.md §1 "band"): a quantized
 weight decoded on the way is produced only where a window reads it, so a fill's memory follows the
-stripe, never the widest tensor (DeepSeek-V3's 18432 x 7168 MLP weights are 504 MiB each in float32).
+band, never the widest tensor (DeepSeek-V3's 18432 x 7168 MLP weights are 504 MiB each in float32).
 
-A :class:`Striped` fragment stands where a flat source tensor would (``WindowFill``'s sources): its
+A :class:`Banded` fragment stands where a flat source tensor would (``WindowFill``'s sources): its
 ``rows(r0, r1)`` computes rows ``r0..r1`` (``row`` elements each) as a flat tensor whose every
-element is the one the whole fragment would hold there, so a striped fill equals the whole one bit
-for bit. The last stripe computed is kept (windows read a weight in order); a read reaching past it
+element is the one the whole fragment would hold there, so a banded fill equals the whole one bit
+for bit. The last band computed is kept (windows read a weight in order); a read reaching past it
 computes the rows it needs, from a multiple of ``align`` (a block row: no block decoded twice in a
-sweep) and at least ``stripe`` bytes' worth.
+sweep) and at least ``band`` bytes' worth.
 """
 
 from __future__ import annotations
@@ -20,28 +20,28 @@ import torch
 
 from ..ir.piece import View
 
-__all__ = ["STRIPE_BYTES", "Striped", "bounded", "stripe_bytes"]
+__all__ = ["BAND_BYTES", "Banded", "band_bytes", "bounded"]
 
-STRIPE_BYTES = 32 << 20  # a stripe's size by default: about two 16 MiB windows of float32
-
-
-def stripe_bytes() -> int:
-    """The stripe size in bytes: ``$RESHARD_STRIPE_BYTES`` where set (tests lower it), else ``STRIPE_BYTES``."""
-    raw = os.environ.get("RESHARD_STRIPE_BYTES")
-    return max(1, int(raw)) if raw else STRIPE_BYTES
+BAND_BYTES = 32 << 20  # a band's size by default: about two 16 MiB windows of float32
 
 
-class Striped:
+def band_bytes() -> int:
+    """The band size in bytes: ``$RESHARD_BAND_BYTES`` where set (tests lower it), else ``BAND_BYTES``."""
+    raw = os.environ.get("RESHARD_BAND_BYTES")
+    return max(1, int(raw)) if raw else BAND_BYTES
+
+
+class Banded:
     """A flat fragment of ``numel`` elements of ``dtype``, rows of ``row`` elements, computed by
-    ``rows(r0, r1)`` (a flat tensor of ``(r1 - r0) * row`` elements) a stripe at a time: from a
-    multiple of ``align`` rows, at least ``stripe`` bytes (default :func:`stripe_bytes`)."""
+    ``rows(r0, r1)`` (a flat tensor of ``(r1 - r0) * row`` elements) a band at a time: from a
+    multiple of ``align`` rows, at least ``band`` bytes (default :func:`band_bytes`)."""
 
-    __slots__ = ("_cached", "_lock", "align", "dtype", "numel", "row", "rows", "stripe")
+    __slots__ = ("_cached", "_lock", "align", "band", "dtype", "numel", "row", "rows")
 
     def __init__(self, numel: int, dtype: torch.dtype, row: int, rows: Callable[[int, int], torch.Tensor], *,
-                 align: int = 1, stripe: int | None = None) -> None:
+                 align: int = 1, band: int | None = None) -> None:
         self.numel, self.dtype, self.row, self.rows = numel, dtype, max(1, row), rows
-        self.align, self.stripe = max(1, align), stripe or stripe_bytes()
+        self.align, self.band = max(1, align), band or band_bytes()
         self._cached: tuple[int, int, torch.Tensor] | None = None  # first row, end row, their values
         self._lock = threading.Lock()
 
@@ -53,15 +53,15 @@ class Striped:
             if c is None or not (c[0] <= r0 and r1 <= c[1]):
                 total = self.numel // self.row
                 a = r0 // self.align * self.align
-                b = max(r1, a + max(1, self.stripe // max(1, self.row * self.dtype.itemsize)))
+                b = max(r1, a + max(1, self.band // max(1, self.row * self.dtype.itemsize)))
                 b = min(total, -(-b // self.align) * self.align)
-                c = self._cached = None  # the last stripe dropped before the next is made: one in memory
+                c = self._cached = None  # the last band dropped before the next is made: one in memory
                 c = self._cached = (a, b, self.rows(a, b))
         return c[2], c[0] * self.row
 
     def limit(self) -> int:
-        """Elements one copy may read of it at most (a stripe's, at least a row)."""
-        return max(self.row, self.stripe // self.dtype.itemsize)
+        """Elements one copy may read of it at most (a band's, at least a row)."""
+        return max(self.row, self.band // self.dtype.itemsize)
 
 
 def bounded(dst: View, src: View, shape: tuple[int, ...], limit: int) -> Iterator[tuple[View, View, tuple[int, ...]]]:
