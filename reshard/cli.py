@@ -27,7 +27,7 @@ affine map of every parameter (docs/spec.md).
 """ + synopsis()
 
 VERIFY = ("records", "deep")  # --verify (jobs.convert.VERIFY, without importing torch here)
-ELEMENT_SIZE = 4  # bytes per element in the figures of inspect and plan: fp32, what optimizer state is
+ELEMENT_SIZE = 4  # bytes per element in the figures of plan: fp32, what optimizer state is
 
 
 def _positive(text: str) -> int:
@@ -303,11 +303,13 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-def _figures(p: argparse.ArgumentParser) -> None:
-    """Options shared by the commands that print figures of maps and plans."""
+def _figures(p: argparse.ArgumentParser, stored: bool = False) -> None:
+    """Options shared by the commands that print figures of maps and plans (``stored``: byte counts
+    default to each tensor's element size as the source stores it)."""
     p.add_argument("--json", action="store_true", help="print the figures as one JSON document (docs/spec.md §10)")
-    p.add_argument("--element-size", type=_positive, default=ELEMENT_SIZE, metavar="BYTES",
-                   help=f"bytes per element in byte counts (default {ELEMENT_SIZE}: fp32)")
+    default = "each tensor's as stored; 4, fp32, where the source records no dtype" if stored else f"{ELEMENT_SIZE}: fp32"
+    p.add_argument("--element-size", type=_positive, default=None if stored else ELEMENT_SIZE, metavar="BYTES",
+                   help=f"bytes per element in byte counts (default {default})")
 
 
 def _output(p: argparse.ArgumentParser) -> None:
@@ -374,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--png", metavar="FILE", help="draw the parameter's F, coloured by rank (needs matplotlib)")
     ins.add_argument("--composed", action="store_true",
                      help="DeepSpeed: show the TP maps composed with the ZeRO split, over global ranks")
-    _figures(ins)
+    _figures(ins, stored=True)
     ins.set_defaults(fn=_cmd_inspect, imports=("reshard.present.describe", "reshard.present.inspected"))
 
     pl = sub.add_parser("plan", help="plan a move without moving data: to a topology (--tp) or a map document (--to)",
