@@ -30,8 +30,8 @@ from ..formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from ..formats.deepspeed.reader import DeepSpeedNative
 from ..formats.registry import open_reader
 from ..ir.blocks import coarsen
-from ..ir.codec import SCALE_FORMATS
 from ..ir.canonical import canonicalize
+from ..ir.codec import SCALE_FORMATS
 from ..ir.param_map import ParamMap, map_from_dict, maps_from_document
 
 __all__ = ["Inspected", "hf_plan_targets", "open_source", "select"]
