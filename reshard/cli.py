@@ -81,7 +81,7 @@ def _all_ranks(src, view: str) -> range:
 
 
 def _cmd_inspect(args) -> int:
-    from .present.describe import format_inspect, inspect_document, summarize
+    from .present.describe import format_inspect, inspect_document, regrouped, summarize
     from .present.inspected import open_source, select
 
     if args.png:
@@ -98,6 +98,8 @@ def _cmd_inspect(args) -> int:
     maps = {n: src.composed_map(n) if view == "composed" else src.maps[n] for n in names}
     summaries = [summarize(n, m) for n, m in maps.items()]
     ranks = sorted({r for m in maps.values() for r in m.ranks} | set(_all_ranks(src, view)))
+    if not args.png:  # a picture colours the map's own keys
+        summaries, ranks = regrouped(src, summaries, ranks)
     zero = {n: src.zero_fragments(n) for n in names} if src.kind == "deepspeed" else None
     if args.json:
         json.dump(inspect_document(src, view, summaries, ranks, args.element_size, zero), sys.stdout)

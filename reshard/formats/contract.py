@@ -214,6 +214,11 @@ class Reader(ABC):
         """How many processes saved the source, where it records that; else ``None``."""
         return None
 
+    def saver(self, name: str, state: str, rank: int) -> int | None:
+        """Where the maps' keys are not saving ranks (:meth:`labels`): the storage rank whose files
+        hold shard ``rank`` of ``name``'s ``state`` map, where the source tells; else ``None``."""
+        return None
+
     def native(self, fmt: str) -> object | None:
         """The format's own objects behind this source where it is in format ``fmt`` (its files, its
         templates: what a target of a related format copies as it is), else ``None``. The caller

@@ -225,6 +225,9 @@ class Without(Reader):
     def world(self) -> int | None:
         return self.inner.world()
 
+    def saver(self, name: str, state: str, rank: int) -> int | None:
+        return self.inner.saver(name, state, rank)
+
     def unlowered(self) -> list[Held]:
         where = str(self.inner.sources[-1])
         return [*self.inner.unlowered(), *(Held(n, where, "weights", "a parameter --drop names")

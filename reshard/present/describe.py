@@ -60,6 +60,28 @@ def summarize(name: str, m: ParamMap) -> Summary:
                    {r: s.numel for r, s in c.shards.items()}, replicated, scales)
 
 
+def by_storage_rank(s: Summary, savers: Mapping[int, int]) -> Summary:
+    """``s`` with its rank labels' figures summed on the storage rank that wrote each (``savers``)."""
+    pieces: dict[int, int] = defaultdict(int)
+    elements: dict[int, int] = defaultdict(int)
+    for label, n in s.pieces.items():
+        pieces[savers[label]] += n
+    for label, n in s.elements_per_rank.items():
+        elements[savers[label]] += n
+    return Summary(s.name, s.logical_shape, s.valid_shape, dict(pieces), dict(elements), s.replicated_elements,
+                   s.scales)
+
+
+def regrouped(src: Inspected, summaries: list[Summary], ranks: list[int]) -> tuple[list[Summary], list[int]]:
+    """Where every shown map's rank labels have storage ranks (Megatron torch_dist chunks), the
+    figures per storage rank over the saving world; else as they are."""
+    if not summaries or src.unit != "rank label" or any(s.name not in src.savers for s in summaries):
+        return summaries, ranks
+    out = [by_storage_rank(s, src.savers[s.name]) for s in summaries]
+    src.unit = "storage rank"
+    return out, sorted({r for s in out for r in s.pieces} | set(range(src.world or 0)))
+
+
 # -- text formatting ------------------------------------------------------------------------------------
 
 
@@ -115,7 +137,7 @@ def format_inspect(src: Inspected, view: str, summaries: list[Summary], ranks: l
     lines.append(_sizes_line(src, summaries, sizes, element_size))
     if src.held:
         lines.append(_held_line(src))
-    lines.append(f"per-{unit} lists are in {unit} order, a×n = a on each of n {unit}s")
+    lines.append(f"lists per {unit} are in {unit} order, a×n = a on each of n {unit}s")
     lines.append("")
     rows = [["parameter", "F", "valid", f"pieces/{unit}", "replicated", "scales", f"bytes/{unit}"]]
     for s in summaries:
@@ -145,6 +167,9 @@ def _units_line(src: Inspected, ranks: list[int]) -> str:
     world = f"; saved by {src.world} rank(s)" if src.world is not None else ""
     if src.unit == "rank":
         return f"ranks {ranks_label(ranks)}{world}"
+    if src.unit == "storage rank":
+        return (f"storage ranks {ranks_label(ranks)} (the R of __R_N.distcp: each parameter's chunks summed on the rank "
+                f"that wrote them){world}")
     return f"{src.unit}s {ranks_label(ranks)} (each names one shard as it lies in the files, not a process){world}"
 
 

@@ -56,6 +56,7 @@ class Inspected:
     dtypes: dict[str, str] = field(default_factory=dict)  # each shown map's dtype as stored ("bfloat16")
     sizes: dict[str, int] = field(default_factory=dict)  # each shown map's element size as stored, bytes
     held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # every state the source holds: its dtypes
+    savers: dict[str, dict[int, int]] = field(default_factory=dict)  # per shown map: its rank labels' storage ranks
 
     @property
     def names(self) -> list[str]:
@@ -123,6 +124,10 @@ def _stored(src: Inspected, reader: Reader) -> Inspected:
         states = reader.states(n)
         for state in states:
             held.setdefault(state, set()).add(_dtype_name(reader.dtype(n, state)))
+        if n in src.maps and states and src.unit != "rank":
+            savers = {r: reader.saver(n, states[0], r) for r in src.maps[n].ranks}
+            if all(s is not None for s in savers.values()):
+                src.savers[n] = {r: s for r, s in savers.items() if s is not None}
         if n in src.maps and states:
             stored = reader.stored(n)
             # an FP8 payload is stored one byte an element (its weight state is the decoded value)

@@ -506,24 +506,30 @@ def _fixture_world(name: str) -> int:
     return json.loads((MEGATRON / name / "fixture.json").read_text())["topology"]["world"]
 
 
+def _storage_ranks(name: str) -> set[int]:
+    """The R of every ``__R_N.distcp`` file: the ranks that wrote a torch_dist checkpoint's chunks."""
+    return {int(p.name[2:].split("_")[0]) for p in (MEGATRON / name).glob("iter_*/__*_*.distcp")}
+
+
 def test_inspect_megatron_weights_only_bf16_says_so(capsys):
-    """--no-save-optim, --bf16, TP=2: no optimizer state, 2-byte elements, and the 4 columns are
-    rank labels (fc1's gate and up halves are two chunks per TP rank) of a world of 2."""
+    """--no-save-optim, --bf16, TP=2: no optimizer state, 2-byte elements, and the columns are the
+    2 storage ranks of a world of 2 (fc1's gate and up chunks, two per TP rank, summed on theirs)."""
     name = "torch_dist_tp2_qwen2_vllm"
     rc, text, _ = _run(capsys, "inspect", MEGATRON / name)
     assert rc == 0
     first = text.splitlines()[0]
     assert "no optimizer state" in first and "optimizer adam" not in first
     assert _header(text) == [
-        "rank labels 0-3 (each names one shard as it lies in the files, not a process); saved by 2 rank(s)",
+        "storage ranks 0-1 (the R of __R_N.distcp: each parameter's chunks summed on the rank that wrote them); "
+        "saved by 2 rank(s)",
         "element size 2 bytes (bfloat16)",
         "stored: weight bfloat16; no optimizer state (the table shows weight)",
-        "per-rank label lists are in rank label order, a×n = a on each of n rank labels"]
-    assert _fixture_world(name) == 2
+        "lists per storage rank are in storage rank order, a×n = a on each of n storage ranks"]
+    assert _fixture_world(name) == 2 and _storage_ranks(name) == {0, 1}
     fc1 = _row(text, "decoder.layers.mlp.linear_fc1.weight")
-    assert fc1[-1] == f"{128 * 256 // 4 * 2}×4"  # [1, 128, 256] bf16 in four equal chunks
+    assert fc1[-5:] == ["=F", "2×2", "0%", "1", f"{128 * 256 // 2 * 2}×2"]  # [1, 128, 256] bf16, half per TP rank
     doc = _json(capsys, "inspect", MEGATRON / name)
-    assert doc["unit"] == "rank label" and doc["world"] == 2 and doc["element_size"] == 2
+    assert doc["unit"] == "storage rank" and doc["world"] == 2 and doc["element_size"] == 2 and doc["ranks"] == [0, 1]
     assert doc["states"] == {"weight": ["bfloat16"]}
     assert all(p["dtype"] == "bfloat16" for p in doc["params"])
     assert doc["totals"]["bytes_per_rank"] and sum(doc["totals"]["bytes_per_rank"].values()) == 2 * doc["totals"]["elements"]
@@ -543,7 +549,12 @@ def test_inspect_megatron_headers(capsys, name, optimizer, held):
     text = _run(capsys, "inspect", MEGATRON / name)[1]
     assert f", {optimizer}, " in text.splitlines()[0]
     head = _header(text)
-    assert head[0].startswith("rank labels 0-") and head[0].endswith(f"; saved by {_fixture_world(name)} rank(s)")
+    world = _fixture_world(name)
+    if name.startswith("legacy"):  # a local parameter's label: its file's, no storage rank recorded
+        assert head[0].startswith("rank labels 0-") and head[0].endswith(f"; saved by {world} rank(s)")
+    else:  # fully parallel save: every rank of the world writes some chunks
+        assert head[0].startswith(f"storage ranks 0-{world - 1} (") and head[0].endswith(f"; saved by {world} rank(s)")
+        assert _storage_ranks(name) == set(range(world))
     size = 2 if "bf16" in name else 4
     assert head[1] == f"element size {size} bytes ({'bfloat16' if size == 2 else 'float32'})"
     assert head[2] == held

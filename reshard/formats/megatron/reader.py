@@ -136,6 +136,13 @@ class MegatronReader(Reader):
         a, n = self.arch, getattr(self.args, "world_size", None)
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else a.tp * a.pp * a.dp
 
+    def saver(self, name: str, state: str, rank: int) -> int | None:
+        """A torch_dist model chunk's storage rank (Megatron names: a label is a chunk); None for
+        legacy files, bucket ranges and HF-named runs."""
+        if self.naming != "megatron" or state != "weight" or not isinstance(self.src, TorchDistBackend):
+            return None
+        return self.src.chunk_rank(self._spec(name).key, rank)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.map(name, "weight").valid_shape)
 
