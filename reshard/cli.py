@@ -95,6 +95,7 @@ def _cmd_inspect(args) -> int:
         if src.kind != "deepspeed":
             raise ReshardError("--composed needs a DeepSpeed checkpoint (it composes the TP maps with the ZeRO split)")
         view = "composed"
+        src.show_state("fp32")  # the ZeRO split is of the fp32 masters (and Adam's moments), whatever the weights' dtype
     maps = {n: src.composed_map(n) if view == "composed" else src.maps[n] for n in names}
     summaries = [summarize(n, m) for n, m in maps.items()]
     ranks = sorted({r for m in maps.values() for r in m.ranks} | set(_all_ranks(src, view)))

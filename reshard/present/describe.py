@@ -168,8 +168,8 @@ def _units_line(src: Inspected, ranks: list[int]) -> str:
     if src.unit == "rank":
         return f"ranks {ranks_label(ranks)}{world}"
     if src.unit == "storage rank":
-        return (f"storage ranks {ranks_label(ranks)} (the R of __R_N.distcp: each parameter's chunks summed on the rank "
-                f"that wrote them){world}")
+        summed = ": each parameter's chunks summed on the rank that wrote them" if src.savers else ""
+        return f"storage ranks {ranks_label(ranks)} (the R of __R_N.distcp{summed}){world}"
     return f"{src.unit}s {ranks_label(ranks)} (each names one shard as it lies in the files, not a process){world}"
 
 
@@ -199,7 +199,7 @@ def _held_line(src: Inspected) -> str:
     held = ", ".join(f"{_STATE_WORDS.get(s, s)} {'/'.join(d)}" for s, d in src.held.items())
     if not set(src.held) - {"weight"}:
         held += "; no optimizer state"
-    shown = "" if src.kind == "dcp" else f" (the table shows {next(iter(src.held))})"
+    shown = "" if src.shown is None else f" (the table shows {_STATE_WORDS.get(src.shown, src.shown)})"
     return f"stored: {held}{shown}"
 
 

@@ -57,6 +57,16 @@ class Inspected:
     sizes: dict[str, int] = field(default_factory=dict)  # each shown map's element size as stored, bytes
     held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # every state the source holds: its dtypes
     savers: dict[str, dict[int, int]] = field(default_factory=dict)  # per shown map: its rank labels' storage ranks
+    shown: str | None = None  # the state whose map the table shows, where the source has states
+    state_dtypes: dict[str, dict[str, torch.dtype]] = field(default_factory=dict)  # per parameter: each state's
+
+    def show_state(self, state: str) -> None:
+        """Figures of ``state`` rather than each parameter's first (DeepSpeed's composed view: the
+        ZeRO split holds the optimizer's fp32 state, not the module weights)."""
+        for name, dtypes in self.state_dtypes.items():
+            if name in self.maps and state in dtypes:
+                self.dtypes[name], self.sizes[name] = _dtype_name(dtypes[state]), dtypes[state].itemsize
+        self.shown = state
 
     @property
     def names(self) -> list[str]:
@@ -122,8 +132,11 @@ def _stored(src: Inspected, reader: Reader) -> Inspected:
     held: dict[str, set[str]] = {}
     for n in reader.names:
         states = reader.states(n)
+        src.state_dtypes[n] = {state: reader.dtype(n, state) for state in states}
         for state in states:
-            held.setdefault(state, set()).add(_dtype_name(reader.dtype(n, state)))
+            held.setdefault(state, set()).add(_dtype_name(src.state_dtypes[n][state]))
+        if states and src.shown is None and src.kind != "dcp":
+            src.shown = states[0]
         if n in src.maps and states and src.unit != "rank":
             savers = {r: reader.saver(n, states[0], r) for r in src.maps[n].ranks}
             if all(s is not None for s in savers.values()):

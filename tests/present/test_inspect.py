@@ -573,7 +573,23 @@ def test_inspect_other_formats_headers(capsys):
     assert bf16[:3] == ["ranks 0", "element size 2 bytes (bfloat16)",
                         "stored: weight bfloat16; no optimizer state (the table shows weight)"]
     dcp = _header(_run(capsys, "inspect", Path(__file__).resolve().parents[1] / "fixtures" / "dcp" / "llama_fsdp2_ws2")[1])
-    assert dcp[:3] == ["ranks 0-1", "element size 4 bytes (float32)", "stored: weight float32, exp_avg float32, exp_avg_sq float32"]
+    assert dcp[:3] == ["storage ranks 0-1 (the R of __R_N.distcp)", "element size 4 bytes (float32)",
+                       "stored: weight float32, exp_avg float32, exp_avg_sq float32"]
+
+
+def test_inspect_deepspeed_bf16_weights_and_the_composed_fp32_split(capsys):
+    """bf16 module weights at 2 bytes in the TP view; the composed view is the ZeRO split of the
+    fp32 masters, at 4 bytes, over the 2 saving ranks."""
+    fixture = FIXTURES / "llama_zero1_dp2_bf16"
+    held = "fp32 masters float32, exp_avg float32, exp_avg_sq float32"
+    tp = _header(_run(capsys, "inspect", fixture)[1])
+    assert tp[:3] == ["ranks 0; saved by 2 rank(s)", "element size 2 bytes (bfloat16)",
+                      f"stored: weight bfloat16, {held} (the table shows weight)"]
+    comp = _header(_run(capsys, "inspect", fixture, "--composed")[1])
+    assert comp[:3] == ["ranks 0-1; saved by 2 rank(s)", "element size 4 bytes (float32)",
+                        f"stored: weight bfloat16, {held} (the table shows fp32 masters)"]
+    doc = _json(capsys, "inspect", fixture, "--composed")
+    assert sum(doc["totals"]["bytes_per_rank"].values()) == 4 * doc["totals"]["elements"]
 
 
 def test_inspect_map_document_says_its_element_size_is_assumed(tmp_path, capsys):
