@@ -146,6 +146,8 @@ def _stored(src: Inspected, reader: Reader) -> Inspected:
             # an FP8 payload is stored one byte an element (its weight state is the decoded value)
             dtype = stored.payload_dtype if stored is not None and stored.kind == "fp8" else reader.dtype(n, states[0])
             src.dtypes[n], src.sizes[n] = _dtype_name(dtype), dtype.itemsize
+            if stored is not None and stored.kind != "fp8":  # packed below a byte an element: counted as decoded
+                src.dtypes[n] += f" as decoded from {stored.kind}"
     for scale, (payload, _) in src.scales.items():  # block scales: float32, or E8M0 in a byte
         stored = reader.stored(payload)
         if stored is not None:
