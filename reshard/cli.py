@@ -27,7 +27,7 @@ affine map of every parameter (docs/spec.md).
 """ + synopsis()
 
 VERIFY = ("records", "deep")  # --verify (jobs.convert.VERIFY, without importing torch here)
-ELEMENT_SIZE = 4  # bytes per element in the figures of inspect and plan: fp32, what optimizer state is
+ELEMENT_SIZE = 4  # bytes per element in the figures of plan: fp32, what optimizer state is
 
 
 def _positive(text: str) -> int:
@@ -81,7 +81,7 @@ def _all_ranks(src, view: str) -> range:
 
 
 def _cmd_inspect(args) -> int:
-    from .present.describe import format_inspect, inspect_document, summarize
+    from .present.describe import format_inspect, inspect_document, regrouped, summarize
     from .present.inspected import open_source, select
 
     if args.png:
@@ -95,9 +95,12 @@ def _cmd_inspect(args) -> int:
         if src.kind != "deepspeed":
             raise ReshardError("--composed needs a DeepSpeed checkpoint (it composes the TP maps with the ZeRO split)")
         view = "composed"
+        src.show_state("fp32")  # the ZeRO split is of the fp32 masters (and Adam's moments), whatever the weights' dtype
     maps = {n: src.composed_map(n) if view == "composed" else src.maps[n] for n in names}
     summaries = [summarize(n, m) for n, m in maps.items()]
     ranks = sorted({r for m in maps.values() for r in m.ranks} | set(_all_ranks(src, view)))
+    if not args.png:  # a picture colours the map's own keys
+        summaries, ranks = regrouped(src, summaries, ranks)
     zero = {n: src.zero_fragments(n) for n in names} if src.kind == "deepspeed" else None
     if args.json:
         json.dump(inspect_document(src, view, summaries, ranks, args.element_size, zero), sys.stdout)
@@ -303,11 +306,13 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-def _figures(p: argparse.ArgumentParser) -> None:
-    """Options shared by the commands that print figures of maps and plans."""
+def _figures(p: argparse.ArgumentParser, stored: bool = False) -> None:
+    """Options shared by the commands that print figures of maps and plans (``stored``: byte counts
+    default to each tensor's element size as the source stores it)."""
     p.add_argument("--json", action="store_true", help="print the figures as one JSON document (docs/spec.md §10)")
-    p.add_argument("--element-size", type=_positive, default=ELEMENT_SIZE, metavar="BYTES",
-                   help=f"bytes per element in byte counts (default {ELEMENT_SIZE}: fp32)")
+    default = "each tensor's as stored; 4, fp32, where the source records no dtype" if stored else f"{ELEMENT_SIZE}: fp32"
+    p.add_argument("--element-size", type=_positive, default=None if stored else ELEMENT_SIZE, metavar="BYTES",
+                   help=f"bytes per element in byte counts (default {default})")
 
 
 def _output(p: argparse.ArgumentParser) -> None:
@@ -374,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--png", metavar="FILE", help="draw the parameter's F, coloured by rank (needs matplotlib)")
     ins.add_argument("--composed", action="store_true",
                      help="DeepSpeed: show the TP maps composed with the ZeRO split, over global ranks")
-    _figures(ins)
+    _figures(ins, stored=True)
     ins.set_defaults(fn=_cmd_inspect, imports=("reshard.present.describe", "reshard.present.inspected"))
 
     pl = sub.add_parser("plan", help="plan a move without moving data: to a topology (--tp) or a map document (--to)",

@@ -204,6 +204,21 @@ class Reader(ABC):
         :meth:`check`, before any output folder exists."""
         return []
 
+    def labels(self) -> str:
+        """What the keys of its maps name, in words: ``"rank"`` (the saving process whose files hold
+        the shard) by default; a format whose shards are named otherwise says so (Megatron: ``"rank
+        label"``, one per run that lies contiguous in its files, docs/spec.md §7.3)."""
+        return "rank"
+
+    def world(self) -> int | None:
+        """How many processes saved the source, where it records that; else ``None``."""
+        return None
+
+    def saver(self, name: str, state: str, rank: int) -> int | None:
+        """Where the maps' keys are not saving ranks (:meth:`labels`): the storage rank whose files
+        hold shard ``rank`` of ``name``'s ``state`` map, where the source tells; else ``None``."""
+        return None
+
     def native(self, fmt: str) -> object | None:
         """The format's own objects behind this source where it is in format ``fmt`` (its files, its
         templates: what a target of a related format copies as it is), else ``None``. The caller

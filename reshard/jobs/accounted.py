@@ -219,6 +219,15 @@ class Without(Reader):
     def hf_config(self) -> dict[str, Any] | None:
         return self.inner.hf_config()
 
+    def labels(self) -> str:
+        return self.inner.labels()
+
+    def world(self) -> int | None:
+        return self.inner.world()
+
+    def saver(self, name: str, state: str, rank: int) -> int | None:
+        return self.inner.saver(name, state, rank)
+
     def unlowered(self) -> list[Held]:
         where = str(self.inner.sources[-1])
         return [*self.inner.unlowered(), *(Held(n, where, "weights", "a parameter --drop names")

@@ -60,6 +60,28 @@ def summarize(name: str, m: ParamMap) -> Summary:
                    {r: s.numel for r, s in c.shards.items()}, replicated, scales)
 
 
+def by_storage_rank(s: Summary, savers: Mapping[int, int]) -> Summary:
+    """``s`` with its rank labels' figures summed on the storage rank that wrote each (``savers``)."""
+    pieces: dict[int, int] = defaultdict(int)
+    elements: dict[int, int] = defaultdict(int)
+    for label, n in s.pieces.items():
+        pieces[savers[label]] += n
+    for label, n in s.elements_per_rank.items():
+        elements[savers[label]] += n
+    return Summary(s.name, s.logical_shape, s.valid_shape, dict(pieces), dict(elements), s.replicated_elements,
+                   s.scales)
+
+
+def regrouped(src: Inspected, summaries: list[Summary], ranks: list[int]) -> tuple[list[Summary], list[int]]:
+    """Where every shown map's rank labels have storage ranks (Megatron torch_dist chunks), the
+    figures per storage rank over the saving world; else as they are."""
+    if not summaries or src.unit != "rank label" or any(s.name not in src.savers for s in summaries):
+        return summaries, ranks
+    out = [by_storage_rank(s, src.savers[s.name]) for s in summaries]
+    src.unit = "storage rank"
+    return out, sorted({r for s in out for r in s.pieces} | set(range(src.world or 0)))
+
+
 # -- text formatting ------------------------------------------------------------------------------------
 
 
@@ -98,24 +120,37 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
             for r in rows]
 
 
-def format_inspect(src: Inspected, view: str, summaries: list[Summary], ranks: list[int], element_size: int,
+ASSUMED = 4  # bytes per element where the source records no dtype (a map document): fp32
+
+
+def element_sizes(src: Inspected, summaries: list[Summary], override: int | None) -> dict[str, int]:
+    """Bytes per element of each shown map: ``--element-size`` where given, else as stored."""
+    return {s.name: override if override is not None else src.sizes.get(s.name, ASSUMED) for s in summaries}
+
+
+def format_inspect(src: Inspected, view: str, summaries: list[Summary], ranks: list[int], element_size: int | None,
                    zero: dict[str, dict[int, dict[int, int]]] | None) -> list[str]:
+    sizes = element_sizes(src, summaries, element_size)
+    unit = src.unit
     lines = [f"{src.path}: {src.description}" + _view_text(src, view)]
-    lines.append(f"ranks {ranks_label(ranks)}; element size {element_size} bytes; "
-                 "per-rank lists are in rank order, a×n = a on each of n ranks")
+    lines.append(_units_line(src, ranks))
+    lines.append(_sizes_line(src, summaries, sizes, element_size))
+    if src.held:
+        lines.append(_held_line(src))
+    lines.append(f"lists per {unit} are in {unit} order, a×n = a on each of n {unit}s")
     lines.append("")
-    rows = [["parameter", "F", "valid", "pieces/rank", "replicated", "scales", "bytes/rank"]]
+    rows = [["parameter", "F", "valid", f"pieces/{unit}", "replicated", "scales", f"bytes/{unit}"]]
     for s in summaries:
         rows.append([s.name, _shape(s.logical_shape),
                      "=F" if s.valid_shape == s.logical_shape else _shape(s.valid_shape),
                      compact([s.pieces.get(r, 0) for r in ranks]), percent(s.replicated_fraction),
-                     _scales(s.scales), compact([s.elements_per_rank.get(r, 0) * element_size for r in ranks])])
+                     _scales(s.scales), compact([s.elements_per_rank.get(r, 0) * sizes[s.name] for r in ranks])])
     lines += _table(rows, set())
-    tot = _totals(summaries, ranks, element_size)
+    tot = _totals(summaries, ranks, sizes)
     lines.append("")
     lines.append(f"totals: {tot['params']} parameter(s), {tot['elements']} elements of F "
                  f"({tot['valid_elements']} valid), {percent(tot['replicated_fraction'])} replicated")
-    rank_rows = [["rank", "pieces", "bytes", ""]]
+    rank_rows = [[unit, "pieces", "bytes", ""]]
     for r in ranks:
         b = tot["bytes_per_rank"][r]
         rank_rows.append([str(r), str(tot["pieces_per_rank"][r]), str(b), f"({human_bytes(b)})"])
@@ -124,6 +159,48 @@ def format_inspect(src: Inspected, view: str, summaries: list[Summary], ranks: l
         lines += _zero_lines(src, zero)
         lines += _expert_lines(src)
     return lines
+
+
+def _units_line(src: Inspected, ranks: list[int]) -> str:
+    """What the columns are over: saving ranks, or (where the maps' keys name shards, not
+    processes) rank labels, beside the world that saved the checkpoint."""
+    world = f"; saved by {src.world} rank(s)" if src.world is not None else ""
+    if src.unit == "rank":
+        return f"ranks {ranks_label(ranks)}{world}"
+    if src.unit == "storage rank":
+        summed = ": each parameter's chunks summed on the rank that wrote them" if src.savers else ""
+        return f"storage ranks {ranks_label(ranks)} (the R of __R_N.distcp{summed}){world}"
+    return f"{src.unit}s {ranks_label(ranks)} (each names one shard as it lies in the files, not a process){world}"
+
+
+def _sizes_line(src: Inspected, summaries: list[Summary], sizes: dict[str, int], override: int | None) -> str:
+    """The element size(s) the byte columns use: given, as stored (per dtype), or assumed."""
+    if override is not None:
+        return f"element size {_bytes(override)} (--element-size)"
+    by: dict[tuple[int, str], int] = defaultdict(int)
+    for s in summaries:
+        by[(sizes[s.name], src.dtypes.get(s.name, "assumed float32: no dtype recorded"))] += 1
+    if len(by) == 1:
+        ((size, dtype),) = by
+        return f"element size {_bytes(size)} ({dtype})"
+    return "element sizes " + ", ".join(f"{_bytes(size)} ({dtype}: {n} parameter(s))"
+                                        for (size, dtype), n in sorted(by.items(), key=lambda kv: (-kv[0][0], kv[0][1])))
+
+
+def _bytes(n: int) -> str:
+    return f"{n} byte" + ("" if n == 1 else "s")
+
+
+_STATE_WORDS = {"weight": "weight", "fp32": "fp32 masters", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def _held_line(src: Inspected) -> str:
+    """Every state the source holds with its dtype(s); the optimizer's said to be absent where it is."""
+    held = ", ".join(f"{_STATE_WORDS.get(s, s)} {'/'.join(d)}" for s, d in src.held.items())
+    if not set(src.held) - {"weight"}:
+        held += "; no optimizer state"
+    shown = "" if src.shown is None else f" (the table shows {_STATE_WORDS.get(src.shown, src.shown)})"
+    return f"stored: {held}{shown}"
 
 
 def _view_text(src: Inspected, view: str) -> str:
@@ -185,7 +262,7 @@ def _zero_totals(zero: dict[str, dict[int, dict[int, int]]]) -> dict[int, dict[i
     return {t: dict(v) for t, v in per.items()}
 
 
-def _totals(summaries: list[Summary], ranks: list[int], element_size: int) -> dict:
+def _totals(summaries: list[Summary], ranks: list[int], sizes: dict[str, int]) -> dict:
     elements = sum(s.elements for s in summaries)
     repl = sum(s.replicated_elements for s in summaries)
     return {
@@ -195,7 +272,7 @@ def _totals(summaries: list[Summary], ranks: list[int], element_size: int) -> di
         "replicated_elements": repl,
         "replicated_fraction": repl / elements if elements else 0.0,
         "pieces_per_rank": {r: sum(s.pieces.get(r, 0) for s in summaries) for r in ranks},
-        "bytes_per_rank": {r: sum(s.elements_per_rank.get(r, 0) for s in summaries) * element_size for r in ranks},
+        "bytes_per_rank": {r: sum(s.elements_per_rank.get(r, 0) * sizes[s.name] for s in summaries) for r in ranks},
     }
 
 
@@ -203,9 +280,10 @@ def _keyed(d: Mapping[int, object]) -> dict[str, object]:
     return {str(k): v for k, v in sorted(d.items())}
 
 
-def inspect_document(src: Inspected, view: str, summaries: list[Summary], ranks: list[int], element_size: int,
+def inspect_document(src: Inspected, view: str, summaries: list[Summary], ranks: list[int], element_size: int | None,
                      zero: dict[str, dict[int, dict[int, int]]] | None) -> dict:
-    """The ``--json`` document of ``inspect`` (keys in the module docstring)."""
+    """The ``--json`` document of ``inspect`` (keys in docs/spec.md §10)."""
+    sizes = element_sizes(src, summaries, element_size)
     params = []
     for s in summaries:
         entry = {
@@ -215,7 +293,9 @@ def inspect_document(src: Inspected, view: str, summaries: list[Summary], ranks:
             "elements": s.elements,
             "valid_elements": s.valid_elements,
             "pieces_per_rank": _keyed(s.pieces),
-            "bytes_per_rank": _keyed({r: n * element_size for r, n in s.elements_per_rank.items()}),
+            "bytes_per_rank": _keyed({r: n * sizes[s.name] for r, n in s.elements_per_rank.items()}),
+            "element_size": sizes[s.name],
+            "dtype": src.dtypes.get(s.name) if element_size is None else None,
             "replicated_elements": s.replicated_elements,
             "replicated_fraction": s.replicated_fraction,
             "scales": list(s.scales),
@@ -224,7 +304,7 @@ def inspect_document(src: Inspected, view: str, summaries: list[Summary], ranks:
         if zero is not None:
             entry["zero_fragments"] = {str(t): _keyed(v) for t, v in sorted(zero[s.name].items())}
         params.append(entry)
-    tot = _totals(summaries, ranks, element_size)
+    tot = _totals(summaries, ranks, sizes)
     tot["pieces_per_rank"] = _keyed(tot["pieces_per_rank"])
     tot["bytes_per_rank"] = _keyed(tot["bytes_per_rank"])
     doc = {
@@ -233,8 +313,11 @@ def inspect_document(src: Inspected, view: str, summaries: list[Summary], ranks:
         "kind": src.kind,
         "view": view,
         "topology": {"tp": src.tp, "dp": src.dp, "zero_stage": src.zero_stage} if src.kind == "deepspeed" else {},
-        "element_size": element_size,
+        "element_size": sizes[summaries[0].name] if len(set(sizes.values())) == 1 else None,
         "ranks": ranks,
+        "unit": src.unit,
+        "world": src.world,
+        "states": {s: list(d) for s, d in src.held.items()},
         "params": params,
         "totals": tot,
     }

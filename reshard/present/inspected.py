@@ -21,13 +21,17 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..errors import MapFormatError, ReshardError, in_context
+from ..formats.contract import STATES, Reader
 from ..formats.dcp.checkpoint import DcpCheckpoint
 from ..formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from ..formats.deepspeed.reader import DeepSpeedNative
 from ..formats.registry import open_reader
 from ..ir.blocks import coarsen
 from ..ir.canonical import canonicalize
+from ..ir.codec import SCALE_FORMATS
 from ..ir.param_map import ParamMap, map_from_dict, maps_from_document
 
 __all__ = ["Inspected", "hf_plan_targets", "open_source", "select"]
@@ -47,6 +51,22 @@ class Inspected:
     families: dict[str, str] = field(default_factory=dict)  # lowering family per parameter (DeepSpeed)
     checkpoint: DeepSpeedCheckpoint | None = None  # for the ZeRO split
     scales: dict[str, tuple[str, tuple[int, int]]] = field(default_factory=dict)  # scale tensor: payload, block
+    unit: str = "rank"  # what the maps' keys name (Reader.labels): a saving rank, or a rank label
+    world: int | None = None  # how many processes saved it, where known (Reader.world)
+    dtypes: dict[str, str] = field(default_factory=dict)  # each shown map's dtype as stored ("bfloat16")
+    sizes: dict[str, int] = field(default_factory=dict)  # each shown map's element size as stored, bytes
+    held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # every state the source holds: its dtypes
+    savers: dict[str, dict[int, int]] = field(default_factory=dict)  # per shown map: its rank labels' storage ranks
+    shown: str | None = None  # the state whose map the table shows, where the source has states
+    state_dtypes: dict[str, dict[str, torch.dtype]] = field(default_factory=dict)  # per parameter: each state's
+
+    def show_state(self, state: str) -> None:
+        """Figures of ``state`` rather than each parameter's first (DeepSpeed's composed view: the
+        ZeRO split holds the optimizer's fp32 state, not the module weights)."""
+        for name, dtypes in self.state_dtypes.items():
+            if name in self.maps and state in dtypes:
+                self.dtypes[name], self.sizes[name] = _dtype_name(dtypes[state]), dtypes[state].itemsize
+        self.shown = state
 
     @property
     def names(self) -> list[str]:
@@ -82,11 +102,14 @@ def open_source(path: str | Path) -> Inspected:
     reader = open_reader(p)
     own, dcp = reader.native("deepspeed"), reader.native("dcp")
     if isinstance(own, DeepSpeedNative):
-        return _open_deepspeed(own.ck, p)
+        return _stored(_open_deepspeed(own.ck, p), reader)
     if isinstance(dcp, DcpCheckpoint):
         ck = dcp
         maps = {key: ck.param_map(key) for key in ck.tensors}
-        return Inspected(str(p), "dcp", maps, reader.description)
+        src = _stored(Inspected(str(p), "dcp", maps, reader.description), reader)
+        for key, e in ck.tensors.items():  # each entry is shown, optimizer states too: its own dtype
+            src.dtypes[key], src.sizes[key] = _dtype_name(e.dtype), e.dtype.itemsize
+        return src
     maps, scales = {}, {}
     for n in reader.names:
         maps[n] = reader.map(n, reader.states(n)[0])
@@ -95,7 +118,42 @@ def open_source(path: str | Path) -> Inspected:
             scale = (n[:-len(".weight")] if n.endswith(".weight") else n) + ".weight_scale_inv"
             maps[scale], scales[scale] = coarsen(maps[n], stored.block), (n, stored.block)
     kind = "universal" if reader.format == "universal" else "maps"
-    return Inspected(str(p), kind, maps, reader.description, scales=scales)
+    return _stored(Inspected(str(p), kind, maps, reader.description, scales=scales), reader)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _stored(src: Inspected, reader: Reader) -> Inspected:
+    """``src`` with what ``reader`` says of what is stored: its maps' keys and saving world, the
+    dtype of each shown map (a parameter's first state, as its map is shown), every state's dtypes."""
+    src.unit, src.world = reader.labels(), reader.world()
+    held: dict[str, set[str]] = {}
+    for n in reader.names:
+        states = reader.states(n)
+        src.state_dtypes[n] = {state: reader.dtype(n, state) for state in states}
+        for state in states:
+            held.setdefault(state, set()).add(_dtype_name(src.state_dtypes[n][state]))
+        if states and src.shown is None and src.kind != "dcp":
+            src.shown = states[0]
+        if n in src.maps and states and src.unit != "rank":
+            savers = {r: reader.saver(n, states[0], r) for r in src.maps[n].ranks}
+            if all(s is not None for s in savers.values()):
+                src.savers[n] = {r: s for r, s in savers.items() if s is not None}
+        if n in src.maps and states:
+            stored = reader.stored(n)
+            # an FP8 payload is stored one byte an element (its weight state is the decoded value)
+            dtype = stored.payload_dtype if stored is not None and stored.kind == "fp8" else reader.dtype(n, states[0])
+            src.dtypes[n], src.sizes[n] = _dtype_name(dtype), dtype.itemsize
+            if stored is not None and stored.kind != "fp8":  # packed below a byte an element: counted as decoded
+                src.dtypes[n] += f" as decoded from {stored.kind}"
+    for scale, (payload, _) in src.scales.items():  # block scales: float32, or E8M0 in a byte
+        stored = reader.stored(payload)
+        if stored is not None:
+            src.dtypes[scale], src.sizes[scale] = stored.scale_fmt, SCALE_FORMATS[stored.scale_fmt].itemsize
+    src.held = {s: tuple(sorted(held[s])) for s in STATES if s in held}
+    return src
 
 
 def hf_plan_targets(src: Inspected, tp: int) -> dict[str, tuple[ParamMap, str]] | None:

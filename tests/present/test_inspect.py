@@ -491,3 +491,107 @@ def test_plan_an_hf_folder_to_tp_through_transformers_tp_plan(capsys):
             assert torch.equal(out[r], tgt.extract(full[name], r)), (name, r)
     with pytest.raises(ReshardError, match=r"'w'.*given target map is of F \[4, 2\]"):
         plan_topology({"w": replicated_map((2, 4), 1)}, 2, given={"w": (replicated_map((4, 2), 2), "mine")})
+
+
+# -- inspect: the header says what the checkpoint stores ----------------------------------------------
+
+MEGATRON = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+
+
+def _header(text: str) -> list[str]:
+    return text.split("\n\n", 1)[0].splitlines()[1:]
+
+
+def _fixture_world(name: str) -> int:
+    return json.loads((MEGATRON / name / "fixture.json").read_text())["topology"]["world"]
+
+
+def _storage_ranks(name: str) -> set[int]:
+    """The R of every ``__R_N.distcp`` file: the ranks that wrote a torch_dist checkpoint's chunks."""
+    return {int(p.name[2:].split("_")[0]) for p in (MEGATRON / name).glob("iter_*/__*_*.distcp")}
+
+
+def test_inspect_megatron_weights_only_bf16_says_so(capsys):
+    """--no-save-optim, --bf16, TP=2: no optimizer state, 2-byte elements, and the columns are the
+    2 storage ranks of a world of 2 (fc1's gate and up chunks, two per TP rank, summed on theirs)."""
+    name = "torch_dist_tp2_qwen2_vllm"
+    rc, text, _ = _run(capsys, "inspect", MEGATRON / name)
+    assert rc == 0
+    first = text.splitlines()[0]
+    assert "no optimizer state" in first and "optimizer adam" not in first
+    assert _header(text) == [
+        "storage ranks 0-1 (the R of __R_N.distcp: each parameter's chunks summed on the rank that wrote them); "
+        "saved by 2 rank(s)",
+        "element size 2 bytes (bfloat16)",
+        "stored: weight bfloat16; no optimizer state (the table shows weight)",
+        "lists per storage rank are in storage rank order, a×n = a on each of n storage ranks"]
+    assert _fixture_world(name) == 2 and _storage_ranks(name) == {0, 1}
+    fc1 = _row(text, "decoder.layers.mlp.linear_fc1.weight")
+    assert fc1[-5:] == ["=F", "2×2", "0%", "1", f"{128 * 256 // 2 * 2}×2"]  # [1, 128, 256] bf16, half per TP rank
+    doc = _json(capsys, "inspect", MEGATRON / name)
+    assert doc["unit"] == "storage rank" and doc["world"] == 2 and doc["element_size"] == 2 and doc["ranks"] == [0, 1]
+    assert doc["states"] == {"weight": ["bfloat16"]}
+    assert all(p["dtype"] == "bfloat16" for p in doc["params"])
+    assert doc["totals"]["bytes_per_rank"] and sum(doc["totals"]["bytes_per_rank"].values()) == 2 * doc["totals"]["elements"]
+
+
+@pytest.mark.parametrize("name, optimizer, held", [
+    ("torch_dist_dp2_distopt_bf16", "optimizer dp_reshardable",
+     "stored: weight bfloat16, fp32 masters float32, exp_avg float32, exp_avg_sq float32 (the table shows weight)"),
+    ("torch_dist_tp2_dp2_distopt", "optimizer dp_reshardable",
+     "stored: weight float32, fp32 masters float32, exp_avg float32, exp_avg_sq float32 (the table shows weight)"),
+    ("legacy_tp2_pp2", "optimizer adam",
+     "stored: weight float32, exp_avg float32, exp_avg_sq float32 (the table shows weight)"),
+    ("torch_dist_moe_ep2", "optimizer adam",
+     "stored: weight float32, exp_avg float32, exp_avg_sq float32 (the table shows weight)"),
+])
+def test_inspect_megatron_headers(capsys, name, optimizer, held):
+    text = _run(capsys, "inspect", MEGATRON / name)[1]
+    assert f", {optimizer}, " in text.splitlines()[0]
+    head = _header(text)
+    world = _fixture_world(name)
+    if name.startswith("legacy"):  # a local parameter's label: its file's, no storage rank recorded
+        assert head[0].startswith("rank labels 0-") and head[0].endswith(f"; saved by {world} rank(s)")
+    else:  # fully parallel save: every rank of the world writes some chunks
+        assert head[0].startswith(f"storage ranks 0-{world - 1} (") and head[0].endswith(f"; saved by {world} rank(s)")
+        assert _storage_ranks(name) == set(range(world))
+    size = 2 if "bf16" in name else 4
+    assert head[1] == f"element size {size} bytes ({'bfloat16' if size == 2 else 'float32'})"
+    assert head[2] == held
+    doc = _json(capsys, "inspect", MEGATRON / name)
+    tot = doc["totals"]  # F once, its replicated elements (legacy norms, on both TP ranks' labels) twice
+    assert sum(tot["bytes_per_rank"].values()) == size * (tot["elements"] + tot["replicated_elements"])
+    assert _run(capsys, "inspect", MEGATRON / name, "--element-size", "8")[1].splitlines()[2] == \
+        "element size 8 bytes (--element-size)"
+
+
+def test_inspect_other_formats_headers(capsys):
+    ds = _header(_run(capsys, "inspect", FIXTURES / "llama_tp2_dp2")[1])
+    assert ds[:2] == ["ranks 0-1; saved by 4 rank(s)", "element size 4 bytes (float32)"]
+    hf = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+    bf16 = _header(_run(capsys, "inspect", hf / "pretrained_llama_bf16")[1])
+    assert bf16[:3] == ["ranks 0", "element size 2 bytes (bfloat16)",
+                        "stored: weight bfloat16; no optimizer state (the table shows weight)"]
+    dcp = _header(_run(capsys, "inspect", Path(__file__).resolve().parents[1] / "fixtures" / "dcp" / "llama_fsdp2_ws2")[1])
+    assert dcp[:3] == ["storage ranks 0-1 (the R of __R_N.distcp)", "element size 4 bytes (float32)",
+                       "stored: weight float32, exp_avg float32, exp_avg_sq float32"]
+
+
+def test_inspect_deepspeed_bf16_weights_and_the_composed_fp32_split(capsys):
+    """bf16 module weights at 2 bytes in the TP view; the composed view is the ZeRO split of the
+    fp32 masters, at 4 bytes, over the 2 saving ranks."""
+    fixture = FIXTURES / "llama_zero1_dp2_bf16"
+    held = "fp32 masters float32, exp_avg float32, exp_avg_sq float32"
+    tp = _header(_run(capsys, "inspect", fixture)[1])
+    assert tp[:3] == ["ranks 0; saved by 2 rank(s)", "element size 2 bytes (bfloat16)",
+                      f"stored: weight bfloat16, {held} (the table shows weight)"]
+    comp = _header(_run(capsys, "inspect", fixture, "--composed")[1])
+    assert comp[:3] == ["ranks 0-1; saved by 2 rank(s)", "element size 4 bytes (float32)",
+                        f"stored: weight bfloat16, {held} (the table shows fp32 masters)"]
+    doc = _json(capsys, "inspect", fixture, "--composed")
+    assert sum(doc["totals"]["bytes_per_rank"].values()) == 4 * doc["totals"]["elements"]
+
+
+def test_inspect_map_document_says_its_element_size_is_assumed(tmp_path, capsys):
+    path = _doc(tmp_path, {"w": replicated_map((4,), 2)})
+    assert _header(_run(capsys, "inspect", path)[1])[:2] == ["ranks 0-1", "element size 4 bytes (assumed float32: no dtype recorded)"]

@@ -240,6 +240,9 @@ class DcpReader(Reader):
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optim.param_groups
 
+    def labels(self) -> str:
+        return "storage rank"  # a chunk lies on the rank that wrote its __R_N.distcp (docs/spec.md §7, DCP)
+
     def native(self, fmt: str) -> DcpCheckpoint | None:
         """The DCP checkpoint itself (its entries, objects and chunks)."""
         return self.ck if fmt == "dcp" else None

@@ -111,6 +111,9 @@ class DeepSpeedReader(Reader):
     def zero3(self) -> Zero3Partitions | None:
         return self.own.zero3
 
+    def world(self) -> int | None:
+        return self.ck.mp * self.ck.dp  # one optimizer file per (DP rank, model-parallel rank)
+
     def native(self, fmt: str) -> DeepSpeedNative | None:
         return self.own if fmt == "deepspeed" else None
 

@@ -193,6 +193,10 @@ class TorchDistBackend:
             return Lowered(m, lambda i, key=key: self._chunk(key, i), lambda i: None)
         return self._bucket_lowered(spec, state)
 
+    def chunk_rank(self, key: str, i: int) -> int:
+        """The storage rank that wrote chunk ``i`` of ``key`` (the R of ``__R_N.distcp``)."""
+        return self.ck.entry(key).chunks[i].rank
+
     def _chunk(self, key: str, i: int) -> torch.Tensor:
         return self.ck.chunk(key, i).reshape(-1)
 

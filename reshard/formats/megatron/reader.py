@@ -55,12 +55,19 @@ class MegatronReader(Reader):
         self.sources = tuple(dict.fromkeys((given, loc.save_dir)))
         a = self.arch
         ep = (f" EP={a.ep}" + (f" expert-TP={a.etp}" if a.etp != a.tp else "")) if a.experts else ""
-        self.description = (f"Megatron-Core {loc.fmt} checkpoint, TP={a.tp} PP={a.pp} DP={a.dp}{ep}, "
-                            f"optimizer {self.src.sharding}, {names} names")
+        self._ep = ep
         self.topology = {"tp": a.tp, "pp": a.pp, "dp": a.dp, **({"ep": a.ep} if a.experts else {}),
                          **({"etp": a.etp} if a.experts and a.etp != a.tp else {})}
         self._vocab_rows = a.padded_vocab
         self._maps: dict[tuple[str, str], Lowered] = {}
+
+    @cached_property  # the contract's attribute; whether optimizer state was saved needs the keys read
+    def description(self) -> str:  # type: ignore[override]
+        a = self.arch
+        saved = any(len(self.states(n)) > 1 for n in self.names)  # --no-save-optim: the weights alone
+        optimizer = f"optimizer {self.src.sharding}" if saved else "no optimizer state"
+        return (f"Megatron-Core {self.loc.fmt} checkpoint, TP={a.tp} PP={a.pp} DP={a.dp}{self._ep}, "
+                f"{optimizer}, {self.naming} names")
 
     @classmethod
     def open(cls, path: str | Path, *, names: str = "megatron", mapping: Any = None) -> MegatronReader:
@@ -121,6 +128,20 @@ class MegatronReader(Reader):
         """What the files hold beside the parameter states (``held``): _extra_state, RNG and
         rerun states, common_state's run entries, and tensors no parameter takes."""
         return held(self.src, self.specs)
+
+    def labels(self) -> str:
+        return "rank label"  # a shard is a chunk, a local parameter or a bucket range (lowering), not a process
+
+    def world(self) -> int | None:
+        a, n = self.arch, getattr(self.args, "world_size", None)
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else a.tp * a.pp * a.dp
+
+    def saver(self, name: str, state: str, rank: int) -> int | None:
+        """A torch_dist model chunk's storage rank (Megatron names: a label is a chunk); None for
+        legacy files, bucket ranges and HF-named runs."""
+        if self.naming != "megatron" or state != "weight" or not isinstance(self.src, TorchDistBackend):
+            return None
+        return self.src.chunk_rank(self._spec(name).key, rank)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.map(name, "weight").valid_shape)
