@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ReshardError, UnplacedError
 from ..execute.bands import Banded
-from ..formats.contract import HELD, MOMENTS, Held, Reader, Target, Writer
+from ..formats.contract import HELD, MOMENTS, Held, Reader, Stored, Target, Writer
 from ..ir.param_map import ParamMap
 
 __all__ = ["Accounted", "Without", "account", "patterns", "prepare"]
@@ -192,6 +192,9 @@ class Without(Reader):
 
     def banded(self, name: str, state: str, rank: int) -> Banded | None:
         return self.inner.banded(name, state, rank)
+
+    def stored(self, name: str) -> Stored | None:
+        return self.inner.stored(name)
 
     def tp_index(self, name: str, state: str, rank: int) -> int | None:
         return self.inner.tp_index(name, state, rank)

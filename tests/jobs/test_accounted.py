@@ -379,3 +379,27 @@ def test_megatron_to_megatron_drops_a_tensor_and_refuses_to_drop_what_it_copies(
     with pytest.raises(ReshardError, match=r"--drop names 'rng_state/.*cannot be left out"):
         reshard(src, tmp_path / "b", to="megatron", drop=[BUFFER, "^rng_state"])
     assert not (tmp_path / "b").exists()
+
+
+def test_a_source_without_dropped_tensors_answers_every_contract_question_as_the_source():
+    """``--drop`` wraps the source (``accounted.Without``): a contract method it did not forward
+    would fall back to the contract's default there, e.g. ``stored`` -> None, so ``--quantize keep``
+    with ``--drop`` decoded the weights it was asked to keep."""
+    from reshard.formats.contract import Reader
+    from reshard.jobs.accounted import Without
+
+    asked = {n for n, v in vars(Reader).items() if callable(v) and not n.startswith("_")}
+    assert sorted(asked - set(vars(Without))) == []
+
+
+def test_drop_keeps_quantized_weights_as_stored(tmp_path):
+    from safetensors import safe_open
+
+    out = tmp_path / "out"
+    convert(HF / "fp8_qwen2", out, fmt="hf", quantize="keep", drop=["lm_head.weight"])
+    with safe_open(str(out / "model.safetensors"), "pt") as f, \
+            safe_open(str(HF / "fp8_qwen2" / "model.safetensors"), "pt") as g:
+        kept = [k for k in f.keys() if f.get_tensor(k).dtype == torch.float8_e4m3fn]
+        assert kept and all(torch.equal(f.get_tensor(k).view(torch.uint8), g.get_tensor(k).view(torch.uint8))
+                            for k in kept)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
