@@ -42,7 +42,7 @@ import zlib
 from math import prod
 from pathlib import Path
 
-from benchmarks.bench_fp8_export import measured
+from benchmarks.bench_fp8_export import measured, nbytes, quantized_linear
 
 MIB = 2**20
 BLOCK = (128, 128)
@@ -84,7 +84,7 @@ def entries(cfg: dict, fp8: bool) -> list[tuple[str, str, tuple[int, ...]]]:
     out = []
     for name, t in model.state_dict().items():
         shape = tuple(t.shape)
-        if fp8 and _linear(name):
+        if fp8 and quantized_linear(name, LINEARS):
             out += [(name, "F8_E4M3", shape), (name + "_scale_inv", "F32", scale_grid(shape, BLOCK))]
         elif name.endswith("e_score_correction_bias"):
             out.append((name, "F32", shape))
@@ -93,15 +93,6 @@ def entries(cfg: dict, fp8: bool) -> list[tuple[str, str, tuple[int, ...]]]:
     return sorted(out)
 
 
-def _linear(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith(".weight") and name.split(".")[-2] in LINEARS
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    n = {"BF16": 2, "F8_E4M3": 1, "F32": 4}[dtype]
-    for d in shape:
-        n *= d
-    return n
 
 
 class _Pool:
@@ -177,7 +168,7 @@ def write_folder(folder: Path, cfg: dict, fp8: bool, seed: int = 0) -> dict:
     shards: list[list] = [[]]
     used = 0
     for e in ents:
-        n = _nbytes(e[1], e[2])
+        n = nbytes(e[1], e[2])
         if shards[-1] and used + n > SHARD and not e[0].endswith("_scale_inv"):
             shards.append([])
             used = 0
@@ -190,8 +181,8 @@ def write_folder(folder: Path, cfg: dict, fp8: bool, seed: int = 0) -> dict:
         header: dict = {"__metadata__": {"format": "pt"}}
         at = 0
         for name, dtype, shp in shard:
-            header[name] = {"dtype": dtype, "shape": list(shp), "data_offsets": [at, at + _nbytes(dtype, shp)]}
-            at += _nbytes(dtype, shp)
+            header[name] = {"dtype": dtype, "shape": list(shp), "data_offsets": [at, at + nbytes(dtype, shp)]}
+            at += nbytes(dtype, shp)
             weight_map[name] = fname
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -204,7 +195,7 @@ def write_folder(folder: Path, cfg: dict, fp8: bool, seed: int = 0) -> dict:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
     doc = dict(cfg, **({"quantization_config": QUANT} if fp8 else {}))
     (folder / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    params = sum(_nbytes("F8_E4M3", s) for n, _, s in ents if not n.endswith("_scale_inv"))
+    params = sum(nbytes("F8_E4M3", s) for n, _, s in ents if not n.endswith("_scale_inv"))
     return {"parameters": params, "bytes": total, "files": len(shards), "sums": sums}
 
 
@@ -227,7 +218,7 @@ def sums_of(folder: Path) -> dict[str, int]:
     return out
 
 
-def _size(folder: Path) -> int:
+def _tree_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
@@ -248,7 +239,7 @@ def one(widths: dict, layers: int, fp8: bool, moe_layers: int, work: Path) -> li
     except RuntimeError as e:
         return lines + [f"  HF -> Megatron refused or failed: {str(e).splitlines()[-1]}"]
     shutil.rmtree(src)  # its tensors' hashes are kept: two checkpoints on disk at a time
-    mg_bytes = _size(mg)
+    mg_bytes = _tree_bytes(mg)
     saved = mg / src.name  # OUT/<tag>: the save folder (latest_checkpointed_iteration.txt, iter_*)
     exp_s, exp_rss, exp_hwm = measured(["-m", "reshard", "convert", saved, back, "--format", "hf", "--dtype", "bf16"], work / "export.log")
     got = sums_of(back)

@@ -67,18 +67,19 @@ def _entries(config: object) -> list[tuple[str, str, tuple[int, ...]]]:
     out = []
     for name, t in model.state_dict().items():
         shape = tuple(t.shape)
-        if _quantized(name):
+        if quantized_linear(name):
             out += [(name, "F8_E4M3", shape), (name + "_scale_inv", "F32", scale_grid(shape, BLOCK))]
         else:
             out.append((name, "BF16", shape))
     return sorted(out)
 
 
-def _quantized(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith(".weight") and name.split(".")[-2] in LINEARS
+def quantized_linear(name: str, linears: tuple[str, ...] = LINEARS) -> bool:
+    """A decoder layer's linear weight (the ones an FP8 release stores quantized)."""
+    return name.startswith("model.layers.") and name.endswith(".weight") and name.split(".")[-2] in linears
 
 
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     n = {"BF16": 2, "F8_E4M3": 1, "F32": 4}[dtype]
     for d in shape:
         n *= d
@@ -123,11 +124,11 @@ def write_fp8_folder(folder: Path, size: str | dict, max_shard: int = 512 * MIB,
     shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
     used = 0
     for e in entries:
-        if shards[-1] and used + _nbytes(e[1], e[2]) > max_shard:
+        if shards[-1] and used + nbytes(e[1], e[2]) > max_shard:
             shards.append([])
             used = 0
         shards[-1].append(e)
-        used += _nbytes(e[1], e[2])
+        used += nbytes(e[1], e[2])
     folder.mkdir(parents=True, exist_ok=True)
     stream = _tensors(entries, seed)
     weight_map, total = {}, 0
@@ -136,8 +137,8 @@ def write_fp8_folder(folder: Path, size: str | dict, max_shard: int = 512 * MIB,
         header: dict = {"__metadata__": {"format": "pt"}}
         at = 0
         for name, dtype, shp in shard:
-            header[name] = {"dtype": dtype, "shape": list(shp), "data_offsets": [at, at + _nbytes(dtype, shp)]}
-            at += _nbytes(dtype, shp)
+            header[name] = {"dtype": dtype, "shape": list(shp), "data_offsets": [at, at + nbytes(dtype, shp)]}
+            at += nbytes(dtype, shp)
             weight_map[name] = fname
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
@@ -153,7 +154,7 @@ def write_fp8_folder(folder: Path, size: str | dict, max_shard: int = 512 * MIB,
     doc = config.to_dict()
     doc["quantization_config"] = dict(QUANT)
     (folder / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    params = sum(_nbytes("F8_E4M3", s) for n, d, s in entries if not n.endswith("_scale_inv"))
+    params = sum(nbytes("F8_E4M3", s) for n, d, s in entries if not n.endswith("_scale_inv"))
     return {"parameters": params, "bytes": total, "files": len(shards)}
 
 
@@ -260,7 +261,7 @@ def same_tensors(a: Path, b: Path) -> tuple[int, list[str]]:
     return same, bad
 
 
-def _size(folder: Path) -> int:
+def folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
@@ -282,10 +283,10 @@ def one_size(size: str, work: Path) -> list[str]:
     except RuntimeError as e:
         peer_s = None
         lines.append(f"  transformers' dequantizing load + save_pretrained failed: {str(e).splitlines()[-1]}")
-    floor_s, floor_rss, _ = measured([Path(__file__), "--copy-floor", src, _size(out), work / "scratch"],
+    floor_s, floor_rss, _ = measured([Path(__file__), "--copy-floor", src, folder_size(out), work / "scratch"],
                                      work / "floor.log")
     lines.append(row(f"fp8->bf16 {size}: reshard convert --dtype bf16 vs copy floor", ours_s, floor_s,
-                     note=f"(floor reads {made['bytes'] / MIB:.0f} MiB, writes {_size(out) / MIB:.0f} MiB + fsync)"))
+                     note=f"(floor reads {made['bytes'] / MIB:.0f} MiB, writes {folder_size(out) / MIB:.0f} MiB + fsync)"))
     if peer_s is not None:
         lines.append(row(f"fp8->bf16 {size}: reshard convert vs transformers load+save", ours_s, peer_s,
                          note=f"(load {inner['load_s']:.1f} s, save_pretrained + fsync {inner['save_s']:.1f} s)"))
