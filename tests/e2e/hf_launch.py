@@ -47,10 +47,11 @@ def free_port(lo: int = 31000, hi: int = 39000) -> int:
 def resume(fixture: str | Path, *, out_dir: str | Path, world_size: int = 2, checkpoint: str | Path | None = None,
            per_device_batch: int | None = None, universal: bool = False, max_steps: int | None = None,
            save: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Run one resume job; its ``report.json`` (see ``hf_resume.py``) plus ``log`` (the log path)."""
+    """Run one resume job; its ``report.json`` (see ``hf_resume.py``) plus ``log`` (the log path).
+    A master port taken by another process between :func:`free_port`'s check and the job's bind
+    (EADDRINUSE) is retried on a new one, twice."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     args = ["--fixture", str(fixture), "--out", str(out_dir)]
     if checkpoint is not None:
         args += ["--checkpoint", str(checkpoint)]
@@ -62,6 +63,17 @@ def resume(fixture: str | Path, *, out_dir: str | Path, world_size: int = 2, che
         args.append("--universal")
     if save:
         args.append("--save")
+    for attempt in range(3):
+        try:
+            return _launch(args, out_dir, world_size, timeout_s)
+        except LaunchError as e:
+            if attempt == 2 or "EADDRINUSE" not in str(e):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch(args: list[str], out_dir: Path, world_size: int, timeout_s: float) -> dict:
+    port = free_port()
     if world_size == 1:
         cmd = [sys.executable, str(SCRIPT), *args, "--master-port", str(port)]
     else:

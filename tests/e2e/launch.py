@@ -109,10 +109,23 @@ def launch(script: str | Path, spec: dict, *, world_size: int, workdir: str | Pa
     the shared-memory buffers deleted afterwards]}``. Output goes to ``<workdir>/launch.log``.
     Raises :class:`LaunchError` (with the log tail) on failure or timeout. The launched
     processes run in their own session, killed as a group on timeout/interrupt, and the port's
-    shared-memory buffers are removed in every case."""
+    shared-memory buffers are removed in every case. A port
+    taken by another process between :func:`free_port`'s check and the launcher's bind (EADDRINUSE)
+    is retried on a new free port, twice, when ``port`` was not given."""
+    for attempt in range(3):
+        try:
+            return _launch(script, spec, world_size=world_size, workdir=workdir, port=port or free_port(),
+                           timeout_s=timeout_s)
+        except LaunchError as e:
+            if port is not None or attempt == 2 or "EADDRINUSE" not in str(e):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch(script: str | Path, spec: dict, *, world_size: int, workdir: str | Path, port: int,
+            timeout_s: int) -> dict:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     log_path = workdir / "launch.log"
@@ -247,7 +260,6 @@ def resume_moe_many(loads: list[dict], *, world_size: int, port: int | None = No
 def _run_loads(script: Path, loads: list[dict], *, world_size: int, port: int | None,
                workdir: str | Path | None, timeout_s: int | None) -> tuple[dict[str, dict], dict]:
     """Launch ``script`` over ``loads``; (rank 0's ``{name: report}``, :func:`launch`'s result)."""
-    port = port or free_port()
     timeout_s = timeout_s or DEFAULT_TIMEOUT_S + PER_LOAD_TIMEOUT_S * (len(loads) - 1)
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="reshard-e2e-")) if own else Path(workdir)
@@ -262,7 +274,6 @@ def _run_loads(script: Path, loads: list[dict], *, world_size: int, port: int | 
                               f"log tail:\n{_tail(work / 'launch.log')}")
         return reports, ran
     finally:
-        cleanup_shm(port)
         if own:
             shutil.rmtree(work, ignore_errors=True)
 
