@@ -92,8 +92,8 @@ class UniversalReader(Reader):
                                   "file is missing")
         for alias, router in self._alias.items():
             if not torch.equal(self._tensor(alias, "fp32"), self._tensor(router, "fp32")):
-                raise CheckpointError(f"{self.root / alias / 'fp32.pt'}: differs from {router!r}'s, whose AutoEP "
-                                      "router alias the model states say it is")
+                raise CheckpointError(f"{self.root / alias / 'fp32.pt'}: differs from the fp32 master of {router!r}, "
+                                      "whose AutoEP router alias the model states make it")
         for name in self.names:
             n = prod(self.shape(name))
             stored = tuple(self._tensor(name, "fp32").shape)
