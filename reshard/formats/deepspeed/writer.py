@@ -194,6 +194,11 @@ class DeepSpeedWriter(Writer):
         if ep is not None:
             self._autoep_from_any(reader, tp, dp, pp, stage, ep, dtype)
             return
+        if reader.expert_layers():
+            # its optimizer groups are AutoEP's (the experts' marked moe, named by their EP group),
+            # which a dense ZeRO engine would take for its own on load
+            raise ReshardError(f"{where}: {noun_of(reader)} holds AutoEP experts (ds_autoep_layers); DeepSpeed is "
+                               "written from it as an AutoEP checkpoint only: pass --ep (its EP degree)")
         if pp != 1:
             raise ReshardError(f"{where}: --pp {pp} is refused from {noun_of(reader)}: a DeepSpeed pipeline "
                                "(deepspeed.pipe) target is written only from a DeepSpeed pipeline checkpoint, whose "

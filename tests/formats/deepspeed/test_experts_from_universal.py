@@ -85,6 +85,14 @@ def test_ep_from_a_universal_at_zero3_is_refused(ucp, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_deepspeed_without_ep_from_an_autoep_universal_is_refused(ucp, tmp_path):
+    """Its optimizer groups are AutoEP's (``moe``, named by the EP group): a dense target is not written."""
+    with pytest.raises(ReshardError, match=r"holds AutoEP experts \(ds_autoep_layers\); DeepSpeed is written from it "
+                                           r"as an AutoEP checkpoint only: pass --ep"):
+        reshard(ucp, tmp_path / "out", tp=1, dp=2)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_router_alias_that_is_not_its_router_is_refused(ucp, tmp_path):
     """The alias's folder must hold its router's values: otherwise it is no alias, and nothing is written."""
     root = tmp_path / "ucp"
