@@ -37,8 +37,8 @@ import torch
 from ..execute.bands import Banded
 from ..ir.param_map import ParamMap
 
-__all__ = ["BEST", "HELD", "MODULE", "MOMENTS", "OPTIMIZER", "SCALE_POWER", "STATES", "Buffer", "Held", "Reader", "Slot",
-           "Stored",
+__all__ = ["BEST", "HELD", "MODULE", "MOMENTS", "OPTIMIZER", "SCALE_POWER", "STATES", "Buffer", "ExpertLayer", "Held",
+           "Reader", "Slot", "Stored",
            "Target", "Writer", "targets_of"]
 
 STATES = ("weight", "fp32", "exp_avg", "exp_avg_sq")
@@ -119,6 +119,21 @@ class Stored:
     quantization_config: Any = None  # the source's quantization_config (what a kept copy is read back by)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertLayer:
+    """An MoE layer whose experts the source holds fused: each of ``params`` is ``[num_experts,
+    ...]``, every expert whole, in expert order (docs/spec.md §7.1). What an expert-parallel target
+    places at its own EP degree. ``record``: the layer's entry as the framework that saved the
+    source records it (DeepSpeed AutoEP's ``ds_autoep_layers`` entry), which a target of that
+    framework rewrites at its placement; ``{}`` where there is none."""
+
+    layer: int  # the MoE layer's index among the model's MoE layers
+    module_path: str  # the module holding the layer's experts and router
+    num_experts: int
+    params: tuple[str, ...]
+    record: Any
+
+
 @dataclass(frozen=True, slots=True)
 class Held:
     """An entry of the source the reader holds but does not lower to a parameter state: ``key``
@@ -185,6 +200,16 @@ class Reader(ABC):
     def hf_config(self) -> dict[str, Any] | None:
         """A transformers ``config.json`` for the model, where the source records its architecture."""
         return None
+
+    def grad_clip(self) -> float | None:
+        """The gradient-clipping norm the source's optimizer state records (DeepSpeed's ``clip_grad``,
+        which its loader restores from the files), where it records one; else ``None``."""
+        return None
+
+    def expert_layers(self) -> tuple[ExpertLayer, ...]:
+        """The MoE layers whose experts the source holds fused and records as such (an expert-parallel
+        target's placement needs them), in layer order; by default none."""
+        return ()
 
     def banded(self, name: str, state: str, rank: int) -> Banded | None:
         """Rank ``rank``'s fragment computed a band of rows at a time (docs/spec.md §1), where the source

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ReshardError, UnplacedError
 from ..execute.bands import Banded
-from ..formats.contract import HELD, MOMENTS, Held, Reader, Stored, Target, Writer
+from ..formats.contract import HELD, MOMENTS, ExpertLayer, Held, Reader, Stored, Target, Writer
 from ..ir.param_map import ParamMap
 
 __all__ = ["Accounted", "Without", "account", "patterns", "prepare"]
@@ -221,6 +221,12 @@ class Without(Reader):
 
     def hf_config(self) -> dict[str, Any] | None:
         return self.inner.hf_config()
+
+    def expert_layers(self) -> tuple[ExpertLayer, ...]:
+        return self.inner.expert_layers()
+
+    def grad_clip(self) -> float | None:
+        return self.inner.grad_clip()
 
     def labels(self) -> str:
         return self.inner.labels()

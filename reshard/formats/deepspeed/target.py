@@ -48,8 +48,8 @@ from .layout import Group, Layout, Part, Unit
 from .placement import EXPERT_FILE, AutoEPPlacement, split_local, uniform_placement
 from .templates import Templates, ds_id_notes
 
-__all__ = ["DeepSpeedTarget", "autoep_from_zero3_target", "autoep_target", "autoep_zero3_target", "moe_target",
-           "zero3_target", "zero12_target"]
+__all__ = ["DeepSpeedTarget", "autoep_fresh_target", "autoep_from_zero3_target", "autoep_target", "autoep_zero3_target",
+           "moe_target", "zero3_target", "zero12_target"]
 
 
 class DeepSpeedTarget:
@@ -459,7 +459,7 @@ class ExpertModelFile:
     group in ``param_shapes`` (EP rank 0's), topology and placement, and the per-expert files
     copied (the same at any EP)."""
 
-    def __init__(self, ck: DeepSpeedCheckpoint, *, dp: int, stage: int, ds_config: dict | None,
+    def __init__(self, ck: DeepSpeedCheckpoint | None, *, dp: int, stage: int, ds_config: dict | None,
                  placement: AutoEPPlacement | None, expert_files: list[Path]) -> None:
         self.ck, self.dp, self.stage, self.ds_config = ck, dp, stage, ds_config
         self.placement, self.expert_files = placement, expert_files
@@ -481,6 +481,8 @@ class ExpertModelFile:
         return uc or None, {dse.LAYERS_KEY: [pl.layer(entry, 0, copied=False) for entry in ms0[dse.LAYERS_KEY]]}
 
     def model(self, tgt: DeepSpeedTarget, staging: Any) -> None:
+        if self.ck is None:
+            raise CheckpointError("internal: expert model states without a source DeepSpeed checkpoint")
         ms0 = self.ck.model_state(0)
         # plain tuples: DeepSpeed's expert save path (_save_moe_checkpoint) passes the state through
         # clone_tensors_for_torch_save, which turns every torch.Size into a tuple
@@ -495,6 +497,8 @@ class ExpertModelFile:
             save(obj, f)
 
     def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
+        if self.ck is None:
+            raise CheckpointError("internal: expert model states without a source DeepSpeed checkpoint")
         before = [(self.ck.model_files[0].stat().st_size, lambda: self.model(tgt, staging))]
         return before, [(p.stat().st_size, lambda p=p: staging.copy(p, p.name)) for p in self.expert_files]
 
@@ -569,7 +573,7 @@ class ExpertWeightFiles(ExpertModelFile):
     router alias its router's) and each per-expert file's (``layer_L_expert_X``: expert ``X`` of
     every fused parameter of layer ``L``) are buffers filled from the masters."""
 
-    def __init__(self, ck: DeepSpeedCheckpoint, template: dict, *, dp: int, stage: int, ds_config: dict | None,
+    def __init__(self, ck: DeepSpeedCheckpoint | None, template: dict, *, dp: int, stage: int, ds_config: dict | None,
                  placement: AutoEPPlacement, dtype: torch.dtype, names: Sequence[str], outer: Mapping[str, ParamMap],
                  aliases: Mapping[str, str]) -> None:
         super().__init__(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement, expert_files=[])
@@ -647,3 +651,60 @@ class ExpertWeightFiles(ExpertModelFile):
                  for layer, names in sorted(self.layers.items())
                  for x in range(self.per_expert[names[0]].logical_shape[0])]
         return before, after
+
+
+# -- AutoEP from any source ------------------------------------------------------------------------
+
+
+def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], ep: int, dp: int,
+                        stage: int, aliases: Mapping[str, str], clip_grad: float | None = None) -> DeepSpeedTarget:
+    """AutoEP's fused experts at EP ``ep`` x world ``dp``, ZeRO stage ``stage`` (1 or 2), from a
+    source that is no DeepSpeed checkpoint (a universal one): the layout of :func:`autoep_target`
+    (a dense group flat over all ``dp`` ranks, the expert group flat over each EP rank's EDP group,
+    AutoEP's uniform placement), the files of a fresh ZeRO job (``tpl``, ``templates.fresh``), the
+    module's and each per-expert file's weights cast from the source (:class:`ExpertWeightFiles`),
+    ``ds_autoep_layers`` the source's records (``layers``: ``contract.ExpertLayer``) rewritten at
+    the target's placement. Expert-data-parallel groups in DeepSpeed's default order (expert
+    before data)."""
+    expert_names = {n for lay in layers for n in lay.params}
+    groups = frozenset(g for g, names in enumerate(tpl.group_names) if expert_names & set(names))
+    params = {n: dse.ExpertParam(n, lay.layer, tuple(shapes[n]), (), {}, g) for lay in layers for n in lay.params
+              for g in groups if n in tpl.group_names[g]}
+    ax = dse.AutoEP(params, groups, ep, dp // ep, False, tuple(aliases))
+    placement = AutoEPPlacement(ax, ep, dp)
+    names = tpl.names
+    outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
+    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
+    dense, experts = Group.dense(1, dp), placement.group()
+    units = []
+    for g, group in enumerate(tpl.group_names):
+        part = placement.edp if g in groups else dp
+        fg = dsw.flat_group(list(group), [shape[n] for n in group], part, param_align=tpl.param_align)
+        units.append(Unit(experts, dict.fromkeys(range(ep), Part(fg, fg.names))) if g in groups
+                     else Unit(dense, {0: Part(fg, fg.names)}))
+    layout = Layout("flat", outer, units, range(dp))
+    ds_config = placement.ds_config(dsw.target_ds_config(tpl.cfg, tp=1, dp=dp, zero_stage=stage))
+    # DeepSpeed's AutoEP model states: no tied weights (the router alias is the module's own entry),
+    # the experts per layer and each layer's record
+    # a module without the experts (they are the per-expert files'), each router alias after its router
+    module = OrderedDict()
+    for n in names:
+        if n not in expert_names:
+            module[n] = tpl.model["module"][n]
+            module.update((a, module[n]) for a, r in aliases.items() if r == n)
+    template = {**tpl.model, "module": module, "shared_params": {}, "num_experts": [lay.num_experts for lay in layers],
+                dse.LAYERS_KEY: [dict(lay.record) for lay in layers]}
+    models = ExpertWeightFiles(None, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
+                               dtype=tpl.dtype, names=names, outer=outer, aliases=aliases)
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=tpl.bf16, states=OPTIMIZER,
+                           optim_template=lambda: _with_clip(tpl.optim_z12(), clip_grad), ds_config=ds_config,
+                           uc_info=None, models=models,
+                           notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, EDP groups in "
+                                  "DeepSpeed's default order (expert before data)"])
+
+
+def _with_clip(optim: dict, clip_grad: float | None) -> dict:
+    """A fresh ZeRO-1/2 optimizer file with the source's gradient clipping."""
+    if clip_grad is None:
+        return optim
+    return {**optim, "optimizer_state_dict": {**optim["optimizer_state_dict"], "clip_grad": clip_grad}}

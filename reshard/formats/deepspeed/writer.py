@@ -71,6 +71,7 @@ class DeepSpeedWriter(Writer):
         self.extra_sources = layout_sources(layout)
         self._notes: list[str] = []
         self._source: dict[str, int] = {}
+        self._written_aliases: set[str] = set()
         self.keeps_replicas = False
         self.target: DeepSpeedTarget
         own = reader.native("deepspeed")
@@ -191,13 +192,13 @@ class DeepSpeedWriter(Writer):
         """A non-DeepSpeed source: the files of a fresh ZeRO job over its parameters."""
         where = reader.sources[-1]
         if ep is not None:
-            # DeepSpeed's expert files (the expert placement, ds_autoep_layers, the per-expert model
-            # files) are built on a DeepSpeed AutoEP / classic MoE source's own, which this one lacks
-            raise ReshardError(f"{where}: --ep {ep} is refused from {noun_of(reader)}: a DeepSpeed expert-parallel "
-                               "target (AutoEP or classic MoE) is written only from a DeepSpeed checkpoint of that "
-                               "kind, whose placement and expert files it is built on; from this source DeepSpeed "
-                               "is written at --tp/--dp/--zero-stage only, without --ep, every parameter (experts "
-                               "included) a dense one")
+            self._autoep_from_any(reader, tp, dp, pp, stage, ep, dtype)
+            return
+        if reader.expert_layers():
+            # its optimizer groups are AutoEP's (the experts' marked moe, named by their EP group),
+            # which a dense ZeRO engine would take for its own on load
+            raise ReshardError(f"{where}: {noun_of(reader)} holds AutoEP experts (ds_autoep_layers); DeepSpeed is "
+                               "written from it as an AutoEP checkpoint only: pass --ep (its EP degree)")
         if pp != 1:
             raise ReshardError(f"{where}: --pp {pp} is refused from {noun_of(reader)}: a DeepSpeed pipeline "
                                "(deepspeed.pipe) target is written only from a DeepSpeed pipeline checkpoint, whose "
@@ -215,6 +216,7 @@ class DeepSpeedWriter(Writer):
         steps = [reader.step(n) for n in reader.names]
         step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
         tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order)
+        self._written_aliases = set(tpl.shared)  # the module holds them, sharing their weight's tensor
         if tp == 1:
             maps = {n: replicated(reader.shape(n), 1) for n in reader.names}
             origin, uc_info = "whole (TP=1)", None
@@ -242,6 +244,53 @@ class DeepSpeedWriter(Writer):
                            f"parameters, training dtype {tpl.dtype}, Adam step {int(step)}"
                            + (f"; {' and '.join(missing)} zero, as a fresh optimizer holds them" if missing else ""))
 
+    def _autoep_from_any(self, reader: Reader, tp: int, dp: int, pp: int, stage: int | None, ep: int,
+                         dtype: torch.dtype | None) -> None:
+        """AutoEP at EP ``ep`` from a source that records its fused expert layers
+        (``Reader.expert_layers``): the files of a fresh ZeRO job, AutoEP's uniform placement."""
+        from .target import autoep_fresh_target
+
+        where, noun = reader.sources[-1], noun_of(reader)
+        layers = reader.expert_layers()
+        if not layers:
+            raise ReshardError(f"{where}: --ep {ep} is refused from {noun}: it records no fused expert layers (DeepSpeed "
+                               "AutoEP's ds_autoep_layers: each MoE layer's id, module path, expert count and fused "
+                               "expert parameters), which an AutoEP target places at --ep; a DeepSpeed AutoEP or "
+                               "classic MoE checkpoint, or DeepSpeed's universal checkpoint of an AutoEP one, records "
+                               "them. Without --ep DeepSpeed is written at --tp/--dp/--zero-stage, every parameter "
+                               "(experts included) a dense one")
+        stage = 1 if stage is None else stage
+        if tp != 1 or pp != 1:
+            raise ReshardError(f"{where}: an AutoEP target is written at TP = PP = 1 only (asked tp={tp}, pp={pp})")
+        if stage not in (1, 2):
+            raise ReshardError(f"{where}: an AutoEP target from {noun} is written at ZeRO stage 1 or 2 (asked {stage})")
+        if dp % ep:
+            raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
+        for lay in layers:
+            if lay.num_experts % ep:
+                raise ReshardError(f"{where}: {lay.module_path}: {lay.num_experts} experts do not split evenly over "
+                                   f"ep={ep} (AutoEP's uniform placement)")
+        order = _model_order(reader)
+        first = reader.names[0]
+        own = reader.dtype(first, next(s for s in BEST if s in reader.states(first)))
+        steps = [reader.step(n) for n in reader.names]
+        step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
+        tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order)
+        experts = {n for lay in layers for n in lay.params}
+        mixed = [g for g in tpl.group_names if experts & set(g) and not experts >= set(g)]
+        if mixed:
+            raise ReshardError(f"{where}: an optimizer parameter group of {noun} holds experts and also "
+                               f"{[n for n in mixed[0] if n not in experts][:3]}; AutoEP partitions the experts' "
+                               "group over EDP groups, so it holds experts only")
+        self.target = autoep_fresh_target(tpl, layers, {n: reader.shape(n) for n in reader.names}, ep, dp, stage,
+                                          reader.tied(), clip_grad=reader.grad_clip())
+        self._written_aliases = set(reader.tied())
+        self._source = dict(reader.topology)
+        self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
+        self._notes += self.target.notes
+        self._notes.append(f"the files of a fresh DeepSpeed ZeRO-{stage} job (DeepSpeed 0.19.8) over the source's "
+                           f"parameters, training dtype {tpl.dtype}, Adam step {int(step)}")
+
     # -- the contract ----------------------------------------------------------------------------
     def buffers(self) -> list[Buffer]:
         return self.target.buffers()
@@ -255,7 +304,10 @@ class DeepSpeedWriter(Writer):
     def carries(self, held: Held) -> bool:
         """From a DeepSpeed source, the model states' buffers, scheduler and client state (its
         model-state files are the target's templates) and the module entries an expert target
-        copies as they are; from another source nothing."""
+        copies as they are; from another source the tied aliases its module holds (AutoEP's router
+        alias in a universal checkpoint), written from their weight."""
+        if self.own is None:  # a tied alias the module holds, written from its weight
+            return held.key in self._written_aliases
         f = Path(held.file)  # the tag folder (a parameter) or a model-state file in it
         return self.own is not None and (f == self.own.ck.tag_dir or (
             f.parent == self.own.ck.tag_dir and f.name.endswith("model_states.pt")))

@@ -18,7 +18,7 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ...storage import verified
 from ...storage.safe_load import load
-from ..contract import Held, Reader
+from ..contract import ExpertLayer, Held, Reader
 from ..deepspeed.checks import check_step
 from ..deepspeed.reader import model_state_held
 
@@ -61,7 +61,8 @@ class UniversalReader(Reader):
                                   f"parameter's fp32 master ({len(lacking)} parameter(s) lack theirs)")
         # the model's order (what a DeepSpeed target flattens in): the model states' param_shapes
         ordered = [n for n in self._recorded if n in found]
-        self.names = ordered + sorted(found - set(ordered))
+        self._alias = self._router_aliases(found)  # a folder each, but the router's tensor: no parameter
+        self.names = ordered + sorted(found - set(ordered) - set(self._alias))
         if not self.names:
             raise CheckpointError(f"{tag_dir}: no zero/<param>/fp32.pt files: not a universal checkpoint")
         self.tag = tag_dir.name
@@ -89,6 +90,10 @@ class UniversalReader(Reader):
             raise CheckpointError(f"{self.root}: parameters hold different optimizer states ({na!r}: {list(a[0])}"
                                   f"{' + step' if a[1] else ''}; {nb!r}: {list(b[0])}{' + step' if b[1] else ''}): a "
                                   "file is missing")
+        for alias, router in self._alias.items():
+            if not torch.equal(self._tensor(alias, "fp32"), self._tensor(router, "fp32")):
+                raise CheckpointError(f"{self.root / alias / 'fp32.pt'}: differs from the fp32 master of {router!r}, "
+                                      "whose AutoEP router alias the model states make it")
         for name in self.names:
             n = prod(self.shape(name))
             stored = tuple(self._tensor(name, "fp32").shape)
@@ -117,6 +122,10 @@ class UniversalReader(Reader):
             if d.is_dir() and d.name in seen:
                 out += [Held(f"{d.name}/{f.name}", str(f), "state", "a state file of the parameter reshard does not "
                              "read") for f in sorted(d.iterdir()) if f.name not in read]
+            elif d.is_dir() and d.name in self._alias:
+                out.append(Held(d.name, str(d / "fp32.pt"), "weights", f"AutoEP's router alias of "
+                                f"{self._alias[d.name]!r} (the same values, checked): written where the target's "
+                                "model holds the alias"))
             elif d.name != "optimizer_state.pt" and not d.is_dir():
                 out.append(Held(d.name, str(d), "state", "a file of zero/ reshard does not read"))
         return out
@@ -130,6 +139,73 @@ class UniversalReader(Reader):
             groups = groups if isinstance(groups, list) else [groups] if isinstance(groups, dict) else []
             return {n: tuple(int(x) for x in s) for g in groups if isinstance(g, dict) for n, s in g.items()}
         return {}
+
+    @cached_property
+    def _model_state(self) -> dict:
+        """The first model-state file beside ``zero/`` (DeepSpeed's, which ds_to_universal copies), or {}."""
+        for f in sorted(self.tag_dir.glob("*model_states.pt")):
+            state = load(f)
+            return state if isinstance(state, dict) else {}
+        return {}
+
+    @cached_property
+    def _autoep_entries(self) -> list[dict]:
+        """DeepSpeed AutoEP's ``ds_autoep_layers`` in the copied model states, else []."""
+        entries = self._model_state.get("ds_autoep_layers")
+        if entries is None:
+            return []
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise CheckpointError(f"{self.tag_dir}: the model states' ds_autoep_layers is not a list of layer entries")
+        return entries
+
+    def _router_aliases(self, found: set[str]) -> dict[str, str]:
+        """AutoEP's router aliases among the folders (``{alias: router}``): a module entry no optimizer
+        group holds, ``<module_path>.<alias>.<rest>`` for a recorded ``<module_path>.router.<rest>``
+        (DeepSpeed's AutoEP layer sets its router a second time under that name), whose folder
+        ds_to_universal gives its fp32 value alone."""
+        paths = [str(e.get("module_path", "")) for e in self._autoep_entries]
+        out = {}
+        for key in self._model_state.get("module") or {} if paths else ():
+            if key in self._recorded or key not in found or (self.root / key / "exp_avg.pt").exists():
+                continue
+            path = next((p for p in paths if p and key.startswith(p + ".")), None)
+            rest = key[len(path) + 1:].split(".", 1) if path is not None else []
+            router = f"{path}.router.{rest[1]}" if len(rest) == 2 else None
+            if router is not None and router in self._recorded and router in found:
+                out[key] = router
+        return out
+
+    def tied(self) -> dict[str, str]:
+        return dict(self._alias)
+
+    def grad_clip(self) -> float | None:
+        clip = self.optimizer_state.get("clip_grad")
+        return float(clip) if isinstance(clip, (int, float)) and not isinstance(clip, bool) else None
+
+    def expert_layers(self) -> tuple[ExpertLayer, ...]:
+        """The AutoEP layers the copied model states record (``ds_autoep_layers``): each fused
+        ``<expert_key_prefix>.w1/w2/w3`` here whole, ``[num_experts, ...]``."""
+        out = []
+        for i, e in enumerate(self._autoep_entries):
+            where = f"{self.tag_dir}: ds_autoep_layers[{i}]"
+            layer, path, num, prefix = (e.get(k) for k in ("moe_layer_id", "module_path", "num_experts",
+                                                            "expert_key_prefix"))
+            if not isinstance(layer, int) or not isinstance(path, str) or not isinstance(num, int) or num < 1 \
+                    or not isinstance(prefix, str):
+                raise CheckpointError(f"{where}: needs moe_layer_id, module_path, num_experts and expert_key_prefix")
+            recorded = ((e.get("affine_maps") or {}).get("params") or {}) if isinstance(e.get("affine_maps"), dict) \
+                else {}
+            params = tuple(recorded) or tuple(n for n in self.names if n.startswith(prefix + "."))
+            for n in params:
+                if n not in self.names:
+                    raise CheckpointError(f"{where}: expert parameter {n!r} has no folder in {self.root}")
+                if self.shape(n)[:1] != (num,):
+                    raise CheckpointError(f"{self.root / n / 'fp32.pt'}: shape {list(self.shape(n))}, but the layer "
+                                          f"has {num} experts (a fused expert parameter is [num_experts, ...])")
+            if not params:
+                raise CheckpointError(f"{where}: no fused expert parameter under {prefix!r}")
+            out.append(ExpertLayer(layer, path, num, params, e))
+        return tuple(out)
 
     @cached_property
     def _buffer_names(self) -> frozenset[str]:
@@ -211,6 +287,10 @@ class UniversalReader(Reader):
 
     def param_groups(self) -> list[dict[str, Any]]:
         groups = self.optimizer_state.get("param_groups", [])
+        experts = {n for layer in self.expert_layers() for n in layer.params}
+        if len(groups) == 2 and experts and sorted(bool(g.get("moe")) for g in groups) == [False, True]:
+            # DeepSpeed AutoEP's two groups: the experts (``moe``), partitioned over EDP groups, and the rest
+            return [{**g, "params": [n for n in self.names if (n in experts) == bool(g.get("moe"))]} for g in groups]
         if len(groups) > 1:
             raise CheckpointError(f"{self.root / 'optimizer_state.pt'}: {len(groups)} parameter groups, and a "
                                   "universal checkpoint does not record which parameter belongs to which")
