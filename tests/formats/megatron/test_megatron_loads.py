@@ -229,3 +229,31 @@ def test_megatron_loads_a_moe_checkpoint_back_from_dcp(tmp_path):
             if k.endswith(("embedding.word_embeddings.weight", "output_layer.weight")):
                 g, v = g[:vocab], v[:vocab]
             assert torch.equal(g, v), (part, k)
+
+
+LEGACY_TARGETS = [  # (source, target topology): legacy files (--ckpt-format torch), weights only
+    ("legacy_tp2_pp2", dict(tp=1, pp=2, dp=1)),
+    ("torch_dist_tp2_pp2", dict(tp=2, pp=1, dp=1)),
+    ("legacy_moe_tp2_ep2_shared", dict(tp=1, pp=1, dp=2, ep=2)),  # files per EP rank: mp_rank_00_{000,001}
+    ("legacy_moe_tp2_ep2_shared", dict(tp=2, pp=1, dp=1, ep=2, etp=1)),  # folded, as the source
+]
+
+
+@pytest.mark.parametrize("fixture,topology", LEGACY_TARGETS, ids=[f"{c[0]}-{c[1]}" for c in LEGACY_TARGETS])
+def test_megatron_loads_a_legacy_target(tmp_path, fixture, topology):
+    """A legacy target (``--ckpt-format torch``, weights only) at another TP / PP / EP: Megatron's
+    ``load_checkpoint`` (``--ckpt-format torch --no-load-optim --no-load-rng``) reads it, and its model
+    equals Megatron's reload of the source."""
+    from safetensors.torch import load_file
+
+    out = reshard(FIXTURES / fixture, tmp_path / "ckpt", to="megatron", ckpt_format="torch", optimizer="none",
+                  **topology).out_dir
+    got = _megatron(out, tmp_path / "reload", topology, False)["model"]
+    info = json.loads((tmp_path / "reload" / "oracle.json").read_text())
+    assert info["checkpoint_format"] == "torch"
+    want = load_file(str(FIXTURES / fixture / "oracle" / "model.safetensors"))
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:4]
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    print(f"{fixture} -> legacy {topology}: Megatron reloads the model equal to its reload of the source",
+          file=sys.stderr)
