@@ -103,7 +103,7 @@ def _megatron(ckpt: Path, out: Path, topology: dict, optim: bool, forward: bool 
 def test_megatron_loads_the_resharded_checkpoint(tmp_path, fixture, topology, optim):
     from safetensors.torch import load_file
 
-    out = reshard(FIXTURES / fixture, tmp_path / "ckpt", to="megatron", **topology).out_dir
+    out = reshard(FIXTURES / fixture, tmp_path / "ckpt", to="megatron", ckpt_format="torch_dist", **topology).out_dir
     got = _megatron(out, tmp_path / "reload", topology, optim)
     ref = FIXTURES / fixture / "oracle"
     model = load_file(str(ref / "model.safetensors"))
