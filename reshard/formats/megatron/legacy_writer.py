@@ -22,6 +22,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
+
 from ...errors import ReshardError
 from ...ir.param_map import ParamMap
 from ...storage import torch_zip
@@ -31,6 +33,7 @@ from .files import TRACKER
 from .legacy import MODEL_FILE, _rank_dir
 from .lowering import local_map
 from .model import EMBED, OUTPUT, LocalParam
+from .reader import MegatronReader
 from .writer import MegatronWriter
 
 __all__ = ["MegatronLegacyWriter"]
@@ -51,33 +54,64 @@ class MegatronLegacyWriter(MegatronWriter):
     keeps_replicas = False  # each file's copy of a replicated block is filled from the one merged copy
 
     def __init__(self, reader: Reader, *, optimizer: str | None = None, **options: Any) -> None:
-        if optimizer not in (None, "none"):
-            raise ReshardError(f"--optimizer {optimizer} with --ckpt-format torch: optimizer state in legacy files is "
-                               "not written by reshard (weights only: --optimizer none; or --ckpt-format torch_dist)")
-        if optimizer is None and reader.native("megatron") is not None and _has_optimizer(reader):
-            raise ReshardError("--ckpt-format torch: the source's optimizer state is not written to legacy files by "
-                               "reshard; pass --optimizer none to write the weights only (Megatron loads them with "
-                               "--no-load-optim --no-load-rng), or --ckpt-format torch_dist to keep it")
-        super().__init__(reader, optimizer="none", **options)
+        kind = self._kind(reader, optimizer)
+        super().__init__(reader, optimizer=kind, **options)
         a = self.arch
         if a.mtp:  # the reader refuses legacy MTP (names unverified): the writer writes nothing it cannot read back
             raise ReshardError(f"--ckpt-format torch with {a.mtp} multi-token prediction layers: legacy files of MTP "
                                "layers are not written by reshard")
+        if kind == "adam":
+            if self.dtype != torch.float32:  # Megatron's fp16/bf16 optimizer wraps Adam with fp32 copies of its own
+                raise ReshardError(f"--optimizer adam with --ckpt-format torch for {self.dtype} weights: the mixed-"
+                                   "precision optimizer's legacy state (fp32_from_fp16_params) is not written by "
+                                   "reshard; --optimizer none, or --ckpt-format torch_dist")
+            if not isinstance((self.template or {}).get("opt_param_scheduler"), dict):
+                raise ReshardError("--optimizer adam with --ckpt-format torch: the source records no learning-rate "
+                                   "scheduler state (opt_param_scheduler), which Megatron loads beside the optimizer; "
+                                   "--optimizer none")
+            for o, groups in enumerate(self.groups):
+                decays = [g.get("wd_mult", 1.0) != 0 for g in groups]
+                if sorted(decays) != sorted(set(decays)):
+                    raise ReshardError(f"--ckpt-format torch: the {'expert' if o else 'dense'} optimizer has "
+                                       f"{len(groups)} parameter groups, not one with weight decay and one without: "
+                                       "their legacy indices are not written by reshard")
         self.args = copy.copy(self.args)
-        for k, v in dict(ckpt_format="torch", no_save_optim=True, no_save_rng=True, use_distributed_optimizer=False,
-                         dist_ckpt_optim_fully_reshardable=False).items():
+        for k, v in dict(ckpt_format="torch", no_save_optim=kind == "none", no_save_rng=True,
+                         use_distributed_optimizer=False, dist_ckpt_optim_fully_reshardable=False).items():
             setattr(self.args, k, v)
         self._savers = self._saving_ranks()
+        self._moments: dict[tuple[str, str], Buffer] = {}  # (weight buffer key, state) -> buffer
         self._lmaps: dict[str, ParamMap] = {}
         for spec in a.keys():
             m, _ = local_map(a, spec)
             if spec.key in (EMBED, OUTPUT) and self.vocab_rows != m.logical_shape[0]:
                 m = ParamMap(m.logical_shape, m.shards, (self.vocab_rows, *m.logical_shape[1:]))
             self._lmaps[spec.key] = m
-            self._plan_key(spec.key, "weight", m)
+            for state in ("weight",) + (() if spec.buffer else self.states):
+                self._plan_key(spec.key, state, m)
         self._files = {key: self._file_buffers(key, x) for key, (_, x) in self._savers.items()}
-        self._notes.append("legacy torch files, weights only (args: no_save_optim, no_save_rng): Megatron loads them "
-                           "with --no-load-optim --no-load-rng")
+        self._notes.append("legacy torch files, " + ("weights and plain Adam's moments (no RNG: Megatron loads them "
+                           "with --no-load-rng)" if kind == "adam" else "weights only (args: no_save_optim, "
+                           "no_save_rng): Megatron loads them with --no-load-optim --no-load-rng"))
+
+    @staticmethod
+    def _kind(reader: Reader, optimizer: str | None) -> str:
+        """``none`` or plain ``adam`` (the default where the source holds plain Adam's state)."""
+        if optimizer not in (None, "none", "adam"):
+            raise ReshardError(f"--optimizer {optimizer} with --ckpt-format torch: the distributed optimizer's legacy "
+                               "files (distrib_optim.pt) are not written by reshard; --optimizer adam (plain Adam), "
+                               "none, or --ckpt-format torch_dist")
+        if optimizer is not None:
+            return optimizer
+        own = reader.native("megatron")
+        if not isinstance(own, MegatronReader) or not _has_optimizer(reader):
+            return "none"
+        if own.src.sharding != "adam":
+            raise ReshardError(f"--ckpt-format torch: the source's optimizer is {own.src.sharding}, whose "
+                               "legacy files (distrib_optim.pt) are not written by reshard; pass --optimizer adam "
+                               "(plain Adam: its moments) or --optimizer none (weights only), or --ckpt-format "
+                               "torch_dist")
+        return "adam"
 
     # -- which files ---------------------------------------------------------------------------------
     def _saving_ranks(self) -> dict[tuple[int, int, int], tuple[int, int]]:
@@ -146,6 +180,10 @@ class MegatronLegacyWriter(MegatronWriter):
                 name = self._name(lp)
                 slots = self._slots[(lp.spec.key, "weight")].get(lp.label, [])
                 out.append((name, Buffer(f"{at}{name}", self._dtype("weight", lp.spec.key), lp.numel, tuple(slots)), lp))
+                for state in () if lp.spec.buffer else self.states:  # plain Adam's moments: fp32, shaped as the module's
+                    st = self._slots[(lp.spec.key, state)].get(lp.label, [])
+                    self._moments[(f"{at}{name}", state)] = Buffer(f"{at}{name}@{state}", self._dtype(state), lp.numel,
+                                                                   tuple(st))
                 module = name.rsplit(".", 1)[0]
                 following = self._name(lps[n + 1]).rsplit(".", 1)[0] if n + 1 < len(lps) else None
                 if module.rsplit(".", 1)[-1] in _LINEARS and following != module:
@@ -155,19 +193,24 @@ class MegatronLegacyWriter(MegatronWriter):
 
     # -- the writer's contract ---------------------------------------------------------------------
     def buffers(self) -> list[Buffer]:
-        return [b for chunks in self._files.values() for entries in chunks for _, b, _ in entries if b is not None]
+        return [b for chunks in self._files.values() for entries in chunks for _, b, _ in entries if b is not None] + \
+            list(self._moments.values())
 
     def meta(self) -> dict[str, Any]:
         a = self.arch
-        return {"target": "Megatron-Core legacy torch checkpoint (weights only)", "optimizer": "none",
+        return {"target": "Megatron-Core legacy torch checkpoint" + (" (weights only)" if self.kind == "none" else ""),
+                "optimizer": self.kind,
                 "target_topology": {"tp": a.tp, "pp": a.pp, "dp": a.dp,
                                     **({"ep": a.ep, "etp": a.etp} if a.experts else {})}}
 
     def carries(self, held: Held) -> bool:
-        return self.template is not None and held.key.rpartition("/")[2] in _KEPT
+        kept = _KEPT + (("iteration",) if self.iteration is not None else ()) + \
+            (("opt_param_scheduler",) if self.kind == "adam" else ())
+        return self.template is not None and held.key.rpartition("/")[2] in kept
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
-        jobs = [(sum(b.numel * b.dtype.itemsize for ch in chunks for _, b, _ in ch if b is not None) + 1,
+        jobs = [(sum(b.numel * b.dtype.itemsize * (1 + len(self.states)) for ch in chunks for _, b, _ in ch
+                     if b is not None) + 1,
                  partial(self._write, engine, staging, key)) for key, chunks in self._files.items()]
         jobs.append((1, partial(self._tracker, staging)))
         return jobs
@@ -191,10 +234,33 @@ class MegatronLegacyWriter(MegatronWriter):
                 model[name] = None if b is None else engine.storage(b).view(lp.shape)  # type: ignore[union-attr]
             sd["model" if len(chunks) == 1 else f"model{vp}"] = model
         template = self.template or {}
+        if self.kind == "adam":
+            sd["optimizer"] = self._optimizer(engine, chunks)
+            sd["opt_param_scheduler"] = template["opt_param_scheduler"]
         sd["num_floating_point_operations_so_far"] = template.get("num_floating_point_operations_so_far", 0)
         if "checkpoint_version" in template:
             sd["checkpoint_version"] = template["checkpoint_version"]
         return sd
+
+    def _optimizer(self, engine: Any, chunks: list) -> Any:
+        """Plain Adam's ``state_dict()`` over the file's parameters (docs §3): indices through the
+        decay group's parameters, then the others', in module order chunk after chunk; with experts
+        apart a chained ``[dense, experts]`` list, each over its own parameters."""
+        apart = self.arch.expert_apart
+        params = [(b, lp) for entries in chunks for _, b, lp in entries if b is not None and not lp.spec.buffer]
+        out = []
+        for o, groups in enumerate(self.groups):
+            mine = [(b, lp) for b, lp in params if not apart or lp.spec.expert == bool(o)]
+            order = [p for p in mine if p[1].spec.decay] + [p for p in mine if not p[1].spec.decay]
+            state = {i: {"step": torch.tensor(float(self.step)),
+                         **{s: engine.storage(self._moments[(b.key, s)]).view(lp.shape) for s in self.states}}
+                     for i, (b, lp) in enumerate(order)}
+            decay = sum(lp.spec.decay for _, lp in mine)
+            plain = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups]
+            out.append({"state": state, "param_groups": [
+                dict(g, params=list(range(decay)) if g.get("wd_mult", 1.0) != 0 else list(range(decay, len(order))))
+                for g in plain]})
+        return out if apart else out[0]
 
     def _write(self, engine: Any, staging: Any, key: tuple[int, int, int]) -> None:
         rel = f"{self.folder}/{_rank_dir(*key, self.arch)}/{MODEL_FILE}"
