@@ -1,7 +1,8 @@
-"""Megatron -> legacy Megatron files (``--ckpt-format torch``, weights only) at another TP / PP / EP:
-read back by reshard's legacy reader, every weight equals Megatron's own reload of the source bit
-for bit; at the source's own topology each file holds Megatron's module keys in Megatron's order
-with the same tensors. Megatron's own loader reading them: test_megatron_loads (opt-in)."""
+"""Megatron -> legacy Megatron files (``--ckpt-format torch``: weights only, or with plain Adam's
+state) at another TP / PP / EP: read back by reshard's legacy reader, every weight (and moment)
+equals Megatron's own reload of the source bit for bit; at the source's own topology each file is
+Megatron's: its module keys in Megatron's order, the same tensors, the same optimizer entries.
+Megatron's own loader reading them: test_megatron_loads (opt-in)."""
 
 from __future__ import annotations
 
@@ -37,33 +38,58 @@ CASES = [  # (source, target topology, the rank folders Megatron's save_checkpoi
 def test_legacy_target_equals_the_oracle(tmp_path, fixture, topology, folders):
     out = reshard(FIXTURES / fixture, tmp_path, to="megatron", ckpt_format="torch", optimizer="none",
                   **topology).out_dir
+    _check(out, fixture, topology, folders, "none")
+
+
+ADAM = [  # plain Adam's moments beside the weights (the default from a plain-Adam source)
+    ("legacy_tp2_pp2", dict(tp=1, pp=2), ["mp_rank_00_000", "mp_rank_00_001"]),
+    ("torch_dist_tp2_pp2", dict(tp=1, pp=4), [f"mp_rank_00_00{p}" for p in range(4)]),
+    ("legacy_moe_tp2_ep2_shared", dict(tp=1, ep=1), ["mp_rank_00"]),  # one optimizer
+    ("legacy_moe_tp2_ep2_shared", dict(tp=2, dp=2, ep=2, etp=2),  # chained [dense, experts]
+     ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]),
+]
+
+
+@pytest.mark.parametrize("fixture,topology,folders", ADAM, ids=[f"{c[0]}-{c[1]}" for c in ADAM])
+def test_legacy_target_with_adam_equals_the_oracle(tmp_path, fixture, topology, folders):
+    out = reshard(FIXTURES / fixture, tmp_path, to="megatron", ckpt_format="torch", **topology).out_dir
+    _check(out, fixture, topology, folders, "adam")
+
+
+def _check(out, fixture, topology, folders, kind):
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "3"
     it = out / "iter_0000003"
     assert sorted(p.name for p in it.iterdir()) == folders
     assert not (it / "metadata.json").exists()
     reader = MegatronReader.open(out)
     reader.check()
-    assert reader.loc.fmt == "torch" and all(reader.states(n) == ("weight",) for n in reader.names)
+    want = ("weight",) if kind == "none" else ("weight", "exp_avg", "exp_avg_sq")
+    assert reader.loc.fmt == "torch" and all(reader.states(n) in (want, ("weight",)) for n in reader.names)
+    assert any(reader.states(n) == want for n in reader.names)
     a = reader.arch
     assert (a.tp, a.pp, a.dp) == (topology.get("tp", 1), topology.get("pp", 1), topology.get("dp", 1))
-    assert reader.args.ckpt_format == "torch" and reader.args.no_save_optim
+    assert reader.args.ckpt_format == "torch" and reader.args.no_save_optim == (kind == "none")
     assert compare_megatron(reader, fixture) > 0
     manifest = json.loads((out / "reshard-manifest.json").read_text())
-    assert manifest["optimizer"] == "none"
+    assert manifest["optimizer"] == kind
 
 
 @pytest.mark.parametrize("fixture", ["legacy_tp2_pp2", "legacy_moe_tp2_ep2_shared", "legacy_pp2_vpp2"])
-def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture):
-    """Each file: Megatron's top-level entries (less the optimizer, scheduler and RNG), its model
-    keys in its order (``_extra_state`` included), the same tensors and dtypes, ``args.rank``."""
-    out = reshard(FIXTURES / fixture, tmp_path, to="megatron", optimizer="none").out_dir  # the source's format
+@pytest.mark.parametrize("optimizer", ["none", None])
+def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture, optimizer):
+    """Each file: Megatron's top-level entries (less the RNG states; weights only: less the
+    optimizer and scheduler too), its model keys in its order (``_extra_state`` included), the same
+    tensors and dtypes, ``args.rank``; with the source's plain Adam (the default), Megatron's
+    optimizer entries: param groups, state indices, steps and moments."""
+    out = reshard(FIXTURES / fixture, tmp_path, to="megatron", optimizer=optimizer).out_dir  # the source's format
     src = FIXTURES / fixture / "iter_0000003"
     files = sorted(src.rglob("model_optim_rng.pt"))
     assert sorted(p.relative_to(out / "iter_0000003") for p in (out / "iter_0000003").rglob("*.pt")) == [
         p.relative_to(src) for p in files]
+    left = ("rng_state",) + (("optimizer", "opt_param_scheduler") if optimizer == "none" else ())
     for f in files:
         want, got = safe.load_file(f), safe.load_file(out / "iter_0000003" / f.relative_to(src))
-        assert list(got) == [k for k in want if k not in ("optimizer", "opt_param_scheduler", "rng_state")]
+        assert list(got) == [k for k in want if k not in left]
         assert got["args"].rank == want["args"].rank and got["args"].ckpt_format == "torch"
         for mk in (k for k in want if k.startswith("model")):
             assert list(got[mk]) == list(want[mk]), f
@@ -72,17 +98,32 @@ def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture):
                     assert got[mk][k] is None, k
                 else:
                     assert v.dtype == got[mk][k].dtype and torch.equal(v, got[mk][k]), k
+        if optimizer is None:
+            assert got["opt_param_scheduler"] == want["opt_param_scheduler"]
+            mine, theirs = got["optimizer"], want["optimizer"]
+            assert type(mine) is type(theirs)  # chained (a list) with experts apart
+            for a, b in zip(mine if isinstance(mine, list) else [mine], theirs if isinstance(theirs, list) else [theirs]):
+                assert a["param_groups"] == b["param_groups"] and list(a["state"]) == list(b["state"])
+                for i, st in b["state"].items():
+                    assert list(a["state"][i]) == list(st)
+                    for k, v in st.items():
+                        assert v.dtype == a["state"][i][k].dtype and torch.equal(v, a["state"][i][k]), (f, i, k)
 
 
-def test_legacy_target_optimizer_state_is_refused_before_any_output(tmp_path):
+def test_legacy_target_refusals_come_before_any_output(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(ReshardError, match="--optimizer none"):  # the source's Adam: asked for by default
-        reshard(FIXTURES / "legacy_tp2_pp2", out, to="megatron", tp=1)
-    with pytest.raises(ReshardError, match="--optimizer adam with --ckpt-format torch"):
-        reshard(FIXTURES / "torch_dist_tp2_pp2", out, to="megatron", ckpt_format="torch", optimizer="adam")
-    with pytest.raises(ReshardError, match="--optimizer none"):
-        reshard(FIXTURES / "torch_dist_tp2_pp2", out, to="megatron", ckpt_format="torch")
+    with pytest.raises(ReshardError, match="--optimizer dp_reshardable with --ckpt-format torch"):
+        reshard(FIXTURES / "torch_dist_tp2_pp2", out, to="megatron", ckpt_format="torch", optimizer="dp_reshardable")
+    with pytest.raises(ReshardError, match="the source's optimizer is dp_reshardable.*--optimizer adam"):
+        reshard(FIXTURES / "legacy_dp2_distopt", out, to="megatron", dp=1)  # legacy by default: the source's format
+    with pytest.raises(ReshardError, match="for torch.bfloat16 weights"):
+        reshard(FIXTURES / "torch_dist_dp2_distopt_bf16", out, to="megatron", ckpt_format="torch", optimizer="adam")
+    with pytest.raises(ReshardError, match="would both save mp_rank_00"):  # expert TP above TP: one file, two savers
+        reshard(FIXTURES / "legacy_moe_tp2_ep2_shared", out, to="megatron", tp=1, dp=2, ep=1, etp=2, optimizer="none")
     assert not out.exists()
+    # from a distributed optimizer, plain Adam on request: its moments
+    got = reshard(FIXTURES / "legacy_dp2_distopt", out, to="megatron", dp=1, optimizer="adam").out_dir
+    assert compare_megatron(MegatronReader.open(got), "legacy_dp2_distopt") > 0
 
 
 def test_torch_dist_from_a_legacy_source_on_request(tmp_path):
