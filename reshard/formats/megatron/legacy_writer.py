@@ -8,9 +8,12 @@ topology, ``ckpt_format = 'torch'``, ``args.rank`` the saving rank), ``checkpoin
 tensors under their local names (layers and experts counted from 0), ``_extra_state`` ``None``
 after each linear module as the local spec saves it -- and ``num_floating_point_operations_so_far``.
 
-Weights only: the args say ``no_save_optim`` and ``no_save_rng`` (Megatron loads it with
-``--no-load-optim --no-load-rng``); optimizer state is refused by name before any output exists.
-Each module tensor is one buffer whose map is the key's local map (``lowering.local_map``),
+With ``--optimizer adam`` (the default from a plain-Adam source) also ``optimizer`` -- plain Adam's
+``state_dict()`` over the file's parameters, a chained ``[dense, experts]`` list with experts apart --
+and the source's ``opt_param_scheduler``; with ``none`` the args say ``no_save_optim``. Never RNG
+states (``no_save_rng``: Megatron loads with ``--no-load-rng``). ``distrib_optim.pt`` and plain Adam
+under mixed precision are refused by name before any output exists.
+Each module tensor (and each moment) is one buffer whose map is the key's local map (``lowering.local_map``),
 streamed by ``storage.torch_zip`` (one tensor in memory at a time).
 """
 
