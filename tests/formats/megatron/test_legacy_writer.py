@@ -130,3 +130,17 @@ def test_torch_dist_from_a_legacy_source_on_request(tmp_path):
     out = reshard(FIXTURES / "legacy_tp2_pp2", tmp_path, to="megatron", ckpt_format="torch_dist", tp=1,
                   pp=1).out_dir
     assert (out / "iter_0000003" / "metadata.json").exists()
+
+
+def test_hf_import_as_legacy_files_equals_the_torch_dist_import(tmp_path):
+    """An HF folder imported as legacy files (a release checkpoint, weights only) holds what the
+    torch_dist import holds, key for key (the HF blocks restricted over the local maps)."""
+    from .support import HF_FIXTURES, full
+
+    src = HF_FIXTURES / "pretrained_llama"
+    legacy = MegatronReader.open(reshard(src, tmp_path / "a", to="megatron", tp=2, pp=2, ckpt_format="torch").out_dir)
+    dist = MegatronReader.open(reshard(src, tmp_path / "b", to="megatron", tp=2, pp=2).out_dir)
+    legacy.check()
+    assert legacy.loc.fmt == "torch" and legacy.loc.iteration is None and set(legacy.names) == set(dist.names)
+    for k in dist.names:
+        assert torch.equal(full(legacy, k, "weight"), full(dist, k, "weight")), k
