@@ -113,6 +113,10 @@ class LegacyBackend:
             if not isinstance(sd, dict) or not all(isinstance(sd.get(k), dict) for k in self._model_keys):
                 raise CheckpointError(f"{f}: not a Megatron model_optim_rng.pt (no {' / '.join(self._model_keys)} "
                                       "state dict)")
+            if (sd.get("optimizer") is not None) != self.optim:  # one file's optimizer state would be left unread
+                first = self.files[min(self.files)]
+                raise CheckpointError(f"{f}: {'holds' if not self.optim else 'has no'} optimizer state, {first} "
+                                      f"{'none' if not self.optim else 'holds it'}: files of different saves mixed")
             self._saved_by(f, sd, *key)
             self._sd[key] = sd
         return sd
