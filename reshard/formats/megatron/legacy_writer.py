@@ -10,8 +10,9 @@ after each linear module as the local spec saves it -- and ``num_floating_point_
 
 With ``--optimizer adam`` (the default from a plain-Adam source) also ``optimizer`` -- plain Adam's
 ``state_dict()`` over the file's parameters, a chained ``[dense, experts]`` list with experts apart --
-and the source's ``opt_param_scheduler``; with ``none`` the args say ``no_save_optim``. Never RNG
-states (``no_save_rng``: Megatron loads with ``--no-load-rng``). ``distrib_optim.pt`` and plain Adam
+and the source's ``opt_param_scheduler``; with ``none`` the args say ``no_save_optim``. RNG states
+only where the source is legacy files of the same ranks (each file's copied, checked); else
+``no_save_rng`` (Megatron loads with ``--no-load-rng``). ``distrib_optim.pt`` and plain Adam
 under mixed precision are refused by name before any output exists.
 Each module tensor (and each moment) is one buffer whose map is the key's local map (``lowering.local_map``),
 streamed by ``storage.torch_zip`` (one tensor in memory at a time).
@@ -29,11 +30,11 @@ import torch
 
 from ...errors import ReshardError
 from ...ir.param_map import ParamMap
-from ...storage import torch_zip
+from ...storage import torch_zip, verified
 from ..contract import Buffer, Held, Reader
 from . import safe
 from .files import TRACKER
-from .legacy import MODEL_FILE, _rank_dir
+from .legacy import MODEL_FILE, LegacyBackend, _rank_dir
 from .lowering import local_map
 from .model import EMBED, OUTPUT, LocalParam
 from .reader import MegatronReader
@@ -79,10 +80,10 @@ class MegatronLegacyWriter(MegatronWriter):
                                        f"{len(groups)} parameter groups, not one with weight decay and one without: "
                                        "their legacy indices are not written by reshard")
         self.args = copy.copy(self.args)
-        for k, v in dict(ckpt_format="torch", no_save_optim=kind == "none", no_save_rng=True,
+        self._savers = self._saving_ranks()
+        for k, v in dict(ckpt_format="torch", no_save_optim=kind == "none", no_save_rng=not self._same_ranks(),
                          use_distributed_optimizer=False, dist_ckpt_optim_fully_reshardable=False).items():
             setattr(self.args, k, v)
-        self._savers = self._saving_ranks()
         self._moments: dict[tuple[str, str], Buffer] = {}  # (weight buffer key, state) -> buffer
         self._lmaps: dict[str, ParamMap] = {}
         for spec in a.keys():
@@ -209,6 +210,8 @@ class MegatronLegacyWriter(MegatronWriter):
     def carries(self, held: Held) -> bool:
         kept = _KEPT + (("iteration",) if self.iteration is not None else ()) + \
             (("opt_param_scheduler",) if self.kind == "adam" else ())
+        if held.key.startswith("rng_state"):
+            return self._same_ranks()
         return self.template is not None and held.key.rpartition("/")[2] in kept
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
@@ -240,10 +243,39 @@ class MegatronLegacyWriter(MegatronWriter):
         if self.kind == "adam":
             sd["optimizer"] = self._optimizer(engine, chunks)
             sd["opt_param_scheduler"] = template["opt_param_scheduler"]
+        rng = self._rng(key)
+        if rng is not None:
+            sd["rng_state"] = rng
         sd["num_floating_point_operations_so_far"] = template.get("num_floating_point_operations_so_far", 0)
         if "checkpoint_version" in template:
             sd["checkpoint_version"] = template["checkpoint_version"]
         return sd
+
+    def _same_ranks(self) -> bool:
+        """Whether the source is legacy files of the target's TP, PP, DP, EP and expert TP: each
+        rank's RNG states then stay its own (Megatron loads them where its ranks are the same)."""
+        src = self.own.src if self.own is not None else None
+        if not isinstance(src, LegacyBackend) or src.first.get("rng_state") is None:
+            return False
+        s, t = src.arch, self.arch
+        return (s.tp, s.pp, s.dp, s.ep, s.etp) == (t.tp, t.pp, t.dp, t.ep, t.etp) and set(src.files) == set(self._savers)
+
+    def _rng(self, key: tuple[int, int, int]) -> Any:
+        """The source file's ``rng_state``, checked, where the ranks are the same (else none)."""
+        src = self.own.src if self.own is not None else None
+        if not isinstance(src, LegacyBackend) or not self._same_ranks():
+            return None
+        rng = src.state_dict(key).get("rng_state")
+        stack = [rng]
+        while stack:  # every tensor's record checked now: it is copied outside the engine's fills
+            x = stack.pop()
+            if isinstance(x, torch.Tensor):
+                verified.ensure(x, f"{src.files[key]}: rng_state")
+            elif isinstance(x, dict):
+                stack += list(x.values())
+            elif isinstance(x, (list, tuple)):
+                stack += list(x)
+        return rng
 
     def _optimizer(self, engine: Any, chunks: list) -> Any:
         """Plain Adam's ``state_dict()`` over the file's parameters (docs §3): indices through the

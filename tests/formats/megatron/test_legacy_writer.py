@@ -69,6 +69,7 @@ def _check(out, fixture, topology, folders, kind):
     a = reader.arch
     assert (a.tp, a.pp, a.dp) == (topology.get("tp", 1), topology.get("pp", 1), topology.get("dp", 1))
     assert reader.args.ckpt_format == "torch" and reader.args.no_save_optim == (kind == "none")
+    assert reader.args.no_save_rng and all("rng_state" not in reader.src.state_dict(k) for k in reader.src.files)
     assert compare_megatron(reader, fixture) > 0
     manifest = json.loads((out / "reshard-manifest.json").read_text())
     assert manifest["optimizer"] == kind
@@ -86,11 +87,12 @@ def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture, opt
     files = sorted(src.rglob("model_optim_rng.pt"))
     assert sorted(p.relative_to(out / "iter_0000003") for p in (out / "iter_0000003").rglob("*.pt")) == [
         p.relative_to(src) for p in files]
-    left = ("rng_state",) + (("optimizer", "opt_param_scheduler") if optimizer == "none" else ())
+    left = ("optimizer", "opt_param_scheduler") if optimizer == "none" else ()
     for f in files:
         want, got = safe.load_file(f), safe.load_file(out / "iter_0000003" / f.relative_to(src))
         assert list(got) == [k for k in want if k not in left]
         assert got["args"].rank == want["args"].rank and got["args"].ckpt_format == "torch"
+        assert not got["args"].no_save_rng and _same(got["rng_state"], want["rng_state"])  # the same ranks: copied
         for mk in (k for k in want if k.startswith("model")):
             assert list(got[mk]) == list(want[mk]), f
             for k, v in want[mk].items():
@@ -108,6 +110,18 @@ def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture, opt
                     assert list(a["state"][i]) == list(st)
                     for k, v in st.items():
                         assert v.dtype == a["state"][i][k].dtype and torch.equal(v, a["state"][i][k]), (f, i, k)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if type(a).__name__ == "ndarray":
+        return type(b).__name__ == "ndarray" and a.dtype == b.dtype and (a == b).all()
+    return a == b
 
 
 def test_legacy_target_refusals_come_before_any_output(tmp_path):
