@@ -71,6 +71,9 @@ OPTIONS: dict[str, Option] = {
                        "moved as stored", {"choices": ("fp8", "fp8-ue8m0", "keep")}),
     "block": Option("--block", "with --quantize: the scale block, rows x columns (default: an FP8 source's own, "
                     "else 128x128)", {"type": "block", "metavar": "RxC"}),
+    "ckpt_format": Option("--ckpt-format", "Megatron's checkpoint format, as Megatron-LM's own flag names it: torch_dist, "
+                          "or torch (legacy mp_rank_* files: weights, with plain Adam or none) (default: a Megatron "
+                          "source's, else torch_dist)", {"choices": ("torch_dist", "torch")}),
     "optimizer": Option("--optimizer", "its optimizer state's layout (default: the source's; from an HF "
                         "folder: none)", {"choices": ("none", "adam", "dp_reshardable", "fully_reshardable")}),
 }
@@ -167,11 +170,12 @@ FORMATS: tuple[Format, ...] = (
     Format("megatron", "a Megatron-Core checkpoint", probe=1,  # before dcp: a torch_dist iteration folder is one
            reads="Megatron-LM's save folder (torch_dist or legacy torch, TP x PP x DP x EP)",
            writes="Megatron-Core torch_dist at TP x PP x DP (x EP), from a Megatron source, an HF folder, or a DCP / "
-           "universal checkpoint in HF names (with --hf-config)",
+           "universal checkpoint in HF names (with --hf-config); or legacy torch files, plain Adam or weights only "
+           "(--ckpt-format torch)",
            detect="reshard.formats.megatron.files:is_megatron", hint="latest_checkpointed_iteration.txt, iter_*",
            reader="reshard.formats.megatron.reader:MegatronReader.open", reader_names=True,
-           writer="reshard.formats.megatron.writer:MegatronWriter",
-           reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype", "hf_config"),
+           writer="reshard.formats.megatron.writer:megatron_writer",
+           reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype", "hf_config", "ckpt_format"),
            writes_from=("megatron", "safetensors", "dcp", "universal"),
            source_example="reshard reshard MEGATRON OUT --tp 1 --pp 2",
            target_example="reshard reshard HF_FOLDER OUT --to megatron --tp 2 --pp 2"),

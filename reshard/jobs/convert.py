@@ -186,6 +186,7 @@ def reshard(
     drop: Sequence[str] = (),
     hf_config: str | Path | None = None,
     quantize: str | None = None,
+    ckpt_format: str | None = None,
 ) -> Report:
     """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``, in the
     format ``to`` names, by default the source's own where it is written at a topology (a
@@ -203,11 +204,13 @@ def reshard(
     Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP, x expert TP ``etp``), from a
     Megatron source or an HF one (or DCP / universal in HF names, the model's ``config.json`` in
     the folder ``hf_config``), its optimizer state laid out as ``optimizer`` says
-    (``formats.megatron.writer``). ``verify_source``, ``verify`` and ``drop`` as for :func:`convert`;
+    (``formats.megatron.writer``); ``ckpt_format="torch"``: legacy files, weights only
+    (``formats.megatron.legacy_writer``; the default is a Megatron source's format). ``verify_source``, ``verify`` and ``drop`` as for :func:`convert`;
     ``quantize="keep"`` (``to="dcp"``): a quantized source's payloads and scales as entries of their own,
     byte for byte (``formats.dcp.writer``)."""
     given = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep, "etp": etp,
-             "layout": layout, "dtype": dtype, "optimizer": optimizer, "hf_config": hf_config, "quantize": quantize}
+             "layout": layout, "dtype": dtype, "optimizer": optimizer, "hf_config": hf_config, "quantize": quantize,
+             "ckpt_format": ckpt_format}
     target = reshard_target(ckpt_dir, to, given)
     check_options(target.name, given)
     patterns(drop)

@@ -337,7 +337,7 @@ def _write(source: str, target: str, src: Path, out: Path) -> Path:
     if target == "deepspeed":
         return reshard(src, out, to="deepspeed", tp=1, dp=2).out_dir
     if target == "megatron":
-        return reshard(src, out, to="megatron").out_dir
+        return reshard(src, out, to="megatron", ckpt_format="torch_dist").out_dir
     return convert(src, out, fmt=target, **options).out_dir
 
 

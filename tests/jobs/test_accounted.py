@@ -155,7 +155,9 @@ UNNAMED = {"megatron-mla-moe": "decoder.layers.1.mlp.shared_experts.gate_weight"
            "megatron-legacy-moe": "decoder.layers.1.mlp.router.expert_bias"}
 # the contract suite's other targets (tests/formats/test_routes.py), for the source that has HF names for every
 # tensor: an HF folder and a Megatron checkpoint take the route; vLLM's writer refuses the architecture by name
-MORE_TARGETS = {"megatron-deepseek-v3": ("hf", "megatron", "vllm")}
+MORE_TARGETS = {"megatron-deepseek-v3": ("hf", "megatron", "vllm"),
+                # legacy sources to legacy files (--ckpt-format torch, the source's format: the default)
+                "megatron-legacy": ("megatron",), "megatron-legacy-moe": ("megatron",)}
 ARCH_REFUSED = {("megatron-deepseek-v3", "vllm"): r"architecture \['DeepseekV3ForCausalLM'\] -- --format vllm writes"}
 # where the target copies the source's own files, the planted buffer is written, not refused
 CARRIED = {("deepspeed-autotp-zero1", "ucp"), ("deepspeed-zero3", "ucp"), *(("deepspeed-autoep", t) for t in TARGETS)}

@@ -57,6 +57,8 @@ class LegacyBackend:
         self.args = self.first["args"]
         self.arch = Arch.from_args(self.args, f"{first}: args")
         self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
+        # --no-save-optim (and reshard's weights-only legacy target): no optimizer entry, the weights alone
+        self.optim = self.first.get("optimizer") is not None
         if self.arch.mtp:  # no legacy fixture: the MTP block's legacy names are unverified
             raise CheckpointError(f"{first}: args.mtp_num_layers = {self.arch.mtp}: legacy checkpoints with "
                                   "multi-token prediction layers are not read by reshard")
@@ -111,6 +113,10 @@ class LegacyBackend:
             if not isinstance(sd, dict) or not all(isinstance(sd.get(k), dict) for k in self._model_keys):
                 raise CheckpointError(f"{f}: not a Megatron model_optim_rng.pt (no {' / '.join(self._model_keys)} "
                                       "state dict)")
+            if (sd.get("optimizer") is not None) != self.optim:  # one file's optimizer state would be left unread
+                first = self.files[min(self.files)]
+                raise CheckpointError(f"{f}: {'holds' if not self.optim else 'has no'} optimizer state, {first} "
+                                      f"{'none' if not self.optim else 'holds it'}: files of different saves mixed")
             self._saved_by(f, sd, *key)
             self._sd[key] = sd
         return sd
@@ -291,7 +297,7 @@ class LegacyBackend:
 
     # -- what the reader reads -------------------------------------------------------------------
     def states(self, spec: KeySpec) -> tuple[str, ...]:
-        if spec.buffer:
+        if spec.buffer or not self.optim:
             return ("weight",)
         return ("weight", "fp32", "exp_avg", "exp_avg_sq") if self.distopt else ("weight", "exp_avg", "exp_avg_sq")
 
@@ -317,6 +323,8 @@ class LegacyBackend:
                     (self._flat(lp, s) if self.distopt else self._adam(lp, s))
 
     def step(self) -> Any:
+        if not self.optim:
+            return None
         opt = self._optimizer(min(self.files), False)
         if self.distopt:
             groups = (opt.get("optimizer") or {}).get("param_groups") or []
@@ -329,8 +337,8 @@ class LegacyBackend:
 
     def param_groups(self) -> list[dict[str, Any]]:
         """Every optimizer's groups: the dense one's, then (experts apart) the expert optimizer's."""
-        groups = []
-        for experts in (False, True) if self.arch.expert_apart else (False,):
+        groups: list[dict[str, Any]] = []
+        for experts in (False, True) if self.arch.expert_apart and self.optim else (False,) if self.optim else ():
             opt = self._optimizer(min(self.files), experts)  # distributed: {'optimizer': {'param_groups': ...}}
             groups += ((opt.get("optimizer") or {}) if self.distopt else opt).get("param_groups") or []
         return [{k: v for k, v in g.items() if k != "params"} for g in groups]
@@ -338,6 +346,6 @@ class LegacyBackend:
     @property
     def iteration_files(self) -> list[Path]:
         out = list(self.files.values())
-        if self.distopt:
+        if self.distopt and self.optim:
             out += [f.parent / OPTIM_FILE for f in self.files.values()]
         return out

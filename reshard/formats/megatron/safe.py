@@ -29,7 +29,7 @@ from ...storage import safe_load
 from ...storage.pickling import pickle_module_for
 from ...storage.safe_load import AllowList
 
-__all__ = ["STAND_INS", "dumps", "load_bytes", "load_file", "safe_globals"]
+__all__ = ["PICKLER", "STAND_INS", "dumps", "load_bytes", "load_file", "safe_globals"]
 
 
 class _Member:
@@ -100,6 +100,7 @@ def load_file(path: Path) -> Any:
 
 
 _PICKLE = pickle_module_for(STAND_INS, "reshard_megatron_pickle")
+PICKLER = _PICKLE.Pickler  # for storage.torch_zip: stand-ins under Megatron's names
 
 
 def dumps(value: Any) -> bytes:

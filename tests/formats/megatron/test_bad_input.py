@@ -410,3 +410,15 @@ def test_a_flipped_legacy_adam_step_is_refused_when_records_are_checked_as_read(
     f.write_bytes(bytes(data))
     monkeypatch.setattr(verified, "EAGER_BYTES", 0)
     _refused(src, tmp_path, "mp_rank_00_000", "optimizer[0].state.0.step", "CRC-32", fmt="ucp")
+
+
+@pytest.mark.parametrize("which", ["mp_rank_00_000", "mp_rank_01_001"])
+def test_legacy_files_of_weights_only_and_with_optimizer_mixed(tmp_path, which):
+    """One file without its optimizer entry (as a weights-only save writes it) beside files with one:
+    refused naming it, never read as weights only with the others' moments left unread."""
+    src = _copy(tmp_path, "legacy_tp2_pp2")
+    f = src / "iter_0000003" / which / "model_optim_rng.pt"
+    sd = safe.load_file(f)
+    del sd["optimizer"]
+    _save(sd, f)
+    _refused(src, tmp_path, "optimizer state", "files of different saves mixed")

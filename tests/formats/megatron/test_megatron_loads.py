@@ -103,7 +103,7 @@ def _megatron(ckpt: Path, out: Path, topology: dict, optim: bool, forward: bool 
 def test_megatron_loads_the_resharded_checkpoint(tmp_path, fixture, topology, optim):
     from safetensors.torch import load_file
 
-    out = reshard(FIXTURES / fixture, tmp_path / "ckpt", to="megatron", **topology).out_dir
+    out = reshard(FIXTURES / fixture, tmp_path / "ckpt", to="megatron", ckpt_format="torch_dist", **topology).out_dir
     got = _megatron(out, tmp_path / "reload", topology, optim)
     ref = FIXTURES / fixture / "oracle"
     model = load_file(str(ref / "model.safetensors"))
@@ -229,3 +229,40 @@ def test_megatron_loads_a_moe_checkpoint_back_from_dcp(tmp_path):
             if k.endswith(("embedding.word_embeddings.weight", "output_layer.weight")):
                 g, v = g[:vocab], v[:vocab]
             assert torch.equal(g, v), (part, k)
+
+
+LEGACY_TARGETS = [  # (source, target topology): legacy files (--ckpt-format torch); "optimizer": "none" = weights only
+    ("legacy_tp2_pp2", dict(tp=1, pp=2, dp=1, optimizer="none")),
+    ("torch_dist_tp2_pp2", dict(tp=2, pp=1, dp=1, optimizer="none")),
+    ("legacy_moe_tp2_ep2_shared", dict(tp=1, pp=1, dp=2, ep=2, optimizer="none")),  # files mp_rank_00_{000,001}
+    ("legacy_moe_tp2_ep2_shared", dict(tp=2, pp=1, dp=1, ep=2, etp=1, optimizer="none")),  # folded, as the source
+    # plain Adam: a chained [dense, experts] optimizer with experts apart
+    ("legacy_tp2_pp2", dict(tp=1, pp=2, dp=1, optimizer="adam")),
+    ("torch_dist_tp2_pp2", dict(tp=2, pp=1, dp=1, optimizer="adam")),
+    ("legacy_moe_tp2_ep2_shared", dict(tp=1, pp=1, dp=2, ep=2, optimizer="adam")),
+    ("legacy_moe_tp2_ep2_shared", dict(tp=1, pp=1, dp=1, ep=1, optimizer="adam")),
+]
+
+
+@pytest.mark.parametrize("fixture,topology", LEGACY_TARGETS, ids=[f"{c[0]}-{c[1]}" for c in LEGACY_TARGETS])
+def test_megatron_loads_a_legacy_target(tmp_path, fixture, topology):
+    """A legacy target (``--ckpt-format torch``) at another TP / PP / EP: Megatron's ``load_checkpoint``
+    (``--ckpt-format torch --no-load-rng``, and ``--no-load-optim`` for weights only) reads it, and its
+    model (and Adam's moments) equal Megatron's reload of the source."""
+    from safetensors.torch import load_file
+
+    out = reshard(FIXTURES / fixture, tmp_path / "ckpt", to="megatron", ckpt_format="torch", **topology).out_dir
+    optim = topology["optimizer"] == "adam"
+    got = _megatron(out, tmp_path / "reload", topology, optim)
+    info = json.loads((tmp_path / "reload" / "oracle.json").read_text())
+    assert info["checkpoint_format"] == "torch"
+    assert set(got) == ({"model", "optimizer"} if optim else {"model"})
+    for part, tensors in got.items():
+        want = load_file(str(FIXTURES / fixture / "oracle" / f"{part}.safetensors"))
+        if part == "optimizer":  # plain Adam keeps no fp32 masters
+            want = {k: v for k, v in want.items() if not k.startswith("param.")}
+        assert set(tensors) == set(want), (part, sorted(set(tensors) ^ set(want))[:4])
+        for k, v in want.items():
+            assert torch.equal(tensors[k], v), (part, k)
+    print(f"{fixture} -> legacy {topology}: Megatron reloads {', '.join(got)} equal to its reload of the source",
+          file=sys.stderr)

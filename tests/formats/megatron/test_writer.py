@@ -72,7 +72,7 @@ CASES = [
 
 @pytest.mark.parametrize("fixture,topology,kind", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_resharded_equals_the_oracle(tmp_path, fixture, topology, kind):
-    report = reshard(FIXTURES / fixture, tmp_path, to="megatron", **topology)
+    report = reshard(FIXTURES / fixture, tmp_path, to="megatron", ckpt_format="torch_dist", **topology)
     out = report.out_dir
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "3"
     it = out / "iter_0000003"
