@@ -154,7 +154,8 @@ def _groups(reader: Reader, names: Sequence[str]) -> tuple[list[list[str]], list
     return listed, hyper
 
 
-def fresh(reader: Reader, *, stage: int, dtype: torch.dtype, step: float, order: Sequence[str]) -> Templates:
+def fresh(reader: Reader, *, stage: int, dtype: torch.dtype, step: float, order: Sequence[str],
+          clip_grad: float | None = None) -> Templates:
     """The dictionaries DeepSpeed 0.19.8 saves for a fresh ZeRO job over ``reader``'s parameters
     (``order``: the model's), after ``step`` optimizer steps."""
     names = list(order)
@@ -181,7 +182,10 @@ def fresh(reader: Reader, *, stage: int, dtype: torch.dtype, step: float, order:
                "fp32_flat_groups": []}
     else:
         state = {g: {"step": step_t.clone(), "exp_avg": None, "exp_avg_sq": None} for g in range(len(group_names))}
-        osd = {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False, "clip_grad": 0.0,
+        # DeepSpeed's ZeRO-1/2 loader restores clip_grad from the file over the job's config: the
+        # source's where it records one, else 0.0 (what a job without clipping saves)
+        osd = {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
+               "clip_grad": 0.0 if clip_grad is None else clip_grad,
                "base_optimizer_state": {"state": state, "param_groups": [{**h, "params": [g]}
                                                                          for g, h in enumerate(hyper)]},
                "single_partition_of_fp32_groups": [], "zero_stage": ZeroStageEnum(stage), "group_paddings": [],

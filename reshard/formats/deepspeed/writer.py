@@ -215,7 +215,12 @@ class DeepSpeedWriter(Writer):
         own = reader.dtype(first, next(s for s in BEST if s in have))
         steps = [reader.step(n) for n in reader.names]
         step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
-        tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order)
+        clip = reader.grad_clip()
+        tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order, clip_grad=clip)
+        if clip is None and stage != 3:
+            self._notes.append("clip_grad 0.0 in the optimizer files (the source records no gradient clipping): "
+                               "DeepSpeed's ZeRO-1/2 loader takes it over the job's gradient_clipping, so a "
+                               "resumed job runs unclipped")
         self._written_aliases = set(tpl.shared)  # the module holds them, sharing their weight's tensor
         if tp == 1:
             maps = {n: replicated(reader.shape(n), 1) for n in reader.names}
@@ -275,7 +280,8 @@ class DeepSpeedWriter(Writer):
         own = reader.dtype(first, next(s for s in BEST if s in reader.states(first)))
         steps = [reader.step(n) for n in reader.names]
         step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
-        tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order)
+        tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order,
+                              clip_grad=reader.grad_clip())
         experts = {n for lay in layers for n in lay.params}
         mixed = [g for g in tpl.group_names if experts & set(g) and not experts >= set(g)]
         if mixed:
