@@ -44,21 +44,34 @@ NAMES = {v: k for k, v in DTYPES.items()}
 TIED = ("lm_head.weight", "model.embed_tokens.weight")  # (alias save_pretrained drops, the weight kept)
 
 
-def kept_fp32(config: dict[str, Any], dtype: torch.dtype | None) -> Callable[[str], bool] | None:
-    """Which tensor names the config's architecture keeps in float32 when loaded in ``dtype``
+def kept_fp32(config: dict[str, Any], dtype: torch.dtype | None) -> Callable[[str], bool]:
+    """Whether the config's architecture keeps a tensor name in float32 when loaded in ``dtype``
     (transformers' ``_keep_in_fp32_modules_strict``, and ``_keep_in_fp32_modules`` for float16, matched
-    as transformers does, by substring); ``None`` where transformers does not know the architecture."""
+    as transformers does, by substring); never where transformers does not know the architecture.
+    Asked only of float32 values a cast would narrow: the model class is imported then (~100 MiB of
+    modules), not on every export."""
+    mods: list[str] | None = None
+
+    def kept(name: str) -> bool:
+        nonlocal mods
+        if mods is None:
+            mods = _fp32_modules(config, dtype)
+        return any(m in name for m in mods)
+    return kept
+
+
+def _fp32_modules(config: dict[str, Any], dtype: torch.dtype | None) -> list[str]:
     arch = (config.get("architectures") or [None])[0]
     try:
         import transformers
 
         cls = getattr(transformers, arch) if isinstance(arch, str) else None
     except (ImportError, AttributeError):
-        return None
+        return []
     mods = list(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])
     if dtype == torch.float16:
         mods += list(getattr(cls, "_keep_in_fp32_modules", None) or [])
-    return (lambda name: any(m in name for m in mods)) if mods else None
+    return mods
 
 
 def metadata_folder(reader: Reader, hf_config: str | Path | None) -> Path | None:

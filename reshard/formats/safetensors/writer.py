@@ -141,7 +141,8 @@ class SafetensorsWriter(Writer):
             own = torch.float32 if masters else reader.dtype(n, state)
             out, shape = self.names[n], reader.shape(n)
             # what the model computes in float32 (``fp32``: transformers' _keep_in_fp32_modules) is never narrowed
-            want = own if own == torch.float32 and fp32 is not None and fp32(out) else dtype or own
+            want = own if own == torch.float32 and dtype not in (None, own) and fp32 is not None and fp32(out) \
+                else dtype or own
             self.params.append((out, shape, want))
             copy = self._as_stored(n)
             if self.keep and copy is not None:  # payload and scales by the source's names for them
