@@ -8,10 +8,11 @@ qk_nope 128 + qk_rope 64, v_head 128; dense MLP 18432) and a few layers, random 
 norms 1, seeded), written stripe by stripe (no tensor whole in memory) as sharded safetensors with an
 index; with ``fp8`` each decoder linear is an E4M3 payload with float32 ``weight_scale_inv`` per
 128 x 128 block (``reshard.ir.codec.fp8_block_encode``, as DeepSeek-V3's release stores them), so the
-import decodes them on the way. Every layer is dense (``first_k_dense_replace`` = the layer count):
-``deepseek_v3.json`` maps MLA with dense MLPs; ``moe_layers`` > 0 makes the last layers MoE
-(``n_routed_experts`` experts of full width 2048, one shared expert) for when that mapping lands (until
-then reshard refuses them by name and the benchmark says so).
+import decodes them on the way. The first layers are dense (``first_k_dense_replace``); ``moe_layers`` > 0
+makes the last ones MoE (``deepseek_v3.json`` maps the router, ``e_score_correction_bias`` (float32, as the
+release stores it), the routed experts and the shared expert): ``experts`` routed experts (default 8, not
+DeepSeek-V3's 256: 256 full-width experts are 21 GB a layer, past a scratch disk) of full width
+``moe_intermediate_size`` 2048, one shared expert.
 
 Two commands, each a subprocess, peak RSS by ``benchmarks.common.tree_rss`` (the process tree's summed
 RSS every 20 ms) and each process's ``VmHWM`` (``bench_fp8_export.measured``):
@@ -25,7 +26,7 @@ bit. Random stripes are made once per width and reused (``_Pool``): the weights 
 different. The source's hashes are taken as it is written, so SRC is deleted once imported (disk: two
 checkpoints at a time). Everything lives in a temporary folder (``$DSV3_TMP``, default /tmp), deleted after.
 
-    python -m benchmarks.bench_dsv3_memory [--layers 2,4] [--fp8] [--moe-layers 0]
+    python -m benchmarks.bench_dsv3_memory [--layers 2,4] [--fp8] [--moe-layers 0] [--experts 8]
     (make bench: $DSV3_LAYERS, default "1,2" of a narrow vocabulary ("small"); DSV3_FULL=1 for full widths)
 """
 
@@ -222,14 +223,15 @@ def _tree_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def one(widths: dict, layers: int, fp8: bool, moe_layers: int, work: Path) -> list[str]:
+def one(widths: dict, layers: int, fp8: bool, moe_layers: int, work: Path, experts: int = 8) -> list[str]:
     from benchmarks.common import row
 
     src, mg, back = work / "hf", work / "mg", work / "back"
-    cfg = config(widths, layers, moe_layers)
+    cfg = config(widths, layers, moe_layers, experts)
     t = time.perf_counter()
     made = write_folder(src, cfg, fp8)
-    what = (f"{layers} layers ({moe_layers} MoE), hidden {widths['hidden_size']}, vocab {widths['vocab_size']}"
+    what = (f"{layers} layers ({moe_layers} MoE" + (f", {experts} experts of {widths['moe_intermediate_size']}" if moe_layers else "")
+            + f"), hidden {widths['hidden_size']}, vocab {widths['vocab_size']}"
             + (", FP8 linears" if fp8 else ", bf16"))
     lines = [f"  DeepSeek-V3-shaped {what}: {made['parameters'] / 1e9:.2f}B parameters, {made['files']} files, "
              f"{made['bytes'] / MIB:,.0f} MiB (generated in {time.perf_counter() - t:.0f} s)"]
@@ -257,7 +259,7 @@ def one(widths: dict, layers: int, fp8: bool, moe_layers: int, work: Path) -> li
 
 
 def main(layers: list[int] | None = None, fp8: bool | None = None, moe_layers: int = 0,
-         full: bool | None = None) -> list[str]:
+         full: bool | None = None, experts: int = 8) -> list[str]:
     try:
         import psutil  # noqa: F401
         from transformers import DeepseekV3Config  # noqa: F401
@@ -269,7 +271,7 @@ def main(layers: list[int] | None = None, fp8: bool | None = None, moe_layers: i
     out = []
     for n in layers:
         with tempfile.TemporaryDirectory(prefix="dsv3_mem_", dir=os.environ.get("DSV3_TMP")) as tmp:
-            out += one(FULL if full else SMALL, n, fp8, moe_layers, Path(tmp))
+            out += one(FULL if full else SMALL, n, fp8, moe_layers, Path(tmp), experts)
     return out
 
 
@@ -277,12 +279,14 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default=None, help="comma-separated layer counts (default $DSV3_LAYERS)")
     ap.add_argument("--fp8", action="store_true", help="the decoder linears FP8 with block scales (as released)")
-    ap.add_argument("--moe-layers", type=int, default=0, help="the last N layers MoE (needs the MoE mapping)")
+    ap.add_argument("--moe-layers", type=int, default=0, help="the last N layers MoE")
+    ap.add_argument("--experts", type=int, default=8,
+                    help="routed experts per MoE layer (DeepSeek-V3 has 256: too big for a scratch disk)")
     ap.add_argument("--full", action="store_true", help="DeepSeek-V3's full widths (else $DSV3_FULL)")
     a = ap.parse_args()
     from benchmarks.common import machine
 
     print(f"machine: {machine()}", flush=True)
     for line in main([int(x) for x in a.layers.split(",")] if a.layers else None, a.fp8 or None, a.moe_layers,
-                     a.full or None):
+                     a.full or None, a.experts):
         print(line, flush=True)

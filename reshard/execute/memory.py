@@ -233,3 +233,28 @@ _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
 _MADVISE = _madvise() if sys.platform.startswith("linux") else None
+
+
+def _malloc_trim():
+    try:
+        fn = ctypes.CDLL(None).malloc_trim  # glibc only (musl, macOS: absent)
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim() if sys.platform.startswith("linux") else None
+
+
+def trim_heap() -> bool:
+    """Hand the allocator's free heap pages back to the kernel (glibc ``malloc_trim(0)``); ``False``
+    where there is no such call. Why: glibc serves a freed size of up to 32 MiB from its heap ever
+    after (its mmap threshold follows the largest freed mapping), and a heap's free pages between
+    live chunks stay resident; a job that makes and drops band-sized temporaries (a decoded weight,
+    ``bands.Banded``) then grows by the holes, parameter after parameter (DeepSeek-V3's FP8 import:
+    ~30 MiB a layer). ``malloc_trim`` releases every free whole page, not only the heap's top."""
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True

@@ -9,7 +9,9 @@ they stand, written from any source (``--format hf``): the weights directly in `
   Megatron's ``args``). Without one the export is refused: ``from_pretrained`` could not load it.
 * **Dtype**: ``dtype``, else the config's (``dtype`` / ``torch_dtype``), cast from the most precise
   weights the source holds (fp32 masters where there are some); ``config.json`` then says the
-  dtype the weights have.
+  dtype the weights have. What the architecture computes in float32 whatever it loads in
+  (transformers' ``_keep_in_fp32_modules_strict``: DeepseekV3's ``e_score_correction_bias``, as the
+  release stores it) is not narrowed: float32 source values stay float32 (:func:`kept_fp32`).
 * **Quantized sources** are written decoded (``formats/safetensors/quantized.py``): the config's
   ``quantization_config`` is dropped, so ``from_pretrained`` loads an ordinary model.
 * **Tied embeddings** (``tie_word_embeddings``): written once, as ``save_pretrained`` does -- the
@@ -31,7 +33,7 @@ from ...errors import ReshardError
 from ..contract import Buffer, Held, Reader, Writer
 from ..safetensors.writer import SafetensorsWriter
 
-__all__ = ["HfWriter", "fp8_config", "metadata_folder"]
+__all__ = ["HfWriter", "fp8_config", "kept_fp32", "metadata_folder"]
 
 # what a model folder holds beside its weights, carried as they are (the config may be rewritten)
 CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -40,6 +42,36 @@ CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NAMES = {v: k for k, v in DTYPES.items()}
 TIED = ("lm_head.weight", "model.embed_tokens.weight")  # (alias save_pretrained drops, the weight kept)
+
+
+def kept_fp32(config: dict[str, Any], dtype: torch.dtype | None) -> Callable[[str], bool]:
+    """Whether the config's architecture keeps a tensor name in float32 when loaded in ``dtype``
+    (transformers' ``_keep_in_fp32_modules_strict``, and ``_keep_in_fp32_modules`` for float16, matched
+    as transformers does, by substring); never where transformers does not know the architecture.
+    Asked only of float32 values a cast would narrow: the model class is imported then (~100 MiB of
+    modules), not on every export."""
+    mods: list[str] | None = None
+
+    def kept(name: str) -> bool:
+        nonlocal mods
+        if mods is None:
+            mods = _fp32_modules(config, dtype)
+        return any(m in name for m in mods)
+    return kept
+
+
+def _fp32_modules(config: dict[str, Any], dtype: torch.dtype | None) -> list[str]:
+    arch = (config.get("architectures") or [None])[0]
+    try:
+        import transformers
+
+        cls = getattr(transformers, arch) if isinstance(arch, str) else None
+    except (ImportError, AttributeError):
+        return []
+    mods = list(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        mods += list(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    return mods
 
 
 def metadata_folder(reader: Reader, hf_config: str | Path | None) -> Path | None:
@@ -82,8 +114,9 @@ class HfWriter(Writer):
         if self.tied:
             out = {n: o for n, o in out.items() if o != TIED[0]}
         self.inner = SafetensorsWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, names=out, index=False,
-                                       quantize=quantize, block=block, config=self.config)
-        self.dtype = self.inner.params[0][2] if self.inner.params else torch.float32
+                                       quantize=quantize, block=block, config=self.config,
+                                       fp32=kept_fp32(self.config, dtype) if dtype is not None else None)
+        self.dtype = dtype or (self.inner.params[0][2] if self.inner.params else torch.float32)
         self.carried = [f for f in CARRIED if self.folder is not None and (self.folder / f).is_file() and
                         f != "config.json"]
         self.prefix = prefix

@@ -110,7 +110,7 @@ class SafetensorsWriter(Writer):
     def __init__(self, reader: Reader, *, max_file_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
                  with_optimizer: bool = False, names: dict[str, str] | None = None, index: bool = True,
                  quantize: str | None = None, block: tuple[int, int] | None = None,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, fp32: Callable[[str], bool] | None = None) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise ReshardError(f"--dtype {dtype} is not a safetensors dtype")
         if quantize is not None and quantize not in (*QUANTIZE, KEEP):
@@ -140,20 +140,23 @@ class SafetensorsWriter(Writer):
                 raise ReshardError(f"{reader.sources[-1]}: parameter {n!r} has no weights to write")
             own = torch.float32 if masters else reader.dtype(n, state)
             out, shape = self.names[n], reader.shape(n)
-            self.params.append((out, shape, dtype or own))
+            # what the model computes in float32 (``fp32``: transformers' _keep_in_fp32_modules) is never narrowed
+            want = own if own == torch.float32 and dtype not in (None, own) and fp32 is not None and fp32(out) \
+                else dtype or own
+            self.params.append((out, shape, want))
             copy = self._as_stored(n)
             if self.keep and copy is not None:  # payload and scales by the source's names for them
                 payload, raw, raw_scales = out + copy.payload_suffix, copy.payload(), copy.scales()
                 self.source[payload] = n
-                self.encoded[payload] = (out + copy.scales_suffix, dtype or own, copy)
+                self.encoded[payload] = (out + copy.scales_suffix, want, copy)
                 self.specs += [(payload, tuple(raw.shape), raw.dtype),
                                (out + copy.scales_suffix, tuple(raw_scales.shape), raw_scales.dtype)]
                 continue
             if self.scale_fmt is None or not (copy is not None or quantizable(out, shape, self.linears)):
-                self.specs.append((out, shape, dtype or own))
+                self.specs.append((out, shape, want))
                 continue
             scales = out[:-len(".weight")] + ".weight_scale_inv" if out.endswith(".weight") else out + "_scale_inv"
-            self.encoded[out] = (scales, dtype or own, copy)
+            self.encoded[out] = (scales, want, copy)
             sdtype = copy.scales().dtype if copy is not None else SCALE_FORMATS[self.scale_fmt]
             self.specs += [(out, shape, torch.float8_e4m3fn), (scales, scale_grid(shape, self.block), sdtype)]
         self.groups = _keep_pairs(plan_files(self.specs, max_file_bytes), set(self.encoded))

@@ -77,6 +77,22 @@ def test_deepseek_v3_moe_export_loads_with_oracle_weights_and_megatron_logits(ex
     assert diff < LOGITS_ATOL, diff
 
 
+def test_a_bf16_export_keeps_the_expert_bias_float32(tmp_path):
+    """``--dtype bf16`` casts the weights, not what DeepseekV3 computes in float32 whatever it loads in
+    (transformers' ``_keep_in_fp32_modules_strict``: the router's weight and bias): the expert bias stays Megatron's fp32 buffer bit
+    for bit, as DeepSeek-V3's release stores it (a bf16 copy would move the routing)."""
+    folder = convert(FIXTURES / DSV3, tmp_path / "hf", fmt="hf", dtype=torch.bfloat16).out_dir
+    written = load_file(str(folder / "model.safetensors"))
+    assert written[BIAS].dtype == torch.float32
+    assert torch.equal(written[BIAS], oracle(DSV3)[0]["decoder.layers.1.mlp.router.expert_bias"])
+    kept = {BIAS, "model.layers.1.mlp.gate.weight"}  # DeepseekV3's router weight too (this fixture: fp32)
+    assert {k for k, v in written.items() if v.dtype == torch.float32} == kept
+    assert {v.dtype for k, v in written.items() if k not in kept} == {torch.bfloat16}  # the rest cast as asked
+    model, info = _load(folder)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert torch.equal(model.model.layers[1].mlp.gate.e_score_correction_bias, written[BIAS])
+
+
 @pytest.mark.parametrize("wrong", ["zero expert bias", "norm_topk_prob off", "routed_scaling_factor 1",
                                    "no group limit"])
 def test_a_wrong_router_moves_the_logits(exported, wrong):
