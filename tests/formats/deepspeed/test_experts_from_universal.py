@@ -109,6 +109,7 @@ def test_a_router_alias_that_is_not_its_router_is_refused(ucp, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # make test-all; make test keeps the file-for-file checks of the same route
 def test_deepspeed_loads_the_experts_written_from_its_universal(ucp, tmp_path):
     """One real job at world 2, EP 2: DeepSpeed resumes its own universal checkpoint of the fixture,
     then reshard's files written from that universal checkpoint natively. Masters, moments and

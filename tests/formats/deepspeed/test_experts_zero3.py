@@ -282,6 +282,7 @@ def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(world, ep
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # make test-all; make test keeps the file-for-file checks of the same route
 def test_deepspeed_loads_the_zero3_experts_written_at_zero1(tmp_path):
     """One real job at world 2, EP 2: DeepSpeed resumes the ZeRO-3 source natively at ZeRO-3, then
     reshard's ZeRO-1 files natively at ZeRO-1. After the load every parameter's master, moments and
