@@ -174,7 +174,7 @@ FORMATS: tuple[Format, ...] = (
            "(--ckpt-format torch)",
            detect="reshard.formats.megatron.files:is_megatron", hint="latest_checkpointed_iteration.txt, iter_*",
            reader="reshard.formats.megatron.reader:MegatronReader.open", reader_names=True,
-           writer="reshard.formats.megatron.writer:megatron_writer",
+           writer="reshard.formats.megatron.legacy_writer:megatron_writer",
            reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype", "hf_config", "ckpt_format"),
            writes_from=("megatron", "safetensors", "dcp", "universal"),
            source_example="reshard reshard MEGATRON OUT --tp 1 --pp 2",

@@ -66,7 +66,7 @@ class DeepSpeedNative:
     @cached_property
     def zero12(self) -> Zero12Partitions | None:
         """The ZeRO-1/2 source's groups, checked against DeepSpeed's layout rule."""
-        return Zero12Partitions(self.ck) if self.kind == "zero12" else None
+        return Zero12Partitions(self.ck, check_flat) if self.kind == "zero12" else None
 
     @cached_property
     def zero3(self) -> Zero3Partitions | None:

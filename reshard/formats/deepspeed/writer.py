@@ -35,13 +35,11 @@ from ...storage.staging import ArchiveJob
 from ..contract import BEST, Buffer, Held, Reader, Writer
 from ..table import noun_of
 from . import templates
+from .expert_target import autoep_from_zero3_target, autoep_target, moe_target
 from .reader import DeepSpeedNative
 from .target import (
     DeepSpeedTarget,
-    autoep_from_zero3_target,
-    autoep_target,
     autoep_zero3_target,
-    moe_target,
     zero3_target,
     zero12_target,
 )
@@ -253,7 +251,7 @@ class DeepSpeedWriter(Writer):
                          dtype: torch.dtype | None) -> None:
         """AutoEP at EP ``ep`` from a source that records its fused expert layers
         (``Reader.expert_layers``): the files of a fresh ZeRO job, AutoEP's uniform placement."""
-        from .target import autoep_fresh_target
+        from .expert_target import autoep_fresh_target
 
         where, noun = reader.sources[-1], noun_of(reader)
         layers = reader.expert_layers()

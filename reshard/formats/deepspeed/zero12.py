@@ -40,7 +40,7 @@ import copy
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -267,8 +267,10 @@ class Zero12Partitions:
     """What the source checkpoint says about its ZeRO-1/2 groups, checked against DeepSpeed's
     layout rule."""
 
-    def __init__(self, ck: DeepSpeedCheckpoint) -> None:
-        self.ck = ck
+    def __init__(self, ck: DeepSpeedCheckpoint, check_flat: Callable[[DeepSpeedCheckpoint, int], None]) -> None:
+        # check_flat: the one ZeRO-1/2 layout check (layout.check_flat), passed in because layout
+        # builds on this module
+        self.ck, self._check_flat = ck, check_flat
         # A pipeline checkpoint has TP model-parallel ranks per stage; each parameter's TP map
         # sits on its stage's ranks, which the "stage map" below states. Everything else treats
         # model-parallel ranks alike, whether they are TP ranks, stages or both.
@@ -332,9 +334,7 @@ class Zero12Partitions:
                 if len(osd["param_slice_mappings"]) != self.n_groups:
                     raise CheckpointError(f"{ck.optim_files[(t, d)]}: {len(osd['param_slice_mappings'])} groups, "
                                           f"the model states record {self.n_groups}")
-        from .layout import check_flat  # (layout builds on this module)
-
-        check_flat(ck, self.param_align)
+        self._check_flat(ck, self.param_align)
 
     def _check_rest(self, ms0: dict) -> None:
         ck = self.ck

@@ -31,7 +31,7 @@ import torch
 from ...errors import ReshardError
 from ...ir.param_map import ParamMap
 from ...storage import torch_zip, verified
-from ..contract import Buffer, Held, Reader
+from ..contract import Buffer, Held, Reader, Writer
 from . import safe
 from .files import TRACKER
 from .legacy import MODEL_FILE, LegacyBackend, _rank_dir
@@ -40,7 +40,7 @@ from .model import EMBED, OUTPUT, LocalParam
 from .reader import MegatronReader
 from .writer import MegatronWriter
 
-__all__ = ["MegatronLegacyWriter"]
+__all__ = ["MegatronLegacyWriter", "megatron_writer"]
 
 # the local spec's modules that save an ``_extra_state`` (None): its linear layers
 _LINEARS = frozenset({"linear_proj", "linear_qkv", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
@@ -304,3 +304,16 @@ class MegatronLegacyWriter(MegatronWriter):
 
     def finish(self, staging: Any, gather: Callable[[Any], list], rank: int) -> None:
         return None  # no index: each rank file stands alone
+
+
+def megatron_writer(reader: Reader, *, ckpt_format: str | None = None, **options: Any) -> Writer:
+    """The Megatron target in the format ``ckpt_format`` names (Megatron-LM's ``--ckpt-format``):
+    ``torch_dist``, or ``torch`` (legacy files); by default a Megatron source's own, else ``torch_dist``."""
+    if ckpt_format is None:
+        own = reader.native("megatron")
+        ckpt_format = own.loc.fmt if isinstance(own, MegatronReader) else "torch_dist"
+    if ckpt_format == "torch":
+        return MegatronLegacyWriter(reader, **options)
+    if ckpt_format != "torch_dist":
+        raise ReshardError(f"--ckpt-format must be torch_dist or torch, got {ckpt_format!r}")
+    return MegatronWriter(reader, **options)

@@ -48,7 +48,7 @@ from .model import EMBED, Arch
 from .reader import MegatronReader
 from .target import TargetLayout
 
-__all__ = ["MegatronWriter", "megatron_writer"]
+__all__ = ["MegatronWriter"]
 
 METADATA_JSON = b'{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
 _KIND_KEYS = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -74,21 +74,6 @@ def _config_file(folder: str | Path) -> dict:
 
 def _want(state: str) -> tuple[str, ...]:
     return MODULE if state == "weight" else BEST if state == "fp32" else (state,)
-
-
-def megatron_writer(reader: Reader, *, ckpt_format: str | None = None, **options: Any) -> Writer:
-    """The Megatron target in the format ``ckpt_format`` names (Megatron-LM's ``--ckpt-format``):
-    ``torch_dist``, or ``torch`` (legacy files); by default a Megatron source's own, else ``torch_dist``."""
-    if ckpt_format is None:
-        own = reader.native("megatron")
-        ckpt_format = own.loc.fmt if isinstance(own, MegatronReader) else "torch_dist"
-    if ckpt_format == "torch":
-        from .legacy_writer import MegatronLegacyWriter
-
-        return MegatronLegacyWriter(reader, **options)
-    if ckpt_format != "torch_dist":
-        raise ReshardError(f"--ckpt-format must be torch_dist or torch, got {ckpt_format!r}")
-    return MegatronWriter(reader, **options)
 
 
 class MegatronWriter(Writer):
