@@ -528,10 +528,10 @@ def test_streamed_files_are_byte_identical_to_saving_the_built_tensors(source, k
 # The jobs, and the reshard / ds_to_universal outputs they load, are made once per session and
 # shared with tests/test_e2e_resume.py: tests/e2e/plan.py, the ``e2e`` fixture of tests/conftest.py.
 
-from tests.e2e.plan import PIPE_TARGETS, RESHARD_TARGETS  # noqa: E402
+from tests.e2e.plan import PIPE_TARGETS, RESHARD_QUICK, RESHARD_TARGETS  # noqa: E402
 
-# (source, tp, dp); the 4-rank job is in the slow tier (``make test-all``): 4 ranks on 2 cores
-E2E = [pytest.param(*t, marks=[pytest.mark.slow] if t[1] * t[2] > 3 else []) for t in RESHARD_TARGETS]
+# (source, tp, dp); make test loads RESHARD_QUICK natively, the others are in the slow tier (make test-all)
+E2E = [pytest.param(*t, marks=[] if t in RESHARD_QUICK else [pytest.mark.slow]) for t in RESHARD_TARGETS]
 STEPS = 2
 
 

@@ -472,6 +472,7 @@ def _like_deepspeeds_own_save(e2e, source: str, tp: int, dp: int, stage: int) ->
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 40-53 s; make test keeps the bf16 ZeRO-3 native load below and the DP=3 file-for-file checks
 @pytest.mark.parametrize("source,tp,dp", ZERO3_TARGETS, ids=[f"{s}-to-dp{d}" for s, _, d in ZERO3_TARGETS])
 def test_deepspeed_loads_it_natively_and_trains_as_from_its_own_save(source, tp, dp, e2e):
     _like_deepspeeds_own_save(e2e, source, tp, dp, 3)
