@@ -57,7 +57,7 @@ class Banded:
                 b = max(r1, a + max(1, self.band // max(1, self.row * self.dtype.itemsize)))
                 b = min(total, -(-b // self.align) * self.align)
                 c = self._cached = None  # the last band dropped before the next is made: one in memory
-                trim_heap()  # and its temporaries' heap pages handed back (else RSS grows by the holes)
+                trim_heap(above=2 * self.band)  # and the heap's holes handed back once they pass two bands
                 c = self._cached = (a, b, self.rows(a, b))
         return c[2], c[0] * self.row
 
