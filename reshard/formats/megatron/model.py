@@ -74,7 +74,7 @@ class KeySpec:
 
     def at(self, layer: int, expert: int | None = None) -> tuple[int, ...]:
         """The stacked index of ``layer`` (and ``expert``)."""
-        return (() if self.layer is not None or self.mtp is not None else (layer,)) + ((expert,) if self.expert else ())
+        return ((layer,) if self.layered and self.layer is None else ()) + ((expert,) if self.expert else ())
 
 
 @dataclass(frozen=True, slots=True)
