@@ -347,13 +347,6 @@ FIXTURES = {f.name: f for f in [
             "decoder's last layer spec -- and final_layernorm); plain Adam; torch_dist",
             tp=2, ep=2, etp=1, layers=2, moe=True, expert_bias_std=0.05, model_argv=MLA_MODEL_ARGV,
             extra_argv=DEEPSEEK_V3_MTP_ARGV, cross_checks=[(1, 2, 2, 2)]),
-    Fixture("torch_dist_deepseek_v3_mtp_tp2_ep2_distopt",
-            "DeepSeek-V3 shaped MoE with one MLA + MoE multi-token-prediction layer as "
-            "torch_dist_deepseek_v3_mtp_tp2_ep2; distributed optimizer, dp_reshardable (the MTP layer's parameters "
-            "after the final norm in the dense buffer, its experts after the decoder's in the expert buffer); "
-            "torch_dist",
-            tp=2, ep=2, etp=1, layers=2, moe=True, distopt=True, expert_bias_std=0.05, model_argv=MLA_MODEL_ARGV,
-            extra_argv=DEEPSEEK_V3_MTP_ARGV),
     Fixture("torch_dist_moe_tp2_ep2_qk_layernorm",
             "Qwen3-MoE shaped: --qk-layernorm with MoE, TP=2 x EP=2 on 2 processes (MoE parallel folding: expert "
             "TP 1, --sequence-parallel), layer 0 dense and layer 1 MoE (--moe-layer-freq [0,1]: per-layer keys), "
