@@ -172,3 +172,17 @@ def test_through_hf_names_and_back_with_the_mtp_layer_dropped(tmp_path, via):
             assert got.dtype == want.dtype and torch.equal(got, want), (name, state)
             n += 1
     assert n > 60
+
+
+def test_a_dense_mtp_layer_is_refused_for_llama_and_dropped_on_request(tmp_path):
+    """``torch_dist_mtp1`` (a dense model's MTP layer, ``llama.json``): the same rule -- no Llama holds
+    an MTP layer -- refused naming it, and with ``--drop`` a folder LlamaForCausalLM loads whole."""
+    transformers = pytest.importorskip("transformers")
+    with pytest.raises(UnplacedError, match=r"mtp\.layers\.0\.eh_proj\.weight.*--drop"):
+        convert(FIXTURES / "torch_dist_mtp1", tmp_path / "out", fmt="hf")
+    assert not (tmp_path / "out").exists()
+    report = convert(FIXTURES / "torch_dist_mtp1", tmp_path / "out", fmt="hf", drop=[DROP])
+    assert _dropped_weights(report) == set(_mtp_keys(MegatronReader.open(FIXTURES / "torch_dist_mtp1")))
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(report.out_dir, output_loading_info=True)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
