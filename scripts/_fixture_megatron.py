@@ -31,7 +31,8 @@ EXPERT_BIAS_SEED = 2025  # make_megatron_fixtures.EXPERT_BIAS_SEED
 
 def set_expert_bias(model, std: float) -> None:
     """Every router's ``expert_bias`` buffer set to ``N(0, std^2)`` from a generator seeded by the
-    global layer number (the same on every rank holding that router): three steps of
+    global layer number (an MTP layer's router: its MTP layer number + num_layers; the same on every
+    rank holding that router): three steps of
     ``moe_router_bias_update_rate`` leave it at a few 1e-3, too small to move this model's routing,
     so a converter dropping it would go unseen."""
     import torch
@@ -42,6 +43,8 @@ def set_expert_bias(model, std: float) -> None:
             if isinstance(module, TopKRouter) and getattr(module, "expert_bias", None) is not None:
                 layer = module.layer_number if getattr(module, "layer_number", None) is not None else \
                     int(name.split("layers.")[1].split(".")[0])
+                if getattr(module, "is_mtp_layer", False):  # numbered after the decoder, as the router's aux loss
+                    layer = int(layer) + module.config.num_layers
                 g = torch.Generator().manual_seed(EXPERT_BIAS_SEED + int(layer))
                 with torch.no_grad():
                     module.expert_bias.copy_(torch.randn(module.expert_bias.shape, generator=g) * std)

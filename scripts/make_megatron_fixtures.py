@@ -225,6 +225,11 @@ DEEPSEEK_V3_MOE_ARGV = ["--num-experts", "8", "--moe-ffn-hidden-size", "8", "--m
                         "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
                         "--moe-router-topk-scaling-factor", "2.5", "--moe-shared-expert-intermediate-size", "16",
                         "--moe-layer-freq", "[0,1]", "--sequence-parallel"]
+# DeepSeek-V3 shaped with one multi-token-prediction layer (--mtp-num-layers 1): get_gpt_mtp_block_spec gives
+# the MTP layer the decoder block's last layer spec, so it is an MLA + MoE layer (router, expert bias, experts,
+# shared expert) between enorm / hnorm / eh_proj and its final norm. 4 experts in 2 groups (not 8: each expert
+# is a record of its own, and the MTP layer is a second MoE layer; 8 took the folder past 1.5 MB).
+DEEPSEEK_V3_MTP_ARGV = ["--num-experts", "4", *DEEPSEEK_V3_MOE_ARGV[2:], "--mtp-num-layers", "1"]
 # Qwen-MoE shaped: a softmax router (as transformers' Qwen2-MoE / Qwen3-MoE compute), a dense layer 0
 QWEN_MOE_ARGV = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
                  "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "none",
@@ -333,6 +338,15 @@ FIXTURES = {f.name: f for f in [
             "plain Adam; torch_dist",
             tp=2, ep=2, etp=1, layers=2, moe=True, expert_bias_std=0.05, model_argv=MLA_MODEL_ARGV,
             extra_argv=DEEPSEEK_V3_MOE_ARGV),
+    Fixture("torch_dist_deepseek_v3_mtp_tp2_ep2",
+            "DeepSeek-V3 shaped MoE with one multi-token-prediction layer: multi-latent attention as torch_dist_tp2_mla, "
+            "TP=2 x EP=2 on 2 processes (expert TP 1, --sequence-parallel), layer 0 dense and layer 1 MoE, 4 experts "
+            "top-2 in 2 groups (1 group per token), sigmoid router with an expert bias (set to N(0, 0.05^2) before "
+            "the save, the MTP layer's router too), routing weights scaled by 2.5, a shared expert (ffn 16) without a "
+            "gate; --mtp-num-layers 1 (mtp.layers.0: enorm, hnorm, eh_proj, an MLA + MoE transformer_layer -- the "
+            "decoder's last layer spec -- and final_layernorm); plain Adam; torch_dist",
+            tp=2, ep=2, etp=1, layers=2, moe=True, expert_bias_std=0.05, model_argv=MLA_MODEL_ARGV,
+            extra_argv=DEEPSEEK_V3_MTP_ARGV, cross_checks=[(1, 2, 2, 2)]),
     Fixture("torch_dist_moe_tp2_ep2_qk_layernorm",
             "Qwen3-MoE shaped: --qk-layernorm with MoE, TP=2 x EP=2 on 2 processes (MoE parallel folding: expert "
             "TP 1, --sequence-parallel), layer 0 dense and layer 1 MoE (--moe-layer-freq [0,1]: per-layer keys), "
@@ -548,7 +562,8 @@ def generate(fx: Fixture, out_root: Path, venv: Path) -> dict:
                      "layers": fx.layers, "layers_per_stage": fx.layers // fx.pp, "extra_argv": fx.extra_argv},
         "expert_bias": None if fx.expert_bias_std is None else
         f"set after training, before save_checkpoint: N(0, {fx.expert_bias_std}^2) per router, generator seeded "
-        f"{EXPERT_BIAS_SEED} + the router's layer_number (1-based; _fixture_megatron.set_expert_bias)",
+        f"{EXPERT_BIAS_SEED} + the router's layer_number (1-based; an MTP layer's router: + num_layers; "
+        "_fixture_megatron.set_expert_bias)",
         "optimizer": {"type": "adam", "distributed": fx.distopt,
                       "dist_ckpt_sharding": ("fully_reshardable" if fx.fully_reshardable else "dp_reshardable")
                       if fx.distopt else None,

@@ -124,8 +124,15 @@ def extra_state_keys(arch: Arch) -> list[str]:
         return attn + [f"{m}.{w}" for m in mlp for w in ("linear_fc1", "linear_fc2")]
 
     experts = [f"{EXPERTS}.{w}" for w in ("linear_fc1", "linear_fc2")]
-    mtp = [f"mtp.layers.{k}.{m}._extra_state/shard_0_1" for k in range(arch.mtp)
-           for m in ["eh_proj"] + [x.replace("decoder.layers.", "transformer_layer.", 1) for x in modules(False)]]
+    mtp = []
+    for k in range(arch.mtp):  # the MTP layer takes the last decoder layer's spec; its experts one object each
+        at = f"mtp.layers.{k}."
+        mtp += [f"{at}{m}._extra_state/shard_0_1"
+                for m in ["eh_proj"] + [x.replace("decoder.layers.", "transformer_layer.", 1)
+                                        for x in modules(arch.mtp_moe)]]
+        if arch.mtp_moe:
+            mtp += [f"{m.replace('decoder.layers.', at + 'transformer_layer.', 1)}._extra_state/shard_{e}_{arch.experts}"
+                    for m in experts for e in range(arch.experts)]
     if arch.per_layer:
         out = []
         for i in range(arch.layers):

@@ -34,7 +34,8 @@ from ...layouts import compose, flat_ranges
 from ...layouts._core import finish
 from .model import Arch
 
-__all__ = ["HUB_EXPERTS", "LLAMA", "Block", "HfParam", "hf_params", "hub_document", "load_document", "restrict"]
+__all__ = ["HUB_EXPERTS", "LLAMA", "Block", "HfParam", "hf_params", "hub_document", "load_document", "restrict",
+           "unplaced"]
 
 LLAMA = Path(__file__).with_name("llama.json")
 DEEPSEEK_V3 = Path(__file__).with_name("deepseek_v3.json")  # multi-latent attention
@@ -159,7 +160,7 @@ def _doc_key(spec: Any) -> str:
 
 def _axes(spec: Any) -> list[str]:
     """The names of a key's stacked axes (the leading axes of its F)."""
-    return (["layer"] if spec.layer is None and spec.stacked >= 1 else []) + (["expert"] if spec.expert else [])
+    return (["layer"] if spec.layered and spec.layer is None else []) + (["expert"] if spec.expert else [])
 
 
 def hf_params(arch: Arch, doc: str | Path | Mapping | None = None) -> list[HfParam]:
@@ -199,7 +200,8 @@ def hf_params(arch: Arch, doc: str | Path | Mapping | None = None) -> list[HfPar
                     seen_layer = True
                 else:
                     (tail if seen_layer else head).extend(got)
-    unmapped = [s.key for s in arch.keys() if s.key not in mapped]
+    placeless = {k for k, _ in unplaced(arch, doc)}
+    unmapped = [s.key for s in arch.keys() if s.key not in mapped and s.key not in placeless]
     if unmapped:
         raise ReshardError(f"architecture mapping: no entry for Megatron key {unmapped[0]!r} (of {len(unmapped)}): "
                            f"{doc.get('name', 'this document')} has no Hugging Face name for it")
@@ -209,6 +211,20 @@ def hf_params(arch: Arch, doc: str | Path | Mapping | None = None) -> list[HfPar
         if p.name in seen:
             raise ReshardError(f"architecture mapping: Hugging Face name {p.name!r} comes from two entries")
         seen.add(p.name)
+    return out
+
+
+def unplaced(arch: Arch, doc: str | Path | Mapping | None = None) -> list[tuple[str, str]]:
+    """The keys of ``arch`` the document says the HF model has no place for (its ``unplaced``
+    entries: a key ``prefix`` and ``why``, e.g. multi-token prediction layers), each with its reason:
+    no HF name is made for them, and a reader lists them as weights the target cannot hold (refused
+    unless ``--drop`` names them), so they are never lost silently."""
+    doc = load_document(doc, arch)
+    out = []
+    for s in arch.keys():
+        hit = next((e for e in doc.get("unplaced", []) if s.key.startswith(e["prefix"])), None)
+        if hit is not None:
+            out.append((s.key, str(hit["why"])))
     return out
 
 

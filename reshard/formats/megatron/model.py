@@ -45,7 +45,8 @@ class KeySpec:
     ``local`` its module name in a legacy state dict (``{layer}``, ``{expert}`` local numbers).
     Stacked axes are (layers[, experts]); a **per-layer** key (mixed dense and MoE layers:
     ``decoder.layers.<i>.…``) names its global layer ``layer`` and stacks experts only. A
-    ``buffer`` (the router's ``expert_bias``) is model state without optimizer state or group."""
+    ``buffer`` (the router's ``expert_bias``) is model state without optimizer state or group. An
+    MTP layer's key (``mtp``) is one key per MTP layer, stacked over experts only, like a per-layer one."""
 
     key: str
     local: str
@@ -55,6 +56,7 @@ class KeySpec:
     expert: bool = False
     layer: int | None = None  # a per-layer key's global layer
     buffer: bool = False
+    mtp: int | None = None  # an MTP layer's key (``mtp.layers.<mtp>.…``): stacked over experts only, last stage
 
     @property
     def decay(self) -> bool:
@@ -63,8 +65,8 @@ class KeySpec:
 
     @property
     def layered(self) -> bool:
-        """Whether it belongs to a transformer layer."""
-        return self.layer is not None or self.stacked >= 1
+        """Whether it belongs to a decoder layer (an MTP layer's keys do not: they sit after the decoder)."""
+        return self.mtp is None and (self.layer is not None or self.stacked >= 1)
 
     def layer_at(self, index: tuple[int, ...]) -> int:
         """The global layer of stacked ``index``."""
@@ -72,7 +74,7 @@ class KeySpec:
 
     def at(self, layer: int, expert: int | None = None) -> tuple[int, ...]:
         """The stacked index of ``layer`` (and ``expert``)."""
-        return (() if self.layer is not None else (layer,)) + ((expert,) if self.expert else ())
+        return ((layer,) if self.layered and self.layer is None else ()) + ((expert,) if self.expert else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +117,6 @@ def _refuse_unsupported(args: Any, where: str) -> None:
         raise CheckpointError(f"{where}: args.transformer_impl = {_get(args, 'transformer_impl')!r} with "
                               "multi_latent_attention: only the local spec's MLA keys are read by reshard (Transformer "
                               "Engine's fold the latent norms into the up projections)")
-    if _get(args, "mtp_num_layers") and _get(args, "multi_latent_attention"):  # no fixture shows its keys
-        raise CheckpointError(f"{where}: args.mtp_num_layers = {_get(args, 'mtp_num_layers')!r} with "
-                              "multi_latent_attention: multi-token prediction layers of an MLA model are not read by "
-                              "reshard")
-    if _get(args, "mtp_num_layers") and _get(args, "num_experts"):  # its layer takes the last layer's MoE spec
-        raise CheckpointError(f"{where}: args.mtp_num_layers = {_get(args, 'mtp_num_layers')!r} with num_experts: "
-                              "multi-token prediction layers of an MoE model are not read by reshard")
     for field in ("heterogeneous_block_specs", "hetereogenous_dist_checkpoint"):
         if _get(args, field):
             raise CheckpointError(f"{where}: args.{field} = {_get(args, field)!r}: heterogeneous layers are not read "
@@ -418,21 +413,29 @@ class Arch:
         final norm, output)."""
         return list(self._keys)
 
+    @property
+    def mtp_moe(self) -> bool:
+        """Whether the MTP layers are MoE: ``get_gpt_mtp_block_spec`` gives them the decoder
+        block's last layer spec (DeepSeek-V3: MLA + MoE, the dense first layers aside)."""
+        return self.is_moe(self.layers - 1)
+
     def _mtp_keys(self) -> list[KeySpec]:
         """The MTP block's keys (GPTModel registers it after the decoder, before the output layer):
         per MTP layer ``enorm``, ``hnorm``, ``eh_proj`` (2h -> h, column parallel), the transformer
-        layer (the decoder's last layer spec; module ``mtp_model_layer``, key
-        ``transformer_layer``) and its ``final_layernorm``; one key per MTP layer, not stacked."""
+        layer (the decoder's last layer spec -- MLA, MoE with its router, expert bias, experts and
+        shared expert as that layer has them; module ``mtp_model_layer``, key
+        ``transformer_layer``) and its ``final_layernorm``; one key per MTP layer, stacked over
+        experts only (``MultiTokenPredictionBlock.sharded_state_dict`` gives no layer offsets)."""
         h, out = self.hidden, []
         for k in range(self.mtp):
             at = f"mtp.layers.{k}."
-            out += [KeySpec(f"{at}{n}.weight", f"{at}{n}.weight", (h,), "rep", 0) for n in ("enorm", "hnorm")]
-            out.append(KeySpec(f"{at}eh_proj.weight", f"{at}eh_proj.weight", (h, 2 * h), "rows", 0))
-            for s in self._layer_keys(False):
+            out += [KeySpec(f"{at}{n}.weight", f"{at}{n}.weight", (h,), "rep", 0, mtp=k) for n in ("enorm", "hnorm")]
+            out.append(KeySpec(f"{at}eh_proj.weight", f"{at}eh_proj.weight", (h, 2 * h), "rows", 0, mtp=k))
+            for s in self._layer_keys(self.mtp_moe):
                 local = s.local.replace("decoder.layers.{layer}.", f"{at}mtp_model_layer.", 1)
                 out.append(dataclasses.replace(s, key=s.key.replace("decoder.layers.", f"{at}transformer_layer.", 1),
-                                               local=local, stacked=0))
-            out.append(KeySpec(f"{at}final_layernorm.weight", f"{at}final_layernorm.weight", (h,), "rep", 0))
+                                               local=local, stacked=s.stacked - 1, mtp=k))
+            out.append(KeySpec(f"{at}final_layernorm.weight", f"{at}final_layernorm.weight", (h,), "rep", 0, mtp=k))
         return out
 
     def layer_keys(self, layer: int) -> list[KeySpec]:
@@ -450,7 +453,7 @@ class Arch:
         return s
 
     def stack(self, s: KeySpec) -> tuple[int, ...]:
-        if s.layer is not None:
+        if s.layer is not None or s.mtp is not None:
             return (self.experts,) if s.stacked else ()
         return ((self.layers,) if s.stacked >= 1 else ()) + ((self.experts,) if s.stacked == 2 else ())
 
@@ -493,7 +496,7 @@ class Arch:
         return LocalParam(s, tuple(index), t, local, stacked, flat * n + t)
 
     def indices(self, s: KeySpec) -> Iterator[tuple[int, ...]]:
-        if s.layer is not None:
+        if s.layer is not None or s.mtp is not None:
             yield from (((e,) for e in range(self.experts)) if s.stacked else [()])
         elif s.stacked == 0:
             yield ()
@@ -528,16 +531,19 @@ class Arch:
         mine = range(self.experts) if expert_rank is None else range(expert_rank * local_experts,
                                                                       (expert_rank + 1) * local_experts)
         with_experts = expert_rank is not None or not self.expert_apart
-        for i in (self.stage_layers(pp) if vp is None else self.chunk_layers(pp, vp)):
-            params = [s for s in self.layer_keys(i) if not s.buffer]
+
+        def block(params: list[KeySpec], i: int) -> None:
             experts = [s for s in params if s.expert]
             for s in params:
                 if not s.expert and expert_rank is None:
                     out.append(self.local(s, s.at(i), t))
                 elif experts and s is experts[0] and with_experts:  # SequentialMLP: expert by expert
-                    out += [self.local(e, e.at(i, x), t) for x in mine for e in experts]
-        if expert_rank is None and pp == self.pp - 1 and last:
-            out += [self.local(s, (), t) for s in keys if not s.layered and s.key != EMBED]
+                    out.extend(self.local(e, e.at(i, x), t) for x in mine for e in experts)
+
+        for i in (self.stage_layers(pp) if vp is None else self.chunk_layers(pp, vp)):
+            block([s for s in self.layer_keys(i) if not s.buffer], i)
+        if pp == self.pp - 1 and last:  # final norm, the MTP layers (their experts too), output layer
+            block([s for s in keys if not s.layered and s.key != EMBED and not s.buffer], 0)
         return out
 
     # -- ranks -----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from ..contract import STATES, Held, Reader
 from .dist import TorchDistBackend
 from .files import Location, locate
 from .held import held
-from .hfmap import HfParam, hf_params, restrict
+from .hfmap import HfParam, hf_params, restrict, unplaced
 from .legacy import LegacyBackend
 from .lowering import Lowered
 from .model import EMBED, OUTPUT, Arch
@@ -127,7 +127,18 @@ class MegatronReader(Reader):
     def unlowered(self) -> list[Held]:
         """What the files hold beside the parameter states (``held``): _extra_state, RNG and
         rerun states, common_state's run entries, and tensors no parameter takes."""
-        return held(self.src, self.specs)
+        out = held(self.src, self.specs)
+        if self.naming == "hf":  # keys the HF model has no place for (MTP layers): weights, refused unless dropped
+            out += [Held(key, str(self.loc.iter_dir), "weights", why) for key, why in self.placeless]
+        return out
+
+    @cached_property
+    def placeless(self) -> list[tuple[str, str]]:
+        """Under HF names: the keys the mapping document gives no place (``hfmap.unplaced``), with why."""
+        try:
+            return unplaced(self.arch, self.mapping)
+        except ReshardError as e:
+            raise CheckpointError(f"{self.loc.iter_dir}: {e}") from None
 
     def labels(self) -> str:
         return "rank label"  # a shard is a chunk, a local parameter or a bucket range (lowering), not a process

@@ -213,6 +213,11 @@ class MegatronWriter(Writer):
                 raise ReshardError(f"{reader.sources[-1]}: {p.name!r} is {list(reader.shape(p.name))}, the config "
                                    f"implies {list(p.valid)}")
             out.setdefault(p.key, []).append(p)
+        lacking = [s.key for s in self.arch.keys() if s.key not in out]
+        if lacking:  # under HF names a key the document gives no place (an MTP layer) cannot be filled
+            raise ReshardError(f"{reader.sources[-1]}: the Megatron target's key {lacking[0]!r} (of {len(lacking)}) has "
+                               "no Hugging Face name in the architecture mapping, so a source read under HF names "
+                               "cannot fill it (read a Megatron source under its own names: --names megatron)")
         extra = sorted(have - {p.name for ps in out.values() for p in ps})
         if extra:
             raise ReshardError(f"{reader.sources[-1]}: {extra[0]!r} (of {len(extra)}) has no Megatron key in the "

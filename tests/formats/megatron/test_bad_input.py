@@ -215,14 +215,14 @@ def test_a_bucket_without_its_fp32_params_is_refused(tmp_path):
 @pytest.mark.parametrize("field,value,needle", [
     ("moe_layer_freq", [0, 1], "args.moe_layer_freq = [0, 1]: not one 0 / 1 per layer of 3"),
     ("moe_layer_freq", 2, "no tensor 'decoder.layers.0.mlp.router.weight'"),  # [1, 0, 1]: layer 0 MoE
-    ("mtp_num_layers", 1, "args.mtp_num_layers = 1 with num_experts: multi-token prediction layers of an MoE model"),
+    ("mtp_num_layers", 1, "the bucket layout args imply"),  # an MTP layer's parameters the buckets lack
     ("multi_latent_attention", True, "the bucket layout args imply"),  # MLA at Megatron's default widths
     ("moe_single_grouped_weight", True, "grouped-GEMM experts held as one grouped parameter"),
     ("moe_shared_expert_intermediate_size", 31, "shared expert's ffn does not divide over TP=2"),
 ])
 def test_moe_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, value, needle):
-    """Shared experts, expert bias and mixed layers are read; what is still not (MTP, grouped GEMM) or
-    what the files contradict is refused naming the args field or the missing key."""
+    """Shared experts, expert bias, mixed layers and MTP are read; what is still not (grouped GEMM in one
+    parameter) or what the files contradict is refused naming the args field, the missing key or the layout."""
     src = _copy(tmp_path, "torch_dist_moe_tp2_ep2_shared_distopt")
     it = src / "iter_0000003"
     common = _common(it)
@@ -235,7 +235,7 @@ def test_moe_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, val
 @pytest.mark.parametrize("field,value,needle", [
     ("transformer_impl", "transformer_engine", "only the local spec's MLA keys are read"),
     ("mla_down_proj_fusion", True, "fused MLA q/kv down projections"),
-    ("mtp_num_layers", 1, "multi-token prediction layers of an MLA model"),
+    ("mtp_num_layers", 1, "no tensor 'mtp.layers.0.enorm.weight', which args imply"),
     ("kv_lora_rank", 16, "decoder.layers.self_attention.linear_kv_down_proj.weight"),  # files hold 14 + 4 rows
     ("qk_pos_emb_head_dim", 5, "do not divide over TP=2"),  # 14 + 5 kv down rows over TP 2
 ])

@@ -80,6 +80,11 @@ CASES = [  # (source, target topology, what Megatron loads)
     # over several stages the last one holds an embedding copy Megatron buckets apart, refused)
     ("torch_dist_mtp1", dict(tp=2, pp=2, dp=1), True),
     ("torch_dist_mtp1", dict(tp=2, pp=1, dp=2, optimizer="dp_reshardable"), True),
+    # DeepSeek-V3 shaped with an MLA + MoE MTP layer: TP1 x EP1, PP2 (MTP on the last stage), and its experts in
+    # the expert buckets of a dp_reshardable optimizer
+    ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=1, pp=1, dp=1, ep=1), True),
+    ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=1, pp=2, dp=2, ep=2), True),
+    ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=2, pp=1, dp=2, ep=2, etp=2, optimizer="dp_reshardable"), True),
 ]
 
 
