@@ -35,7 +35,7 @@ import copy
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,7 +44,9 @@ from ...ir.piece import prod
 from ...layouts.zero import zero3_partition_numel
 from ...storage.safe_load import ZeroStageEnum, load
 from ...storage.torch_zip import Storage, TensorRef
-from .checkpoint import DeepSpeedCheckpoint
+
+if TYPE_CHECKING:  # checkpoint builds its layout on this module (layout.py)
+    from .checkpoint import DeepSpeedCheckpoint
 from .zero12 import with_config
 
 __all__ = ["AttrTensorRef", "SubGroup", "Zero3Partitions", "model_file", "model_states", "model_template_from_zero12",
