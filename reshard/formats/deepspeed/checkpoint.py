@@ -230,6 +230,11 @@ class DeepSpeedCheckpoint:
     def moe_param(self, name: str) -> deepspeed_moe.MoEParam | None:
         return None if self.moe is None else self.moe.params.get(name)
 
+    def module_held(self, name: str) -> bool:
+        """Whether the model-state (or layer) files hold ``name``'s module weight: not under ZeRO-3
+        (placeholders), nor for an expert (per-expert files)."""
+        return self.zero_stage != 3 and self.expert(name) is None and self.moe_param(name) is None
+
     def _alias(self, name: str) -> bool:
         return self.experts is not None and name in self.experts.aliases
 
@@ -264,8 +269,8 @@ class DeepSpeedCheckpoint:
     @cached_property
     def module_dtype(self) -> torch.dtype:
         """The training dtype: the module weights' (ZeRO-3: its placeholders')."""
-        for n in self.names:
-            w = self.module_tensor(n, 0) if self.zero_stage != 3 else (self.model_state(0).get("module") or {}).get(n)
+        for n in self.names:  # ZeRO-3: no pipeline, every placeholder in the model-state file
+            w = self.module_tensor(n, 0)
             if isinstance(w, torch.Tensor):
                 return w.dtype
         return torch.float32

@@ -165,8 +165,7 @@ class DeepSpeedReader(Reader):
         optim = OPTIMIZER if ck.has_optimizer_state(name) else ()
         if self._kind == "zero3" and self.zero3 is not None and not self.zero3.has_moments:
             optim = ("fp32",)
-        module = ck.zero_stage != 3 and ck.expert(name) is None and ck.moe_param(name) is None
-        return (("weight",) if module else ()) + optim
+        return (("weight",) if ck.module_held(name) else ()) + optim
 
     def dtype(self, name: str, state: str) -> torch.dtype:
         if state == "weight":
