@@ -117,11 +117,12 @@ class Layout:
     """Outer maps, partition groups and units of a checkpoint under ``rule`` ("flat" or "sub"):
     composites, the optimizer buffers each rank declares, and their storages."""
 
-    def __init__(self, rule: str, outer: Mapping[str, ParamMap], units: Sequence[Unit], ranks: Sequence[int]) -> None:
+    def __init__(self, rule: str, outer: Mapping[str, ParamMap] | Callable[[str], ParamMap], units: Sequence[Unit],
+                 ranks: Sequence[int]) -> None:
         if rule not in ("flat", "sub"):
             raise CheckpointError(f"internal: unknown partition rule {rule!r}")
-        # a source's outer maps are built on first use (a mapping that lowers them), a target's given
-        self.outer = outer if isinstance(outer, _Outer) else dict(outer)
+        # a target's outer maps are given; a source's lowered on first use (a function of the name)
+        self._outer = dict(outer).__getitem__ if isinstance(outer, Mapping) else outer
         self.rule, self.units, self.ranks = rule, list(units), list(ranks)
         self._at: dict[tuple[str, int], tuple[Part, int]] = {}  # (name, holder) -> its part and position
         self.group_of: dict[str, Group] = {}
@@ -143,7 +144,7 @@ class Layout:
         m = self._composites.get(name)
         if m is not None:
             return m
-        group, outer = self.group_of[name], self.outer[name]
+        group, outer = self.group_of[name], self._outer(name)
         inner: dict[int, ParamMap | None] = {}
         for h in outer.ranks:
             at = self._at.get((name, h))
@@ -219,25 +220,6 @@ class Layout:
 # -- a source's layout, from what it records -----------------------------------------------------------
 
 
-class _Outer(Mapping[str, ParamMap]):
-    """A source's outer maps, each lowered on first use (``outer(name)``)."""
-
-    def __init__(self, outer: Callable[[str], ParamMap]) -> None:
-        self._outer, self._maps = outer, {}
-
-    def __getitem__(self, name: str) -> ParamMap:
-        m = self._maps.get(name)
-        if m is None:
-            m = self._maps[name] = self._outer(name)
-        return m
-
-    def __iter__(self) -> Any:
-        return iter(self._maps)
-
-    def __len__(self) -> int:
-        return len(self._maps)
-
-
 def source(ck: Any, align: int, outer: Callable[[str], ParamMap] | None = None) -> Layout:
     """The layout a checkpoint's ``param_shapes`` imply under DeepSpeed 0.19.8's rules, over global
     ranks ``dp_rank * mp + m``. Holders are the model-parallel ranks (a dense group's partition
@@ -259,7 +241,7 @@ def source(ck: Any, align: int, outer: Callable[[str], ParamMap] | None = None) 
         else:
             units.append(Unit(dense, {t: _part(ck, rule, k, t, ck.dp, align) for t in range(ck.mp)}))
     ranks = [d * ck.mp + t for t in range(ck.mp) for d in range(ck.dp)]
-    return Layout(rule, _Outer(outer) if outer is not None else {}, units, ranks)
+    return Layout(rule, outer if outer is not None else {}, units, ranks)
 
 
 def _part(ck: Any, rule: str, k: int, h: int, size: int, align: int) -> Part:
@@ -292,8 +274,8 @@ def check_flat(ck: Any, align: int) -> None:
         for k, part, q in layout.rank_units(r):
             if not isinstance(part.unit, FlatGroup):
                 raise CheckpointError(f"internal: {path}: unit {k} is not a flat group")
-            dsw.check_partition(part.unit, q, osd, k, f"{ck.tag_dir} (model-parallel rank {t}, {path.name}): dp rank {d}",
-                                path)
+            dsw.check_partition(part.unit, q, osd, k, f"{ck.tag_dir} (model-parallel rank {t}, {path.name}): dp rank {d}"
+                                f"{_edp(ck, layout.units[k].group, r)}", path)
     if ck.experts is not None:  # DeepSpeed's count of an AutoEP expert group's partitions: its EDP size
         for k, u in enumerate(layout.units):
             if k in ck.experts.groups:
@@ -303,3 +285,14 @@ def check_flat(ck: Any, align: int) -> None:
                         raise CheckpointError(f"{ck.optim_files[(0, d)]}: partition_count {list(counts)} cuts expert "
                                               f"group {k} into {counts[k]} partitions, but its EDP group has "
                                               f"{u.group.size} ranks")
+
+
+def _edp(ck: Any, group: Group, rank: int) -> str:
+    """Where an expert group's partition of ``rank`` sits, as a refusal names it: its EP rank and
+    EDP group, in the order DeepSpeed's config gives (empty for a dense group)."""
+    experts = ck.experts if ck.experts is not None else ck.moe
+    if experts is None or group.size == ck.dp:
+        return ""
+    e, _ = group.place(rank)
+    order = "use_data_before_expert_parallelism" if experts.data_before_expert else "expert before data"
+    return f" (EP rank {e}, EDP group {list(group.members[e])} in DeepSpeed's {order} order)"
