@@ -24,15 +24,14 @@ import torch
 
 from ...errors import CheckpointError, ReshardError, UnplacedError, in_context
 from ...ir.param_map import ParamMap
-from ...ir.piece import prod
-from ...layouts import compose_zero, zero3, zero12_from_slice_mappings
-from ...layouts.topology import Topology
 from ...storage.safe_load import load
 from . import experts as deepspeed_experts
+from . import layout as ds_layout
 from . import lowering
 from . import moe as deepspeed_moe
 from .checks import check_step, param_groups
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE, resolve_tag_dir
+from .zero12 import layout_alignment
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 SCALE_POWER = {"fp32": 1, "exp_avg": -1, "exp_avg_sq": -2}
@@ -231,6 +230,11 @@ class DeepSpeedCheckpoint:
     def moe_param(self, name: str) -> deepspeed_moe.MoEParam | None:
         return None if self.moe is None else self.moe.params.get(name)
 
+    def module_held(self, name: str) -> bool:
+        """Whether the model-state (or layer) files hold ``name``'s module weight: not under ZeRO-3
+        (placeholders), nor for an expert (per-expert files)."""
+        return self.zero_stage != 3 and self.expert(name) is None and self.moe_param(name) is None
+
     def _alias(self, name: str) -> bool:
         return self.experts is not None and name in self.experts.aliases
 
@@ -255,68 +259,66 @@ class DeepSpeedCheckpoint:
             where = self.model_files[0] if str(e).startswith(lowering.INFO) else self.tag_dir
             raise in_context(e, f"{where}: parameter {name!r}") from None
 
+    def stage_map(self, name: str) -> ParamMap:
+        """``name``'s outer map: its TP map (an AutoEP expert's placement over EP ranks, a classic
+        MoE expert's EP rank) on its stage's model-parallel ranks ``stage * tp + t``."""
+        m = self.tp_map(name).map
+        base = self.stage_of(name) * self.tp
+        return m if base == 0 else m.with_ranks({t: base + t for t in m.ranks})
+
     @cached_property
-    def _zero_index(self) -> dict[int, dict[str, tuple[int, ParamMap]]]:
-        """Per model-parallel rank: name -> (group, map of the TP shard over DP fragments)."""
-        out: dict[int, dict[str, tuple[int, ParamMap]]] = {}
-        for t in range(self.mp):
-            out[t] = {}
-            if self.zero_stage == 3:
-                for g, group in enumerate(self.groups(t)):
-                    if self.experts is not None and g in self.experts.groups:
-                        continue  # cut over expert-data-parallel groups: deepspeed_experts
-                    for name, shape in group.items():
-                        out[t][name] = (g, zero3(tuple(shape), self.dp, shard="fragment"))
-                continue
-            groups = len(_get(self.osd(t, 0), "param_slice_mappings", self.optim_files[(t, 0)]))
-            for g in range(groups):
-                if self.experts is not None and g in self.experts.groups:
-                    continue  # partitioned over expert-data-parallel groups: deepspeed_experts
-                if self.moe is not None and g in self.moe.groups:
-                    continue  # the same, for classic MoE: deepspeed_moe
-                mappings = [self.osd(t, d)["param_slice_mappings"][g] for d in range(self.dp)]
-                paddings = [self.osd(t, d)["group_paddings"][g] for d in range(self.dp)]
-                try:
-                    maps = zero12_from_slice_mappings(self.param_shapes[t], mappings, paddings, self.dp,
-                                                      shard="fragment")
-                except ReshardError as e:
-                    raise CheckpointError(f"{self.optim_files[(t, 0)]}: group {g}: {e}") from None
-                for name, m in maps.items():
-                    out[t][name] = (g, m)
-        return out
+    def module_dtype(self) -> torch.dtype:
+        """The training dtype: the module weights' (ZeRO-3: its placeholders')."""
+        for n in self.names:  # ZeRO-3: no pipeline, every placeholder in the model-state file
+            w = self.module_tensor(n, 0)
+            if isinstance(w, torch.Tensor):
+                return w.dtype
+        return torch.float32
+
+    @cached_property
+    def layout(self) -> ds_layout.Layout:
+        """The one layout (``layout.source``) ``param_shapes`` imply, outer maps its stage maps: every
+        optimizer map and fragment of every kind comes from it. Built once the files are checked
+        (``DeepSpeedReader.check``: what it computes is what the files record)."""
+        return ds_layout.source(self, layout_alignment(self, self.module_dtype), self.stage_map)
 
     def zero_map(self, name: str, tp: int) -> tuple[int, ParamMap] | None:
-        """``(group, map)`` of TP rank ``tp``'s shard of ``name`` over its DP fragments, or
-        ``None`` where that rank holds none of it."""
-        if (q := self.moe_param(name)) is not None:  # TP = 1: the whole expert, over its EP rank's DP ranks
-            return (q.group, deepspeed_moe.dp_map(self, q)) if tp == 0 else None
-        return self._zero_index[self.mp_rank(name, tp)].get(name)
-
-    def zero_map_at(self, name: str, m: int) -> tuple[int, ParamMap] | None:
-        """As :meth:`zero_map`, for model-parallel rank (file index) ``m``."""
-        return self._zero_index[m].get(name)
+        """``(unit, map)`` of TP rank ``tp``'s shard of ``name`` over its DP fragments (ranks: DP
+        ranks; a unit is a parameter group, under ZeRO-3 a sub-group), ``None`` where that rank
+        holds none of it. A classic MoE expert is TP rank 0's whole, over its EP rank's DP ranks;
+        an AutoEP expert, held by every EP rank, has none."""
+        lay = self.layout
+        k = lay.unit_of.get(name)
+        if k is None or (self.experts is not None and k in self.experts.groups):
+            return None
+        moe = self.moe is not None and k in self.moe.groups
+        if moe and tp:
+            return None
+        h = lay.holders[name][0] if moe else self.mp_rank(name, tp)
+        split = lay.inner(name, h)
+        if split is None:
+            return None
+        members = lay.units[k].group.members[h]
+        relabel = {q: members[q] // self.mp for q in split.ranks}
+        return k, split if all(q == d for q, d in relabel.items()) else split.with_ranks(relabel)
 
     def composite_map(self, name: str, model_map: ParamMap, *, stages: bool = False) -> ParamMap:
-        """``model_map`` composed with the ZeRO split of each of its shards, over global ranks
-        ``dp_rank * R + r`` (DeepSpeed's order; R model-parallel ranks). ``model_map``'s ranks
-        are the TP ranks of ``name``'s stage, or with ``stages`` the model-parallel ranks (file
-        indices: stages x TP) of a stage map."""
-        if (p := self.expert(name)) is not None:
-            return deepspeed_experts.composite(self, p, model_map)
-        if (q := self.moe_param(name)) is not None:
-            return deepspeed_moe.composite(self, q, model_map)
-        if self._alias(name):
-            return model_map  # in no optimizer partition: only in rank 0's model-state file
-        ranks = self.mp if stages else self.tp
-        zero = {}
-        for r in model_map.ranks:
-            entry = self._zero_index[r if stages else self.mp_rank(name, r)].get(name)
-            zero[r] = None if entry is None else entry[1]
+        """``name``'s optimizer map: its outer map composed with the split of each holder's share
+        over its partition group (``layout.Layout.composite``), over global ranks ``dp_rank * R +
+        r`` (DeepSpeed's order; R model-parallel ranks, or without ``stages`` the TP ranks: a
+        pipeline parameter's stage dropped). ``model_map`` is ``name``'s outer map (over TP ranks,
+        or with ``stages`` over model-parallel ranks), itself the map of a module weight no
+        optimizer partition holds (an AutoEP router alias, only in rank 0's model-state file)."""
+        if name not in self.layout.unit_of:
+            return model_map
         try:
-            return compose_zero(model_map, zero, Topology(1, self.dp, ranks))
+            m = self.layout.composite(name)
         except ReshardError as e:
             raise in_context(e, f"{self.tag_dir}: parameter {name!r}: composing its model-parallel map with the "
                                 "ZeRO split") from None
+        if stages or self.pp == 1:
+            return m
+        return m.with_ranks({g: g // self.mp * self.tp + g % self.mp % self.tp for g in m.ranks})
 
     def check_steps(self) -> None:
         """Every rank's optimizer must be at the same step (DeepSpeed asserts the same)."""
@@ -336,9 +338,7 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
 
     def has_optimizer_state(self, name: str) -> bool:
-        if self.expert(name) is not None or self.moe_param(name) is not None:
-            return True
-        return any(name in self._zero_index[m] for m in range(self.mp))
+        return name in self.layout.unit_of
 
     # -- tensors ------------------------------------------------------------------------------
     def flat_state(self, t: int, d: int, group: int, state: str) -> torch.Tensor:
@@ -359,32 +359,15 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{path}: optimizer state has no {state!r} for group {group} "
                                   "(an unknown optimizer state layout)") from None
 
-    def _z3_offset(self, t: int, name: str) -> int:
-        """Start of ``name``'s partition in its ZeRO-3 flat group: partitions of
-        ``ceil(numel / dp)`` elements laid out in model order."""
-        key = ("z3off", t)
-        if key not in self._cache:
-            out = {}
-            for group in self.groups(t):
-                off = 0
-                for n, shape in group.items():
-                    out[n] = off
-                    off += -(-prod(shape) // self.dp)
-            self._cache[key] = out
-        return self._cache[key][name]
-
     def step(self, name: str) -> Any:
-        if (p := self.expert(name)) is not None:
-            return deepspeed_experts.step(self, p)
-        if (q := self.moe_param(name)) is not None:
-            return deepspeed_moe.step(self, q)
-        t = next(m for m in range(self.mp) if name in self._zero_index[m])
-        group = self._zero_index[t][name][0]
-        osd = self.osd(t, 0)
-        path = self.optim_files[(t, 0)]
-        state = (_get(osd, "optimizer_state_dict", path) if self.zero_stage == 3
-                 else _get(osd, "base_optimizer_state", path))["state"]
-        return state[group].get("step") if group in state else None
+        """``name``'s ``step``: its unit's, in the file of its first holder's first partition."""
+        lay = self.layout
+        k = lay.unit_of[name]
+        r = lay.units[k].group.members[lay.holders[name][0]][0]
+        m, d = r % self.mp, r // self.mp
+        osd, path = self.osd(m, d), self.optim_files[(m, d)]
+        state = _get(osd, "optimizer_state_dict" if self.zero_stage == 3 else "base_optimizer_state", path)["state"]
+        return state[k].get("step") if k in state else None
 
     def module_tensor(self, name: str, t: int) -> torch.Tensor | None:
         """TP rank ``t``'s module weight of ``name``: from the model-state file, or for a

@@ -243,7 +243,7 @@ def check_module_weights(ck: Any, names: list[str], dtype: torch.dtype) -> None:
     """Every optimized parameter's module weight on every model-parallel rank: present, of the
     recorded shape, in the training dtype (module doc)."""
     for name in names:
-        if ck.expert(name) is not None or ck.moe_param(name) is not None:
+        if not ck.module_held(name):
             continue  # in the per-expert files: check_expert_files
         for t in range(ck.tp):
             m = ck.mp_rank(name, t)

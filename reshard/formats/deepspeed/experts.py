@@ -11,8 +11,8 @@ ranks: by default the DP ranks are cut into runs of ``ep`` consecutive ranks, EP
 
 The lowering (docs/spec.md §7.1): an expert parameter's F is ``[num_experts, ...]`` and its map
 has one piece per run of experts an EP rank holds (``layouts.autoep_placement``), located on that
-EP rank; composed with each EP rank's ZeRO split over its EDP group, the map's ranks are the
-global (DP) ranks whose flat partitions hold the fragments.
+EP rank: the outer map of ``layout.source``, which composes it with each EP rank's ZeRO split over
+its EDP group, whose ranks are the global (DP) ranks whose flat partitions hold the fragments.
 
 Under ZeRO-3 (DeepSpeed's ``checkpoint_format: "zero3_partitioned"``, version 1) every DP rank
 writes its own ``zero_pp_rank_D_mp_rank_00_model_states.pt`` (``ds_autoep_layers`` as that rank
@@ -31,10 +31,7 @@ from typing import Any
 from ...errors import CheckpointError, ReshardError
 from ...ir.canonical import canonicalize
 from ...ir.param_map import ParamMap, map_from_dict
-from ...ir.piece import prod
-from ...layouts import autoep_placement, compose_zero, zero3, zero12_from_slice_mappings
-from ...layouts.topology import Topology
-from ...layouts.zero import zero3_partition_numel
+from ...layouts import autoep_placement
 from ...storage.safe_load import load
 from .checks import first_difference, param_groups
 from .lowering import Lowered
@@ -269,74 +266,6 @@ def lowered(p: ExpertParam) -> Lowered:
     return Lowered(m, "experts", {"cat_dim": 0, "is_expert_param": True, "ep_num_experts": p.full_shape[0]})
 
 
-def zero_map(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int) -> ParamMap:
-    """EP rank ``e``'s shard of ``p`` over its EDP group's fragments (ranks: EDP ranks)."""
-    if ck.zero_stage == 3:  # a ZeRO-3 parameter of its own, cut over the EDP group
-        return zero3(p.shard_shape(e), ck.experts.edp, shard="fragment")
-    maps = _group_maps(ck, p.group, e)
-    if p.name not in maps:
-        raise CheckpointError(f"{ck.optim_files[(0, ck.experts.members(e)[0])]}: no fragments of {p.name!r} "
-                              f"(EP rank {e})")
-    return maps[p.name]
-
-
-def _group_maps(ck: DeepSpeedCheckpoint, group: int, e: int) -> dict[str, ParamMap]:
-    """The ZeRO maps of one expert group on EP rank ``e``, built once per checkpoint."""
-    key = ("expert_zero", group, e)
-    if key not in ck._cache:
-        ax = ck.experts
-        members = ax.members(e)
-        osds = [ck.osd(0, d) for d in members]
-        for d, o in zip(members, osds):  # DeepSpeed's count of the group's partitions: the EDP size
-            counts = o.get("partition_count")
-            if isinstance(counts, (list, tuple)) and len(counts) > group and counts[group] != ax.edp:
-                raise CheckpointError(f"{ck.optim_files[(0, d)]}: partition_count {list(counts)} cuts expert group "
-                                      f"{group} into {counts[group]} partitions, but its EDP group has {ax.edp} ranks")
-        try:
-            shapes = {n: q.shard_shape(e) for n, q in ax.params.items() if q.group == group}
-            ck._cache[key] = zero12_from_slice_mappings(
-                shapes, [o["param_slice_mappings"][group] for o in osds], [o["group_paddings"][group] for o in osds],
-                ax.edp, shard="fragment")
-        except (ReshardError, KeyError, IndexError, TypeError) as err:
-            order = "use_data_before_expert_parallelism" if ax.data_before_expert else "expert before data"
-            raise CheckpointError(f"{ck.optim_files[(0, members[0])]}: expert group {group} of EP rank {e} "
-                                  f"(DP ranks {members}, EDP groups in DeepSpeed's {order} order): {err}") from None
-    return ck._cache[key]
-
-
-def z3_offset(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int) -> int:
-    """Under ZeRO-3: where ``p``'s partition starts in EP rank ``e``'s flat sub-group (the
-    partitions of the sub-group's parameters, ``ceil(numel / edp)`` each, in order)."""
-    off, ax = 0, ck.experts
-    for name in ck.groups(0)[p.group]:
-        if name == p.name:
-            return off
-        off += zero3_partition_numel(prod(ax.params[name].shard_shape(e)), ax.edp)
-    raise CheckpointError(f"{ck.model_files[0]}: {p.name!r} is not in sub-group {p.group}")
-
-
-def start(ck: DeepSpeedCheckpoint, p: ExpertParam, e: int, d: int) -> int:
-    """First element of ``p``'s fragment in DP rank ``d``'s flat partition of its group."""
-    if ck.zero_stage == 3:
-        return z3_offset(ck, p, e)
-    return int(ck.osd(0, d)["param_slice_mappings"][p.group][p.name].start)
-
-
-def composite(ck: DeepSpeedCheckpoint, p: ExpertParam, model_map: ParamMap) -> ParamMap:
-    """The expert map composed with each EP rank's EDP split, over global (DP) ranks."""
-    ax = ck.experts
-    zero = {e: zero_map(ck, p, e) for e in model_map.ranks}
-    m = compose_zero(model_map, zero, Topology(1, ax.edp, ax.ep))  # rank k * ep + e
-    return m.with_ranks({k * ax.ep + e: ax.global_rank(e, k) for e in range(ax.ep) for k in range(ax.edp)})
-
-
-def step(ck: DeepSpeedCheckpoint, p: ExpertParam) -> Any:
-    d = ck.experts.members(0)[0]
-    state = ck.osd(0, d)["optimizer_state_dict" if ck.zero_stage == 3 else "base_optimizer_state"]["state"]
-    return state[p.group].get("step") if p.group in state else None
-
-
-
 # what ds_to_universal keeps of each layer entry in the universal model state (its
 # ``AUTOEP_METADATA_FIELDS``): the placement descriptor and affine maps are dropped there
 UCP_LAYER_FIELDS = ("moe_layer_id", "module_path", "expert_key_prefix", "num_experts", "num_local_experts", "ep_size")
@@ -374,11 +303,10 @@ def universal_model_state(ck: DeepSpeedCheckpoint, m: int) -> dict:
 
 def edp_elements(ck: DeepSpeedCheckpoint) -> dict[int, int]:
     """``{dp_rank: elements}``: how much of the expert parameters lies in each DP rank's flat
-    partitions of the expert optimizer groups (EP rank ``e``'s shards, cut over its EDP group)."""
-    ax = ck.experts
+    partitions of the expert optimizer groups (EP rank ``e``'s shards, cut over its EDP group):
+    the shards of their composites (``ck.layout``; TP = PP = 1, so a global rank is a DP rank)."""
     out = dict.fromkeys(range(ck.dp), 0)
-    for p in ax.params.values():
-        for e in range(ax.ep):
-            for k, s in zero_map(ck, p, e).shards.items():
-                out[ax.global_rank(e, k)] += s.numel
+    for p in ck.experts.params.values():
+        for d, s in ck.layout.composite(p.name).shards.items():
+            out[d] += s.numel
     return out

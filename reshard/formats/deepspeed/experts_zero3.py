@@ -68,14 +68,7 @@ class AutoEPZero3Partitions:
     def _groups(self, subs: list[dict]) -> list[list[str]]:
         """Optimizer parameter groups (names in order) from the sub-groups and param_groups."""
         path = self.ck.optim_files[(0, 0)]
-        try:
-            lists = [list(pg["params"]) for pg in self.ck.osd(0, 0)["optimizer_state_dict"]["param_groups"]]
-        except (KeyError, TypeError):
-            raise CheckpointError(f"{path}: optimizer_state_dict has no torch param_groups") from None
-        if [i for lst in lists for i in lst] != list(range(len(subs))) or any(not lst for lst in lists):
-            raise CheckpointError(f"{path}: param_groups number the sub-groups {lists}, expected 0..{len(subs) - 1} "
-                                  "in order: an unknown layout")
-        self._lists = lists
+        self._lists = lists = z3.sub_group_lists(self.ck, 0, len(subs))
         groups = [[n for k in lst for n in subs[k]] for lst in lists]
         for g, lst in enumerate(lists):
             kinds = {k in self.ax.groups for k in lst}

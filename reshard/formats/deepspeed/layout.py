@@ -33,7 +33,7 @@ from ..contract import BEST, MOMENTS, Buffer, Slot
 from . import zero12 as dsw
 from .zero3 import SubGroup
 
-__all__ = ["Group", "Layout", "Part", "Unit", "check_flat", "flat_source", "want"]
+__all__ = ["Group", "Layout", "Part", "Unit", "check_flat", "source", "want"]
 
 
 def want(state: str) -> tuple[str, ...]:
@@ -117,18 +117,26 @@ class Layout:
     """Outer maps, partition groups and units of a checkpoint under ``rule`` ("flat" or "sub"):
     composites, the optimizer buffers each rank declares, and their storages."""
 
-    def __init__(self, rule: str, outer: Mapping[str, ParamMap], units: Sequence[Unit], ranks: Sequence[int]) -> None:
+    def __init__(self, rule: str, outer: Mapping[str, ParamMap] | Callable[[str], ParamMap], units: Sequence[Unit],
+                 ranks: Sequence[int]) -> None:
         if rule not in ("flat", "sub"):
             raise CheckpointError(f"internal: unknown partition rule {rule!r}")
-        self.rule, self.outer, self.units, self.ranks = rule, dict(outer), list(units), list(ranks)
+        # a target's outer maps are given; a source's lowered on first use (a function of the name)
+        self._outer = dict(outer).__getitem__ if isinstance(outer, Mapping) else outer
+        self.rule, self.units, self.ranks = rule, list(units), list(ranks)
         self._at: dict[tuple[str, int], tuple[Part, int]] = {}  # (name, holder) -> its part and position
         self.group_of: dict[str, Group] = {}
-        for u in self.units:
-            for h, part in u.parts.items():
+        self.unit_of: dict[str, int] = {}
+        self.holders: dict[str, list[int]] = {}  # name -> the holders whose part lists it, in order
+        for k, u in enumerate(self.units):
+            for h, part in sorted(u.parts.items()):
                 for i, n in enumerate(part.names):
                     self._at[(n, h)] = (part, i)
                     self.group_of[n] = u.group
+                    self.unit_of[n] = k
+                    self.holders.setdefault(n, []).append(h)
         self._composites: dict[str, ParamMap] = {}
+        self._offsets: dict[tuple[int, int, int], dict[str, int]] = {}
 
     def composite(self, name: str) -> ParamMap:
         """``name``'s outer map composed with the split of each holder's share over its partition
@@ -136,7 +144,7 @@ class Layout:
         m = self._composites.get(name)
         if m is not None:
             return m
-        group, outer = self.group_of[name], self.outer[name]
+        group, outer = self.group_of[name], self._outer(name)
         inner: dict[int, ParamMap | None] = {}
         for h in outer.ranks:
             at = self._at.get((name, h))
@@ -151,6 +159,28 @@ class Layout:
                 m = m.with_ranks(relabel)
         self._composites[name] = m
         return m
+
+    def inner(self, name: str, h: int) -> ParamMap | None:
+        """Holder ``h``'s share of ``name`` split over its partition group (ranks: partition
+        indices), ``None`` where ``h`` holds none of it."""
+        at = self._at.get((name, h))
+        return None if at is None else at[0].inner(at[1], self.units[self.unit_of[name]].group.size)
+
+    def locate(self, name: str, rank: int) -> tuple[int, int] | None:
+        """``(unit index, first element in the partition)`` of ``name``'s fragment on global rank
+        ``rank``, ``None`` where that rank's partition holds none of it."""
+        k = self.unit_of.get(name)
+        if k is None:
+            return None
+        h, q = self.units[k].group.place(rank)
+        part = self.units[k].parts.get(h)
+        if part is None:
+            return None
+        offsets = self._offsets.get((k, h, q))
+        if offsets is None:
+            offsets = self._offsets[(k, h, q)] = {n: off for off, n in part.fragments(q)}
+        off = offsets.get(name)
+        return None if off is None else (k, off)
 
     def rank_units(self, rank: int) -> list[tuple[int, Part, int]]:
         """``(unit index, part, partition index)`` of every unit global rank ``rank`` holds a
@@ -190,40 +220,79 @@ class Layout:
 # -- a source's layout, from what it records -----------------------------------------------------------
 
 
-def flat_source(ck: Any, align: int) -> Layout:
-    """The layout a ZeRO-1/2 checkpoint's ``param_shapes`` imply under DeepSpeed 0.19.8's rule: per
-    model-parallel rank and parameter group one flat group over the DP ranks; an expert group
-    (AutoEP, classic MoE: TP = PP = 1) one flat group of EP rank 0's shapes over each EP rank's EDP
-    group. Outer maps are not needed to check what the files record, and are left out."""
+def source(ck: Any, align: int, outer: Callable[[str], ParamMap] | None = None) -> Layout:
+    """The layout a checkpoint's ``param_shapes`` imply under DeepSpeed 0.19.8's rules, over global
+    ranks ``dp_rank * mp + m``. Holders are the model-parallel ranks (a dense group's partition
+    group their DP ranks), or for an expert group (AutoEP, classic MoE: TP = PP = 1) the EP ranks
+    (partition group: each one's EDP ranks; a classic MoE holder's local names are its global
+    experts). ZeRO-1/2 (rule "flat"): one flat group per holder and parameter group, laid out with
+    ``align`` (per-parameter alignment); ZeRO-3 (rule "sub"): the sub-groups ``param_shapes``
+    records, each parameter split on its own. ``outer(name)``: the outer map (a stage map, an
+    expert placement), lowered on first use; without it only the partitions are known (enough to
+    check what the files record)."""
     experts = ck.experts if ck.experts is not None else ck.moe
     dense = Group.dense(ck.mp, ck.dp)
+    rule = "sub" if ck.zero_stage == 3 else "flat"
     units = []
-    for g in range(len(ck.groups(0))):
-        if experts is not None and g in experts.groups:
-            grp = ck.groups(0)[g]
-            fg = dsw.flat_group(list(grp), list(grp.values()), experts.edp, param_align=align)
+    for k in range(len(ck.groups(0))):
+        if experts is not None and k in experts.groups:
             edp = Group(tuple(tuple(experts.members(e)) for e in range(experts.ep)))
-            units.append(Unit(edp, dict.fromkeys(range(experts.ep), Part(fg, fg.names))))
-            continue
-        parts = {}
-        for t in range(ck.mp):
-            grp = ck.groups(t)[g]
-            fg = dsw.flat_group(list(grp), list(grp.values()), ck.dp, param_align=align)
-            parts[t] = Part(fg, fg.names)
-        units.append(Unit(dense, parts))
-    return Layout("flat", {}, units, [d * ck.mp + t for t in range(ck.mp) for d in range(ck.dp)])
+            units.append(Unit(edp, {e: _part(ck, rule, k, e, edp.size, align) for e in range(experts.ep)}))
+        else:
+            units.append(Unit(dense, {t: _part(ck, rule, k, t, ck.dp, align) for t in range(ck.mp)}))
+    ranks = [d * ck.mp + t for t in range(ck.mp) for d in range(ck.dp)]
+    return Layout(rule, outer if outer is not None else {}, units, ranks)
+
+
+def _part(ck: Any, rule: str, k: int, h: int, size: int, align: int) -> Part:
+    """Holder ``h``'s part of unit ``k`` (a parameter group, or a ZeRO-3 sub-group) over ``size``
+    partitions: a dense holder's shapes are its own ``param_shapes``; an AutoEP holder's its EP
+    rank's shards of the fused experts; a classic MoE holder's EP rank 0's (the local experts'),
+    named as its global experts."""
+    if ck.experts is not None and k in ck.experts.groups:
+        grp = {n: ck.experts.params[n].shard_shape(h) for n in ck.groups(0)[k]}
+    else:
+        grp = ck.groups(0 if ck.moe is not None and k in ck.moe.groups else h)[k]
+    names = list(grp)
+    if ck.moe is not None and k in ck.moe.groups:
+        local = {q.local: q.name for q in ck.moe.params.values() if q.ep_rank == h and q.group == k}
+        names = [local[n] for n in grp]
+    if rule == "sub":
+        return Part(SubGroup(k, tuple(grp), tuple(tuple(s) for s in grp.values()), size), tuple(names))
+    fg = dsw.flat_group(list(grp), list(grp.values()), size, param_align=align)
+    return Part(fg, tuple(names))
 
 
 def check_flat(ck: Any, align: int) -> None:
     """Every ZeRO-1/2 rank's recorded ``param_slice_mappings``, ``group_paddings``,
-    ``param_alignment_paddings`` and fp32 partition length against :func:`flat_source`: one check
+    ``param_alignment_paddings`` and fp32 partition length against :func:`source`: one check
     for every kind (dense, AutoTP, pipeline stages, AutoEP and classic MoE experts)."""
-    layout = flat_source(ck, align)
+    layout = source(ck, align)
     for r in layout.ranks:
         t, d = r % ck.mp, r // ck.mp
         osd, path = ck.osd(t, d), ck.optim_files[(t, d)]
         for k, part, q in layout.rank_units(r):
             if not isinstance(part.unit, FlatGroup):
                 raise CheckpointError(f"internal: {path}: unit {k} is not a flat group")
-            dsw.check_partition(part.unit, q, osd, k, f"{ck.tag_dir} (model-parallel rank {t}, {path.name}): dp rank {d}",
-                                path)
+            dsw.check_partition(part.unit, q, osd, k, f"{ck.tag_dir} (model-parallel rank {t}, {path.name}): dp rank {d}"
+                                f"{_edp(ck, layout.units[k].group, r)}", path)
+    if ck.experts is not None:  # DeepSpeed's count of an AutoEP expert group's partitions: its EDP size
+        for k, u in enumerate(layout.units):
+            if k in ck.experts.groups:
+                for d in (d for ranks in u.group.members for d in ranks):
+                    counts = ck.osd(0, d).get("partition_count")
+                    if isinstance(counts, (list, tuple)) and len(counts) > k and counts[k] != u.group.size:
+                        raise CheckpointError(f"{ck.optim_files[(0, d)]}: partition_count {list(counts)} cuts expert "
+                                              f"group {k} into {counts[k]} partitions, but its EDP group has "
+                                              f"{u.group.size} ranks")
+
+
+def _edp(ck: Any, group: Group, rank: int) -> str:
+    """Where an expert group's partition of ``rank`` sits, as a refusal names it: its EP rank and
+    EDP group, in the order DeepSpeed's config gives (empty for a dense group)."""
+    experts = ck.experts if ck.experts is not None else ck.moe
+    if experts is None or group.size == ck.dp:
+        return ""
+    e, _ = group.place(rank)
+    order = "use_data_before_expert_parallelism" if experts.data_before_expert else "expert before data"
+    return f" (EP rank {e}, EDP group {list(group.members[e])} in DeepSpeed's {order} order)"

@@ -16,8 +16,8 @@ the same name means a different expert on each EP rank. DeepSpeed writes:
 The universal form (docs/deepspeed-checkpoints.md §12): one tensor per *global* expert parameter,
 under the name the per-expert file gives it (whose shape must be ``param_shapes``' for its local
 name). Its map (docs/spec.md §7.2) is one piece located on
-the EP rank holding that expert; composed with that rank's EDP split its ranks are the DP ranks
-whose flat partitions hold the fragments.
+the EP rank holding that expert: the outer map of ``layout.source``, which composes it with that
+rank's EDP split, whose ranks are the DP ranks whose flat partitions hold the fragments.
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError, ReshardError
-from ...ir.param_map import ParamMap
-from ...layouts import compose_zero, replicated, zero12_from_slice_mappings
-from ...layouts.topology import Topology
+from ...errors import CheckpointError
+from ...layouts import replicated
 from ...storage.safe_load import load
 from .lowering import Lowered
 
@@ -174,45 +172,3 @@ def _file_keys(path: Path) -> dict[str, tuple[int, ...] | None]:
 def lowered(p: MoEParam) -> Lowered:
     """The expert's map: all of F, one piece, located on the EP rank holding it."""
     return Lowered(replicated(p.shape, [p.ep_rank]), FAMILY, {})
-
-
-def zero_map(ck: DeepSpeedCheckpoint, p: MoEParam) -> ParamMap:
-    """The expert's EDP split on its EP rank (ranks: EDP ranks)."""
-    key = ("moe_zero", p.group, p.ep_rank)
-    if key not in ck._cache:
-        ax, e = ck.moe, p.ep_rank
-        members = ax.members(e)
-        osds = [ck.osd(0, d) for d in members]
-        shapes = {q.local: q.shape for q in ax.params.values() if q.group == p.group and q.ep_rank == e}
-        try:
-            ck._cache[key] = zero12_from_slice_mappings(
-                shapes, [o["param_slice_mappings"][p.group] for o in osds], [o["group_paddings"][p.group] for o in osds],
-                ax.edp, shard="fragment")
-        except (ReshardError, KeyError, IndexError, TypeError) as err:
-            raise CheckpointError(f"{ck.optim_files[(0, members[0])]}: expert group {p.group} of EP rank {e} "
-                                  f"(DP ranks {members}): {err}") from None
-    maps = ck._cache[key]
-    if p.local not in maps:
-        raise CheckpointError(f"{ck.optim_files[(0, ck.moe.members(p.ep_rank)[0])]}: no fragments of {p.local!r} "
-                              f"(global {p.name!r}, EP rank {p.ep_rank})")
-    return maps[p.local]
-
-
-def dp_map(ck: DeepSpeedCheckpoint, p: MoEParam) -> ParamMap:
-    """The expert's EDP split relabelled to the DP ranks holding its fragments."""
-    members = ck.moe.members(p.ep_rank)
-    zmap = zero_map(ck, p)
-    return zmap.with_ranks({k: members[k] for k in zmap.ranks})
-
-
-def composite(ck: DeepSpeedCheckpoint, p: MoEParam, model_map: ParamMap) -> ParamMap:
-    """The expert map composed with its EP rank's EDP split, over global (DP) ranks."""
-    ax = ck.moe
-    m = compose_zero(model_map, {p.ep_rank: zero_map(ck, p)}, Topology(1, ax.edp, ax.ep))  # rank k * ep + e
-    return m.with_ranks({k * ax.ep + p.ep_rank: ax.members(p.ep_rank)[k] for k in range(ax.edp)})
-
-
-def step(ck: DeepSpeedCheckpoint, p: MoEParam) -> Any:
-    d = ck.moe.members(p.ep_rank)[0]
-    state = ck.osd(0, d)["base_optimizer_state"]["state"]
-    return state[p.group].get("step") if p.group in state else None

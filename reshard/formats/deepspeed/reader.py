@@ -165,37 +165,24 @@ class DeepSpeedReader(Reader):
         optim = OPTIMIZER if ck.has_optimizer_state(name) else ()
         if self._kind == "zero3" and self.zero3 is not None and not self.zero3.has_moments:
             optim = ("fp32",)
-        module = ck.zero_stage != 3 and ck.expert(name) is None and ck.moe_param(name) is None
-        return (("weight",) if module else ()) + optim
+        return (("weight",) if ck.module_held(name) else ()) + optim
 
     def dtype(self, name: str, state: str) -> torch.dtype:
         if state == "weight":
             return self.module_dtype
         return torch.float32
 
-    @cached_property
+    @property
     def module_dtype(self) -> torch.dtype:
         """The training dtype: the module weights' (ZeRO-3: its placeholders')."""
-        ck = self.ck
-        for n in self.names:
-            w = ck.module_tensor(n, 0) if ck.zero_stage != 3 else (ck.model_state(0).get("module") or {}).get(n)
-            if isinstance(w, torch.Tensor):
-                return w.dtype
-        return torch.float32
-
-    def stage_map(self, name: str) -> ParamMap:
-        """``name``'s TP map on its stage's model-parallel ranks ``stage * tp + t``."""
-        ck = self.ck
-        m = ck.tp_map(name).map
-        base = ck.stage_of(name) * ck.tp
-        return m if base == 0 else m.with_ranks({t: base + t for t in m.ranks})
+        return self.ck.module_dtype
 
     def map(self, name: str, state: str) -> ParamMap:
         kind = "weight" if state == "weight" else "optimizer"
         key = (name, kind)
         m = self._maps.get(key)
         if m is None:
-            stage = self.stage_map(name)
+            stage = self.ck.stage_map(name)
             m = stage if kind == "weight" else self.ck.composite_map(name, stage, stages=True)
             self._maps[key] = m
         return m
@@ -277,22 +264,13 @@ class DeepSpeedReader(Reader):
         return f"{name} (tp rank {m % ck.tp}, {state})"
 
     def _where(self, name: str, m: int, d: int) -> tuple[int, int]:
-        """(group or sub-group, first element) of ``name``'s fragment in rank (``m``, ``d``)'s files."""
+        """(group or sub-group, first element) of ``name``'s fragment in rank (``m``, ``d``)'s files:
+        where the layout puts it (the files' ``param_slice_mappings`` are checked to agree)."""
         ck = self.ck
-        if (p := ck.expert(name)) is not None:
-            from .experts import start
-
-            e = next(e for e in range(ck.experts.ep) if d in ck.experts.members(e))
-            return p.group, start(ck, p, e, d)
-        if (q := ck.moe_param(name)) is not None:
-            return q.group, int(ck.osd(0, d)["param_slice_mappings"][q.group][q.local].start)
-        entry = ck.zero_map_at(name, m)
-        if entry is None:
+        at = ck.layout.locate(name, d * ck.mp + m)
+        if at is None:
             raise CheckpointError(f"{ck.optim_files[(m, d)]}: no optimizer fragments for {name!r}")
-        group = entry[0]
-        if ck.zero_stage == 3:
-            return group, ck._z3_offset(m, name)
-        return group, int(ck.osd(m, d)["param_slice_mappings"][group][name].start)
+        return at
 
 
 def model_state_held(path: Path, state: dict, seen: set[str]) -> list[Held]:

@@ -41,7 +41,7 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,7 +52,9 @@ from ...layouts.topology import Topology
 from ...layouts.zero import FlatGroup, zero12_group_layout
 from ...storage.safe_load import FragmentAddress, ZeroStageEnum
 from ...storage.torch_zip import Storage, TensorRef
-from .checkpoint import DeepSpeedCheckpoint
+
+if TYPE_CHECKING:  # checkpoint builds its layout on this module (layout.py)
+    from .checkpoint import DeepSpeedCheckpoint
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: "4-byte alignment/sizeof(fp16) = 2"
 
@@ -314,13 +316,7 @@ class Zero12Partitions:
         self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
         self._check_groups()
         self._check_rest(ms0)
-        self.maps = {n: self.stage_map(n) if self.pipe else ck.tp_map(n).map for n in self.names}
-
-    def stage_map(self, name: str) -> ParamMap:
-        """``name``'s TP map on its stage's model-parallel ranks ``stage * tp + t``."""
-        ck = self.ck
-        base = ck.stage_of(name) * ck.tp
-        return ck.tp_map(name).map.with_ranks({t: base + t for t in range(ck.tp)})
+        self.maps = {n: ck.stage_map(n) for n in self.names}
 
     def _check_groups(self) -> None:
         ck = self.ck

@@ -35,7 +35,7 @@ import copy
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,11 +44,14 @@ from ...ir.piece import prod
 from ...layouts.zero import zero3_partition_numel
 from ...storage.safe_load import ZeroStageEnum, load
 from ...storage.torch_zip import Storage, TensorRef
-from .checkpoint import DeepSpeedCheckpoint
+
+if TYPE_CHECKING:  # checkpoint builds its layout on this module (layout.py)
+    from .checkpoint import DeepSpeedCheckpoint
 from .zero12 import with_config
 
 __all__ = ["AttrTensorRef", "SubGroup", "Zero3Partitions", "model_file", "model_states", "model_template_from_zero12",
-           "optim_file", "optim_source_from_zero3", "optim_source_from_zero12", "optim_states", "sub_groups"]
+           "optim_file", "optim_source_from_zero3", "optim_source_from_zero12", "optim_states", "sub_group_lists",
+           "sub_groups"]
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -145,6 +148,21 @@ def check_cut(subs: Sequence[SubGroup], recorded: Sequence[Mapping[str, Any]], s
         raise CheckpointError(f"{where}: param_shapes records sub-groups of sizes {[len(sg) for sg in recorded]}, "
                               f"DeepSpeed 0.19.8's rule (sub_group_size {size}) gives {[len(sg.names) for sg in subs]}: "
                               "an unknown layout")
+
+
+def sub_group_lists(ck: DeepSpeedCheckpoint, t: int, n_sub: int) -> list[list[int]]:
+    """The sub-groups each parameter group of TP rank ``t`` holds, from the torch optimizer's
+    ``param_groups``, whose ``params`` must number the ``n_sub`` sub-groups in order
+    (DeepSpeed's bookkeeping)."""
+    path = ck.optim_files[(t, 0)]
+    try:
+        lists = [list(pg["params"]) for pg in ck.osd(t, 0)["optimizer_state_dict"]["param_groups"]]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{path}: optimizer_state_dict has no torch param_groups") from None
+    if [i for lst in lists for i in lst] != list(range(n_sub)) or any(not lst for lst in lists):
+        raise CheckpointError(f"{path}: param_groups number the sub-groups {lists}, expected "
+                              f"0..{n_sub - 1} in order, each group non-empty: an unknown layout")
+    return lists
 
 
 def _zero_config(cfg: Any) -> dict:
@@ -258,19 +276,8 @@ class Zero3Partitions:
         return out
 
     def _param_groups(self, t: int, n_sub: int) -> list[int]:
-        """Sub-group -> parameter group, from the torch optimizer's ``param_groups``, whose
-        ``params`` must number the sub-groups in order (DeepSpeed's bookkeeping)."""
-        path = self.ck.optim_files[(t, 0)]
-        try:
-            pgs = self.ck.osd(t, 0)["optimizer_state_dict"]["param_groups"]
-            lists = [list(pg["params"]) for pg in pgs]
-        except (KeyError, TypeError):
-            raise CheckpointError(f"{path}: optimizer_state_dict has no torch param_groups") from None
-        flat = [i for lst in lists for i in lst]
-        if flat != list(range(n_sub)) or any(not lst for lst in lists):
-            raise CheckpointError(f"{path}: param_groups number the sub-groups {lists}, expected "
-                                  f"0..{n_sub - 1} in order, each group non-empty: an unknown layout")
-        return [g for g, lst in enumerate(lists) for _ in lst]
+        """Sub-group -> parameter group (:func:`sub_group_lists`)."""
+        return [g for g, lst in enumerate(sub_group_lists(self.ck, t, n_sub)) for _ in lst]
 
     def _check_optim_files(self) -> bool:
         """Every rank's file: known keys, ``partition_count``, sub-group count, state keys, and

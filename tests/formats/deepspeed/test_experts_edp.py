@@ -20,6 +20,7 @@ import torch
 from reshard.cli import main as cli
 from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from reshard.formats.deepspeed.reader import DeepSpeedReader
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
@@ -117,9 +118,11 @@ def test_a_contradicting_edp_order_is_refused(tmp_path):
     save(sd, path)
     bad = DeepSpeedCheckpoint.open(root)
     assert [bad.experts.members(e) for e in range(EP)] == _deepspeed_edp_groups(WORLD, EP, True) == [[0, 1], [2, 3]]
-    with pytest.raises(CheckpointError, match=r"expert group 1 of EP rank 0 \(DP ranks \[0, 1\].*"
-                                              r"use_data_before_expert_parallelism"):
-        bad.composite_map(EXPERTS[0], bad.tp_map(EXPERTS[0]).map)
+    # the reader's check (every route runs it before reading a map) compares the files with the layout
+    with pytest.raises(CheckpointError, match=r"dp rank 1 \(EP rank 0, EDP group \[0, 1\] in DeepSpeed's "
+                                              r"use_data_before_expert_parallelism order\) group 1: "
+                                              r"param_slice_mappings differ"):
+        DeepSpeedReader(bad).check()
     with pytest.raises(CheckpointError):
         convert(root, tmp_path / "out")
 
@@ -134,7 +137,7 @@ def test_a_wrong_partition_count_is_refused(tmp_path):
     bad = DeepSpeedCheckpoint.open(root)
     with pytest.raises(CheckpointError, match=r"zero_pp_rank_2_mp_rank_00_optim_states.pt: partition_count \[4, 4\] "
                                               r"cuts expert group 1 into 4 partitions, but its EDP group has 2 ranks"):
-        bad.composite_map(EXPERTS[0], bad.tp_map(EXPERTS[0]).map)
+        DeepSpeedReader(bad).check()
 
 
 # -- reshard reshard: other (EP, DP) and back --------------------------------------------------------
