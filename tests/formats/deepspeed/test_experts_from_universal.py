@@ -85,14 +85,15 @@ def test_ep_from_its_universal_at_zero3_holds_what_the_deepspeed_reshard_writes(
     (AutoEP ZeRO-1 -> ZeRO-3, whose files have DeepSpeed's own ZeRO-3 save's structure:
     test_experts_to_zero3.py), and no other; every tensor (masters, moments, placeholders, ``ds_id``)
     and every other value (placement entries, ``ds_zero_partition_groups``, param_shapes, steps,
-    param groups, the loss scaler) equal, but what a fresh job records otherwise (``FRESH``)."""
+    param groups, the loss scaler, ``universal_checkpoint_info``) equal, but the job's ``ds_config``
+    and ``global_samples``, which a universal checkpoint does not record."""
     ours = reshard(ucp, tmp_path / "ours", tp=1, dp=dp, ep=ep, zero_stage=3).out_dir
     theirs = reshard(FIXTURES / NAME, tmp_path / "theirs", tp=1, dp=dp, ep=ep, zero_stage=3).out_dir
     assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
     for p in sorted(theirs.glob("*.pt")):
         out: list[str] = []
         _differences(load(ours / p.name), load(p), "", out)
-        assert _fresh_only(out), (p.name, sorted(out))
+        assert all(x.startswith(("/ds_config", "/global_samples")) for x in out), (p.name, sorted(out))
         if "optim" in p.name:
             assert [t.ds_id for t in load(ours / p.name)["optimizer_state_dict"]["fp32_flat_groups"]] == \
                 ["0_22", "6_18"]
