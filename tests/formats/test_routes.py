@@ -459,6 +459,11 @@ REFUSALS = [
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 2, "dp": 2, "ep": 2},
      r"classic MoE checkpoints are resharded at TP = PP = 1 only"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 2}, r"keeps the source's ZeRO stage 1"),
+    (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 3},
+     r"classic MoE .* is not written at ZeRO stage 3: DeepSpeed 0.19.8 does not train it there"),
+    ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 2, "ep": 2, "zero_stage": 3}, r"TP = PP = 1 only"),
+    ("deepspeed-autoep", "deepspeed", {"tp": 1, "dp": 3, "ep": 2, "zero_stage": 3},
+     r"ep=2 must divide the target world size dp=3"),
 ]
 
 

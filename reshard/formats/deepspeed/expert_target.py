@@ -23,8 +23,8 @@ from .checkpoint import DeepSpeedCheckpoint
 from .experts_zero3 import AutoEPZero3Partitions
 from .layout import Group, Layout, Part, Unit
 from .placement import EXPERT_FILE, AutoEPPlacement, split_local, uniform_placement
-from .target import DeepSpeedTarget
-from .templates import Templates
+from .target import DeepSpeedTarget, PlaceholderFiles, autoep_sub_layout
+from .templates import Templates, ds_id_notes
 
 
 def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: int, expert_files: list[Path], *,
@@ -175,12 +175,14 @@ class ExpertModelFile:
 # -- AutoEP ZeRO-3 -> ZeRO-1/2 ---------------------------------------------------------------------
 
 
-def router_aliases(template: Mapping[str, Any], params: Sequence[str], where: str) -> dict[str, str]:
-    """The module entries of an AutoEP ZeRO-3 template that are no parameter: each the router's
+def router_aliases(template: Mapping[str, Any], params: Sequence[str], where: str, *,
+                   why: str = "its value is not in a ZeRO-3 checkpoint, so it cannot be written at ZeRO-1/2"
+                   ) -> dict[str, str]:
+    """The module entries of an AutoEP template that are no parameter: each the router's
     alias (DeepSpeed's AutoEP layer sets its router a second time under the name transformers'
     OutputRecorder captures, ``<module_path>.<alias>.<rest>`` for ``<module_path>.router.<rest>``),
     mapped to that router parameter. A buffer (``buffer_names``, held whole) is kept as it is;
-    anything else is refused: its value is not in the source."""
+    anything else is refused (``why``: what the target cannot tell of it)."""
     owned, out = set(params) | set(template.get("buffer_names") or []), {}
     paths = [str(e.get("module_path", "")) for e in template.get(dse.LAYERS_KEY) or []]
     for key in template.get("module") or {}:
@@ -191,7 +193,7 @@ def router_aliases(template: Mapping[str, Any], params: Sequence[str], where: st
         router = f"{path}.router.{rest[1]}" if len(rest) == 2 else None
         if router is None or router not in owned:
             raise CheckpointError(f"{where}: module entry {key!r} is neither a parameter nor an AutoEP router alias; "
-                                  "its value is not in a ZeRO-3 checkpoint, so it cannot be written at ZeRO-1/2")
+                                  f"{why}")
         out[key] = router
     return out
 
@@ -377,3 +379,131 @@ def _with_clip(optim: dict, clip_grad: float | None) -> dict:
     if clip_grad is None:
         return optim
     return {**optim, "optimizer_state_dict": {**optim["optimizer_state_dict"], "clip_grad": clip_grad}}
+
+
+# -- AutoEP ZeRO-1/2 -> ZeRO-3 ---------------------------------------------------------------------
+
+
+def autoep_ds_ids(module: Sequence[str], ax: dse.AutoEP, names: Sequence[str]) -> tuple[dict[str, int], bool]:
+    """Each parameter's ZeRO-3 ``ds_id`` (its index in ``model.parameters()``): the module's owned
+    parameters in order (``module``: its keys), each MoE layer's fused experts right after the last
+    owned parameter under its ``module_path`` (the router; DeepSpeed's AutoEP layer registers its
+    experts after it). ``False`` where that order does not hold every parameter (then
+    ``names``' order, a best guess)."""
+    owned = set(names)
+    keys = [n for n in module if n in owned]
+    layers: dict[str, list[str]] = {}
+    for p in ax.params.values():
+        layers.setdefault(p.name.rsplit(".experts.", 1)[0], []).append(p.name)
+    order: list[str] = []
+    for i, n in enumerate(keys):
+        order.append(n)
+        nxt = keys[i + 1] if i + 1 < len(keys) else ""
+        for path, experts in layers.items():
+            if n.startswith(path + ".") and not nxt.startswith(path + "."):
+                order.extend(experts)
+    exact = sorted(order) == sorted(names)
+    return {n: i for i, n in enumerate(order if exact else names)}, exact
+
+
+def _with_partition_groups(optim: dict) -> dict:
+    """A recast ZeRO-3 optimizer file with AutoEP's ``ds_zero_partition_groups`` slot after
+    ``partition_count``, where DeepSpeed's AutoEP ZeRO-3 save puts it (filled per rank)."""
+    out: dict[str, Any] = {}
+    for key, value in optim["optimizer_state_dict"].items():
+        out[key] = value
+        if key == "partition_count":
+            out["ds_zero_partition_groups"] = []
+    return {**optim, "optimizer_state_dict": out}
+
+
+def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedTarget:
+    """An AutoEP ZeRO-1/2 checkpoint written at ZeRO-3, EP ``ep`` x world ``dp``: the layout of
+    ``target.autoep_zero3_target`` (a dense parameter split over all ``dp`` ranks, a fused expert
+    parameter of EP rank ``e`` over ``e``'s EDP group, sub-groups by DeepSpeed's rule), one
+    model-state and one optimizer file per DP rank and no per-expert files, as DeepSpeed's AutoEP
+    ZeRO-3 save writes them: the module's parameters and router aliases 0-element placeholders of
+    the training dtype (buffers whole), the layer entries ``checkpoint_format:
+    "zero3_partitioned"`` (version 1) each rank's view, the optimizer file the source's recast
+    (``zero3.optim_source_from_zero12``) with ``ds_zero_partition_groups``."""
+    ax, ms0, path = ck.experts, ck.model_state(0), ck.model_files[0]
+    placement = AutoEPPlacement(ax, ep, dp)
+    src_groups = ck.groups(0)
+    group_names = [list(g) for g in src_groups]
+    names = [n for g in group_names for n in g]
+    shapes = {n: (tuple(ax.params[n].full_shape) if n in ax.params else tuple(s))
+              for g in src_groups for n, s in g.items()}
+    cfg = ms0.get("ds_config") if isinstance(ms0.get("ds_config"), dict) else None
+    layout = autoep_sub_layout(placement, group_names, shapes, ax.groups, z3.sub_group_size(cfg, str(path)))
+    module = ms0.get("module") or {}
+    dtypes = {module[n].dtype for n in names if isinstance(module.get(n), torch.Tensor)}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{path}: the module's dense weights have dtypes {sorted(map(str, dtypes))}; expected "
+                              "one training dtype")
+    dtype = dtypes.pop()
+    aliases = router_aliases(ms0, names, str(path), why="a ZeRO-3 module holds a parameter as a placeholder and a "
+                             "buffer whole, and which this entry is is not recorded")
+    placeholders = set(names) | set(aliases)
+    template = {**ms0, "module": OrderedDict((k, torch.empty(0, dtype=dtype) if k in placeholders else v)
+                                             for k, v in module.items()),
+                "frozen_param_shapes": OrderedDict(), "frozen_param_fragments": OrderedDict(),
+                dse.LAYERS_KEY: [{**entry, "checkpoint_format": "zero3_partitioned", "checkpoint_format_version": 1}
+                                 for entry in ms0[dse.LAYERS_KEY]]}
+    ds_config = placement.ds_config(dsw.target_ds_config(cfg, tp=1, dp=dp, zero_stage=3))
+    ids, exact = autoep_ds_ids(list(module), ax, names)
+    notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-{ck.zero_stage} -> ZeRO-3: "
+             "one model-state and one optimizer file per DP rank, the per-expert files' weights not written (a "
+             "ZeRO-3 engine loads the fp32 masters)"]
+    notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
+    bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
+    models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
+                              size=path.stat().st_size, placement=placement)
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=bf16, states=OPTIMIZER,
+                           optim_template=lambda: _with_partition_groups(z3.optim_source_from_zero12(
+                               ck.optim_state(0, 0))),
+                           ds_config=ds_config, uc_info=None, models=models, ds_ids=ids, placement=placement,
+                           notes=notes)
+
+
+def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], ep: int,
+                              dp: int, aliases: Mapping[str, str], where: str) -> DeepSpeedTarget:
+    """AutoEP's fused experts at ZeRO-3, EP ``ep`` x world ``dp``, from a source that is no DeepSpeed
+    checkpoint (a universal one): the layout of ``target.autoep_zero3_target`` on the files of a
+    fresh ZeRO-3 job (``tpl``, ``templates.fresh`` at stage 3) as DeepSpeed's AutoEP ZeRO-3 save
+    writes them (:func:`autoep_to_zero3_target`): the module's dense parameters and router
+    aliases 0-element placeholders, each rank's view of the placement in ``ds_autoep_layers``
+    (``checkpoint_format: "zero3_partitioned"``), ``ds_zero_partition_groups``. EDP groups in
+    DeepSpeed's default order (expert before data)."""
+    expert_names = {n for lay in layers for n in lay.params}
+    groups = frozenset(g for g, names in enumerate(tpl.group_names) if expert_names & set(names))
+    params = {n: dse.ExpertParam(n, lay.layer, tuple(shapes[n]), (), {}, g) for lay in layers for n in lay.params
+              for g in groups if n in tpl.group_names[g]}
+    ax = dse.AutoEP(params, groups, ep, dp // ep, False, tuple(aliases))
+    placement = AutoEPPlacement(ax, ep, dp)
+    layout = autoep_sub_layout(placement, tpl.group_names, shapes, groups, z3.sub_group_size(tpl.cfg, where))
+    # a module without the experts (the AutoEP layer keeps them out of its state dict), each router
+    # alias after its router, every entry a placeholder of its own
+    module = OrderedDict()
+    for n in tpl.names:
+        if n not in expert_names:
+            module[n] = torch.empty(0, dtype=tpl.dtype)
+            module.update((a, torch.empty(0, dtype=tpl.dtype)) for a, r in aliases.items() if r == n)
+    template = {**tpl.model, "module": module, "frozen_param_shapes": OrderedDict(),
+                "frozen_param_fragments": OrderedDict(), "shared_params": {},
+                "num_experts": [lay.num_experts for lay in layers],
+                dse.LAYERS_KEY: [{**dict(lay.record), "checkpoint_format": "zero3_partitioned",
+                                  "checkpoint_format_version": 1} for lay in layers],
+                # what DeepSpeed's AutoEP save always records (engine._save_moe_checkpoint); the
+                # layer entries are added per rank
+                "universal_checkpoint_info": {"universal_checkpoint_version": 0.4,
+                                              "expert_parameter_patterns": [r".*\.experts\.w[123]$"]}}
+    ds_config = placement.ds_config(dsw.target_ds_config(tpl.cfg, tp=1, dp=dp, zero_stage=3))
+    ids, exact = autoep_ds_ids(list(module), ax, tpl.names)
+    notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3, EDP groups in DeepSpeed's "
+             "default order (expert before data)"]
+    notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
+    models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None, size=1 << 16,
+                              placement=placement)
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=tpl.bf16, states=OPTIMIZER,
+                           optim_template=lambda: _with_partition_groups(tpl.optim), ds_config=ds_config,
+                           uc_info=None, models=models, ds_ids=ids, placement=placement, notes=notes)

@@ -26,7 +26,7 @@ from .checkpoint import DeepSpeedCheckpoint
 from .layout import Group, Layout
 from .moe import LOCAL_RE
 
-__all__ = ["EXPERT_FILE", "AutoEPPlacement", "check_autoep", "check_autoep_zero3", "check_moe", "ds_affine_entry",
+__all__ = ["EXPERT_FILE", "AutoEPPlacement", "check_autoep", "check_autoep_to_zero3", "check_autoep_zero3", "check_moe", "ds_affine_entry",
            "split_local", "uniform_placement"]
 
 EXPERT_FILE = "layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
@@ -96,6 +96,23 @@ def check_autoep(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, st
     ck.check_steps()
 
 
+def check_autoep_to_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int) -> None:
+    """What an AutoEP ZeRO-1/2 checkpoint written at ZeRO-3 refuses, before anything is written."""
+    if ck.experts is None:
+        raise ReshardError(f"{ck.model_files[0]}: not an AutoEP checkpoint (ds_autoep_layers)")
+    if tp != 1 or pp != 1 or ck.layer_files:
+        raise ReshardError(f"{ck.tag_dir}: AutoEP checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, "
+                           f"pp={pp})")
+    if dp % ep:
+        raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
+    _check_placements(ck, ep)
+    ms = ck.model_state(0)
+    if any(prod(tuple(s)) for s in (ms.get("frozen_param_shapes") or {}).values()):
+        raise CheckpointError(f"{ck.model_files[0]}: frozen parameters are not written at ZeRO-3 (DeepSpeed's AutoEP "
+                              "ZeRO-3 save refuses frozen expert parameters; reshard does not write frozen fragments)")
+    ck.check_steps()
+
+
 def split_local(name: str) -> tuple[str, int, str]:
     """A classic MoE expert parameter's (prefix, local expert, sub-name)."""
     m = LOCAL_RE.match(name)
@@ -106,6 +123,11 @@ def split_local(name: str) -> tuple[str, int, str]:
 
 def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
     ax, path = ck.moe, ck.model_files[0]
+    if stage == 3:
+        raise ReshardError(f"{ck.tag_dir}: a classic MoE (deepspeed.moe.layer.MoE) checkpoint is not written at ZeRO "
+                           "stage 3: DeepSpeed 0.19.8 does not train it there (engine._validate_zero3_moe_compatibility: "
+                           "'Native DeepSpeed MoE is not supported with ZeRO Stage 3'); it keeps its ZeRO stage "
+                           f"{ck.zero_stage}")
     check_target(ck, "classic MoE", ep, dp, tp, pp, stage)
     counts = ck.model_state(0)["num_experts"]
     for p in ax.params.values():

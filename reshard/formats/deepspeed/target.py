@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from .layout import Group, Layout, Part, Unit
 from .placement import AutoEPPlacement
 from .templates import Templates, ds_id_notes
 
-__all__ = ["DeepSpeedTarget", "autoep_zero3_target", "zero3_target", "zero12_target"]
+__all__ = ["DeepSpeedTarget", "autoep_sub_layout", "autoep_zero3_target", "zero3_target", "zero12_target"]
 
 
 class DeepSpeedTarget:
@@ -295,15 +295,7 @@ def autoep_zero3_target(src: AutoEPZero3Partitions, ep: int, dp: int) -> DeepSpe
     ``dp`` ranks, a fused expert parameter of EP rank ``e`` over ``e``'s EDP group; sub-groups cut
     by DeepSpeed's rule over each group's own partition sizes."""
     placement = AutoEPPlacement(src.ax, ep, dp)
-    outer = {n: placement.maps[n] if n in placement.maps else replicated(src.shapes[n], 1) for n in src.names}
-    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else src.shapes[n]) for n in src.names}
-    dense, experts = Group.dense(1, dp), placement.group()
-    parts = [placement.edp if g in src.expert_groups else dp for g in range(len(src.group_names))]
-    units = []
-    for sg in z3.sub_groups([[(n, shape[n]) for n in names] for names in src.group_names], parts, src.sub_group_size):
-        units.append(Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if sg.group in src.expert_groups
-                     else Unit(dense, {0: Part(sg, sg.names)}))
-    layout = Layout("sub", outer, units, range(dp))
+    layout = autoep_sub_layout(placement, src.group_names, src.shapes, src.expert_groups, src.sub_group_size)
     ds_config = placement.ds_config(dsw.target_ds_config(src.cfg, tp=1, dp=dp, zero_stage=3))
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3"]
     notes += ds_id_notes(src.ds_ids_exact, "do not match the parameter order reshard derives")
@@ -312,6 +304,25 @@ def autoep_zero3_target(src: AutoEPZero3Partitions, ep: int, dp: int) -> DeepSpe
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=src.bf16, states=OPTIMIZER,
                            optim_template=lambda: src.ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
                            models=models, ds_ids=src.ds_ids, placement=placement, notes=notes)
+
+
+def autoep_sub_layout(placement: AutoEPPlacement, group_names: Sequence[Sequence[str]],
+                      shapes: Mapping[str, tuple[int, ...]], expert_groups: Set[int], size: int) -> Layout:
+    """AutoEP under ZeRO-3 at ``placement``: a dense parameter (``shapes``: whole) split over all DP
+    ranks, a fused expert parameter of EP rank ``e`` (its EP-local shape) over ``e``'s EDP group;
+    sub-groups cut by DeepSpeed's rule over each group's own partition sizes (``size``:
+    ``sub_group_size``)."""
+    dp, ep = placement.dp, placement.ep
+    names = [n for g in group_names for n in g]
+    outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
+    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
+    dense, experts = Group.dense(1, dp), placement.group()
+    parts = [placement.edp if g in expert_groups else dp for g in range(len(group_names))]
+    units = []
+    for sg in z3.sub_groups([[(n, shape[n]) for n in g] for g in group_names], parts, size):
+        units.append(Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if sg.group in expert_groups
+                     else Unit(dense, {0: Part(sg, sg.names)}))
+    return Layout("sub", outer, units, range(dp))
 
 
 class PlaceholderFiles:

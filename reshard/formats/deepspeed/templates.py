@@ -165,9 +165,13 @@ def fresh(reader: Reader, *, stage: int, dtype: torch.dtype, step: float, order:
     shapes = [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in group_names]
     module = OrderedDict((n, torch.empty(0, dtype=dtype)) for n in names)
     module.update((alias, module[weight]) for alias, weight in tied.items())
+    # DeepSpeed records the frozen parameters (none here) from ZeRO-2 on (engine._save_checkpoint:
+    # save_frozen_param is zero_optimization_partition_gradients()), else None
+    frozen = stage >= 2
     model = {"module": module, "buffer_names": [],
-             "optimizer": None, "param_shapes": shapes, "frozen_param_shapes": None, "shared_params": tied,
-             "frozen_param_fragments": None, "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
+             "optimizer": None, "param_shapes": shapes, "frozen_param_shapes": OrderedDict() if frozen else None,
+             "shared_params": tied, "frozen_param_fragments": OrderedDict() if frozen else None,
+             "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
              "skipped_steps": 0, "global_steps": int(step), "dp_world_size": 1,
              "mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
              "ds_config": {}, "ds_version": DS_VERSION}

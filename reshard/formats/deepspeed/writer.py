@@ -7,8 +7,9 @@ folder exists, what it cannot write:
 
 * ZeRO-1/2 at TP x DP (x PP), from a ZeRO-1/2, ZeRO-3 or non-DeepSpeed source;
 * ZeRO-3 at TP x DP;
-* AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``), and an
-  AutoEP ZeRO-3 checkpoint at ZeRO-1/2 (its weights the fp32 masters cast).
+* AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``), an
+  AutoEP ZeRO-3 checkpoint at ZeRO-1/2 (its weights the fp32 masters cast), and an AutoEP
+  ZeRO-1/2 checkpoint at ZeRO-3.
 
 Every kind is one :class:`~reshard.formats.deepspeed.target.DeepSpeedTarget` over a
 :class:`~reshard.formats.deepspeed.layout.Layout` (outer maps, partition groups, flat groups or
@@ -117,6 +118,9 @@ class DeepSpeedWriter(Writer):
             check_moe(ck, ep, dp, tp, pp, stage)
             self.target = moe_target(ck, ep, dp, stage, [ck.moe.files[k] for k in sorted(ck.moe.files)])
             source_ep = ck.moe.ep
+        elif ck.experts is not None and ck.zero_stage in (1, 2) and stage == 3:
+            self._autoep_to_zero3(ck, tp, dp, pp, ep)
+            return
         else:
             check_autoep(ck, ep, dp, tp, pp, stage)
             files = sorted(ck.tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
@@ -129,6 +133,17 @@ class DeepSpeedWriter(Writer):
             source_ep = ck.experts.ep
         self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": source_ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
+        self._notes += self.target.notes
+
+    def _autoep_to_zero3(self, ck: Any, tp: int, dp: int, pp: int, ep: int) -> None:
+        """An AutoEP ZeRO-1/2 checkpoint at ZeRO-3 (``--zero-stage 3``)."""
+        from .expert_target import autoep_to_zero3_target
+        from .placement import check_autoep_to_zero3
+
+        check_autoep_to_zero3(ck, ep, dp, tp, pp)
+        self.target = autoep_to_zero3_target(ck, ep, dp)
+        self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ck.experts.ep}
+        self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
         self._notes += self.target.notes
 
     def _zero3_route(self, own: DeepSpeedNative, tp: int, dp: int, pp: int, stage: int | None,
@@ -251,7 +266,7 @@ class DeepSpeedWriter(Writer):
                          dtype: torch.dtype | None) -> None:
         """AutoEP at EP ``ep`` from a source that records its fused expert layers
         (``Reader.expert_layers``): the files of a fresh ZeRO job, AutoEP's uniform placement."""
-        from .expert_target import autoep_fresh_target
+        from .expert_target import autoep_fresh_target, autoep_fresh_zero3_target
 
         where, noun = reader.sources[-1], noun_of(reader)
         layers = reader.expert_layers()
@@ -265,8 +280,9 @@ class DeepSpeedWriter(Writer):
         stage = 1 if stage is None else stage
         if tp != 1 or pp != 1:
             raise ReshardError(f"{where}: an AutoEP target is written at TP = PP = 1 only (asked tp={tp}, pp={pp})")
-        if stage not in (1, 2):
-            raise ReshardError(f"{where}: an AutoEP target from {noun} is written at ZeRO stage 1 or 2 (asked {stage})")
+        if stage not in (1, 2, 3):
+            raise ReshardError(f"{where}: an AutoEP target from {noun} is written at ZeRO stage 1, 2 or 3 (asked "
+                               f"{stage})")
         if dp % ep:
             raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
         for lay in layers:
@@ -286,8 +302,12 @@ class DeepSpeedWriter(Writer):
             raise ReshardError(f"{where}: an optimizer parameter group of {noun} holds experts and also "
                                f"{[n for n in mixed[0] if n not in experts][:3]}; AutoEP partitions the experts' "
                                "group over EDP groups, so it holds experts only")
-        self.target = autoep_fresh_target(tpl, layers, {n: reader.shape(n) for n in reader.names}, ep, dp, stage,
-                                          reader.tied(), clip_grad=reader.grad_clip())
+        shapes = {n: reader.shape(n) for n in reader.names}
+        if stage == 3:
+            self.target = autoep_fresh_zero3_target(tpl, layers, shapes, ep, dp, reader.tied(), str(where))
+        else:
+            self.target = autoep_fresh_target(tpl, layers, shapes, ep, dp, stage, reader.tied(),
+                                              clip_grad=reader.grad_clip())
         self._written_aliases = set(reader.tied())
         self._source = dict(reader.topology)
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}

@@ -265,7 +265,7 @@ class UniversalReader(Reader):
         if not f.is_file():
             if f.exists() or f.is_symlink():
                 raise CheckpointError(f"{f}: not a regular file")
-            return None
+            return self._zero3_step
         step = load(f)
         check_step(step, f)
         if isinstance(step, torch.Tensor):  # read outside the engine's fills: its record is checked now
@@ -275,6 +275,24 @@ class UniversalReader(Reader):
     def extras(self, name: str) -> dict[str, Any]:
         obj = load(self.root / name / "fp32.pt")
         return {k: v for k, v in obj.items() if k != "param"} if isinstance(obj, dict) else {}
+
+    @cached_property
+    def _zero3_step(self) -> Any:
+        """Adam's step of a ZeRO-3 job's universal checkpoint, whose parameters have no ``step.pt``
+        (``ds_to_universal``'s ZeRO-3 path writes none): ``optimizer_state.pt``'s
+        ``optimizer_state_dict.state[0].step``, the one DeepSpeed's ZeRO-3 universal loader gives
+        every sub-group. ``None`` for any other checkpoint."""
+        osd = self.optimizer_state.get("optimizer_state_dict")
+        if self.optimizer_state.get("zero_stage") != 3 or not isinstance(osd, dict):
+            return None
+        state = osd.get("state")
+        entry = state.get(0) if isinstance(state, dict) else None
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if step is not None:
+            check_step(step, self.root / "optimizer_state.pt")
+            if isinstance(step, torch.Tensor):  # read outside the engine's fills: its record is checked now
+                verified.ensure(step, "optimizer_state.pt (step)")
+        return step
 
     @cached_property
     def optimizer_state(self) -> dict:

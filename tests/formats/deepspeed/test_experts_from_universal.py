@@ -79,11 +79,24 @@ def test_ep_from_its_universal_holds_what_the_deepspeed_reshard_writes(ucp, ep, 
     assert load(ours / "zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]["clip_grad"] == 1.0
 
 
-def test_ep_from_a_universal_at_zero3_is_refused(ucp, tmp_path):
-    with pytest.raises(ReshardError, match=r"an AutoEP target from a universal checkpoint is written at ZeRO stage 1 "
-                                           r"or 2 \(asked 3\)"):
-        reshard(ucp, tmp_path / "out", tp=1, dp=2, ep=2, zero_stage=3)
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("ep,dp", [(2, 2), (1, 1), (2, 4)])
+def test_ep_from_its_universal_at_zero3_holds_what_the_deepspeed_reshard_writes(ucp, ep, dp, tmp_path):
+    """At ZeRO-3 (``--zero-stage 3``): every file the DeepSpeed -> DeepSpeed reshard writes there
+    (AutoEP ZeRO-1 -> ZeRO-3, whose files have DeepSpeed's own ZeRO-3 save's structure:
+    test_experts_to_zero3.py), and no other; every tensor (masters, moments, placeholders, ``ds_id``)
+    and every other value (placement entries, ``ds_zero_partition_groups``, param_shapes, steps,
+    param groups, the loss scaler, ``universal_checkpoint_info``) equal, but the job's ``ds_config``
+    and ``global_samples``, which a universal checkpoint does not record."""
+    ours = reshard(ucp, tmp_path / "ours", tp=1, dp=dp, ep=ep, zero_stage=3).out_dir
+    theirs = reshard(FIXTURES / NAME, tmp_path / "theirs", tp=1, dp=dp, ep=ep, zero_stage=3).out_dir
+    assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for p in sorted(theirs.glob("*.pt")):
+        out: list[str] = []
+        _differences(load(ours / p.name), load(p), "", out)
+        assert all(x.startswith(("/ds_config", "/global_samples")) for x in out), (p.name, sorted(out))
+        if "optim" in p.name:
+            assert [t.ds_id for t in load(ours / p.name)["optimizer_state_dict"]["fp32_flat_groups"]] == \
+                ["0_22", "6_18"]
 
 
 def test_deepspeed_without_ep_from_an_autoep_universal_is_refused(ucp, tmp_path):
