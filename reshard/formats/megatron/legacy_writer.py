@@ -43,9 +43,9 @@ from ...ir.param_map import ParamMap
 from ...storage import torch_zip, verified
 from ..contract import Buffer, Held, Reader, Writer
 from . import safe
-from .files import TRACKER
 from .buckets import bucket_layouts, bucket_size, flat_layout
 from .common import buffer_dtype
+from .files import TRACKER
 from .legacy import MODEL_FILE, OPTIM_FILE, LegacyBackend, _rank_dir
 from .lowering import local_map
 from .model import EMBED, OUTPUT, LocalParam
