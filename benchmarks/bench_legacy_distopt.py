@@ -3,7 +3,7 @@ a legacy checkpoint with the distributed optimizer resharded to TP 2 x DP 1, at 
 that no rank's optimizer shard is ever held whole (each target file is streamed window by window).
 
 The source: a synthetic fp32 Llama-shaped checkpoint (hidden 1024, 8 heads in 4 groups, ffn 2816,
-vocabulary 32000, ``layers`` layers: 159M parameters at 8, 345M at 24) written as legacy files with
+vocabulary 32000, ``layers`` layers: 160M parameters at 8, 349M at 24) written as legacy files with
 the distributed optimizer at DP 2 (``distrib_optim.pt``: fp32 main parameters and two moments, the
 whole buffer) by reshard's legacy writer from an HF folder of random weights. An HF import records no
 learning-rate scheduler state, which the writer needs beside the optimizer: this benchmark gives it a
