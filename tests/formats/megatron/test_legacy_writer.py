@@ -64,6 +64,7 @@ DISTRIBUTED = [  # the distributed optimizer (distrib_optim.pt beside each file;
     ("legacy_moe_tp2_ep2_shared_distopt", dict(tp=2, dp=2, ep=2, etp=2),  # [dense, None] / [None, experts] files too
      ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]),
     ("torch_dist_tp2_dp2_distopt", dict(tp=1, dp=2), ["mp_rank_00"]),  # dp_reshardable buckets -> distrib_optim.pt
+    ("torch_dist_dp2_distopt_bf16", dict(tp=2, dp=1), ["mp_rank_00", "mp_rank_01"]),  # bf16 weights, fp32 masters
 ]
 
 
