@@ -85,6 +85,9 @@ class MegatronLegacyWriter(MegatronWriter):
                                "--optimizer none")
         if kind == "dp_reshardable":
             self._check_distributed()
+            if self.dtype != torch.float32 and not any("fp32" in reader.states(n) for n in reader.names):
+                self._notes.append(f"the source holds no fp32 main parameters: distrib_optim.pt's are its {self.dtype} "
+                                   "weights, upcast (exact)")
         if kind == "adam":
             if self.dtype != torch.float32:  # Megatron's fp16/bf16 optimizer wraps Adam with fp32 copies of its own
                 raise ReshardError(f"--optimizer adam with --ckpt-format torch for {self.dtype} weights: the mixed-"
