@@ -265,6 +265,9 @@ class MegatronLegacyWriter(MegatronWriter):
         reshard's (and Megatron's) reader takes each buffer from holds it."""
         a = self.arch
         saved = self._distributed_savers()
+        if set(saved) != set(self._savers):  # every model_optim_rng.pt has its distrib_optim.pt, as Megatron saves them
+            raise ReshardError(f"internal: distrib_optim.pt folders {sorted(saved)} differ from the model files' "
+                               f"{sorted(self._savers)}")
         for pp in range(a.pp):  # the dense buffer from DP rank 0's file, the experts' from expert-DP rank 0's
             need = [((t, pp, (t // a.etp) % a.ep), 0, (t, pp)) for t in range(a.tp)]
             if a.expert_apart:
