@@ -72,10 +72,14 @@ OPTIONS: dict[str, Option] = {
     "block": Option("--block", "with --quantize: the scale block, rows x columns (default: an FP8 source's own, "
                     "else 128x128)", {"type": "block", "metavar": "RxC"}),
     "ckpt_format": Option("--ckpt-format", "Megatron's checkpoint format, as Megatron-LM's own flag names it: torch_dist, "
-                          "or torch (legacy mp_rank_* files: weights, with plain Adam or none) (default: a Megatron "
-                          "source's, else torch_dist)", {"choices": ("torch_dist", "torch")}),
+                          "or torch (legacy mp_rank_* files: weights, with plain Adam, the distributed optimizer's "
+                          "distrib_optim.pt, or none) (default: a Megatron source's, else torch_dist)",
+                          {"choices": ("torch_dist", "torch")}),
     "optimizer": Option("--optimizer", "its optimizer state's layout (default: the source's; from an HF "
-                        "folder: none)", {"choices": ("none", "adam", "dp_reshardable", "fully_reshardable")}),
+                        "folder: none): none, adam (plain Adam), distributed (Megatron's --use-distributed-optimizer "
+                        "in the format's own layout: dp_reshardable buckets in torch_dist, distrib_optim.pt in "
+                        "torch), dp_reshardable (the same), fully_reshardable (torch_dist only)",
+                        {"choices": ("none", "adam", "distributed", "dp_reshardable", "fully_reshardable")}),
 }
 
 
@@ -170,8 +174,8 @@ FORMATS: tuple[Format, ...] = (
     Format("megatron", "a Megatron-Core checkpoint", probe=1,  # before dcp: a torch_dist iteration folder is one
            reads="Megatron-LM's save folder (torch_dist or legacy torch, TP x PP x DP x EP)",
            writes="Megatron-Core torch_dist at TP x PP x DP (x EP), from a Megatron source, an HF folder, or a DCP / "
-           "universal checkpoint in HF names (with --hf-config); or legacy torch files, plain Adam or weights only "
-           "(--ckpt-format torch)",
+           "universal checkpoint in HF names (with --hf-config); or legacy torch files, plain Adam, the distributed "
+           "optimizer (distrib_optim.pt) or weights only (--ckpt-format torch)",
            detect="reshard.formats.megatron.files:is_megatron", hint="latest_checkpointed_iteration.txt, iter_*",
            reader="reshard.formats.megatron.reader:MegatronReader.open", reader_names=True,
            writer="reshard.formats.megatron.legacy_writer:megatron_writer",

@@ -10,17 +10,27 @@ after each linear module as the local spec saves it -- and ``num_floating_point_
 
 With ``--optimizer adam`` (the default from a plain-Adam source) also ``optimizer`` -- plain Adam's
 ``state_dict()`` over the file's parameters, a chained ``[dense, experts]`` list with experts apart --
-and the source's ``opt_param_scheduler``; with ``none`` the args say ``no_save_optim``. RNG states
-only where the source is legacy files of the same ranks (each file's copied, checked); else
-``no_save_rng`` (Megatron loads with ``--no-load-rng``). ``distrib_optim.pt`` and plain Adam
-under mixed precision are refused by name before any output exists.
+and the source's ``opt_param_scheduler``; with ``none`` the args say ``no_save_optim``. With
+``--optimizer distributed`` (alias ``dp_reshardable``; the default from a distributed-optimizer
+source: Megatron's ``--use-distributed-optimizer``) ``optimizer`` is ``DistributedOptimizer.state_dict()``
+(param groups with their step, no tensors) and a ``distrib_optim.pt`` beside the file holds what
+``save_parameter_state`` gathers to DP rank 0 (``get_parameter_state_dp_zero``): per DDP buffer the
+fp32 main parameters, ``exp_avg`` and ``exp_avg_sq`` over its buckets' unpadded parts back to back
+(``buckets.flat_layout``; a chained ``[dense, experts]`` list with experts apart, ``None`` where the
+saving rank is not rank 0 of that optimizer's DP group). RNG states only where the source is legacy
+files of the same ranks (each file's copied, checked); else ``no_save_rng`` (Megatron loads with
+``--no-load-rng``). Plain Adam under mixed precision, the distributed optimizer under fp16 or with
+virtual stages are refused by name before any output exists.
 Each module tensor (and each moment) is one buffer whose map is the key's local map (``lowering.local_map``),
-streamed by ``storage.torch_zip`` (one tensor in memory at a time).
+streamed by ``storage.torch_zip`` (one tensor in memory at a time); a ``distrib_optim.pt`` flat
+tensor is one buffer whose slots are its parameters' local maps at their flat offsets, streamed
+window by window (gaps zero, as Megatron's gathered buffers hold them).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
@@ -33,8 +43,10 @@ from ...ir.param_map import ParamMap
 from ...storage import torch_zip, verified
 from ..contract import Buffer, Held, Reader, Writer
 from . import safe
+from .buckets import bucket_layouts, bucket_size, flat_layout
+from .common import buffer_dtype
 from .files import TRACKER
-from .legacy import MODEL_FILE, LegacyBackend, _rank_dir
+from .legacy import MODEL_FILE, OPTIM_FILE, LegacyBackend, _rank_dir
 from .lowering import local_map
 from .model import EMBED, OUTPUT, LocalParam
 from .reader import MegatronReader
@@ -46,6 +58,7 @@ __all__ = ["MegatronLegacyWriter", "megatron_writer"]
 _LINEARS = frozenset({"linear_proj", "linear_qkv", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
                       "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "output_layer", "eh_proj"})
 _KEPT = ("checkpoint_version", "num_floating_point_operations_so_far")  # of the source's, as they are
+_KEY = {"fp32": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # distrib_optim.pt's names
 
 
 def _has_optimizer(reader: Reader) -> bool:
@@ -64,15 +77,22 @@ class MegatronLegacyWriter(MegatronWriter):
         if a.mtp:  # the reader refuses legacy MTP (names unverified): the writer writes nothing it cannot read back
             raise ReshardError(f"--ckpt-format torch with {a.mtp} multi-token prediction layers: legacy files of MTP "
                                "layers are not written by reshard")
+        if kind in ("adam", "dp_reshardable") and not isinstance((self.template or {}).get("opt_param_scheduler"),
+                                                                 dict):
+            shown = "distributed" if kind == "dp_reshardable" else kind
+            raise ReshardError(f"--optimizer {shown} with --ckpt-format torch: the source records no learning-rate "
+                               "scheduler state (opt_param_scheduler), which Megatron loads beside the optimizer; "
+                               "--optimizer none")
+        if kind == "dp_reshardable":
+            self._check_distributed()
+            if self.dtype != torch.float32 and not any("fp32" in reader.states(n) for n in reader.names):
+                self._notes.append(f"the source holds no fp32 main parameters: distrib_optim.pt's are its {self.dtype} "
+                                   "weights, upcast (exact)")
         if kind == "adam":
             if self.dtype != torch.float32:  # Megatron's fp16/bf16 optimizer wraps Adam with fp32 copies of its own
                 raise ReshardError(f"--optimizer adam with --ckpt-format torch for {self.dtype} weights: the mixed-"
                                    "precision optimizer's legacy state (fp32_from_fp16_params) is not written by "
-                                   "reshard; --optimizer none, or --ckpt-format torch_dist")
-            if not isinstance((self.template or {}).get("opt_param_scheduler"), dict):
-                raise ReshardError("--optimizer adam with --ckpt-format torch: the source records no learning-rate "
-                                   "scheduler state (opt_param_scheduler), which Megatron loads beside the optimizer; "
-                                   "--optimizer none")
+                                   "reshard; --optimizer distributed, none, or --ckpt-format torch_dist")
             for o, groups in enumerate(self.groups):
                 decays = [g.get("wd_mult", 1.0) != 0 for g in groups]
                 if sorted(decays) != sorted(set(decays)):
@@ -82,7 +102,8 @@ class MegatronLegacyWriter(MegatronWriter):
         self.args = copy.copy(self.args)
         self._savers = self._saving_ranks()
         for k, v in dict(ckpt_format="torch", no_save_optim=kind == "none", no_save_rng=not self._same_ranks(),
-                         use_distributed_optimizer=False, dist_ckpt_optim_fully_reshardable=False).items():
+                         use_distributed_optimizer=kind == "dp_reshardable",
+                         dist_ckpt_optim_fully_reshardable=False).items():
             setattr(self.args, k, v)
         self._moments: dict[tuple[str, str], Buffer] = {}  # (weight buffer key, state) -> buffer
         self._lmaps: dict[str, ParamMap] = {}
@@ -94,28 +115,46 @@ class MegatronLegacyWriter(MegatronWriter):
             for state in ("weight",) + (() if spec.buffer else self.states):
                 self._plan_key(spec.key, state, m)
         self._files = {key: self._file_buffers(key, x) for key, (_, x) in self._savers.items()}
-        self._notes.append("legacy torch files, " + ("weights and plain Adam's moments (no RNG: Megatron loads them "
-                           "with --no-load-rng)" if kind == "adam" else "weights only (args: no_save_optim, "
-                           "no_save_rng): Megatron loads them with --no-load-optim --no-load-rng"))
+        # per file, per optimizer (dense[, experts]): its distrib_optim.pt entry's flat buffers, or None
+        self._flat: dict[tuple[int, int, int], list[dict[str, Buffer] | None]] = \
+            self._flat_buffers() if kind == "dp_reshardable" else {}
+        self._notes.append("legacy torch files, " + {
+            "adam": "weights and plain Adam's moments",
+            "dp_reshardable": "weights and the distributed optimizer's state (distrib_optim.pt: fp32 main parameters "
+                              "and moments, gathered per DDP buffer)",
+            "none": "weights only (args: no_save_optim): Megatron loads them with --no-load-optim"}[kind]
+            + ("" if self._same_ranks() else "; no RNG states (args: no_save_rng): Megatron loads them with "
+               "--no-load-rng"))
 
     @staticmethod
     def _kind(reader: Reader, optimizer: str | None) -> str:
-        """``none`` or plain ``adam`` (the default where the source holds plain Adam's state)."""
-        if optimizer not in (None, "none", "adam"):
-            raise ReshardError(f"--optimizer {optimizer} with --ckpt-format torch: the distributed optimizer's legacy "
-                               "files (distrib_optim.pt) are not written by reshard; --optimizer adam (plain Adam), "
-                               "none, or --ckpt-format torch_dist")
+        """``none``, plain ``adam`` or the distributed optimizer (``dp_reshardable``, alias
+        ``distributed``); by default the source's (either distributed layout: the distributed one)."""
+        if optimizer == "distributed":
+            optimizer = "dp_reshardable"
+        if optimizer not in (None, "none", "adam", "dp_reshardable"):
+            raise ReshardError(f"--optimizer {optimizer} with --ckpt-format torch: legacy files hold plain Adam "
+                               "(adam), Megatron's distributed optimizer (distributed: distrib_optim.pt) or none; "
+                               f"{optimizer} is a torch_dist layout (--ckpt-format torch_dist)")
         if optimizer is not None:
             return optimizer
         own = reader.native("megatron")
         if not isinstance(own, MegatronReader) or not _has_optimizer(reader):
             return "none"
-        if own.src.sharding != "adam":
-            raise ReshardError(f"--ckpt-format torch: the source's optimizer is {own.src.sharding}, whose "
-                               "legacy files (distrib_optim.pt) are not written by reshard; pass --optimizer adam "
-                               "(plain Adam: its moments) or --optimizer none (weights only), or --ckpt-format "
-                               "torch_dist")
-        return "adam"
+        return "adam" if own.src.sharding == "adam" else "dp_reshardable"
+
+    def _check_distributed(self) -> None:
+        """What the distributed optimizer's legacy files of this target would need that reshard
+        does not write (each refused by name)."""
+        a = self.arch
+        if self.dtype == torch.float16:  # fp16 adds the grad scaler's state beside the param groups
+            raise ReshardError("--optimizer distributed with --ckpt-format torch for torch.float16 weights: the "
+                               "grad scaler's state (optimizer['grad_scaler']) is not written by reshard; --optimizer "
+                               "none, or --ckpt-format torch_dist")
+        if a.vpp > 1:  # a buffer per model chunk, which reshard's legacy reader does not read back
+            raise ReshardError(f"--optimizer distributed with --ckpt-format torch at virtual pipeline size {a.vpp}: "
+                               "legacy distrib_optim.pt buffers of virtual pipeline stages are not written by reshard; "
+                               "--optimizer adam or none, another --pp (stages merged), or --ckpt-format torch_dist")
 
     # -- which files ---------------------------------------------------------------------------------
     def _saving_ranks(self) -> dict[tuple[int, int, int], tuple[int, int]]:
@@ -184,7 +223,7 @@ class MegatronLegacyWriter(MegatronWriter):
                 name = self._name(lp)
                 slots = self._slots[(lp.spec.key, "weight")].get(lp.label, [])
                 out.append((name, Buffer(f"{at}{name}", self._dtype("weight", lp.spec.key), lp.numel, tuple(slots)), lp))
-                for state in () if lp.spec.buffer else self.states:  # plain Adam's moments: fp32, shaped as the module's
+                for state in () if lp.spec.buffer or self.kind != "adam" else self.states:  # plain Adam's: fp32
                     st = self._slots[(lp.spec.key, state)].get(lp.label, [])
                     self._moments[(f"{at}{name}", state)] = Buffer(f"{at}{name}@{state}", self._dtype(state), lp.numel,
                                                                    tuple(st))
@@ -195,10 +234,73 @@ class MegatronLegacyWriter(MegatronWriter):
             chunks.append(out)
         return chunks
 
+    def _distributed_savers(self) -> dict[tuple[int, int, int], tuple[tuple[int, int] | None, tuple[int, int] | None]]:
+        """``{(TP, PP, EP): (dense, experts)}``: what each file's ``distrib_optim.pt`` holds, as
+        Megatron's ``save_parameter_state`` saves it from each rank of DP rank 0 or expert-DP
+        rank 0 -- the dense buffer ``(TP rank, PP)`` where the rank is DP rank 0, the expert buffer
+        ``(expert TP rank, EP rank)`` (experts apart) where it is expert-DP rank 0, else None."""
+        a = self.arch
+        out: dict[tuple[int, int, int], tuple[tuple[int, int] | None, tuple[int, int] | None]] = {}
+        per = a.tp * a.dp
+        for r in range(a.world):
+            t, d, pp, s = r % a.tp, (r // a.tp) % a.dp, r // per, r % per
+            x, e, k = s % a.etp, (s // a.etp) % a.ep, s // (a.etp * a.ep)  # the expert order tp-ep-dp
+            if not a.expert_apart:
+                x, e, k = t, 0, d
+            if d and k:
+                continue
+            what = ((t, pp) if d == 0 else None, (x, e) if a.expert_apart and k == 0 else None)
+            folder = (t, pp, e)
+            old = out.setdefault(folder, what)
+            if old != what:  # two ranks of one folder would save different distrib_optim.pt (Megatron: the last)
+                raise ReshardError(f"--optimizer distributed with --ckpt-format torch at TP {a.tp}, DP {a.dp}, EP "
+                                   f"{a.ep}, expert TP {a.etp}: two ranks would save {_rank_dir(*folder, a)}/"
+                                   f"{OPTIM_FILE} with other buffers: not written by reshard")
+        return out
+
+    def _flat_buffers(self) -> dict[tuple[int, int, int], list[dict[str, Buffer] | None]]:
+        """Per file, per optimizer, its ``distrib_optim.pt`` entry's ``param``/``exp_avg``/
+        ``exp_avg_sq``: one fp32 buffer each over the DDP buffer's buckets' unpadded parts back to
+        back, a slot per parameter at its flat offset (gaps: zeros). Checked first that the file
+        reshard's (and Megatron's) reader takes each buffer from holds it."""
+        a = self.arch
+        saved = self._distributed_savers()
+        if set(saved) != set(self._savers):  # every model_optim_rng.pt has its distrib_optim.pt, as Megatron saves them
+            raise ReshardError(f"internal: distrib_optim.pt folders {sorted(saved)} differ from the model files' "
+                               f"{sorted(self._savers)}")
+        for pp in range(a.pp):  # the dense buffer from DP rank 0's file, the experts' from expert-DP rank 0's
+            need = [((t, pp, (t // a.etp) % a.ep), 0, (t, pp)) for t in range(a.tp)]
+            if a.expert_apart:
+                need += [(((x + a.etp * e) % a.tp, pp, e), 1, (x, e)) for x in range(a.etp) for e in range(a.ep)]
+            for folder, o, want in need:
+                if folder not in saved or saved[folder][o] != want:
+                    raise ReshardError(f"--optimizer distributed with --ckpt-format torch at TP {a.tp}, DP {a.dp}, EP "
+                                       f"{a.ep}, expert TP {a.etp}: {_rank_dir(*folder, a)}/{OPTIM_FILE} would not hold "
+                                       f"the {'expert' if o else 'dense'} buffer {want} its readers take from it: not "
+                                       "written by reshard")
+        out: dict[tuple[int, int, int], list[dict[str, Buffer] | None]] = {}
+        for folder, what in saved.items():
+            pp = folder[1]
+            rel = f"{self.folder}/{_rank_dir(*folder, a)}/{OPTIM_FILE}"
+            entries: list[dict[str, Buffer] | None] = []
+            for o, w in enumerate(what[:2 if a.expert_apart else 1]):
+                if w is None:
+                    entries.append(None)
+                    continue
+                params = a.stage_params(pp, w[0], expert_rank=w[1]) if o else a.stage_params(pp, w[0])
+                size = bucket_size(self.args, a, pp, 0, "target args")
+                layout, unpadded = flat_layout(bucket_layouts(params, a.edp if o else a.dp, size))
+                entries.append({state: Buffer(f"{rel}:{o}.{state}", torch.float32, unpadded, tuple(
+                    dataclasses.replace(sl, offset=sl.offset + start) for lp, start, _ in layout
+                    for sl in self._slots[(lp.spec.key, state)].get(lp.label, []))) for state in self.states})
+            out[folder] = entries
+        return out
+
     # -- the writer's contract ---------------------------------------------------------------------
     def buffers(self) -> list[Buffer]:
         return [b for chunks in self._files.values() for entries in chunks for _, b, _ in entries if b is not None] + \
-            list(self._moments.values())
+            list(self._moments.values()) + [b for entries in self._flat.values() for e in entries if e is not None
+                                            for b in e.values()]
 
     def meta(self) -> dict[str, Any]:
         a = self.arch
@@ -209,15 +311,18 @@ class MegatronLegacyWriter(MegatronWriter):
 
     def carries(self, held: Held) -> bool:
         kept = _KEPT + (("iteration",) if self.iteration is not None else ()) + \
-            (("opt_param_scheduler",) if self.kind == "adam" else ())
+            (("opt_param_scheduler",) if self.kind != "none" else ())
         if held.key.startswith("rng_state"):
             return self._same_ranks()
         return self.template is not None and held.key.rpartition("/")[2] in kept
 
     def jobs(self, engine: Any, staging: Any) -> list[tuple[int, Callable[[], None]]]:
-        jobs = [(sum(b.numel * b.dtype.itemsize * (1 + len(self.states)) for ch in chunks for _, b, _ in ch
+        moments = len(self.states) if self.kind == "adam" else 0
+        jobs = [(sum(b.numel * b.dtype.itemsize * (1 + moments) for ch in chunks for _, b, _ in ch
                      if b is not None) + 1,
                  partial(self._write, engine, staging, key)) for key, chunks in self._files.items()]
+        jobs += [(sum(b.numel * 4 for e in entries if e is not None for b in e.values()) + 1,
+                  partial(self._write_distributed, engine, staging, key)) for key, entries in self._flat.items()]
         jobs.append((1, partial(self._tracker, staging)))
         return jobs
 
@@ -242,6 +347,12 @@ class MegatronLegacyWriter(MegatronWriter):
         template = self.template or {}
         if self.kind == "adam":
             sd["optimizer"] = self._optimizer(engine, chunks)
+        elif self.kind == "dp_reshardable":  # DistributedOptimizer.state_dict(): its groups, each with the step
+            entries = [{"optimizer": {"param_groups": [
+                dict({k: v for k, v in g.items() if k != "params"}, step=self.step) for g in groups]}}
+                for groups in self.groups]
+            sd["optimizer"] = entries if self.arch.expert_apart else entries[0]
+        if self.kind != "none":
             sd["opt_param_scheduler"] = template["opt_param_scheduler"]
         rng = self._rng(key)
         if rng is not None:
@@ -302,6 +413,22 @@ class MegatronLegacyWriter(MegatronWriter):
         with staging.open(rel) as out:
             torch_zip.save(self._state(engine, key), out, pickler=safe.PICKLER)
 
+    def _write_distributed(self, engine: Any, staging: Any, key: tuple[int, int, int]) -> None:
+        """``distrib_optim.pt``: ``get_parameter_state_dp_zero``'s dict per DDP buffer (a chained
+        optimizer's ``[dense, experts]`` list with experts apart)."""
+        dtypes = buffer_dtype(self.args)
+        states: list[dict[Any, Any] | None] = []
+        for entry in self._flat[key]:
+            if entry is None:
+                states.append(None)
+                continue
+            n = next(iter(entry.values())).numel
+            world = {_KEY[s]: engine.storage(b).view((n,)) for s, b in entry.items()}
+            states.append({"buckets_coalesced": True, 0: {dtypes: {**world, "numel_unpadded": n}}})
+        rel = f"{self.folder}/{_rank_dir(*key, self.arch)}/{OPTIM_FILE}"
+        with staging.open(rel) as out:
+            torch_zip.save(states if self.arch.expert_apart else states[0], out, pickler=safe.PICKLER)
+
     def finish(self, staging: Any, gather: Callable[[Any], list], rank: int) -> None:
         return None  # no index: each rank file stands alone
 
@@ -309,6 +436,8 @@ class MegatronLegacyWriter(MegatronWriter):
 def megatron_writer(reader: Reader, *, ckpt_format: str | None = None, **options: Any) -> Writer:
     """The Megatron target in the format ``ckpt_format`` names (Megatron-LM's ``--ckpt-format``):
     ``torch_dist``, or ``torch`` (legacy files); by default a Megatron source's own, else ``torch_dist``."""
+    if options.get("optimizer") == "distributed":  # Megatron's --use-distributed-optimizer, the format's layout
+        options["optimizer"] = "dp_reshardable"
     if ckpt_format is None:
         own = reader.native("megatron")
         ckpt_format = own.loc.fmt if isinstance(own, MegatronReader) else "torch_dist"

@@ -16,7 +16,7 @@ from reshard.formats.megatron import safe
 from reshard.formats.megatron.reader import MegatronReader
 from reshard.jobs.convert import reshard
 
-from .support import FIXTURES, compare_megatron
+from .support import FIXTURES, HF_FIXTURES, compare_megatron
 
 CASES = [  # (source, target topology, the rank folders Megatron's save_checkpoint writes there)
     ("legacy_tp2_pp2", dict(tp=1, pp=2), ["mp_rank_00_000", "mp_rank_00_001"]),
@@ -56,6 +56,25 @@ def test_legacy_target_with_adam_equals_the_oracle(tmp_path, fixture, topology, 
     _check(out, fixture, topology, folders, "adam")
 
 
+DISTRIBUTED = [  # the distributed optimizer (distrib_optim.pt beside each file; the default from such a source)
+    ("legacy_dp2_distopt", dict(tp=2, dp=1), ["mp_rank_00", "mp_rank_01"]),
+    ("legacy_dp2_distopt_buckets", dict(tp=2, dp=2), ["mp_rank_00", "mp_rank_01"]),  # several buckets at TP 2
+    ("legacy_dp2_distopt_buckets", dict(pp=2, dp=1), ["mp_rank_00_000", "mp_rank_00_001"]),  # stage 0's only
+    ("legacy_moe_tp2_ep2_shared_distopt", dict(tp=1, ep=1), ["mp_rank_00"]),  # one optimizer, experts in its buffer
+    ("legacy_moe_tp2_ep2_shared_distopt", dict(tp=2, dp=2, ep=2, etp=2),  # [dense, None] / [None, experts] files too
+     ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]),
+    ("torch_dist_tp2_dp2_distopt", dict(tp=1, dp=2), ["mp_rank_00"]),  # dp_reshardable buckets -> distrib_optim.pt
+    ("torch_dist_dp2_distopt_bf16", dict(tp=2, dp=1), ["mp_rank_00", "mp_rank_01"]),  # bf16 weights, fp32 masters
+]
+
+
+@pytest.mark.parametrize("fixture,topology,folders", DISTRIBUTED, ids=[f"{c[0]}-{c[1]}" for c in DISTRIBUTED])
+def test_legacy_target_with_the_distributed_optimizer_equals_the_oracle(tmp_path, fixture, topology, folders):
+    out = reshard(FIXTURES / fixture, tmp_path, to="megatron", ckpt_format="torch", **topology).out_dir
+    _check(out, fixture, topology, folders, "dp_reshardable")
+    assert all((out / "iter_0000003" / f / "distrib_optim.pt").is_file() for f in folders)
+
+
 def _check(out, fixture, topology, folders, kind):
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "3"
     it = out / "iter_0000003"
@@ -63,12 +82,14 @@ def _check(out, fixture, topology, folders, kind):
     assert not (it / "metadata.json").exists()
     reader = MegatronReader.open(out)
     reader.check()
-    want = ("weight",) if kind == "none" else ("weight", "exp_avg", "exp_avg_sq")
+    want = {"none": ("weight",), "adam": ("weight", "exp_avg", "exp_avg_sq"),
+            "dp_reshardable": ("weight", "fp32", "exp_avg", "exp_avg_sq")}[kind]
     assert reader.loc.fmt == "torch" and all(reader.states(n) in (want, ("weight",)) for n in reader.names)
     assert any(reader.states(n) == want for n in reader.names)
     a = reader.arch
     assert (a.tp, a.pp, a.dp) == (topology.get("tp", 1), topology.get("pp", 1), topology.get("dp", 1))
     assert reader.args.ckpt_format == "torch" and reader.args.no_save_optim == (kind == "none")
+    assert reader.args.use_distributed_optimizer == (kind == "dp_reshardable")
     assert reader.args.no_save_rng and all("rng_state" not in reader.src.state_dict(k) for k in reader.src.files)
     assert compare_megatron(reader, fixture) > 0
     manifest = json.loads((out / "reshard-manifest.json").read_text())
@@ -112,13 +133,43 @@ def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture, opt
                         assert v.dtype == a["state"][i][k].dtype and torch.equal(v, a["state"][i][k]), (f, i, k)
 
 
-def _same(a, b) -> bool:
+@pytest.mark.parametrize("fixture", ["legacy_dp2_distopt", "legacy_dp2_distopt_buckets",
+                                     "legacy_moe_tp2_ep2_shared_distopt"])
+def test_legacy_distributed_optimizer_at_the_source_topology_is_megatrons_files(tmp_path, fixture):
+    """The distributed optimizer's legacy files at the source's topology (the default: the source's
+    format and optimizer) are Megatron's: every ``model_optim_rng.pt`` and ``distrib_optim.pt``
+    object for object -- the param groups and steps, the DDP buffers' dtype keys, ``numel_unpadded``,
+    a chained ``[dense, experts]`` list with experts apart -- each tensor bit for bit (fp32 main
+    parameters and moments over every bucket, the gaps' zeros), and ``args`` but the fields
+    reshard sets (``no_save_optim``, ``no_save_rng``: Megatron's are None) and ``local_rank``."""
+    out = reshard(FIXTURES / fixture, tmp_path, to="megatron").out_dir
+    src = FIXTURES / fixture / "iter_0000003"
+    files = sorted(src.rglob("*.pt"))
+    assert sorted(p.relative_to(out / "iter_0000003") for p in (out / "iter_0000003").rglob("*.pt")) == [
+        p.relative_to(src) for p in files]
+    assert {f.name for f in files} == {"model_optim_rng.pt", "distrib_optim.pt"}
+    for f in files:
+        want, got = safe.load_file(f), safe.load_file(out / "iter_0000003" / f.relative_to(src))
+        if f.name == "model_optim_rng.pt":
+            mine, theirs = vars(got.pop("args")), vars(want.pop("args"))
+            assert set(mine) == set(theirs)
+            # local_rank: the saving process's node-local rank, kept from the first file's args (Megatron reads
+            # it from the environment, never from a checkpoint)
+            assert {k for k in theirs if mine[k] != theirs[k]} <= {"no_save_optim", "no_save_rng", "local_rank"}, f
+            assert not mine["no_save_optim"] and not mine["no_save_rng"] and mine["use_distributed_optimizer"]
+        assert _same(got, want, bits=True), f
+
+
+def _same(a, b, bits: bool = False) -> bool:
     if isinstance(a, torch.Tensor):
+        if bits:  # bit for bit (torch.equal takes -0.0 for 0.0)
+            return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                    and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k], bits) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y, bits) for x, y in zip(a, b))
     if type(a).__name__ == "ndarray":
         return type(b).__name__ == "ndarray" and a.dtype == b.dtype and (a == b).all()
     return a == b
@@ -126,10 +177,13 @@ def _same(a, b) -> bool:
 
 def test_legacy_target_refusals_come_before_any_output(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(ReshardError, match="--optimizer dp_reshardable with --ckpt-format torch"):
-        reshard(FIXTURES / "torch_dist_tp2_pp2", out, to="megatron", ckpt_format="torch", optimizer="dp_reshardable")
-    with pytest.raises(ReshardError, match="the source's optimizer is dp_reshardable.*--optimizer adam"):
-        reshard(FIXTURES / "legacy_dp2_distopt", out, to="megatron", dp=1)  # legacy by default: the source's format
+    with pytest.raises(ReshardError, match="--optimizer fully_reshardable with --ckpt-format torch.*torch_dist layout"):
+        reshard(FIXTURES / "torch_dist_tp2_pp2", out, to="megatron", ckpt_format="torch", optimizer="fully_reshardable")
+    with pytest.raises(ReshardError, match="virtual pipeline size 2: legacy distrib_optim.pt"):
+        reshard(FIXTURES / "legacy_pp2_vpp2", out, to="megatron", optimizer="distributed")
+    with pytest.raises(ReshardError, match="--optimizer distributed with --ckpt-format torch: the source records no "
+                                           "learning-rate scheduler"):
+        reshard(HF_FIXTURES / "pretrained_llama", out, to="megatron", ckpt_format="torch", optimizer="distributed")
     with pytest.raises(ReshardError, match="for torch.bfloat16 weights"):
         reshard(FIXTURES / "torch_dist_dp2_distopt_bf16", out, to="megatron", ckpt_format="torch", optimizer="adam")
     with pytest.raises(ReshardError, match="would both save mp_rank_00"):  # expert TP above TP: one file, two savers
