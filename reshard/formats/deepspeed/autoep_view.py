@@ -30,6 +30,7 @@ from .templates import ADAMW
 __all__ = ["AUTOEP_DOC", "AutoEPView", "autoep_view"]
 
 AUTOEP_DOC = Path(__file__).with_name("autoep.json")
+_HYPER = ("lr", "betas", "eps", "weight_decay")  # what an AutoEP group takes of the source's groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,8 +277,9 @@ class AutoEPView(Reader):
 
     def param_groups(self) -> list[dict[str, Any]]:
         """DeepSpeed AutoEP's two groups: the dense parameters (``dense-params``) and the experts
-        (``moe``, named by the EP group), each with Adam's settings of the source group that holds
-        most of them where the source has groups, else a fresh AdamW's."""
+        (``moe``, named by the EP group), each a fresh AdamW's with the learning rate, betas, eps
+        and weight decay of the source group that holds most of them, where the source has groups
+        (torch's implementation flags are the resuming job's, not the source's)."""
         experts = {n for lay in self._layers for n in lay.params}
         dense = [n for n in self.names if n not in experts]
         moe = [n for n in self.names if n in experts]
@@ -286,7 +288,8 @@ class AutoEPView(Reader):
         def hyper(names: list[str]) -> dict[str, Any]:
             held = {s for n in names for s in self._part(n).sources}
             best = max(src, key=lambda g: len(held & set(g.get("params", []))), default={})
-            return {k: best.get(k, v) for k, v in ADAMW.items()}
+            got = {k: best.get(k, v) if k in _HYPER else v for k, v in ADAMW.items()}
+            return {**got, "betas": tuple(got["betas"])}
 
         return [{"name": "dense-params", **hyper(dense), "params": dense},
                 {"name": f"ep_size_{self.ep}", "moe": True, **hyper(moe), "params": moe}]
