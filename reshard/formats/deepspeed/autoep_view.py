@@ -172,6 +172,9 @@ class AutoEPView(Reader):
                 self.names.append(v)
         self.renamed = {n: [v for v, _ in vs] for n, vs in parts.items()}  # source tensor -> its view names
         self._check_parts(where)
+        layer_of = [re.match(preset["layer"], n) for n in self.names]
+        self._config = {**preset["config"], "num_hidden_layers": 1 + max(int(m["layer"]) for m in layer_of if m),
+                        num_attr: self._layers[0].num_experts, "tie_word_embeddings": "lm_head.weight" not in held}
         self._maps: dict[tuple[str, str], tuple[ParamMap, dict]] = {}
 
     def _split(self, hf: str, names: list[str], split: dict | None, where: str) -> list[tuple[str, _Part]]:
@@ -295,17 +298,21 @@ class AutoEPView(Reader):
                 {"name": f"ep_size_{self.ep}", "moe": True, **hyper(moe), "params": moe}]
 
     def model_order(self) -> list[str] | None:
-        """The AutoEP model's order: the HF model's (built by transformers from the source's
-        ``config.json`` where it has one, else the source's own order), each MoE block's router in
-        its place and its experts, in AutoEP's order, where the model first reaches one of them."""
-        order = _hf_order(self.inner.hf_config()) or self.inner.model_order()
+        """The AutoEP model's order (DeepSpeed's flat groups follow it): the HF model's, built by
+        transformers on the meta device from the source's ``config.json``, or where it has none from
+        the preset's architecture at the source's layer and expert counts (the order does not depend
+        on the widths); each MoE block's router in its place and its experts, in AutoEP's order,
+        where the model first reaches one of them. ``None`` (refused by the writer) where the model
+        cannot be built or holds a source tensor nowhere: a source's own order is no model's (a DCP
+        that reshard wrote from a Megatron source follows Megatron's mapping document)."""
+        order = _hf_order(self.inner.hf_config() or self._config)
         if order is None:
             return None
         out: dict[str, None] = {}
         for n in order:
             names = self._memory.get(n) or self.renamed.get(n) or [n]
             out.update((v, None) for v in names if v in self._parts)
-        return [*out, *(n for n in self.names if n not in out)]
+        return list(out) if len(out) == len(self.names) else None
 
     def tied(self) -> dict[str, str]:
         return {**self.inner.tied(), **self._aliases}

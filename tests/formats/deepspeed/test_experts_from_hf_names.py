@@ -68,6 +68,8 @@ def _oracle() -> dict[str, torch.Tensor]:
     info = json.loads((o / "oracle.json").read_text())
     out = {}
     for name, (key, idx) in info["names"].items():
+        if ".mlp.router." not in key and ".mlp.experts." not in key:
+            continue
         layer = idx[0]
         for state, t in (("weight", model[name]), *((m, optim[f"{m}.{name}"]) for m in MOMENTS)):
             mod = f"model.layers.{layer}.mlp"
@@ -111,7 +113,7 @@ def test_megatron_moe_to_autoep_has_deepspeeds_own_structure(ep, dp, tmp_path):
     fixtures; 1x2: its layout there), and no other; each with the same keys in the same order, the
     same dtypes and dims, the same ``ds_autoep_layers`` placement fields and optimizer group names,
     the same flat-partition layout (param_slice_mappings' names per group, partition counts)."""
-    ours = reshard(MOE, tmp_path / "ours", tp=1, dp=dp, ep=ep).out_dir
+    ours = reshard(MOE, tmp_path / "ours", to="deepspeed", tp=1, dp=dp, ep=ep).out_dir
     theirs = _native(ep, dp, tmp_path / "theirs")
     assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
     for p in sorted(theirs.glob("*.pt")):
@@ -129,8 +131,11 @@ def test_megatron_moe_to_autoep_has_deepspeeds_own_structure(ep, dp, tmp_path):
             o, n = mine["optimizer_state_dict"], native["optimizer_state_dict"]
             assert o["partition_count"] == n["partition_count"]
             assert [list(g) for g in o["param_slice_mappings"]] == [list(g) for g in n["param_slice_mappings"]]
+            # DeepSpeed names the expert group by its EP degree (engine.py: f"ep_size_{ep_size}"); the
+            # DeepSpeed -> DeepSpeed route keeps the source's name (ep_size_2 at 1x2)
             assert [(g["name"], g.get("moe")) for g in o["base_optimizer_state"]["param_groups"]] == \
-                   [(g["name"], g.get("moe")) for g in n["base_optimizer_state"]["param_groups"]]
+                   [("dense-params", None), (f"ep_size_{ep}", True)]
+            assert [g.get("moe") for g in n["base_optimizer_state"]["param_groups"]] == [None, True]
             assert o["clip_grad"] == 1.0  # Megatron's args.clip_grad (DeepSpeed's ZeRO-1/2 loader restores it)
     module = load(ours / "mp_rank_00_model_states.pt")["module"]
     for layer in range(2):
@@ -142,7 +147,7 @@ def test_megatron_moe_to_autoep_holds_the_source_values(tmp_path):
     """Every router and expert value (weights and both Adam moments) is Megatron's own reload
     mapped (w1 = fc1's gate half, w3 its up half, w2 = fc2, router = the router), bit for bit; every
     other parameter equals reshard's HF-named conversion of the same source."""
-    ours = reshard(MOE, tmp_path / "ours", tp=1, dp=4, ep=2).out_dir
+    ours = reshard(MOE, tmp_path / "ours", to="deepspeed", tp=1, dp=4, ep=2).out_dir
     got = _read_back(ours, tmp_path / "back")
     want = _oracle()
     assert want and all(torch.equal(got[k], v) for k, v in want.items()), \
@@ -151,6 +156,9 @@ def test_megatron_moe_to_autoep_holds_the_source_values(tmp_path):
     for k, v in hf.items():
         if ".mlp." not in k:
             assert torch.equal(got[k], v), k
+    for layer in range(2):  # AutoEP's router alias, read back beside its router
+        alias = got.pop(f"weight.model.layers.{layer}.mlp.gate.gate.weight")
+        assert torch.equal(alias, want[f"weight.model.layers.{layer}.mlp.router.gate.weight"])
     n = {k.split(".", 1)[1] for k in got if k.startswith("weight.")}
     assert n == {k.split(".", 1)[1] for k in hf if k.startswith("weight.") and ".mlp." not in k} | \
         {k.split(".", 1)[1] for k in want if k.startswith("weight.")}
@@ -170,14 +178,18 @@ def _read_back_hf(tmp: Path) -> dict[str, torch.Tensor]:
 
 def test_dcp_of_the_moe_model_to_autoep_is_the_megatron_route(tmp_path):
     """A DCP checkpoint of the same model in HF names (reshard's own DCP of the Megatron source)
-    holds its experts fused as well: ``--ep`` from it writes the same tensors as from Megatron."""
+    holds its experts fused as well: ``--ep`` from it writes the same files as from Megatron, its
+    flat groups in the HF model's order though the DCP keeps Megatron's mapping order (no config:
+    the preset's architecture at its layer count), but ``clip_grad``, which a DCP does not record."""
     dcp = convert(MOE, tmp_path / "dcp", fmt="dcp", names="hf").out_dir
-    a = reshard(dcp, tmp_path / "a", tp=1, dp=2, ep=2).out_dir
-    b = reshard(MOE, tmp_path / "b", tp=1, dp=2, ep=2).out_dir
+    a = reshard(dcp, tmp_path / "a", to="deepspeed", tp=1, dp=2, ep=2).out_dir
+    b = reshard(MOE, tmp_path / "b", to="deepspeed", tp=1, dp=2, ep=2).out_dir
     for p in sorted(b.glob("*.pt")):
         out: list[str] = []
         _differences(load(a / p.name), load(p), "", out)
-        assert not out, (p.name, out)
+        assert out == (["/optimizer_state_dict/clip_grad"] if "optim" in p.name else []), (p.name, out)
+        if out:
+            assert load(a / p.name)["optimizer_state_dict"]["clip_grad"] == 0.0
 
 
 def _differences(x: Any, y: Any, path: str, out: list[str]) -> None:
@@ -206,7 +218,7 @@ def _differences(x: Any, y: Any, path: str, out: list[str]) -> None:
 ])
 def test_what_autoep_cannot_place_is_refused_naming_it(fixture, options, match, tmp_path):
     with pytest.raises(ReshardError, match=match):
-        reshard(fixture, tmp_path / "out", tp=1, **options)
+        reshard(fixture, tmp_path / "out", to="deepspeed", tp=1, **options)
     assert not (tmp_path / "out").exists()
 
 
@@ -308,7 +320,7 @@ def test_deepspeed_loads_autoep_written_from_megatron_and_trains(tmp_path):
     spec = model_spec_from_fixture(NATIVE)
     spec.update(model_type=cfg["model_type"],
                 model_config={k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
-    ours = reshard(MOE, tmp_path / "ours", tp=1, dp=2, ep=2).out_dir
+    ours = reshard(MOE, tmp_path / "ours", to="deepspeed", tp=1, dp=2, ep=2).out_dir
     native = tmp_path / "native"
     reports = resume_many([resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=2, universal=False,
                                        save_dir=native)], world_size=2, workdir=tmp_path / "job")
