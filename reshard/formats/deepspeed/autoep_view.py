@@ -171,6 +171,13 @@ class AutoEPView(Reader):
                 self._parts[v] = part
                 self.names.append(v)
         self.renamed = {n: [v for v, _ in vs] for n, vs in parts.items()}  # source tensor -> its view names
+        cut = any(p.region is not None for p in self._parts.values())
+        stacked = any(len(p.sources) > 1 for p in self._parts.values())
+        self.how = "; ".join(["each router renamed <module>.router.gate.weight and aliased as <module>.gate.gate.weight",
+                              *(["each fused gate_up_proj cut into experts.w1 (gate) and experts.w3 (up), down_proj "
+                                 "renamed experts.w2"] if cut else []),
+                              *(["each expert's tensors, held apart, stacked into experts.w1, w2 and w3 in expert "
+                                 "order"] if stacked else [])])
         self._check_parts(where)
         layer_of = [re.match(preset["layer"], n) for n in self.names]
         self._config = {**preset["config"], "num_hidden_layers": 1 + max(int(m["layer"]) for m in layer_of if m),

@@ -269,9 +269,8 @@ class DeepSpeedWriter(Writer):
         view = autoep_view(reader, ep)
         if isinstance(view, AutoEPView):
             self._view = reader = view
-            self._notes.append(f"the source read in DeepSpeed AutoEP's names ({view.preset} preset, "
-                               "autoep.json): each router renamed <module>.router.gate.weight and aliased, each fused "
-                               "gate_up_proj cut into experts.w1 (gate) and experts.w3 (up), down_proj as experts.w2")
+            self._notes.append(f"the source read in DeepSpeed AutoEP's names ({view.preset} preset, autoep.json): "
+                               f"{view.how}")
         layers = reader.expert_layers()
         stage = 1 if stage is None else stage
         if tp != 1 or pp != 1:
@@ -291,6 +290,10 @@ class DeepSpeedWriter(Writer):
         step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
         tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order,
                               clip_grad=reader.grad_clip())
+        if reader.grad_clip() is None:
+            self._notes.append("clip_grad 0.0 in the optimizer files (the source records no gradient clipping): "
+                               "DeepSpeed's ZeRO-1/2 loader takes it over the job's gradient_clipping, so a "
+                               "resumed job runs unclipped")
         experts = {n for lay in layers for n in lay.params}
         mixed = [g for g in tpl.group_names if experts & set(g) and not experts >= set(g)]
         if mixed:
