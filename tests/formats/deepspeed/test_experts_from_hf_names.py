@@ -21,7 +21,7 @@ import torch
 from reshard import ReshardError
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.safe_load import load
-from tests.support.paths import DEEPSPEED, HF, MEGATRON
+from tests.support.paths import DCP, DEEPSPEED, HF, MEGATRON
 
 MOE = MEGATRON / "torch_dist_moe_ep2"  # Mixtral-shaped: 4 experts top-2, SwiGLU, no shared expert, untied
 NATIVE = DEEPSPEED / "mixtral_autoep_ep2"  # DeepSpeed AutoEP on an HF Mixtral, EP 2
@@ -210,6 +210,57 @@ def _differences(x: Any, y: Any, path: str, out: list[str]) -> None:
         out.append(path)
 
 
+FSDP2 = DCP / "mixtral_fsdp2_ws2"  # an FSDP2 job's save of mixtral_autoep_ep2's model: experts fused in memory
+
+
+def _autoep_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers Mixtral's in-memory tensors under AutoEP's names (an independent oracle of
+    ``autoep.json``: w1/w3 the gate/up halves of ``gate_up_proj``, w2 ``down_proj``, the router)."""
+    out = {}
+    for n, t in sd.items():
+        if n.endswith("experts.gate_up_proj"):
+            m, f = n.rpartition(".gate_up_proj")[0], t.shape[1] // 2
+            out[f"{m}.w1"], out[f"{m}.w3"] = t[:, :f], t[:, f:]
+        elif n.endswith("experts.down_proj"):
+            out[n.replace("down_proj", "w2")] = t
+        elif n.endswith("mlp.gate.weight"):
+            out[n.replace("mlp.gate.weight", "mlp.router.gate.weight")] = t
+        else:
+            out[n] = t
+    return out
+
+
+def test_an_fsdp2_jobs_dcp_to_autoep_is_laid_out_as_deepspeeds_own_and_holds_its_state(tmp_path):
+    """FSDP2 saved the experts fused and sharded over its 2 ranks: ``--ep 2 --dp 2`` gives DeepSpeed's
+    own file layout of the same model (keys, order, dtypes, shapes, partitions) and every weight and
+    Adam moment of the job, read back by torch's own DCP loader, bit for bit under AutoEP's names."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ours = reshard(FSDP2, tmp_path / "ours", to="deepspeed", tp=1, dp=2, ep=2).out_dir
+    theirs = _native(2, 2, tmp_path / "theirs")
+    assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for p in sorted(theirs.glob("*.pt")):
+        mine, native = load(ours / p.name), load(p)
+        for k in (*FRESH, "/global_steps", "/skipped_steps"):
+            mine.pop(k[1:], None), native.pop(k[1:], None)
+        if "optimizer_state_dict" in native:
+            for d in (mine, native):
+                d["optimizer_state_dict"]["clip_grad"] = None  # a DCP records none: 0.0, said in a note
+        assert _shaped(mine) == _shaped(native), p.name
+        assert _key_order(mine) == _key_order(native), p.name
+    dcp_to_torch_save(FSDP2, tmp_path / "whole.pt")
+    sd = torch.load(tmp_path / "whole.pt", weights_only=True)
+    state = sd["optim"]["state"]
+    want = {f"weight.{n}": t for n, t in _autoep_names(sd["model"]).items()}
+    for m in MOMENTS:
+        want.update({f"{m}.{n}": t for n, t in _autoep_names({k: v[m] for k, v in state.items()}).items()})
+    got = _read_back(ours, tmp_path / "back")
+    for layer in range(2):
+        got.pop(f"weight.model.layers.{layer}.mlp.gate.gate.weight")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items()), [k for k, v in want.items() if not torch.equal(got[k], v)]
+
+
 @pytest.mark.parametrize("fixture,options,match", [
     (MOE, {"dp": 3, "ep": 3}, r"model.layers.0.mlp: 4 experts do not split evenly over ep=3"),
     (MOE, {"dp": 2, "ep": 2, "zero_stage": 3}, r"written at ZeRO stage 1 or 2 \(asked 3\)"),
@@ -271,17 +322,7 @@ def test_hf_mixtral_folder_to_autoep_holds_what_transformers_loads(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(PRETRAINED).state_dict()
     ours = reshard(PRETRAINED, tmp_path / "ours", tp=1, dp=4, ep=2).out_dir
     got = _read_back(ours, tmp_path / "back")
-    want = {}
-    for n, t in model.items():
-        if n.endswith("experts.gate_up_proj"):
-            m, f = n.rpartition(".gate_up_proj")[0], t.shape[1] // 2
-            want[f"{m}.w1"], want[f"{m}.w3"] = t[:, :f], t[:, f:]
-        elif n.endswith("experts.down_proj"):
-            want[n.replace("down_proj", "w2")] = t
-        elif n.endswith("mlp.gate.weight"):
-            want[n.replace("mlp.gate.weight", "mlp.router.gate.weight")] = t
-        else:
-            want[n] = t
+    want = _autoep_names(model)
     for layer in range(2):  # AutoEP's router alias, read back beside its router
         assert torch.equal(got.pop(f"weight.model.layers.{layer}.mlp.gate.gate.weight"),
                            model[f"model.layers.{layer}.mlp.gate.weight"])
