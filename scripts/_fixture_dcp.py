@@ -54,13 +54,15 @@ sys.path.insert(0, str(SCRIPTS))
 sys.path.insert(1, str(REPO))  # tests.e2e.digest: the digests the DeepSpeed resume jobs report
 
 from _fixture_train import _seed_everything, fixed_batch  # noqa: E402
-from make_fixtures import LLAMA, LLAMA_200M, MICRO_BATCH, SEED, SEQ_LEN, ds_config  # noqa: E402
+from make_fixtures import LLAMA, LLAMA_200M, MICRO_BATCH, MIXTRAL, SEED, SEQ_LEN, ds_config  # noqa: E402
 
 # name -> (transformers llama config, seq_len, micro_batch): the DeepSpeed fixtures' recipes
 MODELS = {
     "tiny": (LLAMA, SEQ_LEN, MICRO_BATCH),
     "200m": (LLAMA_200M, 64, 1),  # make_fixtures.bench_200m_fixture
+    "mixtral": (MIXTRAL, SEQ_LEN, MICRO_BATCH),  # mixtral_autoep_ep2's model: its experts fused in memory
 }
+MODEL_TYPES = {"mixtral": "mixtral"}  # else llama
 BATCH_DP = 2  # the DeepSpeed Llama fixtures' DP size: their global batch is micro_batch * 2 rows
 GRAD_CLIP = float(ds_config(1)["gradient_clipping"])
 ADAMW = {k: v for k, v in ds_config(1)["optimizer"]["params"].items() if k != "torch_adam"}
@@ -93,12 +95,12 @@ def parse_mesh(text: str | None, world: int) -> tuple[int, int]:
     return dp, tp
 
 
-def build_model(model_config: dict, seed: int) -> torch.nn.Module:
+def build_model(model_config: dict, seed: int, model_type: str = "llama") -> torch.nn.Module:
     """The DeepSpeed fixtures' model: seeded random init, eager attention, fp32, full on every rank."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _seed_everything(seed)
-    config = AutoConfig.for_model("llama", **model_config)
+    config = AutoConfig.for_model(model_type, **model_config)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.train()
     return model
@@ -272,7 +274,8 @@ def main() -> None:
     dp, tp = parse_mesh(args.mesh, world)
     model_config, seq_len, micro_batch = MODELS[args.model]
     t0 = time.time()
-    model = build_model(model_config, SEED)
+    model_type = MODEL_TYPES.get(args.model, "llama")
+    model = build_model(model_config, SEED, model_type)
     mesh, dp_mesh = parallelize(model, dp, tp)
     optim = torch.optim.AdamW(model.parameters(), **ADAMW)
     dp_rank = dp_mesh.get_local_rank()
@@ -280,7 +283,7 @@ def main() -> None:
     timings = {"build_seconds": time.time() - t0}
     report = {
         "mode": args.mode, "world_size": world, "mesh": {"dp": dp, "tp": tp}, "model": args.model,
-        "model_type": "llama", "model_config": model_config, "seed": SEED, "seq_len": seq_len,
+        "model_type": model_type, "model_config": model_config, "seed": SEED, "seq_len": seq_len,
         "micro_batch": micro_batch, "batch_dp": args.batch_dp, "local_batch_rows": int(ids.shape[0]),
         "optimizer": {"class": "torch.optim.AdamW", **ADAMW}, "gradient_clipping": GRAD_CLIP,
         "tp_plan": TP_PLAN if tp > 1 else None, "dcp_dir": str(args.dcp_dir), "steps": steps,

@@ -90,8 +90,26 @@ DEEPSEEK_V3 = {
     "eos_token_id": 2,
 }
 
-MODELS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED, "deepseek_v3": DEEPSEEK_V3}
-MODEL_TYPES = {"llama": "llama", "qwen2_tied": "qwen2", "deepseek_v3": "deepseek_v3"}
+# Mixtral, the DeepSpeed AutoEP fixture's shape (../deepspeed/mixtral_autoep_ep2): 4 experts top-2,
+# untied; what save_pretrained writes of it is the Hub's per-expert layout (block_sparse_moe.experts.<e>)
+MIXTRAL = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 96,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+MODELS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED, "deepseek_v3": DEEPSEEK_V3, "mixtral": MIXTRAL}
+MODEL_TYPES = {"llama": "llama", "qwen2_tied": "qwen2", "deepseek_v3": "deepseek_v3", "mixtral": "mixtral"}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CORPUS = [

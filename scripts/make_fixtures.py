@@ -330,7 +330,7 @@ class DcpFixture:
     world_size: int
     mesh: str | None = None  # "DPxTP"; None: a 1-D FSDP2 mesh over every rank
     steps: int = STEPS
-    model: str = "tiny"  # _fixture_dcp.MODELS: "tiny" (LLAMA) or "200m" (LLAMA_200M)
+    model: str = "tiny"  # _fixture_dcp.MODELS: "tiny" (LLAMA), "200m" (LLAMA_200M) or "mixtral" (MIXTRAL)
     digests: str = "full"  # _fixture_dcp --digests: "full" (tests/e2e/digest.py), "sha", "none"
     # the DeepSpeed fixture trained with the same model, data split and optimizer: its losses
     # are recorded next to ours
@@ -341,6 +341,8 @@ class DcpFixture:
 DCP_FIXTURES = [
     DcpFixture("llama_fsdp2_ws2", 2, same_recipe_as="llama_zero1_dp2"),
     DcpFixture("llama_fsdp_tp_2x2", 4, mesh="2x2", same_recipe_as="llama_tp2_dp2"),
+    # an MoE model's FSDP2 save: transformers' fused experts (mlp.experts.gate_up_proj [E, ...])
+    DcpFixture("mixtral_fsdp2_ws2", 2, model="mixtral"),
 ]
 DCP_BY_NAME = {f.name: f for f in DCP_FIXTURES}
 

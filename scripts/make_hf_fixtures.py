@@ -91,6 +91,7 @@ FIXTURES = [
     HfFixture("pretrained_qwen2_tied", "pretrained", R.pretrained_recipe("qwen2_tied")),
     HfFixture("pretrained_llama_bf16", "pretrained", R.pretrained_recipe("llama", dtype="bfloat16")),
     HfFixture("pretrained_deepseek_v3", "pretrained", R.pretrained_recipe("deepseek_v3")),  # MLA, dense
+    HfFixture("pretrained_mixtral", "pretrained", R.pretrained_recipe("mixtral")),  # MoE, the Hub's per-expert layout
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 

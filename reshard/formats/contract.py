@@ -125,13 +125,16 @@ class ExpertLayer:
     ...]``, every expert whole, in expert order (docs/spec.md §7.1). What an expert-parallel target
     places at its own EP degree. ``record``: the layer's entry as the framework that saved the
     source records it (DeepSpeed AutoEP's ``ds_autoep_layers`` entry), which a target of that
-    framework rewrites at its placement; ``{}`` where there is none."""
+    framework rewrites at its placement; ``{}`` where there is none. ``apart``: the source holds
+    each expert's tensors apart instead (the Hugging Face Hub's per-expert layout): each of
+    ``params`` is then a name with ``{expert}`` in it, one tensor per expert ``0 .. num_experts-1``."""
 
     layer: int  # the MoE layer's index among the model's MoE layers
     module_path: str  # the module holding the layer's experts and router
     num_experts: int
     params: tuple[str, ...]
     record: Any
+    apart: bool = False
 
 
 @dataclass(frozen=True, slots=True)

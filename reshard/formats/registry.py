@@ -64,11 +64,13 @@ def source_format(path: Path) -> str | None:
     return None
 
 
-def open_reader(path: str | Path, *, route: str | None = None, names: str | None = None) -> Reader:
+def open_reader(path: str | Path, *, route: str | None = None, names: str | None = None,
+                prefer: str | None = None) -> Reader:
     """The checkpoint at ``path`` (any format reshard reads), opened and checked: everything
     that can refuse it is refused here, before any output folder exists. ``route`` (the target
     format) picks the names a source with a choice (Megatron) is read under (the target row's
-    ``names``) unless ``names`` (``"megatron"`` or ``"hf"``) says."""
+    ``names``) unless ``names`` (``"megatron"`` or ``"hf"``) or, where the source has the
+    choice, ``prefer`` (the target row's ``names_with``) says."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
@@ -84,7 +86,7 @@ def open_reader(path: str | Path, *, route: str | None = None, names: str | None
     if names is not None and not f.reader_names:
         them = " or ".join(g.noun for g in sources() if g.reader_names)
         raise ReshardError(f"{p}: --names chooses the names of {them}; this is {f.noun}")
-    names = names or (row(route).names if route is not None else None)
+    names = names or prefer or (row(route).names if route is not None else None)
     how = {"names": names} if f.reader_names and names is not None else {}
     reader: Reader = _load(f.reader)(p, **how)
     reader.check()

@@ -89,7 +89,8 @@ class Format:
     (``None``: not one; a ``reshard`` target is written at a topology, and ``needs`` names the
     option it cannot be written without). ``writes_from``: the source formats it can be written
     from (``None``: every one). ``names``: the parameter names a source that has a choice (a
-    Megatron one) is read under for this target. ``probe``: detection order (lower first)."""
+    Megatron one) is read under for this target (``names_with``: under the second where the option
+    the first names is given). ``probe``: detection order (lower first)."""
 
     name: str
     noun: str  # with its article, for messages: "a DeepSpeed checkpoint"
@@ -107,6 +108,7 @@ class Format:
     needs: str | None = None
     writes_from: tuple[str, ...] | None = None
     names: str | None = None
+    names_with: tuple[str, str] | None = None  # (option, names): given that option, ``names`` is this
     source_example: str = ""
     target_example: str = ""
 
@@ -132,6 +134,7 @@ FORMATS: tuple[Format, ...] = (
            reader="reshard.formats.deepspeed.reader:DeepSpeedReader.open",  # a Trainer ZeRO-2 folder holds both
            writer="reshard.formats.registry:deepspeed_writer",
            reshard=("tp", "dp", "pp", "zero_stage", "ep", "layout", "dtype"),
+           names_with=("ep", "hf"),  # AutoEP wraps a transformers model: its experts in HF names
            source_example="reshard reshard CKPT OUT --tp 1 --dp 4",
            target_example="reshard reshard HF_FOLDER OUT --to deepspeed --dp 2 --zero-stage 3"),
     Format("universal", "a universal checkpoint", aliases=("ucp",), probe=4,

@@ -218,7 +218,9 @@ def reshard(
         raise ReshardError(f"{ckpt_dir}: --to {target.name} takes {table.OPTIONS[target.needs].flag} N "
                            f"({table.OPTIONS[target.needs].help})")
     with verified.verifying(verify_source):
-        reader, notes = _open(ckpt_dir, verify, route=target.name)
+        chosen = target.names_with
+        names = chosen[1] if chosen is not None and given[chosen[0]] is not None else None
+        reader, notes = _open(ckpt_dir, verify, route=target.name, prefer=names)
         return _reshard(reader, out_dir, to=target.name, options=given, workers=workers, overwrite=overwrite,
                         progress=progress, checksum=checksum, cluster=cluster,
                         on_replica_mismatch=on_replica_mismatch, notes=notes, drop=drop)

@@ -420,15 +420,13 @@ REFUSALS = [
     ("dcp-fsdp2", "deepspeed", {"tp": 2}, r"does not record how its parameters split over TP ranks.*--layout"),
     ("hf-sharded", "deepspeed", {"pp": 2}, r"--pp 2 is refused from a Hugging Face .*: a DeepSpeed pipeline "
      r"\(deepspeed.pipe\) target is written only from a DeepSpeed pipeline checkpoint"),
-    ("dcp-fsdp2", "deepspeed", {"ep": 2}, r"--ep 2 is refused from a PyTorch DCP checkpoint: it records no fused "
-     r"expert layers \(DeepSpeed AutoEP's ds_autoep_layers.*Without --ep DeepSpeed is written at "
-     r"--tp/--dp/--zero-stage, every parameter \(experts included\) a dense one"),
-    ("universal", "deepspeed", {"ep": 2}, r"--ep 2 is refused from a universal checkpoint: it records no fused "
+    ("dcp-fsdp2", "deepspeed", {"ep": 2}, r"--ep 2 is refused from a PyTorch DCP checkpoint: it holds no fused "
+     r"expert layers \(DeepSpeed AutoEP's ds_autoep_layers, or in Hugging Face names.*Without --ep DeepSpeed is "
+     r"written at --tp/--dp/--zero-stage, every parameter \(experts included\) a dense one"),
+    ("universal", "deepspeed", {"ep": 2}, r"--ep 2 is refused from a universal checkpoint: it holds no fused "
      r"expert layers"),
-    (MEGATRON / "torch_dist_moe_ep2", "deepspeed", {"ep": 2}, r"torch_dist_moe_ep2.*: --ep 2 is refused from a "
-     r"Megatron-Core checkpoint: it records no fused expert layers.*a DeepSpeed AutoEP or classic MoE checkpoint, or "
-     r"DeepSpeed's universal checkpoint of an AutoEP one, records them.*Without --ep DeepSpeed is written at "
-     r"--tp/--dp/--zero-stage, every parameter \(experts included\) a dense one"),
+    (MEGATRON / "torch_dist_moe_ep2_shared_softmax", "deepspeed", {"ep": 2}, r"torch_dist_moe_ep2_shared_softmax.*: "
+     r"model_type 'qwen2_moe': DeepSpeed AutoEP is written for mixtral \(autoep.json"),
     ("deepspeed-zero3", "deepspeed", {"pp": 2}, r"PP=1"),
     ("universal", "dcp", {"files": 2, "tp": 2}, r"--tp goes with --to deepspeed or --to megatron or --format vllm, not with a "
      r"PyTorch DCP checkpoint \(the target\)"),

@@ -26,7 +26,8 @@ from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
 from ...layouts import replicated
 from ...storage import verified
-from ..contract import MOMENTS, Held, Reader, Stored
+from ..contract import MOMENTS, ExpertLayer, Held, Reader, Stored
+from ..fused_experts import fused_expert_layers
 from ..hf.trainer_files import trainer_held
 from ..safetensors.quantized import Codec, Coded, open_codec
 from .checkpoint import DcpCheckpoint
@@ -239,6 +240,11 @@ class DcpReader(Reader):
 
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optim.param_groups
+
+    def expert_layers(self) -> tuple[ExpertLayer, ...]:
+        """Each MoE block whose experts the model holds fused (an FSDP2 job of a transformers 5 MoE
+        model saves ``<module>.experts.gate_up_proj`` ``[E, ...]``): ``fused_experts``."""
+        return fused_expert_layers(self.names, self.shape, str(self.sources[-1]))
 
     def labels(self) -> str:
         return "storage rank"  # a chunk lies on the rank that wrote its __R_N.distcp (docs/spec.md §7, DCP)

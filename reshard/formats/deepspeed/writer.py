@@ -71,6 +71,7 @@ class DeepSpeedWriter(Writer):
         self._notes: list[str] = []
         self._source: dict[str, int] = {}
         self._written_aliases: set[str] = set()
+        self._view: Reader | None = None  # the source as an AutoEP target names it (autoep_view)
         self.keeps_replicas = False
         self.target: DeepSpeedTarget
         own = reader.native("deepspeed")
@@ -207,7 +208,7 @@ class DeepSpeedWriter(Writer):
         if ep is not None:
             self._autoep_from_any(reader, tp, dp, pp, stage, ep, dtype)
             return
-        if reader.expert_layers():
+        if any(lay.record for lay in reader.expert_layers()):
             # its optimizer groups are AutoEP's (the experts' marked moe, named by their EP group),
             # which a dense ZeRO engine would take for its own on load
             raise ReshardError(f"{where}: {noun_of(reader)} holds AutoEP experts (ds_autoep_layers); DeepSpeed is "
@@ -264,25 +265,37 @@ class DeepSpeedWriter(Writer):
 
     def _autoep_from_any(self, reader: Reader, tp: int, dp: int, pp: int, stage: int | None, ep: int,
                          dtype: torch.dtype | None) -> None:
-        """AutoEP at EP ``ep`` from a source that records its fused expert layers
-        (``Reader.expert_layers``): the files of a fresh ZeRO job, AutoEP's uniform placement."""
+        """AutoEP at EP ``ep`` from a source that holds its experts fused (``Reader.expert_layers``):
+        the files of a fresh ZeRO job, AutoEP's uniform placement; a source in HF names is read in
+        AutoEP's (``autoep_view``: its router renamed and aliased, gate/up cut into w1/w3)."""
+        from .autoep_view import AutoEPView, autoep_view
         from .expert_target import autoep_fresh_target, autoep_fresh_zero3_target
 
         where, noun = reader.sources[-1], noun_of(reader)
+        if not reader.expert_layers():
+            raise ReshardError(f"{where}: --ep {ep} is refused from {noun}: it holds no fused expert layers (DeepSpeed "
+                               "AutoEP's ds_autoep_layers, or in Hugging Face names an MoE block's experts as fused "
+                               "tensors <module>.experts.<name> [num_experts, ...]), which an AutoEP target places at "
+                               "--ep; a DeepSpeed AutoEP or classic MoE checkpoint, its universal checkpoint, or a "
+                               "Mixtral-shaped model in HF names (a DCP checkpoint, an HF folder in transformers' "
+                               "fused layout, a Megatron-Core checkpoint read in HF names) holds them. Without --ep "
+                               "DeepSpeed is written at --tp/--dp/--zero-stage, every parameter (experts included) a "
+                               "dense one")
+        view = autoep_view(reader, ep)
+        if isinstance(view, AutoEPView):
+            self._view = reader = view
+            self._notes.append(f"the source read in DeepSpeed AutoEP's names ({view.preset} preset, autoep.json): "
+                               f"{view.how}")
         layers = reader.expert_layers()
-        if not layers:
-            raise ReshardError(f"{where}: --ep {ep} is refused from {noun}: it records no fused expert layers (DeepSpeed "
-                               "AutoEP's ds_autoep_layers: each MoE layer's id, module path, expert count and fused "
-                               "expert parameters), which an AutoEP target places at --ep; a DeepSpeed AutoEP or "
-                               "classic MoE checkpoint, or DeepSpeed's universal checkpoint of an AutoEP one, records "
-                               "them. Without --ep DeepSpeed is written at --tp/--dp/--zero-stage, every parameter "
-                               "(experts included) a dense one")
         stage = 1 if stage is None else stage
         if tp != 1 or pp != 1:
             raise ReshardError(f"{where}: an AutoEP target is written at TP = PP = 1 only (asked tp={tp}, pp={pp})")
         if stage not in (1, 2, 3):
             raise ReshardError(f"{where}: an AutoEP target from {noun} is written at ZeRO stage 1, 2 or 3 (asked "
                                f"{stage})")
+        if stage == 3 and self._view is not None:  # ZeRO-3 AutoEP is checked against DeepSpeed from a universal only
+            raise ReshardError(f"{where}: an AutoEP target from {noun} read in HF names is written at ZeRO stage 1 "
+                               "or 2 (asked 3); write ZeRO-1/2 here, then --zero-stage 3 from that checkpoint")
         if dp % ep:
             raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
         for lay in layers:
@@ -296,6 +309,10 @@ class DeepSpeedWriter(Writer):
         step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
         tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order,
                               clip_grad=reader.grad_clip())
+        if reader.grad_clip() is None:
+            self._notes.append("clip_grad 0.0 in the optimizer files (the source records no gradient clipping): "
+                               "DeepSpeed's ZeRO-1/2 loader takes it over the job's gradient_clipping, so a "
+                               "resumed job runs unclipped")
         experts = {n for lay in layers for n in lay.params}
         mixed = [g for g in tpl.group_names if experts & set(g) and not experts >= set(g)]
         if mixed:
@@ -318,6 +335,10 @@ class DeepSpeedWriter(Writer):
     # -- the contract ----------------------------------------------------------------------------
     def buffers(self) -> list[Buffer]:
         return self.target.buffers()
+
+    def view(self, reader: Reader) -> Reader:
+        """The source in AutoEP's names where the target renamed it (``autoep_view``), else itself."""
+        return self._view if self._view is not None else reader
 
     def tp_index(self, rank: int) -> int:
         return self.target.tp_index(rank)

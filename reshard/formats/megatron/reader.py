@@ -26,7 +26,8 @@ import torch
 
 from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
-from ..contract import STATES, Held, Reader
+from ..contract import STATES, ExpertLayer, Held, Reader
+from ..fused_experts import fused_expert_layers
 from .dist import TorchDistBackend
 from .files import Location, locate
 from .held import held
@@ -227,6 +228,27 @@ class MegatronReader(Reader):
         if self.naming == "hf":
             return len(self.hf[name].shape) >= 2 and not name.endswith(".bias") and not name.endswith("norm.weight")
         return self._spec(name).decay
+
+    def grad_clip(self) -> float | None:
+        """``args.clip_grad`` (Megatron's ``--clip-grad``; 0 turns clipping off), where the run saved
+        its optimizer state."""
+        clip = getattr(self.args, "clip_grad", None)
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)):
+            return None
+        return float(clip) if any(len(self.states(n)) > 1 for n in self.names) else None
+
+    def expert_layers(self) -> tuple[ExpertLayer, ...]:
+        """In HF names, each MoE layer's experts as the mapping document fuses them
+        (``mlp.experts.gate_up_proj`` / ``down_proj``, ``[num_experts, ...]``: ``fused_experts``);
+        in Megatron's names none (its expert keys are stacked over layers)."""
+        if self.naming != "hf":
+            return ()
+        layers = fused_expert_layers(self.names, self.shape, str(self.loc.iter_dir))
+        for lay in layers:
+            if lay.num_experts != self.arch.experts:
+                raise CheckpointError(f"{self.loc.iter_dir}: {lay.module_path}: {lay.num_experts} experts in its "
+                                      f"fused tensors, args.num_experts = {self.arch.experts}")
+        return layers
 
     def extras(self, name: str) -> dict[str, Any]:
         return {}

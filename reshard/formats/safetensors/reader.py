@@ -35,7 +35,8 @@ from ...execute.memory import release
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
-from ..contract import Held, Reader, Stored
+from ..contract import ExpertLayer, Held, Reader, Stored
+from ..fused_experts import fused_expert_layers
 from .io import DTYPES
 from .quantized import Codec, Coded, open_codec
 
@@ -332,6 +333,12 @@ class SafetensorsReader(Reader):
             return None
         names, held = [n for n, _ in model.named_parameters()], set(self.names)
         return [n for n in names if n in held] + [n for n in self.names if n not in set(names)]
+
+    def expert_layers(self) -> tuple[ExpertLayer, ...]:
+        """Each MoE block whose experts the folder holds fused (``<module>.experts.gate_up_proj``
+        ``[E, ...]``, transformers 5's in-memory layout): ``fused_experts``. A folder in the Hub's
+        per-expert layout (``experts.<e>.w1.weight``) holds none."""
+        return fused_expert_layers(self.names, self.shape, str(self.sources[-1]))
 
     def tied(self) -> dict[str, str]:
         """Tied aliases ``save_pretrained`` left out (``tie_word_embeddings``): ``{alias: weight}``."""

@@ -11,7 +11,7 @@ import pytest
 from reshard.jobs.convert import reshard
 from reshard.storage.safe_load import load
 from tests.support.dsconv import ds_to_universal_folder
-from tests.support.paths import DCP, DEEPSPEED
+from tests.support.paths import DCP, DEEPSPEED, MEGATRON
 
 
 def _clips(out: Path) -> set[float]:
@@ -33,3 +33,10 @@ def test_a_source_without_clipping_writes_zero_and_says_what_deepspeed_does_with
     report = reshard(src, tmp_path / "out", to="deepspeed", dp=2, zero_stage=1)
     assert _clips(tmp_path / "out") == {0.0}
     assert any("clip_grad 0.0" in n and "gradient_clipping" in n for n in report.notes)
+
+
+def test_a_megatron_source_keeps_its_clip_grad(tmp_path):
+    """Megatron records ``--clip-grad`` in its args (1.0 for the fixtures)."""
+    report = reshard(MEGATRON / "torch_dist_tp2_dp2_distopt", tmp_path / "out", to="deepspeed", dp=2, zero_stage=1)
+    assert _clips(tmp_path / "out") == {1.0}
+    assert not any("clip_grad" in n for n in report.notes)
