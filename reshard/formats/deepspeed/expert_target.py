@@ -327,6 +327,18 @@ class ExpertWeightFiles(ExpertModelFile):
 # -- AutoEP from any source ------------------------------------------------------------------------
 
 
+def _fresh_placement(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], ep: int, dp: int,
+                     aliases: Mapping[str, str]) -> tuple[frozenset[int], dse.AutoEP, AutoEPPlacement]:
+    """A fresh job's expert optimizer groups, its AutoEP record and AutoEP's uniform placement of
+    the source's expert layers at EP ``ep`` x world ``dp``."""
+    expert_names = {n for lay in layers for n in lay.params}
+    groups = frozenset(g for g, names in enumerate(tpl.group_names) if expert_names & set(names))
+    params = {n: dse.ExpertParam(n, lay.layer, tuple(shapes[n]), (), {}, g) for lay in layers for n in lay.params
+              for g in groups if n in tpl.group_names[g]}
+    ax = dse.AutoEP(params, groups, ep, dp // ep, False, tuple(aliases))
+    return groups, ax, AutoEPPlacement(ax, ep, dp)
+
+
 def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], ep: int, dp: int,
                         stage: int, aliases: Mapping[str, str], clip_grad: float | None = None) -> DeepSpeedTarget:
     """AutoEP's fused experts at EP ``ep`` x world ``dp``, ZeRO stage ``stage`` (1 or 2), from a
@@ -337,12 +349,7 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
     ``ds_autoep_layers`` the source's records (``layers``: ``contract.ExpertLayer``) rewritten at
     the target's placement. Expert-data-parallel groups in DeepSpeed's default order (expert
     before data)."""
-    expert_names = {n for lay in layers for n in lay.params}
-    groups = frozenset(g for g, names in enumerate(tpl.group_names) if expert_names & set(names))
-    params = {n: dse.ExpertParam(n, lay.layer, tuple(shapes[n]), (), {}, g) for lay in layers for n in lay.params
-              for g in groups if n in tpl.group_names[g]}
-    ax = dse.AutoEP(params, groups, ep, dp // ep, False, tuple(aliases))
-    placement = AutoEPPlacement(ax, ep, dp)
+    groups, ax, placement = _fresh_placement(tpl, layers, shapes, ep, dp, aliases)
     names = tpl.names
     outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
     shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
@@ -360,7 +367,7 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
     # a module without the experts (they are the per-expert files'), each router alias after its router
     module = OrderedDict()
     for n in names:
-        if n not in expert_names:
+        if not any(n in lay.params for lay in layers):
             module[n] = tpl.model["module"][n]
             module.update((a, module[n]) for a, r in aliases.items() if r == n)
     template = {**tpl.model, "module": module, "shared_params": {}, "num_experts": [lay.num_experts for lay in layers],
@@ -474,18 +481,13 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
     aliases 0-element placeholders, each rank's view of the placement in ``ds_autoep_layers``
     (``checkpoint_format: "zero3_partitioned"``), ``ds_zero_partition_groups``. EDP groups in
     DeepSpeed's default order (expert before data)."""
-    expert_names = {n for lay in layers for n in lay.params}
-    groups = frozenset(g for g, names in enumerate(tpl.group_names) if expert_names & set(names))
-    params = {n: dse.ExpertParam(n, lay.layer, tuple(shapes[n]), (), {}, g) for lay in layers for n in lay.params
-              for g in groups if n in tpl.group_names[g]}
-    ax = dse.AutoEP(params, groups, ep, dp // ep, False, tuple(aliases))
-    placement = AutoEPPlacement(ax, ep, dp)
+    groups, ax, placement = _fresh_placement(tpl, layers, shapes, ep, dp, aliases)
     layout = autoep_sub_layout(placement, tpl.group_names, shapes, groups, z3.sub_group_size(tpl.cfg, where))
     # a module without the experts (the AutoEP layer keeps them out of its state dict), each router
     # alias after its router, every entry a placeholder of its own
     module = OrderedDict()
     for n in tpl.names:
-        if n not in expert_names:
+        if not any(n in lay.params for lay in layers):
             module[n] = torch.empty(0, dtype=tpl.dtype)
             module.update((a, torch.empty(0, dtype=tpl.dtype)) for a, r in aliases.items() if r == n)
     template = {**tpl.model, "module": module, "frozen_param_shapes": OrderedDict(),

@@ -96,6 +96,20 @@ def check_autoep(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, st
     ck.check_steps()
 
 
+def _check_zero3_placement(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> None:
+    """The checks an AutoEP checkpoint at either end of ZeRO-3 shares: the placement at ``ep`` over
+    ``dp`` ranks, no frozen parameters, one optimizer step."""
+    if dp % ep:
+        raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
+    _check_placements(ck, ep)
+    ms = ck.model_state(0)
+    if any(prod(tuple(s)) for s in (ms.get("frozen_param_shapes") or {}).values()):
+        raise CheckpointError(f"{ck.model_files[0]}: frozen parameters are not supported at ZeRO-3 (DeepSpeed's "
+                              "AutoEP ZeRO-3 save refuses frozen expert parameters; reshard does not write frozen "
+                              "fragments)")
+    ck.check_steps()
+
+
 def check_autoep_to_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int) -> None:
     """What an AutoEP ZeRO-1/2 checkpoint written at ZeRO-3 refuses, before anything is written."""
     if ck.experts is None:
@@ -103,14 +117,7 @@ def check_autoep_to_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp
     if tp != 1 or pp != 1 or ck.layer_files:
         raise ReshardError(f"{ck.tag_dir}: AutoEP checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, "
                            f"pp={pp})")
-    if dp % ep:
-        raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
-    _check_placements(ck, ep)
-    ms = ck.model_state(0)
-    if any(prod(tuple(s)) for s in (ms.get("frozen_param_shapes") or {}).values()):
-        raise CheckpointError(f"{ck.model_files[0]}: frozen parameters are not written at ZeRO-3 (DeepSpeed's AutoEP "
-                              "ZeRO-3 save refuses frozen expert parameters; reshard does not write frozen fragments)")
-    ck.check_steps()
+    _check_zero3_placement(ck, ep, dp)
 
 
 def split_local(name: str) -> tuple[str, int, str]:
@@ -155,13 +162,7 @@ def check_autoep_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: i
     if stage not in (1, 2, 3):
         raise ReshardError(f"{ck.tag_dir}: an AutoEP ZeRO-3 checkpoint is written at ZeRO stage 1, 2 or 3 (asked "
                            f"{stage})")
-    if dp % ep:
-        raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
-    _check_placements(ck, ep)
-    ms = ck.model_state(0)
-    if any(prod(tuple(s)) for s in (ms.get("frozen_param_shapes") or {}).values()):
-        raise CheckpointError(f"{ck.model_files[0]}: frozen parameters are not supported")
-    ck.check_steps()
+    _check_zero3_placement(ck, ep, dp)
 
 
 class AutoEPPlacement:
