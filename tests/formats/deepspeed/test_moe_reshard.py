@@ -175,6 +175,7 @@ LOSS_RTOL = 1e-6  # see the e2e test's docstring
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 33-44 s; make test keeps test_written_as_deepspeed_saves_it (file for file) and the round trips
 def test_deepspeed_resumes_the_resharded_moe_natively(tmp_path):
     """DeepSpeed resumes reshard's output with its ordinary ``load_checkpoint`` at EP 4 x DP 4, EP 2
     x DP 4 (one world-4 job) and EP 1 x DP 2 (with the reference, one world-2 job; the two jobs run
