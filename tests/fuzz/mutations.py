@@ -102,7 +102,7 @@ def candidates(root: Path, family: str) -> list[str]:
     if family.startswith("safetensors"):
         return [f for f in files if kinds[f] == "safetensors"]
     if family in QUANT_FAMILIES:
-        if "dcp_metadata" in kinds.values():  # a DCP holding FP8 / MXFP4 entries of their own (--quantize keep)
+        if (root / ".metadata").is_file():  # a DCP holding FP8 / MXFP4 entries of their own (--quantize keep)
             return _dcp_quant_candidates(root, family)
         return _quant_candidates(root, family, [f for f in files if kinds[f] == "safetensors"])
     raise ValueError(family)

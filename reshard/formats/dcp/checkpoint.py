@@ -266,6 +266,23 @@ class DcpCheckpoint:
         self.release(key)  # F is a copy: the chunks' pages are done with
         return f
 
+    def rows(self, key: str, r0: int, r1: int) -> torch.Tensor | None:
+        """Rows ``r0..r1`` (along dim 0) of ``key``, where each of its chunks spans every other dim whole
+        (a dim-0 split, as FSDP and ``--files N`` write): views of the mapped chunks, a copy only where
+        the rows cross chunks; ``None`` for any other chunking."""
+        e = self.entry(key)
+        live = sorted(((i, c) for i, c in enumerate(e.chunks) if c.numel), key=lambda ic: ic[1].offsets[0])
+        if not e.shape or any(tuple(c.sizes[1:]) != tuple(e.shape[1:]) or any(c.offsets[1:]) for _, c in live):
+            return None
+        parts = []
+        for i, c in live:
+            lo, hi = max(r0, c.offsets[0]), min(r1, c.offsets[0] + c.sizes[0])
+            if lo < hi:
+                parts.append(self.chunk(key, i)[lo - c.offsets[0]:hi - c.offsets[0]])
+        if sum(t.shape[0] for t in parts) != r1 - r0:  # the chunks tile the tensor (check()): never, but not silently
+            raise CheckpointError(f"{self.path}: {key!r}: its chunks do not hold rows {r0}..{r1}")
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def release(self, key: str) -> None:
         """Drop the mapped pages of ``key``'s chunks from this process's resident set (they stay in
         the page cache), so memory stays at about one tensor however many are read."""

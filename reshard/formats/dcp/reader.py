@@ -217,6 +217,9 @@ class DcpReader(Reader):
     def _decode_rows(self, c: Coded, rows: int, r0: int, r1: int) -> torch.Tensor:
         """Rows ``r0..r1`` of ``c`` decoded; the payload pages they read dropped (read once), and after the
         last row its entries' pages and what was held for it."""
+        t = self._fp8_slab(c, rows, r0, r1)
+        if t is not None:
+            return t
         t = self.codec.decode(c, partial(self._held, c), (r0, r1))  # type: ignore[union-attr]
         raw = self._held(c, c.payload).reshape(-1)
         if c.kind == "fp8":  # row-major: rows r0..r1 are one run of the payload (a no-op on a rebuilt copy)
@@ -230,6 +233,26 @@ class DcpReader(Reader):
                 self._coded_held.pop(c.name, None)
             for n in (c.payload, c.scales):
                 self.ck.release(self.ck.param_key(n))
+        return t
+
+    def _fp8_slab(self, c: Coded, rows: int, r0: int, r1: int) -> torch.Tensor | None:
+        """Rows ``r0..r1`` of a 2-D FP8 weight decoded from only the whole block rows they fall in, read from
+        its payload's and scales' chunks where they split dim 0 (``DcpCheckpoint.rows``: nothing rebuilt
+        whole); ``None`` where they do not."""
+        if c.kind != "fp8" or len(c.shape) != 2 or self.codec is None:
+            return None
+        bm = c.block[0]
+        a0, b0 = r0 // bm * bm, min(rows, -(-r1 // bm) * bm)
+        pkey, skey = self.ck.param_key(c.payload), self.ck.param_key(c.scales)
+        q = self.ck.rows(pkey, a0, b0)
+        s = self.ck.rows(skey, a0 // bm, -(-b0 // bm)) if q is not None else None
+        if q is None or s is None:
+            return None
+        t = self.codec.decode(c, {c.payload: q, c.scales: s}.__getitem__, (r0 - a0, r1 - a0))
+        release(q)  # read once: its mapped pages dropped (a no-op where the rows crossed chunks: a copy)
+        if r1 == rows:
+            for key in (pkey, skey):
+                self.ck.release(key)
         return t
 
     def _held(self, c: Coded, name: str) -> torch.Tensor:
