@@ -112,7 +112,9 @@ def sources(cache: Path) -> list[Source]:
 
 def _megatron_st(fixture: Path) -> Command:
     recipe = fixture / "fixture.json"
-    unmapped = recipe.is_file() and "--moe-shared-expert-intermediate-size" in recipe.read_text()
+    # (and multi-token-prediction layers, whose mtp.* keys have no HF names: the HF route refuses them by name)
+    unmapped = recipe.is_file() and any(a in recipe.read_text() for a in ("--moe-shared-expert-intermediate-size",
+                                                                           "--mtp-num-layers"))
     return CONVERT_ST_MEGATRON if unmapped else CONVERT_ST
 
 
