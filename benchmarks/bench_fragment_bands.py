@@ -5,7 +5,8 @@ a fresh process whose own peak (``VmHWM``) is reported.
 
 The source is one DeepSeek-V3 MLP width weight, 18432 x 7168 E4M3 with float32 ``weight_scale_inv`` per
 128 x 128 block (126 MiB payload; 504 MiB decoded to float32), and a norm, written into a temporary folder;
-the kept DCP is ``reshard reshard SRC OUT --to dcp --files 2 --quantize keep`` of it.
+the kept DCPs are ``reshard reshard SRC OUT --to dcp --files N --quantize keep`` of it (N = 1, 2; their
+manifests removed, so that ``verify`` checks them as sources).
 
     python -m benchmarks.bench_fragment_bands [--repo PATH]   (PATH: the checkout whose reshard runs;
                                                                default this one: a before/after pair)
@@ -48,7 +49,8 @@ def write_source(folder: Path) -> None:
 
 def peak(repo: Path, *argv: str) -> int:
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    run = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, timeout=1800)
+    run = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, timeout=1800,
+                         cwd=tempfile.gettempdir())  # not this checkout: -c puts the working folder first on sys.path
     line = next((x for x in run.stdout.splitlines() if x.startswith("VMHWM")), None)
     if run.returncode != 0 or line is None or line.split()[2] != "0":
         raise RuntimeError(f"{argv}: {run.stderr[-2000:]}")
@@ -61,13 +63,17 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="reshard-bands-") as tmp:
         work = Path(tmp)
-        src, kept = work / "fp8", work / "kept"
+        src = work / "fp8"
         write_source(src)
-        peak(ROOT, "reshard", str(src), str(kept), "--to", "dcp", "--files", "2", "--quantize", "keep")
-        rows = [("reshard verify (HF folder)", peak(args.repo, "verify", str(src))),
-                ("reshard verify (kept DCP, 2 files)", peak(args.repo, "verify", str(kept / "fp8"))),
-                ("kept DCP -> hf bf16", peak(args.repo, "convert", str(kept / "fp8"), str(work / "out"), "--format",
-                                             "hf", "--dtype", "bf16", "--hf-config", str(src)))]
+        rows = [("reshard verify (HF folder)", peak(args.repo, "verify", str(src)))]
+        for files in (1, 2):
+            kept = work / f"kept{files}"
+            peak(ROOT, "reshard", str(src), str(kept), "--to", "dcp", "--files", str(files), "--quantize", "keep")
+            (kept / "fp8" / "reshard-manifest.json").unlink()  # a source, not an output: verify checks it as one
+            rows.append((f"reshard verify (kept DCP, {files} file(s))", peak(args.repo, "verify", str(kept / "fp8"))))
+            rows.append((f"kept DCP ({files} file(s)) -> hf bf16",
+                         peak(args.repo, "convert", str(kept / "fp8"), str(work / f"out{files}"), "--format", "hf",
+                              "--dtype", "bf16", "--hf-config", str(src))))
     print(f"one FP8 {SHAPE[0]}x{SHAPE[1]} weight, reshard at {args.repo}")
     for what, mib in rows:
         print(f"  {what:40s} peak {mib} MiB")
