@@ -229,6 +229,12 @@ class DcpCheckpoint:
 
     def chunk(self, key: str, i: int) -> torch.Tensor:
         """Chunk ``i`` of ``key``, memory-mapped from its file (read-only use)."""
+        rec = self._record(key, i)
+        verified.touch(rec, f"{key} chunk at {list(self.entry(key).chunks[i].offsets)}")  # checked before the commit
+        return rec
+
+    def _record(self, key: str, i: int) -> torch.Tensor:
+        """Chunk ``i``'s record, its dtype and shape checked against the metadata's (nothing marked read)."""
         e = self.entry(key)
         c = e.chunks[i]
         data = self._mapped(c.file)
@@ -237,8 +243,16 @@ class DcpCheckpoint:
         if rec.dtype != e.dtype or tuple(rec.shape) != c.sizes:
             raise CheckpointError(f"{self.path / c.file}: {key!r} chunk at {list(c.offsets)} holds a "
                                   f"{rec.dtype} {list(rec.shape)} tensor, the metadata says {e.dtype} {list(c.sizes)}")
-        verified.touch(rec, f"{key} chunk at {list(c.offsets)}")  # checked before the job commits
         return rec
+
+    def check_records(self) -> None:
+        """Every chunk's record holds the dtype and shape the metadata says (each record's index and
+        pickle read, not its data): a reader's check, so that ``inspect``, which reads no tensor, and
+        every route refuse a metadata that disagrees with its files before anything is planned."""
+        for key, e in self.tensors.items():
+            for i, c in enumerate(e.chunks):
+                if c.numel:
+                    self._record(key, i)
 
     def shard(self, key: str, rank: int) -> torch.Tensor:
         """Storage rank ``rank``'s shard of ``key``: its chunk, mapped; several chunks end to end,

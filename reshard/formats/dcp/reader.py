@@ -135,6 +135,7 @@ class DcpReader(Reader):
         for ck in {id(self.ck): self.ck, id(self.optim): self.optim}.values():
             for key in ck.tensors:  # every entry's chunks tile its tensor
                 ck.param_map(key)
+            ck.check_records()  # and each record holds what the metadata says
         if self.codec is not None:  # every scale finite and positive
             self.codec.check(self._tensor, lambda n: self.ck.path / ".metadata")
 
