@@ -141,7 +141,8 @@ def _plan_between(args) -> int:
     from .present.describe import stats_lines, write_plan_png
     from .present.inspected import open_source
 
-    src, tgt = open_source(args.source).maps, open_source(args.to).maps
+    source = open_source(args.source)
+    src, tgt = source.maps, open_source(args.to).maps
     if len(src) == 1 and len(tgt) == 1:  # one map each: the same parameter, whatever the files' names
         tgt = {next(iter(src)): next(iter(tgt.values()))}
     mp = plan_model(src, tgt, cost=DefaultCost(args.ranks_per_node), allow_inexact_scale=args.allow_inexact_scale)
@@ -152,8 +153,18 @@ def _plan_between(args) -> int:
         json.dump(model_plan_to_dict(mp), sys.stdout)
         print()
     else:
+        if source.scales:  # a kept quantized DCP: its scale entries planned beside their payloads
+            print(_planned_scales_line(source, mp, args.element_size))
         print("\n".join(stats_lines(mp, args.element_size)))
     return 0
+
+
+def _planned_scales_line(src, mp, element_size: int) -> str:
+    """The block scales a plan moves beside their payloads, as stored (entries of their own)."""
+    moved = {n: sum(s.numel for s in mp.params[n].segments) for n in src.scales if n in mp.params}
+    payloads = sum(sum(s.numel for s in mp.params[p].segments) for p, _ in src.scales.values() if p in mp.params)
+    return (f"block scales: {len(moved)} tensors planned beside their payloads, as stored: "
+            f"{sum(moved.values())} scale elements with {payloads} payload elements")
 
 
 def _plan_to_topology(args) -> int:

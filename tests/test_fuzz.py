@@ -59,3 +59,30 @@ def test_a_tensor_renamed_by_a_flipped_header_byte_is_marked_unseen(tmp_path):
     what = _safetensors_header(tmp_path / "src3", tmp_path / "src3" / "model.safetensors", Flip(118, 5), m,
                                HF / "mxfp4_gpt_oss", tmp_path)
     assert UNSEEN in what and "renamed" in what, what
+
+
+def test_the_quantized_families_damage_a_kept_dcp_and_each_is_refused(tmp_path):
+    """The four quantized families on a kept FP8 DCP (``--quantize keep``, 2 files: payload and scale entries of
+    their own), each with valid records (a re-saved record, .metadata pointing at it): a NaN / zero / negative
+    scale, a scale's record swapped with a payload's, a block the scale grids disagree with, a file cut inside a
+    payload, each refused naming a file of the checkpoint by ``convert --format safetensors``, no output left."""
+    from tests.fuzz.harness import CONVERT_ST, _kept_dcp, run_command
+    from tests.fuzz.mutations import QUANT_FAMILIES, UNSEEN, Mutation, apply, candidates, copy_folder
+
+    pristine = _kept_dcp(tmp_path, "fp8_qwen2")
+    seen = set()
+    for family in QUANT_FAMILIES:
+        files = candidates(pristine, family)
+        assert files, family
+        for seed in range(40):  # the first draw that is not a valid checkpoint with other values
+            src = tmp_path / f"{family}-{seed}"
+            copy_folder(pristine, src)
+            what = apply(src, Mutation(family, files[seed % len(files)], seed), pristine, tmp_path)
+            if UNSEEN not in what:
+                break
+        out = tmp_path / f"out-{family}"
+        run = run_command([a.format(src=src, out=out) for a in CONVERT_ST.argv])
+        assert run.code == 2 and not run.error and str(src) in run.stderr, (what, run.stderr, run.error)
+        assert not out.exists(), what
+        seen.add(what)
+    assert len(seen) == len(QUANT_FAMILIES), seen

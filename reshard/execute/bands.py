@@ -21,7 +21,7 @@ import torch
 from ..ir.piece import View
 from .memory import trim_heap
 
-__all__ = ["BAND_BYTES", "Banded", "band_bytes", "bounded"]
+__all__ = ["BAND_BYTES", "Banded", "band_bytes", "bounded", "read_bands", "window"]
 
 BAND_BYTES = 32 << 20  # a band's size by default: about two 16 MiB windows of float32
 
@@ -80,3 +80,21 @@ def bounded(dst: View, src: View, shape: tuple[int, ...], limit: int) -> Iterato
         sub = (*shape[:k], min(chunk, n - a), *shape[k + 1:])
         yield from bounded(View.trusted(dst.offset + a * dst.strides[k], dst.strides),
                            View.trusted(src.offset + a * src.strides[k], src.strides), sub, limit)
+
+
+def window(source: torch.Tensor | Banded, start: int, count: int) -> torch.Tensor:
+    """Elements ``start..start + count`` of a flat source fragment, computed a band at a time where
+    it is :class:`Banded` (a view of the band, valid until the next band is made)."""
+    if not isinstance(source, Banded):
+        return source[start:start + count]
+    part, base = source.span(start, start + count)
+    return part[start - base:start - base + count]
+
+
+def read_bands(source: Banded) -> int:
+    """Compute every band of ``source`` once, front to back (what reads it through: its records
+    checked as they are read); returns the elements read."""
+    step = source.limit()
+    for lo in range(0, source.numel, step):
+        window(source, lo, min(step, source.numel - lo))
+    return source.numel

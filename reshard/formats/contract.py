@@ -217,7 +217,8 @@ class Reader(ABC):
     def banded(self, name: str, state: str, rank: int) -> Banded | None:
         """Rank ``rank``'s fragment computed a band of rows at a time (docs/spec.md §1), where the source
         computes it rather than storing it (a quantized weight decoded on the way): what the engine
-        fills from, so that its memory follows a band, not the tensor's width. Every element equals
+        fills from, and the deep check and ``reshard verify`` read (``execute.bands.window``), so that
+        their memory follows a band, not the tensor's width. Every element equals
         :meth:`fragment`'s; the reader checks (``storage.verified``) what its bands read. By default
         ``None``: :meth:`fragment` is read."""
         return None

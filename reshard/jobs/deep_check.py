@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 from ..errors import CheckpointError, ReshardError, in_context
+from ..execute.bands import Banded, window
 from ..execute.local import WindowFill
 from ..formats.contract import Reader
 from ..formats.deepspeed.reader import DeepSpeedNative
@@ -80,15 +81,17 @@ def _compare(reader: Reader, planner: Planner, name: str) -> int:
         by_rank[seg.dst_rank].append(seg)
     dtype, done = reader.dtype(name, "weight"), 0
     for rank in module_map.ranks:
-        module = reader.fragment(name, "weight", rank)
-        verified.touch(module, f"{name} (weight, rank {rank})")
+        module: torch.Tensor | Banded | None = reader.banded(name, "weight", rank)  # a decoded weight, in bands
+        if module is None:
+            module = reader.fragment(name, "weight", rank)
+            verified.touch(module, f"{name} (weight, rank {rank})")
         fill = WindowFill([(0, s, partial(_master, reader, name, s.src_rank)) for s in by_rank.get(rank, [])])
-        n = module.numel()
+        n = module.numel if isinstance(module, Banded) else module.numel()
         for start in range(0, n, _WINDOW):
             count = min(_WINDOW, n - start)
             cast = torch.empty(count, dtype=dtype)
             fill(cast, start)
-            got = module[start:start + count]
+            got = window(module, start, count)
             if not torch.equal(cast.view(_bits(dtype)), got.reshape(-1).view(_bits(dtype))):
                 raise _differ(reader, name, rank, start, cast, got)
         done += n

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..execute.bands import read_bands
 from ..formats.contract import Held, Reader
 from ..formats.registry import open_reader
 from ..storage import verified
@@ -105,12 +106,18 @@ def _check_files(folders: list[Path]) -> tuple[int, int]:
 
 
 def _read_shards(reader: Reader) -> int:
-    """Every shard of every parameter state the reader exposes, its records checked."""
+    """Every shard of every parameter state the reader exposes, its records checked; a shard the
+    reader computes (a quantized weight decoded) a band at a time (``Reader.banded``: memory follows
+    the band, not the weight)."""
     n = 0
     for name in reader.names:
         for state in reader.states(name):
             for rank in reader.map(name, state).ranks:
-                verified.touch(reader.fragment(name, state, rank), f"{name} ({state}, rank {rank})")
+                banded = reader.banded(name, state, rank)
+                if banded is not None:
+                    read_bands(banded)
+                else:
+                    verified.touch(reader.fragment(name, state, rank), f"{name} ({state}, rank {rank})")
                 n += 1
         verified.finish()
     return n

@@ -137,6 +137,8 @@ def format_inspect(src: Inspected, view: str, summaries: list[Summary], ranks: l
     lines.append(_sizes_line(src, summaries, sizes, element_size))
     if src.held:
         lines.append(_held_line(src))
+    if src.scales:
+        lines.append(scales_line(src))
     lines.append(f"lists per {unit} are in {unit} order, a×n = a on each of n {unit}s")
     lines.append("")
     rows = [["parameter", "F", "valid", f"pieces/{unit}", "replicated", "scales", f"bytes/{unit}"]]
@@ -159,6 +161,14 @@ def format_inspect(src: Inspected, view: str, summaries: list[Summary], ranks: l
         lines += _zero_lines(src, zero)
         lines += _expert_lines(src)
     return lines
+
+
+def scales_line(src: Inspected) -> str:
+    """The block scales beside their payloads: derived maps (a folder's), or entries of their own (a DCP
+    that keeps them as stored, each with its own chunks)."""
+    how = ("entries of their own, each map its own chunks" if src.kind == "dcp"
+           else "each map the payload's coarsened by its block")
+    return f"block scales: {len(src.scales)} tensors, each listed after its payload ({how})"
 
 
 def _units_line(src: Inspected, ranks: list[int]) -> str:

@@ -11,7 +11,9 @@ maps by parameter name and what is known of its topology.
   its DCP key; each map has one piece per chunk on the storage rank that wrote it (``formats.dcp``).
 * A parameter stored as FP8 block scales (``Reader.stored``) is followed by its scale tensor, whose
   map is the payload's coarsened by the block (``ir.blocks.coarsen``, docs/spec.md §7.5), here
-  and at a planned TP (:func:`hf_plan_targets`).
+  and at a planned TP (:func:`hf_plan_targets`). In a DCP that keeps them as stored (``--quantize
+  keep``) the payload and scale entries are each shown with their own chunks, the scales paired with
+  their payload (:attr:`Inspected.scales`: ``inspect --png`` draws them beside it).
 """
 
 from __future__ import annotations
@@ -105,8 +107,15 @@ def open_source(path: str | Path) -> Inspected:
         return _stored(_open_deepspeed(own.ck, p), reader)
     if isinstance(dcp, DcpCheckpoint):
         ck = dcp
-        maps = {key: ck.param_map(key) for key in ck.tensors}
-        src = _stored(Inspected(str(p), "dcp", maps, reader.description), reader)
+        scales = _dcp_scales(reader, ck)
+        after = {payload: scale for scale, (payload, _) in scales.items()}
+        maps = {}
+        for key in ck.tensors:  # each scale entry right after its payload's
+            if key not in scales:
+                maps[key] = ck.param_map(key)
+                if key in after:
+                    maps[after[key]] = ck.param_map(after[key])
+        src = _stored(Inspected(str(p), "dcp", maps, reader.description, scales=scales), reader)
         for key, e in ck.tensors.items():  # each entry is shown, optimizer states too: its own dtype
             src.dtypes[key], src.sizes[key] = _dtype_name(e.dtype), e.dtype.itemsize
         return src
@@ -119,6 +128,21 @@ def open_source(path: str | Path) -> Inspected:
             maps[scale], scales[scale] = coarsen(maps[n], stored.block), (n, stored.block)
     kind = "universal" if reader.format == "universal" else "maps"
     return _stored(Inspected(str(p), kind, maps, reader.description, scales=scales), reader)
+
+
+def _dcp_scales(reader: Reader, ck: DcpCheckpoint) -> dict[str, tuple[str, tuple[int, int]]]:
+    """A DCP holding quantized weights as stored (``--quantize keep``): each scale entry (FP8's
+    ``weight_scale_inv``, MXFP4's ``_scales``) by its key, with its payload entry's key and the block;
+    each is an entry of its own, its map its own chunks."""
+    out = {}
+    for n in reader.names:
+        stored = reader.stored(n)
+        if stored is None:
+            continue
+        payload, scale = ck.param_key(n + stored.payload_suffix), ck.param_key(n + stored.scales_suffix)
+        if payload in ck.tensors and scale in ck.tensors:
+            out[scale] = (payload, stored.block)
+    return out
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

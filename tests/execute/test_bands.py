@@ -120,3 +120,56 @@ def test_convert_with_small_bands_writes_the_same_bytes(tmp_path, monkeypatch, n
         assert r.coded
         for n in r.coded:
             assert torch.equal(_bits(got[n].reshape(-1)), _bits(r.fragment(n, "weight", 0))), n
+
+
+@pytest.mark.parametrize("name", ["fp8_qwen2", "mxfp4_gpt_oss"])
+@pytest.mark.parametrize("files", [None, 3])
+def test_kept_dcp_decodes_in_bands_as_whole(tmp_path, monkeypatch, name, files):
+    """A kept quantized DCP (``--quantize keep``; one file, or each entry chunked over 3) decodes in
+    bands (``DcpReader.banded``; bands of 512 bytes, so several a weight) to its whole decode's bits,
+    read through ``execute.bands.window`` as the deep check and ``reshard verify`` read it."""
+    from reshard.execute.bands import read_bands, window
+    from reshard.formats.dcp.reader import DcpReader
+
+    if files is None:
+        convert(HF / name, tmp_path / "dcp", fmt="dcp", quantize="keep")
+    else:
+        reshard(HF / name, tmp_path / "dcp", to="dcp", files=files, quantize="keep")
+    monkeypatch.setenv("RESHARD_BAND_BYTES", "512")
+    r = DcpReader.open(tmp_path / "dcp" / name)
+    r.check()
+    assert r.coded
+    wholes = {n: r.fragment(n, "weight", 0) for n in r.coded}
+    if name.startswith("fp8"):  # a 2-D FP8 weight's bands read only their rows of its chunks: nothing rebuilt whole
+        monkeypatch.setattr(r.ck, "full", lambda key: pytest.fail(f"{key} read whole"))
+    for n in r.coded:
+        whole = wholes[n]
+        banded = r.banded(n, "weight", 0)
+        assert banded is not None and banded.numel == whole.numel()
+        got = torch.cat([window(banded, at, min(700, banded.numel - at)) for at in range(0, banded.numel, 700)])
+        assert torch.equal(_bits(got), _bits(whole)), n
+        assert read_bands(r.banded(n, "weight", 0)) == whole.numel()
+    assert r.banded(next(iter(r.coded)), "exp_avg", 0) is None  # a state not decoded
+    assert not r._coded_held  # every held payload dropped after its last row
+
+
+@pytest.mark.parametrize("name", ["fp8_qwen2", "mxfp4_gpt_oss"])
+def test_verify_reads_a_quantized_source_in_bands(tmp_path, monkeypatch, name):
+    """``reshard verify SRC`` on a quantized folder and on its kept DCP reads each quantized weight in
+    bands (``Reader.banded``), never decoding one whole (``fragment``)."""
+    from reshard.formats.dcp.reader import DcpReader
+    from reshard.jobs.source_check import check_source
+
+    reshard(HF / name, tmp_path / "dcp", to="dcp", files=2, quantize="keep")
+
+    def whole(self, n, state, rank):
+        if n in self.coded and state == "weight":
+            raise AssertionError(f"{n} decoded whole")
+        return real[type(self)](self, n, state, rank)
+
+    real = {SafetensorsReader: SafetensorsReader.fragment, DcpReader: DcpReader.fragment}
+    monkeypatch.setattr(SafetensorsReader, "fragment", whole)
+    monkeypatch.setattr(DcpReader, "fragment", whole)
+    for src in (HF / name, tmp_path / "dcp" / name):
+        checked = check_source(src)
+        assert checked.shards > 0 and checked.params > 0

@@ -100,6 +100,10 @@ def sources(cache: Path) -> list[Source]:
     # quantized folders (FP8 block scales, float32 and UE8M0; MXFP4), decoded on every route
     out += [Source(n, "quantized", HF / n, (CONVERT_UCP, CONVERT_ST, _reshard("--tp", "1", "--dp", "2"), INSPECT))
             for n in ("fp8_qwen2", "fp8_qwen2_ue8m0", "fp8_qwen2_sharded", "mxfp4_gpt_oss")]
+    # the same kept quantized in a DCP (payload and scale entries of their own, --quantize keep): decoded, or laid
+    # out again as stored (reshard --files 3)
+    out += [Source(f"{n}_dcp", "quantized-dcp", _kept_dcp(cache, n),
+                   (CONVERT_UCP, CONVERT_ST, _reshard("--files", "3"), INSPECT)) for n in ("fp8_qwen2", "mxfp4_gpt_oss")]
     if (Path(cli.__file__).parent / "formats" / "megatron").is_dir() and MEGATRON.is_dir():  # once its reader lands
         out += [Source(p.name, "megatron", p, (CONVERT_UCP, _megatron_st(p), INSPECT))
                 for p in sorted(MEGATRON.iterdir()) if p.is_dir()]
@@ -108,7 +112,9 @@ def sources(cache: Path) -> list[Source]:
 
 def _megatron_st(fixture: Path) -> Command:
     recipe = fixture / "fixture.json"
-    unmapped = recipe.is_file() and "--moe-shared-expert-intermediate-size" in recipe.read_text()
+    # (and multi-token-prediction layers, whose mtp.* keys have no HF names: the HF route refuses them by name)
+    unmapped = recipe.is_file() and any(a in recipe.read_text() for a in ("--moe-shared-expert-intermediate-size",
+                                                                           "--mtp-num-layers"))
     return CONVERT_ST_MEGATRON if unmapped else CONVERT_ST
 
 
@@ -119,6 +125,18 @@ def _universal(cache: Path) -> Path:
         with _quiet():
             assert cli.main(["convert", str(DEEPSPEED / "llama_zero1_dp2"), str(folder)]) == 0
     return folder
+
+
+def _kept_dcp(cache: Path, name: str) -> Path:
+    """HF folder ``name`` as ``reshard reshard --to dcp --files 2 --quantize keep`` writes it (made once into
+    ``cache``): its payloads and scales entries of their own, in 2 files."""
+    folder = cache / f"kept-{name}"
+    if not (folder / name / ".metadata").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        with _quiet():
+            assert cli.main(["reshard", str(HF / name), str(folder), "--to", "dcp", "--files", "2",
+                             "--quantize", "keep"]) == 0
+    return folder / name
 
 
 @contextlib.contextmanager

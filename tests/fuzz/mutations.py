@@ -8,6 +8,8 @@ recorded and no deep check is possible)."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import pickle
@@ -100,6 +102,8 @@ def candidates(root: Path, family: str) -> list[str]:
     if family.startswith("safetensors"):
         return [f for f in files if kinds[f] == "safetensors"]
     if family in QUANT_FAMILIES:
+        if (root / ".metadata").is_file():  # a DCP holding FP8 / MXFP4 entries of their own (--quantize keep)
+            return _dcp_quant_candidates(root, family)
         return _quant_candidates(root, family, [f for f in files if kinds[f] == "safetensors"])
     raise ValueError(family)
 
@@ -626,6 +630,8 @@ def _quant_candidates(root: Path, family: str, tensors: list[str]) -> list[str]:
 def _quant_scale(root, path, rng, m, pristine, scratch) -> str:
     """One scale entry made one a reader must refuse: NaN, inf, zero, negative (float scales); the
     E8M0 byte 255, which is NaN (E8M0 and MXFP4's uint8 exponents)."""
+    if (root / ".metadata").is_file():
+        return _dcp_quant_scale(root, rng, m)
     header, n, raw = _st_header(path)
     name = rng.choice(_scales(header))
     e = header[name]
@@ -647,6 +653,8 @@ def _quant_scale(root, path, rng, m, pristine, scratch) -> str:
 def _quant_swap(root, path, rng, m, pristine, scratch) -> str:
     """Two tensors' data exchanged under their names: two scale tensors, or a scale and a payload.
     Two scales of one shape and dtype swapped are a valid folder with other values (no checksum)."""
+    if (root / ".metadata").is_file():
+        return _dcp_quant_swap(root, rng, m)
     header, n, raw = _st_header(path)
     scales = _scales(header)
     a = rng.choice(scales)
@@ -663,6 +671,8 @@ def _quant_swap(root, path, rng, m, pristine, scratch) -> str:
 def _quant_block(root, path, rng, m, pristine, scratch) -> str:
     """config.json's weight_block_size edited. A block that gives every scale tensor the same grid
     is a valid config with other values (nothing in the files says which block was used)."""
+    if (root / ".metadata").is_file():
+        return _dcp_quant_block(root, rng, m)
     cfg = json.loads(path.read_text())
     q = cfg["quantization_config"]
     bm, bn = q["weight_block_size"]
@@ -691,6 +701,8 @@ def _same_grid(root: Path, block: Any) -> bool:
 
 def _quant_truncate(root, path, rng, m, pristine, scratch) -> str:
     """The file cut inside a quantized payload's bytes."""
+    if (root / ".metadata").is_file():
+        return _dcp_quant_truncate(root, rng, m)
     header, n, raw = _st_header(path)
     name = rng.choice(_payloads(header))
     lo, hi = header[name]["data_offsets"]
@@ -698,6 +710,162 @@ def _quant_truncate(root, path, rng, m, pristine, scratch) -> str:
     with open(path, "r+b") as f:
         f.truncate(at)
     return f"{m.file} truncated to {at} of {len(raw)} bytes, inside {name}"
+
+
+# -- quantized DCP checkpoints (``--quantize keep``: payload and scale entries of their own) --------------
+# Each damage is made with valid records (a tensor record re-saved as reshard's DCP writer saves one, in
+# place where it keeps its length, else appended to its file with .metadata pointing at it), so what is
+# tested is the quantized reader's checks, not the records' CRC-32 (``flip_bytes`` and ``truncate`` do that).
+
+
+def _dcp_md(root: Path) -> Any:
+    return pickle.loads((root / ".metadata").read_bytes())  # our own undamaged fixture: trusted here
+
+
+def _dcp_quant_config(md: Any, root: Path) -> dict:
+    """The ``quantization_config`` entries (flattened as ``dcp.save`` flattens a dict), by leaf."""
+    out = {}
+    for index, info in md.storage_data.items():
+        if index.fqn.startswith("quantization_config.") and index.offset is None:
+            raw = (root / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+            out[index.fqn.split(".", 1)[1]] = torch.load(io.BytesIO(raw), weights_only=True)
+    return out
+
+
+def _dcp_chunks(md: Any, suffixes: tuple[str, ...] | None = None, dtypes: tuple[str, ...] | None = None
+                ) -> list[Any]:
+    """Storage indexes of the tensor chunks whose key ends with ``suffixes`` or whose dtype is one of
+    ``dtypes`` (the payloads), in a stable order."""
+    out = []
+    for index in md.storage_data:
+        e = md.state_dict_metadata.get(index.fqn)
+        if index.offset is None or not hasattr(e, "chunks"):
+            continue
+        if suffixes is not None and index.fqn.endswith(suffixes) or dtypes is not None and (
+                str(e.properties.dtype) in dtypes or index.fqn.endswith("_blocks")):
+            out.append(index)
+    return sorted(out, key=lambda i: (i.fqn, tuple(i.offset)))
+
+
+DCP_PAYLOADS = ("torch.float8_e4m3fn", "torch.float8_e5m2")
+
+
+def _dcp_quant_candidates(root: Path, family: str) -> list[str]:
+    md = _dcp_md(root)
+    q = _dcp_quant_config(md, root)
+    if not q:
+        return []
+    if family == "quant_block":
+        return [".metadata"] if q.get("quant_method") == "fp8" and "weight_block_size" in q else []
+    if family == "quant_swap":
+        return [".metadata"] if len(_dcp_chunks(md, SCALES)) >= 2 else []
+    found = _dcp_chunks(md, dtypes=DCP_PAYLOADS) if family == "quant_truncate" else _dcp_chunks(md, SCALES)
+    return sorted({md.storage_data[i].relative_path for i in found})
+
+
+def _dcp_tensor(root: Path, info: Any) -> torch.Tensor:
+    raw = (root / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    return torch.load(io.BytesIO(raw), weights_only=True)
+
+
+def _dcp_replace(root: Path, md: Any, index: Any, data: bytes) -> str:
+    """Record ``index`` replaced by ``data``: in place where it has the old length, else appended to its file
+    (``.metadata`` rewritten to point at it)."""
+    info = md.storage_data[index]
+    path = root / info.relative_path
+    if len(data) == info.length:
+        with open(path, "r+b") as f:
+            f.seek(info.offset)
+            f.write(data)
+        return "in place"
+    at = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(data)
+    md.storage_data[index] = dataclasses.replace(info, offset=at, length=len(data))
+    (root / ".metadata").write_bytes(pickle.dumps(md))
+    return "appended"
+
+
+def _resaved(t: torch.Tensor) -> bytes:
+    from reshard.storage import torch_zip
+
+    buf = io.BytesIO()
+    torch_zip.save(torch_zip.tensor(t.dtype, tuple(t.shape), t.contiguous()), buf)
+    return buf.getvalue()
+
+
+def _dcp_quant_scale(root: Path, rng: random.Random, m: Mutation) -> str:
+    md = _dcp_md(root)
+    index = rng.choice([i for i in _dcp_chunks(md, SCALES) if md.storage_data[i].relative_path == m.file])
+    t = _dcp_tensor(root, md.storage_data[index]).clone()
+    flat = t.reshape(-1)
+    at = rng.randrange(flat.numel())
+    if t.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        value = "255 (E8M0 NaN)"
+        flat.view(torch.uint8)[at] = 255
+    else:
+        value = rng.choice(["nan", "inf", "-inf", "0", "-0", "-1", "-1e-30"])
+        flat[at] = float(value)
+    how = _dcp_replace(root, md, index, _resaved(t))
+    return f"{m.file}: entry {index.fqn} chunk at {list(index.offset)}: element {at} set to {value} (re-saved {how})"
+
+
+def _dcp_quant_swap(root: Path, rng: random.Random, m: Mutation) -> str:
+    """Two chunks' records exchanged under their keys (.metadata's storage index): two scale entries', or a
+    scale's and a payload's. Two of one shape and dtype: a valid checkpoint with other values."""
+    md = _dcp_md(root)
+    scales = _dcp_chunks(md, SCALES)
+    a = rng.choice(scales)
+    how = rng.choice(["scales", "scale and payload"])
+    others = [i for i in (scales if how == "scales" else _dcp_chunks(md, dtypes=DCP_PAYLOADS)) if i != a]
+    b = rng.choice(others)
+    md.storage_data[a], md.storage_data[b] = md.storage_data[b], md.storage_data[a]
+    (root / ".metadata").write_bytes(pickle.dumps(md))
+    ea, eb = md.state_dict_metadata[a.fqn], md.state_dict_metadata[b.fqn]
+    ca, cb = (next(c for c in e.chunks if tuple(c.offsets) == tuple(i.offset)) for e, i in ((ea, a), (eb, b)))
+    same = ea.properties.dtype == eb.properties.dtype and tuple(ca.sizes) == tuple(cb.sizes)
+    return f".metadata: the records of {a.fqn} at {list(a.offset)} and {b.fqn} at {list(b.offset)} swapped" + (
+        f" (same shape and dtype) {UNSEEN}" if same else "")
+
+
+def _dcp_quant_block(root: Path, rng: random.Random, m: Mutation) -> str:
+    """The ``quantization_config.weight_block_size`` entry re-saved with another block."""
+    md = _dcp_md(root)
+    index = next(i for i in md.storage_data if i.fqn == "quantization_config.weight_block_size")
+    bm, bn = _dcp_quant_config(md, root)["weight_block_size"]
+    new = rng.choice([[bm * 2, bn], [bm, bn // 2], [bm + 1, bn], [0, bn], [-bm, bn], [bm], [bm, bn, 1], "16x32", None,
+                      [bm + 0.5, bn], [2**62, bn], [bn, bm]])
+    buf = io.BytesIO()
+    torch.save(new, buf)
+    how = _dcp_replace(root, md, index, buf.getvalue())
+    return f"quantization_config.weight_block_size: {[bm, bn]} -> {new!r} (re-saved {how})" + (
+        f" {UNSEEN}" if _dcp_same_grid(md, new) else "")
+
+
+def _dcp_same_grid(md: Any, block: Any) -> bool:
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        return False
+    sd = md.state_dict_metadata
+    for key, e in sd.items():
+        if not hasattr(e, "chunks") or str(e.properties.dtype) not in DCP_PAYLOADS:
+            continue
+        *lead, rows, cols = e.size
+        s = sd.get(key + "_scale_inv")
+        if s is not None and list(s.size) != [*lead, -(-rows // block[0]), -(-cols // block[1])]:
+            return False
+    return True
+
+
+def _dcp_quant_truncate(root: Path, rng: random.Random, m: Mutation) -> str:
+    """The file cut inside a payload chunk's record."""
+    md = _dcp_md(root)
+    index = rng.choice([i for i in _dcp_chunks(md, dtypes=DCP_PAYLOADS) if md.storage_data[i].relative_path == m.file])
+    info = md.storage_data[index]
+    at = info.offset + rng.randrange(info.length)
+    size = (root / m.file).stat().st_size
+    with open(root / m.file, "r+b") as f:
+        f.truncate(at)
+    return f"{m.file} truncated to {at} of {size} bytes, inside {index.fqn} chunk at {list(index.offset)}"
 
 
 def copy_folder(src: Path, dst: Path) -> None:

@@ -164,3 +164,26 @@ def test_moe_model_states_missing_ds_autoep_layers_is_refused(tmp_path, capsys):
     save(sd, victim)
     _refused_by_all([*_convert_both(ck, tmp_path), ["reshard", ck, tmp_path / "out"]], victim, tmp_path, capsys,
                     "ds_autoep_layers")
+
+
+@pytest.mark.parametrize("fixture,metadata", [("megatron/torch_dist_pp2_uneven", "iter_0000003/.metadata"),
+                                              ("dcp/llama_fsdp2_ws2", ".metadata")])
+def test_dcp_metadata_dtype_disagreeing_with_its_record_is_refused_by_inspect(tmp_path, capsys, fixture, metadata):
+    """Fuzz case 149 (seed 20261201, budget 520, ``torch_dist_pp2_uneven``: ``.metadata``'s dtype of
+    ``output_layer.weight`` float32 -> float16): ``convert`` refused it when it read the record, but
+    ``inspect`` reads no tensor and printed the float16 sizes. Every chunk's record is now checked against
+    the metadata's dtype and shape when the reader opens the source (``DcpCheckpoint.check_records``), so
+    ``inspect`` and every route refuse it naming the file, before any output."""
+    import pickle
+
+    from tests.support.paths import DCP
+
+    base = {"megatron": MEGATRON, "dcp": DCP}[fixture.split("/")[0]]
+    ck = copy_fixture(base / fixture.split("/")[1], tmp_path)
+    md = pickle.loads((ck / metadata).read_bytes())  # our own fixture: trusted here
+    key = next(k for k, e in md.state_dict_metadata.items()
+               if getattr(getattr(e, "properties", None), "dtype", None) == torch.float32 and len(e.size) == 2)
+    md.state_dict_metadata[key].properties.dtype = torch.float16
+    (ck / metadata).write_bytes(pickle.dumps(md))
+    _refused_by_all([["inspect", ck], *_convert_both(ck, tmp_path)], ck, tmp_path, capsys,
+                    rf"{re.escape(repr(key))} chunk at .* holds a torch.float32 .* the metadata says torch.float16")

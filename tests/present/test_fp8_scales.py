@@ -78,3 +78,54 @@ def test_inspect_png_draws_the_scales_beside_the_payload(tmp_path: Path, capsys:
     for x in (left + width * 0.3, left + width * 0.83):  # the payload's panel, the scales' panel
         px = img[int((1 - bottom - height / 4) * MAP_PNG_SIZE[1]), int(x * MAP_PNG_SIZE[0])]  # off the label
         assert max(abs(float(px[k]) - colour[k]) for k in range(3)) < 0.02, x
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The FP8 fixture kept quantized in a DCP of 2 files (``--quantize keep``: payload and scale entries)."""
+    from reshard.jobs.convert import reshard
+
+    out = tmp_path_factory.mktemp("kept")
+    reshard(FP8, out / "two", to="dcp", files=2, quantize="keep")
+    reshard(FP8, out / "three", to="dcp", files=3, quantize="keep")
+    return out
+
+
+def test_inspect_a_kept_dcp_lists_each_scale_entry_after_its_payload(kept: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Each ``weight_scale_inv`` entry right after its payload's, with its own chunks (dim 0 over the 2
+    storage ranks), paired with it (``Inspected.scales``), and said so."""
+    src = open_source(kept / "two" / "fp8_qwen2")
+    assert len(src.scales) == 14
+    for scale, (payload, block) in src.scales.items():
+        assert scale == payload + "_scale_inv" and block == (16, 32)
+        assert sorted(src.maps[scale].ranks) == [0, 1] or src.maps[scale].logical_shape[0] == 1
+    text = _run(capsys, "inspect", kept / "two" / "fp8_qwen2")
+    assert "block scales: 14 tensors, each listed after its payload (entries of their own" in text
+    names = [x.split()[0] for x in text.splitlines() if x.startswith("model.")]
+    for scale, (payload, _) in src.scales.items():
+        assert names[names.index(scale) - 1] == payload
+
+
+def test_inspect_png_of_a_kept_dcp_draws_the_scale_entry_beside_the_payload(kept: Path, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    from reshard.present.viz import AXES_RECT, MAP_PNG_SIZE, rank_colors
+
+    out, key = tmp_path / "o.png", "model." + O_PROJ
+    assert f"wrote {out}" in _run(capsys, "inspect", kept / "two" / "fp8_qwen2", "--param", key, "--png", out)
+    img = imread(out)[..., :3]
+    colours = rank_colors([0, 1])
+    left, bottom, width, height = AXES_RECT
+    for x in (left + width * 0.3, left + width * 0.83):  # the payload's panel, the scales' panel
+        for y, rank in ((bottom + height * 7 / 8, 0), (bottom + height / 8, 1)):  # row 0 at the top: rank 0's
+            px = img[int((1 - y) * MAP_PNG_SIZE[1]), int(x * MAP_PNG_SIZE[0])]
+            assert max(abs(float(px[k]) - colours[rank][k]) for k in range(3)) < 0.02, (x, y)
+
+
+def test_plan_between_kept_dcps_moves_the_scale_entries_beside_their_payloads(
+        kept: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = _run(capsys, "plan", kept / "two" / "fp8_qwen2", "--to", kept / "three" / "fp8_qwen2")
+    assert "block scales: 14 tensors planned beside their payloads, as stored" in text

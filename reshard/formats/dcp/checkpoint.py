@@ -229,6 +229,12 @@ class DcpCheckpoint:
 
     def chunk(self, key: str, i: int) -> torch.Tensor:
         """Chunk ``i`` of ``key``, memory-mapped from its file (read-only use)."""
+        rec = self._record(key, i)
+        verified.touch(rec, f"{key} chunk at {list(self.entry(key).chunks[i].offsets)}")  # checked before the commit
+        return rec
+
+    def _record(self, key: str, i: int) -> torch.Tensor:
+        """Chunk ``i``'s record, its dtype and shape checked against the metadata's (nothing marked read)."""
         e = self.entry(key)
         c = e.chunks[i]
         data = self._mapped(c.file)
@@ -237,8 +243,16 @@ class DcpCheckpoint:
         if rec.dtype != e.dtype or tuple(rec.shape) != c.sizes:
             raise CheckpointError(f"{self.path / c.file}: {key!r} chunk at {list(c.offsets)} holds a "
                                   f"{rec.dtype} {list(rec.shape)} tensor, the metadata says {e.dtype} {list(c.sizes)}")
-        verified.touch(rec, f"{key} chunk at {list(c.offsets)}")  # checked before the job commits
         return rec
+
+    def check_records(self) -> None:
+        """Every chunk's record holds the dtype and shape the metadata says (each record's index and
+        pickle read, not its data): a reader's check, so that ``inspect``, which reads no tensor, and
+        every route refuse a metadata that disagrees with its files before anything is planned."""
+        for key, e in self.tensors.items():
+            for i, c in enumerate(e.chunks):
+                if c.numel:
+                    self._record(key, i)
 
     def shard(self, key: str, rank: int) -> torch.Tensor:
         """Storage rank ``rank``'s shard of ``key``: its chunk, mapped; several chunks end to end,
@@ -265,6 +279,23 @@ class DcpCheckpoint:
         f = self.param_map(key).rebuild(self.shards(key), verify=False)
         self.release(key)  # F is a copy: the chunks' pages are done with
         return f
+
+    def rows(self, key: str, r0: int, r1: int) -> torch.Tensor | None:
+        """Rows ``r0..r1`` (along dim 0) of ``key``, where each of its chunks spans every other dim whole
+        (a dim-0 split, as FSDP and ``--files N`` write): views of the mapped chunks, a copy only where
+        the rows cross chunks; ``None`` for any other chunking."""
+        e = self.entry(key)
+        live = sorted(((i, c) for i, c in enumerate(e.chunks) if c.numel), key=lambda ic: ic[1].offsets[0])
+        if not e.shape or any(tuple(c.sizes[1:]) != tuple(e.shape[1:]) or any(c.offsets[1:]) for _, c in live):
+            return None
+        parts = []
+        for i, c in live:
+            lo, hi = max(r0, c.offsets[0]), min(r1, c.offsets[0] + c.sizes[0])
+            if lo < hi:
+                parts.append(self.chunk(key, i)[lo - c.offsets[0]:hi - c.offsets[0]])
+        if sum(t.shape[0] for t in parts) != r1 - r0:  # the chunks tile the tensor (check()): never, but not silently
+            raise CheckpointError(f"{self.path}: {key!r}: its chunks do not hold rows {r0}..{r1}")
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def release(self, key: str) -> None:
         """Drop the mapped pages of ``key``'s chunks from this process's resident set (they stay in

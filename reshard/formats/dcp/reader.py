@@ -8,13 +8,15 @@ uses to keep every entry exactly (``formats.dcp.writer``).
 Quantized weights (``--quantize keep``'s DCP target, or any DCP whose model entries hold an FP8
 payload): the non-tensor entry ``quantization_config`` says how, as a Hugging Face folder's
 ``config.json`` does, and the payload and scale entries are paired and checked by the same codec
-(``formats.safetensors.quantized``): each is one parameter, decoded when the engine reads it (whole,
-on rank 0, one at a time), its encoding beside it (:meth:`DcpReader.stored`). Without the entry
-a quantized payload is refused, never read as a weight."""
+(``formats.safetensors.quantized``): each is one parameter on rank 0, decoded a band of block rows at a
+time as the engine (and ``reshard verify``) reads it (:meth:`DcpReader.banded`; :meth:`DcpReader.fragment`
+decodes one whole, for what needs a tensor), its encoding beside it (:meth:`DcpReader.stored`). Without
+the entry a quantized payload is refused, never read as a weight."""
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from functools import cached_property, partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +25,10 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
+from ...execute.bands import Banded
+from ...execute.memory import release
 from ...ir.param_map import ParamMap
+from ...ir.piece import prod
 from ...layouts import replicated
 from ...storage import verified
 from ..contract import MOMENTS, ExpertLayer, Held, Reader, Stored
@@ -61,6 +66,9 @@ class DcpReader(Reader):
                           if n in by_payload or n not in consumed]
             self.description += f", {self.codec.description}"
         self._decoded: tuple[str, torch.Tensor] | None = None  # the last parameter decoded: one at a time
+        # the payload and scales of the parameters being decoded in bands (a payload in several chunks is
+        # rebuilt once, not once a band); at most two parameters, each dropped after its last row
+        self._coded_held: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
 
     def _codec(self) -> tuple[Codec | None, Any]:
@@ -128,6 +136,7 @@ class DcpReader(Reader):
         for ck in {id(self.ck): self.ck, id(self.optim): self.optim}.values():
             for key in ck.tensors:  # every entry's chunks tile its tensor
                 ck.param_map(key)
+            ck.check_records()  # and each record holds what the metadata says
         if self.codec is not None:  # every scale finite and positive
             self.codec.check(self._tensor, lambda n: self.ck.path / ".metadata")
 
@@ -178,7 +187,7 @@ class DcpReader(Reader):
 
     def map(self, name: str, state: str) -> ParamMap:
         c = self.coded.get(name) if state == "weight" else None
-        if c is not None:  # decoded whole, on rank 0 (as a safetensors folder's)
+        if c is not None:  # decoded on rank 0 (as a safetensors folder's)
             return replicated(c.shape, 1)
         ck, key = self._where(name, state)
         return ck.param_map(key)
@@ -198,6 +207,70 @@ class DcpReader(Reader):
             return t
         ck, key = self._where(name, state)
         return ck.shard(key, rank).reshape(-1)
+
+    def banded(self, name: str, state: str, rank: int) -> Banded | None:
+        """A quantized parameter decoded a band of block rows at a time (``fragment``'s values)."""
+        c = self.coded.get(name) if state == "weight" else None
+        if c is None or self.codec is None:
+            return None
+        row, rows, align = self.codec.rows_of(c)
+        return Banded(prod(c.shape), torch.float32, row, partial(self._decode_rows, c, rows), align=align)
+
+    def _decode_rows(self, c: Coded, rows: int, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0..r1`` of ``c`` decoded; the payload pages they read dropped (read once), and after the
+        last row its entries' pages and what was held for it."""
+        t = self._fp8_slab(c, rows, r0, r1)
+        if t is not None:
+            return t
+        t = self.codec.decode(c, partial(self._held, c), (r0, r1))  # type: ignore[union-attr]
+        raw = self._held(c, c.payload).reshape(-1)
+        if c.kind == "fp8":  # row-major: rows r0..r1 are one run of the payload (a no-op on a rebuilt copy)
+            release(raw.narrow(0, r0 * c.shape[-1], (r1 - r0) * c.shape[-1]))
+        else:  # MXFP4: an expert's blocks once its last row is decoded
+            per = rows // c.shape[0]
+            for x in range(r0 // per, r1 // per):
+                release(raw.narrow(0, x * raw.numel() // c.shape[0], raw.numel() // c.shape[0]))
+        if r1 == rows:
+            with self._lock:
+                self._coded_held.pop(c.name, None)
+            for n in (c.payload, c.scales):
+                self.ck.release(self.ck.param_key(n))
+        return t
+
+    def _fp8_slab(self, c: Coded, rows: int, r0: int, r1: int) -> torch.Tensor | None:
+        """Rows ``r0..r1`` of a 2-D FP8 weight decoded from only the whole block rows they fall in, read from
+        its payload's and scales' chunks where they split dim 0 (``DcpCheckpoint.rows``: nothing rebuilt
+        whole); ``None`` where they do not."""
+        if c.kind != "fp8" or len(c.shape) != 2 or self.codec is None:
+            return None
+        bm = c.block[0]
+        a0, b0 = r0 // bm * bm, min(rows, -(-r1 // bm) * bm)
+        pkey, skey = self.ck.param_key(c.payload), self.ck.param_key(c.scales)
+        q = self.ck.rows(pkey, a0, b0)
+        s = self.ck.rows(skey, a0 // bm, -(-b0 // bm)) if q is not None else None
+        if q is None or s is None:
+            return None
+        t = self.codec.decode(c, {c.payload: q, c.scales: s}.__getitem__, (r0 - a0, r1 - a0))
+        release(q)  # read once: its mapped pages dropped (a no-op where the rows crossed chunks: a copy)
+        if r1 == rows:
+            for key in (pkey, skey):
+                self.ck.release(key)
+        return t
+
+    def _held(self, c: Coded, name: str) -> torch.Tensor:
+        """Entry ``name`` (``c``'s payload or scales) whole, kept while ``c`` is decoded in bands."""
+        with self._lock:
+            held = self._coded_held.get(c.name)
+            if held is None:
+                held = self._coded_held[c.name] = {}
+                while len(self._coded_held) > 2:
+                    self._coded_held.popitem(last=False)
+            t = held.get(name)
+        if t is None:
+            t = self._tensor(name)
+            with self._lock:
+                held[name] = t
+        return t
 
     def _tensor(self, name: str) -> torch.Tensor:
         """Model entry ``name`` whole, as stored."""

@@ -119,6 +119,7 @@ class MegatronReader(Reader):
         shapes against args, and every map of every state."""
         if isinstance(self.src, TorchDistBackend):
             self.src.check_objects()
+            self.src.ck.check_records()  # each record holds the dtype and shape .metadata says
         else:
             self.src.check()
         for name in self.names:
