@@ -373,7 +373,12 @@ def _model_order(reader: Reader) -> list[str]:
     would load into the wrong parameters."""
     order = reader.model_order()
     if order is None:
+        how = {"dcp": "its entries were written sorted by key by a reshard before entry_order (its manifest "
+                      "lacks it): write the DCP checkpoint again from its source with this reshard",
+               "megatron": "read in Hugging Face names it takes the order from the model transformers builds from "
+                           "its config, which failed: is transformers installed and does it know the "
+                           "architecture?"}.get(reader.format, "it needs the folder's config.json and transformers "
+                                                "installed to build the model's order")
         raise ReshardError(f"{reader.sources[-1]}: {noun_of(reader)} does not record the model's parameter "
-                           "order, which DeepSpeed's flat ZeRO buffers follow: it needs the folder's config.json and "
-                           "transformers installed to build the model's order")
+                           f"order, which DeepSpeed's flat ZeRO buffers follow: {how}")
     return order
