@@ -375,6 +375,10 @@ def _model_order(reader: Reader) -> list[str]:
     if order is None:
         how = {"dcp": "its entries were written sorted by key by a reshard before entry_order (its manifest "
                       "lacks it): write the DCP checkpoint again from its source with this reshard",
+               "universal": "its model states record no param_shapes for some parameters (a universal "
+                             "checkpoint written from a source without optimizer groups, such as an HF folder), "
+                             "and its folders' names sorted are no model's order: write DeepSpeed from that "
+                             "source itself",
                "megatron": "read in Hugging Face names it takes the order from the model transformers builds from "
                            "its config, which failed: is transformers installed and does it know the "
                            "architecture?"}.get(reader.format, "it needs the folder's config.json and transformers "

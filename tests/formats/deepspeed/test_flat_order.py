@@ -26,7 +26,7 @@ from reshard import convert, reshard
 from reshard.errors import ReshardError
 from reshard.formats.registry import open_reader
 from reshard.storage.safe_load import load
-from tests.support.paths import HF, MEGATRON
+from tests.support.paths import DCP, HF, MEGATRON
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,3 +124,17 @@ def test_a_dcp_an_earlier_reshard_wrote_is_refused_as_a_deepspeed_source(tmp_pat
                                            r"entry_order"):
         reshard(dcp_dir, tmp_path / "ds", to="deepspeed", dp=2)
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_universal_checkpoint_without_the_model_order_is_refused_as_a_deepspeed_source(tmp_path):
+    """A universal checkpoint of an HF folder (no optimizer groups: its model states record no
+    ``param_shapes``) knows its parameters only as folder names, sorted (``lm_head`` first): no
+    model's order, so refused; one whose model states record every parameter is written from."""
+    ucp = convert(HF / "pretrained_llama", tmp_path / "ucp", fmt="ucp").out_dir
+    with pytest.raises(ReshardError, match=r"does not record the model's parameter order.*no param_shapes"):
+        reshard(ucp, tmp_path / "ds", to="deepspeed", dp=2)
+    assert not (tmp_path / "ds").exists()
+    # one of an FSDP2 job's DCP (its optimizer groups list every parameter, in the model's order)
+    fsdp = DCP / "llama_fsdp2_ws2"
+    ucp = convert(fsdp, tmp_path / "ucp2", fmt="ucp").out_dir
+    assert open_reader(ucp).model_order() == open_reader(fsdp).names
