@@ -311,8 +311,8 @@ class AutoEPView(Reader):
         the preset's architecture at the source's layer and expert counts (the order does not depend
         on the widths); each MoE block's router in its place and its experts, in AutoEP's order,
         where the model first reaches one of them. ``None`` (refused by the writer) where the model
-        cannot be built or holds a source tensor nowhere: a source's own order is no model's (a DCP
-        that reshard wrote from a Megatron source follows Megatron's mapping document)."""
+        cannot be built or holds a source tensor nowhere: a source's own order need not be the model's
+        (a DCP that an earlier reshard wrote lists its entries sorted by key)."""
         order = hf_model_order(self.inner.hf_config() or self._config)
         if order is None:
             return None
