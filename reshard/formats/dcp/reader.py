@@ -253,8 +253,9 @@ class DcpReader(Reader):
 
     def model_order(self) -> list[str] | None:
         """The entries' order, which ``dcp.save`` of ``get_state_dict`` takes from the model, and so
-        does reshard's DCP writer since its manifest says ``entry_order``; ``None`` for a DCP that
-        an earlier reshard wrote (its entries sorted by key: no model's order)."""
+        does reshard's DCP writer where its manifest says ``entry_order``; ``None`` for a DCP that
+        reshard wrote without it (an earlier reshard sorted the entries by key; a source that does
+        not tell its model's order, such as a safetensors folder without config.json, keeps its own)."""
         f = self.ck.path / MANIFEST
         if not f.is_file():
             return list(self.names)

@@ -149,6 +149,9 @@ class DcpWriter(Writer):
         dup = sorted({v for v in self.new.values() if list(self.new.values()).count(v) > 1})
         if dup:
             raise ReshardError(f"--rename maps several parameters to {dup[0]!r}")
+        # the model's order where the source tells it: the manifest then says so (entry_order), and a
+        # DeepSpeed target written from these files flattens in it; else the source's own, unmarked
+        self.ordered = None if self.native else _model_order(reader)
         self.entries = self._entries()
         self.layout = {e.key: target_chunks(e.shape, files) if files is not None else {0: ((0,) * len(e.shape), e.shape)}
                        for e in self.entries}
@@ -170,7 +173,7 @@ class DcpWriter(Writer):
             own = self.own
             return [_Entry(k, k, (RAW,), r.dtype(k, RAW), tuple(own.entry(k).shape)) for k in own.tensors]
         out = []
-        for n in _order(r):
+        for n in self.ordered or r.names:
             have = r.states(n)
             state = next((s for s in BEST if s in have), None)
             if state is None:
@@ -219,7 +222,9 @@ class DcpWriter(Writer):
         return own is not None and any(k in own.tensors or k in own.objects for k in (held.key, own.param_key(held.key)))
 
     def meta(self) -> dict[str, Any]:
-        return {"target": "PyTorch DCP checkpoint", "entry_order": ENTRY_ORDER,
+        # a DCP laid out again keeps its source's entries, in its order: the model's where it was
+        ordered = self.ordered is not None or (self.native and self.reader.model_order() is not None)
+        return {"target": "PyTorch DCP checkpoint", **({"entry_order": ENTRY_ORDER} if ordered else {}),
                 **({"files": self.files} if self.files is not None else {})}
 
     def notes(self) -> list[str]:
@@ -366,10 +371,10 @@ class DcpWriter(Writer):
 PAYLOAD, SCALES = "stored payload", "stored scales"  # a kept quantized weight's entries (not states: no buffer)
 
 
-def _order(reader: Reader) -> list[str]:
-    """The source's parameters in its model's order where it tells one, else its own."""
+def _model_order(reader: Reader) -> list[str] | None:
+    """The source's parameters in its model's order, where it tells one."""
     order = reader.model_order()
-    return order if order is not None and set(order) == set(reader.names) else list(reader.names)
+    return order if order is not None and set(order) == set(reader.names) else None
 
 
 def _buffer_key(i: int, key: str) -> str:

@@ -373,8 +373,9 @@ def _model_order(reader: Reader) -> list[str]:
     would load into the wrong parameters."""
     order = reader.model_order()
     if order is None:
-        how = {"dcp": "its entries were written sorted by key by a reshard before entry_order (its manifest "
-                      "lacks it): write the DCP checkpoint again from its source with this reshard",
+        how = {"dcp": "reshard wrote its entries in no model's order (sorted by key before entry_order, or "
+                      "from a source that did not tell the model's order; its manifest lacks entry_order): "
+                      "write DeepSpeed from that source itself, or the DCP checkpoint again with this reshard",
                "universal": "its model states record no param_shapes for some parameters (a universal "
                              "checkpoint written from a source without optimizer groups, such as an HF folder), "
                              "and its folders' names sorted are no model's order: write DeepSpeed from that "

@@ -120,7 +120,7 @@ def test_a_dcp_an_earlier_reshard_wrote_is_refused_as_a_deepspeed_source(tmp_pat
     old = json.loads(manifest.read_text())
     del old["entry_order"]
     manifest.write_text(json.dumps(old))
-    with pytest.raises(ReshardError, match=r"does not record the model's parameter order.*sorted by key.*"
+    with pytest.raises(ReshardError, match=r"does not record the model.s parameter order.*sorted by key.*"
                                            r"entry_order"):
         reshard(dcp_dir, tmp_path / "ds", to="deepspeed", dp=2)
     assert not (tmp_path / "ds").exists()
@@ -138,3 +138,18 @@ def test_a_universal_checkpoint_without_the_model_order_is_refused_as_a_deepspee
     fsdp = DCP / "llama_fsdp2_ws2"
     ucp = convert(fsdp, tmp_path / "ucp2", fmt="ucp").out_dir
     assert open_reader(ucp).model_order() == open_reader(fsdp).names
+
+
+def test_a_dcp_of_a_source_without_its_model_order_is_not_marked_and_is_refused(tmp_path):
+    """A safetensors folder without config.json does not tell its model's order (its headers are
+    sorted): the DCP written from it keeps that order unmarked, and DeepSpeed is not written from it."""
+    import shutil
+
+    src = tmp_path / "weights"
+    src.mkdir()
+    shutil.copy(HF / "pretrained_llama" / "model.safetensors", src / "model.safetensors")
+    dcp_dir = convert(src, tmp_path / "dcp", fmt="dcp").out_dir
+    assert "entry_order" not in json.loads((dcp_dir / "reshard-manifest.json").read_text())
+    with pytest.raises(ReshardError, match=r"no model's order.*lacks entry_order"):
+        reshard(dcp_dir, tmp_path / "ds", to="deepspeed", dp=2)
+    assert not (tmp_path / "ds").exists()
