@@ -15,6 +15,7 @@ the entry a quantized payload is refused, never read as a weight."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from functools import cached_property, partial
@@ -31,15 +32,19 @@ from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
 from ...storage import verified
+from ...storage.staging import MANIFEST
 from ..contract import MOMENTS, ExpertLayer, Held, Reader, Stored
 from ..fused_experts import fused_expert_layers
 from ..hf.trainer_files import trainer_held
 from ..safetensors.quantized import Codec, Coded, open_codec
 from .checkpoint import DcpCheckpoint
 
-__all__ = ["QUANTIZATION_CONFIG", "RAW", "DcpReader"]
+__all__ = ["ENTRY_ORDER", "QUANTIZATION_CONFIG", "RAW", "DcpReader"]
 
 RAW = "raw"  # a tensor entry by its own key
+# the manifest's word that reshard wrote the entries in the model's order, as dcp.save does (before it
+# reshard wrote them sorted by key, which is no model's order)
+ENTRY_ORDER = "model"
 QUANTIZATION_CONFIG = "quantization_config"  # the entry (or dcp.save's flattened entries) saying how weights are quantized
 
 
@@ -318,6 +323,22 @@ class DcpReader(Reader):
         """Each MoE block whose experts the model holds fused (an FSDP2 job of a transformers 5 MoE
         model saves ``<module>.experts.gate_up_proj`` ``[E, ...]``): ``fused_experts``."""
         return fused_expert_layers(self.names, self.shape, str(self.sources[-1]))
+
+    def model_order(self) -> list[str] | None:
+        """The entries' order, which ``dcp.save`` of ``get_state_dict`` takes from the model, and so
+        does reshard's DCP writer where its manifest says ``entry_order``; ``None`` for a DCP that
+        reshard wrote without it (an earlier reshard sorted the entries by key; a source that does
+        not tell its model's order, such as a safetensors folder without config.json, keeps its own)."""
+        f = self.ck.path / MANIFEST
+        if not f.is_file():
+            return list(self.names)
+        try:
+            manifest = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        if isinstance(manifest, dict) and manifest.get("entry_order") == ENTRY_ORDER:
+            return list(self.names)
+        return None
 
     def labels(self) -> str:
         return "storage rank"  # a chunk lies on the rank that wrote its __R_N.distcp (docs/spec.md §7, DCP)

@@ -39,7 +39,7 @@ from ...layouts._core import finish as finish_map
 from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Stored, Writer
 from ..safetensors.io import plan_files
 from .checkpoint import DcpCheckpoint
-from .reader import QUANTIZATION_CONFIG, RAW
+from .reader import ENTRY_ORDER, QUANTIZATION_CONFIG, RAW
 from .records import DcpFile, Record, TensorSpec, metadata_bytes
 
 __all__ = ["DcpWriter", "fsdp_chunks", "fsdp_map", "renamer"]
@@ -149,6 +149,9 @@ class DcpWriter(Writer):
         dup = sorted({v for v in self.new.values() if list(self.new.values()).count(v) > 1})
         if dup:
             raise ReshardError(f"--rename maps several parameters to {dup[0]!r}")
+        # the model's order where the source tells it: the manifest then says so (entry_order), and a
+        # DeepSpeed target written from these files flattens in it; else the source's own, unmarked
+        self.ordered = None if self.native else _model_order(reader)
         self.entries = self._entries()
         self.layout = {e.key: target_chunks(e.shape, files) if files is not None else {0: ((0,) * len(e.shape), e.shape)}
                        for e in self.entries}
@@ -170,7 +173,7 @@ class DcpWriter(Writer):
             own = self.own
             return [_Entry(k, k, (RAW,), r.dtype(k, RAW), tuple(own.entry(k).shape)) for k in own.tensors]
         out = []
-        for n in r.names:
+        for n in self.ordered or r.names:
             have = r.states(n)
             state = next((s for s in BEST if s in have), None)
             if state is None:
@@ -219,7 +222,10 @@ class DcpWriter(Writer):
         return own is not None and any(k in own.tensors or k in own.objects for k in (held.key, own.param_key(held.key)))
 
     def meta(self) -> dict[str, Any]:
-        return {"target": "PyTorch DCP checkpoint", **({"files": self.files} if self.files is not None else {})}
+        # a DCP laid out again keeps its source's entries, in its order: the model's where it was
+        ordered = self.ordered is not None or (self.native and self.reader.model_order() is not None)
+        return {"target": "PyTorch DCP checkpoint", **({"entry_order": ENTRY_ORDER} if ordered else {}),
+                **({"files": self.files} if self.files is not None else {})}
 
     def notes(self) -> list[str]:
         if not self.kept:
@@ -338,10 +344,37 @@ class DcpWriter(Writer):
         values = [k for part in gathered for k in part[2]]
         planner = {k: _path_of(k) for k in sorted(list(specs) + values)}
         with staging.open(".metadata") as out:
-            out.write(metadata_bytes(dict(sorted(specs.items())), sorted(values), records, planner))
+            out.write(metadata_bytes(self._in_order(specs), sorted(values), records, planner))
+
+    def _in_order(self, specs: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
+        """The entries as ``dcp.save`` of ``get_state_dict`` lists them: the weights in the model's
+        order, then each parameter's optimizer state in it (a reader of these files takes the model's
+        order from it: a DeepSpeed target flattens its ZeRO buffers in that order); the same whichever
+        process wrote which."""
+        if self.own is not None:  # a DCP source laid out again: its own entries' order
+            index = {e.key: i for i, e in enumerate(self.entries)}
+            return dict(sorted(specs.items(), key=lambda kv: (kv[0] not in index, index.get(kv[0], 0), kv[0])))
+        rank = {e.key: i for i, e in enumerate(e for e in self.entries if e.key.startswith("model."))}
+        params = {self.new[n]: i for i, n in enumerate(dict.fromkeys(e.name for e in self.entries))}
+        moments = {m: i for i, m in enumerate((*MOMENTS, "step"))}
+
+        def key(k: str) -> tuple:
+            if k in rank:
+                return (0, rank[k], 0, k)
+            fqn, _, state = k.removeprefix("optim.state.").rpartition(".")
+            if k.startswith("optim.state.") and fqn in params:
+                return (1, params[fqn], moments.get(state, len(moments)), k)
+            return (2, 0, 0, k)
+        return dict(sorted(specs.items(), key=lambda kv: key(kv[0])))
 
 
 PAYLOAD, SCALES = "stored payload", "stored scales"  # a kept quantized weight's entries (not states: no buffer)
+
+
+def _model_order(reader: Reader) -> list[str] | None:
+    """The source's parameters in its model's order, where it tells one."""
+    order = reader.model_order()
+    return order if order is not None and set(order) == set(reader.names) else None
 
 
 def _buffer_key(i: int, key: str) -> str:

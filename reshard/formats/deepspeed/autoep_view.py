@@ -25,6 +25,7 @@ from ...ir.param_map import ParamMap
 from ...ir.piece import Piece, View, prod, row_major_strides
 from ...ir.shard import Shard
 from ..contract import ExpertLayer, Held, Reader
+from ..hf_order import hf_model_order
 from .templates import ADAMW
 
 __all__ = ["AUTOEP_DOC", "AutoEPView", "autoep_view"]
@@ -310,9 +311,9 @@ class AutoEPView(Reader):
         the preset's architecture at the source's layer and expert counts (the order does not depend
         on the widths); each MoE block's router in its place and its experts, in AutoEP's order,
         where the model first reaches one of them. ``None`` (refused by the writer) where the model
-        cannot be built or holds a source tensor nowhere: a source's own order is no model's (a DCP
-        that reshard wrote from a Megatron source follows Megatron's mapping document)."""
-        order = _hf_order(self.inner.hf_config() or self._config)
+        cannot be built or holds a source tensor nowhere: a source's own order need not be the model's
+        (a DCP that an earlier reshard wrote lists its entries sorted by key)."""
+        order = hf_model_order(self.inner.hf_config() or self._config)
         if order is None:
             return None
         out: dict[str, None] = {}
@@ -374,27 +375,6 @@ def _record(lay: ExpertLayer, module: str, params: list[str]) -> dict[str, Any]:
             "checkpoint_format_version": None, "ep_group_name": None, "ep_rank": None,
             "expert_data_parallel_rank": None, "expert_data_parallel_world_size": None, "global_expert_start": None,
             "global_expert_end": None}
-
-
-def _hf_order(cfg: dict[str, Any] | None) -> list[str] | None:
-    """The parameter order of the model ``cfg`` (a ``config.json``) describes, built by transformers on
-    the meta device (no weights, no remote code); ``None`` when it cannot be built."""
-    if not cfg or "model_type" not in cfg:
-        return None
-    try:
-        import transformers
-    except ImportError:
-        return None
-    try:
-        config = transformers.AutoConfig.for_model(cfg["model_type"],
-                                                   **{k: v for k, v in cfg.items() if k != "model_type"})
-        arch = (cfg.get("architectures") or [None])[0]
-        cls = getattr(transformers, arch) if arch else transformers.AutoModelForCausalLM
-        with torch.device("meta"):
-            model = cls(config) if arch else cls.from_config(config)
-    except Exception:  # noqa: BLE001 -- an architecture transformers cannot build: the source's order
-        return None
-    return [n for n, _ in model.named_parameters()]
 
 
 def autoep_view(reader: Reader, ep: int) -> Reader:

@@ -373,7 +373,17 @@ def _model_order(reader: Reader) -> list[str]:
     would load into the wrong parameters."""
     order = reader.model_order()
     if order is None:
+        how = {"dcp": "reshard wrote its entries in no model's order (sorted by key before entry_order, or "
+                      "from a source that did not tell the model's order; its manifest lacks entry_order): "
+                      "write DeepSpeed from that source itself, or the DCP checkpoint again with this reshard",
+               "universal": "its model states record no param_shapes for some parameters (a universal "
+                             "checkpoint written from a source without optimizer groups, such as an HF folder), "
+                             "and its folders' names sorted are no model's order: write DeepSpeed from that "
+                             "source itself",
+               "megatron": "read in Hugging Face names it takes the order from the model transformers builds from "
+                           "its config, which failed: is transformers installed and does it know the "
+                           "architecture?"}.get(reader.format, "it needs the folder's config.json and transformers "
+                                                "installed to build the model's order")
         raise ReshardError(f"{reader.sources[-1]}: {noun_of(reader)} does not record the model's parameter "
-                           "order, which DeepSpeed's flat ZeRO buffers follow: it needs the folder's config.json and "
-                           "transformers installed to build the model's order")
+                           f"order, which DeepSpeed's flat ZeRO buffers follow: {how}")
     return order

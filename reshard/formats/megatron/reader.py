@@ -28,6 +28,7 @@ from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
 from ..contract import STATES, ExpertLayer, Held, Reader
 from ..fused_experts import fused_expert_layers
+from ..hf_order import hf_model_order, in_model_order
 from .dist import TorchDistBackend
 from .files import Location, locate
 from .held import held
@@ -253,6 +254,15 @@ class MegatronReader(Reader):
 
     def extras(self, name: str) -> dict[str, Any]:
         return {}
+
+    def model_order(self) -> list[str] | None:
+        """In Megatron's keys, its own; in HF names, the HF model's (``hf_config`` built by
+        transformers), not the mapping document's: a DeepSpeed target's flat buffers and a DCP
+        target's entries follow it. ``None`` (refused by a DeepSpeed target) where that model
+        cannot be built."""
+        if self.naming != "hf":
+            return list(self.names)
+        return in_model_order(self.names, hf_model_order(self.hf_config()))
 
     # -- for a Hugging Face export -----------------------------------------------------------------
     def hf_config(self) -> dict[str, Any]:

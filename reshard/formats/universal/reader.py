@@ -175,6 +175,14 @@ class UniversalReader(Reader):
                 out[key] = router
         return out
 
+    def model_order(self) -> list[str] | None:
+        """The model's order where the model states beside ``zero/`` record every parameter in
+        ``param_shapes`` (DeepSpeed's, and reshard's from a source with optimizer groups); ``None``
+        where they do not (the folders' names sorted are no model's order: a DeepSpeed target
+        flattened in it would load each state into another parameter)."""
+        recorded = self._recorded
+        return list(self.names) if all(n in recorded for n in self.names) else None
+
     def tied(self) -> dict[str, str]:
         return dict(self._alias)
 

@@ -87,3 +87,28 @@ def test_deepspeed_autotp_loads_an_hf_folder_written_at_tp2(tmp_path):
             assert after[n]["module"] == digest(n, w.float()), (name, n)
         losses = job["losses_per_dp_rank"]["0"]
         assert len(losses) == 2 and all(x == x for x in losses)
+
+
+@pytest.mark.slow
+def test_deepspeed_loads_a_dcp_reshard_wrote_in_model_order(tmp_path):
+    """HF folder -> ``convert --format dcp`` -> ``reshard --to deepspeed``: DeepSpeed's ZeRO-1 loader
+    takes the flat partitions in its model's parameter order, not by name; an earlier reshard wrote
+    the DCP's entries sorted by key (``lm_head`` first) and the files followed it, loading every
+    master into another parameter. Now each parameter's fp32 master and module weight are its own."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    from reshard.jobs.convert import convert
+    from tests.e2e.launch import resume_load, resume_many
+
+    name = "pretrained_llama"
+    dcp_dir = convert(HF / name, tmp_path / "dcp", fmt="dcp").out_dir
+    reshard(dcp_dir, tmp_path / "ds", tp=1, dp=2, zero_stage=1, to="deepspeed")
+    job = resume_many([resume_load(name, tmp_path / "ds", model_spec=_spec(name), tp=1, dp=2, universal=False,
+                                   zero_stage=1, steps=1)], world_size=2)[name]
+    after = job["digests"]["after_load"]
+    weights = load_file(HF / name / "model.safetensors")
+    assert sorted(after) == sorted(weights)
+    for n, w in weights.items():
+        want = digest(n, w.float())
+        assert after[n]["fp32"] == want and after[n]["module"] == want, n
