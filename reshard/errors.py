@@ -98,7 +98,17 @@ class PlotUnavailable(ReshardError):
 def in_context(error: ReshardError, where: str) -> ReshardError:
     """``error`` with ``where`` in front of its message: the same type and fields (``ranks``,
     ``path``, ...), so callers can still catch and inspect it. ``raise in_context(e, f"{file}") from None``."""
+    return _reworded(error, f"{where}: {error}")
+
+
+def with_cause(error: ReshardError, cause: str) -> ReshardError:
+    """``error`` with ``cause`` after its message (``"...; the engine reported: ..."``), the same
+    type and fields, as :func:`in_context`."""
+    return _reworded(error, f"{error}; {cause}")
+
+
+def _reworded(error: ReshardError, message: str) -> ReshardError:
     out = type(error).__new__(type(error))  # not copy.copy: it would call __init__ with the message alone
     out.__dict__.update(error.__dict__)
-    out.args = (f"{where}: {error}",)
+    out.args = (message,)
     return out

@@ -99,3 +99,15 @@ def test_messages_round_trip(toy):
         wire.decode_marker_reply(wire.encode_marker_reply(None, "KeyError: 'x'"), 1)
     with pytest.raises(MapError, match="learning the engine's maps failed on trainer rank 0: no marker"):
         wire.decode_targets(wire.encode_targets(None, "no marker"))
+
+
+
+def test_with_cause_keeps_the_errors_class_and_fields():
+    """The trainer names vLLM's failed RPC after its own error (``_Rpc.why``, tests_vllm): a
+    ``MapError`` stays one, with its fields, whichever side's failure arrived first."""
+    from reshard.errors import ReplicaMismatchError, with_cause
+
+    e = with_cause(MapError("could not load the markers", path="layers.0.mlp.extra_proj"), "the engine reported: boom")
+    assert type(e) is MapError and str(e) == "layers.0.mlp.extra_proj: could not load the markers; the engine reported: boom"
+    r = with_cause(ReplicaMismatchError("differ", ranks=(0, 2), max_abs_diff=1.0), "x")
+    assert type(r) is ReplicaMismatchError and r.ranks == (0, 2) and str(r) == "differ; x"

@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from ...errors import MapError, ReshardError, TransferError
+from ...errors import MapError, ReshardError, TransferError, with_cause
 from ...execute.group import TransferGroup
 from ...execute.sources import fsdp2_sources, reader_sources
 from ...ir.param_map import ParamMap
@@ -342,8 +342,9 @@ class _Rpc:
             pass
 
     def why(self, e: ReshardError) -> ReshardError:
-        """``e``, naming the engine's error when the RPC already failed."""
+        """``e``, naming the engine's error when the RPC already failed; of ``e``'s own class (a
+        ``MapError`` stays one whether or not the engine's failed RPC came back first)."""
         f = self.future
         if f is not None and f.done() and f.exception() is not None:
-            return TransferError(f"{e}; the engine reported: {f.exception()!r}")
+            return with_cause(e, f"the engine reported: {f.exception()!r}")
         return e
