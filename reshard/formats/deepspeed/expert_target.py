@@ -391,28 +391,6 @@ def _with_clip(optim: dict, clip_grad: float | None) -> dict:
 # -- AutoEP ZeRO-1/2 -> ZeRO-3 ---------------------------------------------------------------------
 
 
-def autoep_ds_ids(module: Sequence[str], ax: dse.AutoEP, names: Sequence[str]) -> tuple[dict[str, int], bool]:
-    """Each parameter's ZeRO-3 ``ds_id`` (its index in ``model.parameters()``): the module's owned
-    parameters in order (``module``: its keys), each MoE layer's fused experts right after the last
-    owned parameter under its ``module_path`` (the router; DeepSpeed's AutoEP layer registers its
-    experts after it). ``False`` where that order does not hold every parameter (then
-    ``names``' order, a best guess)."""
-    owned = set(names)
-    keys = [n for n in module if n in owned]
-    layers: dict[str, list[str]] = {}
-    for p in ax.params.values():
-        layers.setdefault(p.name.rsplit(".experts.", 1)[0], []).append(p.name)
-    order: list[str] = []
-    for i, n in enumerate(keys):
-        order.append(n)
-        nxt = keys[i + 1] if i + 1 < len(keys) else ""
-        for path, experts in layers.items():
-            if n.startswith(path + ".") and not nxt.startswith(path + "."):
-                order.extend(experts)
-    exact = sorted(order) == sorted(names)
-    return {n: i for i, n in enumerate(order if exact else names)}, exact
-
-
 def _with_partition_groups(optim: dict) -> dict:
     """A recast ZeRO-3 optimizer file with AutoEP's ``ds_zero_partition_groups`` slot after
     ``partition_count``, where DeepSpeed's AutoEP ZeRO-3 save puts it (filled per rank)."""
@@ -457,7 +435,7 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
                 dse.LAYERS_KEY: [{**entry, "checkpoint_format": "zero3_partitioned", "checkpoint_format_version": 1}
                                  for entry in ms0[dse.LAYERS_KEY]]}
     ds_config = placement.ds_config(dsw.target_ds_config(cfg, tp=1, dp=dp, zero_stage=3))
-    ids, exact = autoep_ds_ids(list(module), ax, names)
+    ids, exact = dse.autoep_ds_ids(list(module), ax, names)
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-{ck.zero_stage} -> ZeRO-3: "
              "one model-state and one optimizer file per DP rank, the per-expert files' weights not written (a "
              "ZeRO-3 engine loads the fp32 masters)"]
@@ -500,7 +478,7 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
                 "universal_checkpoint_info": {"universal_checkpoint_version": 0.4,
                                               "expert_parameter_patterns": [r".*\.experts\.w[123]$"]}}
     ds_config = placement.ds_config(dsw.target_ds_config(tpl.cfg, tp=1, dp=dp, zero_stage=3))
-    ids, exact = autoep_ds_ids(list(module), ax, tpl.names)
+    ids, exact = dse.autoep_ds_ids(list(module), ax, tpl.names)
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3, EDP groups in DeepSpeed's "
              "default order (expert before data)"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")

@@ -16,23 +16,9 @@ __all__ = ["AutoEPZero3Partitions"]
 
 
 def _ds_ids(ck: DeepSpeedCheckpoint, ax: dse.AutoEP, names: list[str]) -> tuple[dict[str, int], bool]:
-    """Each parameter's ``ds_id`` (its index in ``model.parameters()``): the module's owned
-    parameters in order, each MoE layer's ``w1, w2, w3`` right after the last owned parameter
-    under its ``module_path`` (the router; DeepSpeed's AutoEP layer registers its experts after
-    it), checked against the ``"<first>_<last>"`` ids of the source's flat groups."""
-    module = [n for n in (ck.model_state(0).get("module") or {}) if n in set(names)]
-    layers = {}
-    for p in ax.params.values():
-        layers.setdefault(p.name.rsplit(".experts.", 1)[0], []).append(p.name)
-    order: list[str] = []
-    for i, n in enumerate(module):
-        order.append(n)
-        for path, experts in layers.items():
-            nxt = module[i + 1] if i + 1 < len(module) else ""
-            if n.startswith(path + ".") and not nxt.startswith(path + "."):
-                order.extend(experts)
-    exact = sorted(order) == sorted(names)
-    ids = {n: i for i, n in enumerate(order if exact else names)}
+    """Each parameter's ``ds_id`` in the order :func:`experts.autoep_ds_ids` derives, checked
+    against the ``"<first>_<last>"`` ids of the source's flat groups."""
+    ids, exact = dse.autoep_ds_ids(list(ck.model_state(0).get("module") or {}), ax, names)
     flats = ck.osd(0, 0)["fp32_flat_groups"]
     for k, sg in enumerate(ck.groups(0)):
         got = str(getattr(flats[k], "ds_id", ""))
