@@ -169,6 +169,12 @@ class DeepSpeedCheckpoint:
         return info if isinstance(info, dict) else {}
 
     @cached_property
+    def bf16(self) -> bool:
+        """Whether the optimizer files are named ``bf16_...`` (DeepSpeed's bf16 optimizer); a
+        target names its own alike."""
+        return any(p.name.startswith("bf16_") for p in self.optim_files.values())
+
+    @cached_property
     def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         """Per model-parallel rank: ``{name: shard shape}`` over all groups, in model order."""
         return [{n: s for g in self.groups(t) for n, s in g.items()} for t in range(self.mp)]

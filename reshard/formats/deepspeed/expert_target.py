@@ -56,9 +56,8 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
     layout = Layout("flat", maps, units, range(dp))
     cfg = dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=stage)
     ds_config = placement.ds_config(cfg) if placement is not None else cfg
-    bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())  # as the source names them
     models = ExpertModelFile(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement, expert_files=expert_files)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=bf16, states=OPTIMIZER,
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
                            models=models, group_names=group_names, notes=[note])
 
@@ -440,10 +439,9 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
              "one model-state and one optimizer file per DP rank, the per-expert files' weights not written (a "
              "ZeRO-3 engine loads the fp32 masters)"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
-    bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
     models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
                               size=path.stat().st_size, placement=placement)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=bf16, states=OPTIMIZER,
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: _with_partition_groups(z3.optim_source_from_zero12(
                                ck.optim_state(0, 0))),
                            ds_config=ds_config, uc_info=None, models=models, ds_ids=ids, placement=placement,

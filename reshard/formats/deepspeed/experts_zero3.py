@@ -46,7 +46,7 @@ class AutoEPZero3Partitions:
                                    parts, self.sub_group_size), shapes, self.sub_group_size, ck.model_files[0])
         self.names = [n for g in self.group_names for n in g]
         self.shapes = {n: s for sg in shapes for n, s in sg.items()}
-        self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
+        self.bf16 = ck.bf16
         self.states = z3.STATES
         self.ds_ids, self.ds_ids_exact = _ds_ids(ck, self.ax, self.names)
         self.ep_of = {d: e for e in range(self.ax.ep) for d in self.ax.members(e)}

@@ -313,7 +313,7 @@ class Zero12Partitions:
         self.dtype = first.dtype
         self.param_alignment_enabled = bool(zo.get("parameter_alignment", False))
         self.param_align = param_alignment(self.dtype, self.param_alignment_enabled)
-        self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
+        self.bf16 = ck.bf16
         self._check_groups()
         self._check_rest(ms0)
         self.maps = {n: ck.stage_map(n) for n in self.names}

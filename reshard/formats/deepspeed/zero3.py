@@ -213,7 +213,7 @@ class Zero3Partitions:
         if zo.get("mics_shard_size", -1) not in (-1, 0, None) or zo.get("elastic_checkpoint"):
             raise CheckpointError(f"{where0}: MiCS or elastic ZeRO-3 checkpoints are not supported")
         self.sub_group_size = sub_group_size(self.cfg, str(where0))
-        self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
+        self.bf16 = ck.bf16
         self.shard_shapes: list[dict[str, tuple[int, ...]]] = []  # [tp rank] name -> TP shard shape
         self.groups_by_tp: list[list[list[tuple[str, tuple[int, ...]]]]] = []
         self.subs_by_tp: list[list[SubGroup]] = []
