@@ -17,10 +17,10 @@ from ...layouts import autoep_placement, replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, OPTIMIZER, Buffer, Slot
 from . import experts as dse
+from . import experts_zero3 as ez3
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
-from .experts_zero3 import AutoEPZero3Partitions
 from .layout import Group, Layout, Part, Unit
 from .placement import EXPERT_FILE, AutoEPPlacement, split_local, uniform_placement
 from .target import DeepSpeedTarget, PlaceholderFiles, autoep_sub_layout
@@ -197,39 +197,43 @@ def router_aliases(template: Mapping[str, Any], params: Sequence[str], where: st
     return out
 
 
-def autoep_from_zero3_target(src: AutoEPZero3Partitions, ep: int, dp: int, stage: int) -> DeepSpeedTarget:
+def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int) -> DeepSpeedTarget:
     """An AutoEP ZeRO-3 checkpoint written at ZeRO stage ``stage`` (1 or 2), EP ``ep`` x world
     ``dp``: the layout of :func:`autoep_target` (a dense group flat over all ``dp`` ranks, an expert
     group flat over each EP rank's EDP group), the optimizer file built on the source's recast
     (``zero3.optim_source_from_zero3``) and the weights a ZeRO-3 checkpoint keeps only as fp32
     masters -- the module's and each per-expert file's -- cast from them (:class:`ExpertWeightFiles`)."""
-    ck, template = src.ck, src.template
-    placement = AutoEPPlacement(src.ax, ep, dp)
-    outer = {n: placement.maps[n] if n in placement.maps else replicated(src.shapes[n], 1) for n in src.names}
-    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else src.shapes[n]) for n in src.names}
+    group_names, expert_groups, _ = ez3.optim_groups(ck)
+    names = [n for g in group_names for n in g]
+    shapes = {n: s for sg in ck.groups(0) for n, s in sg.items()}
+    template = ck.model_state(0)
+    placement = AutoEPPlacement(ez3.autoep(ck), ep, dp)
+    outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
+    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
     module = template.get("module") or {}
-    dtypes = {module[n].dtype for n in src.names if isinstance(module.get(n), torch.Tensor)}
+    dtypes = {module[n].dtype for n in names if isinstance(module.get(n), torch.Tensor)}
     if len(dtypes) != 1:
         raise CheckpointError(f"{ck.model_files[0]}: the module's parameter placeholders have dtypes "
                               f"{sorted(map(str, dtypes))}; expected one training dtype")
     dtype = dtypes.pop()
-    cfg = src.cfg if isinstance(src.cfg, dict) else {}
+    cfg = template.get("ds_config")
+    cfg = cfg if isinstance(cfg, dict) else {}
     zo = cfg.get("zero_optimization") or {}
     align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
     dense, experts = Group.dense(1, dp), placement.group()
     units = []
-    for g, names in enumerate(src.group_names):
-        part = placement.edp if g in src.expert_groups else dp
-        fg = dsw.flat_group(list(names), [shape[n] for n in names], part, param_align=align)
-        units.append(Unit(experts, dict.fromkeys(range(ep), Part(fg, fg.names))) if g in src.expert_groups
+    for g, grp in enumerate(group_names):
+        part = placement.edp if g in expert_groups else dp
+        fg = dsw.flat_group(list(grp), [shape[n] for n in grp], part, param_align=align)
+        units.append(Unit(experts, dict.fromkeys(range(ep), Part(fg, fg.names))) if g in expert_groups
                      else Unit(dense, {0: Part(fg, fg.names)}))
     layout = Layout("flat", outer, units, range(dp))
-    ds_config = placement.ds_config(dsw.target_ds_config(src.cfg, tp=1, dp=dp, zero_stage=stage))
-    aliases = router_aliases(template, src.names, str(ck.model_files[0]))
+    ds_config = placement.ds_config(dsw.target_ds_config(template.get("ds_config"), tp=1, dp=dp, zero_stage=stage))
+    aliases = router_aliases(template, names, str(ck.model_files[0]))
     models = ExpertWeightFiles(ck, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
-                               dtype=dtype, names=src.names, outer=outer, aliases=aliases)
+                               dtype=dtype, names=names, outer=outer, aliases=aliases)
     clip = cfg.get("gradient_clipping", 0.0)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=src.bf16, states=OPTIMIZER,
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: z3.optim_source_from_zero3(ck.optim_state(0, 0), clip_grad=clip),
                            ds_config=ds_config, uc_info=None, models=models, placement=None,
                            notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3 -> "

@@ -100,13 +100,11 @@ class DeepSpeedWriter(Writer):
         self.keeps_replicas = self._target["tp"] == ck.tp
 
     def _autoep_zero3(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
-        from .experts_zero3 import AutoEPZero3Partitions
         from .placement import check_autoep_zero3
 
         stage = 3 if stage is None else stage
         check_autoep_zero3(ck, ep, dp, tp, pp, stage)
-        src = AutoEPZero3Partitions(ck)
-        self.target = autoep_zero3_target(src, ep, dp) if stage == 3 else autoep_from_zero3_target(src, ep, dp, stage)
+        self.target = autoep_zero3_target(ck, ep, dp) if stage == 3 else autoep_from_zero3_target(ck, ep, dp, stage)
         self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": 3, "ep": ck.experts.ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
         self._notes += self.target.notes
