@@ -169,6 +169,12 @@ class DeepSpeedCheckpoint:
         return info if isinstance(info, dict) else {}
 
     @cached_property
+    def pipe(self) -> bool:
+        """Whether this is a ``deepspeed.pipe`` checkpoint (layer files, or PP > 1): each
+        parameter's TP map sits on its stage's model-parallel ranks (``stage_map``)."""
+        return bool(self.layer_files) or self.pp > 1
+
+    @cached_property
     def bf16(self) -> bool:
         """Whether the optimizer files are named ``bf16_...`` (DeepSpeed's bf16 optimizer); a
         target names its own alike."""

@@ -276,7 +276,7 @@ class Zero12Partitions:
         # A pipeline checkpoint has TP model-parallel ranks per stage; each parameter's TP map
         # sits on its stage's ranks, which the "stage map" below states. Everything else treats
         # model-parallel ranks alike, whether they are TP ranks, stages or both.
-        self.pipe = bool(ck.layer_files) or ck.pp > 1
+        self.pipe = ck.pipe
         self.mp = ck.mp
         self.topology = Topology(1, ck.dp, self.mp)  # global rank = dp_rank * mp + mp_rank
         ms0 = ck.model_state(0)
