@@ -24,7 +24,7 @@ from .checkpoint import DeepSpeedCheckpoint
 from .layout import Group, Layout, Part, Unit
 from .placement import EXPERT_FILE, AutoEPPlacement, split_local, uniform_placement
 from .target import DeepSpeedTarget, PlaceholderFiles, autoep_sub_layout
-from .templates import Templates, ds_id_notes
+from .templates import Templates, ds_id_notes, placeholder_dtype
 
 
 def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: int, expert_files: list[Path], *,
@@ -210,12 +210,7 @@ def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: i
     placement = AutoEPPlacement(ez3.autoep(ck), ep, dp)
     outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
     shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
-    module = template.get("module") or {}
-    dtypes = {module[n].dtype for n in names if isinstance(module.get(n), torch.Tensor)}
-    if len(dtypes) != 1:
-        raise CheckpointError(f"{ck.model_files[0]}: the module's parameter placeholders have dtypes "
-                              f"{sorted(map(str, dtypes))}; expected one training dtype")
-    dtype = dtypes.pop()
+    dtype = placeholder_dtype(ck, names)
     cfg = template.get("ds_config")
     cfg = cfg if isinstance(cfg, dict) else {}
     zo = cfg.get("zero_optimization") or {}

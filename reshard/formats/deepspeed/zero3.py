@@ -49,9 +49,9 @@ if TYPE_CHECKING:  # checkpoint builds its layout on this module (layout.py)
     from .checkpoint import DeepSpeedCheckpoint
 from .zero12 import with_config
 
-__all__ = ["AttrTensorRef", "SubGroup", "Zero3Partitions", "model_file", "model_states", "model_template_from_zero12",
-           "optim_file", "optim_source_from_zero3", "optim_source_from_zero12", "optim_states", "sub_group_lists",
-           "sub_groups"]
+__all__ = ["AttrTensorRef", "SubGroup", "Zero3Partitions", "ds_ids", "model_file", "model_states",
+           "model_template_from_zero12", "optim_file", "optim_groups", "optim_source_from_zero3",
+           "optim_source_from_zero12", "optim_states", "sub_group_lists", "sub_groups"]
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -165,6 +165,33 @@ def sub_group_lists(ck: DeepSpeedCheckpoint, t: int, n_sub: int) -> list[list[in
     return lists
 
 
+def optim_groups(ck: DeepSpeedCheckpoint) -> list[list[str]]:
+    """The optimizer's parameter groups (names, in flat order): TP rank 0's recorded sub-groups
+    joined as ``param_groups`` numbers them (:func:`sub_group_lists`)."""
+    shapes = ck.groups(0)
+    return [[n for k in lst for n in shapes[k]] for lst in sub_group_lists(ck, 0, len(shapes))]
+
+
+def ds_ids(ck: DeepSpeedCheckpoint) -> tuple[dict[str, int], bool]:
+    """Each parameter's ``ds_id``, where the source's ``"<first>_<last>"`` names tell it: a
+    sub-group of n parameters numbered ``first .. first + n - 1`` (DeepSpeed numbers them in
+    model order; every TP rank alike). Where they do not (param groups out of model order), the
+    numbering is a guess; DeepSpeed's loader does not read ``ds_id``."""
+    out, exact = {}, True
+    flats = ck.osd(0, 0)["fp32_flat_groups"]
+    base = 0
+    for sg, t in zip(ck.groups(0), flats):
+        names = list(sg)
+        rng = _ds_id_range(t)
+        if rng is None or rng[1] - rng[0] + 1 != len(names):
+            exact = False
+        first = rng[0] if rng is not None else base
+        for i, n in enumerate(names):
+            out[n] = first + i
+        base = first + len(names)
+    return out, exact
+
+
 def _zero_config(cfg: Any) -> dict:
     zo = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
     return zo if isinstance(zo, dict) else {}
@@ -213,7 +240,6 @@ class Zero3Partitions:
         if zo.get("mics_shard_size", -1) not in (-1, 0, None) or zo.get("elastic_checkpoint"):
             raise CheckpointError(f"{where0}: MiCS or elastic ZeRO-3 checkpoints are not supported")
         self.sub_group_size = sub_group_size(self.cfg, str(where0))
-        self.bf16 = ck.bf16
         self.shard_shapes: list[dict[str, tuple[int, ...]]] = []  # [tp rank] name -> TP shard shape
         self.groups_by_tp: list[list[list[tuple[str, tuple[int, ...]]]]] = []
         self.subs_by_tp: list[list[SubGroup]] = []
@@ -240,7 +266,6 @@ class Zero3Partitions:
         self.has_moments = self._check_optim_files()
         self._check_module()
         ck.check_steps()
-        self.ds_ids, self.ds_ids_exact = self._ds_ids()
 
     # -- checks ---------------------------------------------------------------------------------
     def _recorded_sub_groups(self, t: int) -> list[OrderedDict]:
@@ -347,24 +372,6 @@ class Zero3Partitions:
                                     "parameters, buffers nor tied aliases: model weights no DeepSpeed target has a "
                                     "place for (not supported)", entries=tuple(unknown))
 
-    # -- what the writer copies ---------------------------------------------------------------------
-    def _ds_ids(self) -> tuple[dict[str, int], bool]:
-        """Each parameter's ``ds_id``, where the source's ``"<first>_<last>"`` names tell it: a
-        sub-group of n parameters numbered ``first .. first + n - 1`` (DeepSpeed numbers them in
-        model order; every TP rank alike). Where they do not (param groups out of model order), the
-        numbering is a guess; DeepSpeed's loader does not read ``ds_id``."""
-        out, exact = {}, True
-        flats = self.ck.osd(0, 0)["fp32_flat_groups"]
-        base = 0
-        for sg, t in zip(self.subs, flats):
-            rng = _ds_id_range(t)
-            if rng is None or rng[1] - rng[0] + 1 != len(sg.names):
-                exact = False
-            first = rng[0] if rng is not None else base
-            for i, n in enumerate(sg.names):
-                out[n] = first + i
-            base = first + len(sg.names)
-        return out, exact
 
 def _as_dict(x: Any, path: Any) -> dict:
     if not isinstance(x, dict):
