@@ -298,7 +298,7 @@ def _check_optim_files(ck: DeepSpeedCheckpoint, subs_by_tp: Sequence[Sequence[Su
     """Every rank's file: known keys, ``partition_count``, sub-group count, state keys, and
     each flat tensor exactly as long as the layout says (a truncated one is named by file,
     rank and the first parameter it cuts off). Returns whether Adam moments are present."""
-    moments = set()
+    moments: set[bool] = set()
     for t, d in ((t, d) for t in range(ck.tp) for d in range(ck.dp)):
         subs = subs_by_tp[t]
         path = ck.optim_files[(t, d)]
