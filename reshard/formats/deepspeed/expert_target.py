@@ -433,7 +433,7 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
                 dse.LAYERS_KEY: [{**entry, "checkpoint_format": "zero3_partitioned", "checkpoint_format_version": 1}
                                  for entry in ms0[dse.LAYERS_KEY]]}
     ds_config = placement.ds_config(dsw.target_ds_config(cfg, tp=1, dp=dp, zero_stage=3))
-    ids, exact = dse.autoep_ds_ids(list(module), ax, names)
+    ids, exact = dse.module_ds_ids(list(module), ax, names)
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-{ck.zero_stage} -> ZeRO-3: "
              "one model-state and one optimizer file per DP rank, the per-expert files' weights not written (a "
              "ZeRO-3 engine loads the fp32 masters)"]
@@ -475,7 +475,7 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
                 "universal_checkpoint_info": {"universal_checkpoint_version": 0.4,
                                               "expert_parameter_patterns": [r".*\.experts\.w[123]$"]}}
     ds_config = placement.ds_config(dsw.target_ds_config(tpl.cfg, tp=1, dp=dp, zero_stage=3))
-    ids, exact = dse.autoep_ds_ids(list(module), ax, tpl.names)
+    ids, exact = dse.module_ds_ids(list(module), ax, tpl.names)
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3, EDP groups in DeepSpeed's "
              "default order (expert before data)"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")

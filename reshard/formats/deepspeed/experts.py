@@ -312,16 +312,16 @@ def edp_elements(ck: DeepSpeedCheckpoint) -> dict[int, int]:
     return out
 
 
-def autoep_ds_ids(module: Sequence[str], ax: AutoEP, names: Sequence[str]) -> tuple[dict[str, int], bool]:
+def module_ds_ids(module: Sequence[str], ax: AutoEP | None, names: Sequence[str]) -> tuple[dict[str, int], bool]:
     """Each parameter's ZeRO-3 ``ds_id`` (its index in ``model.parameters()``): the module's owned
-    parameters in order (``module``: its keys), each MoE layer's fused experts right after the last
-    owned parameter under its ``module_path`` (the router; DeepSpeed's AutoEP layer registers its
-    experts after it). ``False`` where that order does not hold every parameter (then
-    ``names``' order, a best guess)."""
+    parameters in order (``module``: its keys), with AutoEP (``ax``) each MoE layer's fused experts
+    right after the last owned parameter under its ``module_path`` (the router; DeepSpeed's AutoEP
+    layer registers its experts after it). ``False`` where that order does not hold every
+    parameter (then ``names``' order, a best guess)."""
     owned = set(names)
     keys = [n for n in module if n in owned]
     layers: dict[str, list[str]] = {}
-    for p in ax.params.values():
+    for p in (ax.params.values() if ax is not None else ()):
         layers.setdefault(p.name.rsplit(".experts.", 1)[0], []).append(p.name)
     order: list[str] = []
     for i, n in enumerate(keys):

@@ -44,9 +44,9 @@ def optim_groups(ck: DeepSpeedCheckpoint) -> tuple[list[list[str]], set[int], in
 
 
 def ds_ids(ck: DeepSpeedCheckpoint, names: list[str]) -> tuple[dict[str, int], bool]:
-    """Each parameter's ``ds_id`` in the order :func:`experts.autoep_ds_ids` derives, checked
+    """Each parameter's ``ds_id`` in the order :func:`experts.module_ds_ids` derives, checked
     against the ``"<first>_<last>"`` ids of the source's flat groups."""
-    ids, exact = dse.autoep_ds_ids(list(ck.model_state(0).get("module") or {}), autoep(ck), names)
+    ids, exact = dse.module_ds_ids(list(ck.model_state(0).get("module") or {}), autoep(ck), names)
     flats = ck.osd(0, 0)["fp32_flat_groups"]
     for k, sg in enumerate(ck.groups(0)):
         got = str(getattr(flats[k], "ds_id", ""))

@@ -24,6 +24,7 @@ from ...storage.safe_load import LossScaler, ZeroStageEnum
 from ..contract import Reader
 from . import zero3 as z3
 from .checkpoint import DeepSpeedCheckpoint
+from .experts import module_ds_ids
 from .reader import DeepSpeedNative
 from .zero12 import param_alignment
 
@@ -127,10 +128,7 @@ def from_deepspeed(own: DeepSpeedNative) -> Templates:
     groups = [ck.groups(t) for t in range(ck.mp)]  # every model-parallel rank's, in the same groups
     order = [list(dict.fromkeys(n for t in range(ck.mp) for n in groups[t][g])) for g in range(len(groups[0]))]
     names = [n for g in order for n in g]
-    owned = set(names)
-    module = [k for k in (ms0.get("module") or {}) if k in owned]
-    exact = sorted(module) == sorted(names)  # ZeRO-3 numbers parameters (ds_id) in model order
-    ids = {n: i for i, n in enumerate(module if exact else names)}
+    ids, exact = module_ds_ids(list(ms0.get("module") or {}), None, names)  # ZeRO-3's ds_id: model order
     return Templates(ck.zero_stage, ms0, ck.optim_state(0, 0), order, ck.module_dtype, ms0.get("ds_config"),
                      shared, ck.bf16, ids, exact, source_tp=ck.tp, buffer_source=ck)
 
