@@ -169,6 +169,18 @@ class DeepSpeedCheckpoint:
         return info if isinstance(info, dict) else {}
 
     @cached_property
+    def pipe(self) -> bool:
+        """Whether this is a ``deepspeed.pipe`` checkpoint (layer files, or PP > 1): each
+        parameter's TP map sits on its stage's model-parallel ranks (``stage_map``)."""
+        return bool(self.layer_files) or self.pp > 1
+
+    @cached_property
+    def bf16(self) -> bool:
+        """Whether the optimizer files are named ``bf16_...`` (DeepSpeed's bf16 optimizer); a
+        target names its own alike."""
+        return any(p.name.startswith("bf16_") for p in self.optim_files.values())
+
+    @cached_property
     def param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         """Per model-parallel rank: ``{name: shard shape}`` over all groups, in model order."""
         return [{n: s for g in self.groups(t) for n, s in g.items()} for t in range(self.mp)]

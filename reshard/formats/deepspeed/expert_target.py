@@ -17,14 +17,14 @@ from ...layouts import autoep_placement, replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, OPTIMIZER, Buffer, Slot
 from . import experts as dse
+from . import experts_zero3 as ez3
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
-from .experts_zero3 import AutoEPZero3Partitions
 from .layout import Group, Layout, Part, Unit
 from .placement import EXPERT_FILE, AutoEPPlacement, split_local, uniform_placement
 from .target import DeepSpeedTarget, PlaceholderFiles, autoep_sub_layout
-from .templates import Templates, ds_id_notes
+from .templates import Templates, ds_id_notes, placeholder_dtype
 
 
 def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: int, expert_files: list[Path], *,
@@ -56,9 +56,8 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
     layout = Layout("flat", maps, units, range(dp))
     cfg = dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=stage)
     ds_config = placement.ds_config(cfg) if placement is not None else cfg
-    bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())  # as the source names them
     models = ExpertModelFile(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement, expert_files=expert_files)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=bf16, states=OPTIMIZER,
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
                            models=models, group_names=group_names, notes=[note])
 
@@ -198,39 +197,38 @@ def router_aliases(template: Mapping[str, Any], params: Sequence[str], where: st
     return out
 
 
-def autoep_from_zero3_target(src: AutoEPZero3Partitions, ep: int, dp: int, stage: int) -> DeepSpeedTarget:
+def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int) -> DeepSpeedTarget:
     """An AutoEP ZeRO-3 checkpoint written at ZeRO stage ``stage`` (1 or 2), EP ``ep`` x world
     ``dp``: the layout of :func:`autoep_target` (a dense group flat over all ``dp`` ranks, an expert
     group flat over each EP rank's EDP group), the optimizer file built on the source's recast
     (``zero3.optim_source_from_zero3``) and the weights a ZeRO-3 checkpoint keeps only as fp32
     masters -- the module's and each per-expert file's -- cast from them (:class:`ExpertWeightFiles`)."""
-    ck, template = src.ck, src.template
-    placement = AutoEPPlacement(src.ax, ep, dp)
-    outer = {n: placement.maps[n] if n in placement.maps else replicated(src.shapes[n], 1) for n in src.names}
-    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else src.shapes[n]) for n in src.names}
-    module = template.get("module") or {}
-    dtypes = {module[n].dtype for n in src.names if isinstance(module.get(n), torch.Tensor)}
-    if len(dtypes) != 1:
-        raise CheckpointError(f"{ck.model_files[0]}: the module's parameter placeholders have dtypes "
-                              f"{sorted(map(str, dtypes))}; expected one training dtype")
-    dtype = dtypes.pop()
-    cfg = src.cfg if isinstance(src.cfg, dict) else {}
+    group_names, expert_groups, _ = ez3.optim_groups(ck)
+    names = [n for g in group_names for n in g]
+    shapes = {n: s for sg in ck.groups(0) for n, s in sg.items()}
+    template = ck.model_state(0)
+    placement = AutoEPPlacement(ez3.autoep(ck), ep, dp)
+    outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
+    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
+    dtype = placeholder_dtype(ck, names)
+    cfg = template.get("ds_config")
+    cfg = cfg if isinstance(cfg, dict) else {}
     zo = cfg.get("zero_optimization") or {}
     align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
     dense, experts = Group.dense(1, dp), placement.group()
     units = []
-    for g, names in enumerate(src.group_names):
-        part = placement.edp if g in src.expert_groups else dp
-        fg = dsw.flat_group(list(names), [shape[n] for n in names], part, param_align=align)
-        units.append(Unit(experts, dict.fromkeys(range(ep), Part(fg, fg.names))) if g in src.expert_groups
+    for g, grp in enumerate(group_names):
+        part = placement.edp if g in expert_groups else dp
+        fg = dsw.flat_group(list(grp), [shape[n] for n in grp], part, param_align=align)
+        units.append(Unit(experts, dict.fromkeys(range(ep), Part(fg, fg.names))) if g in expert_groups
                      else Unit(dense, {0: Part(fg, fg.names)}))
     layout = Layout("flat", outer, units, range(dp))
-    ds_config = placement.ds_config(dsw.target_ds_config(src.cfg, tp=1, dp=dp, zero_stage=stage))
-    aliases = router_aliases(template, src.names, str(ck.model_files[0]))
+    ds_config = placement.ds_config(dsw.target_ds_config(template.get("ds_config"), tp=1, dp=dp, zero_stage=stage))
+    aliases = router_aliases(template, names, str(ck.model_files[0]))
     models = ExpertWeightFiles(ck, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
-                               dtype=dtype, names=src.names, outer=outer, aliases=aliases)
+                               dtype=dtype, names=names, outer=outer, aliases=aliases)
     clip = cfg.get("gradient_clipping", 0.0)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=src.bf16, states=OPTIMIZER,
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: z3.optim_source_from_zero3(ck.optim_state(0, 0), clip_grad=clip),
                            ds_config=ds_config, uc_info=None, models=models, placement=None,
                            notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3 -> "
@@ -391,28 +389,6 @@ def _with_clip(optim: dict, clip_grad: float | None) -> dict:
 # -- AutoEP ZeRO-1/2 -> ZeRO-3 ---------------------------------------------------------------------
 
 
-def autoep_ds_ids(module: Sequence[str], ax: dse.AutoEP, names: Sequence[str]) -> tuple[dict[str, int], bool]:
-    """Each parameter's ZeRO-3 ``ds_id`` (its index in ``model.parameters()``): the module's owned
-    parameters in order (``module``: its keys), each MoE layer's fused experts right after the last
-    owned parameter under its ``module_path`` (the router; DeepSpeed's AutoEP layer registers its
-    experts after it). ``False`` where that order does not hold every parameter (then
-    ``names``' order, a best guess)."""
-    owned = set(names)
-    keys = [n for n in module if n in owned]
-    layers: dict[str, list[str]] = {}
-    for p in ax.params.values():
-        layers.setdefault(p.name.rsplit(".experts.", 1)[0], []).append(p.name)
-    order: list[str] = []
-    for i, n in enumerate(keys):
-        order.append(n)
-        nxt = keys[i + 1] if i + 1 < len(keys) else ""
-        for path, experts in layers.items():
-            if n.startswith(path + ".") and not nxt.startswith(path + "."):
-                order.extend(experts)
-    exact = sorted(order) == sorted(names)
-    return {n: i for i, n in enumerate(order if exact else names)}, exact
-
-
 def _with_partition_groups(optim: dict) -> dict:
     """A recast ZeRO-3 optimizer file with AutoEP's ``ds_zero_partition_groups`` slot after
     ``partition_count``, where DeepSpeed's AutoEP ZeRO-3 save puts it (filled per rank)."""
@@ -457,15 +433,14 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
                 dse.LAYERS_KEY: [{**entry, "checkpoint_format": "zero3_partitioned", "checkpoint_format_version": 1}
                                  for entry in ms0[dse.LAYERS_KEY]]}
     ds_config = placement.ds_config(dsw.target_ds_config(cfg, tp=1, dp=dp, zero_stage=3))
-    ids, exact = autoep_ds_ids(list(module), ax, names)
+    ids, exact = dse.module_ds_ids(list(module), ax, names)
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-{ck.zero_stage} -> ZeRO-3: "
              "one model-state and one optimizer file per DP rank, the per-expert files' weights not written (a "
              "ZeRO-3 engine loads the fp32 masters)"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
-    bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
     models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
                               size=path.stat().st_size, placement=placement)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=bf16, states=OPTIMIZER,
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: _with_partition_groups(z3.optim_source_from_zero12(
                                ck.optim_state(0, 0))),
                            ds_config=ds_config, uc_info=None, models=models, ds_ids=ids, placement=placement,
@@ -500,7 +475,7 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
                 "universal_checkpoint_info": {"universal_checkpoint_version": 0.4,
                                               "expert_parameter_patterns": [r".*\.experts\.w[123]$"]}}
     ds_config = placement.ds_config(dsw.target_ds_config(tpl.cfg, tp=1, dp=dp, zero_stage=3))
-    ids, exact = autoep_ds_ids(list(module), ax, tpl.names)
+    ids, exact = dse.module_ds_ids(list(module), ax, tpl.names)
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3, EDP groups in DeepSpeed's "
              "default order (expert before data)"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")

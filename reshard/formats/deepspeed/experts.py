@@ -24,7 +24,7 @@ count, rank and the global ranks of the group (docs/deepspeed-checkpoints.md §1
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,3 +310,25 @@ def edp_elements(ck: DeepSpeedCheckpoint) -> dict[int, int]:
         for d, s in ck.layout.composite(p.name).shards.items():
             out[d] += s.numel
     return out
+
+
+def module_ds_ids(module: Sequence[str], ax: AutoEP | None, names: Sequence[str]) -> tuple[dict[str, int], bool]:
+    """Each parameter's ZeRO-3 ``ds_id`` (its index in ``model.parameters()``): the module's owned
+    parameters in order (``module``: its keys), with AutoEP (``ax``) each MoE layer's fused experts
+    right after the last owned parameter under its ``module_path`` (the router; DeepSpeed's AutoEP
+    layer registers its experts after it). ``False`` where that order does not hold every
+    parameter (then ``names``' order, a best guess)."""
+    owned = set(names)
+    keys = [n for n in module if n in owned]
+    layers: dict[str, list[str]] = {}
+    for p in (ax.params.values() if ax is not None else ()):
+        layers.setdefault(p.name.rsplit(".experts.", 1)[0], []).append(p.name)
+    order: list[str] = []
+    for i, n in enumerate(keys):
+        order.append(n)
+        nxt = keys[i + 1] if i + 1 < len(keys) else ""
+        for path, experts in layers.items():
+            if n.startswith(path + ".") and not nxt.startswith(path + "."):
+                order.extend(experts)
+    exact = sorted(order) == sorted(names)
+    return {n: i for i, n in enumerate(order if exact else names)}, exact

@@ -30,14 +30,13 @@ from ...ir.param_map import ParamMap
 from ...storage import verified
 from ..contract import Held, Reader
 from ..hf.trainer_files import trainer_held
-from . import checks
+from . import checks, zero3, zero12
 from .checkpoint import DeepSpeedCheckpoint
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE
 from .layout import check_flat
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
-from .zero3 import Zero3Partitions
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS
-from .zero12 import Zero12Partitions, layout_alignment
+from .zero12 import layout_alignment
 
 __all__ = ["DeepSpeedNative", "DeepSpeedReader", "model_state_held", "optimizer_state"]
 
@@ -64,13 +63,16 @@ class DeepSpeedNative:
         return "zero3" if ck.zero_stage == 3 else "zero12"
 
     @cached_property
-    def zero12(self) -> Zero12Partitions | None:
-        """The ZeRO-1/2 source's groups, checked against DeepSpeed's layout rule."""
-        return Zero12Partitions(self.ck, check_flat) if self.kind == "zero12" else None
+    def zero12_checked(self) -> bool:
+        """A dense ZeRO-1/2 source checked against DeepSpeed's layout rule (:func:`zero12.check`), once."""
+        zero12.check(self.ck, check_flat)
+        return True
 
     @cached_property
-    def zero3(self) -> Zero3Partitions | None:
-        return Zero3Partitions(self.ck) if self.kind == "zero3" else None
+    def zero3_moments(self) -> bool:
+        """A dense ZeRO-3 source checked against DeepSpeed's layout rule and every file's sizes
+        (:func:`zero3.check`), once: whether its optimizer files hold Adam's moments."""
+        return zero3.check(self.ck)
 
 
 class DeepSpeedReader(Reader):
@@ -102,15 +104,6 @@ class DeepSpeedReader(Reader):
     def _kind(self) -> str:
         return self.own.kind
 
-    @property
-    def zero12(self) -> Zero12Partitions | None:
-        """The ZeRO-1/2 source's groups, checked against DeepSpeed's layout rule."""
-        return self.own.zero12
-
-    @property
-    def zero3(self) -> Zero3Partitions | None:
-        return self.own.zero3
-
     def world(self) -> int | None:
         return self.ck.mp * self.ck.dp  # one optimizer file per (DP rank, model-parallel rank)
 
@@ -125,9 +118,9 @@ class DeepSpeedReader(Reader):
         if ck.zero_stage != 3:  # first: the layout rules below take the partitions' types on trust
             checks.check_partitions(ck, sizes=False)
         if self._kind == "zero12":
-            _ = self.zero12  # building it checks the layout rule (a statement: python -O drops assertions)
+            _ = self.own.zero12_checked
         elif self._kind == "zero3":
-            _ = self.zero3
+            _ = self.own.zero3_moments
         else:
             ck.check_steps()
         if ck.zero_stage == 3:
@@ -136,7 +129,7 @@ class DeepSpeedReader(Reader):
             checks.check_partitions(ck)
             checks.check_module_weights(ck, self.names, self.module_dtype)
             checks.check_expert_files(ck, self.module_dtype)
-            if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout is checked building Zero12Partitions
+            if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout: zero12.check
                 check_flat(ck, layout_alignment(ck, self.module_dtype))
         checks.check_recorded_maps(ck, self.names)
         for name in self.names:  # every map lowers and composes
@@ -163,7 +156,7 @@ class DeepSpeedReader(Reader):
     def states(self, name: str) -> tuple[str, ...]:
         ck = self.ck
         optim = OPTIMIZER if ck.has_optimizer_state(name) else ()
-        if self._kind == "zero3" and self.zero3 is not None and not self.zero3.has_moments:
+        if self._kind == "zero3" and not self.own.zero3_moments:
             optim = ("fp32",)
         return (("weight",) if ck.module_held(name) else ()) + optim
 

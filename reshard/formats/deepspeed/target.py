@@ -38,9 +38,10 @@ from ...layouts import replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, MOMENTS, OPTIMIZER, Buffer, Slot
 from . import experts as dse
+from . import experts_zero3 as ez3
 from . import zero3 as z3
 from . import zero12 as dsw
-from .experts_zero3 import AutoEPZero3Partitions
+from .checkpoint import DeepSpeedCheckpoint
 from .layout import Group, Layout, Part, Unit
 from .placement import AutoEPPlacement
 from .templates import Templates, ds_id_notes
@@ -290,20 +291,24 @@ def zero3_target(tpl: Templates, maps: dict[str, ParamMap], *, tp: int, dp: int,
                            ds_ids=tpl.ds_ids, notes=notes)
 
 
-def autoep_zero3_target(src: AutoEPZero3Partitions, ep: int, dp: int) -> DeepSpeedTarget:
+def autoep_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedTarget:
     """An AutoEP ZeRO-3 checkpoint at EP ``ep`` x world ``dp``: a dense parameter split over all
     ``dp`` ranks, a fused expert parameter of EP rank ``e`` over ``e``'s EDP group; sub-groups cut
     by DeepSpeed's rule over each group's own partition sizes."""
-    placement = AutoEPPlacement(src.ax, ep, dp)
-    layout = autoep_sub_layout(placement, src.group_names, src.shapes, src.expert_groups, src.sub_group_size)
-    ds_config = placement.ds_config(dsw.target_ds_config(src.cfg, tp=1, dp=dp, zero_stage=3))
+    group_names, expert_groups, size = ez3.optim_groups(ck)
+    ids, exact = ez3.ds_ids(ck, [n for g in group_names for n in g])
+    template = ck.model_state(0)
+    shapes = {n: s for sg in ck.groups(0) for n, s in sg.items()}
+    placement = AutoEPPlacement(ez3.autoep(ck), ep, dp)
+    layout = autoep_sub_layout(placement, group_names, shapes, expert_groups, size)
+    ds_config = placement.ds_config(dsw.target_ds_config(template.get("ds_config"), tp=1, dp=dp, zero_stage=3))
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3"]
-    notes += ds_id_notes(src.ds_ids_exact, "do not match the parameter order reshard derives")
-    models = PlaceholderFiles(lambda: src.template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
-                              size=src.ck.model_files[0].stat().st_size, placement=placement)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=src.bf16, states=OPTIMIZER,
-                           optim_template=lambda: src.ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
-                           models=models, ds_ids=src.ds_ids, placement=placement, notes=notes)
+    notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
+    models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
+                              size=ck.model_files[0].stat().st_size, placement=placement)
+    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
+                           optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
+                           models=models, ds_ids=ids, placement=placement, notes=notes)
 
 
 def autoep_sub_layout(placement: AutoEPPlacement, group_names: Sequence[Sequence[str]],

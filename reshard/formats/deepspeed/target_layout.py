@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from ..hf.tp_plan import TPPlan, chunk_sizes, tp_plan_of_config
 from . import lowering
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
-from .zero12 import Zero12Partitions
 
 TargetLayout = str | Path | Mapping[str, Any] | None
 
@@ -179,14 +178,13 @@ def autotp_plan_maps(plan: TPPlan, shapes: Mapping[str, tuple[int, ...]], tp: in
     return maps
 
 
-def target_stage_maps(src: Zero12Partitions, tp: int, pp: int, layout: TargetLayout,
+def target_stage_maps(ck: DeepSpeedCheckpoint, names: Sequence[str], tp: int, pp: int, layout: TargetLayout,
                       zero_stage: int) -> tuple[dict[str, ParamMap], dict | None, str]:
     """Target maps of a pipeline checkpoint: every parameter's target TP map on its target
     stage's model-parallel ranks ``stage * tp + t``, and the ``universal_checkpoint_info`` the
     training script records (kept). Stages are kept, or merged into one; any other stage count
     depends on the training script's ``partition_method``, which the checkpoint does not record. TP
     is kept, or changed where Megatron's categories (``universal_checkpoint_info``) fix the layout."""
-    ck = src.ck
     if layout is not None:
         raise ReshardError(f"{ck.tag_dir}: a pipeline checkpoint's target TP layout follows from its "
                            "universal_checkpoint_info categories; layout= does not apply")
@@ -202,7 +200,7 @@ def target_stage_maps(src: Zero12Partitions, tp: int, pp: int, layout: TargetLay
                            f"has TP={ck.tp} and keeps it (tp={ck.tp}): how its parameters split over TP ranks is "
                            "not recorded")
     maps = {}
-    for n in src.names:
+    for n in names:
         stage = ck.stage_of(n) if pp == ck.pp else 0
         try:
             m = ck.tp_map(n).map if tp == ck.tp else _megatron_map(n, ck.tp_map(n).map, tp, info)

@@ -23,10 +23,12 @@ from ...errors import CheckpointError
 from ...storage.safe_load import LossScaler, ZeroStageEnum
 from ..contract import Reader
 from . import zero3 as z3
+from .checkpoint import DeepSpeedCheckpoint
+from .experts import module_ds_ids
 from .reader import DeepSpeedNative
 from .zero12 import param_alignment
 
-__all__ = ["Templates", "ds_id_notes", "fresh", "from_deepspeed"]
+__all__ = ["Templates", "ds_id_notes", "fresh", "from_deepspeed", "placeholder_dtype"]
 
 DS_VERSION = "0.19.8"
 # torch.optim.AdamW's param_group keys and defaults (torch 2.13), in its order
@@ -108,33 +110,35 @@ class Templates:
 
 
 def from_deepspeed(own: DeepSpeedNative) -> Templates:
-    """A DeepSpeed source's own dictionaries (ZeRO-1/2 or ZeRO-3, no experts)."""
+    """A DeepSpeed source's own dictionaries (ZeRO-1/2 or ZeRO-3, no experts), read from its
+    files (checked by ``DeepSpeedReader.check`` before any writer reads them)."""
     ck = own.ck
-    if ck.zero_stage == 3:
-        src = own.zero3
-        if src is None:
-            raise CheckpointError(f"{ck.tag_dir}: not a dense ZeRO-3 checkpoint")
-        return Templates(3, src.template, ck.optim_state(0, 0), src.group_names, _z3_dtype(src), src.cfg,
-                         dict(src.template.get("shared_params") or {}), src.bf16, src.ds_ids, src.ds_ids_exact,
-                         source_tp=ck.tp)
-    src12 = own.zero12
-    if src12 is None:
-        raise CheckpointError(f"{ck.tag_dir}: not a dense ZeRO-1/2 checkpoint")
-    src = src12
     ms0 = ck.model_state(0)
-    module = [k for k in (ms0.get("module") or {}) if k in src.group_of]
-    exact = sorted(module) == sorted(src.names)  # ZeRO-3 numbers parameters (ds_id) in model order
-    ids = {n: i for i, n in enumerate(module if exact else src.names)}
-    return Templates(ck.zero_stage, ms0, ck.optim_state(0, 0), src.order, src.dtype, ms0.get("ds_config"),
-                     dict(src.shared), src.bf16, ids, exact, source_tp=ck.tp, buffer_source=ck)
+    shared = dict(ms0.get("shared_params") or {})
+    if ck.zero_stage == 3:
+        if own.kind != "zero3":
+            raise CheckpointError(f"{ck.tag_dir}: not a dense ZeRO-3 checkpoint")
+        group_names = z3.optim_groups(ck)
+        ids, exact = z3.ds_ids(ck)
+        return Templates(3, ms0, ck.optim_state(0, 0), group_names,
+                         placeholder_dtype(ck, [n for g in group_names for n in g]), ms0.get("ds_config"), shared,
+                         ck.bf16, ids, exact, source_tp=ck.tp)
+    if own.kind != "zero12":
+        raise CheckpointError(f"{ck.tag_dir}: not a dense ZeRO-1/2 checkpoint")
+    groups = [ck.groups(t) for t in range(ck.mp)]  # every model-parallel rank's, in the same groups
+    order = [list(dict.fromkeys(n for t in range(ck.mp) for n in groups[t][g])) for g in range(len(groups[0]))]
+    names = [n for g in order for n in g]
+    ids, exact = module_ds_ids(list(ms0.get("module") or {}), None, names)  # ZeRO-3's ds_id: model order
+    return Templates(ck.zero_stage, ms0, ck.optim_state(0, 0), order, ck.module_dtype, ms0.get("ds_config"),
+                     shared, ck.bf16, ids, exact, source_tp=ck.tp, buffer_source=ck)
 
 
-def _z3_dtype(src: Any) -> torch.dtype:
-    """The training dtype: that of the module's parameter placeholders (all alike)."""
-    module = src.template.get("module") or {}
-    dtypes = {module[n].dtype for n in src.names if isinstance(module.get(n), torch.Tensor)}
+def placeholder_dtype(ck: DeepSpeedCheckpoint, names: Sequence[str]) -> torch.dtype:
+    """A ZeRO-3 source's training dtype: that of the module's parameter placeholders (all alike)."""
+    module = ck.model_state(0).get("module") or {}
+    dtypes = {module[n].dtype for n in names if isinstance(module.get(n), torch.Tensor)}
     if len(dtypes) != 1:
-        raise CheckpointError(f"{src.ck.model_files[0]}: the module's parameter placeholders have dtypes "
+        raise CheckpointError(f"{ck.model_files[0]}: the module's parameter placeholders have dtypes "
                               f"{sorted(map(str, dtypes))}; expected one training dtype")
     return dtypes.pop()
 

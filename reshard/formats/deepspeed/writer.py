@@ -100,13 +100,11 @@ class DeepSpeedWriter(Writer):
         self.keeps_replicas = self._target["tp"] == ck.tp
 
     def _autoep_zero3(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
-        from .experts_zero3 import AutoEPZero3Partitions
         from .placement import check_autoep_zero3
 
         stage = 3 if stage is None else stage
         check_autoep_zero3(ck, ep, dp, tp, pp, stage)
-        src = AutoEPZero3Partitions(ck)
-        self.target = autoep_zero3_target(src, ep, dp) if stage == 3 else autoep_from_zero3_target(src, ep, dp, stage)
+        self.target = autoep_zero3_target(ck, ep, dp) if stage == 3 else autoep_from_zero3_target(ck, ep, dp, stage)
         self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": 3, "ep": ck.experts.ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
         self._notes += self.target.notes
@@ -159,7 +157,7 @@ class DeepSpeedWriter(Writer):
         if ck.zero_stage != 3 and (ck.zero_stage not in (1, 2) or stage != 3):
             raise ReshardError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage} -> {stage!r} is not written here (ZeRO-1/2 "
                                "-> ZeRO-3 only)")
-        if ck.zero_stage != 3 and own.zero12 is not None and own.zero12.pipe:
+        if ck.zero_stage != 3 and ck.pipe:
             raise ReshardError(f"{ck.tag_dir}: only a ZeRO-1/2 checkpoint without pipeline stages is written at "
                                f"ZeRO stage 3 (this one is TP={ck.tp} x PP={ck.pp})")
         tpl = templates.from_deepspeed(own)
@@ -185,17 +183,16 @@ class DeepSpeedWriter(Writer):
         if stage not in (1, 2):
             raise ReshardError(f"target ZeRO stage {stage!r} is not supported (only 1 and 2, which share one file "
                                "format)")
-        src = own.zero12
-        if src is None:
+        if own.kind != "zero12":
             raise CheckpointError(f"{ck.tag_dir}: not a dense ZeRO-1/2 checkpoint")
         tpl = templates.from_deepspeed(own)
-        if src.pipe:
-            maps, uc_info, origin = target_stage_maps(src, tp, pp, layout, stage)
+        if ck.pipe:
+            maps, uc_info, origin = target_stage_maps(ck, tpl.names, tp, pp, layout, stage)
         else:
             if pp != 1:
                 raise ReshardError(f"{ck.tag_dir}: not a pipeline (deepspeed.pipe) checkpoint; pp={pp} needs one")
             maps, uc_info, origin = target_tp_maps(ck, tpl.names, tp, layout)
-        self.target = zero12_target(tpl, maps, tp=tp, dp=dp, pp=pp, stage=stage, uc_info=uc_info, pipe=src.pipe,
+        self.target = zero12_target(tpl, maps, tp=tp, dp=dp, pp=pp, stage=stage, uc_info=uc_info, pipe=ck.pipe,
                                     layer_files=ck.layer_files, source_ck=ck)
         self._target = {"tp": tp, "dp": dp, "pp": pp, "zero_stage": stage}
         self.origin = origin

@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8 ZeRO-1/2 checkpoint files: read and checked (:class:`Zero12Partitions`), and the
+"""DeepSpeed 0.19.8 ZeRO-1/2 checkpoint files: read and checked (:func:`check`), and the
 dictionaries of the files a target writes (no tensor data moves here; the engine fills them).
 
 A ZeRO-1/2 source, as every route reads it: its parameter groups per model-parallel rank, checked
@@ -48,7 +48,6 @@ import torch
 from ...errors import CheckpointError, UnplacedError
 from ...ir.param_map import ParamMap, map_to_dict
 from ...ir.piece import prod
-from ...layouts.topology import Topology
 from ...layouts.zero import FlatGroup, zero12_group_layout
 from ...storage.safe_load import FragmentAddress, ZeroStageEnum
 from ...storage.torch_zip import Storage, TensorRef
@@ -265,90 +264,75 @@ def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: i
     return out
 
 
-class Zero12Partitions:
-    """What the source checkpoint says about its ZeRO-1/2 groups, checked against DeepSpeed's
-    layout rule."""
+def check(ck: DeepSpeedCheckpoint, check_flat: Callable[[DeepSpeedCheckpoint, int], None]) -> None:
+    """A dense ZeRO-1/2 source's files against DeepSpeed's layout rule and what a target can
+    write: one parameter group per name, no round-robin or elastic layout, the layer files of a
+    pipeline, every partition (``check_flat``: the one ZeRO-1/2 layout check, ``layout.check_flat``,
+    passed in because layout builds on this module), no frozen parameters, every module entry
+    placed, the optimizer steps."""
+    ms0 = ck.model_state(0)
+    for key in ("num_experts", "ds_autoep_layers"):
+        if ms0.get(key):
+            raise CheckpointError(f"{ck.model_files[0]}: mixture-of-experts checkpoints are not supported")
+    groups = [ck.groups(t) for t in range(ck.mp)]
+    if len({len(g) for g in groups}) != 1:
+        raise CheckpointError(f"{ck.tag_dir}: model-parallel ranks record different numbers of parameter groups")
+    n_groups = len(groups[0])
+    group_of: dict[str, int] = {}
+    for g in range(n_groups):
+        for n in dict.fromkeys(n for t in range(ck.mp) for n in groups[t][g]):
+            if n in group_of:
+                raise CheckpointError(f"{ck.tag_dir}: {n!r} is in parameter groups {group_of[n]} and {g}")
+            group_of[n] = g
+    cfg = ms0.get("ds_config") or {}
+    zo = cfg.get("zero_optimization") or {}
+    if zo.get("round_robin_gradients"):
+        raise CheckpointError(f"{ck.tag_dir}: ZeRO round_robin_gradients reorders the flat buffer by DP size; "
+                              "not supported")
+    if zo.get("elastic_checkpoint"):
+        raise CheckpointError(f"{ck.tag_dir}: elastic ZeRO checkpoints are not supported")
+    if ck.pipe:  # layer files against param_shapes, before anything reads a weight
+        ck.check_layer_files()
+    first = next((w for n in group_of if (w := ck.module_tensor(n, 0)) is not None), None)
+    if first is None:
+        raise CheckpointError(f"{ck.model_files[0]}: the module state holds none of the optimized parameters")
+    _check_groups(ck, n_groups, check_flat, param_alignment(first.dtype, bool(zo.get("parameter_alignment", False))))
+    _check_rest(ck, ms0, group_of)
+    for n in group_of:  # every stage map lowers, before the reader's later checks
+        ck.stage_map(n)
 
-    def __init__(self, ck: DeepSpeedCheckpoint, check_flat: Callable[[DeepSpeedCheckpoint, int], None]) -> None:
-        # check_flat: the one ZeRO-1/2 layout check (layout.check_flat), passed in because layout
-        # builds on this module
-        self.ck, self._check_flat = ck, check_flat
-        # A pipeline checkpoint has TP model-parallel ranks per stage; each parameter's TP map
-        # sits on its stage's ranks, which the "stage map" below states. Everything else treats
-        # model-parallel ranks alike, whether they are TP ranks, stages or both.
-        self.pipe = bool(ck.layer_files) or ck.pp > 1
-        self.mp = ck.mp
-        self.topology = Topology(1, ck.dp, self.mp)  # global rank = dp_rank * mp + mp_rank
-        ms0 = ck.model_state(0)
-        for key in ("num_experts", "ds_autoep_layers"):
-            if ms0.get(key):
-                raise CheckpointError(f"{ck.model_files[0]}: mixture-of-experts checkpoints are not supported")
-        groups = [ck.groups(t) for t in range(self.mp)]
-        if len({len(g) for g in groups}) != 1:
-            raise CheckpointError(f"{ck.tag_dir}: model-parallel ranks record different numbers of parameter groups")
-        self.groups = groups  # [tp][group] -> {name: shard shape}
-        self.n_groups = len(groups[0])
-        self.group_of: dict[str, int] = {}
-        self.order: list[list[str]] = []
-        for g in range(self.n_groups):
-            names = list(dict.fromkeys(n for t in range(self.mp) for n in groups[t][g]))
-            for n in names:
-                if n in self.group_of:
-                    raise CheckpointError(f"{ck.tag_dir}: {n!r} is in parameter groups {self.group_of[n]} and {g}")
-                self.group_of[n] = g
-            self.order.append(names)
-        self.names = [n for grp in self.order for n in grp]
-        cfg = ms0.get("ds_config") or {}
-        zo = cfg.get("zero_optimization") or {}
-        if zo.get("round_robin_gradients"):
-            raise CheckpointError(f"{ck.tag_dir}: ZeRO round_robin_gradients reorders the flat buffer by DP size; "
-                                  "not supported")
-        if zo.get("elastic_checkpoint"):
-            raise CheckpointError(f"{ck.tag_dir}: elastic ZeRO checkpoints are not supported")
-        if self.pipe:  # layer files against param_shapes, before anything reads a weight
-            ck.check_layer_files()
-        first = next((w for n in self.names if (w := ck.module_tensor(n, 0)) is not None), None)
-        if first is None:
-            raise CheckpointError(f"{ck.model_files[0]}: the module state holds none of the optimized parameters")
-        self.dtype = first.dtype
-        self.param_alignment_enabled = bool(zo.get("parameter_alignment", False))
-        self.param_align = param_alignment(self.dtype, self.param_alignment_enabled)
-        self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
-        self._check_groups()
-        self._check_rest(ms0)
-        self.maps = {n: ck.stage_map(n) for n in self.names}
 
-    def _check_groups(self) -> None:
-        ck = self.ck
-        for t in range(self.mp):
-            osds = [ck.osd(t, d) for d in range(ck.dp)]
-            for d, osd in enumerate(osds):
-                base = osd.get("base_optimizer_state")
-                if not isinstance(base, dict) or "state" not in base:
-                    raise CheckpointError(f"{ck.optim_files[(t, d)]}: base_optimizer_state is not a torch optimizer "
-                                          "state_dict (elastic checkpoint?); not supported")
-                if len(osd["param_slice_mappings"]) != self.n_groups:
-                    raise CheckpointError(f"{ck.optim_files[(t, d)]}: {len(osd['param_slice_mappings'])} groups, "
-                                          f"the model states record {self.n_groups}")
-        self._check_flat(ck, self.param_align)
+def _check_groups(ck: DeepSpeedCheckpoint, n_groups: int, check_flat: Callable[[DeepSpeedCheckpoint, int], None],
+                  align: int) -> None:
+    for t in range(ck.mp):
+        for d in range(ck.dp):
+            osd = ck.osd(t, d)
+            base = osd.get("base_optimizer_state")
+            if not isinstance(base, dict) or "state" not in base:
+                raise CheckpointError(f"{ck.optim_files[(t, d)]}: base_optimizer_state is not a torch optimizer "
+                                      "state_dict (elastic checkpoint?); not supported")
+            if len(osd["param_slice_mappings"]) != n_groups:
+                raise CheckpointError(f"{ck.optim_files[(t, d)]}: {len(osd['param_slice_mappings'])} groups, "
+                                      f"the model states record {n_groups}")
+    check_flat(ck, align)
 
-    def _check_rest(self, ms0: dict) -> None:
-        ck = self.ck
-        for t in range(self.mp):
-            frozen = ck.model_state(t).get("frozen_param_shapes") or {}
-            real = [n for n, s in frozen.items() if prod(tuple(s))]
-            if real:
-                raise CheckpointError(f"{ck.model_files[t]}: frozen (non-optimized) parameters such as {real[0]!r} "
-                                      "are not supported")
-        self.shared = dict(ms0.get("shared_params") or {})
-        buffers = set(ms0.get("buffer_names") or [])
-        if self.pipe and any(ck.model_state(t).get(k) for t in range(self.mp) for k in ("buffer_names", "shared_params")):
-            raise CheckpointError(f"{ck.tag_dir}: pipeline checkpoints with buffers or tied weights are not supported")
-        for t in range(self.mp):
-            module = ck.model_state(t).get("module") or {}
-            unknown = [k for k in module if k not in self.group_of and k not in buffers and k not in self.shared]
-            if unknown:
-                raise UnplacedError(f"{ck.model_files[t]}: module entries {unknown[:3]} are neither optimized "
-                                    "parameters, buffers nor tied aliases (frozen parameters?): model weights no "
-                                    "DeepSpeed target has a place for (not supported)", entries=tuple(unknown))
-        ck.check_steps()
+
+def _check_rest(ck: DeepSpeedCheckpoint, ms0: dict, group_of: Mapping[str, int]) -> None:
+    for t in range(ck.mp):
+        frozen = ck.model_state(t).get("frozen_param_shapes") or {}
+        real = [n for n, s in frozen.items() if prod(tuple(s))]
+        if real:
+            raise CheckpointError(f"{ck.model_files[t]}: frozen (non-optimized) parameters such as {real[0]!r} "
+                                  "are not supported")
+    shared = dict(ms0.get("shared_params") or {})
+    buffers = set(ms0.get("buffer_names") or [])
+    if ck.pipe and any(ck.model_state(t).get(k) for t in range(ck.mp) for k in ("buffer_names", "shared_params")):
+        raise CheckpointError(f"{ck.tag_dir}: pipeline checkpoints with buffers or tied weights are not supported")
+    for t in range(ck.mp):
+        module = ck.model_state(t).get("module") or {}
+        unknown = [k for k in module if k not in group_of and k not in buffers and k not in shared]
+        if unknown:
+            raise UnplacedError(f"{ck.model_files[t]}: module entries {unknown[:3]} are neither optimized "
+                                "parameters, buffers nor tied aliases (frozen parameters?): model weights no "
+                                "DeepSpeed target has a place for (not supported)", entries=tuple(unknown))
+    ck.check_steps()

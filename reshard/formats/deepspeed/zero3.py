@@ -49,9 +49,9 @@ if TYPE_CHECKING:  # checkpoint builds its layout on this module (layout.py)
     from .checkpoint import DeepSpeedCheckpoint
 from .zero12 import with_config
 
-__all__ = ["AttrTensorRef", "SubGroup", "Zero3Partitions", "model_file", "model_states", "model_template_from_zero12",
-           "optim_file", "optim_source_from_zero3", "optim_source_from_zero12", "optim_states", "sub_group_lists",
-           "sub_groups"]
+__all__ = ["AttrTensorRef", "SubGroup", "check", "ds_ids", "model_file", "model_states",
+           "model_template_from_zero12", "optim_file", "optim_groups", "optim_source_from_zero3",
+           "optim_source_from_zero12", "optim_states", "sub_group_lists", "sub_groups"]
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -165,6 +165,33 @@ def sub_group_lists(ck: DeepSpeedCheckpoint, t: int, n_sub: int) -> list[list[in
     return lists
 
 
+def optim_groups(ck: DeepSpeedCheckpoint) -> list[list[str]]:
+    """The optimizer's parameter groups (names, in flat order): TP rank 0's recorded sub-groups
+    joined as ``param_groups`` numbers them (:func:`sub_group_lists`)."""
+    shapes = ck.groups(0)
+    return [[n for k in lst for n in shapes[k]] for lst in sub_group_lists(ck, 0, len(shapes))]
+
+
+def ds_ids(ck: DeepSpeedCheckpoint) -> tuple[dict[str, int], bool]:
+    """Each parameter's ``ds_id``, where the source's ``"<first>_<last>"`` names tell it: a
+    sub-group of n parameters numbered ``first .. first + n - 1`` (DeepSpeed numbers them in
+    model order; every TP rank alike). Where they do not (param groups out of model order), the
+    numbering is a guess; DeepSpeed's loader does not read ``ds_id``."""
+    out, exact = {}, True
+    flats = ck.osd(0, 0)["fp32_flat_groups"]
+    base = 0
+    for sg, t in zip(ck.groups(0), flats):
+        names = list(sg)
+        rng = _ds_id_range(t)
+        if rng is None or rng[1] - rng[0] + 1 != len(names):
+            exact = False
+        first = rng[0] if rng is not None else base
+        for i, n in enumerate(names):
+            out[n] = first + i
+        base = first + len(names)
+    return out, exact
+
+
 def _zero_config(cfg: Any) -> dict:
     zo = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
     return zo if isinstance(zo, dict) else {}
@@ -190,181 +217,152 @@ def _ds_id_range(t: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
-class Zero3Partitions:
+def check(ck: DeepSpeedCheckpoint) -> bool:
     """A ZeRO-3 checkpoint (TP=1, or AutoTP at any TP degree; no pipeline) as ``reshard reshard``
     reads it: per TP rank its parameter groups and sub-groups (of TP shards), checked against
     DeepSpeed 0.19.8's layout rule and every file's sizes before anything is written. Every TP
-    rank holds the same parameters in the same groups; only their shard shapes differ."""
+    rank holds the same parameters in the same groups; only their shard shapes differ. Returns
+    whether Adam moments are present."""
+    if ck.zero_stage != 3:
+        raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage}, not 3")
+    if ck.pp != 1:
+        raise CheckpointError(f"{ck.tag_dir}: ZeRO-3 with PP={ck.pp} is not supported (no pipeline)")
+    template = ck.model_state(0)
+    where0 = ck.model_files[0]
+    for key in ("num_experts", "ds_autoep_layers"):
+        if template.get(key):
+            raise CheckpointError(f"{where0}: mixture-of-experts checkpoints are not supported")
+    cfg = template.get("ds_config")
+    zo = _zero_config(cfg)
+    if zo.get("mics_shard_size", -1) not in (-1, 0, None) or zo.get("elastic_checkpoint"):
+        raise CheckpointError(f"{where0}: MiCS or elastic ZeRO-3 checkpoints are not supported")
+    size = sub_group_size(cfg, str(where0))
+    subs_by_tp: list[list[SubGroup]] = []
+    names_by_tp: list[list[list[str]]] = []
+    for t in range(ck.tp):
+        recorded = _recorded_sub_groups(ck, t)
+        group_of_sub = [g for g, lst in enumerate(sub_group_lists(ck, t, len(recorded))) for _ in lst]
+        groups: list[list[tuple[str, tuple[int, ...]]]] = []
+        for k, sg in enumerate(recorded):
+            while len(groups) <= group_of_sub[k]:
+                groups.append([])
+            groups[group_of_sub[k]].extend(sg.items())
+        subs = sub_groups(groups, ck.dp, size)
+        check_cut(subs, recorded, size, ck.model_files[t])
+        names_by_tp.append([[n for n, _ in g] for g in groups])
+        subs_by_tp.append(subs)
+    group_names = names_by_tp[0]  # parameter groups, model order
+    for t in range(1, ck.tp):
+        if names_by_tp[t] != group_names:
+            raise CheckpointError(f"{ck.model_files[t]}: TP rank {t} records other parameters or parameter "
+                                  "groups than TP rank 0")
+    has_moments = _check_optim_files(ck, subs_by_tp)
+    _check_module(ck, [n for g in group_names for n in g])
+    ck.check_steps()
+    return has_moments
 
-    def __init__(self, ck: DeepSpeedCheckpoint) -> None:
-        self.ck = ck
-        if ck.zero_stage != 3:
-            raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage}, not 3")
-        if ck.pp != 1:
-            raise CheckpointError(f"{ck.tag_dir}: ZeRO-3 with PP={ck.pp} is not supported (no pipeline)")
-        self.tp, self.dp = ck.tp, ck.dp
-        self.template = ck.model_state(0)  # (TP 0, DP 0)'s model states: every target file is built on it
-        where0 = ck.model_files[0]
-        for key in ("num_experts", "ds_autoep_layers"):
-            if self.template.get(key):
-                raise CheckpointError(f"{where0}: mixture-of-experts checkpoints are not supported")
-        self.cfg = self.template.get("ds_config")
-        zo = _zero_config(self.cfg)
-        if zo.get("mics_shard_size", -1) not in (-1, 0, None) or zo.get("elastic_checkpoint"):
-            raise CheckpointError(f"{where0}: MiCS or elastic ZeRO-3 checkpoints are not supported")
-        self.sub_group_size = sub_group_size(self.cfg, str(where0))
-        self.bf16 = any(p.name.startswith("bf16_") for p in ck.optim_files.values())
-        self.shard_shapes: list[dict[str, tuple[int, ...]]] = []  # [tp rank] name -> TP shard shape
-        self.groups_by_tp: list[list[list[tuple[str, tuple[int, ...]]]]] = []
-        self.subs_by_tp: list[list[SubGroup]] = []
-        for t in range(self.tp):
-            recorded = self._recorded_sub_groups(t)
-            group_of_sub = self._param_groups(t, len(recorded))
-            groups: list[list[tuple[str, tuple[int, ...]]]] = []
-            for k, sg in enumerate(recorded):
-                while len(groups) <= group_of_sub[k]:
-                    groups.append([])
-                groups[group_of_sub[k]].extend(sg.items())
-            subs = sub_groups(groups, self.dp, self.sub_group_size)
-            check_cut(subs, recorded, self.sub_group_size, ck.model_files[t])
-            self.shard_shapes.append({n: s for sg in recorded for n, s in sg.items()})
-            self.groups_by_tp.append(groups)
-            self.subs_by_tp.append(subs)
-        self.group_names = [[n for n, _ in g] for g in self.groups_by_tp[0]]  # parameter groups, model order
-        for t in range(1, self.tp):
-            if [[n for n, _ in g] for g in self.groups_by_tp[t]] != self.group_names:
-                raise CheckpointError(f"{ck.model_files[t]}: TP rank {t} records other parameters or parameter "
-                                      "groups than TP rank 0")
-        self.names = [n for g in self.group_names for n in g]
-        self.shapes, self.groups, self.subs = self.shard_shapes[0], self.groups_by_tp[0], self.subs_by_tp[0]  # TP 0's
-        self.has_moments = self._check_optim_files()
-        self._check_module()
-        ck.check_steps()
-        self.ds_ids, self.ds_ids_exact = self._ds_ids()
 
-    # -- checks ---------------------------------------------------------------------------------
-    def _recorded_sub_groups(self, t: int) -> list[OrderedDict]:
-        """TP rank ``t``'s ``param_shapes``: one ``OrderedDict`` of shard shapes per sub-group,
-        the same in every DP rank's file."""
-        ck = self.ck
-        out = None
-        for d in range(self.dp):
-            path = ck.z3_model_files[(t, d)]
-            ms = ck.model_state(t) if d == 0 else _as_dict(load(path), path)
-            shapes = ms.get("param_shapes")
-            shapes = shapes if isinstance(shapes, list) else [shapes]
-            if not all(isinstance(sg, dict) for sg in shapes):
-                raise CheckpointError(f"{path}: param_shapes is not a list of name -> shape dicts")
-            groups = [OrderedDict((n, tuple(int(x) for x in s)) for n, s in sg.items()) for sg in shapes]
-            if out is None:
-                out = groups
-            elif groups != out:
-                raise CheckpointError(f"{path}: param_shapes differ from DP rank 0's")
-            frozen = ms.get("frozen_param_shapes") or {}
-            real = [n for n, s in frozen.items() if prod(tuple(s))]
-            if real:
-                raise CheckpointError(f"{path}: frozen (non-optimized) parameters such as {real[0]!r} are "
-                                      "not supported")
-        if out is None:  # a check, not an assert: it must hold under python -O too
-            raise CheckpointError(f"{ck.model_files[t]}: no DP rank's model states at TP rank {t}")
-        seen: set[str] = set()
-        for sg in out:
-            dup = next((n for n in sg if n in seen), None)
-            if dup is not None:
-                raise CheckpointError(f"{ck.model_files[t]}: {dup!r} is in two sub-groups of param_shapes")
-            seen.update(sg)
-        return out
+def _recorded_sub_groups(ck: DeepSpeedCheckpoint, t: int) -> list[OrderedDict]:
+    """TP rank ``t``'s ``param_shapes``: one ``OrderedDict`` of shard shapes per sub-group,
+    the same in every DP rank's file."""
+    out = None
+    for d in range(ck.dp):
+        path = ck.z3_model_files[(t, d)]
+        ms = ck.model_state(t) if d == 0 else _as_dict(load(path), path)
+        shapes = ms.get("param_shapes")
+        shapes = shapes if isinstance(shapes, list) else [shapes]
+        if not all(isinstance(sg, dict) for sg in shapes):
+            raise CheckpointError(f"{path}: param_shapes is not a list of name -> shape dicts")
+        groups = [OrderedDict((n, tuple(int(x) for x in s)) for n, s in sg.items()) for sg in shapes]
+        if out is None:
+            out = groups
+        elif groups != out:
+            raise CheckpointError(f"{path}: param_shapes differ from DP rank 0's")
+        frozen = ms.get("frozen_param_shapes") or {}
+        real = [n for n, s in frozen.items() if prod(tuple(s))]
+        if real:
+            raise CheckpointError(f"{path}: frozen (non-optimized) parameters such as {real[0]!r} are "
+                                  "not supported")
+    if out is None:  # a check, not an assert: it must hold under python -O too
+        raise CheckpointError(f"{ck.model_files[t]}: no DP rank's model states at TP rank {t}")
+    seen: set[str] = set()
+    for sg in out:
+        dup = next((n for n in sg if n in seen), None)
+        if dup is not None:
+            raise CheckpointError(f"{ck.model_files[t]}: {dup!r} is in two sub-groups of param_shapes")
+        seen.update(sg)
+    return out
 
-    def _param_groups(self, t: int, n_sub: int) -> list[int]:
-        """Sub-group -> parameter group (:func:`sub_group_lists`)."""
-        return [g for g, lst in enumerate(sub_group_lists(self.ck, t, n_sub)) for _ in lst]
 
-    def _check_optim_files(self) -> bool:
-        """Every rank's file: known keys, ``partition_count``, sub-group count, state keys, and
-        each flat tensor exactly as long as the layout says (a truncated one is named by file,
-        rank and the first parameter it cuts off). Returns whether Adam moments are present."""
-        ck, moments = self.ck, set()
-        for t, d in ((t, d) for t in range(self.tp) for d in range(self.dp)):
-            subs = self.subs_by_tp[t]
-            path = ck.optim_files[(t, d)]
-            top = ck.optim_state(t, d)
-            osd = ck.osd(t, d)
-            unknown = [k for k in top if k not in OPTIM_FILE_KEYS] + [k for k in osd if k not in OSD_KEYS]
-            if unknown:
-                raise CheckpointError(f"{path}: unknown entries {unknown[:3]} (AutoEP or another layout); "
-                                      "not supported")
-            if osd.get("partition_count") != self.dp:
-                raise CheckpointError(f"{path}: partition_count {osd.get('partition_count')!r}, the files "
-                                      f"say DP={self.dp}")
-            flats = osd.get("fp32_flat_groups")
-            inner = osd.get("optimizer_state_dict")
-            state = inner.get("state") if isinstance(inner, dict) else None
-            if not isinstance(flats, list) or len(flats) != len(subs) or not isinstance(state, dict):
-                raise CheckpointError(f"{path}: expected {len(subs)} fp32_flat_groups and a torch "
-                                      "optimizer state, one per sub-group")
-            for k in range(len(subs)):
-                entry = state.get(k, {})
-                extra = [key for key in entry if key not in ("step", *MOMENTS)]
-                if extra:
-                    raise CheckpointError(f"{path}: optimizer state {extra[0]!r} of sub-group {k} is not "
-                                          "known to move with its parameters (only step, exp_avg, "
-                                          "exp_avg_sq)")
-                moments.add(all(m in entry for m in MOMENTS))
-                self._check_length(path, t, d, k, "fp32", flats[k])
-                for m in MOMENTS:
-                    if m in entry:
-                        self._check_length(path, t, d, k, m, entry[m])
-        if len(moments) > 1:
-            raise CheckpointError(f"{ck.tag_dir}: some sub-groups have Adam moments and others not")
-        return moments == {True}
+def _check_optim_files(ck: DeepSpeedCheckpoint, subs_by_tp: Sequence[Sequence[SubGroup]]) -> bool:
+    """Every rank's file: known keys, ``partition_count``, sub-group count, state keys, and
+    each flat tensor exactly as long as the layout says (a truncated one is named by file,
+    rank and the first parameter it cuts off). Returns whether Adam moments are present."""
+    moments: set[bool] = set()
+    for t, d in ((t, d) for t in range(ck.tp) for d in range(ck.dp)):
+        subs = subs_by_tp[t]
+        path = ck.optim_files[(t, d)]
+        top = ck.optim_state(t, d)
+        osd = ck.osd(t, d)
+        unknown = [k for k in top if k not in OPTIM_FILE_KEYS] + [k for k in osd if k not in OSD_KEYS]
+        if unknown:
+            raise CheckpointError(f"{path}: unknown entries {unknown[:3]} (AutoEP or another layout); "
+                                  "not supported")
+        if osd.get("partition_count") != ck.dp:
+            raise CheckpointError(f"{path}: partition_count {osd.get('partition_count')!r}, the files "
+                                  f"say DP={ck.dp}")
+        flats = osd.get("fp32_flat_groups")
+        inner = osd.get("optimizer_state_dict")
+        state = inner.get("state") if isinstance(inner, dict) else None
+        if not isinstance(flats, list) or len(flats) != len(subs) or not isinstance(state, dict):
+            raise CheckpointError(f"{path}: expected {len(subs)} fp32_flat_groups and a torch "
+                                  "optimizer state, one per sub-group")
+        rank = f"dp rank {d}" if ck.tp == 1 else f"tp rank {t}, dp rank {d}"
+        for k, sg in enumerate(subs):
+            entry = state.get(k, {})
+            extra = [key for key in entry if key not in ("step", *MOMENTS)]
+            if extra:
+                raise CheckpointError(f"{path}: optimizer state {extra[0]!r} of sub-group {k} is not "
+                                      "known to move with its parameters (only step, exp_avg, "
+                                      "exp_avg_sq)")
+            moments.add(all(m in entry for m in MOMENTS))
+            _check_length(path, rank, sg, k, "fp32", flats[k])
+            for m in MOMENTS:
+                if m in entry:
+                    _check_length(path, rank, sg, k, m, entry[m])
+    if len(moments) > 1:
+        raise CheckpointError(f"{ck.tag_dir}: some sub-groups have Adam moments and others not")
+    return moments == {True}
 
-    def _check_length(self, path: Any, t: int, d: int, k: int, state: str, x: Any) -> None:
-        sg = self.subs_by_tp[t][k]
-        rank = f"dp rank {d}" if self.tp == 1 else f"tp rank {t}, dp rank {d}"
-        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype != torch.float32:
-            raise CheckpointError(f"{path}: {rank}: {state} of sub-group {k} is not a 1-D float32 tensor")
-        n = x.numel()
-        if n == sg.numel:
-            return
-        if n > sg.numel:
-            raise CheckpointError(f"{path}: {rank}: the {state} partition of sub-group {k} has {n} "
-                                  f"elements, DeepSpeed's layout of its {len(sg.names)} parameters "
-                                  f"{sg.numel}: not the recorded parameters")
-        i = next(i for i, (o, p) in enumerate(zip(sg.offsets, sg.partitions)) if o + p > n)
-        lo = sg.offsets[i]
-        raise CheckpointError(f"{path}: {rank}: parameter {sg.names[i]!r} ({state}, elements "
-                              f"[{lo}, {lo + sg.partitions[i]}) of sub-group {k}) lies past the end of the "
-                              f"partition, which has {n} of {sg.numel} elements: truncated or corrupt")
 
-    def _check_module(self) -> None:
-        for t in range(self.tp):
-            ms = self.ck.model_state(t)
-            known = set(self.names) | set(ms.get("buffer_names") or []) | set(ms.get("shared_params") or {})
-            known |= set(ms.get("frozen_param_shapes") or {})
-            unknown = [k for k in (ms.get("module") or {}) if k not in known]
-            if unknown:
-                raise UnplacedError(f"{self.ck.model_files[t]}: module entries {unknown[:3]} are neither optimized "
-                                    "parameters, buffers nor tied aliases: model weights no DeepSpeed target has a "
-                                    "place for (not supported)", entries=tuple(unknown))
+def _check_length(path: Any, rank: str, sg: SubGroup, k: int, state: str, x: Any) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype != torch.float32:
+        raise CheckpointError(f"{path}: {rank}: {state} of sub-group {k} is not a 1-D float32 tensor")
+    n = x.numel()
+    if n == sg.numel:
+        return
+    if n > sg.numel:
+        raise CheckpointError(f"{path}: {rank}: the {state} partition of sub-group {k} has {n} "
+                              f"elements, DeepSpeed's layout of its {len(sg.names)} parameters "
+                              f"{sg.numel}: not the recorded parameters")
+    i = next(i for i, (o, p) in enumerate(zip(sg.offsets, sg.partitions)) if o + p > n)
+    lo = sg.offsets[i]
+    raise CheckpointError(f"{path}: {rank}: parameter {sg.names[i]!r} ({state}, elements "
+                          f"[{lo}, {lo + sg.partitions[i]}) of sub-group {k}) lies past the end of the "
+                          f"partition, which has {n} of {sg.numel} elements: truncated or corrupt")
 
-    # -- what the writer copies ---------------------------------------------------------------------
-    def _ds_ids(self) -> tuple[dict[str, int], bool]:
-        """Each parameter's ``ds_id``, where the source's ``"<first>_<last>"`` names tell it: a
-        sub-group of n parameters numbered ``first .. first + n - 1`` (DeepSpeed numbers them in
-        model order; every TP rank alike). Where they do not (param groups out of model order), the
-        numbering is a guess; DeepSpeed's loader does not read ``ds_id``."""
-        out, exact = {}, True
-        flats = self.ck.osd(0, 0)["fp32_flat_groups"]
-        base = 0
-        for sg, t in zip(self.subs, flats):
-            rng = _ds_id_range(t)
-            if rng is None or rng[1] - rng[0] + 1 != len(sg.names):
-                exact = False
-            first = rng[0] if rng is not None else base
-            for i, n in enumerate(sg.names):
-                out[n] = first + i
-            base = first + len(sg.names)
-        return out, exact
+
+def _check_module(ck: DeepSpeedCheckpoint, names: Sequence[str]) -> None:
+    for t in range(ck.tp):
+        ms = ck.model_state(t)
+        known = set(names) | set(ms.get("buffer_names") or []) | set(ms.get("shared_params") or {})
+        known |= set(ms.get("frozen_param_shapes") or {})
+        unknown = [k for k in (ms.get("module") or {}) if k not in known]
+        if unknown:
+            raise UnplacedError(f"{ck.model_files[t]}: module entries {unknown[:3]} are neither optimized "
+                                "parameters, buffers nor tied aliases: model weights no DeepSpeed target has a "
+                                "place for (not supported)", entries=tuple(unknown))
+
 
 def _as_dict(x: Any, path: Any) -> dict:
     if not isinstance(x, dict):
