@@ -36,7 +36,7 @@ from ...storage.staging import MANIFEST
 from ..contract import MOMENTS, ExpertLayer, Held, Reader, Stored
 from ..fused_experts import fused_expert_layers
 from ..hf.trainer_files import trainer_held
-from ..safetensors.quantized import Codec, Coded, open_codec
+from ..safetensors.quantized import Codec, Coded, open_codec, release_decoded
 from .checkpoint import DcpCheckpoint
 
 __all__ = ["ENTRY_ORDER", "QUANTIZATION_CONFIG", "RAW", "DcpReader"]
@@ -229,12 +229,7 @@ class DcpReader(Reader):
             return t
         t = self.codec.decode(c, partial(self._held, c), (r0, r1))  # type: ignore[union-attr]
         raw = self._held(c, c.payload).reshape(-1)
-        if c.kind == "fp8":  # row-major: rows r0..r1 are one run of the payload (a no-op on a rebuilt copy)
-            release(raw.narrow(0, r0 * c.shape[-1], (r1 - r0) * c.shape[-1]))
-        else:  # MXFP4: an expert's blocks once its last row is decoded
-            per = rows // c.shape[0]
-            for x in range(r0 // per, r1 // per):
-                release(raw.narrow(0, x * raw.numel() // c.shape[0], raw.numel() // c.shape[0]))
+        release_decoded(c, raw, rows, r0, r1)  # a no-op on a rebuilt copy
         if r1 == rows:
             with self._lock:
                 self._coded_held.pop(c.name, None)

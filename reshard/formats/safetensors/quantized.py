@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from ...errors import QuantizedError
+from ...execute.memory import release
 from ...ir.codec import E8M0_NAN, MXFP4_BYTES, fp8_block_decode, mxfp4_decode, mxfp4_shape, scale_grid
 
-__all__ = ["FP8_DTYPES", "QUANTIZED_DTYPES", "SCALE_SUFFIXES", "Codec", "Coded", "open_codec"]
+__all__ = ["FP8_DTYPES", "QUANTIZED_DTYPES", "SCALE_SUFFIXES", "Codec", "Coded", "open_codec", "release_decoded"]
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
@@ -206,3 +207,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
     return {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0",
             **DTYPES}.get(dtype, str(dtype))
+
+
+def release_decoded(c: Coded, raw: torch.Tensor, rows: int, r0: int, r1: int) -> None:
+    """Drop the pages of ``c``'s flat payload ``raw`` that rows ``r0..r1`` (of ``rows``) were decoded
+    from: each is read once, in bands. FP8 is row-major (the rows are one run); an MXFP4 expert's
+    blocks go once its last row is decoded."""
+    if c.kind == "fp8":
+        release(raw.narrow(0, r0 * c.shape[-1], (r1 - r0) * c.shape[-1]))
+        return
+    per, size = rows // c.shape[0], raw.numel() // c.shape[0]
+    for x in range(r0 // per, r1 // per):
+        release(raw.narrow(0, x * size, size))

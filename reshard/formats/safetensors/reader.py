@@ -38,7 +38,7 @@ from ...layouts import replicated
 from ..contract import ExpertLayer, Held, Reader, Stored
 from ..fused_experts import fused_expert_layers
 from .io import DTYPES
-from .quantized import Codec, Coded, open_codec
+from .quantized import Codec, Coded, open_codec, release_decoded
 
 __all__ = ["INDEX", "SafetensorsReader", "is_safetensors"]
 
@@ -255,12 +255,7 @@ class SafetensorsReader(Reader):
         the scales' after the last row."""
         t = self.codec.decode(c, self._tensor, (r0, r1))  # type: ignore[union-attr]
         raw = self._raw(c.payload)
-        if c.kind == "fp8":  # row-major: rows r0..r1 are one run of the payload
-            release(raw.narrow(0, r0 * c.shape[-1], (r1 - r0) * c.shape[-1]))
-        else:  # MXFP4: an expert's blocks once its last row is decoded
-            per = rows // c.shape[0]
-            for x in range(r0 // per, r1 // per):
-                release(raw.narrow(0, x * raw.numel() // c.shape[0], raw.numel() // c.shape[0]))
+        release_decoded(c, raw, rows, r0, r1)
         if r1 == rows:
             release(self._raw(c.scales))
         return t
