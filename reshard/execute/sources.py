@@ -24,6 +24,7 @@ from ..ir.piece import prod
 from ..layouts._core import box_piece, finish, global_ranks
 from ..layouts.tp import replicated
 from ..layouts.zero import zero3, zero3_partition_numel
+from .lazy import LazyShards
 
 __all__ = ["dtensor_map", "fsdp2_sources", "reader_sources", "zero3_shard", "zero3_sources"]
 
@@ -127,14 +128,19 @@ def zero3_shard(partition: torch.Tensor, shape: Sequence[int], dp: int, dp_rank:
 
 
 def reader_sources(reader, rank: int, *, states: Iterable[str] = ("fp32", "weight"),
-                   ranks: Sequence[int] | None = None, names: Iterable[str] | None = None
-                   ) -> tuple[dict[str, ParamMap], dict[str, torch.Tensor]]:
+                   ranks: Sequence[int] | None = None, names: Iterable[str] | None = None, lazy: bool = True
+                   ) -> tuple[dict[str, ParamMap], Mapping[str, torch.Tensor]]:
     """Source maps and shards from a checkpoint on disk (any reader of ``reshard.open``): storage rank
     ``k`` of the checkpoint is read by live rank ``ranks[k]`` (default ``k``), which gets its
-    fragments (memory-mapped, not copied). Each parameter takes the first of ``states`` the
-    checkpoint holds (the fp32 master, else the module weights). The one place that knows the
-    reader interface (``names``, ``states``, ``map``, ``fragment``)."""
-    maps, shards = {}, {}
+    fragments. Each parameter takes the first of ``states`` the checkpoint holds (the fp32 master,
+    else the module weights). The one place that knows the reader interface (``names``, ``states``,
+    ``map``, ``fragment``).
+
+    ``lazy`` (default): the shards are a :class:`~reshard.execute.lazy.LazyShards`, nothing read
+    until a push reads it, a band at a time (a quantized weight decoded band by band), so a push
+    holds a band, not the checkpoint's decoded shards; ``lazy=False``: a dict of every fragment read
+    now (memory-mapped where the reader stores them; a quantized weight decoded whole)."""
+    maps, shards, entries = {}, {}, {}
     wanted = tuple(states)
     for name in (reader.names if names is None else names):
         held = reader.states(name)
@@ -149,5 +155,7 @@ def reader_sources(reader, rank: int, *, states: Iterable[str] = ("fp32", "weigh
         maps[name] = m.with_ranks(relabel)
         for k, live in relabel.items():
             if live == rank:
-                shards[name] = reader.fragment(name, state, k).view(m.shard(k).shape)
-    return maps, shards
+                entries[name] = (state, k, tuple(m.shard(k).shape))
+                if not lazy:
+                    shards[name] = reader.fragment(name, state, k).view(m.shard(k).shape)
+    return maps, (LazyShards(reader, entries) if lazy else shards)

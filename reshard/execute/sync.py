@@ -48,16 +48,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError, QuantizedError, ReshardError, ShardError, TransferError
+from ..errors import CheckpointError, PlanError, QuantizedError, ReshardError, ShardError, TransferError
 from ..ir.apply import view_of
 from ..ir.param_map import ParamMap
 from ..ir.piece import prod
 from ..layouts.inference import Placed, check_placed, placed
 from ..plan.planner import plan_for_rank
+from .lazy import LazyShards
 from .live import _transfer_device, _Wire
 from .memory import Workspace
 from .sync_program import Bound, Param, Program, compile_program, post_round, rounds_for, run_copy
@@ -128,6 +130,7 @@ class WeightSync:
         self.stats: dict[str, int] = {}
         self._program: Program | None = None
         self._src_dtypes: dict[str, torch.dtype] = {}
+        self._lazy = False
         self._broken: str | None = None
         problems: list[str] = []
         try:
@@ -235,8 +238,9 @@ class WeightSync:
             self._broken = f"a collective failed: {e}"
             raise TransferError(f"WeightSync: rank {self.me} (of the group): {self._broken}") from e
 
-    def _agree(self, lines: list[str], error: type[ReshardError], what: str) -> None:
-        """Collective: every rank raises the same ``error`` when any rank has problem lines."""
+    def _agree(self, lines: list[str], error: type[ReshardError], what: str, classify=None) -> None:
+        """Collective: every rank raises the same ``error`` when any rank has problem lines
+        (``classify(lines)``'s class where given: the lines of every rank, so alike on every rank)."""
         self._flag.fill_(1 if lines else 0)
         self._collective(lambda: dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group))
         if not self._flag.item():
@@ -245,6 +249,8 @@ class WeightSync:
         self._collective(lambda: dist.all_gather_object(gathered, lines, group=self.group))
         # both ends of a link report a disagreement between them: each line once, in rank order
         every = list(dict.fromkeys(line for g in gathered for line in (g or [])))  # type: ignore[union-attr]
+        if classify is not None:
+            error, what = classify(every, error, what)
         raise error(f"WeightSync: {what}:\n  " + "\n  ".join(every))
 
     # -- push -------------------------------------------------------------------------------------
@@ -261,12 +267,21 @@ class WeightSync:
                                 f"group cannot be trusted, make a new one")
         local = {} if local_sources is None else local_sources
         given = {} if into is None else into
-        self._agree(self._problems(local, given), ShardError, "tensors disagree with the plan")
+        lazy = local if isinstance(local, LazyShards) else None
+        problems = self._problems(local, given)
+        if lazy is not None and not problems:  # what reading the checkpoint would refuse: before anything moves
+            problems = [f"rank {self.me}: {READ}{line}" for line in lazy.problems(sorted(self._expect.sources))]
+        self._agree(problems, ShardError, "tensors disagree with the plan", _error_class)
         with torch.no_grad():
             if self._program is None:  # the first push: its source dtypes are what the program is built for
-                self._src_dtypes = {n: local[n].dtype for n in self._expect.sources}
+                self._lazy = lazy is not None
+                self._src_dtypes = {n: _dtype(local, n) for n in self._expect.sources}
                 self._compile()
-            self._run(self._bind(local, given))
+            try:
+                self._run(self._bind(local, given))
+            finally:
+                if lazy is not None:
+                    lazy.close()  # the last parameter's band dropped: nothing of the checkpoint held between pushes
             if self._quant:
                 self._encode(given)
         self.pushes += 1
@@ -288,12 +303,29 @@ class WeightSync:
         extra = sorted(set(local) - set(exp.sources), key=repr) + sorted(set(given) - set(exp.targets), key=repr)
         if extra:
             out.append(f"rank {me}: passed tensors the plan does not give it: {extra[:5]}")
+        if isinstance(local, LazyShards) and exp.sources and self._program is not None and not self._lazy:
+            return [f"rank {me}: local_sources is a lazy checkpoint source, but the first push's were tensors "
+                    f"(its program sends some straight from them); make a WeightSync for the lazy source"]
         for name, shape in exp.sources.items():
+            if isinstance(local, LazyShards) and name in local:  # read later, a band at a time: its shape and dtype
+                out += self._lazy_problem(f"source {name!r}", local, name, shape, self._src_dtypes.get(name))
+                continue
             out += self._tensor_problem(f"source {name!r}", local.get(name), shape, self._src_dtypes.get(name), True)
         for name, shape in exp.targets.items():
             out += self._tensor_problem(f"engine tensor {name!r}", given.get(name), shape,
                                         exp.dtypes.get(name, self.dtype), False)
         return out
+
+    def _lazy_problem(self, what: str, local: LazyShards, name: str, shape, dtype) -> list[str]:
+        me, got, kind = self.me, local.shape(name), local.dtype(name)
+        if got != shape or self.device.type != "cpu":
+            return [f"rank {me}: {what} is {list(got)} read from a checkpoint on the CPU; the plan expects "
+                    f"{list(shape)} on {self.device}"]
+        if dtype is not None and kind != dtype:
+            return [f"rank {me}: {what} is {kind}, not {dtype}, the first push's (its staging and casts are compiled)"]
+        if not kind.is_floating_point:
+            return [f"rank {me}: {what} is {kind}, which cannot be cast to {self.dtype}"]
+        return []
 
     def _tensor_problem(self, what: str, t, shape, dtype, source: bool) -> list[str]:
         me = self.me
@@ -315,7 +347,7 @@ class WeightSync:
         for n in self.names:
             t = self._targets[n]
             params.append(Param(n, self.plan.params[n], t.into if me in t.offsets else None, t.offsets.get(me, 0),
-                                self._src_dtypes.get(n)))
+                                self._src_dtypes.get(n), self._lazy and n in self._src_dtypes))
         self._index = {n: k for k, n in enumerate(self.names)}
         self._program = compile_program(params, self._rounds, me, self.dtype)
         before = self.workspace.nbytes
@@ -326,10 +358,13 @@ class WeightSync:
                         for rq in self._quant_plans}
 
     def _bind(self, local, given) -> Bound:
-        sources = {self._index[n]: t.detach().view(-1) for n, t in local.items()}
         targets = {n: t.detach().view(-1) for n, t in given.items()}
         targets.update({rq.name + COVER: self._covers[rq.name] for rq in self._quant_plans})
-        return Bound(sources, targets, self._staging, self._program.scratch_at)
+        if isinstance(local, LazyShards):  # nothing read here: each parameter opened when a copy reads it
+            opens = {self._index[n]: partial(local.open, n) for n in self._expect.sources}
+            return Bound({}, targets, self._staging, self._program.scratch_at, opens)  # type: ignore[union-attr]
+        sources = {self._index[n]: t.detach().view(-1) for n, t in local.items()}
+        return Bound(sources, targets, self._staging, self._program.scratch_at)  # type: ignore[union-attr]
 
     def _run(self, b: Bound) -> None:
         prog, failed = self._program, None
@@ -369,6 +404,22 @@ class WeightSync:
             view_of(b.targets[into], shape, view).zero_()
         for c in prog.local:
             run_copy(c, b, b.targets[c.dst[1]].dtype)
+
+
+def _dtype(local, name: str) -> torch.dtype:
+    return local.dtype(name) if isinstance(local, LazyShards) else local[name].dtype
+
+
+READ = "reading the checkpoint: "  # a lazy source's refusal, as its problem lines start
+
+
+def _error_class(lines: list[str], error: type[ReshardError], what: str) -> tuple[type[ReshardError], str]:
+    """The push check's error: where every rank's lines are a lazy source's refusals, the reader's
+    class (:class:`~reshard.QuantizedError` where every one is), else ``error``."""
+    if not all(READ in line for line in lines):
+        return error, what
+    quantized = all(f"{READ}QuantizedError: " in line for line in lines)
+    return (QuantizedError if quantized else CheckpointError), "the checkpoint source cannot be read"
 
 
 def _finish(works: list, n_ops: int, inbox, b: Bound, wire: torch.dtype) -> None:

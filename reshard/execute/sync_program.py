@@ -26,12 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
 from ..ir.apply import view_of
 from ..ir.piece import View, prod, row_major_strides
 from ..plan.values import TransferPlan
+from .bands import Banded
+from .lazy import LazyShards, lazy_copy
 from .schedule import Link, Message, Part, messages, schedule, schedule_links
 
 __all__ = ["Loopback", "Param", "Program", "RoundProgram", "compile_program", "run_loopback", "simulate"]
@@ -54,6 +57,7 @@ class Param:
     into: str | None
     offset: int
     src_dtype: torch.dtype | None
+    lazy: bool = False  # its source shard is read a band at a time when packed (execute.lazy): never sent as it is
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +116,7 @@ def _shift(v: View, by: int) -> View:
 
 
 def _needs_copy(p: Param, part: Part, wire: torch.dtype) -> bool:
-    return p.src_dtype != wire or part.factor != 1.0
+    return p.lazy or p.src_dtype != wire or part.factor != 1.0
 
 
 def _send(m: Message, peer: int, params: Sequence[Param], wire: torch.dtype, esize: int, at: int,
@@ -259,6 +263,7 @@ class Bound:
     targets: Mapping[str, torch.Tensor]
     staging: torch.Tensor | None
     scratch_at: int = 0
+    lazy: Mapping[int, Callable[[], Banded]] | None = None  # sources read a band at a time (Param.lazy)
 
     def flat(self, ref: tuple, dtype: torch.dtype | None = None) -> torch.Tensor:
         kind, key = ref
@@ -277,6 +282,9 @@ class Bound:
 
 
 def run_copy(c: Copy, b: Bound, wire: torch.dtype) -> None:
+    if b.lazy is not None and c.src[0] == "s" and c.src[1] in b.lazy:
+        _lazy_run(c, b, wire)
+        return
     dst = b.flat(c.dst, wire)
     src = b.flat(c.src, wire if c.src[0] == "w" else None)
     block = view_of(src, c.shape, c.src_view)
@@ -290,6 +298,16 @@ def run_copy(c: Copy, b: Bound, wire: torch.dtype) -> None:
             torch.mul(block, c.factor, out=tmp)
         block = tmp
     view_of(dst, c.shape, c.dst_view).copy_(block)
+
+
+def _lazy_run(c: Copy, b: Bound, wire: torch.dtype) -> None:
+    """:func:`run_copy` from a source read a band at a time: each part reads at most a band, scaled
+    (by the same operation, element for element) before it is cast into place."""
+    fn = None
+    if c.factor != 1.0:
+        inv = round(1.0 / c.factor)
+        fn = (lambda x: torch.div(x, inv)) if inv != 0 and 1.0 / inv == c.factor else (lambda x: torch.mul(x, c.factor))
+    lazy_copy(b.flat(c.dst, wire), c.dst_view, b.lazy[c.src[1]](), c.src_view, c.shape, fn)  # type: ignore[index]
 
 
 def post_round(rp: RoundProgram, b: Bound, wire: torch.dtype, recv: Callable, send: Callable) -> list[tuple[int, Op]]:
@@ -360,21 +378,38 @@ class Loopback:
         degree = {r: len(peers_of([plans[r].params[n] for n in names[r]], r)) for r in ranks}
         device = next((t.device for d in sources.values() for t in d.values()), torch.device("cpu"))
         self.wire, self.programs, self.bound = wire, {}, {}
+        self.lazy = [m for m in sources.values() if isinstance(m, LazyShards)]
         for r in ranks:
             rounds, small = rounds_for([plans[r].params[n] for n in names[r]], r, esize, limit, degree.__getitem__)
             if small:
                 raise ValueError(f"max_inflight_bytes={limit} cannot hold one element on links {small}")
             mine = sources.get(r, {})
+            lazy = isinstance(mine, LazyShards)  # read a band at a time when packed, as WeightSync reads it
             params = [Param(n, plans[r].params[n], targets[n].into if r in targets[n].offsets else None,
-                            targets[n].offsets.get(r, 0), mine[n].dtype if n in mine else None) for n in names[r]]
+                            targets[n].offsets.get(r, 0), _dtype_of(mine, n), lazy and n in mine)
+                      for n in names[r]]
             self.programs[r] = prog = compile_program(params, rounds, r, wire)
             staging = torch.empty(prog.staging_bytes, dtype=torch.uint8, device=device)
             index = {n: k for k, n in enumerate(names[r])}
-            self.bound[r] = Bound({index[n]: t.reshape(-1) for n, t in mine.items()},
-                                  {n: t.view(-1) for n, t in into.get(r, {}).items()}, staging, prog.scratch_at)
+            flat = {n: t.view(-1) for n, t in into.get(r, {}).items()}
+            if lazy:
+                opens = {index[n]: partial(mine.open, n) for n in names[r] if n in mine}  # type: ignore[attr-defined]
+                self.bound[r] = Bound({}, flat, staging, prog.scratch_at, opens)
+            else:
+                self.bound[r] = Bound({index[n]: t.reshape(-1) for n, t in mine.items()}, flat, staging, prog.scratch_at)
 
     def run(self) -> None:
-        run_loopback(self.programs, self.bound, self.wire)
+        try:
+            run_loopback(self.programs, self.bound, self.wire)
+        finally:
+            for m in self.lazy:  # as WeightSync's push: nothing of a lazy source held after it
+                m.close()
+
+
+def _dtype_of(mine: Mapping, n: str) -> torch.dtype | None:
+    if n not in mine:
+        return None
+    return mine.dtype(n) if isinstance(mine, LazyShards) else mine[n].dtype
 
 
 def simulate(source_maps: Mapping, targets: Mapping, wire: torch.dtype, sources: Mapping[int, Mapping[str, torch.Tensor]],

@@ -223,6 +223,13 @@ class Reader(ABC):
         ``None``: :meth:`fragment` is read."""
         return None
 
+    def check_fragment(self, name: str, state: str, rank: int) -> None:
+        """Refuse (a ``ReshardError`` naming the tensor) what a read of rank ``rank``'s fragment would
+        find wrong, from what is cheap to read again (a quantized weight's scales, not its payload).
+        A lazy source (``execute.lazy``) reads fragments long after :meth:`check` ran, so it asks this
+        of every fragment it will read before a push moves anything. By default nothing."""
+        return None
+
     def stored(self, name: str) -> Stored | None:
         """Parameter ``name`` as stored where the source holds it quantized (FP8 block scales, MXFP4),
         else ``None``. Its ``weight`` state is still the decoded value; this is the encoding beside it."""

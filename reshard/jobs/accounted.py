@@ -193,6 +193,9 @@ class Without(Reader):
     def banded(self, name: str, state: str, rank: int) -> Banded | None:
         return self.inner.banded(name, state, rank)
 
+    def check_fragment(self, name: str, state: str, rank: int) -> None:
+        self.inner.check_fragment(name, state, rank)
+
     def stored(self, name: str) -> Stored | None:
         return self.inner.stored(name)
 

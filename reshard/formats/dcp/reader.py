@@ -221,6 +221,13 @@ class DcpReader(Reader):
         row, rows, align = self.codec.rows_of(c)
         return Banded(prod(c.shape), torch.float32, row, partial(self._decode_rows, c, rows), align=align)
 
+    def check_fragment(self, name: str, state: str, rank: int) -> None:
+        """A quantized parameter's scales checked again (read now, as its bands will be)."""
+        c = self.coded.get(name) if state == "weight" else None
+        if c is not None and self.codec is not None:
+            self.codec.check_scales(c, self._tensor, lambda n: self.ck.path / ".metadata")
+            self.ck.release(self.ck.param_key(c.scales))
+
     def _decode_rows(self, c: Coded, rows: int, r0: int, r1: int) -> torch.Tensor:
         """Rows ``r0..r1`` of ``c`` decoded; the payload pages they read dropped (read once), and after the
         last row its entries' pages and what was held for it."""

@@ -71,16 +71,21 @@ class Codec:
     def check(self, tensor: Callable[[str], torch.Tensor], where: Callable[[str], Path]) -> None:
         """Every scale a finite positive number (E8M0: not its NaN byte), naming the first block that is not."""
         for c in self.coded.values():
-            s = tensor(c.scales)
-            if s.dtype in E8M0_SCALES:
-                bad = s.view(torch.uint8) == E8M0_NAN
-            else:
-                bad = ~(torch.isfinite(s) & (s > 0))
-            if bool(bad.any()):
-                at = tuple(int(i) for i in bad.nonzero()[0])
-                value = "NaN (E8M0 byte 255)" if s.dtype in E8M0_SCALES else repr(float(s[at]))
-                raise QuantizedError(f"{where(c.scales)}: tensor {c.scales!r}: the scale of block {list(at)} of "
-                                     f"{c.payload!r} is {value}; a scale must be a finite positive number")
+            self.check_scales(c, tensor, where)
+
+    @staticmethod
+    def check_scales(c: Coded, tensor: Callable[[str], torch.Tensor], where: Callable[[str], Path]) -> None:
+        """:meth:`check` for one parameter ``c`` (what a lazy source asks again before each read of it)."""
+        s = tensor(c.scales)
+        if s.dtype in E8M0_SCALES:
+            bad = s.view(torch.uint8) == E8M0_NAN
+        else:
+            bad = ~(torch.isfinite(s) & (s > 0))
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            value = "NaN (E8M0 byte 255)" if s.dtype in E8M0_SCALES else repr(float(s[at]))
+            raise QuantizedError(f"{where(c.scales)}: tensor {c.scales!r}: the scale of block {list(at)} of "
+                                 f"{c.payload!r} is {value}; a scale must be a finite positive number")
 
     def decode(self, c: Coded, tensor: Callable[[str], torch.Tensor], rows: tuple[int, int] | None = None
                ) -> torch.Tensor:

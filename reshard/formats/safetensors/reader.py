@@ -250,6 +250,13 @@ class SafetensorsReader(Reader):
         row, rows, align = self.codec.rows_of(c)  # type: ignore[union-attr]
         return Banded(prod(c.shape), torch.float32, row, partial(self._decode_rows, c, rows), align=align)
 
+    def check_fragment(self, name: str, state: str, rank: int) -> None:
+        """A quantized parameter's scales checked again (read now, as its bands will be)."""
+        c = self.coded.get(name)
+        if c is not None:
+            self.codec.check_scales(c, self._tensor, lambda n: self.entries[n].file)  # type: ignore[union-attr]
+            release(self._raw(c.scales))
+
     def _decode_rows(self, c: Coded, rows: int, r0: int, r1: int) -> torch.Tensor:
         """Rows ``r0..r1`` of ``c`` decoded; the payload's pages it read are dropped (read once), and
         the scales' after the last row."""

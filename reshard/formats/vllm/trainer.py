@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ...errors import MapError, ReshardError, TransferError, with_cause
 from ...execute.group import TransferGroup
+from ...execute.lazy import LazyShards
 from ...execute.sources import fsdp2_sources, reader_sources
 from ...ir.param_map import ParamMap
 from ...layouts.inference import Placed
@@ -73,7 +74,8 @@ class ShardSource(WeightSource):
     ``maps`` by HF parameter name over trainer ranks ``0..T-1``, ``shards`` this rank's views."""
 
     def __init__(self, maps: Mapping[str, ParamMap], shards: Mapping[str, torch.Tensor]) -> None:
-        self.maps, self.shards = dict(maps), dict(shards)
+        self.maps = dict(maps)
+        self.shards = shards if isinstance(shards, LazyShards) else dict(shards)  # a lazy one is read when packed
 
     @classmethod
     def fsdp2(cls, model: torch.nn.Module) -> ShardSource:
@@ -82,19 +84,22 @@ class ShardSource(WeightSource):
 
     @classmethod
     def checkpoint(cls, reader: Reader, rank: int, *, ranks: list[int] | None = None,
-                   states: tuple[str, ...] = ("fp32", "weight")) -> ShardSource:
+                   states: tuple[str, ...] = ("fp32", "weight"), lazy: bool = True) -> ShardSource:
         """A checkpoint folder's reader (``reshard.open(path, names="hf")``: any format reshard
         reads, under the engine's HF names): storage rank ``k``'s fragments on trainer rank
-        ``ranks[k]`` (default ``k``), memory-mapped, never gathered; this rank's are ``rank``'s
-        (``execute.sources.reader_sources``: the fp32 masters where the checkpoint has them)."""
-        return cls(*reader_sources(reader, rank, ranks=ranks, states=states))
+        ``ranks[k]`` (default ``k``), never gathered; this rank's are ``rank``'s
+        (``execute.sources.reader_sources``: the fp32 masters where the checkpoint has them).
+        ``lazy`` (default): each fragment is read when an update packs it, a band at a time (a
+        quantized weight decoded band by band), and checked again before each update sends."""
+        return cls(*reader_sources(reader, rank, ranks=ranks, states=states, lazy=lazy))
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(m.valid_shape) for n, m in self.maps.items()}
 
     def metadata(self) -> list[ParamMeta]:
-        dtypes = {n: t.dtype for n, t in self.shards.items()}
+        sh = self.shards  # a lazy source's dtypes without reading it
+        dtypes = {n: sh.dtype(n) if isinstance(sh, LazyShards) else sh[n].dtype for n in sh}
         return [ParamMeta(n, dtypes.get(n, torch.float32), s) for n, s in self.shapes.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -233,6 +238,10 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         failed: str | None = None
         try:
             works = []
+            if isinstance(src.shards, LazyShards):  # read after reshard.open checked it: what a read would refuse
+                bad_reads = src.shards.problems(sorted({n for link in self.sends.values() for n, _ in link.segments}))
+                if bad_reads:
+                    raise TransferError(f"the checkpoint source cannot be read: {'; '.join(bad_reads)}")
             with torch.no_grad():
                 for q, link in self.sends.items():
                     wire.pack(link, src.shards, self.outbox[q])

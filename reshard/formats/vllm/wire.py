@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import MapError, PlanError
+from ...execute.lazy import LazyShards, lazy_copy
 from ...ir.apply import flatten, view_of
 from ...ir.param_map import ParamMap
 from ...ir.piece import View
@@ -173,12 +174,19 @@ def link_program(plan: ModelPlan, me: int) -> tuple[dict[int, Link], dict[int, L
 
 
 def pack(link: Link, shards: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``link``'s message from this rank's source shards into flat ``out`` (the wire dtype)."""
+    """``link``'s message from this rank's source shards into flat ``out`` (the wire dtype); a lazy
+    checkpoint source (``execute.lazy``) read a band at a time, one parameter open at once."""
     at = 0
+    lazy = shards if isinstance(shards, LazyShards) else None
     for name, s in link.segments:
         n = s.numel
-        view_of(out, s.shape, View(at, _row_major(s.shape))).copy_(view_of(flatten(shards[name]), s.shape, s.src))
+        if lazy is not None:
+            lazy_copy(out, View(at, _row_major(s.shape)), lazy.open(name), s.src, s.shape)
+        else:
+            view_of(out, s.shape, View(at, _row_major(s.shape))).copy_(view_of(flatten(shards[name]), s.shape, s.src))
         at += n
+    if lazy is not None:
+        lazy.close()
     return out
 
 
