@@ -52,6 +52,9 @@ class LazyShards(Mapping[str, torch.Tensor]):
         e = self._entries[name]
         return self.reader.fragment(name, e.state, e.rank).view(e.shape)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the shard
+        return name in self._entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 

@@ -376,7 +376,8 @@ class Loopback:
         plans = {r: plan_for_rank(source_maps, tgt, r) for r in ranks}
         names = {r: sorted(plans[r].params) for r in ranks}
         degree = {r: len(peers_of([plans[r].params[n] for n in names[r]], r)) for r in ranks}
-        device = next((t.device for d in sources.values() for t in d.values()), torch.device("cpu"))
+        device = next((t.device for d in sources.values() if not isinstance(d, LazyShards) for t in d.values()),
+                      torch.device("cpu"))  # a lazy source is read on the CPU, and only when packed
         self.wire, self.programs, self.bound = wire, {}, {}
         self.lazy = [m for m in sources.values() if isinstance(m, LazyShards)]
         for r in ranks:

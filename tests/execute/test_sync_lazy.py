@@ -60,10 +60,10 @@ def job(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("source", ["hf", "dcp"])
-@pytest.mark.parametrize("target", ["bf16", "fp8"])
+@pytest.mark.parametrize("target", ["bf16", "fp8", "fp8cut"])
 def test_a_lazy_push_gives_the_eager_push_bytes(job, source, target):
     rec = job["records"][f"{source}-{target}"]
-    assert bool(rec[0]["quantized"]) == (target == "fp8")
+    assert bool(rec[0]["quantized"]) == target.startswith("fp8")
     compared = 0
     for r in JOB["engine"]:
         eager = torch.load(job["workdir"] / f"engine-{source}-{target}-eager-{r}.pt")
@@ -74,7 +74,7 @@ def test_a_lazy_push_gives_the_eager_push_bytes(job, source, target):
             assert torch.equal(_bits(t), _bits(lazy[n])), (n, r)
             assert not (t.dtype == torch.bfloat16 and bool((t == 9.0).all())), (n, r)  # filled, not left
             compared += 1
-        if target == "fp8":
+        if target != "bf16":
             assert any(t.dtype == torch.float8_e4m3fn for t in eager.values())
     assert compared >= 2 * 12
     for r in JOB["trainer"]:  # the same bytes crossed the wire, in the same rounds
@@ -82,6 +82,23 @@ def test_a_lazy_push_gives_the_eager_push_bytes(job, source, target):
         assert s["lazy"]["sent_bytes"] == s["eager"]["sent_bytes"] and s["lazy"]["rounds"] == s["eager"]["rounds"]
     first = rec[0]["stats"]["lazy"]
     assert first["sent_bytes"] > 0 and first["rounds"] > 1
+
+
+@pytest.mark.parametrize("source", ["hf", "dcp"])
+def test_a_block_the_engine_tp_cuts_is_quantized_whole_on_both_ranks(job, source):
+    """``o_proj`` row-parallel at TP 2 holds 32 of its 64 input columns on each rank: the one 64-wide
+    block column is cut, and each rank's ``weight_scale_inv`` is the whole block's (the replicated
+    piece, issue 33 item 5), equal on both ranks, while the payloads are each rank's own columns."""
+    scales, payloads = [], []
+    for r in JOB["engine"]:
+        got = torch.load(job["workdir"] / f"engine-{source}-fp8cut-lazy-{r}.pt")
+        names = [n for n, t in got.items() if n.endswith("o_proj.weight_scale_inv")]
+        assert len(names) == 2  # both layers
+        scales.append(torch.cat([got[n].reshape(-1) for n in sorted(names)]))
+        payloads.append(torch.cat([_bits(got[n[:-len("_scale_inv")]]).reshape(-1) for n in sorted(names)]))
+        assert all(tuple(got[n].shape) == (4, 1) for n in names)
+    assert torch.equal(_bits(scales[0]), _bits(scales[1]))
+    assert not torch.equal(payloads[0], payloads[1])
 
 
 def test_a_scale_damaged_after_open_is_refused_on_every_rank_before_anything_is_sent(job):
@@ -151,6 +168,13 @@ def test_a_lazy_push_holds_one_band_of_one_parameter(monkeypatch):
         return t, base
 
     monkeypatch.setattr(Banded, "span", watched)
+    whole = reader.fragment
+
+    def never_whole(name, state, rank):  # a quantized weight is read in bands only, never decoded whole
+        assert reader.stored(name) is None, name
+        return whole(name, state, rank)
+
+    monkeypatch.setattr(reader, "fragment", never_whole)
     tg = _targets(maps)
     into = {q: {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in engine_shapes(tg, q).items()} for q in (1, 2)}
     simulate(maps, tg, torch.bfloat16, {0: lazy}, into, limit=4096)

@@ -4,7 +4,8 @@ trainer ranks reading a quantized checkpoint (``reader_sources``: storage rank `
 sync over the world.
 
 For each source (``job["sources"]``: an FP8 HF folder, its kept FP8 DCP at 2 files) and each
-target (bf16; FP8 with ``Fp8Block``), one push from the eager source (``lazy=False``: every shard
+target (bf16; FP8 with ``Fp8Block``; FP8 of ``o_proj`` alone in 16 x 64 blocks, whose one block
+column the engine's TP boundary cuts), one push from the eager source (``lazy=False``: every shard
 read, a quantized one decoded whole) and one from the lazy one (bands of ``RESHARD_BAND_BYTES``,
 set small, and ``max_inflight_bytes`` small: many rounds); every engine rank saves both results.
 
@@ -72,8 +73,10 @@ def run(rank: int, workdir: Path, job: dict) -> dict:
         if rank not in trainers:
             eager, lazy = {}, {}
         tg = _targets(maps, job)
-        for target in ("bf16", "fp8"):
-            quant = Fp8Block(tuple(job["block"])) if target == "fp8" else None
+        for target in ("bf16", "fp8", "fp8cut"):
+            quant = {"bf16": None, "fp8": Fp8Block(tuple(job["block"])),
+                     # o_proj's 64 input columns in one 64-wide block, which TP 2 cuts: each rank its cover
+                     "fp8cut": Fp8Block((16, 64), weights=lambda n, s: n.endswith("o_proj.weight"))}[target]
             stats = {}
             for how, local in (("eager", eager), ("lazy", lazy)):
                 sync = WeightSync(maps, tg, torch.bfloat16, max_inflight_bytes=job["inflight"], quantize=quant)
