@@ -181,3 +181,23 @@ def test_a_lazy_push_holds_one_band_of_one_parameter(monkeypatch):
     assert len(made) > len(maps) and not alive_others
     assert max(made) <= 2048 + 2 * 16 * 128 * 4  # a band and at most two block rows (16 x 128 float32) more
     assert all(r() is None for _, r in refs)  # nothing of the checkpoint held after the push
+
+
+def test_the_vllm_trainers_pack_from_a_lazy_source_equals_the_eager_one(monkeypatch):
+    """``formats.vllm.wire.pack`` (what ``ReshardTrainerWeightTransferEngine.send_weights`` sends each
+    worker; no vLLM import) from ``ShardSource.checkpoint``'s lazy shards: the eager message, bytes."""
+    from reshard.formats.vllm import wire
+    from reshard.plan.planner import plan_for_rank
+
+    monkeypatch.setenv("RESHARD_BAND_BYTES", "512")
+    reader = reshard.open(FP8)
+    maps, eager = reader_sources(reader, 0, lazy=False)
+    _, lazy = reader_sources(reader, 0)
+    tg = _targets(maps)
+    sends, _ = wire.link_program(plan_for_rank(maps, {n: t.map for n, t in tg.items()}, 0), 0)
+    assert sorted(sends) == [1, 2]
+    for link in sends.values():
+        want = wire.pack(link, eager, torch.empty(link.numel, dtype=torch.bfloat16))
+        got = wire.pack(link, lazy, torch.empty(link.numel, dtype=torch.bfloat16))
+        assert torch.equal(_bits(want), _bits(got))
+        assert lazy._open is None  # nothing of the checkpoint held between messages
