@@ -323,7 +323,7 @@ class WeightSync:
                     f"{list(shape)} on {self.device}"]
         if dtype is not None and kind != dtype:
             return [f"rank {me}: {what} is {kind}, not {dtype}, the first push's (its staging and casts are compiled)"]
-        if not kind.is_floating_point:
+        if not (kind.is_floating_point or kind == self.dtype):
             return [f"rank {me}: {what} is {kind}, which cannot be cast to {self.dtype}"]
         return []
 
