@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,17 +125,28 @@ def main(argv: list[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_lazy_sync")
     p.add_argument("--weights", type=int, default=3, help="how many 18432 x 7168 FP8 weights (default 3)")
     p.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose reshard runs the eager source")
+    p.add_argument("--kept-dcp", action="store_true",
+                   help="push from the folder's kept FP8 DCP (reshard reshard --to dcp --files 2 --quantize keep)")
     args = p.parse_args(argv)
     lines = []
     with tempfile.TemporaryDirectory(prefix="reshard-lazysync-") as tmp:
         work = Path(tmp)
         src = work / "fp8"
         write_source(src, args.weights)
+        what = "HF folder"
+        if args.kept_dcp:
+            kept = work / "kept"
+            subprocess.run([sys.executable, "-m", "reshard", "reshard", str(src), str(kept), "--to", "dcp", "--files",
+                            "2", "--quantize", "keep"], env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True,
+                           capture_output=True, cwd=tempfile.gettempdir())
+            shutil.rmtree(src)
+            src = next(p.parent for p in kept.rglob(".metadata"))
+            what = "kept DCP, 2 files"
         eager = run(args.repo, src, "eager", work)
         lazy = run(ROOT, src, "lazy", work)
         if eager[1]["crc"] != lazy[1]["crc"]:
             raise RuntimeError("the lazy push's engine tensors differ from the eager push's")
-        lines.append(f"{args.weights} FP8 {SHAPE[0]}x{SHAPE[1]} weights ({args.weights * 126} MiB stored, "
+        lines.append(f"{args.weights} FP8 {SHAPE[0]}x{SHAPE[1]} weights, {what} ({args.weights * 126} MiB stored, "
                      f"{args.weights * 504} MiB decoded) -> a bf16 engine rank, max_inflight_bytes {LIMIT >> 20} MiB; "
                      f"{len(lazy[1]['crc'])} engine tensors equal bit for bit")
         for how, res in (("eager (reshard at " + str(args.repo) + ")", eager), ("lazy", lazy)):
