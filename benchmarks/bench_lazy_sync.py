@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--weights", type=int, default=3, help="how many 18432 x 7168 FP8 weights (default 3)")
     p.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose reshard runs the eager source")
     p.add_argument("--kept-dcp", action="store_true",
-                   help="push from the folder's kept FP8 DCP (reshard reshard --to dcp --files 2 --quantize keep)")
+                   help="push from the folder's kept FP8 DCP (reshard reshard --to dcp --files 1 --quantize keep: "
+                        "one storage rank, as the one trainer rank here)")
     args = p.parse_args(argv)
     lines = []
     with tempfile.TemporaryDirectory(prefix="reshard-lazysync-") as tmp:
@@ -137,11 +138,11 @@ def main(argv: list[str] | None = None) -> list[str]:
         if args.kept_dcp:
             kept = work / "kept"
             subprocess.run([sys.executable, "-m", "reshard", "reshard", str(src), str(kept), "--to", "dcp", "--files",
-                            "2", "--quantize", "keep"], env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True,
+                            "1", "--quantize", "keep"], env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True,
                            capture_output=True, cwd=tempfile.gettempdir())
             shutil.rmtree(src)
             src = next(p.parent for p in kept.rglob(".metadata"))
-            what = "kept DCP, 2 files"
+            what = "kept DCP, 1 file"
         eager = run(args.repo, src, "eager", work)
         lazy = run(ROOT, src, "lazy", work)
         if eager[1]["crc"] != lazy[1]["crc"]:
