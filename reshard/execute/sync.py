@@ -257,7 +257,10 @@ class WeightSync:
 
     def push(self, local_sources: Mapping[str, torch.Tensor] | None, into: Mapping[str, torch.Tensor] | None = None):
         """Move the current source shards into the engine tensors (collective on every rank of the
-        group). ``local_sources``: this rank's source shards by parameter name (``{}`` for none);
+        group). ``local_sources``: this rank's source shards by parameter name (``{}`` for none), or a
+        checkpoint's :class:`~reshard.execute.lazy.LazyShards` (``reader_sources``' default: each
+        shard read a band at a time as it is packed, and what reading it would refuse -- a damaged
+        scale -- refused on every rank before anything moves);
         ``into``: this rank's engine tensors by engine name (``None`` for none), filled in place
         and returned. Raises :class:`~reshard.ShardError` on every rank when any rank's tensors
         disagree with the plan (nothing moves), :class:`~reshard.TransferError` on every rank when
