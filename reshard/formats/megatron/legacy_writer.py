@@ -74,9 +74,6 @@ class MegatronLegacyWriter(MegatronWriter):
         kind = self._kind(reader, optimizer)
         super().__init__(reader, optimizer=kind, **options)
         a = self.arch
-        if a.mtp:  # the reader refuses legacy MTP (names unverified): the writer writes nothing it cannot read back
-            raise ReshardError(f"--ckpt-format torch with {a.mtp} multi-token prediction layers: legacy files of MTP "
-                               "layers are not written by reshard")
         if kind in ("adam", "dp_reshardable") and not isinstance((self.template or {}).get("opt_param_scheduler"),
                                                                  dict):
             shown = "distributed" if kind == "dp_reshardable" else kind
@@ -195,6 +192,8 @@ class MegatronLegacyWriter(MegatronWriter):
         ``ep``) registers it: parameters and buffers, experts one after another."""
         a, out, keys = self.arch, [], self.arch.keys()
         if pp == 0 and vp == 0:
+            out.append(a.local(keys[0], (), t))
+        elif a.mtp and pp == a.pp - 1 and vp == a.vpp - 1:  # the MTP block's copy of the embedding, registered first
             out.append(a.local(keys[0], (), t))
         per = a.experts // a.ep if a.experts else 0
         for i in a.chunk_layers(pp, vp):

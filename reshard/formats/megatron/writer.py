@@ -210,7 +210,9 @@ class MegatronWriter(Writer):
         cfg = _config_file(hf_config) if hf_config is not None else reader.hf_config()
         if not isinstance(cfg, dict):
             raise ReshardError(f"{reader.sources[-1]}: a Megatron target from {noun_of(reader)} needs the "
-                               "model's Hugging Face config.json beside its weights (or --hf-config DIR)")
+                               "model's Hugging Face config.json beside its weights (or --hf-config DIR)"
+                               + (", or, in Megatron's names, a Megatron checkpoint of the model (--megatron-args "
+                                  "CKPT)" if EMBED in reader.names else ""))
         have = {reader.dtype(n, s) for n in reader.names for s in reader.states(n)[:1]}
         dtype = dtype or (have.pop() if len(have) == 1 else torch.float32)
         self.args = args_from_hf(cfg, tp=tp, pp=pp, dp=dp, dtype=dtype, ep=ep or 1, etp=etp)
