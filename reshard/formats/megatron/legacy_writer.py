@@ -196,16 +196,19 @@ class MegatronLegacyWriter(MegatronWriter):
         elif a.mtp and pp == a.pp - 1 and vp == a.vpp - 1:  # the MTP block's copy of the embedding, registered first
             out.append(a.local(keys[0], (), t))
         per = a.experts // a.ep if a.experts else 0
-        for i in a.chunk_layers(pp, vp):
-            specs = a.layer_keys(i)
+
+        def block(specs: list, i: int) -> None:
             experts = [s for s in specs if s.expert]
             for s in specs:
                 if not s.expert:
                     out.append(a.local(s, s.at(i), t))
                 elif s is experts[0]:
-                    out += [a.local(z, z.at(i, j), x) for j in range(ep * per, (ep + 1) * per) for z in experts]
-        if pp == a.pp - 1 and vp == a.vpp - 1:
-            out += [a.local(s, (), t) for s in keys if not s.layered and s.key != EMBED]
+                    out.extend(a.local(z, z.at(i, j), x) for j in range(ep * per, (ep + 1) * per) for z in experts)
+
+        for i in a.chunk_layers(pp, vp):
+            block(a.layer_keys(i), i)
+        if pp == a.pp - 1 and vp == a.vpp - 1:  # final norm, the MTP layers (an MoE one's experts too), output
+            block([s for s in keys if not s.layered and s.key != EMBED], 0)
         return out
 
     def _file_buffers(self, key: tuple[int, int, int], x: int) -> list[list[tuple[str, Buffer | None, LocalParam | None]]]:
