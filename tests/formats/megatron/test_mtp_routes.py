@@ -20,7 +20,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.megatron import safe
