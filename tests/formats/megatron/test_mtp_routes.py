@@ -133,3 +133,25 @@ def test_legacy_mtp_keeps_the_last_stages_embedding_copy(tmp_path):
     with pytest.raises(CheckpointError, match="mp_rank_00_001.*embedding.word_embeddings.weight \\(weight, TP rank 0\\): "
                                               "the last stage's copy for the MTP block differs"):
         MegatronReader.open(bad).check()
+
+
+def test_a_planted_tensor_in_megatron_names_is_refused_by_name_or_dropped_and_recorded(tmp_path):
+    """Every source tensor accounted for on this route: a tensor no key of the model takes is refused
+    naming it before any output, and with ``--drop`` left out, listed in the report and the manifest."""
+    import json
+
+    from tests.jobs.test_accounted import PLANTED, _plant_dcp
+
+    mid = convert(FIXTURES / MTP, tmp_path / "dcp", fmt="dcp").out_dir
+    _plant_dcp(mid, tmp_path, {"model.mtp.layers.0.planted_buffer": PLANTED.clone()}, {})
+    assert "mtp.layers.0.planted_buffer" in open_reader(mid).names
+    out = tmp_path / "out"
+    with pytest.raises(ReshardError, match=r"'mtp\.layers\.0\.planted_buffer' \(of 1\) is no key of the Megatron model"):
+        reshard(mid, out, to="megatron", ep=1, megatron_args=FIXTURES / MTP)
+    assert not out.exists()
+    report = reshard(mid, out, to="megatron", ep=1, optimizer="adam", megatron_args=FIXTURES / MTP,
+                     drop=[r"planted_buffer"])
+    assert report.dropped == ["mtp.layers.0.planted_buffer"]
+    manifest = json.loads((report.out_dir / "reshard-manifest.json").read_text())
+    assert [d["key"] for d in manifest["dropped"]] == ["mtp.layers.0.planted_buffer"]
+    assert compare_megatron(MegatronReader.open(report.out_dir), MTP) > 0
