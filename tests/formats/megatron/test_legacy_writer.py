@@ -71,6 +71,7 @@ DISTRIBUTED = [  # the distributed optimizer (distrib_optim.pt beside each file;
      ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]),
     ("torch_dist_tp2_dp2_distopt", dict(tp=1, dp=2), ["mp_rank_00"]),  # dp_reshardable buckets -> distrib_optim.pt
     ("torch_dist_dp2_distopt_bf16", dict(tp=2, dp=1), ["mp_rank_00", "mp_rank_01"]),  # bf16 weights, fp32 masters
+    ("torch_dist_mtp1", dict(tp=1, dp=2, optimizer="distributed"), ["mp_rank_00"]),  # MTP after the final norm
 ]
 
 
