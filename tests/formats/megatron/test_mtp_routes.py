@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.megatron import safe
@@ -155,3 +156,29 @@ def test_a_planted_tensor_in_megatron_names_is_refused_by_name_or_dropped_and_re
     manifest = json.loads((report.out_dir / "reshard-manifest.json").read_text())
     assert [d["key"] for d in manifest["dropped"]] == ["mtp.layers.0.planted_buffer"]
     assert compare_megatron(MegatronReader.open(report.out_dir), MTP) > 0
+
+
+def test_a_source_step_other_than_the_references_is_refused(tmp_path):
+    """The target takes the reference's iteration and learning-rate scheduler: a source trained further (another
+    Adam step) is refused naming both steps, and written weights-only on request."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    mid = convert(FIXTURES / "torch_dist_mtp1", tmp_path / "dcp", fmt="dcp").out_dir
+    md = FileSystemReader(str(mid)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+             if hasattr(v, "size")}
+    with warnings.catch_warnings():  # one process, no process group
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(mid))
+        state = {k: (torch.tensor(5.0) if k.endswith(".step") else v) for k, v in state.items()}
+        dcp.save(state, checkpoint_id=str(tmp_path / "later"))
+    out = tmp_path / "out"
+    with pytest.raises(ReshardError, match=r"its optimizer step 5 is not that of --megatron-args .*torch_dist_mtp1 "
+                                           r"\(3\), whose iteration and learning-rate scheduler"):
+        reshard(tmp_path / "later", out, to="megatron", optimizer="adam", megatron_args=FIXTURES / "torch_dist_mtp1")
+    assert not out.exists()
+    back = reshard(tmp_path / "later", out, to="megatron", optimizer="none", megatron_args=FIXTURES / "torch_dist_mtp1")
+    assert compare_megatron(MegatronReader.open(back.out_dir), "torch_dist_mtp1") > 0
