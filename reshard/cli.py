@@ -289,7 +289,8 @@ def _cmd_reshard(args) -> int:
                          dtype=_dtype(args), workers=args.workers, overwrite=args.overwrite, checksum=args.checksum,
                          cluster=cluster, on_replica_mismatch=args.on_replica_mismatch, optimizer=args.optimizer,
                          verify_source=args.verify_source, verify=args.verify, drop=args.drop,
-                         hf_config=args.hf_config, quantize=args.quantize, ckpt_format=args.ckpt_format)
+                         hf_config=args.hf_config, quantize=args.quantize, ckpt_format=args.ckpt_format,
+                         megatron_args=args.megatron_args)
     _report(report)
     return 0
 

@@ -305,6 +305,16 @@ FIXTURES = {f.name: f for f in [
             "TP=1, DP=1; one multi-token-prediction layer (--mtp-num-layers 1: mtp.layers.0.{enorm,hnorm,eh_proj,"
             "transformer_layer.*,final_layernorm}); plain Adam; torch_dist",
             extra_argv=["--mtp-num-layers", "1"]),
+    Fixture("torch_dist_pp2_vpp2_mtp1",
+            "PP=2 x virtual PP=2 as torch_dist_pp2_vpp2 (stage 0 holds layers 0 and 2, stage 1 layers 1 and 3) with "
+            "one multi-token-prediction layer (--mtp-num-layers 1: on the last stage's last model chunk, beside "
+            "layer 3, the final norm and the output layer); plain Adam; torch_dist",
+            pp=2, layers=4, extra_argv=["--num-layers-per-virtual-pipeline-stage", "1", "--mtp-num-layers", "1"],
+            cross_checks=[(1, 2, 1, 1)]),
+    Fixture("legacy_tp2_pp2_mtp1",
+            "TP=2 x PP=2, DP=1 with one multi-token-prediction layer (--mtp-num-layers 1, on the last stage: "
+            "mp_rank_TT_001's model); plain Adam; legacy --ckpt-format torch",
+            tp=2, pp=2, layers=2, ckpt_format="torch", extra_argv=["--mtp-num-layers", "1"]),
     Fixture("torch_dist_tp2_qk_layernorm",
             "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
             "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),

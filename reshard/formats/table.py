@@ -46,6 +46,10 @@ OPTIONS: dict[str, Option] = {
                              "universal layout (zero/<name>/)", {"action": "store_true"}),
     "hf_config": Option("--hf-config", "the folder of the model's config.json (and tokenizer files), where the "
                         "source has none beside it", {"metavar": "DIR"}),
+    "megatron_args": Option("--megatron-args", "a Megatron checkpoint of the model (the one a DCP or universal "
+                            "checkpoint in Megatron's names was written from): its args, optimizer groups, iteration "
+                            "and learning-rate scheduler, for a Megatron target from such a source",
+                            {"metavar": "CKPT"}),
     "rename": Option("--rename", "rename parameters by this regex substitution (repeatable, in order)",
                      {"action": "append", "default": [], "metavar": "FROM=TO"}),
     "files": Option("--files", "lay it out for N loading ranks (one file per rank of an N-way FSDP mesh)",
@@ -177,12 +181,12 @@ FORMATS: tuple[Format, ...] = (
     Format("megatron", "a Megatron-Core checkpoint", probe=1,  # before dcp: a torch_dist iteration folder is one
            reads="Megatron-LM's save folder (torch_dist or legacy torch, TP x PP x DP x EP)",
            writes="Megatron-Core torch_dist at TP x PP x DP (x EP), from a Megatron source, an HF folder, or a DCP / "
-           "universal checkpoint in HF names (with --hf-config); or legacy torch files, plain Adam, the distributed "
+           "universal checkpoint in HF names (with --hf-config) or in Megatron's names (with --megatron-args); or legacy torch files, plain Adam, the distributed "
            "optimizer (distrib_optim.pt) or weights only (--ckpt-format torch)",
            detect="reshard.formats.megatron.files:is_megatron", hint="latest_checkpointed_iteration.txt, iter_*",
            reader="reshard.formats.megatron.reader:MegatronReader.open", reader_names=True,
            writer="reshard.formats.megatron.legacy_writer:megatron_writer",
-           reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype", "hf_config", "ckpt_format"),
+           reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype", "hf_config", "megatron_args", "ckpt_format"),
            writes_from=("megatron", "safetensors", "dcp", "universal"),
            source_example="reshard reshard MEGATRON OUT --tp 1 --pp 2",
            target_example="reshard reshard HF_FOLDER OUT --to megatron --tp 2 --pp 2"),

@@ -187,6 +187,7 @@ def reshard(
     hf_config: str | Path | None = None,
     quantize: str | None = None,
     ckpt_format: str | None = None,
+    megatron_args: str | Path | None = None,
 ) -> Report:
     """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``, in the
     format ``to`` names, by default the source's own where it is written at a topology (a
@@ -203,14 +204,15 @@ def reshard(
     degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep. Or a
     Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP, x expert TP ``etp``), from a
     Megatron source or an HF one (or DCP / universal in HF names, the model's ``config.json`` in
-    the folder ``hf_config``), its optimizer state laid out as ``optimizer`` says
+    the folder ``hf_config``; in Megatron's names, the args, optimizer groups and run state of the Megatron
+    checkpoint ``megatron_args``), its optimizer state laid out as ``optimizer`` says
     (``formats.megatron.writer``); ``ckpt_format="torch"``: legacy files, weights only
     (``formats.megatron.legacy_writer``; the default is a Megatron source's format). ``verify_source``, ``verify`` and ``drop`` as for :func:`convert`;
     ``quantize="keep"`` (``to="dcp"``): a quantized source's payloads and scales as entries of their own,
     byte for byte (``formats.dcp.writer``)."""
     given = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep, "etp": etp,
              "layout": layout, "dtype": dtype, "optimizer": optimizer, "hf_config": hf_config, "quantize": quantize,
-             "ckpt_format": ckpt_format}
+             "ckpt_format": ckpt_format, "megatron_args": megatron_args}
     target = reshard_target(ckpt_dir, to, given)
     check_options(target.name, given)
     patterns(drop)

@@ -16,6 +16,7 @@ from ..contract import Held
 from ..dcp import checkpoint as dcp
 from .dist import _BUCKET, _STATE_KINDS, TorchDistBackend
 from .legacy import LegacyBackend
+from .model import EMBED
 
 __all__ = ["carried", "held"]
 
@@ -78,6 +79,8 @@ def _legacy(src: LegacyBackend) -> list[Held]:
             # buffers read as keys (a router's expert_bias): no parameter, so not in stage_params
             local |= {src._local_name(lp) for s in a.keys() if s.buffer for lp in a.locals_of(s)
                       if lp.tp == tp and a.stage_of(s, lp.index) == pp and src._chunk_of(lp) == v}
+            if src.embedding_copy(pp) and v == a.vpp - 1:  # the MTP block's copy: checked equal to the first stage's
+                local.add(EMBED)
             for name in sd[mk]:
                 if name in local:
                     continue

@@ -59,9 +59,10 @@ class LegacyBackend:
         self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
         # --no-save-optim (and reshard's weights-only legacy target): no optimizer entry, the weights alone
         self.optim = self.first.get("optimizer") is not None
-        if self.arch.mtp:  # no legacy fixture: the MTP block's legacy names are unverified
-            raise CheckpointError(f"{first}: args.mtp_num_layers = {self.arch.mtp}: legacy checkpoints with "
-                                  "multi-token prediction layers are not read by reshard")
+        if self.arch.mtp and self.arch.pp > 1 and self.distopt:  # the embedding copy's DDP buffer: no fixture
+            raise CheckpointError(f"{first}: args.mtp_num_layers = {self.arch.mtp} over {self.arch.pp} pipeline stages "
+                                  "with the distributed optimizer: legacy distrib_optim.pt of the last stage's "
+                                  "embedding copy is not read by reshard")
         if te_grouped(self.args):  # linear_fc1.weight<i> per local expert, not local_experts.<i>.linear_fc1.weight
             raise CheckpointError(f"{first}: args.moe_grouped_gemm = True (transformer_impl "
                                   f"{getattr(self.args, 'transformer_impl', None)!r}): legacy files of {TE_GROUPED} "
@@ -208,6 +209,8 @@ class LegacyBackend:
         specs: dict[tuple[int, str], KeySpec] = {}
         if not experts:
             specs = {(v, self._local_name(lp)): lp.spec for v in range(a.vpp) for lp in a.stage_params(pp, tp, vp=v)}
+            if self.embedding_copy(pp):  # a parameter of the last stage's optimizer too (its first)
+                specs[(a.vpp - 1, EMBED)] = a.spec(EMBED)
         if a.experts and (experts or not a.expert_apart):  # the experts' names depend on their local number only
             specs |= {(v, self._local_name(lp)): lp.spec for v in range(a.vpp)
                       for lp in a.stage_params(pp, 0, expert_rank=ep if a.expert_apart else 0, vp=v)}
@@ -312,7 +315,41 @@ class LegacyBackend:
 
         return Lowered(m, fragment, lambda label: lps[label].tp)
 
+    def embedding_copy(self, pp: int) -> bool:
+        """Whether stage ``pp`` keeps a copy of the word embeddings beside the first stage's: the last
+        one, for the MTP block, over several stages (GPTModel registers it first in the last model
+        chunk, a parameter of that stage's optimizer; its gradient all-reduced with the first
+        stage's, so equal to it)."""
+        return bool(self.arch.mtp) and self.arch.pp > 1 and pp == self.arch.pp - 1
+
+    def _check_embedding_copy(self) -> None:
+        """The last stage's embedding copy (weights and moments) equals the first stage's, bit for
+        bit: reshard reads the first stage's (as ``torch_dist`` stores one copy)."""
+        a = self.arch
+        spec = a.spec(EMBED)
+        for lp in a.locals_of(spec):
+            key = self._dense_key(lp.tp, a.pp - 1)
+            f = self.files[key]
+            copy = self.state_dict(key)[self._model_keys[-1]].get(EMBED)
+            if not isinstance(copy, torch.Tensor) or tuple(copy.shape) != lp.shape:
+                raise CheckpointError(f"{f}: model has no tensor {EMBED!r} of shape {list(lp.shape)} (the last "
+                                      f"stage's embedding copy for the MTP block, TP rank {lp.tp})")
+            pairs = [("weight", copy, self.tensor(lp))]
+            if self.optim:
+                i = self._state_index(key, False)[(a.vpp - 1, EMBED)]
+                st = (self._optimizer(key, False).get("state") or {}).get(i) or {}
+                pairs += [(s, st.get(s), self._adam(lp, s)) for s in ("exp_avg", "exp_avg_sq")]
+            for what, got, want in pairs:
+                if isinstance(got, torch.Tensor):  # read outside the engine's fills: their records checked now
+                    verified.ensure(got, f"{f}: {EMBED} ({what})")
+                    verified.ensure(want, f"{self.files[self._key_of(lp)]}: {EMBED} ({what})")
+                if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
+                    raise CheckpointError(f"{f}: {EMBED} ({what}, TP rank {lp.tp}): the last stage's copy for the MTP "
+                                          f"block differs from the first stage's ({self.files[self._key_of(lp)]})")
+
     def check(self) -> None:
+        if self.embedding_copy(self.arch.pp - 1):
+            self._check_embedding_copy()
         for spec in self.arch.keys():
             for lp in self.arch.locals_of(spec):
                 t = self.tensor(lp)

@@ -74,9 +74,6 @@ class MegatronLegacyWriter(MegatronWriter):
         kind = self._kind(reader, optimizer)
         super().__init__(reader, optimizer=kind, **options)
         a = self.arch
-        if a.mtp:  # the reader refuses legacy MTP (names unverified): the writer writes nothing it cannot read back
-            raise ReshardError(f"--ckpt-format torch with {a.mtp} multi-token prediction layers: legacy files of MTP "
-                               "layers are not written by reshard")
         if kind in ("adam", "dp_reshardable") and not isinstance((self.template or {}).get("opt_param_scheduler"),
                                                                  dict):
             shown = "distributed" if kind == "dp_reshardable" else kind
@@ -196,17 +193,22 @@ class MegatronLegacyWriter(MegatronWriter):
         a, out, keys = self.arch, [], self.arch.keys()
         if pp == 0 and vp == 0:
             out.append(a.local(keys[0], (), t))
+        elif a.mtp and pp == a.pp - 1 and vp == a.vpp - 1:  # the MTP block's copy of the embedding, registered first
+            out.append(a.local(keys[0], (), t))
         per = a.experts // a.ep if a.experts else 0
-        for i in a.chunk_layers(pp, vp):
-            specs = a.layer_keys(i)
+
+        def block(specs: list, i: int) -> None:
             experts = [s for s in specs if s.expert]
             for s in specs:
                 if not s.expert:
                     out.append(a.local(s, s.at(i), t))
                 elif s is experts[0]:
-                    out += [a.local(z, z.at(i, j), x) for j in range(ep * per, (ep + 1) * per) for z in experts]
-        if pp == a.pp - 1 and vp == a.vpp - 1:
-            out += [a.local(s, (), t) for s in keys if not s.layered and s.key != EMBED]
+                    out.extend(a.local(z, z.at(i, j), x) for j in range(ep * per, (ep + 1) * per) for z in experts)
+
+        for i in a.chunk_layers(pp, vp):
+            block(a.layer_keys(i), i)
+        if pp == a.pp - 1 and vp == a.vpp - 1:  # final norm, the MTP layers (an MoE one's experts too), output
+            block([s for s in keys if not s.layered and s.key != EMBED], 0)
         return out
 
     def _file_buffers(self, key: tuple[int, int, int], x: int) -> list[list[tuple[str, Buffer | None, LocalParam | None]]]:

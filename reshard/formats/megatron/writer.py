@@ -44,7 +44,7 @@ from .grouped import TE_GROUPED, te_grouped
 from .held import carried
 from .hfconfig import args_from_hf, padded_vocab
 from .hfmap import hf_params, hub_document, restrict
-from .model import EMBED, Arch
+from .model import EMBED, OUTPUT, Arch
 from .reader import MegatronReader
 from .target import TargetLayout
 
@@ -83,12 +83,18 @@ class MegatronWriter(Writer):
 
     def __init__(self, reader: Reader, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
                  ep: int | None = None, etp: int | None = None, optimizer: str | None = None,
-                 dtype: torch.dtype | None = None, hf_config: str | Path | None = None) -> None:
+                 dtype: torch.dtype | None = None, hf_config: str | Path | None = None,
+                 megatron_args: str | Path | None = None) -> None:
         self.reader = reader
         own = reader.native("megatron")
         self.own = own if isinstance(own, MegatronReader) else None  # a Megatron source: its args, files, naming
         self.native = self.own is not None and self.own.naming == "megatron"
-        src = self.own.arch if self.own is not None else None
+        # another format's source in Megatron's names (DCP / universal written from a Megatron source): the model's
+        # args, optimizer groups and run state from the Megatron checkpoint --megatron-args names
+        self.ref = self._reference(reader, megatron_args, hf_config)
+        if self.ref is not None:
+            self.extra_sources = self.ref.sources
+        src = self.own.arch if self.own is not None else self.ref.arch if self.ref is not None else None
         tp = _positive(tp, "tp") if tp is not None else (src.tp if src else 1)
         pp = _positive(pp, "pp") if pp is not None else (src.pp if src else 1)
         dp = _positive(dp, "dp") if dp is not None else (src.dp if src else 1)
@@ -99,6 +105,8 @@ class MegatronWriter(Writer):
             if hf_config is not None:
                 raise ReshardError("--hf-config: a Megatron target from a Megatron source keeps the source's args")
             self._from_megatron(self.own, tp, pp, dp, ep, etp, optimizer, dtype)
+        elif self.ref is not None:
+            self._from_megatron(self.ref, tp, pp, dp, ep, etp, optimizer, dtype, data=reader)
         else:
             self._from_hf(reader, tp, pp, dp, ep, etp, optimizer, dtype, hf_config)
         if self.kind == "dp_reshardable" and self.arch.mtp and self.arch.pp > 1:
@@ -134,11 +142,32 @@ class MegatronWriter(Writer):
         self._lock = threading.Lock()
 
     # -- which target --------------------------------------------------------------------------
+    @staticmethod
+    def _reference(reader: Reader, megatron_args: str | Path | None, hf_config: str | Path | None
+                   ) -> MegatronReader | None:
+        """The Megatron checkpoint ``--megatron-args`` names, for a source of another format."""
+        if megatron_args is None:
+            return None
+        if isinstance(reader.native("megatron"), MegatronReader):
+            raise ReshardError("--megatron-args: a Megatron target from a Megatron source keeps the source's args")
+        if hf_config is not None:
+            raise ReshardError("--megatron-args and --hf-config: the model's args come from one of them (Megatron's "
+                               "names with --megatron-args, Hugging Face names with --hf-config)")
+        try:
+            ref = MegatronReader.open(megatron_args)
+        except FileNotFoundError as e:
+            raise ReshardError(f"--megatron-args {megatron_args}: not a Megatron checkpoint ({e})") from None
+        return ref
+
     def _from_megatron(self, own: MegatronReader, tp: int, pp: int, dp: int, ep: int | None, etp: int | None,
-                       optimizer: str | None, dtype: torch.dtype | None) -> None:
+                       optimizer: str | None, dtype: torch.dtype | None, data: Reader | None = None) -> None:
+        """The target of a Megatron source ``own``, or (``data``) of a source in Megatron's names whose
+        args, optimizer groups and run state are those of the Megatron checkpoint ``own``."""
         src, args = own.arch, own.args
         if dtype is not None and dtype != own.dtype(own.names[0], "weight"):
-            raise ReshardError("--dtype: a Megatron target from a Megatron source keeps the source's training dtype")
+            raise ReshardError("--dtype: a Megatron target from a Megatron source keeps the source's training dtype"
+                               if data is None else "--dtype: a Megatron target takes the training dtype of the "
+                               "checkpoint --megatron-args names")
         divisible = int(getattr(args, "make_vocab_size_divisible_by", 128) or 128)
         ep = ep if ep is not None else src.ep
         if etp is None:  # expert TP follows TP unless the source kept it apart (MoE parallel folding)
@@ -148,15 +177,20 @@ class MegatronWriter(Writer):
         if pp != src.pp:  # virtual / uneven stages are kept only at the source's PP
             arch = arch.evened()
         arch.check("target topology")
-        self.kind = optimizer or own.src.sharding
+        moments = data is None or any("exp_avg" in data.states(n) for n in data.names)
+        self.kind = optimizer or (own.src.sharding if moments else "none")
         self._check_kind()
         self.arch = arch
         self.iteration = own.iteration
         self.template = own.src.common if isinstance(own.src, TorchDistBackend) else own.src.state_dict(min(own.src.files))
         self.args = args_for(args, arch, self.kind)
         self.dtype = own.dtype(own.names[0], "weight")
-        self.hf = None if self.native else self._hf_names(own)
-        self.vocab_rows = self._vocab_rows(own)
+        if data is None:
+            self.hf = None if self.native else self._hf_names(own)
+            self.vocab_rows = self._vocab_rows(own)
+        else:
+            self.hf = None
+            self.vocab_rows = self._megatron_names(data, own)
         groups = own.src.param_groups()  # dense optimizer's, then the experts' (is_expert_parallel)
         dense = [g for g in groups if not g.get("is_expert_parallel")] or default_groups(args)
         self.groups = [dense]
@@ -167,14 +201,18 @@ class MegatronWriter(Writer):
             self.groups.append([g for g in groups if g.get("is_expert_parallel")]
                                or [dict(g, is_expert_parallel=True) for g in dense
                                    if (g.get("wd_mult", 1.0) != 0) in decays])
-        self.step = self._step(own)
+        self.step = self._step(own if data is None else data)
+        if data is not None:
+            self._check_run(data, own)
 
     def _from_hf(self, reader: Reader, tp: int, pp: int, dp: int, ep: int | None, etp: int | None,
                  optimizer: str | None, dtype: torch.dtype | None, hf_config: str | Path | None) -> None:
         cfg = _config_file(hf_config) if hf_config is not None else reader.hf_config()
         if not isinstance(cfg, dict):
             raise ReshardError(f"{reader.sources[-1]}: a Megatron target from {noun_of(reader)} needs the "
-                               "model's Hugging Face config.json beside its weights (or --hf-config DIR)")
+                               "model's Hugging Face config.json beside its weights (or --hf-config DIR)"
+                               + (", or, in Megatron's names, a Megatron checkpoint of the model (--megatron-args "
+                                  "CKPT)" if EMBED in reader.names else ""))
         have = {reader.dtype(n, s) for n in reader.names for s in reader.states(n)[:1]}
         dtype = dtype or (have.pop() if len(have) == 1 else torch.float32)
         self.args = args_from_hf(cfg, tp=tp, pp=pp, dp=dp, dtype=dtype, ep=ep or 1, etp=etp)
@@ -223,6 +261,49 @@ class MegatronWriter(Writer):
             raise ReshardError(f"{reader.sources[-1]}: {extra[0]!r} (of {len(extra)}) has no Megatron key in the "
                                "architecture mapping (--drop REGEX leaves such tensors out, recorded in the report)")
         return out
+
+    def _megatron_names(self, data: Reader, ref: MegatronReader) -> int:
+        """Every key of the model ``ref``'s args describe, checked against the names and shapes of a
+        source in Megatron's names; the vocabulary rows it holds (the padded vocabulary of the
+        topology it came from), which the target's padded vocabulary must hold."""
+        where = data.sources[-1]
+        have = set(data.names)
+        for s in ref.arch.keys():
+            if s.key not in have:
+                raise ReshardError(f"{where}: has no {s.key!r}, which the Megatron model of --megatron-args "
+                                   f"{ref.sources[0]} holds (is the source in Megatron's names, of that model?)")
+            want = self.arch.full_shape(s)
+            got = tuple(data.shape(s.key))
+            if s.key in (EMBED, OUTPUT):
+                ok = len(got) == 2 and got[1:] == want[1:] and self.arch.vocab <= got[0]
+            else:
+                ok = got == want
+            if not ok:
+                raise ReshardError(f"{where}: {s.key!r} is {list(got)}, the args of --megatron-args "
+                                   f"{ref.sources[0]} imply {list(want)}")
+        extra = sorted(have - {s.key for s in ref.arch.keys()})
+        if extra:
+            raise ReshardError(f"{where}: {extra[0]!r} (of {len(extra)}) is no key of the Megatron model of "
+                               f"--megatron-args {ref.sources[0]} (--drop REGEX leaves such tensors out, recorded in "
+                               "the report)")
+        rows = data.shape(EMBED)[0]
+        if rows > self.arch.padded_vocab:
+            raise ReshardError(f"{where}: {EMBED!r} holds {rows} vocabulary rows, more than the target's padded "
+                               f"vocabulary ({self.arch.padded_vocab} at TP={self.arch.tp}): not written by reshard "
+                               "from a source of another format")
+        return rows
+
+    def _check_run(self, data: Reader, ref: MegatronReader) -> None:
+        """The run state a target in Megatron's names takes from ``ref`` (iteration, learning-rate
+        scheduler) must be the source's: their optimizer steps agree."""
+        mine = self._step(ref)
+        if self.kind != "none" and any(data.step(n) is not None for n in data.names) and mine != self.step:
+            raise ReshardError(f"{data.sources[-1]}: its optimizer step {self.step:g} is not that of --megatron-args "
+                               f"{ref.sources[0]} ({mine:g}), whose iteration and learning-rate scheduler the target "
+                               "would take; --megatron-args the Megatron checkpoint of the same step, or --optimizer "
+                               "none")
+        self._notes.append(f"args, optimizer groups and run state (iteration {self.iteration}, learning-rate "
+                           f"scheduler) from the Megatron checkpoint {ref.sources[0]} (--megatron-args)")
 
     def _vocab_rows(self, own: MegatronReader) -> int:
         if self.hf is not None:

@@ -31,6 +31,9 @@ CASES = [  # (source, target topology, the rank folders Megatron's save_checkpoi
      ["mp_rank_00_000", "mp_rank_00_002", "mp_rank_01_001", "mp_rank_01_003"]),
     ("torch_dist_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=3, dp=2, ep=2),
      [f"mp_rank_00_00{p}_00{e}" for p in range(3) for e in range(2)]),
+    # a multi-token-prediction layer on the last stage (with its copy of the embedding over several stages)
+    ("legacy_tp2_pp2_mtp1", dict(tp=1, pp=1), ["mp_rank_00"]),
+    ("torch_dist_mtp1", dict(tp=2, pp=2), [f"mp_rank_0{t}_00{p}" for t in range(2) for p in range(2)]),
 ]
 
 
@@ -47,6 +50,9 @@ ADAM = [  # plain Adam's moments beside the weights (the default from a plain-Ad
     ("legacy_moe_tp2_ep2_shared", dict(tp=1, ep=1), ["mp_rank_00"]),  # one optimizer
     ("legacy_moe_tp2_ep2_shared", dict(tp=2, dp=2, ep=2, etp=2),  # chained [dense, experts]
      ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]),
+    # MTP: the last stage's optimizer holds the embedding copy first (index 0), then its layers and the MTP block
+    ("legacy_tp2_pp2_mtp1", dict(tp=1, pp=2), ["mp_rank_00_000", "mp_rank_00_001"]),
+    ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=1, ep=1), ["mp_rank_00"]),  # an MLA + MoE MTP layer
 ]
 
 
@@ -65,6 +71,7 @@ DISTRIBUTED = [  # the distributed optimizer (distrib_optim.pt beside each file;
      ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]),
     ("torch_dist_tp2_dp2_distopt", dict(tp=1, dp=2), ["mp_rank_00"]),  # dp_reshardable buckets -> distrib_optim.pt
     ("torch_dist_dp2_distopt_bf16", dict(tp=2, dp=1), ["mp_rank_00", "mp_rank_01"]),  # bf16 weights, fp32 masters
+    ("torch_dist_mtp1", dict(tp=1, dp=2, optimizer="distributed"), ["mp_rank_00"]),  # MTP after the final norm
 ]
 
 
@@ -96,7 +103,8 @@ def _check(out, fixture, topology, folders, kind):
     assert manifest["optimizer"] == kind
 
 
-@pytest.mark.parametrize("fixture", ["legacy_tp2_pp2", "legacy_moe_tp2_ep2_shared", "legacy_pp2_vpp2"])
+@pytest.mark.parametrize("fixture", ["legacy_tp2_pp2", "legacy_moe_tp2_ep2_shared", "legacy_pp2_vpp2",
+                                     "legacy_tp2_pp2_mtp1"])
 @pytest.mark.parametrize("optimizer", ["none", None])
 def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture, optimizer):
     """Each file: Megatron's top-level entries (less the RNG states; weights only: less the

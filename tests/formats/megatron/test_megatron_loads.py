@@ -85,6 +85,11 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=1, pp=1, dp=1, ep=1), True),
     ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=1, pp=2, dp=2, ep=2), True),
     ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=2, pp=1, dp=2, ep=2, etp=2, optimizer="dp_reshardable"), True),
+    # MTP under virtual stages (the last stage's last chunk): merged to PP 1, and kept at PP 2 x virtual PP 2
+    ("torch_dist_pp2_vpp2_mtp1", dict(tp=1, pp=1, dp=1), True),
+    ("torch_dist_pp2_vpp2_mtp1", dict(tp=2, pp=2, dp=1), True),
+    # legacy files with MTP (the last stage's embedding copy) written as torch_dist
+    ("legacy_tp2_pp2_mtp1", dict(tp=1, pp=1, dp=1), True),
 ]
 
 
@@ -236,6 +241,38 @@ def test_megatron_loads_a_moe_checkpoint_back_from_dcp(tmp_path):
             assert torch.equal(g, v), (part, k)
 
 
+MEGATRON_NAMES = [  # (fixture, via, target topology): Megatron -> DCP / universal in Megatron's names -> Megatron
+    ("torch_dist_deepseek_v3_mtp_tp2_ep2", "dcp", dict(tp=1, pp=1, dp=1, ep=1)),
+    ("torch_dist_deepseek_v3_mtp_tp2_ep2", "universal", dict(tp=1, pp=2, dp=2, ep=2)),
+    ("torch_dist_mtp1", "universal", dict(tp=2, pp=2, dp=1)),
+    ("torch_dist_pp2_vpp2_mtp1", "dcp", dict(tp=2, pp=2, dp=1)),  # back to PP 2 x virtual PP 2
+]
+
+
+@pytest.mark.parametrize("fixture,via,topology", MEGATRON_NAMES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in MEGATRON_NAMES])
+def test_megatron_loads_an_mtp_checkpoint_back_from_megatron_names(tmp_path, fixture, via, topology):
+    """DCP / universal keep Megatron's names, the MTP layer's too; back to Megatron with the args, optimizer
+    groups and run state of the fixture (``--megatron-args``): Megatron loads it, model and Adam moments (the MTP
+    layer's among them) equal to its reload of the fixture."""
+    from safetensors.torch import load_file
+
+    from reshard.jobs.convert import convert
+
+    mid = convert(FIXTURES / fixture, tmp_path / via, fmt=via).out_dir
+    out = reshard(mid, tmp_path / "ckpt", to="megatron", optimizer="adam", megatron_args=FIXTURES / fixture,
+                  **topology).out_dir
+    got = _megatron(out, tmp_path / "reload", topology, True)
+    assert set(got) == {"model", "optimizer"}
+    for part, tensors in got.items():
+        want = load_file(str(FIXTURES / fixture / "oracle" / f"{part}.safetensors"))
+        if part == "optimizer":  # plain Adam keeps no fp32 masters
+            want = {k: v for k, v in want.items() if not k.startswith("param.")}
+        assert set(tensors) == set(want), (part, sorted(set(tensors) ^ set(want))[:4])
+        assert any(k.startswith(("mtp.", "exp_avg.mtp.")) for k in tensors), part
+        for k, v in want.items():
+            assert torch.equal(tensors[k], v), (part, k)
+
+
 LEGACY_TARGETS = [  # (source, target topology): legacy files (--ckpt-format torch); "optimizer": "none" = weights only
     ("legacy_tp2_pp2", dict(tp=1, pp=2, dp=1, optimizer="none")),
     ("torch_dist_tp2_pp2", dict(tp=2, pp=1, dp=1, optimizer="none")),
@@ -254,6 +291,11 @@ LEGACY_TARGETS = [  # (source, target topology): legacy files (--ckpt-format tor
     ("legacy_moe_tp2_ep2_shared_distopt", dict(tp=1, pp=1, dp=1, ep=1, optimizer="distributed")),
     ("torch_dist_tp2_dp2_distopt", dict(tp=1, pp=1, dp=2, optimizer="distributed")),
     ("torch_dist_dp2_distopt_bf16", dict(tp=2, pp=1, dp=1, optimizer="distributed")),  # bf16 weights, fp32 masters
+    # MTP layers: the last stage's embedding copy in its model and optimizer; an MLA + MoE MTP layer
+    ("legacy_tp2_pp2_mtp1", dict(tp=1, pp=2, dp=1, optimizer="adam")),
+    ("torch_dist_mtp1", dict(tp=2, pp=2, dp=1, optimizer="adam")),
+    ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=1, pp=1, dp=1, ep=1, optimizer="adam")),
+    ("torch_dist_mtp1", dict(tp=1, pp=1, dp=2, optimizer="distributed")),  # one stage: no embedding copy
 ]
 
 
@@ -274,6 +316,10 @@ def test_megatron_loads_a_legacy_target(tmp_path, fixture, topology):
         want = load_file(str(FIXTURES / fixture / "oracle" / f"{part}.safetensors"))
         if part == "optimizer" and topology["optimizer"] == "adam":  # plain Adam keeps no fp32 masters
             want = {k: v for k, v in want.items() if not k.startswith("param.")}
+        if part == "optimizer":  # a plain-Adam source written with fp32 masters: the masters are its weights
+            model = load_file(str(FIXTURES / fixture / "oracle" / "model.safetensors"))
+            want.update({f"param.{k}": v.float() for k, v in model.items()
+                         if f"param.{k}" in tensors and f"param.{k}" not in want})
         assert set(tensors) == set(want), (part, sorted(set(tensors) ^ set(want))[:4])
         for k, v in want.items():
             assert torch.equal(tensors[k], v), (part, k)
