@@ -4,8 +4,8 @@ SwiGLU, RMSNorm, untied, a 120-token vocabulary padded to 128 rows) at TP 2 and 
 torch's AdamW on their own parameters; trainer rank 0 also holds an ``LLM`` at TP 2 started on the
 model's config with ``load_format="dummy"`` (random weights) and backend "reshard". The source is
 ``ShardSource.megatron(model, vocab_size=120)``: each rank's views of its own module parameters.
-After each optimizer step every rank calls ``send_weights()``; rank 0 records what the engine
-generates and keeps, and the workers' counters.
+After each optimizer step every rank calls ``send_weights()`` (every gather of ``torch.distributed``
+raising meanwhile); rank 0 records what the engine generates and keeps, and the workers' counters.
 
 For the test only (after the sends), the ranks gather their parameters and write them as an HF
 folder ``OUT/step{k}``, converted here by hand (not by reshard): Megatron's q/k/v rows per query
@@ -23,6 +23,7 @@ Needs megatron-core importable (``make test-vllm`` installs it into its venv) an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -131,6 +132,27 @@ def replicas_differ(parts: dict) -> list[str]:
     return [n for n, ps in parts.items() if "layernorm" in n and not all(torch.equal(ps[0], q) for q in ps[1:])]
 
 
+@contextlib.contextmanager
+def no_gathers():
+    """Every gather of ``torch.distributed`` (what Megatron's own gathers call) raises inside the block:
+    no trainer rank may gather a tensor while it sends."""
+    import torch.distributed as dist
+
+    names = ("all_gather", "all_gather_into_tensor", "all_gather_object", "gather", "gather_object")
+    saved = {n: getattr(dist, n) for n in names}
+
+    def refuse(*a, **k):
+        raise RuntimeError("a gather was called during send_weights")
+
+    for n in names:
+        setattr(dist, n, refuse)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
 def trainer(rank: int, args, ports: list[int]) -> None:
     """One trainer rank; it leaves with ``os._exit`` (as ``live_run.trainer``)."""
     try:
@@ -209,7 +231,8 @@ def _trainer(rank: int, args, ports: list[int]) -> None:
         srec: dict = {"step": step, "loss": float(loss.detach())}
         if eng is not None:
             t0 = time.perf_counter()
-            eng.send_weights()
+            with no_gathers():
+                eng.send_weights()
             srec.update(send_s=time.perf_counter() - t0,
                         sent_bytes={str(q): b for q, b in eng.stats["sent_bytes"].items()})
         parts = gathered(model)  # the oracle only, after the send
