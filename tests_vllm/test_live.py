@@ -15,6 +15,10 @@ optimizer steps.
   fixture's 2 TP ranks, each offering its own files' fragments): one update makes an engine that
   started on random weights generate and keep exactly what vLLM's own load of the checkpoint
   (exported to HF) does.
+* Fed by a live Megatron-Core trainer (``megatron_run.py``: a GPTModel at TP 2 on 2 gloo ranks,
+  ``ShardSource.megatron``, each rank's views of its own module parameters): after 2 optimizer
+  steps and a send after each, the engine generates and keeps exactly what a fresh vLLM load of
+  the trainer's weights does.
 * A parameter the engine's model lacks: every trainer rank raises ``MapError`` naming it at init.
 * The learned maps are cached: a second engine on the same model and TP reads them from disk at
   init and gets the same maps.
