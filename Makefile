@@ -48,8 +48,16 @@ $(VSTAMP): pyproject.toml
 	$(VBIN)/python -m pip install -q -e . --no-deps
 	touch $(VSTAMP)
 
+# Megatron-Core in the vLLM venv, for the live Megatron trainer (tests_vllm/megatron_run.py): its cp311 wheel
+# declares Python >= 3.12 but runs on 3.11 with scripts/_megatron_cpu.py's shim; what it imports is already there
+VMEGATRON := $(VVENV)/.megatron-core-installed
+
+$(VMEGATRON): $(VSTAMP)
+	$(VBIN)/python -m pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
+	touch $(VMEGATRON)
+
 # reshard's vLLM outputs loaded by a real vLLM (tests_vllm/; make test does not collect them)
-test-vllm: $(VSTAMP)
+test-vllm: $(VSTAMP) $(VMEGATRON)
 	$(VBIN)/python -m pytest -p no:cacheprovider -o addopts="-q --durations=10" tests_vllm
 
 # reshard against vLLM itself, one run each (benchmarks/bench_vllm.py; docs/benchmarks.md): a live

@@ -213,6 +213,11 @@ for _flag, _value in (("--hidden-size", "256"), ("--kv-channels", "64"), ("--ffn
                       ("--max-position-embeddings", "128")):
     QWEN2_VLLM_ARGV[QWEN2_VLLM_ARGV.index(_flag) + 1] = _value
 QWEN2_VLLM_ARGV += ["--add-qkv-bias"]
+# the same at hidden 128 (2 query heads of 64 in 2 groups: vLLM's head_dim is hidden / heads, and
+# Megatron wants the groups divisible by TP), so two layers over 2 pipeline stages stay small
+QWEN2_VLLM_PP_ARGV = list(QWEN2_VLLM_ARGV)
+for _flag, _value in (("--hidden-size", "128"), ("--num-attention-heads", "2")):
+    QWEN2_VLLM_PP_ARGV[QWEN2_VLLM_PP_ARGV.index(_flag) + 1] = _value
 
 # DeepSeek-V3 shaped MoE: 8 experts in 2 groups (group-limited routing: the best group by the sum of
 # its top-2 biased scores, then the top-2 experts in it), a sigmoid router with an expert bias,
@@ -392,6 +397,12 @@ FIXTURES = {f.name: f for f in [
             "ffn 64, vocabulary 120 (padded to 128), one layer, untied; TP=2, DP=1; --bf16, plain Adam, "
             "--no-save-optim (weights only); torch_dist",
             tp=2, layers=1, save_optim=False, model_argv=QWEN2_VLLM_ARGV,
+            extra_argv=["--bf16", "--accumulate-allreduce-grads-in-fp32"]),
+    Fixture("torch_dist_tp2_pp2_qwen2_vllm",
+            "Qwen2 shaped for vLLM over pipeline stages (tests_vllm): hidden 128, 2 query heads of 64 in 2 groups, "
+            "q/k/v biases, ffn 64, vocabulary 120 (padded to 128), two layers, untied; TP=2 x PP=2, DP=1; --bf16, "
+            "plain Adam, --no-save-optim (weights only); torch_dist",
+            tp=2, pp=2, layers=2, save_optim=False, model_argv=QWEN2_VLLM_PP_ARGV,
             extra_argv=["--bf16", "--accumulate-allreduce-grads-in-fp32"]),
 ]}
 

@@ -73,33 +73,51 @@ def sharded_engine(folder: Path, work: Path, sharded: bool = True) -> dict:
 
 
 MEGATRON = HERE.parent / "tests" / "fixtures" / "megatron" / "torch_dist_tp2_qwen2_vllm"
+# the same shape over 2 pipeline stages: TP 2 x PP 2, two layers, hidden 128 (2 query heads of 64)
+MEGATRON_PP = HERE.parent / "tests" / "fixtures" / "megatron" / "torch_dist_tp2_pp2_qwen2_vllm"
+
+
+def megatron_exports(checkpoint: Path, work: Path) -> dict:
+    """``checkpoint`` converted with ``--format hf`` in bf16 and fp32, and vLLM's own load of the
+    bf16 folder at TP 2: the reference for everything made of that checkpoint."""
+    for dtype in ("bf16", "fp32"):
+        run(["-m", "reshard", "convert", checkpoint, work / f"hf-{dtype}", "--format", "hf", "--dtype", dtype], 300,
+            work / f"convert-hf-{dtype}.log")
+    (work / "e-hf").mkdir()
+    return {"work": work, "checkpoint": checkpoint, "hf": sharded_engine(work / "hf-bf16", work / "e-hf", sharded=False)}
+
+
+def megatron_served(exports: dict) -> dict:
+    """``exports``, and its checkpoint converted with ``--format vllm --tp 2`` in bf16 and fp32;
+    vLLM's own loaders on the fp32 HF folder at TP 2 (``loader_run.py``); an engine on the bf16
+    sharded state."""
+    work, checkpoint = exports["work"], exports["checkpoint"]
+    for dtype in ("bf16", "fp32"):
+        run(["-m", "reshard", "convert", checkpoint, work / f"vllm-{dtype}", "--format", "vllm", "--dtype", dtype,
+             "--tp", 2], 300, work / f"convert-vllm-{dtype}.log")
+    run([HERE / "loader_run.py", work / "hf-fp32", work / "loader", "--tp", 2, "--dtype", "float32"], 600,
+        work / "loader.log")
+    (work / "e-sharded").mkdir()
+    return {**exports, "sharded": sharded_engine(work / "vllm-bf16", work / "e-sharded")}
 
 
 @pytest.fixture(scope="session")
 def megatron_hf(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The committed Megatron-Core fixture ``torch_dist_tp2_qwen2_vllm`` (a Qwen2-shaped GPTModel
     Megatron-LM trained and saved at TP 2, bf16: head_dim 64, 4 query heads in 2 groups, q/k/v
-    biases, a 120-token vocabulary padded to 128 by Megatron) converted with ``--format hf`` in
-    bf16 (as stored) and fp32, and vLLM's own load of the bf16 folder at TP 2: the reference for
-    everything made of that checkpoint (a model of its own, so not ``hf_engine``)."""
-    work = tmp_path_factory.mktemp("megatron")
-    for dtype in ("bf16", "fp32"):
-        run(["-m", "reshard", "convert", MEGATRON, work / f"hf-{dtype}", "--format", "hf", "--dtype", dtype], 300,
-            work / f"convert-hf-{dtype}.log")
-    (work / "e-hf").mkdir()
-    return {"work": work, "hf": sharded_engine(work / "hf-bf16", work / "e-hf", sharded=False)}
+    biases, a 120-token vocabulary padded to 128 by Megatron) exported (``megatron_exports``): a
+    model of its own, so not ``hf_engine``."""
+    return megatron_exports(MEGATRON, tmp_path_factory.mktemp("megatron"))
 
 
 @pytest.fixture(scope="session")
 def megatron(megatron_hf: dict) -> dict:
-    """``megatron_hf``, and the checkpoint converted with ``--format vllm --tp 2`` in bf16 and fp32;
-    vLLM's own loaders on the fp32 HF folder at TP 2 (``loader_run.py``); an engine on the bf16
-    sharded state."""
-    work = megatron_hf["work"]
-    for dtype in ("bf16", "fp32"):
-        run(["-m", "reshard", "convert", MEGATRON, work / f"vllm-{dtype}", "--format", "vllm", "--dtype", dtype,
-             "--tp", 2], 300, work / f"convert-vllm-{dtype}.log")
-    run([HERE / "loader_run.py", work / "hf-fp32", work / "loader", "--tp", 2, "--dtype", "float32"], 600,
-        work / "loader.log")
-    (work / "e-sharded").mkdir()
-    return {**megatron_hf, "sharded": sharded_engine(work / "vllm-bf16", work / "e-sharded")}
+    """``megatron_hf`` served (``megatron_served``)."""
+    return megatron_served(megatron_hf)
+
+
+@pytest.fixture(scope="session")
+def megatron_pp(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``torch_dist_tp2_pp2_qwen2_vllm`` (Megatron-LM trained and saved it at TP 2 x PP 2, bf16)
+    exported and served: its layers come from two pipeline stages' files."""
+    return megatron_served(megatron_exports(MEGATRON_PP, tmp_path_factory.mktemp("megatron-pp")))

@@ -15,6 +15,10 @@ optimizer steps.
   fixture's 2 TP ranks, each offering its own files' fragments): one update makes an engine that
   started on random weights generate and keep exactly what vLLM's own load of the checkpoint
   (exported to HF) does.
+* Fed by a live Megatron-Core trainer (``megatron_run.py``: a GPTModel at TP 2 on 2 gloo ranks,
+  ``ShardSource.megatron``, each rank's views of its own module parameters): after 2 optimizer
+  steps and a send after each, the engine generates and keeps exactly what a fresh vLLM load of
+  the trainer's weights does.
 * A parameter the engine's model lacks: every trainer rank raises ``MapError`` naming it at init.
 * The learned maps are cached: a second engine on the same model and TP reads them from disk at
   init and gets the same maps.
@@ -27,6 +31,7 @@ optimizer steps.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -222,3 +227,68 @@ def test_a_checkpoint_folders_reader_feeds_the_backend(megatron_hf: dict, tmp_pa
     assert trainers[1]["whole"] == []
     for t in trainers:
         assert all(b <= 2 * t["local_numel"] for b in t["sent_bytes"].values())  # bf16: its own elements at most
+
+
+MEGATRON_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def megatron_live(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``megatron_run.py``: a live Megatron-Core GPTModel at TP 2 (2 gloo trainer ranks) pushing into
+    an engine started on random weights after each of 2 optimizer steps; then a fresh vLLM load of
+    the trainer's weights after the last step (one engine)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed in this venv (make test-vllm installs it)")
+    out = tmp_path_factory.mktemp("megatron-live") / "run"
+    run([HERE / "megatron_run.py", out, "--steps", MEGATRON_STEPS], RUN_S, out.parent / "megatron.log")
+    last = out / f"step{MEGATRON_STEPS}"
+    run([HERE / "engine_run.py", last, out / "fresh.json"], ENGINE_S, out.parent / "fresh.log")
+    return {"run": json.loads((out / "megatron.json").read_text()), "fresh": json.loads((out / "fresh.json").read_text()),
+            "trainers": [json.loads((out / f"trainer{r}.json").read_text()) for r in range(2)]}
+
+
+def test_a_live_megatron_trainer_feeds_the_backend(megatron_live: dict):
+    """``ShardSource.megatron(model)``: after 2 optimizer steps of a Megatron-Core GPTModel (TP 2:
+    q/k/v interleaved per query group, fc1 ``[gate_t; up_t]``, a padded vocabulary) and a
+    ``send_weights()`` after each, the engine (started on random weights) generates -- greedy tokens,
+    top-20 logprobs -- and keeps, byte for byte, exactly what a fresh vLLM load of the trainer's
+    weights (gathered and converted to HF by hand, after the sends) does. That conversion is
+    Megatron's own model: transformers' Qwen2 on it gives Megatron's forward (float32 logits)."""
+    got, fresh = megatron_live["run"], megatron_live["fresh"]
+    forward = got["forward"]
+    assert forward["argmax_equal"] and forward["max_abs_diff"] < 1e-4 * max(1.0, forward["scale"]), forward
+    steps = got["steps"]
+    assert [s["step"] for s in steps] == list(range(1, MEGATRON_STEPS + 1))
+    last = steps[-1]
+    assert [o["tokens"] for o in last["outputs"]] == [o["tokens"] for o in fresh["outputs"]]
+    assert all(len(t) >= 20 for o in fresh["outputs"] for t in o["logprobs"])
+    assert [o["logprobs"] for o in last["outputs"]] == [o["logprobs"] for o in fresh["outputs"]]
+    assert last["kept"] == fresh["kept"]
+    assert "model.layers.1.self_attn.qkv_proj.bias" in last["kept"][1]
+    before = got["before"]
+    for s in steps:  # each update changed what the engine computes
+        assert s["outputs"] != before, s["step"]
+        before = s["outputs"]
+    for t in megatron_live["trainers"]:
+        assert all(s["replicas_differ"] == [] for s in t["steps"])  # the norms' TP copies stayed equal
+
+
+def test_a_live_megatron_trainer_sends_its_own_parameters_once(megatron_live: dict):
+    """Each worker received each element it holds once (bf16), all of it from the trainer ranks'
+    views of their own module parameters: no rank holds a whole tensor but the replicated norms,
+    or sends more than its parameters (and every gather of ``torch.distributed`` raises during
+    ``send_weights``: ``megatron_run.no_gathers``)."""
+    trainers = megatron_live["trainers"]
+    for t in trainers:
+        assert t["hf_params"] == 27 and t["held"] == 27 and t["views"]
+        assert t["local_numel"] == sum(math.prod(s) for s in t["params"].values())
+        assert all(n.endswith("norm.weight") for n in t["whole"]) and len(t["whole"]) == 5
+        for s in t["steps"]:
+            assert all(b <= 2 * t["local_numel"] for b in s["sent_bytes"].values())
+    for k, s in enumerate(megatron_live["run"]["steps"]):
+        for w in s["workers"]:
+            assert w["updates"] == k + 1 and w["received_bytes"] == 2 * w["marked_elements"]
+            sent = sum(t["steps"][k]["sent_bytes"].get(str(w["rank"]), 0) for t in trainers)
+            assert sent == w["received_bytes"]

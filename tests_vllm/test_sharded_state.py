@@ -3,8 +3,8 @@ the same weights, loaded by a real vLLM (CPU) with ``load_format="sharded_state"
 vLLM loading the HF folder itself at TP 2: the same greedy tokens and top-20 logprobs, and every
 tensor the engine keeps as loaded equal byte for byte (vLLM's CPU backend repacks the linears after
 loading, so those count through the logits; vLLM's loaders compare them before that, tensor by
-tensor). Three engine starts in all (the HF load is shared: ``conftest.hf_engine``), and two more for
-a Megatron-Core checkpoint (a model of its own)."""
+tensor). Three engine starts in all (the HF load is shared: ``conftest.hf_engine``), two more for
+a Megatron-Core checkpoint (a model of its own), and two more for its TP 2 x PP 2 sibling."""
 
 from __future__ import annotations
 
@@ -113,3 +113,24 @@ def test_megatron_source_is_what_vllms_loaders_load(megatron):
 def test_megatron_source_serves_as_vllms_hf_load(megatron):
     same_outputs(megatron["sharded"], megatron["hf"])
     same_kept(megatron["sharded"], megatron["hf"], last=0)
+
+
+def test_megatron_pipeline_source_is_what_vllms_loaders_load(megatron_pp):
+    """A TP 2 x PP 2 checkpoint (layer 0 in stage 0's files, layer 1 in stage 1's): every tensor of
+    every rank bit for bit what vLLM's loaders make of its fp32 HF export."""
+    from safetensors.torch import load_file
+
+    from .test_loaders import same_state
+
+    work = megatron_pp["work"]
+    for r in range(2):
+        ours = load_file(work / "vllm-fp32" / f"model-rank-{r}-part-0.safetensors")
+        assert ours["model.embed_tokens.weight"].shape == (64, 128)  # 120 rows -> 128, 64 a rank
+        for layer in range(2):  # one query group a rank: [q 64; k 64; v 64]
+            assert ours[f"model.layers.{layer}.self_attn.qkv_proj.bias"].shape == (192,)
+        same_state(ours, load_file(work / "loader" / f"rank-{r}.safetensors"), r)
+
+
+def test_megatron_pipeline_source_serves_as_vllms_hf_load(megatron_pp):
+    same_outputs(megatron_pp["sharded"], megatron_pp["hf"])
+    same_kept(megatron_pp["sharded"], megatron_pp["hf"], last=1)

@@ -15,9 +15,9 @@ in this process, vLLM's own ``HTTPVLLMWeightSyncClient`` for a server's RL route
   worker's engine tensors hold, cast to the wire dtype, and sends it one message; every rank of
   the group then reports success or failure; the sender waits for ``update_weights`` and calls
   ``finish_weight_update``. No trainer rank gathers a tensor: the source is the ranks' local
-  shards (:meth:`ShardSource.fsdp2`: FSDP2's DTensor local shards, views the optimizer updates in
-  place). A dead or hung rank anywhere raises :class:`~reshard.errors.TransferError` on every
-  trainer rank within the group's timeout; the sender first waits up to that timeout for the
+  shards (:meth:`ShardSource.fsdp2`: FSDP2's DTensor local shards; :meth:`ShardSource.megatron`: a
+  live Megatron-Core model's TP x PP parameters; views the optimizer updates in place). A dead or
+  hung rank anywhere raises :class:`~reshard.errors.TransferError` on every trainer rank within the group's timeout; the sender first waits up to that timeout for the
   engine's answer and closes the update with ``finish_weight_update`` (the engine keeps its
   previous weights), or leaves an engine that does not answer as it is.
 """
@@ -25,7 +25,7 @@ in this process, vLLM's own ``HTTPVLLMWeightSyncClient`` for a server's RL route
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -92,6 +92,28 @@ class ShardSource(WeightSource):
         ``lazy`` (default): each fragment is read when an update packs it, a band at a time (a
         quantized weight decoded band by band), and checked again before each update sends."""
         return cls(*reader_sources(reader, rank, ranks=ranks, states=states, lazy=lazy))
+
+    @classmethod
+    def megatron(cls, model: torch.nn.Module, *, vocab_size: int | None = None,
+                 rank_of: Callable[[int, int], int] | None = None) -> ShardSource:
+        """A live Megatron-Core ``GPTModel`` (local spec; TP x PP, any wrapper with ``.module``) on
+        this rank: its parameters under HF names, each rank's shards views of its own module
+        parameters (``formats.megatron.live``); data-parallel ranks other than 0 hold nothing.
+        ``vocab_size``: the HF model's rows of the padded embedding (default: all of them);
+        ``rank_of(tp, pp)``: the trainer rank at that position (default: Megatron's rank order)."""
+        from megatron.core import parallel_state as ps
+
+        from ..megatron.live import megatron_sources
+
+        gpt = model
+        while hasattr(gpt, "module"):
+            gpt = gpt.module
+        padded = int(gpt.vocab_size)
+        return cls(*megatron_sources(
+            dict(model.named_parameters()), gpt.config, vocab_size=padded if vocab_size is None else vocab_size,
+            padded_vocab=padded, tied=bool(gpt.share_embeddings_and_output_weights),
+            tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(), dp=ps.get_data_parallel_world_size(), rank_of=rank_of))
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
