@@ -310,6 +310,11 @@ class Writer(ABC):
         target has no place for it."""
         return False
 
+    def unplaced(self, name: str) -> str | None:
+        """Why the target has no place for source parameter ``name`` where it can say more than
+        that it does not fill it (the report's and a refusal's reason); by default nothing."""
+        return None
+
     def view(self, reader: Reader) -> Reader:
         """The source as this target reads it, planned and filled by the engine: by default the
         reader itself; a target may narrow it without changing it (Megatron's padded vocabulary,

@@ -6,19 +6,58 @@ document) tells it from here, so a target that follows it loads each state into 
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
 
-__all__ = ["hf_model_order", "in_model_order"]
+__all__ = ["HfKeys", "hf_model_keys", "hf_model_order", "in_model_order"]
 
 
-def hf_model_order(cfg: dict[str, Any] | None) -> list[str] | None:
-    """``named_parameters()`` of the model ``cfg`` describes, built by transformers on the meta
-    device (no weights, no remote code); ``None`` when it cannot be built."""
+@dataclass(frozen=True, slots=True)
+class HfKeys:
+    """What ``from_pretrained`` of the model a config describes loads: its parameters in
+    ``named_parameters()`` order, every ``state_dict`` key (persistent buffers too), the keys that
+    are a tied parameter's second name (``lm_head.weight`` where the embeddings are tied: loaded
+    from the first), and the patterns of keys it lets a folder lack or hold beyond them (the class's
+    ``_keys_to_ignore_on_load_missing`` / ``_unexpected``)."""
+
+    order: tuple[str, ...]
+    keys: frozenset[str]
+    aliases: frozenset[str] = frozenset()
+    may_lack: tuple[str, ...] = ()
+    may_hold: tuple[str, ...] = ()
+
+    def missing(self, names: Sequence[str]) -> list[str]:
+        """The keys ``from_pretrained`` would leave at their initial value given ``names``."""
+        have = set(names)
+        return [k for k in sorted(self.keys) if k not in have and k not in self.aliases
+                and not any(re.search(p, k) for p in self.may_lack)]
+
+    def unexpected(self, names: Sequence[str]) -> list[str]:
+        """The ``names`` ``from_pretrained`` would ignore (no key of the model)."""
+        return [n for n in names if n not in self.keys and not any(re.search(p, n) for p in self.may_hold)]
+
+
+def hf_model_keys(cfg: dict[str, Any] | None) -> HfKeys | None:
+    """:class:`HfKeys` of the model ``cfg`` describes, built by transformers on the meta device (no
+    weights, no remote code); ``None`` when it cannot be built."""
     if not cfg or "model_type" not in cfg:
         return None
+    try:
+        text = json.dumps(cfg, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    return _keys(text)
+
+
+@lru_cache(maxsize=8)
+def _keys(text: str) -> HfKeys | None:
+    cfg = json.loads(text)
     try:
         import transformers
     except ImportError:
@@ -30,9 +69,20 @@ def hf_model_order(cfg: dict[str, Any] | None) -> list[str] | None:
         cls = getattr(transformers, arch) if arch else transformers.AutoModelForCausalLM
         with torch.device("meta"):
             model = cls(config) if arch else cls.from_config(config)
-    except Exception:  # noqa: BLE001 -- an architecture transformers cannot build: order unknown
+    except Exception:  # noqa: BLE001 -- an architecture transformers cannot build: keys unknown
         return None
-    return [n for n, _ in model.named_parameters()]
+    order = tuple(n for n, _ in model.named_parameters())
+    aliases = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False)) - set(order)
+    return HfKeys(order, frozenset(model.state_dict()), aliases,
+                  tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
+                  tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))
+
+
+def hf_model_order(cfg: dict[str, Any] | None) -> list[str] | None:
+    """``named_parameters()`` of the model ``cfg`` describes (:func:`hf_model_keys`); ``None`` when
+    it cannot be built."""
+    keys = hf_model_keys(cfg)
+    return None if keys is None else list(keys.order)
 
 
 def in_model_order(names: Sequence[str], order: Sequence[str] | None) -> list[str] | None:

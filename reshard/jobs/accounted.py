@@ -88,7 +88,7 @@ def account(reader: Reader, writer: Writer, targets: Sequence[Target], drop: Ite
     pats = patterns(drop)
     written = {t.name for t in targets} | set(writer.copied())
     where = str(reader.sources[-1])
-    unwritten = [Held(n, where, "weights", f"a parameter the {writer.format} target does not fill")
+    unwritten = [Held(n, where, "weights", writer.unplaced(n) or f"a parameter the {writer.format} target does not fill")
                  for n in reader.names if n not in written]
     held = []
     for h in [*unwritten, *reader.unlowered()]:

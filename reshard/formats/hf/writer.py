@@ -17,6 +17,12 @@ they stand, written from any source (``--format hf``): the weights directly in `
 * **Tied embeddings** (``tie_word_embeddings``): written once, as ``save_pretrained`` does -- the
   input embedding kept, ``lm_head.weight`` left out -- on every route (a DCP source holds both).
 * **Names** are HF's: a prefix every name shares (``module.`` of a DDP/DeepSpeed wrapper) is dropped.
+  Where transformers can build the config's architecture (on the meta device), the names are
+  checked against the model's keys before any output exists: a source lacking a weight the model
+  has is refused (``from_pretrained`` would leave it at its initial value, silently), and a source
+  tensor that is no key of the model is not written -- refused by the engine's accounting unless
+  ``--drop`` names it (``from_pretrained`` would ignore it). Not checked for ``--quantize keep``,
+  whose payload names are the quantized model's.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from typing import Any
 
 import torch
 
-from ...errors import ReshardError
+from ...errors import CheckpointError, ReshardError
 from ..contract import Buffer, Held, Reader, Writer
-from ..safetensors.writer import SafetensorsWriter
+from ..hf_order import hf_model_keys
+from ..safetensors.writer import KEEP, SafetensorsWriter
 
 __all__ = ["HfWriter", "fp8_config", "kept_fp32", "metadata_folder"]
 
@@ -113,6 +120,9 @@ class HfWriter(Writer):
         self.alias = next((n for n, o in out.items() if o == TIED[0]), None) if self.tied else None
         if self.tied:
             out = {n: o for n, o in out.items() if o != TIED[0]}
+        self.unkeyed: dict[str, str] = {}  # source name -> why the model has no place for it
+        if quantize != KEEP:
+            out = self._keyed(reader, out)
         self.inner = SafetensorsWriter(reader, max_file_bytes=max_file_bytes, dtype=dtype, names=out, index=False,
                                        quantize=quantize, block=block, config=self.config,
                                        fp32=kept_fp32(self.config, dtype) if dtype is not None else None)
@@ -120,6 +130,32 @@ class HfWriter(Writer):
         self.carried = [f for f in CARRIED if self.folder is not None and (self.folder / f).is_file() and
                         f != "config.json"]
         self.prefix = prefix
+
+    def _keyed(self, reader: Reader, out: dict[str, str]) -> dict[str, str]:
+        """``out`` without the names the config's model has no key for (recorded in
+        ``unkeyed``); refused where the source lacks one of the model's weights (module doc)."""
+        keys = hf_model_keys(self.config)
+        if keys is None:  # an architecture transformers cannot build here: nothing to check against
+            return out
+        arch = (self.config.get("architectures") or [self.config.get("model_type")])[0]
+        where = f"{self.folder / 'config.json'}" if self.folder is not None else "the source's recorded config"
+        held = list(out.values()) + ([TIED[0]] if self.tied else [])
+        missing = keys.missing(held)
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise CheckpointError(
+                f"{reader.sources[-1]}: holds no {shown}: {len(missing)} of the {len(keys.keys)} weights of the "
+                f"{arch} model {where} describes are not in the source (its names begin {list(out.values())[:2]}), "
+                "and from_pretrained would leave them at their initial values. Export a source in that model's "
+                "names, or pass --hf-config with the config of the model the source holds")
+        for n, o in list(out.items()):
+            if o in keys.unexpected([o]):
+                self.unkeyed[n] = f"no key of the {arch} model {where} describes: from_pretrained would ignore it"
+                del out[n]
+        return out
+
+    def unplaced(self, name: str) -> str | None:
+        return self.unkeyed.get(name)
 
     def _config(self) -> dict[str, Any]:
         if self.folder is not None:

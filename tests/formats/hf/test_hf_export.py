@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from reshard.cli import main
-from reshard.errors import ReshardError
+from reshard.errors import CheckpointError, ReshardError, UnplacedError
 from reshard.jobs.convert import convert
-from tests.support.paths import HF
+from tests.support.paths import HF, MEGATRON
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
@@ -108,3 +108,36 @@ def test_the_command_exports_in_one_line(tmp_path, capsys):
     assert main(["convert", HF / "trainer_llama_zero2" / "checkpoint-3", tmp_path / "x", "--format", "hf"]) == 0
     out = capsys.readouterr().out
     assert "HF export: 21 tensors" in out and "config.json from" in out
+
+
+def test_a_source_in_other_names_is_refused_not_exported_as_random_weights(tmp_path):
+    """A DCP in Megatron-Core's names with a Llama config: every Llama weight would be missing and
+    ``from_pretrained`` would leave them at their initial values -- refused before any output."""
+    dcp = tmp_path / "dcp"
+    convert(MEGATRON / "torch_dist_tp2_pp2", dcp, fmt="dcp")
+    with pytest.raises(CheckpointError, match=r"holds no lm_head.weight, model.embed_tokens.weight, .*21 of the 21 "
+                                              r"weights of the LlamaForCausalLM model .*'embedding.word_embeddings"):
+        convert(next(dcp.iterdir()), tmp_path / "hf", fmt="hf", hf_config=HF / "pretrained_llama")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_tensor_the_model_has_no_key_for_is_refused_or_dropped(tmp_path):
+    """A tensor the config's model has no key for (``from_pretrained`` would ignore it): refused
+    naming it and why, unless ``--drop`` names it (recorded)."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (HF / "pretrained_llama").iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            (src / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(HF / "pretrained_llama" / "model.safetensors")
+    save_file({**tensors, "model.extra.weight": torch.ones(3)}, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnplacedError, match=r"model.extra.weight \(no key of the LlamaForCausalLM model .*"
+                                            r"from_pretrained would ignore it\).*--drop"):
+        convert(src, tmp_path / "no", fmt="hf")
+    assert not (tmp_path / "no").exists()
+    convert(src, tmp_path / "out", fmt="hf", drop=[r"^model\.extra\."])
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(tensors)
+    manifest = json.loads((tmp_path / "out" / "reshard-manifest.json").read_text())
+    assert "model.extra.weight" in json.dumps(manifest.get("dropped"))

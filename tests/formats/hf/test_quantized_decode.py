@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from reshard import convert, reshard
+from reshard.errors import CheckpointError
 from reshard.formats.safetensors.reader import SafetensorsReader
 from tests.support.paths import HF
 
@@ -150,8 +151,13 @@ def test_partial_last_blocks_decode_as_deepseek_reference(tmp_path: Path, shape:
     convert(src, tmp_path / "fp32", fmt="safetensors")
     got = load_file(next((tmp_path / "fp32").rglob("*.safetensors")))["model.layers.0.mlp.down_proj.weight"]
     assert got.dtype == torch.float32 and torch.equal(_bits(got), _bits(want))
-    convert(src, tmp_path / "hf", fmt="hf", dtype=torch.bfloat16)
-    got = load_file(tmp_path / "hf" / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    # two tensors, not a whole model: an hf export is refused (from_pretrained would leave the rest at
+    # their initial values); the same decode, cast to bf16, through the safetensors writer
+    with pytest.raises(CheckpointError, match=r"holds no lm_head.weight, .*from_pretrained would leave them"):
+        convert(src, tmp_path / "hf", fmt="hf", dtype=torch.bfloat16)
+    assert not (tmp_path / "hf").exists()
+    convert(src, tmp_path / "bf16", fmt="safetensors", dtype=torch.bfloat16)
+    got = load_file(next((tmp_path / "bf16").rglob("*.safetensors")))["model.layers.0.mlp.down_proj.weight"]
     assert torch.equal(_bits(got), _bits(want.to(torch.bfloat16)))
 
 

@@ -69,8 +69,9 @@ def test_refused_before_any_output(tmp_path):
     with pytest.raises(ReshardError, match=r"architecture \['MixtralForCausalLM'\] -- --format vllm writes"):
         convert(other, tmp_path / "b", fmt="vllm", tp=2)
     (other / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=3)))
-    with pytest.raises(ReshardError, match=r"no \['model.layers.2.input_layernorm.weight', .* and 5 more \(a "
-                                           r"LlamaForCausalLM of 3 layers"):
+    # the HF keys check (what from_pretrained would leave at its initial value) comes first
+    with pytest.raises(ReshardError, match=r"holds no model.layers.2.input_layernorm.weight, .* and 6 more: 9 of "
+                                           r"the 30 weights of the LlamaForCausalLM model"):
         convert(other, tmp_path / "b", fmt="vllm", tp=2)
     (other / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
     with pytest.raises(ReshardError, match=r"\['model.layers.1.input_layernorm.weight', .*past the config's 1 layers"):
