@@ -17,7 +17,6 @@ from ...layouts import autoep_placement, replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, OPTIMIZER, Buffer, Slot
 from . import experts as dse
-from . import experts_zero3 as ez3
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
@@ -203,11 +202,11 @@ def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: i
     group flat over each EP rank's EDP group), the optimizer file built on the source's recast
     (``zero3.optim_source_from_zero3``) and the weights a ZeRO-3 checkpoint keeps only as fp32
     masters -- the module's and each per-expert file's -- cast from them (:class:`ExpertWeightFiles`)."""
-    group_names, expert_groups, _ = ez3.optim_groups(ck)
+    group_names, expert_groups, _ = z3.autoep_groups(ck)
     names = [n for g in group_names for n in g]
     shapes = {n: s for sg in ck.groups(0) for n, s in sg.items()}
     template = ck.model_state(0)
-    placement = AutoEPPlacement(ez3.autoep(ck), ep, dp)
+    placement = AutoEPPlacement(z3.autoep(ck), ep, dp)
     outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
     shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
     dtype = placeholder_dtype(ck, names)

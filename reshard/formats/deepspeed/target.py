@@ -38,7 +38,6 @@ from ...layouts import replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, MOMENTS, OPTIMIZER, Buffer, Slot
 from . import experts as dse
-from . import experts_zero3 as ez3
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
@@ -295,11 +294,11 @@ def autoep_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedT
     """An AutoEP ZeRO-3 checkpoint at EP ``ep`` x world ``dp``: a dense parameter split over all
     ``dp`` ranks, a fused expert parameter of EP rank ``e`` over ``e``'s EDP group; sub-groups cut
     by DeepSpeed's rule over each group's own partition sizes."""
-    group_names, expert_groups, size = ez3.optim_groups(ck)
-    ids, exact = ez3.ds_ids(ck, [n for g in group_names for n in g])
+    group_names, expert_groups, size = z3.autoep_groups(ck)
+    ids, exact = z3.autoep_ds_ids(ck, [n for g in group_names for n in g])
     template = ck.model_state(0)
     shapes = {n: s for sg in ck.groups(0) for n, s in sg.items()}
-    placement = AutoEPPlacement(ez3.autoep(ck), ep, dp)
+    placement = AutoEPPlacement(z3.autoep(ck), ep, dp)
     layout = autoep_sub_layout(placement, group_names, shapes, expert_groups, size)
     ds_config = placement.ds_config(dsw.target_ds_config(template.get("ds_config"), tp=1, dp=dp, zero_stage=3))
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3"]

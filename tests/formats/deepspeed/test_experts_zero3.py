@@ -207,9 +207,12 @@ def test_a_truncated_expert_partition_is_refused(tmp_path):
         osd["fp32_flat_groups"][1] = osd["fp32_flat_groups"][1][:10000].clone()
 
     _edit(root, "zero_pp_rank_1_mp_rank_00_optim_states.pt", cut)
-    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt: "
-                                              r"model.layers.1.mlp.experts.w1 \(EP rank 1, fp32\): fragment"):
+    # checked against the layout before any output exists (layout.check_sub, zero3.check_partitions)
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt: dp rank 1: parameter "
+                                              r"'model.layers.1.mlp.experts.w1' \(fp32, elements \[9216, 12288\) of "
+                                              r"sub-group 1\) lies past the end of the partition"):
         convert(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 # -- DeepSpeed itself (e2e) ----------------------------------------------------------------------------
