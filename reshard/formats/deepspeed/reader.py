@@ -205,11 +205,20 @@ class DeepSpeedReader(Reader):
         return dict(self.ck.tp_map(name).extra)
 
     def param_groups(self) -> list[dict[str, Any]]:
-        groups = [dict(g) for g in optimizer_state(self.ck)["param_groups"]]
+        """DeepSpeed's optimizer groups (rank 0's hyper-parameters), each listing the parameters
+        of its units in the layout (ZeRO-3: its sub-groups, as ``param_groups`` numbers them), as
+        DeepSpeed's files record them: an AutoEP or classic MoE expert in its ``moe`` group; a
+        module weight no group owns (an AutoEP router alias, a tied copy of the router) in none."""
+        ck = self.ck
+        groups = [dict(g) for g in optimizer_state(ck)["param_groups"]]
+        n_units = len(ck.groups(0))
+        group_of = [g for g, lst in enumerate(zero3.sub_group_lists(ck, 0, n_units)) for _ in lst] \
+            if ck.zero_stage == 3 else list(range(n_units))
         members: dict[int, list[str]] = {}
         for n in self.names:
-            z = self.ck.zero_map(n, 0) if self.ck.has_optimizer_state(n) else None
-            members.setdefault(0 if z is None else z[0], []).append(n)
+            k = ck.layout.unit_of.get(n)
+            if k is not None:
+                members.setdefault(group_of[k], []).append(n)
         for i, g in enumerate(groups):
             g["params"] = members.get(i, [])
         return groups
