@@ -73,7 +73,7 @@ def autoep_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_
 
     return _expert_target(ck, ck.experts, ep, dp, stage, expert_files, expert_group=expert_group,
                           holder_names=lambda g, fg, e: fg.names, outer=placement.maps, placement=placement,
-                          group_names={},
+                          group_names=dict.fromkeys(ck.experts.groups, f"ep_size_{ep}"),
                           note=f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement")
 
 
@@ -230,6 +230,7 @@ def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: i
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: z3.optim_source_from_zero3(ck.optim_state(0, 0), clip_grad=clip),
                            ds_config=ds_config, uc_info=None, models=models, placement=None,
+                           group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"),
                            notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3 -> "
                                   f"ZeRO-{stage}: the module's and the per-expert files' weights are the fp32 "
                                   f"masters cast to {dtype}, as the ZeRO-3 checkpoint keeps no other copy"])
@@ -443,7 +444,7 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
                            optim_template=lambda: _with_partition_groups(z3.optim_source_from_zero12(
                                ck.optim_state(0, 0))),
                            ds_config=ds_config, uc_info=None, models=models, ds_ids=ids, placement=placement,
-                           notes=notes)
+                           notes=notes, group_names=dict.fromkeys(ax.groups, f"ep_size_{ep}"))
 
 
 def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], ep: int,

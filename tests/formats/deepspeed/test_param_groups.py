@@ -49,3 +49,28 @@ def test_autoep_experts_are_in_their_moe_group():
     assert (dense["name"], experts["name"], experts["moe"]) == ("dense-params", "ep_size_2", True)
     assert sorted(experts["params"]) == sorted(r.ck.experts.params)
     assert not set(r.ck.experts.aliases) & {n for g in (dense, experts) for n in g["params"]}
+
+
+@pytest.mark.parametrize("name,ep,dp,stage", [
+    ("mixtral_autoep_ep2", 1, 1, None), ("mixtral_autoep_ep2", 2, 4, None), ("mixtral_autoep_ep2", 1, 2, 3),
+    ("mixtral_autoep_ep2_zero3", 1, 1, None), ("mixtral_autoep_ep2_zero3", 4, 4, None),
+    ("mixtral_autoep_ep2_zero3", 1, 1, 1)])
+def test_the_expert_group_is_named_by_the_target_ep(name, ep, dp, stage, tmp_path):
+    """DeepSpeed's engine names the expert group ``ep_size_<ep>`` (engine.py) and a native load
+    keeps the saved name, which ``bf16_optimizer`` then looks the expert-parallel group up by: every
+    optimizer file of the target names it by the target's EP (the ZeRO-3 partition groups alike),
+    as the classic MoE target does."""
+    from reshard.jobs.convert import reshard
+    from reshard.storage.safe_load import load
+
+    out = reshard(DEEPSPEED / name, tmp_path / "out", tp=1, dp=dp, ep=ep,
+                  **({} if stage is None else {"zero_stage": stage})).out_dir
+    files = sorted(out.glob("*optim_states.pt"))
+    assert len(files) == dp
+    for f in files:
+        osd = load(f)["optimizer_state_dict"]
+        groups = (osd["base_optimizer_state"] if "base_optimizer_state" in osd else osd["optimizer_state_dict"])[
+            "param_groups"]
+        assert [(g["name"], g.get("moe")) for g in groups] == [("dense-params", None), (f"ep_size_{ep}", True)], f.name
+        if "ds_zero_partition_groups" in osd:
+            assert osd["ds_zero_partition_groups"][-1]["group_names"] == [f"ep_size_{ep}"]

@@ -109,3 +109,33 @@ def test_an_autoep_zero3_source_against_the_rule_is_refused_by_every_route(defec
 
 def test_the_fixture_passes_every_check():
     rs.open(FIXTURES / NAME)
+
+
+def test_tp_ranks_cut_into_other_sub_groups_are_refused(tmp_path):
+    """Each TP rank's sub-groups follow DeepSpeed's rule over its own shards, so two TP ranks may
+    in principle be cut otherwise; the one layout has one list of units, so that is refused by
+    name (never an index error). Planted: TP rank 1 records a 2e9-element first parameter, which
+    the rule (sub_group_size 1e9) closes into a sub-group of its own."""
+    name = "llama_zero3_tp2_dp2"
+    root = tmp_path / name
+    shutil.copytree(FIXTURES / name, root)
+    tag = next(p for p in root.iterdir() if p.is_dir())
+
+    def split(sd: dict) -> None:
+        (shapes,) = sd["param_shapes"]
+        first = next(iter(shapes))
+        sd["param_shapes"] = [{first: (2_000_000_000,)}, {n: s for n, s in shapes.items() if n != first}]
+
+    def number(sd: dict) -> None:
+        (group,) = sd["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]
+        group["params"] = [0, 1]
+
+    for d in range(2):
+        for fname, edit in ((f"zero_pp_rank_{d}_mp_rank_01_model_states.pt", split),
+                            (f"zero_pp_rank_{d}_mp_rank_01_optim_states.pt", number)):
+            sd = load(tag / fname, mmap=False)
+            edit(sd)
+            save(sd, tag / fname)
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_0_mp_rank_01_model_states\.pt: TP rank 1 records 2 "
+                                              r"sub-groups, TP rank 0 1: not supported"):
+        rs.open(root)
