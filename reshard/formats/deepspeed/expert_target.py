@@ -374,7 +374,7 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
                                dtype=tpl.dtype, names=names, outer=outer, aliases=aliases)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=tpl.bf16, states=OPTIMIZER,
                            optim_template=lambda: _with_clip(tpl.optim_z12(), clip_grad), ds_config=ds_config,
-                           uc_info=None, models=models,
+                           uc_info=None, models=models, group_names=dict.fromkeys(groups, f"ep_size_{ep}"),
                            notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, EDP groups in "
                                   "DeepSpeed's default order (expert before data)"])
 
@@ -483,4 +483,5 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
                               placement=placement)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=tpl.bf16, states=OPTIMIZER,
                            optim_template=lambda: _with_partition_groups(tpl.optim), ds_config=ds_config,
-                           uc_info=None, models=models, ds_ids=ids, placement=placement, notes=notes)
+                           uc_info=None, models=models, ds_ids=ids, placement=placement, notes=notes,
+                           group_names=dict.fromkeys(groups, f"ep_size_{ep}"))
