@@ -15,8 +15,10 @@ import reshard
 ROOT = Path(__file__).resolve().parents[1]
 # The refusals of edited recorded maps, the IR's defect catalogue, what the fuzz suite found, damaged
 # Megatron checkpoints, quantized payloads that cannot be decoded, outputs over their source, and the
-# routes and targets the format table and the route suite refuse (the cheap refusal modules: ~25 s).
-REFUSAL_TESTS = ("tests/formats/deepspeed/test_recorded_maps.py", "tests/ir/test_check_paths.py",
+# routes and targets the format table and the route suite refuse, ZeRO-3 sub-group facts (the cheap refusal
+# modules: ~30 s).
+REFUSAL_TESTS = ("tests/formats/deepspeed/test_recorded_maps.py", "tests/formats/deepspeed/test_sub_groups_checked.py",
+                 "tests/ir/test_check_paths.py",
                  "tests/ir/test_ir_defects.py", "tests/jobs/test_fuzz_regressions.py",
                  "tests/jobs/test_verified_reads.py", "tests/formats/megatron/test_bad_input.py",
                  "tests/formats/hf/test_quantized_refused.py", "tests/jobs/test_source_safety.py",

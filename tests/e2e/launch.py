@@ -281,9 +281,13 @@ def _run_loads(script: Path, loads: list[dict], *, world_size: int, port: int | 
 def assert_autoep_resume_parity(fixture: str, ucp: Path, work: Path, *, ep: int, world: int, expert: str) -> None:
     """One real job: DeepSpeed resumes ``ucp`` (its own ``ds_to_universal`` of AutoEP ``fixture``)
     at EP ``ep`` x ``world`` ranks and saves it natively, then resumes reshard's output of the
-    fixture there. The files (but ds_config) equal DeepSpeed's native save; steps, layouts,
-    layout-free digests and losses agree."""
+    fixture there and saves that natively too. The files (but ds_config) equal DeepSpeed's native
+    save of the universal, but the expert group's name: reshard's is DeepSpeed's engine's at the
+    target EP (``ep_size_<ep>``), which DeepSpeed's native load keeps (its save of what it loaded
+    from reshard's files is those files, name included), where its universal load keeps the
+    source's; steps, layouts, layout-free digests and losses agree."""
     from reshard.jobs.convert import reshard
+    from reshard.storage.safe_load import load
     from tests.support.compare import diff_files
     from tests.support.dsconv import FIXTURES
 
@@ -291,12 +295,18 @@ def assert_autoep_resume_parity(fixture: str, ucp: Path, work: Path, *, ep: int,
     spec = model_spec_from_fixture(FIXTURES / fixture)
     spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
     ours = reshard(FIXTURES / fixture, work / "ours", tp=1, dp=world, ep=ep).out_dir
-    native = work / "native"
+    native, resaved = work / "native", work / "resaved"
     loads = [resume_load("deepspeed", ucp.parent, model_spec=spec, tp=1, dp=world, universal=True, save_dir=native),
-             resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=world, universal=False)]
+             resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=world, universal=False, save_dir=resaved)]
     reports = resume_many(loads, world_size=world, workdir=work / "job")
     theirs, mine = reports["deepspeed"], reports["reshard"]
-    diff_files(ours, native / ours.name)
+    diff_files(ours, resaved / ours.name)
+    source = load(next((FIXTURES / fixture).rglob("zero_pp_rank_0_mp_rank_00_optim_states.pt")))
+    src_name = source["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][1]["name"]
+    ours_name = load(ours / "zero_pp_rank_0_mp_rank_00_optim_states.pt")[
+        "optimizer_state_dict"]["base_optimizer_state"]["param_groups"][1]["name"]
+    assert ours_name == f"ep_size_{ep}"
+    diff_files(ours, native / ours.name, group_names={ours_name: src_name})
     assert mine["global_steps_after_load"] == theirs["global_steps_after_load"] == 3
     assert mine["optimizer_step_after_load"] == theirs["optimizer_step_after_load"] == [3.0]
     assert mine["ranks_agree"] and theirs["ranks_agree"]

@@ -75,15 +75,23 @@ def assert_same_as_ds_to_universal(ours: Path, theirs: Path, expected: str) -> N
         same(load(ours / rel), load(theirs / rel), rel)
 
 
-def diff_files(ours: Path, theirs: Path) -> None:
+def diff_files(ours: Path, theirs: Path, *, group_names: dict[str, str] | None = None) -> None:
     """Our files equal DeepSpeed's own save at the target, tensor for tensor and key for key; only
-    ``ds_config`` differs (DeepSpeed records the resuming job's config, reshard the source's)."""
+    ``ds_config`` differs (DeepSpeed records the resuming job's config, reshard the source's). With
+    ``group_names`` (``{ours: theirs}``), an optimizer group of ours so named is named so in theirs:
+    DeepSpeed's universal loader copies the saved groups' names over its own (an AutoEP expert
+    group resumed at another EP keeps the source's ``ep_size_N``), where reshard names it as
+    DeepSpeed's engine does at the target EP."""
     assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
     for p in theirs.glob("*.pt"):
         a, b = load(ours / p.name), load(p)
         if isinstance(b, dict):
             for obj in (a, b):
                 obj.pop("ds_config", None)
+            osd = a.get("optimizer_state_dict")
+            base = osd.get("base_optimizer_state") if isinstance(osd, dict) else None
+            for pg in (base or {}).get("param_groups", []) if group_names else []:
+                pg["name"] = group_names.get(pg.get("name"), pg.get("name"))
         same(a, b, p.name)
 
 

@@ -17,7 +17,6 @@ from ...layouts import autoep_placement, replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, OPTIMIZER, Buffer, Slot
 from . import experts as dse
-from . import experts_zero3 as ez3
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
@@ -74,7 +73,7 @@ def autoep_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_
 
     return _expert_target(ck, ck.experts, ep, dp, stage, expert_files, expert_group=expert_group,
                           holder_names=lambda g, fg, e: fg.names, outer=placement.maps, placement=placement,
-                          group_names={},
+                          group_names=dict.fromkeys(ck.experts.groups, f"ep_size_{ep}"),
                           note=f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement")
 
 
@@ -203,11 +202,11 @@ def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: i
     group flat over each EP rank's EDP group), the optimizer file built on the source's recast
     (``zero3.optim_source_from_zero3``) and the weights a ZeRO-3 checkpoint keeps only as fp32
     masters -- the module's and each per-expert file's -- cast from them (:class:`ExpertWeightFiles`)."""
-    group_names, expert_groups, _ = ez3.optim_groups(ck)
+    group_names, expert_groups, _ = z3.autoep_groups(ck)
     names = [n for g in group_names for n in g]
     shapes = {n: s for sg in ck.groups(0) for n, s in sg.items()}
     template = ck.model_state(0)
-    placement = AutoEPPlacement(ez3.autoep(ck), ep, dp)
+    placement = AutoEPPlacement(z3.autoep(ck), ep, dp)
     outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
     shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
     dtype = placeholder_dtype(ck, names)
@@ -231,6 +230,7 @@ def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: i
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: z3.optim_source_from_zero3(ck.optim_state(0, 0), clip_grad=clip),
                            ds_config=ds_config, uc_info=None, models=models, placement=None,
+                           group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"),
                            notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3 -> "
                                   f"ZeRO-{stage}: the module's and the per-expert files' weights are the fp32 "
                                   f"masters cast to {dtype}, as the ZeRO-3 checkpoint keeps no other copy"])
@@ -374,7 +374,7 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
                                dtype=tpl.dtype, names=names, outer=outer, aliases=aliases)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=tpl.bf16, states=OPTIMIZER,
                            optim_template=lambda: _with_clip(tpl.optim_z12(), clip_grad), ds_config=ds_config,
-                           uc_info=None, models=models,
+                           uc_info=None, models=models, group_names=dict.fromkeys(groups, f"ep_size_{ep}"),
                            notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, EDP groups in "
                                   "DeepSpeed's default order (expert before data)"])
 
@@ -444,7 +444,7 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
                            optim_template=lambda: _with_partition_groups(z3.optim_source_from_zero12(
                                ck.optim_state(0, 0))),
                            ds_config=ds_config, uc_info=None, models=models, ds_ids=ids, placement=placement,
-                           notes=notes)
+                           notes=notes, group_names=dict.fromkeys(ax.groups, f"ep_size_{ep}"))
 
 
 def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], ep: int,
@@ -483,4 +483,5 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
                               placement=placement)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=tpl.bf16, states=OPTIMIZER,
                            optim_template=lambda: _with_partition_groups(tpl.optim), ds_config=ds_config,
-                           uc_info=None, models=models, ds_ids=ids, placement=placement, notes=notes)
+                           uc_info=None, models=models, ds_ids=ids, placement=placement, notes=notes,
+                           group_names=dict.fromkeys(groups, f"ep_size_{ep}"))

@@ -30,10 +30,12 @@ from ...layouts.topology import Topology
 from ...layouts.zero import FlatGroup
 from ...storage.torch_zip import Storage
 from ..contract import BEST, MOMENTS, Buffer, Slot
+from . import zero3 as dsz3
 from . import zero12 as dsw
+from .recorded import Recorded
 from .zero3 import SubGroup
 
-__all__ = ["Group", "Layout", "Part", "Unit", "check_flat", "source", "want"]
+__all__ = ["Group", "Layout", "Part", "Unit", "check_flat", "check_sub", "source", "want"]
 
 
 def want(state: str) -> tuple[str, ...]:
@@ -220,7 +222,7 @@ class Layout:
 # -- a source's layout, from what it records -----------------------------------------------------------
 
 
-def source(ck: Any, align: int, outer: Callable[[str], ParamMap] | None = None) -> Layout:
+def source(ck: Recorded, align: int, outer: Callable[[str], ParamMap] | None = None) -> Layout:
     """The layout a checkpoint's ``param_shapes`` imply under DeepSpeed 0.19.8's rules, over global
     ranks ``dp_rank * mp + m``. Holders are the model-parallel ranks (a dense group's partition
     group their DP ranks), or for an expert group (AutoEP, classic MoE: TP = PP = 1) the EP ranks
@@ -244,7 +246,7 @@ def source(ck: Any, align: int, outer: Callable[[str], ParamMap] | None = None) 
     return Layout(rule, outer if outer is not None else {}, units, ranks)
 
 
-def _part(ck: Any, rule: str, k: int, h: int, size: int, align: int) -> Part:
+def _part(ck: Recorded, rule: str, k: int, h: int, size: int, align: int) -> Part:
     """Holder ``h``'s part of unit ``k`` (a parameter group, or a ZeRO-3 sub-group) over ``size``
     partitions: a dense holder's shapes are its own ``param_shapes``; an AutoEP holder's its EP
     rank's shards of the fused experts; a classic MoE holder's EP rank 0's (the local experts'),
@@ -263,7 +265,7 @@ def _part(ck: Any, rule: str, k: int, h: int, size: int, align: int) -> Part:
     return Part(fg, tuple(names))
 
 
-def check_flat(ck: Any, align: int) -> None:
+def check_flat(ck: Recorded, align: int) -> None:
     """Every ZeRO-1/2 rank's recorded ``param_slice_mappings``, ``group_paddings``,
     ``param_alignment_paddings`` and fp32 partition length against :func:`source`: one check
     for every kind (dense, AutoTP, pipeline stages, AutoEP and classic MoE experts)."""
@@ -287,7 +289,7 @@ def check_flat(ck: Any, align: int) -> None:
                                               f"{u.group.size} ranks")
 
 
-def _edp(ck: Any, group: Group, rank: int) -> str:
+def _edp(ck: Recorded, group: Group, rank: int) -> str:
     """Where an expert group's partition of ``rank`` sits, as a refusal names it: its EP rank and
     EDP group, in the order DeepSpeed's config gives (empty for a dense group)."""
     experts = ck.experts if ck.experts is not None else ck.moe
@@ -296,3 +298,37 @@ def _edp(ck: Any, group: Group, rank: int) -> str:
     e, _ = group.place(rank)
     order = "use_data_before_expert_parallelism" if experts.data_before_expert else "expert before data"
     return f" (EP rank {e}, EDP group {list(group.members[e])} in DeepSpeed's {order} order)"
+
+
+def check_sub(ck: Recorded) -> dict[tuple[int, int], list[SubGroup]]:
+    """Every ZeRO-3 kind's sub-group facts (dense, AutoTP, AutoEP experts), before :func:`source`
+    is trusted: per TP rank, the recorded sub-groups (``param_shapes``, the units of
+    :func:`source`) are the ones DeepSpeed 0.19.8's rule cuts from the optimizer's parameter groups
+    (``param_groups`` numbering the sub-groups in order), a dense group's over all DP ranks, an
+    expert group's over each EP rank's EDP group; no group mixes expert and dense sub-groups; every
+    TP rank holds the same parameters in the same groups. Returns each (TP rank, DP rank)'s
+    sub-groups as :func:`source` lays them out, in order: what its partitions must hold
+    (``zero3.check_partitions``)."""
+    size = dsz3.sub_group_size(ck.model_state(0).get("ds_config"), str(ck.model_files[0]))
+    expert = ck.experts.groups if ck.experts is not None else frozenset()
+    names_by_tp = []
+    for t in range(ck.tp):
+        recorded = ck.groups(t)
+        lists = dsz3.sub_group_lists(ck, t, len(recorded))
+        for g, lst in enumerate(lists):
+            if len({k in expert for k in lst}) != 1:
+                raise CheckpointError(f"{ck.optim_files[(t, 0)]}: optimizer group {g} mixes expert and dense sub-groups")
+        groups = [[(n, s) for k in lst for n, s in recorded[k].items()] for lst in lists]
+        parts = [ck.experts.edp if ck.experts is not None and lst[0] in expert else ck.dp for lst in lists]
+        dsz3.check_cut(dsz3.sub_groups(groups, parts, size), list(recorded), size, ck.model_files[t])
+        names_by_tp.append([[n for n, _ in g] for g in groups])
+    for t in range(1, ck.tp):
+        if names_by_tp[t] != names_by_tp[0]:
+            raise CheckpointError(f"{ck.model_files[t]}: TP rank {t} records other parameters or parameter "
+                                  "groups than TP rank 0")
+        if len(ck.groups(t)) != len(ck.groups(0)):  # its shards cut otherwise: one layout has one unit list
+            raise CheckpointError(f"{ck.model_files[t]}: TP rank {t} records {len(ck.groups(t))} sub-groups, TP "
+                                  f"rank 0 {len(ck.groups(0))}: not supported")
+    layout = source(ck, 1)  # no alignment under ZeRO-3: each parameter is split on its own
+    return {(r % ck.mp, r // ck.mp): [p.unit for _, p, _ in layout.rank_units(r) if isinstance(p.unit, SubGroup)]
+            for r in layout.ranks}

@@ -33,7 +33,7 @@ from ..hf.trainer_files import trainer_held
 from . import checks, zero3, zero12
 from .checkpoint import DeepSpeedCheckpoint
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE
-from .layout import check_flat
+from .layout import check_flat, check_sub
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS
 from .zero12 import layout_alignment
@@ -70,9 +70,13 @@ class DeepSpeedNative:
 
     @cached_property
     def zero3_moments(self) -> bool:
-        """A dense ZeRO-3 source checked against DeepSpeed's layout rule and every file's sizes
-        (:func:`zero3.check`), once: whether its optimizer files hold Adam's moments."""
-        return zero3.check(self.ck)
+        """A ZeRO-3 source checked against DeepSpeed's layout rule and every file's sizes, once
+        (a dense one by :func:`zero3.check`; an AutoEP one's sub-groups and partitions by the same
+        :func:`layout.check_sub` and :func:`zero3.check_partitions`): whether its optimizer files
+        hold Adam's moments."""
+        if self.kind == "zero3":
+            return zero3.check(self.ck, check_sub)
+        return zero3.check_partitions(self.ck, check_sub(self.ck))
 
 
 class DeepSpeedReader(Reader):
@@ -122,6 +126,8 @@ class DeepSpeedReader(Reader):
         elif self._kind == "zero3":
             _ = self.own.zero3_moments
         else:
+            if ck.zero_stage == 3:  # AutoEP: the sub-group rule and partitions, from the one layout
+                _ = self.own.zero3_moments
             ck.check_steps()
         if ck.zero_stage == 3:
             checks.check_z3_model_files(ck)
@@ -199,11 +205,20 @@ class DeepSpeedReader(Reader):
         return dict(self.ck.tp_map(name).extra)
 
     def param_groups(self) -> list[dict[str, Any]]:
-        groups = [dict(g) for g in optimizer_state(self.ck)["param_groups"]]
+        """DeepSpeed's optimizer groups (rank 0's hyper-parameters), each listing the parameters
+        of its units in the layout (ZeRO-3: its sub-groups, as ``param_groups`` numbers them), as
+        DeepSpeed's files record them: an AutoEP or classic MoE expert in its ``moe`` group; a
+        module weight no group owns (an AutoEP router alias, a tied copy of the router) in none."""
+        ck = self.ck
+        groups = [dict(g) for g in optimizer_state(ck)["param_groups"]]
+        n_units = len(ck.groups(0))
+        group_of = [g for g, lst in enumerate(zero3.sub_group_lists(ck, 0, n_units)) for _ in lst] \
+            if ck.zero_stage == 3 else list(range(n_units))
         members: dict[int, list[str]] = {}
         for n in self.names:
-            z = self.ck.zero_map(n, 0) if self.ck.has_optimizer_state(n) else None
-            members.setdefault(0 if z is None else z[0], []).append(n)
+            k = ck.layout.unit_of.get(n)
+            if k is not None:
+                members.setdefault(group_of[k], []).append(n)
         for i, g in enumerate(groups):
             g["params"] = members.get(i, [])
         return groups

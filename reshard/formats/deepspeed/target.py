@@ -38,7 +38,6 @@ from ...layouts import replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, MOMENTS, OPTIMIZER, Buffer, Slot
 from . import experts as dse
-from . import experts_zero3 as ez3
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
@@ -102,15 +101,21 @@ class DeepSpeedTarget:
             if self.placement is not None:
                 obj["optimizer_state_dict"]["ds_zero_partition_groups"] = \
                     self.placement.partition_groups(self.layout, rank)
+            torch_osd = obj["optimizer_state_dict"]["optimizer_state_dict"]
+            torch_osd["param_groups"] = self._named(torch_osd["param_groups"])
             return obj
         obj = dsw.optim_states(self.optim_template(), groups=[p.unit for _, p, _ in units], d=[q for _, _, q in units],
                                fp32=fp32, moments=moments, zero_stage=self.stage, ds_config=self.ds_config,
                                uc_info=self.uc_info)
-        if self.group_names:
-            base = obj["optimizer_state_dict"]["base_optimizer_state"]
-            base["param_groups"] = [{**pg, "name": self.group_names[g]} if g in self.group_names else pg
-                                    for g, pg in enumerate(base["param_groups"])]
+        base = obj["optimizer_state_dict"]["base_optimizer_state"]
+        base["param_groups"] = self._named(base["param_groups"])
         return obj
+
+    def _named(self, groups: list[dict]) -> list[dict]:
+        """The optimizer groups, each of ``group_names`` renamed (an expert group: DeepSpeed's
+        engine names it by the target's EP degree, and a native load keeps the saved name)."""
+        return [{**pg, "name": self.group_names[g]} if pg.get("name") != self.group_names.get(g, pg.get("name")) else pg
+                for g, pg in enumerate(groups)]
 
     def jobs(self, engine: Any, staging: Any, archive: Callable[..., Any]) -> list:
         """Every file, the optimizer files as archives written in stripes (``archive(rel, size, build)``)."""
@@ -295,11 +300,11 @@ def autoep_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedT
     """An AutoEP ZeRO-3 checkpoint at EP ``ep`` x world ``dp``: a dense parameter split over all
     ``dp`` ranks, a fused expert parameter of EP rank ``e`` over ``e``'s EDP group; sub-groups cut
     by DeepSpeed's rule over each group's own partition sizes."""
-    group_names, expert_groups, size = ez3.optim_groups(ck)
-    ids, exact = ez3.ds_ids(ck, [n for g in group_names for n in g])
+    group_names, expert_groups, size = z3.autoep_groups(ck)
+    ids, exact = z3.autoep_ds_ids(ck, [n for g in group_names for n in g])
     template = ck.model_state(0)
     shapes = {n: s for sg in ck.groups(0) for n, s in sg.items()}
-    placement = AutoEPPlacement(ez3.autoep(ck), ep, dp)
+    placement = AutoEPPlacement(z3.autoep(ck), ep, dp)
     layout = autoep_sub_layout(placement, group_names, shapes, expert_groups, size)
     ds_config = placement.ds_config(dsw.target_ds_config(template.get("ds_config"), tp=1, dp=dp, zero_stage=3))
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3"]
@@ -308,7 +313,8 @@ def autoep_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedT
                               size=ck.model_files[0].stat().st_size, placement=placement)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
-                           models=models, ds_ids=ids, placement=placement, notes=notes)
+                           models=models, ds_ids=ids, placement=placement, notes=notes,
+                           group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"))
 
 
 def autoep_sub_layout(placement: AutoEPPlacement, group_names: Sequence[Sequence[str]],

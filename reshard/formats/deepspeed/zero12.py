@@ -41,7 +41,7 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -51,9 +51,7 @@ from ...ir.piece import prod
 from ...layouts.zero import FlatGroup, zero12_group_layout
 from ...storage.safe_load import FragmentAddress, ZeroStageEnum
 from ...storage.torch_zip import Storage, TensorRef
-
-if TYPE_CHECKING:  # checkpoint builds its layout on this module (layout.py)
-    from .checkpoint import DeepSpeedCheckpoint
+from .recorded import Recorded
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: "4-byte alignment/sizeof(fp16) = 2"
 
@@ -264,7 +262,7 @@ def optim_states(source: Mapping[str, Any], *, groups: Sequence[FlatGroup], d: i
     return out
 
 
-def check(ck: DeepSpeedCheckpoint, check_flat: Callable[[DeepSpeedCheckpoint, int], None]) -> None:
+def check(ck: Recorded, check_flat: Callable[[Recorded, int], None]) -> None:
     """A dense ZeRO-1/2 source's files against DeepSpeed's layout rule and what a target can
     write: one parameter group per name, no round-robin or elastic layout, the layer files of a
     pipeline, every partition (``check_flat``: the one ZeRO-1/2 layout check, ``layout.check_flat``,
@@ -302,7 +300,7 @@ def check(ck: DeepSpeedCheckpoint, check_flat: Callable[[DeepSpeedCheckpoint, in
         ck.stage_map(n)
 
 
-def _check_groups(ck: DeepSpeedCheckpoint, n_groups: int, check_flat: Callable[[DeepSpeedCheckpoint, int], None],
+def _check_groups(ck: Recorded, n_groups: int, check_flat: Callable[[Recorded, int], None],
                   align: int) -> None:
     for t in range(ck.mp):
         for d in range(ck.dp):
@@ -317,7 +315,7 @@ def _check_groups(ck: DeepSpeedCheckpoint, n_groups: int, check_flat: Callable[[
     check_flat(ck, align)
 
 
-def _check_rest(ck: DeepSpeedCheckpoint, ms0: dict, group_of: Mapping[str, int]) -> None:
+def _check_rest(ck: Recorded, ms0: dict, group_of: Mapping[str, int]) -> None:
     for t in range(ck.mp):
         frozen = ck.model_state(t).get("frozen_param_shapes") or {}
         real = [n for n, s in frozen.items() if prod(tuple(s))]

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -44,14 +44,13 @@ from ...ir.piece import prod
 from ...layouts.zero import zero3_partition_numel
 from ...storage.safe_load import ZeroStageEnum, load
 from ...storage.torch_zip import Storage, TensorRef
-
-if TYPE_CHECKING:  # checkpoint builds its layout on this module (layout.py)
-    from .checkpoint import DeepSpeedCheckpoint
+from .experts import AutoEP, module_ds_ids
+from .recorded import Recorded
 from .zero12 import with_config
 
-__all__ = ["AttrTensorRef", "SubGroup", "check", "ds_ids", "model_file", "model_states",
-           "model_template_from_zero12", "optim_file", "optim_groups", "optim_source_from_zero3",
-           "optim_source_from_zero12", "optim_states", "sub_group_lists", "sub_groups"]
+__all__ = ["AttrTensorRef", "SubGroup", "autoep", "autoep_ds_ids", "autoep_groups", "check", "check_partitions",
+           "ds_ids", "model_file", "model_states", "model_template_from_zero12", "optim_file", "optim_groups",
+           "optim_source_from_zero3", "optim_source_from_zero12", "optim_states", "sub_group_lists", "sub_groups"]
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -150,7 +149,7 @@ def check_cut(subs: Sequence[SubGroup], recorded: Sequence[Mapping[str, Any]], s
                               "an unknown layout")
 
 
-def sub_group_lists(ck: DeepSpeedCheckpoint, t: int, n_sub: int) -> list[list[int]]:
+def sub_group_lists(ck: Recorded, t: int, n_sub: int) -> list[list[int]]:
     """The sub-groups each parameter group of TP rank ``t`` holds, from the torch optimizer's
     ``param_groups``, whose ``params`` must number the ``n_sub`` sub-groups in order
     (DeepSpeed's bookkeeping)."""
@@ -165,14 +164,14 @@ def sub_group_lists(ck: DeepSpeedCheckpoint, t: int, n_sub: int) -> list[list[in
     return lists
 
 
-def optim_groups(ck: DeepSpeedCheckpoint) -> list[list[str]]:
+def optim_groups(ck: Recorded) -> list[list[str]]:
     """The optimizer's parameter groups (names, in flat order): TP rank 0's recorded sub-groups
     joined as ``param_groups`` numbers them (:func:`sub_group_lists`)."""
     shapes = ck.groups(0)
     return [[n for k in lst for n in shapes[k]] for lst in sub_group_lists(ck, 0, len(shapes))]
 
 
-def ds_ids(ck: DeepSpeedCheckpoint) -> tuple[dict[str, int], bool]:
+def ds_ids(ck: Recorded) -> tuple[dict[str, int], bool]:
     """Each parameter's ``ds_id``, where the source's ``"<first>_<last>"`` names tell it: a
     sub-group of n parameters numbered ``first .. first + n - 1`` (DeepSpeed numbers them in
     model order; every TP rank alike). Where they do not (param groups out of model order), the
@@ -190,6 +189,34 @@ def ds_ids(ck: DeepSpeedCheckpoint) -> tuple[dict[str, int], bool]:
             out[n] = first + i
         base = first + len(names)
     return out, exact
+
+
+def autoep(ck: Recorded) -> AutoEP:
+    """The source's AutoEP experts (refused where it has none)."""
+    if ck.experts is None:
+        raise CheckpointError(f"{ck.tag_dir}: not an AutoEP checkpoint")
+    return ck.experts
+
+
+def autoep_groups(ck: Recorded) -> tuple[list[list[str]], set[int], int]:
+    """An AutoEP ZeRO-3 source's optimizer parameter groups (:func:`optim_groups`), which of them
+    hold experts (a group is all expert or all dense sub-groups: ``layout.check_sub``), and
+    ``sub_group_size``."""
+    ax, group_names = autoep(ck), optim_groups(ck)
+    size = sub_group_size(ck.model_state(0).get("ds_config"), str(ck.model_files[0]))
+    return group_names, {g for g, names in enumerate(group_names) if names[0] in ax.params}, size
+
+
+def autoep_ds_ids(ck: Recorded, names: list[str]) -> tuple[dict[str, int], bool]:
+    """Each parameter's ``ds_id`` in the order ``experts.module_ds_ids`` derives (experts after
+    their router), checked against the ``"<first>_<last>"`` ids of an AutoEP source's flat groups."""
+    ids, exact = module_ds_ids(list(ck.model_state(0).get("module") or {}), autoep(ck), names)
+    flats = ck.osd(0, 0)["fp32_flat_groups"]
+    for k, sg in enumerate(ck.groups(0)):
+        got = str(getattr(flats[k], "ds_id", ""))
+        if got != f"{ids[next(iter(sg))]}_{ids[list(sg)[-1]]}":
+            exact = False
+    return ids, exact
 
 
 def _zero_config(cfg: Any) -> dict:
@@ -217,12 +244,15 @@ def _ds_id_range(t: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
-def check(ck: DeepSpeedCheckpoint) -> bool:
+def check(ck: Recorded,
+          check_sub: Callable[[Recorded], Mapping[tuple[int, int], Sequence[SubGroup]]]) -> bool:
     """A ZeRO-3 checkpoint (TP=1, or AutoTP at any TP degree; no pipeline) as ``reshard reshard``
-    reads it: per TP rank its parameter groups and sub-groups (of TP shards), checked against
-    DeepSpeed 0.19.8's layout rule and every file's sizes before anything is written. Every TP
-    rank holds the same parameters in the same groups; only their shard shapes differ. Returns
-    whether Adam moments are present."""
+    reads it: per TP rank its recorded sub-groups (of TP shards), the same in every DP rank's file,
+    checked against DeepSpeed 0.19.8's layout rule (``check_sub``: the one ZeRO-3 sub-group check,
+    ``layout.check_sub``, passed in because layout builds on this module) and every file's sizes
+    against the sub-groups it returns, before anything is written. Every TP rank holds the same
+    parameters in the same groups; only their shard shapes differ. Returns whether Adam moments
+    are present."""
     if ck.zero_stage != 3:
         raise CheckpointError(f"{ck.tag_dir}: ZeRO stage {ck.zero_stage}, not 3")
     if ck.pp != 1:
@@ -236,33 +266,16 @@ def check(ck: DeepSpeedCheckpoint) -> bool:
     zo = _zero_config(cfg)
     if zo.get("mics_shard_size", -1) not in (-1, 0, None) or zo.get("elastic_checkpoint"):
         raise CheckpointError(f"{where0}: MiCS or elastic ZeRO-3 checkpoints are not supported")
-    size = sub_group_size(cfg, str(where0))
-    subs_by_tp: list[list[SubGroup]] = []
-    names_by_tp: list[list[list[str]]] = []
+    sub_group_size(cfg, str(where0))
     for t in range(ck.tp):
-        recorded = _recorded_sub_groups(ck, t)
-        group_of_sub = [g for g, lst in enumerate(sub_group_lists(ck, t, len(recorded))) for _ in lst]
-        groups: list[list[tuple[str, tuple[int, ...]]]] = []
-        for k, sg in enumerate(recorded):
-            while len(groups) <= group_of_sub[k]:
-                groups.append([])
-            groups[group_of_sub[k]].extend(sg.items())
-        subs = sub_groups(groups, ck.dp, size)
-        check_cut(subs, recorded, size, ck.model_files[t])
-        names_by_tp.append([[n for n, _ in g] for g in groups])
-        subs_by_tp.append(subs)
-    group_names = names_by_tp[0]  # parameter groups, model order
-    for t in range(1, ck.tp):
-        if names_by_tp[t] != group_names:
-            raise CheckpointError(f"{ck.model_files[t]}: TP rank {t} records other parameters or parameter "
-                                  "groups than TP rank 0")
-    has_moments = _check_optim_files(ck, subs_by_tp)
-    _check_module(ck, [n for g in group_names for n in g])
+        _recorded_sub_groups(ck, t)
+    has_moments = check_partitions(ck, check_sub(ck))
+    _check_module(ck, [n for sg in ck.groups(0) for n in sg])
     ck.check_steps()
     return has_moments
 
 
-def _recorded_sub_groups(ck: DeepSpeedCheckpoint, t: int) -> list[OrderedDict]:
+def _recorded_sub_groups(ck: Recorded, t: int) -> list[OrderedDict]:
     """TP rank ``t``'s ``param_shapes``: one ``OrderedDict`` of shard shapes per sub-group,
     the same in every DP rank's file."""
     out = None
@@ -294,17 +307,20 @@ def _recorded_sub_groups(ck: DeepSpeedCheckpoint, t: int) -> list[OrderedDict]:
     return out
 
 
-def _check_optim_files(ck: DeepSpeedCheckpoint, subs_by_tp: Sequence[Sequence[SubGroup]]) -> bool:
-    """Every rank's file: known keys, ``partition_count``, sub-group count, state keys, and
-    each flat tensor exactly as long as the layout says (a truncated one is named by file,
-    rank and the first parameter it cuts off). Returns whether Adam moments are present."""
+def check_partitions(ck: Recorded, units: Mapping[tuple[int, int], Sequence[SubGroup]]) -> bool:
+    """Every rank's file: known keys, ``partition_count``, sub-group count, state keys, and each
+    flat tensor exactly as long as its sub-groups (``units[(t, d)]``, ``layout.check_sub``) say (a
+    truncated one is named by file, rank and the first parameter it cuts off). Returns whether
+    Adam moments are present."""
+    # AutoEP records each sub-group's partition group besides (checked by experts.read)
+    known = OSD_KEYS + (("ds_zero_partition_groups",) if ck.experts is not None else ())
     moments: set[bool] = set()
     for t, d in ((t, d) for t in range(ck.tp) for d in range(ck.dp)):
-        subs = subs_by_tp[t]
+        subs = units[(t, d)]
         path = ck.optim_files[(t, d)]
         top = ck.optim_state(t, d)
         osd = ck.osd(t, d)
-        unknown = [k for k in top if k not in OPTIM_FILE_KEYS] + [k for k in osd if k not in OSD_KEYS]
+        unknown = [k for k in top if k not in OPTIM_FILE_KEYS] + [k for k in osd if k not in known]
         if unknown:
             raise CheckpointError(f"{path}: unknown entries {unknown[:3]} (AutoEP or another layout); "
                                   "not supported")
@@ -352,7 +368,7 @@ def _check_length(path: Any, rank: str, sg: SubGroup, k: int, state: str, x: Any
                           f"partition, which has {n} of {sg.numel} elements: truncated or corrupt")
 
 
-def _check_module(ck: DeepSpeedCheckpoint, names: Sequence[str]) -> None:
+def _check_module(ck: Recorded, names: Sequence[str]) -> None:
     for t in range(ck.tp):
         ms = ck.model_state(t)
         known = set(names) | set(ms.get("buffer_names") or []) | set(ms.get("shared_params") or {})

@@ -131,8 +131,8 @@ def test_megatron_moe_to_autoep_has_deepspeeds_own_structure(ep, dp, tmp_path):
             o, n = mine["optimizer_state_dict"], native["optimizer_state_dict"]
             assert o["partition_count"] == n["partition_count"]
             assert [list(g) for g in o["param_slice_mappings"]] == [list(g) for g in n["param_slice_mappings"]]
-            # DeepSpeed names the expert group by its EP degree (engine.py: f"ep_size_{ep_size}"); the
-            # DeepSpeed -> DeepSpeed route keeps the source's name (ep_size_2 at 1x2)
+            # DeepSpeed names the expert group by its EP degree (engine.py: f"ep_size_{ep_size}"), as the
+            # DeepSpeed -> DeepSpeed route does
             assert [(g["name"], g.get("moe")) for g in o["base_optimizer_state"]["param_groups"]] == \
                    [("dense-params", None), (f"ep_size_{ep}", True)]
             assert [g.get("moe") for g in n["base_optimizer_state"]["param_groups"]] == [None, True]

@@ -207,19 +207,23 @@ def test_a_truncated_expert_partition_is_refused(tmp_path):
         osd["fp32_flat_groups"][1] = osd["fp32_flat_groups"][1][:10000].clone()
 
     _edit(root, "zero_pp_rank_1_mp_rank_00_optim_states.pt", cut)
-    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt: "
-                                              r"model.layers.1.mlp.experts.w1 \(EP rank 1, fp32\): fragment"):
+    # checked against the layout before any output exists (layout.check_sub, zero3.check_partitions)
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt: dp rank 1: parameter "
+                                              r"'model.layers.1.mlp.experts.w1' \(fp32, elements \[9216, 12288\) of "
+                                              r"sub-group 1\) lies past the end of the partition"):
         convert(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 # -- DeepSpeed itself (e2e) ----------------------------------------------------------------------------
 
 
-def _diff_files(ours: Path, theirs: Path) -> None:
+def _diff_files(ours: Path, theirs: Path, ep: int) -> None:
     """Our files equal DeepSpeed's own save at the target, object for object, but ``ds_config``
     (the resuming job's there) and the expert group's ``name``: DeepSpeed's ZeRO-3 universal loader
     copies ``param_groups[0]``'s entries into every group (so it saves ``'dense-params'`` there),
-    reshard keeps each group's own (docs/deepspeed-checkpoints.md §10)."""
+    reshard names it as DeepSpeed's engine does at the target EP, ``ep_size_<ep>``
+    (docs/deepspeed-checkpoints.md §10)."""
     assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
     for p in theirs.glob("*.pt"):
         a, b = load(ours / p.name), load(p)
@@ -227,7 +231,7 @@ def _diff_files(ours: Path, theirs: Path) -> None:
             obj.pop("ds_config", None)
         if "optim" in p.name:
             groups = [obj["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"] for obj in (a, b)]
-            assert (groups[0][1].pop("name"), groups[1][1].pop("name")) == ("ep_size_2", "dense-params")
+            assert (groups[0][1].pop("name"), groups[1][1].pop("name")) == (f"ep_size_{ep}", "dense-params")
             assert [t.ds_id for t in a["optimizer_state_dict"]["fp32_flat_groups"]] == \
                 [t.ds_id for t in b["optimizer_state_dict"]["fp32_flat_groups"]]
         _same(a, b, p.name)
@@ -259,7 +263,7 @@ def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(world, ep
     reports = resume_many(loads, world_size=world, workdir=tmp_path / f"job_{world}")
     theirs, mine = reports["deepspeed"], reports["reshard"]
     where = f"EP {ep} x world {world}"
-    _diff_files(ours, native / ours.name)
+    _diff_files(ours, native / ours.name, ep)
     assert mine["global_steps_after_load"] == theirs["global_steps_after_load"] == 3
     assert mine["optimizer_step_after_load"] == theirs["optimizer_step_after_load"] == [3.0]
     assert mine["ranks_agree"] and theirs["ranks_agree"]
