@@ -176,3 +176,54 @@ def test_a_model_type_without_a_preset_entry_is_refused_naming_it(tmp_path):
                                            r"qwen3_moe"):
         reshard(MEGATRON / "torch_dist_moe_ep2_shared_softmax", tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2)
     assert not (tmp_path / "out").exists()
+
+
+def _hf_names(ucp: Path) -> dict[str, torch.Tensor]:
+    """A universal checkpoint's fp32 masters (``zero/<name>/fp32.pt``) in transformers' in-memory
+    names, written out here independently of ``autoep.json``: ``gate_up_proj`` = [w1; w3] along
+    dim 1, ``down_proj`` = w2, the router ``gate.weight`` (buffers: ``fp32.pt`` alone, as they are)."""
+    out = {}
+    for d in sorted(p for p in (ucp / "zero").iterdir() if p.is_dir()):
+        t = load(d / "fp32.pt")
+        t = t["param"] if isinstance(t, dict) else t
+        out[d.name] = t
+    for n in [n for n in out if n.endswith(".experts.w1")]:
+        m = n.rpartition(".w1")[0]
+        out[f"{m}.gate_up_proj"] = torch.cat([out.pop(f"{m}.w1"), out.pop(f"{m}.w3")], dim=1)
+        out[f"{m}.down_proj"] = out.pop(f"{m}.w2")
+    out = {n: t for n, t in out.items() if not n.endswith(".mlp.gate.gate.weight")}  # AutoEP's router alias
+    return {n.replace(".router.gate.weight", ".gate.weight").replace(".router.", ".gate."): t for n, t in out.items()}
+
+
+@pytest.mark.parametrize("preset", ["mixtral", *PRESETS])
+def test_deepspeeds_autoep_files_export_to_a_folder_from_pretrained_loads(preset, tmp_path):
+    """The HF export of DeepSpeed's own AutoEP job (``--hf-config`` the same model type's folder):
+    ``from_pretrained`` loads it with no missing, unexpected or mismatched key, and every weight of
+    the model it builds is DeepSpeed's own consolidation (``ds_to_universal``'s fp32 masters) in
+    transformers' names, bit for bit; the router alias is written once (as the router)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed")
+    from tests.support.dsconv import ds_to_universal_folder
+
+    ucp = ds_to_universal_folder(_native(preset).parent, tmp_path / "ds")
+    r = convert(_native(preset).parent, tmp_path / "hf", fmt="hf", hf_config=_pretrained(preset))
+    assert any("AutoEP's router alias" in n for n in r.notes) or preset == "deepseek_v3"
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(r.out_dir, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}
+    got, want = model.state_dict(), _hf_names(ucp)
+    assert sorted(got) == sorted(want)
+    for n, t in want.items():
+        assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
+    # reshard's own universal checkpoint exports alike (its alias a tied entry, not a parameter)
+    again = convert(convert(_native(preset).parent, tmp_path / "ucp").out_dir, tmp_path / "hf2", fmt="hf",
+                    hf_config=_pretrained(preset)).out_dir
+    assert (again / "model.safetensors").read_bytes() == (r.out_dir / "model.safetensors").read_bytes()
+
+
+def test_autoep_names_without_a_preset_for_the_model_type_are_refused(tmp_path):
+    """An AutoEP checkpoint exported with another model type's config: refused, naming a tensor
+    and the model type, before anything exists (its names would load as nothing)."""
+    with pytest.raises(ReshardError, match=r"experts\.w1: DeepSpeed AutoEP's names, which a Hugging Face model_type "
+                                           r"'llama' folder cannot hold"):
+        convert(_native("qwen3_moe").parent, tmp_path / "hf", fmt="hf", hf_config=HF / "pretrained_llama")
+    assert not (tmp_path / "hf").exists()
