@@ -128,10 +128,15 @@ QWEN3_MOE = {
     "eos_token_id": 2,
 }
 
+# DeepSeek-V3 with MoE, the DeepSpeed AutoEP fixture's shape (../deepspeed/deepseek_v3_autoep_ep2): layer 0 dense,
+# layer 1 4 routed experts top-2 (ffn 16) + one shared expert, the router's e_score_correction_bias
+DEEPSEEK_V3_MOE = dict(DEEPSEEK_V3, first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1,
+                       num_experts_per_tok=2, vocab_size=96)
+
 MODELS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED, "deepseek_v3": DEEPSEEK_V3, "mixtral": MIXTRAL,
-          "qwen3_moe": QWEN3_MOE}
+          "qwen3_moe": QWEN3_MOE, "deepseek_v3_moe": DEEPSEEK_V3_MOE}
 MODEL_TYPES = {"llama": "llama", "qwen2_tied": "qwen2", "deepseek_v3": "deepseek_v3", "mixtral": "mixtral",
-               "qwen3_moe": "qwen3_moe"}
+               "qwen3_moe": "qwen3_moe", "deepseek_v3_moe": "deepseek_v3"}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CORPUS = [

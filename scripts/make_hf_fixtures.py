@@ -93,6 +93,7 @@ FIXTURES = [
     HfFixture("pretrained_deepseek_v3", "pretrained", R.pretrained_recipe("deepseek_v3")),  # MLA, dense
     HfFixture("pretrained_mixtral", "pretrained", R.pretrained_recipe("mixtral")),  # MoE, the Hub's per-expert layout
     HfFixture("pretrained_qwen3_moe", "pretrained", R.pretrained_recipe("qwen3_moe")),  # AutoEP's qwen3_moe preset
+    HfFixture("pretrained_deepseek_v3_moe", "pretrained", R.pretrained_recipe("deepseek_v3_moe")),  # AutoEP deepseek_v3
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 

@@ -279,8 +279,10 @@ class DeepSpeedWriter(Writer):
                                "DeepSpeed is written at --tp/--dp/--zero-stage, every parameter (experts included) a "
                                "dense one")
         view = autoep_view(reader, ep)
+        buffers: list[str] = []
         if isinstance(view, AutoEPView):
             self._view = reader = view
+            buffers = list(view.buffers)
             self._notes.append(f"the source read in DeepSpeed AutoEP's names ({view.preset} preset, autoep.json): "
                                f"{view.how}")
         layers = reader.expert_layers()
@@ -305,7 +307,7 @@ class DeepSpeedWriter(Writer):
         steps = [reader.step(n) for n in reader.names]
         step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
         tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order,
-                              clip_grad=reader.grad_clip())
+                              clip_grad=reader.grad_clip(), buffers=buffers)
         if reader.grad_clip() is None:
             self._notes.append("clip_grad 0.0 in the optimizer files (the source records no gradient clipping): "
                                "DeepSpeed's ZeRO-1/2 loader takes it over the job's gradient_clipping, so a "

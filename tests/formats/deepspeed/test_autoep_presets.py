@@ -30,7 +30,7 @@ from tests.formats.deepspeed.test_experts_from_hf_names import (
 from tests.support.compare import same
 from tests.support.paths import DEEPSPEED, HF
 
-PRESETS = ["qwen3_moe"]
+PRESETS = ["qwen3_moe", "deepseek_v3"]
 
 
 def _native(preset: str) -> Path:
@@ -40,7 +40,8 @@ def _native(preset: str) -> Path:
 
 
 def _pretrained(preset: str) -> Path:
-    return HF / f"pretrained_{preset}"
+    """transformers' save_pretrained of the DeepSpeed fixture's model (DeepSeek-V3's: with its MoE)."""
+    return HF / ("pretrained_deepseek_v3_moe" if preset == "deepseek_v3" else f"pretrained_{preset}")
 
 
 def _autoep_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -56,6 +57,8 @@ def _autoep_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[n.replace("down_proj", "w2")] = t
         elif n.endswith("mlp.gate.weight"):
             out[n.replace("mlp.gate.weight", "mlp.router.gate.weight")] = t
+        elif n.endswith("mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's router bias (a buffer)
+            out[n.replace("mlp.gate.", "mlp.router.")] = t
         else:
             out[n] = t
     return out
