@@ -230,3 +230,29 @@ def test_autoep_names_without_a_preset_for_the_model_type_are_refused(tmp_path):
                                            r"'llama' folder cannot hold"):
         convert(_native("qwen3_moe").parent, tmp_path / "hf", fmt="hf", hf_config=HF / "pretrained_llama")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_megatron_deepseek_v3_to_autoep_holds_its_hf_names_values(tmp_path):
+    """Megatron-Core's DeepSeek-V3 (MLA, shared expert, router expert bias; TP 2 x EP 2), read in HF
+    names, at ``--ep 2 --dp 2``: every weight and Adam moment of the AutoEP files is reshard's HF-named
+    conversion of the same source under AutoEP's names (this test's own mapping), the expert bias a
+    module buffer (``buffer_names``, in no optimizer group)."""
+    from safetensors.torch import load_file
+
+    from tests.support.paths import MEGATRON
+
+    src = MEGATRON / "torch_dist_deepseek_v3_tp2_ep2"
+    ours = reshard(src, tmp_path / "ours", to="deepspeed", tp=1, dp=2, ep=2).out_dir
+    got = _read_back(ours, tmp_path / "back")
+    folder = convert(src, tmp_path / "hf", fmt="safetensors", with_optimizer=True, names="hf").out_dir
+    want = {f"weight.{n}": t for n, t in _autoep_names(load_file(folder / "model.safetensors")).items()}
+    for d in (p for p in (folder / "zero").iterdir() if p.is_dir()):
+        for m in MOMENTS:
+            if (d / f"{m}.pt").is_file():
+                want.update({f"{m}.{n}": t for n, t in _autoep_names({d.name: load(d / f"{m}.pt")["param"]}).items()})
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items()), [k for k, v in want.items() if not torch.equal(got[k], v)]
+    model = load(ours / "mp_rank_00_model_states.pt")
+    bias = [n for n in model["buffer_names"]]
+    assert bias and all(n.endswith(".mlp.router.e_score_correction_bias") for n in bias)
+    assert not any(n in g for g in model["param_shapes"] for n in bias)
