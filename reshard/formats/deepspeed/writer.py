@@ -274,8 +274,8 @@ class DeepSpeedWriter(Writer):
                                "AutoEP's ds_autoep_layers, or in Hugging Face names an MoE block's experts as fused "
                                "tensors <module>.experts.<name> [num_experts, ...]), which an AutoEP target places at "
                                "--ep; a DeepSpeed AutoEP or classic MoE checkpoint, its universal checkpoint, or a "
-                               "Mixtral-shaped model in HF names (a DCP checkpoint, an HF folder in transformers' "
-                               "fused layout, a Megatron-Core checkpoint read in HF names) holds them. Without --ep "
+                               "model in HF names autoep.json has a preset for (Mixtral, Qwen3-MoE, DeepSeek-V3: a DCP "
+                               "checkpoint, an HF folder, a Megatron-Core checkpoint read in HF names) holds them. Without --ep "
                                "DeepSpeed is written at --tp/--dp/--zero-stage, every parameter (experts included) a "
                                "dense one")
         view = autoep_view(reader, ep)
