@@ -133,10 +133,16 @@ QWEN3_MOE = {
 DEEPSEEK_V3_MOE = dict(DEEPSEEK_V3, first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1,
                        num_experts_per_tok=2, vocab_size=96)
 
+# Qwen2-MoE, the DeepSpeed AutoEP fixture's shape (../deepspeed/qwen2_moe_autoep_ep2): QWEN3_MOE's sizes without
+# head_dim, a shared expert of ffn 40 and its gate
+QWEN2_MOE = dict({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"}, shared_expert_intermediate_size=40)
+
 MODELS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED, "deepseek_v3": DEEPSEEK_V3, "mixtral": MIXTRAL,
-          "qwen3_moe": QWEN3_MOE, "deepseek_v3_moe": DEEPSEEK_V3_MOE}
+          "qwen3_moe": QWEN3_MOE, "deepseek_v3_moe": DEEPSEEK_V3_MOE,
+          "qwen2_moe": QWEN2_MOE}
 MODEL_TYPES = {"llama": "llama", "qwen2_tied": "qwen2", "deepseek_v3": "deepseek_v3", "mixtral": "mixtral",
-               "qwen3_moe": "qwen3_moe", "deepseek_v3_moe": "deepseek_v3"}
+               "qwen3_moe": "qwen3_moe", "deepseek_v3_moe": "deepseek_v3",
+               "qwen2_moe": "qwen2_moe"}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CORPUS = [

@@ -160,6 +160,9 @@ DEEPSEEK_V3_MOE = {
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }
+# AutoEP's qwen3_moe preset on Qwen2-MoE (its hf_model_types): QWEN3_MOE's sizes without head_dim/q-k norms, a
+# shared expert (ffn 40) and its sigmoid gate
+QWEN2_MOE = dict({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"}, shared_expert_intermediate_size=40)
 AUTOEP_NOTE = (
     "Trained through scripts/_fixture_autoep.py, which patches transformers' _CanRecordRegistry.get to "
     "accept DeepSpeed AutoEP's (key, default) call (string keys: a plain dict lookup); without it "
@@ -331,6 +334,11 @@ FIXTURES = [
             notes=[AUTOEP_NOTE]),
     # AutoEP's qwen3_moe preset: a tiny Qwen3-MoE, 4 experts over EP=2, one step
     Fixture("qwen3_moe_autoep_ep2", "qwen3_moe", QWEN3_MOE,
+            dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}),
+            world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
+    # AutoEP's qwen3_moe preset on a tiny Qwen2-MoE (shared expert + gate), one step
+    Fixture("qwen2_moe_autoep_ep2", "qwen2_moe", QWEN2_MOE,
             dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}),
             world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),

@@ -30,7 +30,7 @@ from tests.formats.deepspeed.test_experts_from_hf_names import (
 from tests.support.compare import same
 from tests.support.paths import DEEPSPEED, HF
 
-PRESETS = ["qwen3_moe", "deepseek_v3"]
+PRESETS = ["qwen3_moe", "qwen2_moe", "deepseek_v3"]
 
 
 def _native(preset: str) -> Path:
@@ -47,7 +47,9 @@ def _pretrained(preset: str) -> Path:
 def _autoep_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A transformers MoE model's in-memory tensors under AutoEP's names, written out here
     independently of ``autoep.json``: w1/w3 the gate/up halves of ``gate_up_proj``, w2
-    ``down_proj``, the router ``router.gate.weight``."""
+    ``down_proj``, the router ``router.gate.weight`` (its bias ``router.e_score_correction_bias``),
+    a shared expert and its gate ``shared_experts``/``shared_experts_gate`` (DeepSpeed's
+    ``AutoEPMoELayer`` attributes)."""
     out = {}
     for n, t in sd.items():
         if n.endswith("experts.gate_up_proj"):
@@ -59,6 +61,8 @@ def _autoep_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[n.replace("mlp.gate.weight", "mlp.router.gate.weight")] = t
         elif n.endswith("mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's router bias (a buffer)
             out[n.replace("mlp.gate.", "mlp.router.")] = t
+        elif ".mlp.shared_expert." in n or ".mlp.shared_expert_gate." in n:  # Qwen2-MoE's: AutoEPMoELayer's names
+            out[n.replace(".mlp.shared_expert", ".mlp.shared_experts")] = t
         else:
             out[n] = t
     return out
@@ -171,17 +175,22 @@ def test_deepspeed_loads_autoep_written_from_the_hf_folder_and_trains(preset, tm
 
 
 def test_a_model_type_without_a_preset_entry_is_refused_naming_it(tmp_path):
-    """Qwen2-MoE (a shared expert and its gate: DeepSpeed's qwen3_moe preset names them
-    ``shared_experts``/``shared_experts_gate``, which no fixture here checks) stays refused."""
-    from tests.support.paths import MEGATRON
+    """A model type DeepSpeed has a preset for but ``autoep.json`` no entry (MiniMax-M3: no fixture
+    here checks it): refused by its config's model_type, before anything exists."""
+    import json
+    import shutil
 
-    with pytest.raises(ReshardError, match=r"model_type 'qwen2_moe': DeepSpeed AutoEP is written for mixtral, "
-                                           r"qwen3_moe"):
-        reshard(MEGATRON / "torch_dist_moe_ep2_shared_softmax", tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2)
+    src = tmp_path / "src"
+    shutil.copytree(_pretrained("qwen3_moe"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "minimax_m3"}))
+    with pytest.raises(ReshardError, match=r"model_type 'minimax_m3': DeepSpeed AutoEP is written for mixtral, "
+                                           r"qwen3_moe, qwen2_moe, deepseek_v3 \(autoep.json"):
+        reshard(src, tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2)
     assert not (tmp_path / "out").exists()
 
 
-def _hf_names(ucp: Path) -> dict[str, torch.Tensor]:
+def _hf_names(ucp: Path, qwen2: bool = False) -> dict[str, torch.Tensor]:
     """A universal checkpoint's fp32 masters (``zero/<name>/fp32.pt``) in transformers' in-memory
     names, written out here independently of ``autoep.json``: ``gate_up_proj`` = [w1; w3] along
     dim 1, ``down_proj`` = w2, the router ``gate.weight`` (buffers: ``fp32.pt`` alone, as they are)."""
@@ -195,6 +204,8 @@ def _hf_names(ucp: Path) -> dict[str, torch.Tensor]:
         out[f"{m}.gate_up_proj"] = torch.cat([out.pop(f"{m}.w1"), out.pop(f"{m}.w3")], dim=1)
         out[f"{m}.down_proj"] = out.pop(f"{m}.w2")
     out = {n: t for n, t in out.items() if not n.endswith(".mlp.gate.gate.weight")}  # AutoEP's router alias
+    if qwen2:  # Qwen2-MoE's shared expert and gate (AutoEPMoELayer's shared_experts/shared_experts_gate)
+        out = {n.replace(".mlp.shared_experts", ".mlp.shared_expert"): t for n, t in out.items()}
     return {n.replace(".router.gate.weight", ".gate.weight").replace(".router.", ".gate."): t for n, t in out.items()}
 
 
@@ -213,7 +224,7 @@ def test_deepspeeds_autoep_files_export_to_a_folder_from_pretrained_loads(preset
     assert any("AutoEP's router alias" in n for n in r.notes) or preset == "deepseek_v3"
     model, info = transformers.AutoModelForCausalLM.from_pretrained(r.out_dir, output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}
-    got, want = model.state_dict(), _hf_names(ucp)
+    got, want = model.state_dict(), _hf_names(ucp, qwen2=preset == "qwen2_moe")
     assert sorted(got) == sorted(want)
     for n, t in want.items():
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
@@ -232,18 +243,22 @@ def test_autoep_names_without_a_preset_for_the_model_type_are_refused(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_megatron_deepseek_v3_to_autoep_holds_its_hf_names_values(tmp_path):
-    """Megatron-Core's DeepSeek-V3 (MLA, shared expert, router expert bias; TP 2 x EP 2), read in HF
-    names, at ``--ep 2 --dp 2``: every weight and Adam moment of the AutoEP files is reshard's HF-named
-    conversion of the same source under AutoEP's names (this test's own mapping), the expert bias a
-    module buffer (``buffer_names``, in no optimizer group)."""
+@pytest.mark.parametrize("fixture", ["torch_dist_deepseek_v3_tp2_ep2", "torch_dist_moe_ep2_shared_softmax"])
+def test_a_megatron_moe_with_shared_experts_to_autoep_holds_its_hf_names_values(fixture, tmp_path):
+    """Megatron-Core's DeepSeek-V3 (MLA, shared expert, router expert bias; TP 2 x EP 2) and its
+    Qwen2-MoE (shared expert and gate), read in HF names, at ``--ep 2 --dp 2``: every weight and Adam
+    moment of the AutoEP files is reshard's HF-named conversion of the same source under AutoEP's
+    names (this test's own mapping; the router alias its router), DeepSeek-V3's expert bias a module
+    buffer (``buffer_names``, in no optimizer group)."""
     from safetensors.torch import load_file
 
     from tests.support.paths import MEGATRON
 
-    src = MEGATRON / "torch_dist_deepseek_v3_tp2_ep2"
+    src = MEGATRON / fixture
     ours = reshard(src, tmp_path / "ours", to="deepspeed", tp=1, dp=2, ep=2).out_dir
     got = _read_back(ours, tmp_path / "back")
+    for n in [k for k in got if k.endswith(".mlp.gate.gate.weight")]:  # AutoEP's router alias
+        assert torch.equal(got.pop(n), got[n.replace("gate.gate", "router.gate")])
     folder = convert(src, tmp_path / "hf", fmt="safetensors", with_optimizer=True, names="hf").out_dir
     want = {f"weight.{n}": t for n, t in _autoep_names(load_file(folder / "model.safetensors")).items()}
     for d in (p for p in (folder / "zero").iterdir() if p.is_dir()):
@@ -253,6 +268,6 @@ def test_a_megatron_deepseek_v3_to_autoep_holds_its_hf_names_values(tmp_path):
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], v) for k, v in want.items()), [k for k, v in want.items() if not torch.equal(got[k], v)]
     model = load(ours / "mp_rank_00_model_states.pt")
-    bias = [n for n in model["buffer_names"]]
-    assert bias and all(n.endswith(".mlp.router.e_score_correction_bias") for n in bias)
+    bias = list(model["buffer_names"])
+    assert all(n.endswith(".mlp.router.e_score_correction_bias") for n in bias) and bool(bias) == ("deepseek" in fixture)
     assert not any(n in g for g in model["param_shapes"] for n in bias)
