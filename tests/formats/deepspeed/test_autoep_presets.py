@@ -97,6 +97,10 @@ def test_deepspeeds_autoep_files_convert_as_ds_to_universal_does(preset, tmp_pat
             assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
         else:
             same(load(ours / rel), load(theirs / rel), rel)
+    if preset == "deepseek_v3":  # --ep from it: its buffer (the router bias) has no param_shapes entry
+        with pytest.raises(ReshardError, match=r"does not record the model's parameter order"):
+            reshard(theirs.parent, tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2)
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
