@@ -108,8 +108,41 @@ MIXTRAL = {
     "eos_token_id": 2,
 }
 
-MODELS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED, "deepseek_v3": DEEPSEEK_V3, "mixtral": MIXTRAL}
-MODEL_TYPES = {"llama": "llama", "qwen2_tied": "qwen2", "deepseek_v3": "deepseek_v3", "mixtral": "mixtral"}
+# Qwen3-MoE, the DeepSpeed AutoEP fixture's shape (../deepspeed/qwen3_moe_autoep_ep2): 4 experts top-2, expert ffn
+# 24, q/k norms, untied; save_pretrained writes the Hub's per-expert layout (mlp.experts.<e>.gate_proj/up_proj/down_proj)
+QWEN3_MOE = {
+    "hidden_size": 32,
+    "intermediate_size": 72,
+    "moe_intermediate_size": 24,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_hidden_layers": 2,
+    "vocab_size": 96,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# DeepSeek-V3 with MoE, the DeepSpeed AutoEP fixture's shape (../deepspeed/deepseek_v3_autoep_ep2): layer 0 dense,
+# layer 1 4 routed experts top-2 (ffn 16) + one shared expert, the router's e_score_correction_bias
+DEEPSEEK_V3_MOE = dict(DEEPSEEK_V3, first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1,
+                       num_experts_per_tok=2, vocab_size=96)
+
+# Qwen2-MoE, the DeepSpeed AutoEP fixture's shape (../deepspeed/qwen2_moe_autoep_ep2): QWEN3_MOE's sizes without
+# head_dim, a shared expert of ffn 40 and its gate
+QWEN2_MOE = dict({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"}, shared_expert_intermediate_size=40)
+
+MODELS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED, "deepseek_v3": DEEPSEEK_V3, "mixtral": MIXTRAL,
+          "qwen3_moe": QWEN3_MOE, "deepseek_v3_moe": DEEPSEEK_V3_MOE,
+          "qwen2_moe": QWEN2_MOE}
+MODEL_TYPES = {"llama": "llama", "qwen2_tied": "qwen2", "deepseek_v3": "deepseek_v3", "mixtral": "mixtral",
+               "qwen3_moe": "qwen3_moe", "deepseek_v3_moe": "deepseek_v3",
+               "qwen2_moe": "qwen2_moe"}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CORPUS = [

@@ -117,6 +117,52 @@ MIXTRAL = {
     "num_experts_per_tok": 2,
     "tie_word_embeddings": False,
 }
+# AutoEP's qwen3_moe preset: Qwen3-MoE (q/k norms, no shared expert), 4 experts top-2, expert ffn 24,
+# dense ffn 72 (unused: every layer sparse), head_dim 8 given (Qwen3's default would be hidden / heads)
+QWEN3_MOE = {
+    "hidden_size": 32,
+    "intermediate_size": 72,
+    "moe_intermediate_size": 24,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_hidden_layers": 2,
+    "vocab_size": 96,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 64,
+}
+# AutoEP's deepseek_v3 preset: DeepSeek-V3 (MLA attention as tests/fixtures/hf/pretrained_deepseek_v3), layer 0
+# dense (first_k_dense_replace 1), layer 1 MoE: 4 routed experts top-2 (sigmoid, e_score_correction_bias),
+# one shared expert (ffn 16), n_group 1
+DEEPSEEK_V3_MOE = {
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 12,
+    "qk_nope_head_dim": 6,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "num_hidden_layers": 2,
+    "intermediate_size": 72,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 16,
+    "rope_interleave": True,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 96,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+# AutoEP's qwen3_moe preset on Qwen2-MoE (its hf_model_types): QWEN3_MOE's sizes without head_dim/q-k norms, a
+# shared expert (ffn 40) and its sigmoid gate
+QWEN2_MOE = dict({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"}, shared_expert_intermediate_size=40)
 AUTOEP_NOTE = (
     "Trained through scripts/_fixture_autoep.py, which patches transformers' _CanRecordRegistry.get to "
     "accept DeepSpeed AutoEP's (key, default) call (string keys: a plain dict lookup); without it "
@@ -285,6 +331,21 @@ FIXTURES = [
     Fixture("mixtral_autoep_ep2_zero3", "mixtral", MIXTRAL,
             dict(ds_config(3), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
             world_size=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
+    # AutoEP's qwen3_moe preset: a tiny Qwen3-MoE, 4 experts over EP=2, one step
+    Fixture("qwen3_moe_autoep_ep2", "qwen3_moe", QWEN3_MOE,
+            dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}),
+            world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
+    # AutoEP's qwen3_moe preset on a tiny Qwen2-MoE (shared expert + gate), one step
+    Fixture("qwen2_moe_autoep_ep2", "qwen2_moe", QWEN2_MOE,
+            dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}),
+            world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
+    # AutoEP's deepseek_v3 preset: a tiny DeepSeek-V3 (a dense layer, then shared + routed experts), one step
+    Fixture("deepseek_v3_autoep_ep2", "deepseek_v3", DEEPSEEK_V3_MOE,
+            dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "deepseek_v3"}),
+            world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),
     # classic deepspeed.moe.layer.MoE: 4 experts over EP=2 (layer_L_expert_E files, per-EP-rank local names)
     Fixture("moe_ep2", "moe", MOE, ds_config(1), world_size=2, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),

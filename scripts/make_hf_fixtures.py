@@ -92,6 +92,9 @@ FIXTURES = [
     HfFixture("pretrained_llama_bf16", "pretrained", R.pretrained_recipe("llama", dtype="bfloat16")),
     HfFixture("pretrained_deepseek_v3", "pretrained", R.pretrained_recipe("deepseek_v3")),  # MLA, dense
     HfFixture("pretrained_mixtral", "pretrained", R.pretrained_recipe("mixtral")),  # MoE, the Hub's per-expert layout
+    HfFixture("pretrained_qwen3_moe", "pretrained", R.pretrained_recipe("qwen3_moe")),  # AutoEP's qwen3_moe preset
+    HfFixture("pretrained_deepseek_v3_moe", "pretrained", R.pretrained_recipe("deepseek_v3_moe")),  # AutoEP deepseek_v3
+    HfFixture("pretrained_qwen2_moe", "pretrained", R.pretrained_recipe("qwen2_moe")),  # AutoEP's qwen3_moe on Qwen2-MoE
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 

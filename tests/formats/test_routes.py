@@ -425,8 +425,6 @@ REFUSALS = [
      r"written at --tp/--dp/--zero-stage, every parameter \(experts included\) a dense one"),
     ("universal", "deepspeed", {"ep": 2}, r"--ep 2 is refused from a universal checkpoint: it holds no fused "
      r"expert layers"),
-    (MEGATRON / "torch_dist_moe_ep2_shared_softmax", "deepspeed", {"ep": 2}, r"torch_dist_moe_ep2_shared_softmax.*: "
-     r"model_type 'qwen2_moe': DeepSpeed AutoEP is written for mixtral \(autoep.json"),
     ("deepspeed-zero3", "deepspeed", {"pp": 2}, r"PP=1"),
     ("universal", "dcp", {"files": 2, "tp": 2}, r"--tp goes with --to deepspeed or --to megatron or --format vllm, not with a "
      r"PyTorch DCP checkpoint \(the target\)"),

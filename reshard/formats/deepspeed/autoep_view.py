@@ -55,12 +55,24 @@ def _preset(doc: dict, reader: Reader, layers: Sequence[ExpertLayer], where: str
         raise ReshardError(f"{where}: model_type {kind!r}: DeepSpeed AutoEP is written for "
                            f"{', '.join(t for p in presets for t in p['model_types'])} ({AUTOEP_DOC.name}, DeepSpeed "
                            "0.19.8's AutoEP presets)")
-    for p in presets:
-        if all(_layout(p, lay) is not None for lay in layers):
+    for p in presets:  # the first whose entries name every tensor of every MoE module
+        if all(_layout(p, lay) is not None and _places_all(_layout(p, lay), lay, reader.names) for lay in layers):
             return p
     lay = layers[0]
     raise ReshardError(f"{where}: {lay.module_path}: expert tensors {list(lay.params)} match no DeepSpeed AutoEP preset "
                        f"({AUTOEP_DOC.name})")
+
+
+def _places_all(found: tuple[dict, str] | None, lay: ExpertLayer, names: Sequence[str]) -> bool:
+    """Whether a layout's entries name every source tensor under ``lay``'s module (each expert's
+    as the entry's ``{expert}`` name)."""
+    if found is None:
+        return False
+    named = {e["hf"].replace("{source}", lay.module_path) for e in found[0]["params"]}
+    apart = re.compile(re.escape(lay.module_path) + r"\.experts\.\d+\.")
+    held = {apart.sub(f"{lay.module_path}.experts.{{expert}}.", n, count=1) for n in names
+            if n.startswith(lay.module_path + ".")}
+    return held <= named
 
 
 def _layout(preset: dict, lay: ExpertLayer) -> tuple[dict, str] | None:
@@ -116,6 +128,9 @@ class AutoEPView(Reader):
         self._aliases: dict[str, str] = {}
         self._layers: list[ExpertLayer] = []
         self._memory: dict[str, list[str]] = {}  # the names transformers builds the model with -> the view's
+        # module buffers (DeepSeek-V3's router.e_score_correction_bias): no parameter, no optimizer state;
+        # each placed in the model's order before the name the document says
+        self.buffers: dict[str, str] = {}
         num_attr = preset.get("num_experts")
         cfg = inner.hf_config() or {}
         for lay in layers:
@@ -150,6 +165,8 @@ class AutoEPView(Reader):
                     continue
                 else:
                     parts[hf] = self._split(hf, names, entry.get("split"), where)
+                if "buffer" in entry:
+                    self.buffers[names[0]] = entry["buffer"]["before"].replace("{module}", module)
                 if "alias" in entry:
                     self._aliases[entry["alias"].replace("{module}", module)] = names[0]
                     self._memory[preset["memory"]["router"].replace("{module}", module)] = names
@@ -181,7 +198,11 @@ class AutoEPView(Reader):
                                  "order"] if stacked else [])])
         self._check_parts(where)
         layer_of = [re.match(preset["layer"], n) for n in self.names]
-        self._config = {**preset["config"], "num_hidden_layers": 1 + max(int(m["layer"]) for m in layer_of if m),
+        # "first_moe_layer": the model layer of the first MoE block (DeepSeek-V3's first_k_dense_replace)
+        moe = [re.match(preset["layer"], lay.module_path + ".") for lay in layers]
+        first = min((int(m["layer"]) for m in moe if m), default=0)
+        self._config = {**{k: first if v == "first_moe_layer" else v for k, v in preset["config"].items()},
+                        "num_hidden_layers": 1 + max(int(m["layer"]) for m in layer_of if m),
                         num_attr: self._layers[0].num_experts, "tie_word_embeddings": "lm_head.weight" not in held}
         self._maps: dict[tuple[str, str], tuple[ParamMap, dict]] = {}
 
@@ -292,7 +313,7 @@ class AutoEPView(Reader):
         and weight decay of the source group that holds most of them, where the source has groups
         (torch's implementation flags are the resuming job's, not the source's)."""
         experts = {n for lay in self._layers for n in lay.params}
-        dense = [n for n in self.names if n not in experts]
+        dense = [n for n in self.names if n not in experts and n not in self.buffers]
         moe = [n for n in self.names if n in experts]
         src = self.inner.param_groups()
 
@@ -320,7 +341,11 @@ class AutoEPView(Reader):
         for n in order:
             names = self._memory.get(n) or self.renamed.get(n) or [n]
             out.update((v, None) for v in names if v in self._parts)
-        return list(out) if len(out) == len(self.names) else None
+        got = [n for n in out if n not in self.buffers]
+        for b, before in self.buffers.items():  # transformers' named_parameters() holds no buffer
+            if before in got:
+                got.insert(got.index(before), b)
+        return got if len(set(got)) == len(got) == len(self.names) else None
 
     def tied(self) -> dict[str, str]:
         return {**self.inner.tied(), **self._aliases}

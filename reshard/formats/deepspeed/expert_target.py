@@ -349,7 +349,8 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
     before data)."""
     groups, ax, placement = _fresh_placement(tpl, layers, shapes, ep, dp, aliases)
     names = tpl.names
-    outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
+    buffers = list(tpl.model.get("buffer_names") or [])  # module buffers: weights of no optimizer group
+    outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in [*names, *buffers]}
     shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
     dense, experts = Group.dense(1, dp), placement.group()
     units = []
@@ -364,14 +365,14 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
     # the experts per layer and each layer's record
     # a module without the experts (they are the per-expert files'), each router alias after its router
     module = OrderedDict()
-    for n in names:
+    for n in [k for k in tpl.model["module"] if k not in aliases]:  # the model's order, buffers in place
         if not any(n in lay.params for lay in layers):
             module[n] = tpl.model["module"][n]
             module.update((a, module[n]) for a, r in aliases.items() if r == n)
     template = {**tpl.model, "module": module, "shared_params": {}, "num_experts": [lay.num_experts for lay in layers],
                 dse.LAYERS_KEY: [dict(lay.record) for lay in layers]}
     models = ExpertWeightFiles(None, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
-                               dtype=tpl.dtype, names=names, outer=outer, aliases=aliases)
+                               dtype=tpl.dtype, names=[*names, *buffers], outer=outer, aliases=aliases)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=tpl.bf16, states=OPTIMIZER,
                            optim_template=lambda: _with_clip(tpl.optim_z12(), clip_grad), ds_config=ds_config,
                            uc_info=None, models=models, group_names=dict.fromkeys(groups, f"ep_size_{ep}"),

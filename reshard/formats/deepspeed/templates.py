@@ -159,20 +159,22 @@ def _groups(reader: Reader, names: Sequence[str]) -> tuple[list[list[str]], list
 
 
 def fresh(reader: Reader, *, stage: int, dtype: torch.dtype, step: float, order: Sequence[str],
-          clip_grad: float | None = None) -> Templates:
+          clip_grad: float | None = None, buffers: Sequence[str] = ()) -> Templates:
     """The dictionaries DeepSpeed 0.19.8 saves for a fresh ZeRO job over ``reader``'s parameters
-    (``order``: the model's), after ``step`` optimizer steps."""
-    names = list(order)
+    (``order``: the model's), after ``step`` optimizer steps; ``buffers``: names of ``order`` that
+    are module buffers (``buffer_names``: in the module, in no optimizer group)."""
+    kept = set(buffers)
+    names = [n for n in order if n not in kept]
     group_names, hyper = _groups(reader, names)
     tied = dict(reader.tied())  # aliases the module holds beside their weight
     step_t = torch.tensor(float(step))
     shapes = [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in group_names]
-    module = OrderedDict((n, torch.empty(0, dtype=dtype)) for n in names)
+    module = OrderedDict((n, torch.empty(0, dtype=dtype)) for n in order)
     module.update((alias, module[weight]) for alias, weight in tied.items())
     # DeepSpeed records the frozen parameters (none here) from ZeRO-2 on (engine._save_checkpoint:
     # save_frozen_param is zero_optimization_partition_gradients()), else None
     frozen = stage >= 2
-    model = {"module": module, "buffer_names": [],
+    model = {"module": module, "buffer_names": [n for n in order if n in kept],
              "optimizer": None, "param_shapes": shapes, "frozen_param_shapes": OrderedDict() if frozen else None,
              "shared_params": tied, "frozen_param_fragments": OrderedDict() if frozen else None,
              "lr_scheduler": None, "data_sampler": None, "random_ltd": None,

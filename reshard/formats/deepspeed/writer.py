@@ -274,13 +274,15 @@ class DeepSpeedWriter(Writer):
                                "AutoEP's ds_autoep_layers, or in Hugging Face names an MoE block's experts as fused "
                                "tensors <module>.experts.<name> [num_experts, ...]), which an AutoEP target places at "
                                "--ep; a DeepSpeed AutoEP or classic MoE checkpoint, its universal checkpoint, or a "
-                               "Mixtral-shaped model in HF names (a DCP checkpoint, an HF folder in transformers' "
-                               "fused layout, a Megatron-Core checkpoint read in HF names) holds them. Without --ep "
+                               "model in HF names autoep.json has a preset for (Mixtral, Qwen3-MoE, DeepSeek-V3: a DCP "
+                               "checkpoint, an HF folder, a Megatron-Core checkpoint read in HF names) holds them. Without --ep "
                                "DeepSpeed is written at --tp/--dp/--zero-stage, every parameter (experts included) a "
                                "dense one")
         view = autoep_view(reader, ep)
+        buffers: list[str] = []
         if isinstance(view, AutoEPView):
             self._view = reader = view
+            buffers = list(view.buffers)
             self._notes.append(f"the source read in DeepSpeed AutoEP's names ({view.preset} preset, autoep.json): "
                                f"{view.how}")
         layers = reader.expert_layers()
@@ -305,7 +307,7 @@ class DeepSpeedWriter(Writer):
         steps = [reader.step(n) for n in reader.names]
         step = max((float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps if s is not None), default=0.0)
         tpl = templates.fresh(reader, stage=stage, dtype=dtype or own, step=step, order=order,
-                              clip_grad=reader.grad_clip())
+                              clip_grad=reader.grad_clip(), buffers=buffers)
         if reader.grad_clip() is None:
             self._notes.append("clip_grad 0.0 in the optimizer files (the source records no gradient clipping): "
                                "DeepSpeed's ZeRO-1/2 loader takes it over the job's gradient_clipping, so a "

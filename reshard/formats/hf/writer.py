@@ -110,6 +110,13 @@ class HfWriter(Writer):
         self.reader = reader
         self.folder = metadata_folder(reader, hf_config)
         self.config = self._config()
+        # a source in DeepSpeed AutoEP's names is written in the config's model's (autoep.json)
+        from ..deepspeed.autoep_hf import AutoEPHfView, autoep_hf_view
+
+        view = autoep_hf_view(reader, self.config)
+        self._view = view if isinstance(view, AutoEPHfView) else None
+        self._aliases = view.aliases() if isinstance(view, AutoEPHfView) else {}
+        self.reader = reader = view
         dtype = dtype or DTYPES.get(str(self.config.get("dtype") or self.config.get("torch_dtype")))
         names = list(reader.names)
         prefix = _shared_prefix(names)
@@ -177,8 +184,14 @@ class HfWriter(Writer):
         return self.inner.copied()
 
     def carries(self, held: Held) -> bool:
-        """The tied ``lm_head.weight``, written as the table it is tied to."""
-        return self.alias is not None and held.key == self.alias
+        """The tied ``lm_head.weight``, written as the table it is tied to; AutoEP's router alias,
+        written as its router."""
+        return (self.alias is not None and held.key == self.alias) or held.key in self._aliases
+
+    def view(self, reader: Reader) -> Reader:
+        """The source in the model's HF names where it is in DeepSpeed AutoEP's (``autoep_hf_view``),
+        else itself."""
+        return self._view if self._view is not None else reader
 
     def meta(self) -> dict[str, Any]:
         return {"target": "Hugging Face model folder"}
@@ -186,7 +199,7 @@ class HfWriter(Writer):
     def notes(self) -> list[str]:
         files = len(self.inner.fnames)
         where = f"from {self.folder}" if self.folder is not None else "built from the source's metadata"
-        return [f"HF export: {len(self.inner.specs)} tensors in {files} safetensors file(s), {NAMES.get(self.dtype, self.dtype)}"
+        return ([self._view.how] if self._view is not None else []) + [f"HF export: {len(self.inner.specs)} tensors in {files} safetensors file(s), {NAMES.get(self.dtype, self.dtype)}"
                 + (", tied lm_head.weight written once (as model.embed_tokens.weight)" if self.tied else "")
                 + (f", names without the prefix {self.prefix!r}" if self.prefix else "")
                 + f"; config.json {where}"
