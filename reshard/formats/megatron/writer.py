@@ -33,6 +33,7 @@ import torch
 from ...errors import ReshardError
 from ...ir.param_map import ParamMap
 from ..contract import BEST, MODULE, Buffer, Held, Reader, Slot, Writer
+from ..deepspeed.autoep_hf import HfNamesView, hf_names_view
 from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
 from ..table import noun_of
 from . import safe
@@ -84,15 +85,21 @@ class MegatronWriter(Writer):
     def __init__(self, reader: Reader, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
                  ep: int | None = None, etp: int | None = None, optimizer: str | None = None,
                  dtype: torch.dtype | None = None, hf_config: str | Path | None = None) -> None:
-        self.reader = reader
         own = reader.native("megatron")
         self.own = own if isinstance(own, MegatronReader) else None  # a Megatron source: its args, files, naming
+        self._notes: list[str] = []
+        self._hf_view: Reader | None = None  # a DeepSpeed AutoEP source in HF names (autoep.json, read back)
+        if self.own is None:
+            view = hf_names_view(reader)
+            if view is not reader:
+                self._hf_view = reader = view
+                self._notes.append(view.how if isinstance(view, HfNamesView) else "the source read in HF names")
+        self.reader = reader
         self.native = self.own is not None and self.own.naming == "megatron"
         src = self.own.arch if self.own is not None else None
         tp = _positive(tp, "tp") if tp is not None else (src.tp if src else 1)
         pp = _positive(pp, "pp") if pp is not None else (src.pp if src else 1)
         dp = _positive(dp, "dp") if dp is not None else (src.dp if src else 1)
-        self._notes: list[str] = []
         self.source: MegatronReader | None = None  # the source cut to the target's vocabulary rows (view)
         etp = _positive(etp, "etp") if etp is not None else None
         if self.own is not None:
@@ -291,7 +298,7 @@ class MegatronWriter(Writer):
         return [c.buffer for chunks in self._chunks for c in chunks]
 
     def view(self, reader: Reader) -> Reader:
-        return self.source if self.source is not None else reader
+        return self.source if self.source is not None else self._hf_view if self._hf_view is not None else reader
 
     def meta(self) -> dict[str, Any]:
         a = self.arch
