@@ -33,8 +33,8 @@ import torch
 from ...errors import ReshardError
 from ...ir.param_map import ParamMap
 from ..contract import BEST, MODULE, Buffer, Held, Reader, Slot, Writer
-from ..deepspeed.autoep_hf import HfNamesView, hf_names_view
 from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
+from ..deepspeed.autoep_hf import HfNamesView, hf_names_view
 from ..table import noun_of
 from . import safe
 from .buckets import FULLY_RESHARDABLE_SHIFTED, bucket_size, several_buckets

@@ -145,9 +145,8 @@ def test_megatron_moe_to_autoep_and_back_is_the_source(tmp_path):
     """Megatron MoE (EP 2) -> DeepSpeed AutoEP (EP 2 x DP 2) -> Megatron at the source's TP x EP x DP
     with plain Adam: every weight and moment equals Megatron's own reload of the source (the padded
     vocabulary on its valid rows: HF names hold only those)."""
-    from tests.formats.megatron.support import STATES, full, oracle
-
     from reshard.formats.megatron.reader import MegatronReader
+    from tests.formats.megatron.support import STATES, full, oracle
 
     src = MegatronReader.open(MOE).arch
     hf = convert(MOE, tmp_path / "hf", fmt="hf").out_dir  # its config.json for --hf-config

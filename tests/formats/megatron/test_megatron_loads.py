@@ -300,8 +300,12 @@ def test_megatron_loads_a_deepspeed_autoep_checkpoint(tmp_path, topology):
     from a non-Megatron source is a ``release`` one (no iteration, scheduler or RNG state to
     carry), which Megatron loads model-only: the moments beside it are compared with DeepSpeed's
     consolidation through torch's DCP loader in tests/formats/deepspeed/test_autoep_to_megatron.py."""
-    from tests.formats.deepspeed.test_autoep_to_megatron import (NATIVE, deepspeed_consolidation, hf_config_dir,
-                                                                 in_hf_names)
+    from tests.formats.deepspeed.test_autoep_to_megatron import (
+        NATIVE,
+        deepspeed_consolidation,
+        hf_config_dir,
+        in_hf_names,
+    )
 
     out = reshard(NATIVE, tmp_path / "ckpt", to="megatron", optimizer="adam",
                   hf_config=hf_config_dir(tmp_path / "cfg"), **topology).out_dir
