@@ -153,3 +153,68 @@ def test_a_dcp_of_a_source_without_its_model_order_is_not_marked_and_is_refused(
     with pytest.raises(ReshardError, match=r"no model's order.*lacks entry_order"):
         reshard(dcp_dir, tmp_path / "ds", to="deepspeed", dp=2)
     assert not (tmp_path / "ds").exists()
+
+
+def _megatron_in_hf_names(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Megatron's own TP=1 reload of ``path`` (``oracle/``: weights, fp32 masters, moments) cut into HF
+    names by the source's mapping document (``hfmap.hf_params``, the valid vocabulary rows)."""
+    from safetensors.torch import load_file
+
+    from reshard.formats.megatron.hfmap import hf_params
+    from reshard.formats.megatron.reader import MegatronReader
+
+    o = path / "oracle"
+    info = json.loads((o / "oracle.json").read_text())
+    tensors = {"weight": load_file(o / "model.safetensors")}
+    optim = load_file(o / "optimizer.safetensors")
+    tensors.update({s: {k[len(p):]: v for k, v in optim.items() if k.startswith(p)}
+                    for s, p in (("fp32", "param."), ("exp_avg", "exp_avg."), ("exp_avg_sq", "exp_avg_sq."))})
+    keyed: dict[str, dict[str, torch.Tensor]] = {}
+    for state, named in tensors.items():
+        for name, (key, idx) in info["names"].items():
+            full = keyed.setdefault(key, {}).setdefault(state, named[name].new_zeros(info["key_shapes"][key]))
+            full[tuple(idx)] = named[name]
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for p in hf_params(MegatronReader.open(path).arch):
+        for state, full in keyed[p.key].items():
+            t = full.new_zeros(p.shape)
+            for b in p.blocks:
+                src = full[tuple(slice(s, s + n) for s, n in zip(b.start, b.size))].reshape(b.size[b.fixed:])
+                t[tuple(slice(h, h + n) for h, n in zip(b.hf_start, b.size[b.fixed:]))] = src
+            out.setdefault(p.name, {})[state] = t[tuple(slice(0, n) for n in p.valid)]
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_deepspeed_loads_a_megatron_sourced_zero1_checkpoint_with_its_two_groups(tmp_path):
+    """Megatron-Core (TP 2 x DP 2, distributed optimizer) -> DCP in HF names -> DeepSpeed ZeRO-1 at
+    DP 2: the files keep Megatron's two optimizer groups (weight decay, and none for the norms), and
+    the DeepSpeed 0.19.8 job built with those groups (``launch.recorded_groups``: names in the files'
+    order, each group's Adam settings) loads them natively: every parameter's fp32 master, both Adam
+    moments and module weight equal Megatron's own reload of the source, by name, bit for bit."""
+    pytest.importorskip("deepspeed")
+    from tests.e2e.digest import digest
+    from tests.e2e.launch import recorded_groups, resume_load, resume_many
+    from tests.support.paths import DEEPSPEED
+
+    dcp_dir = _dcp("megatron-hf-names", tmp_path)
+    out = reshard(dcp_dir, tmp_path / "ds", to="deepspeed", dp=2, zero_stage=1).out_dir
+    groups = recorded_groups(out.parent, out.name)
+    assert len(groups) == 2 and [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    assert all(n.endswith("norm.weight") for n in groups[1]["params"])
+    cfg = _config("megatron-hf-names")
+    spec = {"model_type": cfg["model_type"], "patches": [], "seed": 1234, "seq_len": 16, "micro_batch": 2,
+            "model_config": {k: v for k, v in cfg.items()
+                             if k not in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")},
+            "ds_config": json.loads((DEEPSPEED / "llama_zero1_dp2" / "fixture.json").read_text())["ds_config"]}
+    job = resume_many([resume_load("megatron", out.parent, model_spec=spec, tp=1, dp=2, universal=False, zero_stage=1,
+                                   steps=1, tag=out.name, param_groups=groups)], world_size=2)["megatron"]
+    after = job["digests"]["after_load"]
+    want = _megatron_in_hf_names(MEGATRON_SRC)
+    assert sorted(after) == sorted(want)
+    for n, states in want.items():
+        assert after[n]["module"] == digest(n, states["weight"]), n
+        for s in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert after[n][s] == digest(n, states[s]), (n, s)
+    assert job["ranks_agree"] and all(math.isfinite(x) for x in job["losses"])
