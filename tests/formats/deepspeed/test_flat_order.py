@@ -127,10 +127,16 @@ def test_a_dcp_an_earlier_reshard_wrote_is_refused_as_a_deepspeed_source(tmp_pat
 
 
 def test_a_universal_checkpoint_without_the_model_order_is_refused_as_a_deepspeed_source(tmp_path):
-    """A universal checkpoint of an HF folder (no optimizer groups: its model states record no
-    ``param_shapes``) knows its parameters only as folder names, sorted (``lm_head`` first): no
-    model's order, so refused; one whose model states record every parameter is written from."""
-    ucp = convert(HF / "pretrained_llama", tmp_path / "ucp", fmt="ucp").out_dir
+    """A universal checkpoint of a source that tells no model order (a safetensors folder without
+    config.json, no optimizer groups: the model states record no ``param_shapes``) knows its
+    parameters only as folder names, sorted (``lm_head`` first): no model's order, so refused; one
+    whose model states record every parameter is written from."""
+    import shutil
+
+    src = tmp_path / "weights"
+    src.mkdir()
+    shutil.copy(HF / "pretrained_llama" / "model.safetensors", src / "model.safetensors")
+    ucp = convert(src, tmp_path / "ucp", fmt="ucp").out_dir
     with pytest.raises(ReshardError, match=r"does not record the model's parameter order.*no param_shapes"):
         reshard(ucp, tmp_path / "ds", to="deepspeed", dp=2)
     assert not (tmp_path / "ds").exists()
@@ -138,6 +144,54 @@ def test_a_universal_checkpoint_without_the_model_order_is_refused_as_a_deepspee
     fsdp = DCP / "llama_fsdp2_ws2"
     ucp = convert(fsdp, tmp_path / "ucp2", fmt="ucp").out_dir
     assert open_reader(ucp).model_order() == open_reader(fsdp).names
+
+
+def _flat_holds(out: Path, order: list[str], want: dict[str, dict[str, torch.Tensor]], groups: int) -> int:
+    """Each param_shapes group of DeepSpeed files ``out`` follows ``order`` and each parameter's slice
+    of the flat partitions (DP ranks in order) holds its own ``want`` states (a fresh optimizer's zero
+    moments where ``want`` has none); returns how many slices were compared."""
+    ms = load(out / "mp_rank_00_model_states.pt")
+    recorded = [dict(g) for g in ms["param_shapes"]]
+    assert len(recorded) == groups
+    ranks = [load(out / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"] for r in range(2)]
+    n = 0
+    for i, g in enumerate(recorded):
+        assert list(g) == [x for x in order if x in g]
+        flat = {"fp32": torch.cat([o["single_partition_of_fp32_groups"][i] for o in ranks]),
+                **{m: torch.cat([o["base_optimizer_state"]["state"][i][m] for o in ranks])
+                   for m in ("exp_avg", "exp_avg_sq")}}
+        at = 0
+        for name, shape in g.items():
+            size = math.prod(shape)
+            for state, t in flat.items():
+                expect = want[name].get(state)
+                if expect is None:
+                    assert not t[at:at + size].any(), (name, state)
+                else:
+                    assert torch.equal(t[at:at + size].view(tuple(shape)), expect), (name, state)
+                n += 1
+            at += size
+    return n
+
+
+def test_reshards_universal_checkpoint_records_the_model_order_and_is_a_deepspeed_source(tmp_path):
+    """The universal writer records every parameter in ``param_shapes``, each group in the model's
+    order (transformers' ``named_parameters()``): a universal checkpoint of an HF folder (no optimizer:
+    one group) and of a Megatron checkpoint in HF names (Megatron's weight-decay and no-decay groups,
+    its mapping document's order within them) are DeepSpeed sources whose flat partitions hold each
+    parameter's own master and moments: the folder's weights, and Megatron's own reload."""
+    from safetensors.torch import load_file
+
+    ucp = convert(HF / "pretrained_llama", tmp_path / "ucp", fmt="ucp").out_dir
+    out = reshard(ucp, tmp_path / "ds", to="deepspeed", dp=2, zero_stage=1).out_dir
+    want = {n: {"fp32": w.float()} for n, w in load_file(HF / "pretrained_llama" / "model.safetensors").items()}
+    assert _flat_holds(out, _model_order(_config("hf-folder")), want, 1) == 3 * len(want)
+    ucp = convert(MEGATRON_SRC, tmp_path / "ucp2", fmt="ucp", names="hf").out_dir
+    groups = open_reader(ucp).param_groups()
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    out = reshard(ucp, tmp_path / "ds2", to="deepspeed", dp=2, zero_stage=1).out_dir
+    want = _megatron_in_hf_names(MEGATRON_SRC)
+    assert _flat_holds(out, _model_order(_config("megatron-hf-names")), want, 2) == 3 * len(want)
 
 
 def test_a_dcp_of_a_source_without_its_model_order_is_not_marked_and_is_refused(tmp_path):
