@@ -77,6 +77,7 @@ class HfNamesView(Reader):
         self._parts: dict[str, tuple[tuple[str, ...], int]] = {}  # HF name -> (AutoEP names joined, dim)
         self.renamed: dict[str, str] = {}  # AutoEP name -> its HF name
         self._aliases: dict[str, str] = {}  # AutoEP's alias -> the router it is
+        self._told: dict[str, str] = {}  # the same, where the source holds it beside its parameters (tied)
         for module in modules:
             if re.fullmatch(spec["source"], module) is None:  # AutoEP replaces the block in place
                 raise ReshardError(f"{where}: {module}: DeepSpeed AutoEP's {self.preset} preset places its experts "
@@ -97,8 +98,10 @@ class HfNamesView(Reader):
                 self.renamed.update((n, hf) for n in names)
                 if "alias" in entry:
                     alias = entry["alias"].replace("{module}", module)
-                    if alias in held:
+                    if alias in held:  # a DeepSpeed checkpoint: a module entry of its own (checked equal)
                         self._aliases[alias] = names[0]
+                    elif inner.tied().get(alias) == names[0]:  # a universal one: held beside, checked by it
+                        self._told[alias] = names[0]
         self.names: list[str] = []
         for n in inner.names:
             if n in self._aliases:
@@ -112,12 +115,12 @@ class HfNamesView(Reader):
         if clash:
             raise CheckpointError(f"{where}: holds {clash[0]!r} beside the AutoEP tensors it is made of")
         self._check_parts(where)
+        aliases = {**self._aliases, **self._told}
         self.how = (f"the source read in Hugging Face names (DeepSpeed AutoEP's {self.preset} preset, "
                     f"{AUTOEP_DOC.name}, its fused layout): each router.gate.weight renamed gate.weight, experts.w1 "
                     "(gate) and experts.w3 (up) joined into experts.gate_up_proj, experts.w2 renamed "
-                    "experts.down_proj" + (f"; AutoEP's alias of each router ({len(self._aliases)}: "
-                                           f"{next(iter(self._aliases))}, ...) equal to it, written once as the router"
-                                           if self._aliases else ""))
+                    "experts.down_proj" + (f"; AutoEP's alias of each router ({len(aliases)}: {next(iter(aliases))}, "
+                                           "...) equal to it, written once as the router" if aliases else ""))
         self._maps: dict[tuple[str, str], tuple[ParamMap, dict[int, tuple[int, int]]]] = {}
 
     def _check_parts(self, where: str) -> None:
@@ -215,7 +218,8 @@ class HfNamesView(Reader):
         return out if len(out) == len(self.names) else None
 
     def tied(self) -> dict[str, str]:
-        return {a: self.renamed.get(w, w) for a, w in self.inner.tied().items() if a not in self._aliases}
+        gone = {**self._aliases, **self._told}
+        return {a: self.renamed.get(w, w) for a, w in self.inner.tied().items() if a not in gone}
 
     def hf_config(self) -> dict[str, Any] | None:
         return self.inner.hf_config()
@@ -239,7 +243,9 @@ class HfNamesView(Reader):
                                           "DeepSpeed AutoEP saves it as an alias of; refused rather than one dropped")
 
     def unlowered(self) -> list[Held]:
-        return self.inner.unlowered()
+        """The source's, but AutoEP's router aliases a universal checkpoint holds beside its
+        parameters (the router's values, which its reader checks): written once, as the router."""
+        return [h for h in self.inner.unlowered() if h.key not in self._told]
 
     def labels(self) -> str:
         return self.inner.labels()

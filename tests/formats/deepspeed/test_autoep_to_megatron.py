@@ -80,9 +80,9 @@ def in_hf_names(tensors: dict[str, dict[str, torch.Tensor]], out: Path) -> dict[
 
 
 def deepspeed_consolidation(tmp: Path, ckpt: Path = NATIVE) -> dict[str, dict[str, torch.Tensor]]:
-    """DeepSpeed's own ``ds_to_universal`` of an AutoEP checkpoint, mapped here to HF Mixtral's
-    in-memory names (transformers 5: ``gate_up_proj`` = [w1; w3] along dim 1, ``down_proj`` = w2,
-    ``gate.weight`` = the router); the fp32 masters are also the weights."""
+    """DeepSpeed's own ``ds_to_universal`` of an AutoEP checkpoint (into ``tmp``), mapped here to HF
+    Mixtral's in-memory names (transformers 5: ``gate_up_proj`` = [w1; w3] along dim 1,
+    ``down_proj`` = w2, ``gate.weight`` = the router); the fp32 masters are also the weights."""
     from tests.support.dsconv import ds_to_universal_folder
 
     zero = ds_to_universal_folder(ckpt, tmp) / "zero"
@@ -113,16 +113,21 @@ def deepspeed_consolidation(tmp: Path, ckpt: Path = NATIVE) -> dict[str, dict[st
 
 
 @pytest.fixture(scope="module")
-def consolidated(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
-    return deepspeed_consolidation(tmp_path_factory.mktemp("ucp"))
+def universal(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    """DeepSpeed's ``ds_to_universal`` of the fixture (a folder with ``latest_universal``) and its tensors."""
+    tmp = tmp_path_factory.mktemp("ucp")
+    return tmp, deepspeed_consolidation(tmp)
 
 
-@pytest.mark.parametrize("topology", [dict(tp=2, dp=2, ep=2, optimizer="adam"),
-                                      dict(tp=1, dp=4, ep=4, optimizer="fully_reshardable")],
-                         ids=["tp2-ep2-adam", "tp1-ep4-fully_reshardable"])
-def test_autoep_to_megatron_holds_deepspeeds_own_consolidation(tmp_path, consolidated, topology):
-    out = reshard(NATIVE, tmp_path / "mg", to="megatron", hf_config=hf_config_dir(tmp_path / "cfg"),
-                  **topology).out_dir
+@pytest.mark.parametrize("source,topology", [
+    ("deepspeed", dict(tp=2, dp=2, ep=2, optimizer="adam")),
+    ("deepspeed", dict(tp=1, dp=4, ep=4, optimizer="fully_reshardable")),
+    ("universal", dict(tp=2, dp=2, ep=2, etp=1, optimizer="adam")),  # DeepSpeed's own universal of it
+], ids=["tp2-ep2-adam", "tp1-ep4-fully_reshardable", "universal-tp2-ep2-etp1-adam"])
+def test_autoep_to_megatron_holds_deepspeeds_own_consolidation(tmp_path, universal, source, topology):
+    ucp, consolidated = universal
+    out = reshard(NATIVE if source == "deepspeed" else ucp, tmp_path / "mg", to="megatron",
+                  hf_config=hf_config_dir(tmp_path / "cfg"), **topology).out_dir
     from reshard.formats.megatron.reader import MegatronReader
 
     a = MegatronReader.open(out).arch
