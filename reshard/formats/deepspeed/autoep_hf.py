@@ -231,6 +231,10 @@ class HfNamesView(Reader):
         """The source's checks, and each AutoEP alias equal to its router, bit for bit (a router
         [experts, hidden] is small): written once, it must be the one tensor it names."""
         self.inner.check()
+        self.check_aliases()
+
+    def check_aliases(self) -> None:
+        """Each AutoEP alias the source holds as a module entry equal to its router, bit for bit."""
         for alias, router in self._aliases.items():
             for state in self.inner.states(alias):
                 if state not in self.inner.states(router):
@@ -288,5 +292,5 @@ def hf_names_view(reader: Reader) -> Reader:
     if found is None:
         return reader
     view = HfNamesView(reader, *found)
-    view.check()
+    view.check_aliases()  # the source itself was checked when opened
     return view
