@@ -86,6 +86,11 @@ def deepspeed_consolidation(tmp: Path, ckpt: Path = NATIVE) -> dict[str, dict[st
     from tests.support.dsconv import ds_to_universal_folder
 
     zero = ds_to_universal_folder(ckpt, tmp) / "zero"
+    tag = ckpt / (ckpt / "latest").read_text().strip()
+    shapes = {}  # a ZeRO-3 job's universal files hold each F flat: its model states' param_shapes say its shape
+    for f in sorted(tag.glob("zero_pp_rank_0_mp_rank_00_model_states.pt")):
+        groups = load(f)["param_shapes"]
+        shapes = {n: tuple(x) for g in (groups if isinstance(groups, list) else [groups]) for n, x in g.items()}
     ucp = {}
     for d in zero.iterdir():
         if not d.is_dir() or d.name.endswith(".gate.gate.weight"):  # AutoEP's alias of the router: the router itself
@@ -93,7 +98,9 @@ def deepspeed_consolidation(tmp: Path, ckpt: Path = NATIVE) -> dict[str, dict[st
         states = {}
         for f in ("fp32", *MOMENTS):
             obj = load(d / f"{f}.pt", mmap=False)
-            states[f] = obj["param"] if isinstance(obj, dict) else obj
+            t = obj["param"] if isinstance(obj, dict) else obj
+            # (an expert's recorded shape is its EP rank's [E / ep, ...]: the experts' dim from the numel)
+            states[f] = t.reshape(-1, *shapes[d.name][1:]) if d.name in shapes and t.dim() == 1 else t
         ucp[d.name] = states
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, states in ucp.items():
@@ -113,21 +120,32 @@ def deepspeed_consolidation(tmp: Path, ckpt: Path = NATIVE) -> dict[str, dict[st
 
 
 @pytest.fixture(scope="module")
-def universal(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
-    """DeepSpeed's ``ds_to_universal`` of the fixture (a folder with ``latest_universal``) and its tensors."""
-    tmp = tmp_path_factory.mktemp("ucp")
-    return tmp, deepspeed_consolidation(tmp)
+def universal(tmp_path_factory):
+    """Per DeepSpeed fixture: its ``ds_to_universal`` (a folder with ``latest_universal``) and tensors."""
+    made: dict[str, tuple[Path, dict[str, dict[str, torch.Tensor]]]] = {}
+
+    def get(fixture: str) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+        if fixture not in made:
+            tmp = tmp_path_factory.mktemp(fixture)
+            made[fixture] = tmp, deepspeed_consolidation(tmp, DEEPSPEED / fixture)
+        return made[fixture]
+
+    return get
 
 
-@pytest.mark.parametrize("source,topology", [
-    ("deepspeed", dict(tp=2, dp=2, ep=2, optimizer="adam")),
-    ("deepspeed", dict(tp=1, dp=4, ep=4, optimizer="fully_reshardable")),
-    ("universal", dict(tp=2, dp=2, ep=2, etp=1, optimizer="adam")),  # DeepSpeed's own universal of it
-], ids=["tp2-ep2-adam", "tp1-ep4-fully_reshardable", "universal-tp2-ep2-etp1-adam"])
-def test_autoep_to_megatron_holds_deepspeeds_own_consolidation(tmp_path, universal, source, topology):
-    ucp, consolidated = universal
-    out = reshard(NATIVE if source == "deepspeed" else ucp, tmp_path / "mg", to="megatron",
-                  hf_config=hf_config_dir(tmp_path / "cfg"), **topology).out_dir
+@pytest.mark.parametrize("fixture,source,topology", [
+    ("mixtral_autoep_ep2", "deepspeed", dict(tp=2, dp=2, ep=2, optimizer="adam")),
+    ("mixtral_autoep_ep2", "deepspeed", dict(tp=1, dp=4, ep=4, optimizer="fully_reshardable")),
+    ("mixtral_autoep_ep2", "universal", dict(tp=2, dp=2, ep=2, etp=1, optimizer="adam")),  # DeepSpeed's own universal
+    pytest.param("mixtral_autoep_ep2_dp4", "deepspeed", dict(tp=1, dp=2, ep=2, optimizer="adam"),  # EP 2 x EDP 2
+                 marks=pytest.mark.slow),  # ~10 s (its ds_to_universal): the ep2 rows' code path
+    ("mixtral_autoep_ep2_zero3", "deepspeed", dict(tp=2, dp=1, ep=2, etp=1, optimizer="adam")),  # ZeRO-3 source
+], ids=["tp2-ep2-adam", "tp1-ep4-fully_reshardable", "universal-tp2-ep2-etp1-adam", "edp2-tp1-ep2-adam",
+        "zero3-tp2-ep2-etp1-adam"])
+def test_autoep_to_megatron_holds_deepspeeds_own_consolidation(tmp_path, universal, fixture, source, topology):
+    ucp, consolidated = universal(fixture)
+    out = reshard(DEEPSPEED / fixture if source == "deepspeed" else ucp, tmp_path / "mg", to="megatron",
+                  hf_config=hf_config_dir(tmp_path / "cfg", DEEPSPEED / fixture), **topology).out_dir
     from reshard.formats.megatron.reader import MegatronReader
 
     a = MegatronReader.open(out).arch
