@@ -330,7 +330,8 @@ class UniversalReader(Reader):
         if len(groups) > 1:  # which parameter belongs to which: the model states' param_shapes, where they say
             recorded = self._recorded_groups
             placed = [n for g in recorded for n in g]
-            if len(recorded) == len(groups) and len(placed) == len(set(placed)) and set(placed) == set(self.names):
+            optimized = set(self.names) - self._buffer_names  # buffers (a router's expert bias) in no group
+            if len(recorded) == len(groups) and len(placed) == len(set(placed)) and set(placed) == optimized:
                 return [{**g, "params": [n for n in names if n in self.names]} for g, names in zip(groups, recorded)]
             raise CheckpointError(f"{self.root / 'optimizer_state.pt'}: {len(groups)} parameter groups, and the "
                                   "model states beside zero/ do not record which parameter belongs to which "
