@@ -181,13 +181,14 @@ FORMATS: tuple[Format, ...] = (
     Format("megatron", "a Megatron-Core checkpoint", probe=1,  # before dcp: a torch_dist iteration folder is one
            reads="Megatron-LM's save folder (torch_dist or legacy torch, TP x PP x DP x EP)",
            writes="Megatron-Core torch_dist at TP x PP x DP (x EP), from a Megatron source, an HF folder, or a DCP / "
-           "universal checkpoint in HF names (with --hf-config) or in Megatron's names (with --megatron-args); or legacy torch files, plain Adam, the distributed "
+           "universal / DeepSpeed checkpoint in HF names (DeepSpeed AutoEP's read back in them; with --hf-config) or in "
+           "Megatron's names (with --megatron-args); or legacy torch files, plain Adam, the distributed "
            "optimizer (distrib_optim.pt) or weights only (--ckpt-format torch)",
            detect="reshard.formats.megatron.files:is_megatron", hint="latest_checkpointed_iteration.txt, iter_*",
            reader="reshard.formats.megatron.reader:MegatronReader.open", reader_names=True,
            writer="reshard.formats.megatron.legacy_writer:megatron_writer",
            reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype", "hf_config", "megatron_args", "ckpt_format"),
-           writes_from=("megatron", "safetensors", "dcp", "universal"),
+           writes_from=("megatron", "safetensors", "dcp", "universal", "deepspeed"),
            source_example="reshard reshard MEGATRON OUT --tp 1 --pp 2",
            target_example="reshard reshard HF_FOLDER OUT --to megatron --tp 2 --pp 2"),
     Format("vllm", "a vLLM sharded state",

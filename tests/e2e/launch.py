@@ -156,13 +156,37 @@ def _tail(path: Path, n: int = 60) -> str:
         return "(no log)"
 
 
+_HYPER = ("lr", "betas", "eps", "weight_decay")  # what a recorded group sets beside the ds_config's optimizer
+
+
+def recorded_groups(load_dir: str | Path, tag: str | None = None) -> list[dict]:
+    """The optimizer parameter groups a ZeRO-1/2 checkpoint's files record, as the job that wrote
+    them built its optimizer: each group's parameter names in the files' order (``param_shapes``
+    of the model states) and its Adam settings (``base_optimizer_state``'s param groups of DP rank
+    0's optimizer file), e.g. Megatron's weight-decay and no-decay groups. For
+    :func:`resume_load`'s ``param_groups``."""
+    from reshard.storage.safe_load import load
+
+    root = Path(load_dir)
+    folder = root / (tag or (root / "latest").read_text().strip())
+    shapes = load(folder / "mp_rank_00_model_states.pt")["param_shapes"]
+    shapes = shapes if isinstance(shapes, list) else [shapes]
+    optim = load(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    hyper = optim["base_optimizer_state"]["param_groups"]
+    if len(hyper) != len(shapes):
+        raise ValueError(f"{folder}: {len(shapes)} param_shapes groups, {len(hyper)} optimizer groups")
+    return [{**{k: (list(g[k]) if k == "betas" else g[k]) for k in _HYPER if k in g}, "params": list(names)}
+            for names, g in zip(shapes, hyper)]
+
+
 def resume_load(name: str, load_dir: str | Path, *, model_spec: dict, tp: int, dp: int, universal: bool,
                 zero_stage: int = 1, steps: int = 2, tag: str | None = None,
-                save_dir: str | Path | None = None) -> dict:
+                save_dir: str | Path | None = None, param_groups: list[dict] | None = None) -> dict:
     """One entry of :func:`resume_many`: resume the checkpoint in ``load_dir`` at TP=``tp`` x
     DP=``dp`` and take ``steps`` training steps; its report is keyed by ``name``. With
     ``save_dir``, DeepSpeed saves what it loaded there natively (``save_checkpoint``, same tag)
-    right after the load, before the steps.
+    right after the load, before the steps. ``param_groups``: the optimizer groups to build
+    (:func:`recorded_groups`), else the model's parameters as one group.
 
     ``model_spec``: see :func:`model_spec_from_fixture` (its ``ds_config`` is the base config,
     adjusted here by :func:`target_ds_config`)."""
@@ -176,6 +200,7 @@ def resume_load(name: str, load_dir: str | Path, *, model_spec: dict, tp: int, d
         steps=int(steps),
         expect={"tp": tp, "dp": dp},
         save_dir=None if save_dir is None else str(Path(save_dir).resolve()),
+        param_groups=param_groups,
     )
     return load
 

@@ -17,8 +17,10 @@ Launched (one process per rank) by ``tests/e2e/launch.py``; not meant to be run 
       "load_dir": "...",                              # parent of the tag folder
       "tag": null,                                    # null: DeepSpeed reads latest[_universal]
       "steps": 2,
-      "save_dir": null                                # or: engine.save_checkpoint there right after
-    }                                                 # the load (DeepSpeed's own native files)
+      "save_dir": null,                               # or: engine.save_checkpoint there right after
+                                                      # the load (DeepSpeed's own native files)
+      "param_groups": null                            # or: the optimizer groups the files record
+    }                                                 # (launch.recorded_groups), names in order
 
 Each load gets a fresh engine, as a fresh job would: the model is built exactly as the fixtures
 were (``AutoModelForCausalLM.from_config`` after ``torch.manual_seed(seed)``, eager attention,
@@ -207,6 +209,28 @@ def optimizer_steps(engine):
     return sorted(steps)
 
 
+def param_groups(model, groups):
+    """The optimizer's parameter groups: the model's parameters as one group where ``groups`` is
+    None, else the groups a checkpoint's files record (``launch.recorded_groups``: each group's
+    parameter names in the files' order, and its hyper-parameters), as the job that wrote them
+    built its optimizer. A ZeRO-1/2 engine flattens each group in its list's order and loads the
+    files' flat partitions group by group, by position; every trainable parameter in one group."""
+    if groups is None:
+        return model.parameters()
+    named = dict(model.named_parameters())
+    out, seen = [], set()
+    for g in groups:
+        unknown = [n for n in g["params"] if n not in named]
+        if unknown:
+            raise RuntimeError(f"recorded group names {unknown[:3]}, which the model does not hold")
+        seen.update(g["params"])
+        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": [named[n] for n in g["params"]]})
+    missing = [n for n, p in named.items() if p.requires_grad and n not in seen]
+    if missing or sum(len(g["params"]) for g in groups) != len(seen):
+        raise RuntimeError(f"recorded groups leave out {missing[:3]} or name a parameter twice")
+    return out
+
+
 def resume_one(load, timings):
     """Build a fresh model and engine, load ``load``'s checkpoint, take its steps; rank 0 gets the
     load's report (other ranks None). ``timings`` gets this load's laps."""
@@ -227,7 +251,7 @@ def resume_one(load, timings):
     logical_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     lap("build_model")
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, load.get("param_groups")),
                                            config=load["ds_config"])
     try:
         dp_rank, dp_world = groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()

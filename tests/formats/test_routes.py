@@ -74,11 +74,12 @@ NO_CONFIG = r"no config.json beside the checkpoint and the source does not recor
 NOT_MEGATRON = r"a Megatron-Core checkpoint is written from a Megatron-Core checkpoint or a Hugging Face safetensors folder"
 NO_MEGATRON_CONFIG = r"a Megatron target from .* needs the model's Hugging Face config.json .*--hf-config"
 # (source, target) -> the refusal of a route that cannot hold: a DeepSpeed, universal or DCP checkpoint
-# records no HF config; Megatron is written from Megatron, an HF folder, or DCP / universal given --hf-config
+# records no HF config; Megatron is written from Megatron, an HF folder, or DCP / universal / DeepSpeed given --hf-config
+# (AutoEP's experts read back in HF names: tests/formats/deepspeed/test_autoep_to_megatron.py)
 REFUSED = {
     **{(s, t): NO_CONFIG for s, (k, _, _, _) in SOURCES.items() if k in ("deepspeed", "universal", "dcp")
        for t in ("hf", "vllm")},
-    **{(s, "megatron"): NO_MEGATRON_CONFIG if k in ("dcp", "universal") else NOT_MEGATRON
+    **{(s, "megatron"): NO_MEGATRON_CONFIG if k in ("dcp", "universal", "deepspeed", "trainer") else NOT_MEGATRON
        for s, (k, _, _, _) in SOURCES.items() if k not in ("hf", "megatron")},
     # Accelerate saves a config without "architectures"; vLLM's writer takes the architecture from there
     ("accelerate", "vllm"): r"architecture \['llama'\] -- --format vllm writes LlamaForCausalLM",

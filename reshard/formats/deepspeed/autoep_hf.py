@@ -85,6 +85,7 @@ class AutoEPHfView(Reader):
         made: dict[str, tuple[str, _Join]] = {}  # first source name -> (view name, what it is)
         taken: set[str] = set()
         self._aliases: dict[str, str] = {}  # AutoEP's router alias -> the view name written for it
+        self._routers: dict[str, str] = {}  # AutoEP's router alias -> the router's source name
         for module in modules:
             if re.fullmatch(spec["source"], module) is None:
                 raise ReshardError(f"{where}: {module}: an AutoEP MoE module that DeepSpeed's {self.preset} preset "
@@ -105,6 +106,7 @@ class AutoEPHfView(Reader):
                 alias = entry.get("alias", "").replace("{module}", module)
                 if alias:
                     self._aliases[alias] = hf
+                    self._routers[alias] = names[0]
                     taken.add(alias)
             stray = [n for n in inner.names if n.startswith(module + ".") and n not in taken]
             if stray:
@@ -227,6 +229,22 @@ class AutoEPHfView(Reader):
     def check(self) -> None:
         self.inner.check()
 
+    def check_aliases(self) -> None:
+        """Each AutoEP alias the source holds as a module entry equal to its router, bit for bit:
+        written once, as the router, only where it is the router's value."""
+        for alias, router in self._routers.items():
+            if alias not in self.inner.names:
+                continue  # a universal checkpoint holds it beside (tied), checked by its reader
+            for state in self.inner.states(alias):
+                if state not in self.inner.states(router):
+                    continue
+                a, b = self.inner.map(alias, state), self.inner.map(router, state)
+                if a != b or any(not torch.equal(self.inner.fragment(alias, state, r).view(torch.uint8),
+                                                 self.inner.fragment(router, state, r).view(torch.uint8))
+                                 for r in a.ranks):
+                    raise CheckpointError(f"{self.inner.sources[-1]}: {alias} ({state}) differs from {router}, which "
+                                          "DeepSpeed AutoEP saves it as an alias of; refused rather than one dropped")
+
     def unlowered(self) -> list[Held]:
         where = str(self.inner.sources[-1])
         seen = {h.key for h in self.inner.unlowered()}
@@ -289,4 +307,6 @@ def autoep_hf_view(reader: Reader, config: dict[str, Any]) -> Reader:
         raise ReshardError(f"{reader.sources[-1]}: {shown}: DeepSpeed AutoEP's names, which a Hugging Face "
                            f"model_type {kind!r} folder cannot hold; {AUTOEP_DOC.name} names them in HF for "
                            f"{', '.join(t for p in doc['presets'] for t in p['model_types'])}")
-    return AutoEPHfView(reader, config, preset, modules)
+    view = AutoEPHfView(reader, config, preset, modules)
+    view.check_aliases()  # the source itself was checked when opened
+    return view

@@ -34,6 +34,7 @@ from ...errors import ReshardError
 from ...ir.param_map import ParamMap
 from ..contract import BEST, MODULE, Buffer, Held, Reader, Slot, Writer
 from ..dcp.records import DcpFile, Record, TensorSpec, metadata_bytes
+from ..deepspeed.autoep_hf import AutoEPHfView, autoep_hf_view
 from ..table import noun_of
 from . import safe
 from .buckets import FULLY_RESHARDABLE_SHIFTED, bucket_size, several_buckets
@@ -85,9 +86,17 @@ class MegatronWriter(Writer):
                  ep: int | None = None, etp: int | None = None, optimizer: str | None = None,
                  dtype: torch.dtype | None = None, hf_config: str | Path | None = None,
                  megatron_args: str | Path | None = None) -> None:
-        self.reader = reader
         own = reader.native("megatron")
         self.own = own if isinstance(own, MegatronReader) else None  # a Megatron source: its args, files, naming
+        self._notes: list[str] = []
+        self._hf_view: Reader | None = None  # a DeepSpeed AutoEP source in HF names (autoep.json, read back)
+        cfg = (_config_file(hf_config) if hf_config is not None else reader.hf_config()) if self.own is None else None
+        if cfg:
+            view = autoep_hf_view(reader, cfg)
+            if isinstance(view, AutoEPHfView):
+                self._hf_view = reader = view
+                self._notes.append(view.how)
+        self.reader = reader
         self.native = self.own is not None and self.own.naming == "megatron"
         # another format's source in Megatron's names (DCP / universal written from a Megatron source): the model's
         # args, optimizer groups and run state from the Megatron checkpoint --megatron-args names
@@ -98,7 +107,6 @@ class MegatronWriter(Writer):
         tp = _positive(tp, "tp") if tp is not None else (src.tp if src else 1)
         pp = _positive(pp, "pp") if pp is not None else (src.pp if src else 1)
         dp = _positive(dp, "dp") if dp is not None else (src.dp if src else 1)
-        self._notes: list[str] = []
         self.source: MegatronReader | None = None  # the source cut to the target's vocabulary rows (view)
         etp = _positive(etp, "etp") if etp is not None else None
         if self.own is not None:
@@ -372,7 +380,7 @@ class MegatronWriter(Writer):
         return [c.buffer for chunks in self._chunks for c in chunks]
 
     def view(self, reader: Reader) -> Reader:
-        return self.source if self.source is not None else reader
+        return self.source if self.source is not None else self._hf_view if self._hf_view is not None else reader
 
     def meta(self) -> dict[str, Any]:
         a = self.arch
@@ -421,7 +429,10 @@ class MegatronWriter(Writer):
             out.write(("release" if self.iteration is None else str(self.iteration)).encode())
 
     def carries(self, held: Held) -> bool:
-        """What ``_objects`` copies of a Megatron source (``held.carried``)."""
+        """What ``_objects`` copies of a Megatron source (``held.carried``); AutoEP's router alias,
+        written as its router (checked equal to it)."""
+        if isinstance(self._hf_view, AutoEPHfView) and held.key in self._hf_view.aliases():
+            return True
         src = self.own.src if self.own is not None else None
         if not isinstance(src, TorchDistBackend) or src.ck is None:
             return carried(held, template=self.template is not None, objects=set(), rng=False, rerun=False)

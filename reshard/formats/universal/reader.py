@@ -141,6 +141,16 @@ class UniversalReader(Reader):
         return {}
 
     @cached_property
+    def _recorded_groups(self) -> list[list[str]]:
+        """Each parameter group's names as the model-state files beside ``zero/`` record them
+        (``param_shapes``, one per group, in the optimizer's order)."""
+        for f in sorted(self.tag_dir.glob("*model_states.pt")):
+            groups = load(f).get("param_shapes")
+            groups = groups if isinstance(groups, list) else [groups] if isinstance(groups, dict) else []
+            return [[n for n in g if isinstance(n, str)] for g in groups if isinstance(g, dict)]
+        return []
+
+    @cached_property
     def _model_state(self) -> dict:
         """The first model-state file beside ``zero/`` (DeepSpeed's, which ds_to_universal copies), or {}."""
         for f in sorted(self.tag_dir.glob("*model_states.pt")):
@@ -317,7 +327,13 @@ class UniversalReader(Reader):
         if len(groups) == 2 and experts and sorted(bool(g.get("moe")) for g in groups) == [False, True]:
             # DeepSpeed AutoEP's two groups: the experts (``moe``), partitioned over EDP groups, and the rest
             return [{**g, "params": [n for n in self.names if (n in experts) == bool(g.get("moe"))]} for g in groups]
-        if len(groups) > 1:
-            raise CheckpointError(f"{self.root / 'optimizer_state.pt'}: {len(groups)} parameter groups, and a "
-                                  "universal checkpoint does not record which parameter belongs to which")
+        if len(groups) > 1:  # which parameter belongs to which: the model states' param_shapes, where they say
+            recorded = self._recorded_groups
+            placed = [n for g in recorded for n in g]
+            optimized = set(self.names) - self._buffer_names  # buffers (a router's expert bias) in no group
+            if len(recorded) == len(groups) and len(placed) == len(set(placed)) and set(placed) == optimized:
+                return [{**g, "params": [n for n in names if n in self.names]} for g, names in zip(groups, recorded)]
+            raise CheckpointError(f"{self.root / 'optimizer_state.pt'}: {len(groups)} parameter groups, and the "
+                                  "model states beside zero/ do not record which parameter belongs to which "
+                                  "(param_shapes: one group per optimizer group, every parameter once)")
         return [{**groups[0], "params": list(self.names)}] if groups else []

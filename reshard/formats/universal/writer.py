@@ -28,6 +28,7 @@ from ...storage import torch_zip
 from ...storage.pickling import Pickler
 from ..contract import BEST, MOMENTS, Buffer, Held, Reader, Slot, Writer
 from ..deepspeed.reader import DeepSpeedNative, optimizer_state
+from ..hf_order import in_model_order
 
 __all__ = ["UniversalWriter", "model_states"]
 
@@ -196,6 +197,14 @@ def model_states(reader: Reader, module: dict[str, Any]) -> dict[str, Any]:
     the rest reaches the caller as client state or serves offline tools."""
     names = set(reader.names)
     groups = reader.param_groups()
+    # each group in the model's order where the source tells it (a DeepSpeed target written from this
+    # checkpoint flattens each group in the order recorded here, and DeepSpeed loads it by position):
+    # a Megatron source in HF names lists its groups in its mapping document's order, not the model's
+    order = reader.model_order()
+    if not groups:  # no optimizer (an HF folder): one group of the model's parameters
+        groups = [{"params": [n for n in order if n in names]}] if order else []
+    elif order:
+        groups = [{**g, "params": in_model_order(g.get("params", []), order) or g.get("params", [])} for g in groups]
     # DeepSpeed's param_shapes: one OrderedDict name -> torch.Size per parameter group, in the
     # optimizer's order; entries no group lists are buffers (or frozen/tied weights: the source
     # may not tell them apart), which DeepSpeed keeps in module alone and names in buffer_names.

@@ -325,3 +325,68 @@ def test_megatron_loads_a_legacy_target(tmp_path, fixture, topology):
             assert torch.equal(tensors[k], v), (part, k)
     print(f"{fixture} -> legacy {topology}: Megatron reloads {', '.join(got)} equal to its reload of the source",
           file=sys.stderr)
+
+
+def _keyed(model: dict[str, torch.Tensor], info: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """Megatron's reload (per-layer / per-expert names) stacked into its checkpoint keys."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (key, idx) in info["names"].items():
+        full = out.setdefault(key, {}).setdefault("weight", model[name].new_zeros(info["key_shapes"][key]))
+        full[tuple(idx)] = model[name]
+    return out
+
+
+@pytest.mark.parametrize("topology", [{"tp": 2, "pp": 1, "dp": 1, "ep": 2, "etp": 1},
+                                      {"tp": 1, "pp": 2, "dp": 2, "ep": 2}], ids=["tp2-ep2-etp1", "pp2-dp2-ep2"])
+def test_megatron_loads_a_deepspeed_autoep_checkpoint(tmp_path, topology):
+    """Cross-framework, the way back: the checkpoint DeepSpeed 0.19.8 saved for an AutoEP job
+    (``mixtral_autoep_ep2``) written as Megatron-Core MoE at TP x EP (x PP): Megatron's own loader
+    reads it, and its reload, cut into HF names by the mapping document, equals DeepSpeed's own
+    consolidation of the source (``ds_to_universal``, mapped by name) bit for bit. A checkpoint
+    from a non-Megatron source is a ``release`` one (no iteration, scheduler or RNG state to
+    carry), which Megatron loads model-only: the moments beside it are compared with DeepSpeed's
+    consolidation through torch's DCP loader in tests/formats/deepspeed/test_autoep_to_megatron.py."""
+    from tests.formats.deepspeed.test_autoep_to_megatron import (
+        NATIVE,
+        deepspeed_consolidation,
+        hf_config_dir,
+        in_hf_names,
+    )
+
+    out = reshard(NATIVE, tmp_path / "ckpt", to="megatron", optimizer="adam",
+                  hf_config=hf_config_dir(tmp_path / "cfg"), **topology).out_dir
+    got = _megatron(out, tmp_path / "reload", topology, False)["model"]
+    info = json.loads((tmp_path / "reload" / "oracle.json").read_text())
+    assert any(".local_experts." in n for n in got)
+    mine = in_hf_names(_keyed(got, info), out)
+    want = deepspeed_consolidation(tmp_path / "ucp")
+    assert sorted(mine) == sorted(want)
+    for name, states in want.items():
+        assert torch.equal(mine[name]["weight"], states["weight"]), name
+    print(f"mixtral_autoep_ep2 -> Megatron {topology}: Megatron's reload equals ds_to_universal of the source "
+          f"({len(want)} tensors)", file=sys.stderr)
+
+
+def test_megatron_loads_its_moe_checkpoint_back_from_deepspeed_autoep(tmp_path):
+    """Megatron MoE (``torch_dist_moe_ep2``) -> DeepSpeed AutoEP (EP 2 x DP 2) -> Megatron at the
+    source's TP x EP x DP: Megatron's reload equals its own reload of the source (the padded
+    vocabulary on its valid rows)."""
+    from safetensors.torch import load_file
+
+    from reshard.jobs.convert import convert
+
+    fixture = "torch_dist_moe_ep2"
+    a = MegatronReader.open(FIXTURES / fixture).arch
+    topology = {"tp": a.tp, "pp": a.pp, "dp": a.dp, "ep": a.ep}
+    hf = convert(FIXTURES / fixture, tmp_path / "hf", fmt="hf").out_dir
+    ds = reshard(FIXTURES / fixture, tmp_path / "ds", to="deepspeed", ep=2, dp=2).out_dir
+    out = reshard(ds.parent, tmp_path / "ckpt", to="megatron", optimizer="adam", hf_config=hf, **topology).out_dir
+    got = _megatron(out, tmp_path / "reload", topology, False)["model"]
+    want = load_file(str(FIXTURES / fixture / "oracle" / "model.safetensors"))
+    assert set(got) == set(want)
+    vocab = MegatronReader.open(out).arch.vocab
+    for k, v in want.items():
+        g = got[k]
+        if k.endswith(("embedding.word_embeddings.weight", "output_layer.weight")):
+            g, v = g[:vocab], v[:vocab]
+        assert torch.equal(g, v), k
