@@ -158,7 +158,8 @@ def check_keys(ck: Any, osd_keys: tuple[str, ...]) -> None:
         top, osd = ck.optim_state(m, d), ck.osd(m, d)
         want = osd_keys
         missing = [k for k in (*OPTIM_FILE_KEYS, *want) if k not in (top if k in OPTIM_FILE_KEYS else osd)]
-        extra = [k for k in top if k not in OPTIM_FILE_KEYS]
+        folded = ck.experts is not None and ck.experts.folded  # its "folding" record: folding.check
+        extra = [k for k in top if k not in OPTIM_FILE_KEYS and not (folded and k == "folding")]
         extra += [k for k in osd if k not in want and not (ck.zero_stage == 3 and k == "ds_zero_partition_groups")]
         if missing or extra:
             what = f"missing {missing[:3]}" if missing else f"unknown entries {extra[:3]}"
@@ -266,14 +267,18 @@ def check_module_weights(ck: Any, names: list[str], dtype: torch.dtype) -> None:
 def check_expert_files(ck: Any, dtype: torch.dtype) -> None:
     """Each per-expert file holds its expert's parameters, of the recorded shapes and dtype."""
     want: dict[str, dict[str, tuple[int, ...]]] = {}
+    ep_of: dict[str, int] = {}  # AutoEP: a file's EP rank
     if ck.moe is not None:
         for p in ck.moe.params.values():
             want.setdefault(ck.moe.files[(p.layer, p.expert)].name, {})[p.name] = tuple(p.shape)
     elif ck.experts is not None and ck.zero_stage != 3:
-        for p in ck.experts.params.values():
-            for x in range(p.full_shape[0]):
-                want.setdefault(f"layer_{p.layer}_expert_{x}_mp_rank_00_model_states.pt", {})[f"{p.name}.{x}"] = \
-                    tuple(p.full_shape[1:])
+        ax = ck.experts
+        for p in ax.params.values():
+            for e, xs in enumerate(p.experts_by_rank):  # folded: named by the TP rank of the EP rank's writer
+                for x in xs:
+                    fname = f"layer_{p.layer}_expert_{x}_mp_rank_{ax.members(e)[0] % ck.tp:02d}_model_states.pt"
+                    want.setdefault(fname, {})[f"{p.name}.{x}"] = tuple(p.full_shape[1:])
+                    ep_of[fname] = e
     missing = sorted(f for f in want if not (ck.tag_dir / f).is_file())
     if missing:  # (or not a regular file)
         raise CheckpointError(f"{ck.tag_dir}: {'AutoEP ' if ck.moe is None else ''}per-expert files missing: "
@@ -281,6 +286,10 @@ def check_expert_files(ck: Any, dtype: torch.dtype) -> None:
     for fname, keys in sorted(want.items()):
         path = ck.tag_dir / fname
         sd = load(path)
+        if ck.experts is not None and ck.experts.folded and isinstance(sd, dict):
+            from .folding import KEY, check_expert_file  # (folding imports this module)
+            check_expert_file(path, sd, ck, ck.experts, ep_of[fname])
+            sd = {k: v for k, v in sd.items() if k != KEY}
         if not isinstance(sd, dict) or set(sd) != set(keys):
             got = sorted(sd)[:4] if isinstance(sd, dict) else type(sd).__name__
             raise CheckpointError(f"{path}: holds {got}, expected exactly its expert's parameters {sorted(keys)[:4]}: "
