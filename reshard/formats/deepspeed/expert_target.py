@@ -17,6 +17,7 @@ from ...layouts import autoep_placement, replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, OPTIMIZER, Buffer, Slot
 from . import experts as dse
+from . import folding
 from . import experts_zero3 as ez3
 from . import zero3 as z3
 from . import zero12 as dsw
@@ -41,8 +42,9 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
     dtype = next(iter((ms0.get("module") or {}).values())).dtype
     align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
     edp = dp // ep
-    target_ax = dataclasses.replace(ax, ep=ep, edp=edp)  # same EDP order, new sizes
+    target_ax = dataclasses.replace(ax, ep=ep, edp=edp, tp=1)  # same EDP order, new sizes
     dense, experts = Group.dense(1, dp), Group(tuple(tuple(target_ax.members(e)) for e in range(ep)))
+    folded = getattr(ax, "folded", False)  # AutoEP x AutoTP: the dense weights gathered from their TP shards
     maps, units = dict(outer), []
     for g, grp in enumerate(src_groups):
         if g in ax.groups:
@@ -50,16 +52,44 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
             fg = dsw.flat_group(names, shapes, edp, param_align=align)
             units.append(Unit(experts, {e: Part(fg, holder_names(g, fg, e)) for e in range(ep)}))
         else:
-            fg = dsw.flat_group(list(grp), list(grp.values()), dp, param_align=align)
+            whole = [tuple(ck.tp_map(n).map.valid_shape) for n in grp] if folded else list(grp.values())
+            fg = dsw.flat_group(list(grp), whole, dp, param_align=align)
             units.append(Unit(dense, {0: Part(fg, fg.names)}))
-            maps.update((n, ck.tp_map(n).map) for n in fg.names)  # dense, TP = 1: whole on one rank
+            # dense, TP = 1: whole on one rank
+            maps.update((n, replicated(s, 1) if folded else ck.tp_map(n).map) for n, s in zip(fg.names, whole))
     layout = Layout("flat", maps, units, range(dp))
     cfg = dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=stage)
     ds_config = placement.ds_config(cfg) if placement is not None else cfg
-    models = ExpertModelFile(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement, expert_files=expert_files)
+    optim = (lambda: ck.optim_state(0, 0))
+    if folded and placement is not None:
+        template = unfolded(ms0)
+        names = [n for grp in src_groups for n in grp]
+        models: ExpertModelFile = ExpertWeightFiles(
+            ck, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement, dtype=dtype, names=names,
+            outer=maps, aliases=router_aliases(template, names, str(ck.model_files[0])))
+        optim = (lambda: unfolded(ck.optim_state(0, 0)))
+        note += (f"; unfolded from TP {ck.tp}: the module's weights gathered from their TP shards, the per-expert "
+                 "files' from the experts' fp32 masters (the same bits at fp32), no folding records")
+    else:
+        models = ExpertModelFile(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
+                                 expert_files=expert_files)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
+                           optim_template=optim, ds_config=ds_config, uc_info=None,
                            models=models, group_names=group_names, notes=[note])
+
+
+# what DeepSpeed's AutoEP save at TP = 1 records in universal_checkpoint_info (AutoTP's categories go)
+UNFOLDED_UC = ("universal_checkpoint_version", "expert_parameter_patterns", dse.LAYERS_KEY)
+
+
+def unfolded(state: Mapping[str, Any]) -> dict:
+    """A folded (AutoEP x AutoTP) file's state as DeepSpeed writes it at TP = 1: no ``folding``
+    record, ``universal_checkpoint_info`` without AutoTP's entries (its tensors replaced later)."""
+    out = {k: v for k, v in state.items() if k != folding.KEY}
+    uc = out.get("universal_checkpoint_info")
+    if isinstance(uc, Mapping):
+        out["universal_checkpoint_info"] = {k: uc[k] for k in UNFOLDED_UC if k in uc}
+    return out
 
 
 def autoep_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_files: list[Path]) -> DeepSpeedTarget:

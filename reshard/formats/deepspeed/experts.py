@@ -309,6 +309,8 @@ def universal_model_state(ck: DeepSpeedCheckpoint, m: int) -> dict:
         for entry in ck.model_state(r).get(LAYERS_KEY) or []:
             layers.setdefault(entry["expert_key_prefix"], {k: entry[k] for k in UCP_LAYER_FIELDS if k in entry})
     state = load(ck.model_files[m], mmap=False)  # a fresh copy: the cached state stays as read
+    # a universal checkpoint has no topology: a folding record would make DeepSpeed's unfolded load refuse it
+    state.pop(folding.KEY, None)
     info = state.setdefault("universal_checkpoint_info", {})
     info["expert_parameter_patterns"] = list(UCP_EXPERT_PATTERNS)
     info[LAYERS_KEY] = list(layers.values())

@@ -43,7 +43,7 @@ __all__ = ["DeepSpeedNative", "DeepSpeedReader", "model_state_held", "optimizer_
 OPTIMIZER = ("fp32", "exp_avg", "exp_avg_sq")
 # model-state entries the reader reads or DeepSpeed writes as bookkeeping of what the files hold
 BOOKKEEPING = frozenset((*checks.MODEL_KEYS, "global_samples", "ds_autoep_layers", "num_experts",
-                         "universal_checkpoint_info")) - {"lr_scheduler", "data_sampler", "random_ltd"}
+                         "universal_checkpoint_info", folding.KEY)) - {"lr_scheduler", "data_sampler", "random_ltd"}
 
 
 class DeepSpeedNative:
