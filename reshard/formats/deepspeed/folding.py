@@ -75,17 +75,20 @@ def _same(path: Any, got: Any, want: Mapping[str, Any]) -> None:
     if not isinstance(got, Mapping):
         raise CheckpointError(f"{path}: no '{KEY}' record, which DeepSpeed writes into every file of a folded "
                               "AutoEP x AutoTP checkpoint (and checks on load)")
-    at = first_difference(want, dict(got), KEY)
+    at = _difference(want, got, KEY)
     if at is not None:
-        raise CheckpointError(f"{path}: {at} is {_at(got, at)!r}, DeepSpeed's folded load expects {_at(want, at)!r}")
+        raise CheckpointError(f"{path}: {at[0]} is {at[1]!r}, DeepSpeed's folded load expects {at[2]!r}")
 
 
-def _at(d: Any, at: str) -> Any:
-    for k in at.split(".")[1:]:
-        if not isinstance(d, Mapping) or k not in d:
-            return None
-        d = d[k]
-    return d
+def _difference(want: Any, got: Any, at: str) -> tuple[str, Any, Any] | None:
+    """(path, got, want) of the first difference (a parameter name's dots kept in the path)."""
+    if isinstance(want, Mapping) and isinstance(got, Mapping):
+        for k in [*want, *(k for k in got if k not in want)]:
+            found = _difference(want.get(k), got.get(k), f"{at}.{k}")
+            if found is not None:
+                return found
+        return None
+    return None if type(want) is type(got) and want == got else (at, got, want)
 
 
 def check(ck: Any, ax: Any) -> None:

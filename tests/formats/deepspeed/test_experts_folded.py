@@ -1,0 +1,288 @@
+"""DeepSpeed AutoEP x AutoTP ("folding", docs/deepspeed-checkpoints.md §11.2): the
+``mixtral_autoep_ep2_tp2`` fixture (TP 2 x EP 2 on 2 ranks, ZeRO-1, saved by DeepSpeed 0.19.8 itself)
+read, converted and written at TP 1.
+
+The oracle is DeepSpeed's own consolidation of the fixture (``oracle.json`` beside it): a folded job
+loads it natively and digests every parameter's fp32 master, Adam moments and module weight, whole
+(``tests/e2e/resume_train.py``; DeepSpeed's ``ds_to_universal`` refuses folded checkpoints:
+"Universal checkpoint conversion for folded AutoEP+AutoTP expert shards is not supported yet").
+The slow test re-runs that load, checks the committed oracle, and has DeepSpeed load reshard's
+TP 1 outputs natively and save them again. Re-write the oracle with
+``python -m tests.formats.deepspeed.test_experts_folded``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from reshard import ReshardError
+from reshard.errors import CheckpointError
+from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from reshard.jobs.convert import convert, reshard
+from reshard.storage.pickling import save
+from reshard.storage.safe_load import load
+from tests.support.compare import full_state
+from tests.support.dsconv import FIXTURES, tag_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # digest.py, as the job imports it
+from digest import differences, digest  # noqa: E402
+
+NAME = "mixtral_autoep_ep2_tp2"
+UNFOLDED = "mixtral_autoep_ep2"  # the same recipe DeepSpeed saved at TP 1 x EP 2
+ORACLE = FIXTURES / NAME / "oracle.json"
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+EXPERTS = [f"model.layers.{layer}.mlp.experts.{w}" for layer in (0, 1) for w in ("w1", "w2", "w3")]
+
+
+def _oracle(kinds: tuple[str, ...] = STATES, names: Any = None) -> dict:
+    digests = json.loads(ORACLE.read_text())["digests"]
+    return {n: {k: d[k] for k in kinds if k in d} for n, d in digests.items() if names is None or n in names}
+
+
+def _digests(tensors: dict[str, dict[str, torch.Tensor]]) -> dict:
+    return {n: {k: digest(n, t) for k, t in states.items()} for n, states in tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def ck() -> DeepSpeedCheckpoint:
+    return DeepSpeedCheckpoint.open(FIXTURES / NAME)
+
+
+def test_reads_the_folded_placement(ck):
+    """EP groups over global ranks ``dp * TP + tp`` (DeepSpeed's folding), experts whole per EP rank."""
+    ax = ck.experts
+    assert (ck.tp, ck.dp, ax.tp, ax.ep, ax.edp, ax.folded) == (2, 1, 2, 2, 1, True)
+    assert [ax.members(e) for e in range(2)] == [[0], [1]]
+    assert ax.params[EXPERTS[0]].experts_by_rank == ((0, 1), (2, 3))
+    for name in EXPERTS:
+        assert ck.layout.composite(name).ranks == (0, 1)
+    # a dense TP shard and the router (replicated over TP) compose with the dense DP group
+    assert ck.tp_map("model.layers.0.self_attn.q_proj.weight").map.shards[1].shape == (16, 32)
+    assert ck.tp_map("model.layers.0.mlp.router.gate.weight").map.ranks == (0, 1)
+
+
+def test_inspect_says_it_is_folded(capsys):
+    from reshard.cli import main
+
+    assert main(["inspect", str(FIXTURES / NAME)]) == 0
+    out = capsys.readouterr().out
+    assert "EP rank of global rank g: g % 2, folded over TP=2: g = dp * 2 + tp" in out
+    assert "EDP groups: EP 0: rank 0; EP 1: rank 1" in out
+
+
+def test_universal_holds_deepspeeds_own_consolidation(tmp_path):
+    """Every fp32 master and Adam moment of reshard's universal checkpoint, bit for bit."""
+    out = convert(FIXTURES / NAME, tmp_path, fmt="universal").out_dir
+    def read(name: str, state: str) -> torch.Tensor:
+        obj = load(out / "zero" / name / f"{state}.pt", mmap=False)
+        return obj["param"] if isinstance(obj, dict) else obj
+
+    got = {n: {s: read(n, s) for s in STATES} for n in _oracle()}
+    assert differences(_oracle(), _digests(got)) == []
+    folders = {d.name for d in (out / "zero").iterdir() if d.is_dir()}
+    aliases = {"model.layers.0.mlp.gate.gate.weight", "model.layers.1.mlp.gate.gate.weight"}
+    assert folders == set(_oracle()) | aliases
+    for alias in aliases:  # AutoEP's router alias: its module weight, the router's
+        assert torch.equal(read(alias, "fp32"), read(alias.replace(".gate.gate.", ".router.gate."), "fp32"))
+    for m in out.glob("mp_rank_*_model_states.pt"):  # a universal checkpoint has no topology
+        assert "folding" not in load(m)
+
+
+def test_dcp_holds_deepspeeds_own_consolidation(tmp_path):
+    """torch's own DCP reader (``dcp_to_torch_save``) of reshard's DCP: weights and moments."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = convert(FIXTURES / NAME, tmp_path / "dcp", fmt="dcp").out_dir
+    dcp_to_torch_save(out, tmp_path / "whole.pt")
+    sd = torch.load(tmp_path / "whole.pt", weights_only=True)
+    model, state = sd["model"], sd["optim"]["state"]
+    got = {n: {"module": w, **{m: state[n][m] for m in STATES[1:]}} for n, w in model.items() if n in state}
+    assert differences(_oracle(("module", "exp_avg", "exp_avg_sq"), got), _digests(got)) == []
+    assert set(got) == set(_oracle())
+
+
+def test_hf_holds_deepspeeds_module_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    full = json.loads((FIXTURES / NAME / "fixture.json").read_text())["model_config_full"]
+    (cfg / "config.json").write_text(json.dumps(dict(full, architectures=["MixtralForCausalLM"])))
+    out = convert(FIXTURES / NAME, tmp_path / "hf", fmt="hf", hf_config=cfg).out_dir
+    weights = load_file(out / "model.safetensors")
+    got = {n: {"module": t} for n, t in weights.items() if n in _oracle()}
+    assert set(got) == set(_oracle())
+    assert differences(_oracle(("module",)), _digests(got)) == []
+    for alias in ("model.layers.0.mlp.gate.gate.weight", "model.layers.1.mlp.gate.gate.weight"):
+        assert torch.equal(weights[alias], weights[alias.replace(".gate.gate.", ".router.gate.")])
+
+
+# -- written at TP 1 -----------------------------------------------------------------------------------------
+
+
+def _shaped(x: Any) -> Any:
+    """``x`` with every tensor as (dtype, shape): what two saves of one layout share."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, tuple(x.shape))
+    if isinstance(x, dict):
+        return {k: _shaped(v) for k, v in x.items() if k != "ds_config"}
+    if isinstance(x, (list, tuple)):
+        return [_shaped(v) for v in x]
+    if hasattr(x, "__dict__"):
+        return (type(x).__name__, _shaped(vars(x)))
+    return x
+
+
+def _layout_of(ep: int, tmp: Path) -> Path:
+    """DeepSpeed's own TP 1 x EP ``ep`` x world 2 layout of this recipe: its save (``mixtral_autoep_ep2``)
+    at EP 2, that save resharded by the DeepSpeed -> DeepSpeed route (checked against DeepSpeed's
+    native save in test_experts.py) at EP 1."""
+    return tag_dir(UNFOLDED) if ep == 2 else reshard(FIXTURES / UNFOLDED, tmp, tp=1, dp=2, ep=ep).out_dir
+
+
+@pytest.mark.parametrize("ep", [2, 1])
+def test_written_at_tp1_is_deepspeeds_layout_and_holds_the_source(ep, tmp_path):
+    """``--tp 1 --ep E`` (world 2 kept): every file DeepSpeed writes at TP 1, laid out as its own
+    (keys, order, dtypes, shapes, every non-tensor value but ds_config), no folding record; every
+    master and moment DeepSpeed's consolidation of the source; the per-expert files the source's."""
+    out = reshard(FIXTURES / NAME, tmp_path / "out", tp=1, ep=ep).out_dir
+    theirs = _layout_of(ep, tmp_path / "layout")
+    assert sorted(p.name for p in out.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for p in sorted(theirs.glob("*.pt")):
+        mine = load(out / p.name)
+        assert "folding" not in mine, p.name
+        assert _shaped(mine) == _shaped(load(p)), p.name
+    new = DeepSpeedCheckpoint.open(out)
+    assert (new.tp, new.dp, new.experts.ep, new.experts.folded) == (1, 2, ep, False)
+    got = {n: {s: full_state(new, n, s) for s in STATES} for n in _oracle()}
+    assert differences(_oracle(), _digests(got)) == []
+    src = tag_dir(NAME)
+    for p in sorted(out.glob("layer_*_expert_*")):
+        [q] = src.glob(p.name.replace("mp_rank_00", "mp_rank_*"))
+        theirs_expert = load(q)
+        theirs_expert.pop("folding")
+        mine_expert = load(p)
+        assert list(mine_expert) == list(theirs_expert), p.name
+        assert all(torch.equal(mine_expert[k], theirs_expert[k]) for k in mine_expert), p.name
+    module = load(out / "mp_rank_00_model_states.pt")["module"]
+    weights = {n: {"module": module[n]} for n in _oracle() if n in module}
+    assert len(weights) == len(_oracle()) - len(EXPERTS)
+    assert differences(_oracle(("module",), weights), _digests(weights)) == []
+
+
+def test_a_folded_target_is_refused(tmp_path):
+    with pytest.raises(ReshardError, match=r"TP = PP = 1 only \(asked tp=2, pp=1\) \(DeepSpeed's folded AutoEP x "
+                                           r"AutoTP layout is read, not written\)"):
+        reshard(FIXTURES / NAME, tmp_path / "out", tp=2, ep=2)
+    assert not (tmp_path / "out").exists()
+
+
+# -- the folding records, checked as DeepSpeed's folded load checks them -------------------------------------
+
+
+def _plant_record(path: Path, edit: Any) -> None:
+    sd = load(path, mmap=False)
+    edit(sd)
+    save(sd, path)
+
+
+PLANTED = [
+    ("mp_rank_01_model_states.pt", lambda sd: sd["folding"].update(tp_rank=0),
+     r"mp_rank_01_model_states.pt: folding.tp_rank is 0, DeepSpeed's folded load expects 1"),
+    ("zero_pp_rank_0_mp_rank_00_optim_states.pt", lambda sd: sd.pop("folding"),
+     r"zero_pp_rank_0_mp_rank_00_optim_states.pt: no 'folding' record"),
+    ("zero_pp_rank_0_mp_rank_01_optim_states.pt",
+     lambda sd: sd["folding"]["param_families"]["model.layers.1.mlp.experts.w2"].update(zero_partition_count=2),
+     r"zero_pp_rank_0_mp_rank_01_optim_states.pt: folding.param_families.model.layers.1.mlp.experts.w2"
+     r".zero_partition_count is 2, DeepSpeed's folded load expects 1"),
+    ("layer_1_expert_2_mp_rank_01_model_states.pt", lambda sd: sd["folding"].update(ep_rank=0),
+     r"layer_1_expert_2_mp_rank_01_model_states.pt: folding.ep_rank is 0, DeepSpeed's folded load expects 1"),
+    ("mp_rank_01_model_states.pt", lambda sd: sd["ds_autoep_layers"][1].update(ep_rank=0),
+     r"mp_rank_01_model_states.pt: ds_autoep_layers\[1\].ep_rank is 0, but TP rank 1 \(global rank 1\) is EP rank 1"),
+    ("mp_rank_01_model_states.pt", lambda sd: sd["ds_autoep_layers"][0].update(num_local_experts=1),
+     r"mp_rank_01_model_states.pt: ds_autoep_layers\[0\].num_local_experts disagrees with mp_rank_00"),
+]
+
+
+@pytest.mark.parametrize("fname,edit,match", PLANTED, ids=[f"{i}-{p[0]}" for i, p in enumerate(PLANTED)])
+def test_a_wrong_folding_record_is_refused_naming_it(fname, edit, match, tmp_path):
+    root = tmp_path / "src"
+    shutil.copytree(FIXTURES / NAME, root)
+    _plant_record(root / "global_step3" / fname, edit)
+    with pytest.raises(CheckpointError, match=match):
+        convert(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_per_expert_files_are_looked_up_by_their_writers_tp_rank(tmp_path):
+    root = tmp_path / "src"
+    shutil.copytree(FIXTURES / NAME, root)
+    tag = root / "global_step3"
+    (tag / "layer_0_expert_3_mp_rank_01_model_states.pt").rename(tag / "layer_0_expert_3_mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match=r"per-expert files missing: \['layer_0_expert_3_mp_rank_01"):
+        convert(root, tmp_path / "out")
+
+
+# -- DeepSpeed itself: its native folded load (the oracle) and its native loads of the TP 1 outputs ----------
+
+
+def _native_loads(work: Path, outs: dict[int, Path]) -> dict[str, dict]:
+    """One job at world 2: DeepSpeed loads each TP 1 output at its EP (saving it straight back), then the
+    fixture folded (TP 2 x EP 2), as DeepSpeed's groups allow (TP 1 loads first)."""
+    from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
+
+    loads = []
+    for ep, out in outs.items():
+        spec = model_spec_from_fixture(FIXTURES / NAME)
+        spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
+        spec["ds_config"].pop("tensor_parallel")
+        loads.append(resume_load(f"ep{ep}", out.parent, model_spec=spec, tp=1, dp=2, universal=False,
+                                 save_dir=work / f"native_ep{ep}"))
+    loads.append(resume_load("folded", FIXTURES / NAME, model_spec=model_spec_from_fixture(FIXTURES / NAME), tp=2,
+                             dp=1, universal=False))
+    return resume_many(loads, world_size=2, workdir=work / "job")
+
+
+def write_oracle(work: Path) -> None:
+    """The committed oracle, from DeepSpeed's native folded load of the fixture."""
+    report = _native_loads(work, {})["folded"]
+    ORACLE.write_text(json.dumps({**json.loads(ORACLE.read_text()), "topology": report["topology"],
+                                  "global_steps_after_load": report["global_steps_after_load"],
+                                  "optimizer_step_after_load": report["optimizer_step_after_load"],
+                                  "layouts": report["layouts"], "digests": report["digests"]["after_load"]},
+                                 indent=1) + "\n")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_deepspeed_loads_the_fixture_and_the_tp1_outputs_natively(tmp_path):
+    """DeepSpeed's folded load of the fixture gives the committed oracle; its loads of reshard's
+    ``--tp 1 --ep 2`` and ``--tp 1 --ep 1`` outputs give the same digests (masters, moments, weights),
+    step 3, and its native saves right after the loads equal reshard's files (but ds_config)."""
+    pytest.importorskip("deepspeed")
+    from tests.support.compare import diff_files
+
+    outs = {ep: reshard(FIXTURES / NAME, tmp_path / f"ours_ep{ep}", tp=1, ep=ep).out_dir for ep in (2, 1)}
+    reports = _native_loads(tmp_path, outs)
+    oracle = json.loads(ORACLE.read_text())
+    assert differences(oracle["digests"], reports["folded"]["digests"]["after_load"]) == []
+    for ep, out in outs.items():
+        r = reports[f"ep{ep}"]
+        assert differences(oracle["digests"], r["digests"]["after_load"]) == [], ep
+        assert r["global_steps_after_load"] == 3 and r["optimizer_step_after_load"] == [3.0]
+        assert r["ranks_agree"] and r["layouts"][EXPERTS[0]] == "autoep"
+        diff_files(out, tmp_path / f"native_ep{ep}" / out.name)
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+
+
+if __name__ == "__main__":  # re-write the oracle (a DeepSpeed job, minutes)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_oracle(Path(tmp))
