@@ -17,8 +17,8 @@ from ...layouts import autoep_placement, replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, OPTIMIZER, Buffer, Slot
 from . import experts as dse
-from . import folding
 from . import experts_zero3 as ez3
+from . import folding
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
