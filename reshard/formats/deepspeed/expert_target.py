@@ -42,7 +42,7 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
     dtype = next(iter((ms0.get("module") or {}).values())).dtype
     align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
     edp = dp // ep
-    target_ax = dataclasses.replace(ax, ep=ep, edp=edp, tp=1)  # same EDP order, new sizes
+    target_ax = dataclasses.replace(ax, ep=ep, edp=edp)  # same EDP order, new sizes (members: not of TP)
     dense, experts = Group.dense(1, dp), Group(tuple(tuple(target_ax.members(e)) for e in range(ep)))
     folded = getattr(ax, "folded", False)  # AutoEP x AutoTP: the dense weights gathered from their TP shards
     maps, units = dict(outer), []
@@ -440,11 +440,14 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
     "zero3_partitioned"`` (version 1) each rank's view, the optimizer file the source's recast
     (``zero3.optim_source_from_zero12``) with ``ds_zero_partition_groups``."""
     ax, ms0, path = ck.experts, ck.model_state(0), ck.model_files[0]
+    if ax.folded:  # AutoEP x AutoTP: its TP-1 view (whole dense shapes, no folding records)
+        ms0 = unfolded(ms0)
     placement = AutoEPPlacement(ax, ep, dp)
     src_groups = ck.groups(0)
     group_names = [list(g) for g in src_groups]
     names = [n for g in group_names for n in g]
-    shapes = {n: (tuple(ax.params[n].full_shape) if n in ax.params else tuple(s))
+    shapes = {n: (tuple(ax.params[n].full_shape) if n in ax.params else
+                  tuple(ck.tp_map(n).map.valid_shape) if ax.folded else tuple(s))
               for g in src_groups for n, s in g.items()}
     cfg = ms0.get("ds_config") if isinstance(ms0.get("ds_config"), dict) else None
     layout = autoep_sub_layout(placement, group_names, shapes, ax.groups, z3.sub_group_size(cfg, str(path)))
@@ -472,7 +475,7 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
                               size=path.stat().st_size, placement=placement)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: _with_partition_groups(z3.optim_source_from_zero12(
-                               ck.optim_state(0, 0))),
+                               unfolded(ck.optim_state(0, 0)))),
                            ds_config=ds_config, uc_info=None, models=models, ds_ids=ids, placement=placement,
                            notes=notes)
 

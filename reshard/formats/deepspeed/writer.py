@@ -144,7 +144,7 @@ class DeepSpeedWriter(Writer):
 
         check_autoep_to_zero3(ck, ep, dp, tp, pp)
         self.target = autoep_to_zero3_target(ck, ep, dp)
-        self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ck.experts.ep}
+        self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ck.experts.ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
         self._notes += self.target.notes
 

@@ -139,29 +139,34 @@ def _shaped(x: Any) -> Any:
     return x
 
 
-def _layout_of(ep: int, tmp: Path) -> Path:
+def _layout_of(ep: int, stage: int, tmp: Path) -> Path:
     """DeepSpeed's own TP 1 x EP ``ep`` x world 2 layout of this recipe: its save (``mixtral_autoep_ep2``)
-    at EP 2, that save resharded by the DeepSpeed -> DeepSpeed route (checked against DeepSpeed's
-    native save in test_experts.py) at EP 1."""
-    return tag_dir(UNFOLDED) if ep == 2 else reshard(FIXTURES / UNFOLDED, tmp, tp=1, dp=2, ep=ep).out_dir
+    at EP 2, that save resharded by the DeepSpeed -> DeepSpeed route elsewhere (at EP 1, checked
+    against DeepSpeed's native save in test_experts.py; at ZeRO-3 in test_experts_to_zero3.py)."""
+    if (ep, stage) == (2, 1):
+        return tag_dir(UNFOLDED)
+    return reshard(FIXTURES / UNFOLDED, tmp, tp=1, dp=2, ep=ep, zero_stage=stage).out_dir
 
 
-@pytest.mark.parametrize("ep", [2, 1])
-def test_written_at_tp1_is_deepspeeds_layout_and_holds_the_source(ep, tmp_path):
-    """``--tp 1 --ep E`` (world 2 kept): every file DeepSpeed writes at TP 1, laid out as its own
-    (keys, order, dtypes, shapes, every non-tensor value but ds_config), no folding record; every
-    master and moment DeepSpeed's consolidation of the source; the per-expert files the source's."""
-    out = reshard(FIXTURES / NAME, tmp_path / "out", tp=1, ep=ep).out_dir
-    theirs = _layout_of(ep, tmp_path / "layout")
+@pytest.mark.parametrize("ep,stage", [(2, 1), (1, 1), (2, 3)])
+def test_written_at_tp1_is_deepspeeds_layout_and_holds_the_source(ep, stage, tmp_path):
+    """``--tp 1 --ep E [--zero-stage 3]`` (world 2 kept): every file DeepSpeed writes at TP 1, laid
+    out as its own (keys, order, dtypes, shapes, every non-tensor value but ds_config), no folding
+    record; every master and moment DeepSpeed's consolidation of the source; at ZeRO-1 the module's
+    weights too and the per-expert files the source's."""
+    out = reshard(FIXTURES / NAME, tmp_path / "out", tp=1, ep=ep, zero_stage=stage).out_dir
+    theirs = _layout_of(ep, stage, tmp_path / "layout")
     assert sorted(p.name for p in out.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
     for p in sorted(theirs.glob("*.pt")):
         mine = load(out / p.name)
         assert "folding" not in mine, p.name
         assert _shaped(mine) == _shaped(load(p)), p.name
     new = DeepSpeedCheckpoint.open(out)
-    assert (new.tp, new.dp, new.experts.ep, new.experts.folded) == (1, 2, ep, False)
+    assert (new.tp, new.dp, new.zero_stage, new.experts.ep, new.experts.folded) == (1, 2, stage, ep, False)
     got = {n: {s: full_state(new, n, s) for s in STATES} for n in _oracle()}
     assert differences(_oracle(), _digests(got)) == []
+    if stage == 3:  # placeholders and no per-expert files: a ZeRO-3 engine loads the masters
+        return
     src = tag_dir(NAME)
     for p in sorted(out.glob("layer_*_expert_*")):
         [q] = src.glob(p.name.replace("mp_rank_00", "mp_rank_*"))
@@ -232,18 +237,19 @@ def test_per_expert_files_are_looked_up_by_their_writers_tp_rank(tmp_path):
 # -- DeepSpeed itself: its native folded load (the oracle) and its native loads of the TP 1 outputs ----------
 
 
-def _native_loads(work: Path, outs: dict[int, Path]) -> dict[str, dict]:
-    """One job at world 2: DeepSpeed loads each TP 1 output at its EP (saving it straight back), then the
-    fixture folded (TP 2 x EP 2), as DeepSpeed's groups allow (TP 1 loads first)."""
+def _native_loads(work: Path, outs: dict[tuple[int, int], Path]) -> dict[str, dict]:
+    """One job at world 2: DeepSpeed loads each TP 1 output (``{(ep, zero stage): tag folder}``) at its
+    EP and stage, saving it straight back, then the fixture folded (TP 2 x EP 2), as DeepSpeed's groups
+    allow (TP 1 loads first)."""
     from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
 
     loads = []
-    for ep, out in outs.items():
+    for (ep, stage), out in outs.items():
         spec = model_spec_from_fixture(FIXTURES / NAME)
         spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
         spec["ds_config"].pop("tensor_parallel")
-        loads.append(resume_load(f"ep{ep}", out.parent, model_spec=spec, tp=1, dp=2, universal=False,
-                                 save_dir=work / f"native_ep{ep}"))
+        loads.append(resume_load(f"ep{ep}_z{stage}", out.parent, model_spec=spec, tp=1, dp=2, universal=False,
+                                 zero_stage=stage, save_dir=work / f"native_ep{ep}_z{stage}"))
     loads.append(resume_load("folded", FIXTURES / NAME, model_spec=model_spec_from_fixture(FIXTURES / NAME), tp=2,
                              dp=1, universal=False))
     return resume_many(loads, world_size=2, workdir=work / "job")
@@ -263,21 +269,23 @@ def write_oracle(work: Path) -> None:
 @pytest.mark.slow
 def test_deepspeed_loads_the_fixture_and_the_tp1_outputs_natively(tmp_path):
     """DeepSpeed's folded load of the fixture gives the committed oracle; its loads of reshard's
-    ``--tp 1 --ep 2`` and ``--tp 1 --ep 1`` outputs give the same digests (masters, moments, weights),
-    step 3, and its native saves right after the loads equal reshard's files (but ds_config)."""
+    ``--tp 1 --ep 2``, ``--tp 1 --ep 1`` and ``--tp 1 --ep 2 --zero-stage 3`` outputs give the same
+    digests (masters, moments, weights), step 3, and its native saves right after the loads equal
+    reshard's files (but ds_config)."""
     pytest.importorskip("deepspeed")
     from tests.support.compare import diff_files
 
-    outs = {ep: reshard(FIXTURES / NAME, tmp_path / f"ours_ep{ep}", tp=1, ep=ep).out_dir for ep in (2, 1)}
+    outs = {(ep, stage): reshard(FIXTURES / NAME, tmp_path / f"ours_ep{ep}_z{stage}", tp=1, ep=ep,
+                                 zero_stage=stage).out_dir for ep, stage in ((2, 1), (1, 1), (2, 3))}
     reports = _native_loads(tmp_path, outs)
     oracle = json.loads(ORACLE.read_text())
     assert differences(oracle["digests"], reports["folded"]["digests"]["after_load"]) == []
-    for ep, out in outs.items():
-        r = reports[f"ep{ep}"]
-        assert differences(oracle["digests"], r["digests"]["after_load"]) == [], ep
+    for (ep, stage), out in outs.items():
+        r = reports[f"ep{ep}_z{stage}"]
+        assert differences(oracle["digests"], r["digests"]["after_load"]) == [], (ep, stage)
         assert r["global_steps_after_load"] == 3 and r["optimizer_step_after_load"] == [3.0]
         assert r["ranks_agree"] and r["layouts"][EXPERTS[0]] == "autoep"
-        diff_files(out, tmp_path / f"native_ep{ep}" / out.name)
+        diff_files(out, tmp_path / f"native_ep{ep}_z{stage}" / out.name)
         assert all(torch.isfinite(torch.tensor(r["losses"])))
 
 
