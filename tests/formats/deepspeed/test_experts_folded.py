@@ -183,8 +183,10 @@ def test_written_at_tp1_is_deepspeeds_layout_and_holds_the_source(ep, stage, tmp
 
 def test_a_folded_target_is_refused(tmp_path):
     with pytest.raises(ReshardError, match=r"TP = PP = 1 only \(asked tp=2, pp=1\) \(DeepSpeed's folded AutoEP x "
-                                           r"AutoTP layout is read, not written\)"):
+                                           r"AutoTP layout is read, not written; --tp 1 writes it unfolded\)"):
         reshard(FIXTURES / NAME, tmp_path / "out", tp=2, ep=2)
+    with pytest.raises(ReshardError, match=r"asked tp=2, pp=1\) \(DeepSpeed's folded"):  # the source's TP: the default
+        reshard(FIXTURES / NAME, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
