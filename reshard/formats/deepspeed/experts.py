@@ -20,6 +20,11 @@ sees it) and no per-expert files; each fused expert parameter of EP rank ``e`` i
 parameter partitioned on its own over ``e``'s EDP group (``zero3(local shape, edp)``), in an
 optimizer sub-group of its own whose ``ds_zero_partition_groups`` entry records the partition
 count, rank and the global ranks of the group (docs/deepspeed-checkpoints.md §11.1).
+
+With AutoTP (DeepSpeed's "folding", ZeRO-1/2, PP = 1) the EP groups span the TP lanes: the same
+EDP groups over global ranks ``dp_rank * tp + tp_rank`` (``AutoEP.tp`` > 1), every TP rank's model
+state records the experts of its own EP rank, and every file a ``folding`` record
+(``folding.py``; docs/deepspeed-checkpoints.md §11.2).
 """
 
 from __future__ import annotations

@@ -111,11 +111,6 @@ def check_expert_file(path: Any, state: Mapping, ck: Any, ax: Any, e: int) -> No
     _same(path, state.get(KEY), expert_record(ck.tp, ax.members(e)[0] % ck.tp, ax.ep, e, ax.edp))
 
 
-def writer_tp(ax: Any, e: int, tp: int) -> int:
-    """The TP rank in the name of EP rank ``e``'s per-expert files (``mp_rank_TT``): its first EDP rank's."""
-    return ax.members(e)[0] % tp
-
-
 def check_layers(ck: Any, ax: Any) -> None:
     """Every TP rank's model state records the same experts: ``param_shapes`` alike, and
     ``ds_autoep_layers`` that of rank 0 but for the writing rank's own fields (its EP rank: that
