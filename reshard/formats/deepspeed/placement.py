@@ -67,10 +67,7 @@ def ds_affine_entry(desc: dict, full_shape: tuple[int, ...]) -> dict:
 def check_target(ck: DeepSpeedCheckpoint, what: str, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
     """The refusals every expert checkpoint shares (``what``: "AutoEP", "classic MoE")."""
     if tp != 1 or pp != 1 or ck.layer_files:
-        folded = " (DeepSpeed's folded AutoEP x AutoTP layout is read, not written; --tp 1 writes it unfolded)" \
-            if what == "AutoEP" else ""
-        raise ReshardError(f"{ck.tag_dir}: {what} checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, "
-                           f"pp={pp}){folded}")
+        raise ReshardError(f"{ck.tag_dir}: {what} checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, pp={pp})")
     if stage not in (1, 2) or stage != ck.zero_stage:
         raise ReshardError(f"{ck.tag_dir}: {what} resharding keeps the source's ZeRO stage {ck.zero_stage} "
                            f"(asked {stage})")

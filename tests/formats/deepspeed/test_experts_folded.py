@@ -27,7 +27,7 @@ from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
-from tests.support.compare import full_state
+from tests.support.compare import full_state, same
 from tests.support.dsconv import FIXTURES, tag_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # digest.py, as the job imports it
@@ -181,12 +181,56 @@ def test_written_at_tp1_is_deepspeeds_layout_and_holds_the_source(ep, stage, tmp
     assert differences(_oracle(("module",), weights), _digests(weights)) == []
 
 
-def test_a_folded_target_is_refused(tmp_path):
-    with pytest.raises(ReshardError, match=r"TP = PP = 1 only \(asked tp=2, pp=1\) \(DeepSpeed's folded AutoEP x "
-                                           r"AutoTP layout is read, not written; --tp 1 writes it unfolded\)"):
-        reshard(FIXTURES / NAME, tmp_path / "out", tp=2, ep=2)
-    with pytest.raises(ReshardError, match=r"asked tp=2, pp=1\) \(DeepSpeed's folded"):  # the source's TP: the default
-        reshard(FIXTURES / NAME, tmp_path / "out")
+# -- written folded (TP 2 x EP 2) ---------------------------------------------------------------------------
+
+
+def _identical(ours: Path, theirs: Path) -> None:
+    """Every file of ``theirs`` (DeepSpeed's save) in ``ours``, object for object: keys in order, every
+    value, every tensor's dtype, shape and bits."""
+    assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for p in sorted(theirs.glob("*.pt")):
+        mine, native = load(ours / p.name), load(p)
+        assert list(mine) == list(native), p.name
+        same(mine, native, p.name)
+
+
+def test_written_folded_at_its_own_topology_is_deepspeeds_own_save(tmp_path):
+    out = reshard(FIXTURES / NAME, tmp_path / "out", tp=2, ep=2).out_dir  # the source's TP 2, world 2
+    _identical(out, tag_dir(NAME))
+
+
+def test_through_tp1_and_back_is_deepspeeds_own_save(tmp_path):
+    """``--tp 1 --ep 2``, then ``--tp 2 --ep 2 --layout FIXTURE`` (the dense TP maps and the
+    universal_checkpoint_info DeepSpeed records at TP 2): DeepSpeed's own folded save again."""
+    tp1 = reshard(FIXTURES / NAME, tmp_path / "tp1", tp=1, ep=2).out_dir
+    back = reshard(tp1.parent, tmp_path / "back", tp=2, ep=2, layout=FIXTURES / NAME).out_dir
+    _identical(back, tag_dir(NAME))
+
+
+def test_deepspeeds_tp1_save_written_folded_holds_it_in_the_folded_layout(tmp_path):
+    """DeepSpeed's TP 1 x EP 2 save of the recipe at TP 2 x EP 2: the folded fixture's layout (every
+    key, order, dtype, shape and non-tensor value but ds_config), every master and moment its own."""
+    out = reshard(FIXTURES / UNFOLDED, tmp_path / "out", tp=2, ep=2, layout=FIXTURES / NAME).out_dir
+    theirs = tag_dir(NAME)
+    assert sorted(p.name for p in out.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for p in sorted(theirs.glob("*.pt")):
+        assert _shaped(load(out / p.name)) == _shaped(load(p)), p.name
+    new, src = DeepSpeedCheckpoint.open(out), DeepSpeedCheckpoint.open(FIXTURES / UNFOLDED)
+    assert (new.tp, new.dp, new.experts.ep, new.experts.folded) == (2, 1, 2, True)
+    for n in _oracle():
+        for s in STATES:
+            assert torch.equal(full_state(new, n, s), full_state(src, n, s)), (n, s)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"tp": 2, "ep": 1}, r"DeepSpeed folds AutoEP over TP only with autoep_size > 1"),
+    ({"tp": 2, "ep": 2, "zero_stage": 3}, r"AutoEP checkpoints are resharded at TP = PP = 1 only \(asked tp=2"),
+    ({"tp": 4, "ep": 2, "dp": 1}, r"an AutoEP target at TP=4 takes its dense TP maps .* from a DeepSpeed checkpoint "
+                                  r"of this model saved folded at TP=4 \(--layout\)"),
+])
+def test_what_a_folded_target_cannot_be_is_refused(options, match, tmp_path):
+    with pytest.raises(ReshardError, match=match):
+        reshard(FIXTURES / NAME, tmp_path / "out", **options)
     assert not (tmp_path / "out").exists()
 
 
