@@ -283,21 +283,29 @@ def test_per_expert_files_are_looked_up_by_their_writers_tp_rank(tmp_path):
 # -- DeepSpeed itself: its native folded load (the oracle) and its native loads of the TP 1 outputs ----------
 
 
-def _native_loads(work: Path, outs: dict[tuple[int, int], Path]) -> dict[str, dict]:
+def _native_loads(work: Path, outs: dict[tuple[int, int], Path], folded: Path | None = None) -> dict[str, dict]:
     """One job at world 2: DeepSpeed loads each TP 1 output (``{(ep, zero stage): tag folder}``) at its
-    EP and stage, saving it straight back, then the fixture folded (TP 2 x EP 2), as DeepSpeed's groups
-    allow (TP 1 loads first)."""
+    EP and stage, saving it straight back, and with ``folded`` (reshard's folded output of
+    ``mixtral_autoep_ep2``) that fixture at TP 1; then the fixture folded (TP 2 x EP 2) and ``folded``
+    there, saved straight back (TP 1 loads first, as DeepSpeed's groups allow)."""
     from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
 
-    loads = []
-    for (ep, stage), out in outs.items():
+    def tp1(ep: int) -> dict:
         spec = model_spec_from_fixture(FIXTURES / NAME)
         spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
         spec["ds_config"].pop("tensor_parallel")
-        loads.append(resume_load(f"ep{ep}_z{stage}", out.parent, model_spec=spec, tp=1, dp=2, universal=False,
-                                 zero_stage=stage, save_dir=work / f"native_ep{ep}_z{stage}"))
-    loads.append(resume_load("folded", FIXTURES / NAME, model_spec=model_spec_from_fixture(FIXTURES / NAME), tp=2,
-                             dp=1, universal=False))
+        return spec
+
+    loads = [resume_load(f"ep{ep}_z{stage}", out.parent, model_spec=tp1(ep), tp=1, dp=2, universal=False,
+                         zero_stage=stage, save_dir=work / f"native_ep{ep}_z{stage}")
+             for (ep, stage), out in outs.items()]
+    if folded is not None:
+        loads.append(resume_load("unfolded", FIXTURES / UNFOLDED, model_spec=tp1(2), tp=1, dp=2, universal=False))
+    spec = model_spec_from_fixture(FIXTURES / NAME)
+    loads.append(resume_load("folded", FIXTURES / NAME, model_spec=spec, tp=2, dp=1, universal=False))
+    if folded is not None:
+        loads.append(resume_load("ours_folded", folded.parent, model_spec=spec, tp=2, dp=1, universal=False,
+                                 save_dir=work / "native_folded"))
     return resume_many(loads, world_size=2, workdir=work / "job")
 
 
@@ -313,17 +321,19 @@ def write_oracle(work: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_deepspeed_loads_the_fixture_and_the_tp1_outputs_natively(tmp_path):
+def test_deepspeed_loads_the_fixture_and_reshards_outputs_natively(tmp_path):
     """DeepSpeed's folded load of the fixture gives the committed oracle; its loads of reshard's
     ``--tp 1 --ep 2``, ``--tp 1 --ep 1`` and ``--tp 1 --ep 2 --zero-stage 3`` outputs give the same
-    digests (masters, moments, weights), step 3, and its native saves right after the loads equal
-    reshard's files (but ds_config)."""
+    digests (masters, moments, weights) and step 3; its folded load of ``mixtral_autoep_ep2`` written
+    at TP 2 x EP 2 gives the digests of its TP 1 load of that fixture; every native save right after
+    a load equals reshard's files (but ds_config)."""
     pytest.importorskip("deepspeed")
     from tests.support.compare import diff_files
 
     outs = {(ep, stage): reshard(FIXTURES / NAME, tmp_path / f"ours_ep{ep}_z{stage}", tp=1, ep=ep,
                                  zero_stage=stage).out_dir for ep, stage in ((2, 1), (1, 1), (2, 3))}
-    reports = _native_loads(tmp_path, outs)
+    folded = reshard(FIXTURES / UNFOLDED, tmp_path / "ours_folded", tp=2, ep=2, layout=FIXTURES / NAME).out_dir
+    reports = _native_loads(tmp_path, outs, folded)
     oracle = json.loads(ORACLE.read_text())
     assert differences(oracle["digests"], reports["folded"]["digests"]["after_load"]) == []
     for (ep, stage), out in outs.items():
@@ -333,6 +343,11 @@ def test_deepspeed_loads_the_fixture_and_the_tp1_outputs_natively(tmp_path):
         assert r["ranks_agree"] and r["layouts"][EXPERTS[0]] == "autoep"
         diff_files(out, tmp_path / f"native_ep{ep}_z{stage}" / out.name)
         assert all(torch.isfinite(torch.tensor(r["losses"])))
+    mine, theirs = reports["ours_folded"], reports["unfolded"]
+    assert differences(theirs["digests"]["after_load"], mine["digests"]["after_load"]) == []
+    assert mine["global_steps_after_load"] == 3 and mine["optimizer_step_after_load"] == [3.0]
+    assert mine["ranks_agree"] and mine["layouts"][EXPERTS[0]] == "autoep"
+    diff_files(folded, tmp_path / "native_folded" / folded.name)
 
 
 if __name__ == "__main__":  # re-write the oracle (a DeepSpeed job, minutes)
