@@ -599,13 +599,16 @@ class FoldedFiles(ExpertWeightFiles):
                                   (Slot(0, self.aliases.get(key, key), MODULE, m, t),)))
         return out
 
-    def _writer_tp(self, x: int, layer: int) -> int:
-        desc = self.placement.placements[layer]
-        e = next(r["rank"] for r in desc["ranks"] if x in r["experts"])
-        return self.placement.ax.members(e)[0] % self.tp
+    def _ep(self, layer: int, x: int) -> int:
+        return next(r["rank"] for r in self.placement.placements[layer]["ranks"] if x in r["experts"])
 
-    def _file(self, layer: int, x: int) -> str:
-        return f"layer_{layer}_expert_{x}_mp_rank_{self._writer_tp(x, layer):02d}_model_states.pt"
+    def _files(self, layer: int, x: int) -> list[tuple[str, int, int]]:
+        """``(file, TP rank, EDP rank)`` of expert ``x``'s per-expert files: one per TP rank of its EP
+        rank's writers (``folding.expert_writers``), the record that of the first of them."""
+        e = self._ep(layer, x)
+        writers = folding.expert_writers(self.tp, self.placement.ep, self.tp * self.dp)
+        return [(f"layer_{layer}_expert_{x}_mp_rank_{t:02d}_model_states.pt", t, qs[0])
+                for (e2, t), qs in sorted(writers.items()) if e2 == e]
 
     def model_state(self, tgt: DeepSpeedTarget, engine: Any, t: int) -> dict:
         declared = tgt.by_key()
@@ -629,11 +632,11 @@ class FoldedFiles(ExpertWeightFiles):
         obj[folding.KEY] = folding.model_record(self.tp, t, pl.ep, pl.ep_of[t], self.dp, module)
         return obj
 
-    def expert(self, tgt: DeepSpeedTarget, engine: Any, layer: int, x: int) -> dict:
-        out = super().expert(tgt, engine, layer, x)
+    def folded_expert(self, tgt: DeepSpeedTarget, engine: Any, layer: int, x: int, t: int, q: int) -> dict:
+        out = self.expert(tgt, engine, layer, x)
         pl = self.placement
-        e = next(r["rank"] for r in pl.placements[layer]["ranks"] if x in r["experts"])
-        out[folding.KEY] = folding.expert_record(self.tp, self._writer_tp(x, layer), pl.ep, e, pl.edp)
+        out[folding.KEY] = {**folding.expert_record(self.tp, t, pl.ep, self._ep(layer, x), pl.edp),
+                            "zero_partition_rank": q}
         return out
 
     def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
@@ -641,8 +644,8 @@ class FoldedFiles(ExpertWeightFiles):
         before = [archive(dsw.model_file(t), sum(self.outer[self.aliases.get(k, k)].shards[t].numel
                                                  for k in self.weights) * esize,
                           lambda t=t: self.model_state(tgt, engine, t)) for t in range(self.tp)]
-        after = [archive(self._file(layer, x), sum(self.per_expert[n].shards[x].numel for n in names) * esize,
-                         lambda layer=layer, x=x: self.expert(tgt, engine, layer, x))
+        after = [archive(f, sum(self.per_expert[n].shards[x].numel for n in names) * esize,
+                         lambda layer=layer, x=x, t=t, q=q: self.folded_expert(tgt, engine, layer, x, t, q))
                  for layer, names in sorted(self.layers.items())
-                 for x in range(self.per_expert[names[0]].logical_shape[0])]
+                 for x in range(self.per_expert[names[0]].logical_shape[0]) for f, t, q in self._files(layer, x)]
         return before, after

@@ -222,6 +222,26 @@ def test_deepspeeds_tp1_save_written_folded_holds_it_in_the_folded_layout(tmp_pa
             assert torch.equal(full_state(new, n, s), full_state(src, n, s)), (n, s)
 
 
+@pytest.mark.parametrize("ep", [2, 4])
+def test_written_folded_at_world_4_reads_back_with_the_source_state(ep, tmp_path):
+    """``--tp 2 --ep E --dp 2``: EP groups over global ranks (EP 4: across TP lanes and DP ranks), the
+    per-expert files one per (EP rank, TP rank) of DeepSpeed's writers, every master and moment the
+    source's (the slow test has DeepSpeed load both)."""
+    out = reshard(FIXTURES / NAME, tmp_path / "out", tp=2, ep=ep, dp=2).out_dir
+    new, src = DeepSpeedCheckpoint.open(out), DeepSpeedCheckpoint.open(FIXTURES / NAME)
+    ax = new.experts
+    assert (new.tp, new.dp, ax.ep, ax.edp) == (2, 2, ep, 4 // ep)
+    assert [ax.members(e) for e in range(ep)] == ([[0, 2], [1, 3]] if ep == 2 else [[0], [1], [2], [3]])
+    experts = sorted(p.name for p in out.glob("layer_0_*"))
+    assert experts == [f"layer_0_expert_{x}_mp_rank_{x * ep // 4 % 2:02d}_model_states.pt" for x in range(4)]
+    for n in _oracle():
+        for s in STATES:
+            assert torch.equal(full_state(new, n, s), full_state(src, n, s)), (n, s)
+    if ep == 2:  # DeepSpeed's race: EDP rank 1 wrote the file last; its folded load does not check that field
+        _plant_record(out / experts[0], lambda sd: sd["folding"].update(zero_partition_rank=1))
+        convert(out.parent, tmp_path / "back")
+
+
 @pytest.mark.parametrize("options,match", [
     ({"tp": 2, "ep": 1}, r"DeepSpeed folds AutoEP over TP only with autoep_size > 1"),
     ({"tp": 2, "ep": 2, "zero_stage": 3}, r"AutoEP checkpoints are resharded at TP = PP = 1 only \(asked tp=2"),
@@ -348,6 +368,40 @@ def test_deepspeed_loads_the_fixture_and_reshards_outputs_natively(tmp_path):
     assert mine["global_steps_after_load"] == 3 and mine["optimizer_step_after_load"] == [3.0]
     assert mine["ranks_agree"] and mine["layouts"][EXPERTS[0]] == "autoep"
     diff_files(folded, tmp_path / "native_folded" / folded.name)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_deepspeed_loads_the_fixture_written_folded_at_world_4(tmp_path):
+    """``--tp 2 --ep 2 --dp 2`` (EDP 2) and ``--tp 2 --ep 4 --dp 2`` (EP groups across TP lanes and DP
+    ranks): DeepSpeed loads each folded at world 4, the digests are the oracle's, step 3, and its
+    native save right after equals our files (but ds_config)."""
+    pytest.importorskip("deepspeed")
+    from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
+
+    outs, loads = {}, []
+    for ep in (2, 4):
+        outs[ep] = reshard(FIXTURES / NAME, tmp_path / f"ours_ep{ep}", tp=2, ep=ep, dp=2).out_dir
+        spec = model_spec_from_fixture(FIXTURES / NAME)
+        spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
+        loads.append(resume_load(f"ep{ep}", outs[ep].parent, model_spec=spec, tp=2, dp=2, universal=False,
+                                 save_dir=tmp_path / f"native_ep{ep}"))
+    reports = resume_many(loads, world_size=4, workdir=tmp_path / "job")
+    oracle = json.loads(ORACLE.read_text())
+    for ep, out in outs.items():
+        r = reports[f"ep{ep}"]
+        assert differences(oracle["digests"], r["digests"]["after_load"]) == [], ep
+        assert r["global_steps_after_load"] == 3 and r["optimizer_step_after_load"] == [3.0]
+        assert r["ranks_agree"] and r["layouts"][EXPERTS[0]] == "autoep"
+        native = tmp_path / f"native_ep{ep}" / out.name
+        assert sorted(p.name for p in out.glob("*.pt")) == sorted(p.name for p in native.glob("*.pt"))
+        for p in sorted(native.glob("*.pt")):
+            mine, theirs = load(out / p.name), load(p)
+            for obj in (mine, theirs):
+                obj.pop("ds_config", None)
+                if p.name.startswith("layer_"):  # two EDP ranks write this file: whichever wrote last
+                    assert obj["folding"].pop("zero_partition_rank") in range(4 // ep)
+            same(mine, theirs, p.name)
 
 
 if __name__ == "__main__":  # re-write the oracle (a DeepSpeed job, minutes)
