@@ -4,6 +4,7 @@ layout of experts over expert-data-parallel groups and the per-expert model file
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -623,6 +624,13 @@ class FoldedFiles(ExpertWeightFiles):
                   for _, p, _ in tgt.layout.rank_units(t)]
         pl = self.placement
         uc = dict(self.info or {})
+        affine = uc.get("affine_map")
+        if isinstance(affine, Mapping) and isinstance(affine.get("params"), Mapping):  # experts at the EP-local shape
+            params = dict(affine["params"])
+            for n, m in pl.maps.items():
+                if f"^{re.escape(n)}$" in params:
+                    params[f"^{re.escape(n)}$"] = folding.replicated_entry(m.shards[0].shape, self.tp)
+            uc["affine_map"] = {**affine, "params": params}
         if dse.LAYERS_KEY in uc:
             uc[dse.LAYERS_KEY] = [pl.layer(entry, t, copied=False) for entry in uc[dse.LAYERS_KEY]]
         obj = dsw.model_states(self.template, module=module, param_shapes=shapes, tp=self.tp, dp=self.dp, tp_rank=t,

@@ -91,6 +91,18 @@ def _difference(want: Any, got: Any, at: str) -> tuple[str, Any, Any] | None:
     return None if type(want) is type(got) and want == got else (at, got, want)
 
 
+def replicated_entry(shape: Iterable[int], tp: int) -> dict[str, Any]:
+    """``universal_checkpoint_info.affine_map``'s entry of an expert parameter under folding: AutoTP
+    records it TP-replicated at its EP-local shape, one row-major piece held by every TP rank."""
+    shape = [int(n) for n in shape]
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return {"logical_shape": shape, "ranks": {t: {"shard_shape": list(shape), "pieces": [
+        {"shape": list(shape), "source": [0, list(strides)], "dest": [0, list(strides)], "locations": list(range(tp))}]}
+        for t in range(tp)}}
+
+
 def expert_writers(tp: int, ep: int, world: int) -> dict[tuple[int, int], list[int]]:
     """``(EP rank, TP rank) -> EDP ranks`` of the ranks that write that pair's per-expert files
     (``layer_L_expert_X_mp_rank_TT``): under folding every rank of dense DP rank ``< ep`` writes its EP
