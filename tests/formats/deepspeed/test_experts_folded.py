@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,9 @@ from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.jobs.convert import convert, reshard
 from reshard.storage.pickling import save
 from reshard.storage.safe_load import load
+from tests.e2e.digest import differences, digest
 from tests.support.compare import full_state, same
 from tests.support.dsconv import FIXTURES, tag_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # digest.py, as the job imports it
-from digest import differences, digest  # noqa: E402
 
 NAME = "mixtral_autoep_ep2_tp2"
 UNFOLDED = "mixtral_autoep_ep2"  # the same recipe DeepSpeed saved at TP 1 x EP 2
