@@ -347,6 +347,13 @@ FIXTURES = [
             dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "deepseek_v3"}),
             world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),
+    # AutoEP x AutoTP ("folding"): TP=2 x EP=2 on the same 2 ranks (EP rank g % 2 of global rank g),
+    # dense weights AutoTP shards, experts whole per EP rank; every file carries a "folding" record
+    Fixture("mixtral_autoep_ep2_tp2", "mixtral", MIXTRAL,
+            dict(ds_config(1), tensor_parallel={"autotp_size": 2, "preset_model": "mixtral"},
+                 expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
+            world_size=2, tp=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
     # classic deepspeed.moe.layer.MoE: 4 experts over EP=2 (layer_L_expert_E files, per-EP-rank local names)
     Fixture("moe_ep2", "moe", MOE, ds_config(1), world_size=2, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),
     # the same classic MoE recipe in bf16 under ZeRO-2 (bf16_ optimizer files, bf16 module and expert weights)

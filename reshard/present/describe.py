@@ -253,13 +253,17 @@ def _expert_lines(src: Inspected) -> list[str]:
     from ..formats.deepspeed.experts import edp_elements
 
     which = f"d // {ax.edp}, use_data_before_expert_parallelism" if ax.data_before_expert else f"d % {ax.ep}"
-    groups = "; ".join(f"EP {e}: dp {', '.join(str(d) for d in ax.members(e))}" for e in range(ax.ep))
+    # folded (AutoEP x AutoTP): the EP groups span the TP lanes, so the ranks are global ranks dp * TP + tp
+    rank, r = ("global rank", "rank") if ax.folded else ("DP rank", "dp")
+    if ax.folded:
+        which = f"g % {ax.ep}, folded over TP={ax.tp}: g = dp * {ax.tp} + tp"
+    groups = "; ".join(f"EP {e}: {r} {', '.join(str(d) for d in ax.members(e))}" for e in range(ax.ep))
     per = edp_elements(ck)
     return ["", f"AutoEP experts: {len(ax.params)} fused parameter(s) over EP={ax.ep} (in the TP view their maps' ranks "
                 f"are EP ranks); their optimizer group is cut over each EP rank's expert-data-parallel group, EDP={ax.edp} "
-                f"(EP rank of DP rank d: {which})",
+                f"(EP rank of {rank} {'g' if ax.folded else 'd'}: {which})",
             f"  EDP groups: {groups}",
-            "  expert elements per DP rank: " + ", ".join(f"dp {d} {n}" for d, n in sorted(per.items()))]
+            f"  expert elements per {rank}: " + ", ".join(f"{r} {d} {n}" for d, n in sorted(per.items()))]
 
 
 def _zero_totals(zero: dict[str, dict[int, dict[int, int]]]) -> dict[int, dict[int, int]]:

@@ -158,7 +158,8 @@ def check_keys(ck: Any, osd_keys: tuple[str, ...]) -> None:
         top, osd = ck.optim_state(m, d), ck.osd(m, d)
         want = osd_keys
         missing = [k for k in (*OPTIM_FILE_KEYS, *want) if k not in (top if k in OPTIM_FILE_KEYS else osd)]
-        extra = [k for k in top if k not in OPTIM_FILE_KEYS]
+        folded = ck.experts is not None and ck.experts.folded  # its "folding" record: folding.check
+        extra = [k for k in top if k not in OPTIM_FILE_KEYS and not (folded and k == "folding")]
         extra += [k for k in osd if k not in want and not (ck.zero_stage == 3 and k == "ds_zero_partition_groups")]
         if missing or extra:
             what = f"missing {missing[:3]}" if missing else f"unknown entries {extra[:3]}"
@@ -266,14 +267,23 @@ def check_module_weights(ck: Any, names: list[str], dtype: torch.dtype) -> None:
 def check_expert_files(ck: Any, dtype: torch.dtype) -> None:
     """Each per-expert file holds its expert's parameters, of the recorded shapes and dtype."""
     want: dict[str, dict[str, tuple[int, ...]]] = {}
+    ep_of: dict[str, tuple[int, int]] = {}  # AutoEP: a file's EP rank and TP rank
     if ck.moe is not None:
         for p in ck.moe.params.values():
             want.setdefault(ck.moe.files[(p.layer, p.expert)].name, {})[p.name] = tuple(p.shape)
     elif ck.experts is not None and ck.zero_stage != 3:
-        for p in ck.experts.params.values():
-            for x in range(p.full_shape[0]):
-                want.setdefault(f"layer_{p.layer}_expert_{x}_mp_rank_00_model_states.pt", {})[f"{p.name}.{x}"] = \
-                    tuple(p.full_shape[1:])
+        ax = ck.experts
+        from .folding import expert_writers  # (folding imports this module)
+
+        tps = {e: sorted(t for (e2, t) in expert_writers(ck.tp, ax.ep, ck.tp * ck.dp) if e2 == e)
+               for e in range(ax.ep)} if ax.folded else dict.fromkeys(range(ax.ep), [0])
+        for p in ax.params.values():
+            for e, xs in enumerate(p.experts_by_rank):  # folded: one file per TP rank of its writers
+                for x in xs:
+                    for t in tps[e]:
+                        fname = f"layer_{p.layer}_expert_{x}_mp_rank_{t:02d}_model_states.pt"
+                        want.setdefault(fname, {})[f"{p.name}.{x}"] = tuple(p.full_shape[1:])
+                        ep_of[fname] = (e, t)
     missing = sorted(f for f in want if not (ck.tag_dir / f).is_file())
     if missing:  # (or not a regular file)
         raise CheckpointError(f"{ck.tag_dir}: {'AutoEP ' if ck.moe is None else ''}per-expert files missing: "
@@ -281,6 +291,10 @@ def check_expert_files(ck: Any, dtype: torch.dtype) -> None:
     for fname, keys in sorted(want.items()):
         path = ck.tag_dir / fname
         sd = load(path)
+        if ck.experts is not None and ck.experts.folded and isinstance(sd, dict):
+            from .folding import KEY, check_expert_file  # (folding imports this module)
+            check_expert_file(path, sd, ck, ck.experts, *ep_of[fname])
+            sd = {k: v for k, v in sd.items() if k != KEY}
         if not isinstance(sd, dict) or set(sd) != set(keys):
             got = sorted(sd)[:4] if isinstance(sd, dict) else type(sd).__name__
             raise CheckpointError(f"{path}: holds {got}, expected exactly its expert's parameters {sorted(keys)[:4]}: "

@@ -4,6 +4,7 @@ layout of experts over expert-data-parallel groups and the per-expert model file
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ from ...layouts import autoep_placement, replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, OPTIMIZER, Buffer, Slot
 from . import experts as dse
+from . import folding
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
@@ -40,8 +42,9 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
     dtype = next(iter((ms0.get("module") or {}).values())).dtype
     align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
     edp = dp // ep
-    target_ax = dataclasses.replace(ax, ep=ep, edp=edp)  # same EDP order, new sizes
+    target_ax = dataclasses.replace(ax, ep=ep, edp=edp)  # same EDP order, new sizes (members: not of TP)
     dense, experts = Group.dense(1, dp), Group(tuple(tuple(target_ax.members(e)) for e in range(ep)))
+    folded = getattr(ax, "folded", False)  # AutoEP x AutoTP: the dense weights gathered from their TP shards
     maps, units = dict(outer), []
     for g, grp in enumerate(src_groups):
         if g in ax.groups:
@@ -49,16 +52,44 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
             fg = dsw.flat_group(names, shapes, edp, param_align=align)
             units.append(Unit(experts, {e: Part(fg, holder_names(g, fg, e)) for e in range(ep)}))
         else:
-            fg = dsw.flat_group(list(grp), list(grp.values()), dp, param_align=align)
+            whole = [tuple(ck.tp_map(n).map.valid_shape) for n in grp] if folded else list(grp.values())
+            fg = dsw.flat_group(list(grp), whole, dp, param_align=align)
             units.append(Unit(dense, {0: Part(fg, fg.names)}))
-            maps.update((n, ck.tp_map(n).map) for n in fg.names)  # dense, TP = 1: whole on one rank
+            # dense, TP = 1: whole on one rank
+            maps.update((n, replicated(s, 1) if folded else ck.tp_map(n).map) for n, s in zip(fg.names, whole))
     layout = Layout("flat", maps, units, range(dp))
     cfg = dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=stage)
     ds_config = placement.ds_config(cfg) if placement is not None else cfg
-    models = ExpertModelFile(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement, expert_files=expert_files)
+    optim = (lambda: ck.optim_state(0, 0))
+    if folded and placement is not None:
+        template = unfolded(ms0)
+        names = [n for grp in src_groups for n in grp]
+        models: ExpertModelFile = ExpertWeightFiles(
+            ck, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement, dtype=dtype, names=names,
+            outer=maps, aliases=router_aliases(template, names, str(ck.model_files[0])))
+        optim = (lambda: unfolded(ck.optim_state(0, 0)))
+        note += (f"; unfolded from TP {ck.tp}: the module's weights gathered from their TP shards, the per-expert "
+                 "files' from the experts' fp32 masters (the same bits at fp32), no folding records")
+    else:
+        models = ExpertModelFile(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
+                                 expert_files=expert_files)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
+                           optim_template=optim, ds_config=ds_config, uc_info=None,
                            models=models, group_names=group_names, notes=[note])
+
+
+# what DeepSpeed's AutoEP save at TP = 1 records in universal_checkpoint_info (AutoTP's categories go)
+UNFOLDED_UC = ("universal_checkpoint_version", "expert_parameter_patterns", dse.LAYERS_KEY)
+
+
+def unfolded(state: Mapping[str, Any]) -> dict:
+    """A folded (AutoEP x AutoTP) file's state as DeepSpeed writes it at TP = 1: no ``folding``
+    record, ``universal_checkpoint_info`` without AutoTP's entries (its tensors replaced later)."""
+    out = {k: v for k, v in state.items() if k != folding.KEY}
+    uc = out.get("universal_checkpoint_info")
+    if isinstance(uc, Mapping):
+        out["universal_checkpoint_info"] = {k: uc[k] for k in UNFOLDED_UC if k in uc}
+    return out
 
 
 def autoep_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_files: list[Path]) -> DeepSpeedTarget:
@@ -411,11 +442,14 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
     "zero3_partitioned"`` (version 1) each rank's view, the optimizer file the source's recast
     (``zero3.optim_source_from_zero12``) with ``ds_zero_partition_groups``."""
     ax, ms0, path = ck.experts, ck.model_state(0), ck.model_files[0]
+    if ax.folded:  # AutoEP x AutoTP: its TP-1 view (whole dense shapes, no folding records)
+        ms0 = unfolded(ms0)
     placement = AutoEPPlacement(ax, ep, dp)
     src_groups = ck.groups(0)
     group_names = [list(g) for g in src_groups]
     names = [n for g in group_names for n in g]
-    shapes = {n: (tuple(ax.params[n].full_shape) if n in ax.params else tuple(s))
+    shapes = {n: (tuple(ax.params[n].full_shape) if n in ax.params else
+                  tuple(ck.tp_map(n).map.valid_shape) if ax.folded else tuple(s))
               for g in src_groups for n, s in g.items()}
     cfg = ms0.get("ds_config") if isinstance(ms0.get("ds_config"), dict) else None
     layout = autoep_sub_layout(placement, group_names, shapes, ax.groups, z3.sub_group_size(cfg, str(path)))
@@ -443,7 +477,7 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
                               size=path.stat().st_size, placement=placement)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: _with_partition_groups(z3.optim_source_from_zero12(
-                               ck.optim_state(0, 0))),
+                               unfolded(ck.optim_state(0, 0)))),
                            ds_config=ds_config, uc_info=None, models=models, ds_ids=ids, placement=placement,
                            notes=notes, group_names=dict.fromkeys(ax.groups, f"ep_size_{ep}"))
 
@@ -486,3 +520,142 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
                            optim_template=lambda: _with_partition_groups(tpl.optim), ds_config=ds_config,
                            uc_info=None, models=models, ds_ids=ids, placement=placement, notes=notes,
                            group_names=dict.fromkeys(groups, f"ep_size_{ep}"))
+
+
+# -- AutoEP x AutoTP ("folding") ------------------------------------------------------------------------------
+
+
+def autoep_folded_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, stage: int, maps: Mapping[str, ParamMap],
+                         info: dict | None) -> DeepSpeedTarget:
+    """AutoEP ZeRO-1/2 at TP ``tp`` > 1, folded as DeepSpeed 0.19.8 lays it (folding.py): world
+    ``tp * dp``; each dense parameter's TP map (``maps``) with its TP rank's shard flat over that
+    rank's ``dp`` DP ranks, each fused expert at EP rank ``e`` (global rank ``g``: ``g % ep``) flat
+    over its EDP group; one model state per TP rank (its shards, its EP rank's view of the layers,
+    ``info`` with the layers placed), per-expert files named by their writer's TP rank, a ``folding``
+    record in every file."""
+    ax, ms0 = ck.experts, ck.model_state(0)
+    world = tp * dp
+    placement = AutoEPPlacement(ax, ep, world)
+    zo = (ms0.get("ds_config") or {}).get("zero_optimization") or {}
+    dtype = ck.module_dtype
+    align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
+    dense = Group.dense(tp, dp)
+    outer: dict[str, ParamMap] = {**maps, **placement.maps}
+    units = []
+    for g, grp in enumerate(ck.groups(0)):
+        if g in ax.groups:
+            names = list(grp)
+            fg = dsw.flat_group(names, [placement.maps[n].shards[0].shape for n in names], placement.edp,
+                                param_align=align)
+            units.append(Unit(placement.group(), dict.fromkeys(range(ep), Part(fg, fg.names))))
+            continue
+        parts = {}
+        for t in range(tp):
+            names = [n for n in grp if t in maps[n].shards and maps[n].shards[t].numel > 0]
+            fg = dsw.flat_group(names, [maps[n].shards[t].shape for n in names], dp, param_align=align)
+            parts[t] = Part(fg, fg.names)
+        units.append(Unit(dense, parts))
+    layout = Layout("flat", outer, units, [d * tp + t for t in range(tp) for d in range(dp)])
+    cfg = dsw.target_ds_config(ms0.get("ds_config"), tp=tp, dp=dp, zero_stage=stage)
+    ds_config = placement.ds_config(cfg)
+    template = unfolded(ms0)
+    names = [n for grp in ck.groups(0) for n in grp]
+    models = FoldedFiles(ck, template, tp=tp, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
+                         dtype=dtype, names=names, outer=outer, info=info,
+                         aliases=router_aliases(template, names, str(ck.model_files[0])))
+    edp = placement.edp
+
+    def record(rank: int) -> dict:
+        t, d = rank % tp, rank // tp
+        e = placement.ep_of[rank]
+        return {folding.KEY: folding.optim_record(tp, t, ep, e, dp, d, edp, placement.ax.members(e).index(rank),
+                                                  [list(grp) for grp in ck.groups(0)])}
+
+    return DeepSpeedTarget(layout, tp=tp, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
+                           optim_template=lambda: unfolded(ck.optim_state(0, 0)), ds_config=ds_config, uc_info=None,
+                           models=models, per_rank=record,
+                           notes=[f"AutoEP experts at EP {ep} folded over TP {tp} (DP {dp}, EDP {edp}), uniform "
+                                  "placement, a folding record in every file"])
+
+
+class FoldedFiles(ExpertWeightFiles):
+    """The model states of a folded AutoEP target, one per TP rank (its module's TP shards, buffers
+    whole, a router alias its router's), and the per-expert files (weights from the masters), each
+    with its ``folding`` record."""
+
+    def __init__(self, ck: DeepSpeedCheckpoint, template: dict, *, tp: int, dp: int, stage: int,
+                 ds_config: dict | None, placement: AutoEPPlacement, dtype: torch.dtype, names: Sequence[str],
+                 outer: Mapping[str, ParamMap], aliases: Mapping[str, str], info: dict | None) -> None:
+        super().__init__(ck, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement, dtype=dtype,
+                         names=names, outer=outer, aliases=aliases)
+        self.tp, self.info = tp, info
+
+    def _module_key(self, key: str, t: int = 0) -> str:  # type: ignore[override]
+        return f"{dsw.model_file(t)}:module:{key}"
+
+    def before(self) -> list[Buffer]:
+        out = []
+        for t in range(self.tp):
+            for key in self.weights:
+                m = self.outer[self.aliases.get(key, key)]
+                out.append(Buffer(self._module_key(key, t), self.dtype, m.shards[t].numel,
+                                  (Slot(0, self.aliases.get(key, key), MODULE, m, t),)))
+        return out
+
+    def _ep(self, layer: int, x: int) -> int:
+        return next(r["rank"] for r in self.placement.placements[layer]["ranks"] if x in r["experts"])
+
+    def _files(self, layer: int, x: int) -> list[tuple[str, int, int]]:
+        """``(file, TP rank, EDP rank)`` of expert ``x``'s per-expert files: one per TP rank of its EP
+        rank's writers (``folding.expert_writers``), the record that of the first of them."""
+        e = self._ep(layer, x)
+        writers = folding.expert_writers(self.tp, self.placement.ep, self.tp * self.dp)
+        return [(f"layer_{layer}_expert_{x}_mp_rank_{t:02d}_model_states.pt", t, qs[0])
+                for (e2, t), qs in sorted(writers.items()) if e2 == e]
+
+    def model_state(self, tgt: DeepSpeedTarget, engine: Any, t: int) -> dict:
+        declared = tgt.by_key()
+        module = OrderedDict()
+        for key, value in (self.template.get("module") or {}).items():
+            if key not in self.weights:  # a buffer, whole in the source
+                module[key] = value
+                continue
+            shape = self.outer[self.aliases.get(key, key)].shards[t].shape
+            module[key] = engine.storage(declared[self._module_key(key, t)]).view(shape)
+        shapes = [OrderedDict((n, tuple(s)) for n, s in zip(p.unit.names, p.unit.shapes))
+                  for _, p, _ in tgt.layout.rank_units(t)]
+        pl = self.placement
+        uc = dict(self.info or {})
+        affine = uc.get("affine_map")
+        if isinstance(affine, Mapping) and isinstance(affine.get("params"), Mapping):  # experts at the EP-local shape
+            params = dict(affine["params"])
+            for n, m in pl.maps.items():
+                if f"^{re.escape(n)}$" in params:
+                    params[f"^{re.escape(n)}$"] = folding.replicated_entry(m.shards[0].shape, self.tp)
+            uc["affine_map"] = {**affine, "params": params}
+        if dse.LAYERS_KEY in uc:
+            uc[dse.LAYERS_KEY] = [pl.layer(entry, t, copied=False) for entry in uc[dse.LAYERS_KEY]]
+        obj = dsw.model_states(self.template, module=module, param_shapes=shapes, tp=self.tp, dp=self.dp, tp_rank=t,
+                               zero_stage=self.stage, shared_params=self.template.get("shared_params") or {},
+                               uc_info=uc or None, ds_config=self.ds_config)
+        obj[dse.LAYERS_KEY] = [pl.layer(entry, t, copied=False) for entry in self.template[dse.LAYERS_KEY]]
+        obj[folding.KEY] = folding.model_record(self.tp, t, pl.ep, pl.ep_of[t], self.dp, module)
+        return obj
+
+    def folded_expert(self, tgt: DeepSpeedTarget, engine: Any, layer: int, x: int, t: int, q: int) -> dict:
+        out = self.expert(tgt, engine, layer, x)
+        pl = self.placement
+        out[folding.KEY] = {**folding.expert_record(self.tp, t, pl.ep, self._ep(layer, x), pl.edp),
+                            "zero_partition_rank": q}
+        return out
+
+    def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
+        esize = self.dtype.itemsize
+        before = [archive(dsw.model_file(t), sum(self.outer[self.aliases.get(k, k)].shards[t].numel
+                                                 for k in self.weights) * esize,
+                          lambda t=t: self.model_state(tgt, engine, t)) for t in range(self.tp)]
+        after = [archive(f, sum(self.per_expert[n].shards[x].numel for n in names) * esize,
+                         lambda layer=layer, x=x, t=t, q=q: self.folded_expert(tgt, engine, layer, x, t, q))
+                 for layer, names in sorted(self.layers.items())
+                 for x in range(self.per_expert[names[0]].logical_shape[0]) for f, t, q in self._files(layer, x)]
+        return before, after

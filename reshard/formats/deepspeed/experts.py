@@ -20,6 +20,11 @@ sees it) and no per-expert files; each fused expert parameter of EP rank ``e`` i
 parameter partitioned on its own over ``e``'s EDP group (``zero3(local shape, edp)``), in an
 optimizer sub-group of its own whose ``ds_zero_partition_groups`` entry records the partition
 count, rank and the global ranks of the group (docs/deepspeed-checkpoints.md §11.1).
+
+With AutoTP (DeepSpeed's "folding", ZeRO-1/2, PP = 1) the EP groups span the TP lanes: the same
+EDP groups over global ranks ``dp_rank * tp + tp_rank`` (``AutoEP.tp`` > 1), every TP rank's model
+state records the experts of its own EP rank, and every file a ``folding`` record
+(``folding.py``; docs/deepspeed-checkpoints.md §11.2).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ...ir.canonical import canonicalize
 from ...ir.param_map import ParamMap, map_from_dict
 from ...layouts import autoep_placement
 from ...storage.safe_load import load
+from . import folding
 from .checks import first_difference, param_groups
 from .lowering import Lowered
 
@@ -75,9 +81,16 @@ class AutoEP:
     edp: int
     data_before_expert: bool
     aliases: tuple[str, ...]  # module entries the optimizer does not own (router aliases)
+    tp: int = 1  # > 1: DeepSpeed's folding, the EP groups laid over the TP lanes (global ranks)
+
+    @property
+    def folded(self) -> bool:
+        return self.tp > 1
 
     def members(self, e: int) -> list[int]:
-        """EP rank ``e``'s EDP group: its DP ranks in EDP rank order."""
+        """EP rank ``e``'s EDP group: its global ranks (``dp_rank * tp + tp_rank``; TP = 1: its DP
+        ranks) in EDP rank order. Folded, DeepSpeed's EP groups are runs of ``ep`` consecutive
+        global ranks (``auto_ep_folding.expected_folding_group_tables``): the default order."""
         if self.data_before_expert:
             return [e * self.edp + k for k in range(self.edp)]
         return [e + k * self.ep for k in range(self.edp)]
@@ -94,9 +107,10 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
     if layers is None:
         return None
     where = f"{path}: {LAYERS_KEY}"
-    if ck.mp != 1:
-        raise CheckpointError(f"{where}: AutoEP experts are read only from checkpoints without tensor or pipeline "
-                              f"parallelism (this one: ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp})")
+    if ck.mp != 1 and (ck.pp != 1 or ck.zero_stage == 3 or folding.KEY not in state):
+        raise CheckpointError(f"{where}: AutoEP experts at TP > 1 are read only from DeepSpeed's folded ZeRO-1/2 "
+                              f"checkpoints (PP = 1, a '{folding.KEY}' record; this one: ZeRO-{ck.zero_stage}, "
+                              f"TP={ck.tp}, PP={ck.pp})")
     if not isinstance(layers, list) or not layers:
         raise CheckpointError(f"{where}: expected a non-empty list of layer entries, got {type(layers).__name__}")
     if ck.zero_stage == 3:
@@ -110,15 +124,17 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
             params[p.name] = p
     _same_copies(state, path)
     eps = {p.ep for p in params.values()}
-    if len(eps) != 1 or ck.dp % next(iter(eps)):
-        raise CheckpointError(f"{where}: EP sizes {sorted(eps)} do not divide the DP size {ck.dp} as one EP group")
+    world = ck.mp * ck.dp  # folded (TP > 1): the EP groups span the TP lanes of all ranks
+    if len(eps) != 1 or world % next(iter(eps)):
+        raise CheckpointError(f"{where}: EP sizes {sorted(eps)} do not divide the world size {world} (TP={ck.tp}, "
+                              f"DP={ck.dp}) as one EP group")
     ep = eps.pop()
-    edp = ck.dp // ep
+    edp = world // ep
     for i, layer in enumerate(layers):  # what DeepSpeed records of the writing rank's EDP group
         size = layer.get("expert_data_parallel_world_size")
         if size is not None and size != edp:
-            raise CheckpointError(f"{where}[{i}]: expert_data_parallel_world_size is {size}, but DP={ck.dp} over "
-                                  f"EP={ep} leaves EDP={edp}")
+            raise CheckpointError(f"{where}[{i}]: expert_data_parallel_world_size is {size}, but world size {world} "
+                                  f"over EP={ep} leaves EDP={edp}")
     expert_groups = frozenset(p.group for p in params.values())
     for g in expert_groups:
         strays = [n for n in groups[g] if n not in params]
@@ -130,7 +146,10 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
     # under ZeRO-3 the router alias is a 0-element placeholder: nothing to convert (ds_to_universal
     # writes nothing for it either); the module placeholders are carried as they are
     aliases = () if ck.zero_stage == 3 else tuple(n for n in (state.get("module") or {}) if n not in owned)
-    ax = AutoEP(params, expert_groups, ep, edp, bool(cfg.get("use_data_before_expert_parallelism", False)), aliases)
+    ax = AutoEP(params, expert_groups, ep, edp, bool(cfg.get("use_data_before_expert_parallelism", False)), aliases,
+                ck.tp)
+    if ax.folded:
+        folding.check_layers(ck, ax)
     if ck.zero_stage == 3:
         _check_z3_partitions(ck, ax, len(groups))
     return ax
@@ -295,6 +314,8 @@ def universal_model_state(ck: DeepSpeedCheckpoint, m: int) -> dict:
         for entry in ck.model_state(r).get(LAYERS_KEY) or []:
             layers.setdefault(entry["expert_key_prefix"], {k: entry[k] for k in UCP_LAYER_FIELDS if k in entry})
     state = load(ck.model_files[m], mmap=False)  # a fresh copy: the cached state stays as read
+    # a universal checkpoint has no topology: a folding record would make DeepSpeed's unfolded load refuse it
+    state.pop(folding.KEY, None)
     info = state.setdefault("universal_checkpoint_info", {})
     info["expert_parameter_patterns"] = list(UCP_EXPERT_PATTERNS)
     info[LAYERS_KEY] = list(layers.values())
@@ -302,10 +323,11 @@ def universal_model_state(ck: DeepSpeedCheckpoint, m: int) -> dict:
 
 
 def edp_elements(ck: DeepSpeedCheckpoint) -> dict[int, int]:
-    """``{dp_rank: elements}``: how much of the expert parameters lies in each DP rank's flat
+    """``{global rank: elements}``: how much of the expert parameters lies in each rank's flat
     partitions of the expert optimizer groups (EP rank ``e``'s shards, cut over its EDP group):
-    the shards of their composites (``ck.layout``; TP = PP = 1, so a global rank is a DP rank)."""
-    out = dict.fromkeys(range(ck.dp), 0)
+    the shards of their composites (``ck.layout``; TP = 1: a global rank is a DP rank; folded:
+    ``dp_rank * tp + tp_rank``)."""
+    out = dict.fromkeys(range(ck.mp * ck.dp), 0)
     for p in ck.experts.params.values():
         for d, s in ck.layout.composite(p.name).shards.items():
             out[d] += s.numel

@@ -281,10 +281,10 @@ def check_flat(ck: Recorded, align: int) -> None:
     if ck.experts is not None:  # DeepSpeed's count of an AutoEP expert group's partitions: its EDP size
         for k, u in enumerate(layout.units):
             if k in ck.experts.groups:
-                for d in (d for ranks in u.group.members for d in ranks):
-                    counts = ck.osd(0, d).get("partition_count")
+                for g in (g for ranks in u.group.members for g in ranks):  # global ranks (folded: over TP too)
+                    counts = ck.osd(g % ck.mp, g // ck.mp).get("partition_count")
                     if isinstance(counts, (list, tuple)) and len(counts) > k and counts[k] != u.group.size:
-                        raise CheckpointError(f"{ck.optim_files[(0, d)]}: partition_count {list(counts)} cuts expert "
+                        raise CheckpointError(f"{ck.optim_files[(g % ck.mp, g // ck.mp)]}: partition_count {list(counts)} cuts expert "
                                               f"group {k} into {counts[k]} partitions, but its EDP group has "
                                               f"{u.group.size} ranks")
 

@@ -171,7 +171,7 @@ class AutoEPPlacement:
 
     def __init__(self, ax: dse.AutoEP, ep: int, dp: int) -> None:
         self.ep, self.dp, self.edp = ep, dp, dp // ep
-        self.ax = dataclasses.replace(ax, ep=ep, edp=dp // ep)  # the source's EDP order at the new sizes
+        self.ax = dataclasses.replace(ax, ep=ep, edp=dp // ep, tp=1)  # the source's EDP order at the new sizes, TP 1
         self.placements = {p.layer: uniform_placement(p.full_shape[0], ep) for p in ax.params.values()}
         self.maps: dict[str, ParamMap] = {n: autoep_placement(self.placements[p.layer], p.full_shape)
                                           for n, p in ax.params.items()}

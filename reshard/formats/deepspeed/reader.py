@@ -30,7 +30,7 @@ from ...ir.param_map import ParamMap
 from ...storage import verified
 from ..contract import Held, Reader
 from ..hf.trainer_files import trainer_held
-from . import checks, zero3, zero12
+from . import checks, folding, zero3, zero12
 from .checkpoint import DeepSpeedCheckpoint
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE
 from .layout import check_flat, check_sub
@@ -43,7 +43,7 @@ __all__ = ["DeepSpeedNative", "DeepSpeedReader", "model_state_held", "optimizer_
 OPTIMIZER = ("fp32", "exp_avg", "exp_avg_sq")
 # model-state entries the reader reads or DeepSpeed writes as bookkeeping of what the files hold
 BOOKKEEPING = frozenset((*checks.MODEL_KEYS, "global_samples", "ds_autoep_layers", "num_experts",
-                         "universal_checkpoint_info")) - {"lr_scheduler", "data_sampler", "random_ltd"}
+                         "universal_checkpoint_info", folding.KEY)) - {"lr_scheduler", "data_sampler", "random_ltd"}
 
 
 class DeepSpeedNative:
@@ -137,6 +137,8 @@ class DeepSpeedReader(Reader):
             checks.check_expert_files(ck, self.module_dtype)
             if self._kind in ("autoep", "moe"):  # a dense checkpoint's layout: zero12.check
                 check_flat(ck, layout_alignment(ck, self.module_dtype))
+        if ck.experts is not None and ck.experts.folded:  # every file's record, as DeepSpeed's folded load checks it
+            folding.check(ck, ck.experts)
         checks.check_recorded_maps(ck, self.names)
         for name in self.names:  # every map lowers and composes
             for state in self.states(name):

@@ -56,7 +56,8 @@ class DeepSpeedTarget:
     def __init__(self, layout: Layout, *, tp: int, dp: int, stage: int, bf16: bool, states: Sequence[str],
                  optim_template: Callable[[], dict], ds_config: dict | None, uc_info: dict | None, models: Any,
                  pp: int = 1, ds_ids: Mapping[str, int] | None = None, group_names: Mapping[int, str] | None = None,
-                 placement: AutoEPPlacement | None = None, notes: Sequence[str] = ()) -> None:
+                 placement: AutoEPPlacement | None = None, notes: Sequence[str] = (),
+                 per_rank: Callable[[int], dict] | None = None) -> None:
         self.layout, self.tp, self.pp, self.dp, self.stage, self.bf16 = layout, tp, pp, dp, stage, bf16
         self.mp = tp * pp
         self.states = tuple(states)
@@ -64,6 +65,7 @@ class DeepSpeedTarget:
         self.models, self.ds_ids, self.placement = models, ds_ids or {}, placement
         self.group_names = dict(group_names or {})  # optimizer group -> the name DeepSpeed looks its ranks up by
         self.notes = list(notes)
+        self.per_rank = per_rank  # entries an optimizer file adds last (a folded AutoEP target's folding record)
         self._by_key: dict[str, Buffer] | None = None
 
     # -- what the engine fills -------------------------------------------------------------------
@@ -109,6 +111,8 @@ class DeepSpeedTarget:
                                uc_info=self.uc_info)
         base = obj["optimizer_state_dict"]["base_optimizer_state"]
         base["param_groups"] = self._named(base["param_groups"])
+        if self.per_rank is not None:
+            obj.update(self.per_rank(rank))
         return obj
 
     def _named(self, groups: list[dict]) -> list[dict]:

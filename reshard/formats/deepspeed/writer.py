@@ -85,12 +85,14 @@ class DeepSpeedWriter(Writer):
     def _from_deepspeed(self, own: DeepSpeedNative, tp: int, dp: int | None, pp: int, stage: int | None,
                         ep: int | None, layout: TargetLayout) -> None:
         ck = own.ck
+        if dp is None and ck.experts is not None and ck.pp == 1 and (ck.mp * ck.dp) % tp == 0:
+            dp = ck.mp * ck.dp // tp  # AutoEP folded or not: the job's world kept
         dp = ck.dp if dp is None else dp
         source = {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage}
         if ck.zero_stage == 3 and ck.experts is not None:
             self._autoep_zero3(ck, tp, dp, pp, stage, ep if ep is not None else ck.experts.ep)
         elif ep is not None or (ck.zero_stage != 3 and (ck.experts is not None or ck.moe is not None)):
-            self._experts(ck, tp, dp, pp, stage, ep if ep is not None else (ck.experts or ck.moe).ep)
+            self._experts(ck, tp, dp, pp, stage, ep if ep is not None else (ck.experts or ck.moe).ep, layout)
         elif ck.zero_stage == 3 or stage == 3:
             self._zero3_route(own, tp, dp, pp, stage, layout)
         else:
@@ -109,10 +111,13 @@ class DeepSpeedWriter(Writer):
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
         self._notes += self.target.notes
 
-    def _experts(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
+    def _experts(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int, layout: TargetLayout) -> None:
         from .placement import EXPERT_FILE, check_autoep, check_moe
 
         stage = ck.zero_stage if stage is None else stage
+        if ck.experts is not None and tp > 1 and stage == ck.zero_stage and pp == 1:
+            self._autoep_folded(ck, tp, dp, stage, ep, layout)
+            return
         if ck.experts is None and ck.zero_stage != 3 and ck.moe is not None:
             check_moe(ck, ep, dp, tp, pp, stage)
             self.target = moe_target(ck, ep, dp, stage, [ck.moe.files[k] for k in sorted(ck.moe.files)])
@@ -125,13 +130,40 @@ class DeepSpeedWriter(Writer):
             files = sorted(ck.tag_dir.glob("layer_*_expert_*_mp_rank_*_model_states.pt"))
             want = {EXPERT_FILE.format(layer=p.layer, expert=x) for p in ck.experts.params.values()
                     for x in range(p.full_shape[0])}
-            missing = sorted(want - {p.name for p in files})
+            # folded: per-expert files named by their writer's TP rank, rewritten (checks.check_expert_files)
+            missing = [] if ck.experts.folded else sorted(want - {p.name for p in files})
             if missing:
                 raise CheckpointError(f"{ck.tag_dir}: AutoEP per-expert files missing: {missing[:3]}")
             self.target = autoep_target(ck, ep, dp, stage, files)
             source_ep = ck.experts.ep
-        self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": source_ep}
+        self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": source_ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
+        self._notes += self.target.notes
+
+    def _autoep_folded(self, ck: Any, tp: int, dp: int, stage: int, ep: int, layout: TargetLayout) -> None:
+        """AutoEP at TP > 1, folded as DeepSpeed saves it (``expert_target.autoep_folded_target``): the
+        dense TP maps the source's at its own folded TP, else a DeepSpeed checkpoint's at ``tp``
+        (``--layout``), whose ``universal_checkpoint_info`` DeepSpeed records at that topology."""
+        from .expert_target import autoep_folded_target
+        from .placement import check_autoep
+
+        check_autoep(ck, ep, tp * dp, 1, 1, stage)  # the placement, stage and steps (at TP 1's rules)
+        ax, where = ck.experts, ck.tag_dir
+        if ep < 2 or ax.data_before_expert:
+            raise ReshardError(f"{where}: DeepSpeed folds AutoEP over TP only with autoep_size > 1 and without "
+                               f"use_data_before_expert_parallelism (validate_folding_global; asked tp={tp}, ep={ep})")
+        dense = [n for g, grp in enumerate(ck.groups(0)) if g not in ax.groups for n in grp]
+        if layout is None and ax.folded and tp == ck.tp:
+            maps, info = {n: ck.tp_map(n).map for n in dense}, ck.model_state(0).get("universal_checkpoint_info")
+        elif isinstance(layout, (str, Path)) and Path(layout).is_dir():
+            maps, info, _ = target_tp_maps(ck, dense, tp, layout)
+        else:
+            raise ReshardError(f"{where}: an AutoEP target at TP={tp} takes its dense TP maps and the "
+                               "universal_checkpoint_info DeepSpeed records with them from a DeepSpeed checkpoint of "
+                               f"this model saved folded at TP={tp} (--layout), or from a folded source at its own TP")
+        self.target = autoep_folded_target(ck, tp, ep, dp, stage, maps, info)
+        self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ax.ep}
+        self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
         self._notes += self.target.notes
 
     def _autoep_to_zero3(self, ck: Any, tp: int, dp: int, pp: int, ep: int) -> None:
@@ -141,7 +173,7 @@ class DeepSpeedWriter(Writer):
 
         check_autoep_to_zero3(ck, ep, dp, tp, pp)
         self.target = autoep_to_zero3_target(ck, ep, dp)
-        self._source = {"tp": 1, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ck.experts.ep}
+        self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ck.experts.ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
         self._notes += self.target.notes
 
