@@ -225,9 +225,9 @@ class Layout:
 def source(ck: Recorded, align: int, outer: Callable[[str], ParamMap] | None = None) -> Layout:
     """The layout a checkpoint's ``param_shapes`` imply under DeepSpeed 0.19.8's rules, over global
     ranks ``dp_rank * mp + m``. Holders are the model-parallel ranks (a dense group's partition
-    group their DP ranks), or for an expert group (AutoEP, classic MoE: TP = PP = 1) the EP ranks
-    (partition group: each one's EDP ranks; a classic MoE holder's local names are its global
-    experts). ZeRO-1/2 (rule "flat"): one flat group per holder and parameter group, laid out with
+    group their DP ranks), or for an expert group the EP ranks (partition group: each one's EDP
+    ranks; classic MoE at TP = PP = 1, its holder's local names its global experts; AutoEP also
+    folded over AutoTP, EP rank ``g % ep`` of global rank ``g``, folding.py). ZeRO-1/2 (rule "flat"): one flat group per holder and parameter group, laid out with
     ``align`` (per-parameter alignment); ZeRO-3 (rule "sub"): the sub-groups ``param_shapes``
     records, each parameter split on its own. ``outer(name)``: the outer map (a stage map, an
     expert placement), lowered on first use; without it only the partitions are known (enough to
