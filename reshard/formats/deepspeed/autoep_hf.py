@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError, ReshardError
+from ...ir.apply import rebuild
 from ...ir.geometry import piece_blocks
 from ...ir.param_map import ParamMap
 from ...ir.piece import Piece, View, row_major_strides
@@ -238,10 +239,11 @@ class AutoEPHfView(Reader):
             for state in self.inner.states(alias):
                 if state not in self.inner.states(router):
                     continue
-                a, b = self.inner.map(alias, state), self.inner.map(router, state)
-                if a != b or any(not torch.equal(self.inner.fragment(alias, state, r).view(torch.uint8),
-                                                 self.inner.fragment(router, state, r).view(torch.uint8))
-                                 for r in a.ranks):
+                # whole tensors: a router replicated over TP ranks has more holders than its alias
+                a, b = (rebuild(m, {r: self.inner.fragment(n, state, r) for r in m.ranks})
+                        for n, m in ((n, self.inner.map(n, state)) for n in (alias, router)))
+                if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.view(torch.uint8),
+                                                                                b.view(torch.uint8)):
                     raise CheckpointError(f"{self.inner.sources[-1]}: {alias} ({state}) differs from {router}, which "
                                           "DeepSpeed AutoEP saves it as an alias of; refused rather than one dropped")
 

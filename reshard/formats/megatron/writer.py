@@ -90,7 +90,8 @@ class MegatronWriter(Writer):
         self.own = own if isinstance(own, MegatronReader) else None  # a Megatron source: its args, files, naming
         self._notes: list[str] = []
         self._hf_view: Reader | None = None  # a DeepSpeed AutoEP source in HF names (autoep.json, read back)
-        cfg = (_config_file(hf_config) if hf_config is not None else reader.hf_config()) if self.own is None else None
+        cfg = (_config_file(hf_config) if hf_config is not None else reader.hf_config()) \
+            if self.own is None and megatron_args is None else None
         if cfg:
             view = autoep_hf_view(reader, cfg)
             if isinstance(view, AutoEPHfView):
