@@ -13,6 +13,9 @@ without iterations): ``metadata.json``, one ``__R_0.distcp`` per global rank and
   read with HF names, ...) each target chunk is split by the architecture mapping document into
   one slot per HF tensor block (``hfmap.restrict``): a QKV chunk is q, k and v slots per query
   group, an fc1 chunk gate or up.
+* Pipeline stages: ``vpp`` (``--vpp``) virtual stages per stage, placed as Megatron places them
+  (``Arch.chunk_layers``), the args' virtual-stage fields as ``validate_args`` leaves them; by
+  default the source's virtual / uneven stages at the source's PP, else even plain stages.
 * Objects: ``common_state`` (``common``), the ``_extra_state`` placeholders, and, where Megatron
   would load them (TP and PP, or the whole job, unchanged), the source's ``rng_state`` and
   rerun-state records copied as they are.
