@@ -12,7 +12,7 @@ from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.megatron import safe
 from reshard.formats.megatron.model import Arch
 from reshard.formats.megatron.reader import MegatronReader
-from reshard.jobs.convert import reshard
+from reshard.jobs.convert import convert, reshard
 
 from .support import FIXTURES, compare_megatron
 
@@ -179,3 +179,14 @@ def test_vpp_is_a_megatron_option_only(tmp_path):
     with pytest.raises(ReshardError, match="--vpp"):
         reshard(FIXTURES / "torch_dist_tp2_pp2", tmp_path / "out", to="dcp", files=1, vpp=2)
     assert not (tmp_path / "out").exists()
+
+
+def test_vpp_from_a_dcp_in_megatrons_names(tmp_path):
+    """A DCP in Megatron's names, with ``--megatron-args`` of a PP2 source: ``--vpp 2`` lays it out in
+    Megatron's interleaved stages, every weight and Adam moment Megatron's reload of that source."""
+    mid = convert(FIXTURES / "torch_dist_tp2_pp2", tmp_path / "dcp", fmt="dcp")
+    out = MegatronReader.open(reshard(mid.out_dir, tmp_path / "back", to="megatron", optimizer="adam", tp=1, vpp=2,
+                                      megatron_args=FIXTURES / "torch_dist_tp2_pp2").out_dir)
+    want = MegatronReader.open(FIXTURES / "torch_dist_pp2_vpp2")
+    assert out.arch == want.arch and _layout(out.src) == _layout(want.src)
+    assert compare_megatron(out, "torch_dist_tp2_pp2") == 81
