@@ -190,3 +190,13 @@ def test_vpp_from_a_dcp_in_megatrons_names(tmp_path):
     want = MegatronReader.open(FIXTURES / "torch_dist_pp2_vpp2")
     assert out.arch == want.arch and _layout(out.src) == _layout(want.src)
     assert compare_megatron(out, "torch_dist_tp2_pp2") == 81
+
+
+def test_cli_vpp(tmp_path, capsys):
+    from reshard.cli import main
+
+    assert main(["reshard", str(FIXTURES / "torch_dist_tp2_pp2"), str(tmp_path / "a"), "--tp", "1", "--vpp", "2"]) == 0
+    out = MegatronReader.open(next(p for p in (tmp_path / "a").iterdir() if p.is_dir()))
+    assert (out.arch.pp, out.arch.vpp) == (2, 2)
+    assert main(["reshard", str(FIXTURES / "torch_dist_tp2_pp2"), str(tmp_path / "b"), "--pp", "1", "--vpp", "2"]) != 0
+    assert "--vpp 2 with --pp 1" in capsys.readouterr().err and not (tmp_path / "b").exists()
