@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from reshard.errors import CheckpointError, ReshardError
 from reshard.formats.megatron import safe
@@ -14,7 +15,7 @@ from reshard.formats.megatron.model import Arch
 from reshard.formats.megatron.reader import MegatronReader
 from reshard.jobs.convert import convert, reshard
 
-from .support import FIXTURES, compare_megatron
+from .support import FIXTURES, compare_megatron, full
 
 
 def test_layers_of_each_model_chunk():
@@ -200,3 +201,19 @@ def test_cli_vpp(tmp_path, capsys):
     assert (out.arch.pp, out.arch.vpp) == (2, 2)
     assert main(["reshard", str(FIXTURES / "torch_dist_tp2_pp2"), str(tmp_path / "b"), "--pp", "1", "--vpp", "2"]) != 0
     assert "--vpp 2 with --pp 1" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_vpp_from_an_hf_folder(tmp_path):
+    """An HF folder (a 4-layer one, exported from ``torch_dist_tp2_pp2``) -> PP2 x VPP2: the model keys'
+    chunks in the files of Megatron's PP2 x VPP2 save, every weight the source's (the vocabulary rows
+    the folder holds)."""
+    hf = convert(FIXTURES / "torch_dist_tp2_pp2", tmp_path / "hf", fmt="hf").out_dir
+    out = MegatronReader.open(reshard(hf, tmp_path / "m", to="megatron", pp=2, vpp=2).out_dir)
+    want = MegatronReader.open(FIXTURES / "torch_dist_pp2_vpp2")
+    src = MegatronReader.open(FIXTURES / "torch_dist_tp2_pp2")
+    assert out.arch == want.arch and out.args.num_layers_per_virtual_pipeline_stage == 1
+    assert _layout(out.src) == {k: v for k, v in _layout(want.src).items() if not k.startswith("optimizer.")}
+    for k in src.names:
+        a, b = full(out, k, "weight"), full(src, k, "weight")
+        rows = src.arch.vocab if k.startswith(("embedding.", "output_layer.")) else None
+        assert torch.equal(a[:rows], b[:rows]), k
