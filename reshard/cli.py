@@ -284,7 +284,7 @@ def _cmd_reshard(args) -> int:
     from .jobs.convert import reshard
 
     with _cluster(args) as cluster:
-        report = reshard(args.ckpt_dir, args.out_dir, to=args.to, tp=args.tp, dp=args.dp, pp=args.pp,
+        report = reshard(args.ckpt_dir, args.out_dir, to=args.to, tp=args.tp, dp=args.dp, pp=args.pp, vpp=args.vpp,
                          zero_stage=args.zero_stage, ep=args.ep, etp=args.etp, files=args.files, layout=args.layout,
                          dtype=_dtype(args), workers=args.workers, overwrite=args.overwrite, checksum=args.checksum,
                          cluster=cluster, on_replica_mismatch=args.on_replica_mismatch, optimizer=args.optimizer,

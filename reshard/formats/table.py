@@ -58,6 +58,9 @@ OPTIONS: dict[str, Option] = {
     "dp": Option("--dp", "target DP degree (default: the source's)", {"type": "positive"}),
     "pp": Option("--pp", "target pipeline stages (DeepSpeed: the source's count, or 1 to merge them; Megatron: "
                  "default the source's)", {"type": "positive"}),
+    "vpp": Option("--vpp", "target virtual pipeline stages (model chunks) per pipeline stage, Megatron's "
+                  "--virtual-pipeline-model-parallel-size (Megatron; default: the source's where --pp keeps the "
+                  "source's, else 1)", {"type": "positive"}),
     "zero_stage": Option("--zero-stage", "target ZeRO stage (default: the source's)",
                          {"type": int, "choices": (1, 2, 3)}),
     "ep": Option("--ep", "target expert-parallel degree (default: the source's)", {"type": "positive"}),
@@ -187,7 +190,8 @@ FORMATS: tuple[Format, ...] = (
            detect="reshard.formats.megatron.files:is_megatron", hint="latest_checkpointed_iteration.txt, iter_*",
            reader="reshard.formats.megatron.reader:MegatronReader.open", reader_names=True,
            writer="reshard.formats.megatron.legacy_writer:megatron_writer",
-           reshard=("tp", "pp", "dp", "ep", "etp", "optimizer", "dtype", "hf_config", "megatron_args", "ckpt_format"),
+           reshard=("tp", "pp", "vpp", "dp", "ep", "etp", "optimizer", "dtype", "hf_config", "megatron_args",
+                    "ckpt_format"),
            writes_from=("megatron", "safetensors", "dcp", "universal", "deepspeed"),
            source_example="reshard reshard MEGATRON OUT --tp 1 --pp 2",
            target_example="reshard reshard HF_FOLDER OUT --to megatron --tp 2 --pp 2"),

@@ -188,6 +188,7 @@ def reshard(
     quantize: str | None = None,
     ckpt_format: str | None = None,
     megatron_args: str | Path | None = None,
+    vpp: int | None = None,
 ) -> Report:
     """Write the checkpoint at ``ckpt_dir`` at another topology into ``out_dir/<tag>``, in the
     format ``to`` names, by default the source's own where it is written at a topology (a
@@ -202,7 +203,8 @@ def reshard(
     does not record takes its layout from ``layout`` (a DeepSpeed checkpoint at that degree, a map
     document, or ``"geometry"``). Where the target merges copies of a replicated block (another TP
     degree), drifted copies stop the job unless ``on_replica_mismatch`` says which to keep. Or a
-    Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x DP, x EP, x expert TP ``etp``), from a
+    Megatron-Core ``torch_dist`` checkpoint (``to="megatron"``) at TP x PP (x virtual stages ``vpp``, x DP, x EP,
+    x expert TP ``etp``), from a
     Megatron source or an HF one (or DCP / universal in HF names, the model's ``config.json`` in
     the folder ``hf_config``; in Megatron's names, the args, optimizer groups and run state of the Megatron
     checkpoint ``megatron_args``), its optimizer state laid out as ``optimizer`` says
@@ -212,7 +214,7 @@ def reshard(
     byte for byte (``formats.dcp.writer``)."""
     given = {"files": files, "tp": tp, "dp": dp, "pp": pp, "zero_stage": zero_stage, "ep": ep, "etp": etp,
              "layout": layout, "dtype": dtype, "optimizer": optimizer, "hf_config": hf_config, "quantize": quantize,
-             "ckpt_format": ckpt_format, "megatron_args": megatron_args}
+             "ckpt_format": ckpt_format, "megatron_args": megatron_args, "vpp": vpp}
     target = reshard_target(ckpt_dir, to, given)
     check_options(target.name, given)
     patterns(drop)

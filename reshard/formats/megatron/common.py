@@ -54,7 +54,31 @@ def args_for(args: Any, arch: Arch, kind: str) -> Any:
                   "decoder_last_pipeline_num_layers"):
             if getattr(out, k, None) is not None:
                 setattr(out, k, None)
+    _virtual_args(out, args, arch)
     return out
+
+
+def _virtual_args(out: Any, args: Any, arch: Arch) -> None:
+    """The virtual stages' fields as Megatron's ``validate_args`` leaves them: the size and the flag
+    it was asked by (layers per virtual stage, or stages per rank where the stages are uneven), and
+    the interleaved schedule's p2p overlap and aligned param gather (off without virtual stages; on,
+    Megatron's defaults, where the source had none to say otherwise)."""
+    if arch.vpp == 1:
+        for k in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                  "num_virtual_stages_per_pipeline_rank"):
+            if getattr(out, k, None) is not None:
+                setattr(out, k, None)
+        for k in ("overlap_p2p_comm", "align_param_gather"):
+            if hasattr(out, k):
+                setattr(out, k, False)
+        return
+    per_rank = arch.first is not None or arch.last is not None or \
+        getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
+    out.virtual_pipeline_model_parallel_size = arch.vpp
+    out.num_virtual_stages_per_pipeline_rank = arch.vpp if per_rank else None
+    out.num_layers_per_virtual_pipeline_stage = None if per_rank else arch.layers // (arch.pp * arch.vpp)
+    if not getattr(args, "virtual_pipeline_model_parallel_size", None):
+        out.overlap_p2p_comm = out.align_param_gather = True
 
 
 def default_groups(args: Any, expert: bool = False) -> list[dict[str, Any]]:

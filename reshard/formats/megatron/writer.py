@@ -13,6 +13,9 @@ without iterations): ``metadata.json``, one ``__R_0.distcp`` per global rank and
   read with HF names, ...) each target chunk is split by the architecture mapping document into
   one slot per HF tensor block (``hfmap.restrict``): a QKV chunk is q, k and v slots per query
   group, an fc1 chunk gate or up.
+* Pipeline stages: ``vpp`` (``--vpp``) virtual stages per stage, placed as Megatron places them
+  (``Arch.chunk_layers``), the args' virtual-stage fields as ``validate_args`` leaves them; by
+  default the source's virtual / uneven stages at the source's PP, else even plain stages.
 * Objects: ``common_state`` (``common``), the ``_extra_state`` placeholders, and, where Megatron
   would load them (TP and PP, or the whole job, unchanged), the source's ``rng_state`` and
   rerun-state records copied as they are.
@@ -85,7 +88,7 @@ class MegatronWriter(Writer):
     def __init__(self, reader: Reader, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
                  ep: int | None = None, etp: int | None = None, optimizer: str | None = None,
                  dtype: torch.dtype | None = None, hf_config: str | Path | None = None,
-                 megatron_args: str | Path | None = None) -> None:
+                 megatron_args: str | Path | None = None, vpp: int | None = None) -> None:
         own = reader.native("megatron")
         self.own = own if isinstance(own, MegatronReader) else None  # a Megatron source: its args, files, naming
         self._notes: list[str] = []
@@ -110,6 +113,7 @@ class MegatronWriter(Writer):
         dp = _positive(dp, "dp") if dp is not None else (src.dp if src else 1)
         self.source: MegatronReader | None = None  # the source cut to the target's vocabulary rows (view)
         etp = _positive(etp, "etp") if etp is not None else None
+        self._vpp = _positive(vpp, "vpp") if vpp is not None else None
         if self.own is not None:
             if hf_config is not None:
                 raise ReshardError("--hf-config: a Megatron target from a Megatron source keeps the source's args")
@@ -183,8 +187,7 @@ class MegatronWriter(Writer):
             etp = tp if src.etp == src.tp else src.etp
         arch = dataclasses.replace(src, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp,
                                    padded_vocab=padded_vocab(src.vocab, divisible, tp))
-        if pp != src.pp:  # virtual / uneven stages are kept only at the source's PP
-            arch = arch.evened()
+        arch = self._virtual(arch, src, args)
         arch.check("target topology")
         moments = data is None or any("exp_avg" in data.states(n) for n in data.names)
         self.kind = optimizer or (own.src.sharding if moments else "none")
@@ -225,7 +228,7 @@ class MegatronWriter(Writer):
         have = {reader.dtype(n, s) for n in reader.names for s in reader.states(n)[:1]}
         dtype = dtype or (have.pop() if len(have) == 1 else torch.float32)
         self.args = args_from_hf(cfg, tp=tp, pp=pp, dp=dp, dtype=dtype, ep=ep or 1, etp=etp)
-        self.arch = Arch.from_args(self.args, f"{reader.sources[-1]}: config.json")
+        self.arch = self._virtual(Arch.from_args(self.args, f"{reader.sources[-1]}: config.json"), None, self.args)
         self.kind = optimizer or "none"
         self._check_kind()
         self.args = args_for(self.args, self.arch, self.kind)
@@ -238,6 +241,29 @@ class MegatronWriter(Writer):
         self.step = self._step(reader)
         self._notes.append(f"args built from config.json (Megatron-LM defaults for training fields); a release "
                            f"checkpoint, padded vocabulary {self.arch.padded_vocab}")
+
+    def _virtual(self, arch: Arch, src: Arch | None, args: Any) -> Arch:
+        """``arch`` (the target's sizes) over the target's virtual stages: ``--vpp``, else the
+        source's at the source's PP (uneven first / last stages too), else none. At a new PP the
+        stages are even; a new VPP at the source's PP keeps its uneven first / last stage."""
+        if src is None or arch.pp != src.pp:
+            arch = arch.evened()
+        vpp = self._vpp
+        if vpp is None or vpp == arch.vpp:
+            return arch
+        if vpp > 1 and arch.pp == 1:
+            raise ReshardError(f"--vpp {vpp} with --pp 1: Megatron interleaves virtual pipeline stages over several "
+                               "pipeline stages only")
+        if vpp > 1 and arch.pp <= 2 and getattr(args, "overlap_p2p_comm", True) is False \
+                and getattr(args, "virtual_pipeline_model_parallel_size", None):
+            raise ReshardError(f"--vpp {vpp} at PP={arch.pp}: the source's args turn off overlap_p2p_comm, with which "
+                               "Megatron's interleaved schedule needs more than 2 pipeline stages")
+        out = dataclasses.replace(arch, vpp=vpp)
+        try:
+            out.check("target topology")
+        except ReshardError as e:
+            raise ReshardError(f"--vpp {vpp} at PP={arch.pp}: Megatron cannot build it ({e})") from None
+        return out
 
     def _check_kind(self) -> None:
         if self.kind not in KINDS:

@@ -90,6 +90,11 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_pp2_vpp2_mtp1", dict(tp=2, pp=2, dp=1), True),
     # legacy files with MTP (the last stage's embedding copy) written as torch_dist
     ("legacy_tp2_pp2_mtp1", dict(tp=1, pp=1, dp=1), True),
+    # --vpp: plain stages -> PP 2 x virtual PP 2 (the oracle reloads at the output's recorded virtual stages), a
+    # buffer per model chunk; virtual stages -> plain ones at the same PP
+    ("torch_dist_tp2_pp2", dict(tp=1, pp=2, dp=1, vpp=2), True),
+    ("torch_dist_tp2_pp2", dict(tp=1, pp=2, dp=1, vpp=2, optimizer="dp_reshardable"), True),
+    ("torch_dist_pp2_vpp2_distopt", dict(tp=1, pp=2, dp=1, vpp=1), True),
 ]
 
 
@@ -296,6 +301,7 @@ LEGACY_TARGETS = [  # (source, target topology): legacy files (--ckpt-format tor
     ("torch_dist_mtp1", dict(tp=2, pp=2, dp=1, optimizer="adam")),
     ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=1, pp=1, dp=1, ep=1, optimizer="adam")),
     ("torch_dist_mtp1", dict(tp=1, pp=1, dp=2, optimizer="distributed")),  # one stage: no embedding copy
+    ("legacy_tp2_pp2", dict(tp=1, pp=2, dp=1, vpp=2, optimizer="adam")),  # --vpp: model0 / model1 per file
 ]
 
 
