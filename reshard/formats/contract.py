@@ -262,6 +262,36 @@ class Reader(ABC):
         return None
 
 
+class ReaderView(Reader):
+    """A source seen through another reader ``inner`` (renamed, narrowed, joined): its identity,
+    checks and source-wide facts (config, clipping, labels, world) are ``inner``'s; no target
+    copies the source's own files under the view's names (``native``: none). A view overrides
+    what it changes and answers every per-name question itself."""
+
+    def __init__(self, inner: Reader) -> None:
+        self.inner = inner
+        self.format, self.tag, self.sources = inner.format, inner.tag, inner.sources
+        self.description, self.topology = inner.description, inner.topology
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def hf_config(self) -> dict[str, Any] | None:
+        return self.inner.hf_config()
+
+    def grad_clip(self) -> float | None:
+        return self.inner.grad_clip()
+
+    def labels(self) -> str:
+        return self.inner.labels()
+
+    def world(self) -> int | None:
+        return self.inner.world()
+
+    def native(self, fmt: str) -> object | None:
+        return None
+
+
 class Writer(ABC):
     """A target checkpoint's layout, computed (and refused where impossible) when it is made,
     before any output folder exists. A writer takes a :class:`Reader` and asks it only what the

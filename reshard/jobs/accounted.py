@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ReshardError, UnplacedError
 from ..execute.bands import Banded
-from ..formats.contract import HELD, MOMENTS, ExpertLayer, Held, Reader, Stored, Target, Writer
+from ..formats.contract import HELD, MOMENTS, ExpertLayer, Held, Reader, ReaderView, Stored, Target, Writer
 from ..ir.param_map import ParamMap
 
 __all__ = ["Accounted", "Without", "account", "patterns", "prepare"]
@@ -164,15 +164,14 @@ def prepare(reader: Reader, drop: Iterable[str], make: Callable[[Reader], Writer
                            "holds it: it cannot be left out on this route") from None
 
 
-class Without(Reader):
+class Without(ReaderView):
     """A source without some of its parameters (``--drop``): each listed as held weights, which
     the accounting records as dropped, and no own files a target would copy (``native``: none).
     Every other question goes to the source."""
 
     def __init__(self, inner: Reader, gone: Sequence[str]) -> None:
-        self.inner, self.gone = inner, frozenset(gone)
-        self.format, self.tag, self.sources = inner.format, inner.tag, inner.sources
-        self.description, self.topology = inner.description, inner.topology
+        super().__init__(inner)
+        self.gone = frozenset(gone)
         self.names = [n for n in inner.names if n not in self.gone]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -212,9 +211,6 @@ class Without(Reader):
     def extras(self, name: str) -> dict[str, Any]:
         return self.inner.extras(name)
 
-    def check(self) -> None:
-        self.inner.check()
-
     def model_order(self) -> list[str] | None:
         order = self.inner.model_order()
         return None if order is None else [n for n in order if n not in self.gone]
@@ -222,20 +218,8 @@ class Without(Reader):
     def tied(self) -> dict[str, str]:
         return {a: w for a, w in self.inner.tied().items() if w not in self.gone and a not in self.gone}
 
-    def hf_config(self) -> dict[str, Any] | None:
-        return self.inner.hf_config()
-
     def expert_layers(self) -> tuple[ExpertLayer, ...]:
         return self.inner.expert_layers()
-
-    def grad_clip(self) -> float | None:
-        return self.inner.grad_clip()
-
-    def labels(self) -> str:
-        return self.inner.labels()
-
-    def world(self) -> int | None:
-        return self.inner.world()
 
     def saver(self, name: str, state: str, rank: int) -> int | None:
         return self.inner.saver(name, state, rank)
@@ -244,8 +228,3 @@ class Without(Reader):
         where = str(self.inner.sources[-1])
         return [*self.inner.unlowered(), *(Held(n, where, "weights", "a parameter --drop names")
                                            for n in self.inner.names if n in self.gone)]
-
-    def native(self, fmt: str) -> object | None:
-        """None: a target that copies the source's own files would copy what was dropped; it
-        writes this source as it writes any other format's."""
-        return None

@@ -24,7 +24,7 @@ from ...ir.geometry import piece_blocks
 from ...ir.param_map import ParamMap
 from ...ir.piece import Piece, View, row_major_strides
 from ...ir.shard import Shard
-from ..contract import Held, Reader
+from ..contract import Held, Reader, ReaderView
 from .autoep_view import AUTOEP_DOC
 
 __all__ = ["AutoEPHfView", "autoep_hf_view"]
@@ -72,13 +72,11 @@ def _modules(doc: dict, names: Sequence[str]) -> tuple[list[str], str | None]:
     return list(found), shown
 
 
-class AutoEPHfView(Reader):
+class AutoEPHfView(ReaderView):
     """``inner`` (in AutoEP's names) in the HF names of ``config``'s model (module doc)."""
 
     def __init__(self, inner: Reader, config: dict[str, Any], preset: dict, modules: Sequence[str]) -> None:
-        self.inner = inner
-        self.format, self.tag, self.sources = inner.format, inner.tag, inner.sources
-        self.description, self.topology = inner.description, inner.topology
+        super().__init__(inner)
         where = str(inner.sources[-1])
         self.preset: str = preset["name"]
         spec = _fused(preset)
@@ -227,9 +225,6 @@ class AutoEPHfView(Reader):
         """AutoEP's router aliases left out, each with the HF name written for it."""
         return dict(self._aliases)
 
-    def check(self) -> None:
-        self.inner.check()
-
     def check_aliases(self) -> None:
         """Each AutoEP alias the source holds as a module entry equal to its router, bit for bit:
         written once, as the router, only where it is the router's value."""
@@ -253,21 +248,6 @@ class AutoEPHfView(Reader):
         alias = [Held(a, where, "weights", f"DeepSpeed AutoEP's router alias, its router's value (written as {hf})")
                  for a, hf in self._aliases.items() if a in self.inner.names and a not in seen]
         return [*self.inner.unlowered(), *alias]
-
-    def hf_config(self) -> dict[str, Any] | None:
-        return self.inner.hf_config()
-
-    def grad_clip(self) -> float | None:
-        return self.inner.grad_clip()
-
-    def labels(self) -> str:
-        return self.inner.labels()
-
-    def world(self) -> int | None:
-        return self.inner.world()
-
-    def native(self, fmt: str) -> object | None:
-        return None  # no target copies the source's own files under these names
 
 
 def _joined(maps: Sequence[ParamMap], dim: int, shape: tuple[int, ...]) -> tuple[ParamMap, dict[int, tuple[int, int]]]:

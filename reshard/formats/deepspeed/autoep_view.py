@@ -24,7 +24,7 @@ from ...ir.geometry import Box, box_intersect, piece_blocks
 from ...ir.param_map import ParamMap
 from ...ir.piece import Piece, View, prod, row_major_strides
 from ...ir.shard import Shard
-from ..contract import ExpertLayer, Held, Reader
+from ..contract import ExpertLayer, Held, Reader, ReaderView
 from ..hf_order import hf_model_order
 from .templates import ADAMW
 
@@ -111,14 +111,13 @@ def _restricted(m: ParamMap, region: Box) -> tuple[ParamMap, dict[int, list[tupl
     return ParamMap(shape, shards), reads
 
 
-class AutoEPView(Reader):
+class AutoEPView(ReaderView):
     """``inner`` in DeepSpeed AutoEP's names (module doc); ``ep``: the target's EP degree (its
     expert optimizer group is named by it)."""
 
     def __init__(self, inner: Reader, layers: Sequence[ExpertLayer], ep: int, doc: dict | None = None) -> None:
-        self.inner, self.ep = inner, ep
-        self.format, self.tag, self.sources = inner.format, inner.tag, inner.sources
-        self.description, self.topology = inner.description, inner.topology
+        super().__init__(inner)
+        self.ep = ep
         where = str(inner.sources[-1])
         doc = doc if doc is not None else json.loads(AUTOEP_DOC.read_text())
         preset = _preset(doc, inner, layers, where)
@@ -353,26 +352,8 @@ class AutoEPView(Reader):
     def expert_layers(self) -> tuple[ExpertLayer, ...]:
         return tuple(self._layers)
 
-    def hf_config(self) -> dict[str, Any] | None:
-        return self.inner.hf_config()
-
-    def grad_clip(self) -> float | None:
-        return self.inner.grad_clip()
-
-    def check(self) -> None:
-        self.inner.check()
-
     def unlowered(self) -> list[Held]:
         return self.inner.unlowered()
-
-    def labels(self) -> str:
-        return self.inner.labels()
-
-    def world(self) -> int | None:
-        return self.inner.world()
-
-    def native(self, fmt: str) -> object | None:
-        return None  # no target copies the source's own files under these names
 
 
 def _stacked(maps: Sequence[ParamMap]) -> tuple[ParamMap, dict[int, tuple[int, int]]]:
