@@ -156,10 +156,12 @@ def test_written_at_tp1_is_deepspeeds_layout_and_holds_the_source(ep, stage, the
         assert differences(_oracle(("module",), weights), _digests(weights)) == []
 
 
-@pytest.mark.parametrize("options", [{"tp": 2, "ep": 2}, {"tp": 2, "ep": 2, "zero_stage": 3}])
-def test_a_folded_zero3_target_is_refused_by_name(options, tmp_path):
-    with pytest.raises(ReshardError, match=r"AutoEP folded over TP \(AutoEP x AutoTP\) is not written at ZeRO-3 "
-                                          r"\(asked tp=2, zero stage 3\)"):
+@pytest.mark.parametrize("options", [{}, {"tp": 2, "ep": 2, "zero_stage": 3}, {"tp": 2, "ep": 2, "zero_stage": 1}])
+def test_a_folded_target_from_it_is_refused_by_name(options, tmp_path):
+    """Written folded again (at ZeRO-3 or ZeRO-1/2): not built; asked nothing, it keeps its TP 2."""
+    stage = options.get("zero_stage", 3)
+    with pytest.raises(ReshardError, match=r"a folded \(AutoEP x AutoTP\) ZeRO-3 checkpoint is written at TP 1 only "
+                                          rf"\(asked tp=2, zero stage {stage}\).* --tp 1 writes it unfolded"):
         reshard(FIXTURES / NAME, tmp_path / "out", **options)
     assert not (tmp_path / "out").exists()
 
@@ -224,7 +226,8 @@ def _native_loads(work: Path, outs: dict[tuple[int, int], Path]) -> dict[str, di
         return spec
 
     loads = [resume_load(f"ep{ep}_z{stage}", out.parent, model_spec=tp1(ep), tp=1, dp=2, universal=False,
-                         zero_stage=stage) for (ep, stage), out in outs.items()]
+                         zero_stage=stage, save_dir=work / f"native_ep{ep}_z{stage}")
+             for (ep, stage), out in outs.items()]
     loads.append(resume_load("folded", FIXTURES / NAME, model_spec=model_spec_from_fixture(FIXTURES / NAME), tp=2,
                              dp=1, universal=False, zero_stage=3))
     return resume_many(loads, world_size=2, workdir=work / "job")
@@ -240,6 +243,29 @@ def write_oracle(work: Path) -> None:
                                   "optimizer_step_after_load": report["optimizer_step_after_load"],
                                   "layouts": report["layouts"], "digests": report["digests"]["after_load"]},
                                  indent=1) + "\n")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_deepspeed_loads_the_fixture_and_the_tp1_outputs_natively(tmp_path):
+    """DeepSpeed's folded ZeRO-3 load of the fixture gives the committed oracle; its native loads of
+    reshard's ``--tp 1`` (ZeRO-3) and ``--tp 1 --zero-stage 1`` outputs give the same digests (masters,
+    moments, weights) and step 3; its save right after each load equals reshard's files (but ds_config)."""
+    pytest.importorskip("deepspeed")
+    from tests.support.compare import diff_files
+
+    outs = {(2, stage): reshard(FIXTURES / NAME, tmp_path / f"ours_z{stage}", tp=1, ep=2,
+                                zero_stage=stage).out_dir for stage in (3, 1)}
+    reports = _native_loads(tmp_path, outs)
+    oracle = json.loads(ORACLE.read_text())
+    assert differences(oracle["digests"], reports["folded"]["digests"]["after_load"]) == []
+    assert reports["folded"]["global_steps_after_load"] == 3
+    for (ep, stage), out in outs.items():
+        r = reports[f"ep{ep}_z{stage}"]
+        assert differences(oracle["digests"], r["digests"]["after_load"]) == [], stage
+        assert r["global_steps_after_load"] == 3 and r["optimizer_step_after_load"] == [3.0]
+        assert r["ranks_agree"] and r["layouts"][EXPERTS[0]] == "autoep"
+        diff_files(out, tmp_path / f"native_ep{ep}_z{stage}" / out.name)
 
 
 if __name__ == "__main__":  # re-write the oracle (a DeepSpeed job, minutes)
