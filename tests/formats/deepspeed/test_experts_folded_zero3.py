@@ -1,6 +1,7 @@
 """DeepSpeed AutoEP x AutoTP ("folding") at ZeRO-3 (docs/deepspeed-checkpoints.md §11.2): the
-``mixtral_autoep_ep2_tp2_zero3`` fixture (TP 2 x EP 2 on 2 ranks, saved by DeepSpeed 0.19.8 itself)
-read through the one layout and converted; ``--tp 1`` from it.
+``mixtral_autoep_ep2_tp2_zero3`` fixture (TP 2 x EP 2 on 2 ranks) and ``mixtral_autoep_ep2_tp2_dp2_zero3``
+(TP 2 x DP 2, EP 2 x EDP 2 on 4 ranks), saved by DeepSpeed 0.19.8 itself, read through the one layout
+and converted; ``--tp 1`` from them.
 
 As for the ZeRO-1 folded fixture (test_experts_folded.py) the oracle is DeepSpeed's own
 consolidation (``oracle.json`` beside the fixture): a folded ZeRO-3 job loads it natively and
@@ -29,14 +30,15 @@ from tests.support.compare import full_state
 from tests.support.dsconv import FIXTURES, tag_dir
 
 NAME = "mixtral_autoep_ep2_tp2_zero3"
-ORACLE = FIXTURES / NAME / "oracle.json"
+WORLD4 = "mixtral_autoep_ep2_tp2_dp2_zero3"
+BOTH = [NAME, WORLD4]
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 EXPERTS = [f"model.layers.{layer}.mlp.experts.{w}" for layer in (0, 1) for w in ("w1", "w2", "w3")]
 ALIASES = ("model.layers.0.mlp.gate.gate.weight", "model.layers.1.mlp.gate.gate.weight")
 
 
-def _oracle(kinds: tuple[str, ...] = STATES, names: Any = None) -> dict:
-    digests = json.loads(ORACLE.read_text())["digests"]
+def _oracle(kinds: tuple[str, ...] = STATES, names: Any = None, fixture: str = NAME) -> dict:
+    digests = json.loads((FIXTURES / fixture / "oracle.json").read_text())["digests"]
     return {n: {k: d[k] for k in kinds if k in d} for n, d in digests.items() if names is None or n in names}
 
 
@@ -81,19 +83,38 @@ def test_reads_the_folded_zero3_placement_through_the_one_layout(ck):
     assert ck.tp_map("model.layers.0.self_attn.q_proj.weight").map.shards[1].shape == (16, 32)
 
 
-def test_universal_holds_deepspeeds_own_consolidation(tmp_path):
+def test_the_world_4_fixture_records_its_partition_groups_over_global_ranks():
+    """At TP 2 x DP 2 DeepSpeed's partition groups are global ranks: TP rank t's dense sub-group over
+    ``[t, 2 + t]``, EP rank e's experts over its EDP group ``[e, e + 2]``; each rank's records its own."""
+    tag = tag_dir(WORLD4)
+    for t in (0, 1):
+        for d in (0, 1):
+            optim = load(tag / f"zero_pp_rank_{d}_mp_rank_0{t}_optim_states.pt")
+            groups = optim["optimizer_state_dict"]["ds_zero_partition_groups"]
+            assert [(g["partition_rank"], g["partition_ranks"]) for g in groups] == [(d, [t, 2 + t])] * 2
+            assert (optim["folding"]["zero_partition_rank"], optim["folding"]["ep_rank"]) == (d, t)
+            model = load(tag / f"zero_pp_rank_{d}_mp_rank_0{t}_model_states.pt")
+            assert (model["folding"]["zero_partition_rank"], model["folding"]["zero_partition_count"]) == (d, 2)
+    ck = DeepSpeedCheckpoint.open(FIXTURES / WORLD4)
+    assert (ck.tp, ck.dp, ck.experts.ep, ck.experts.edp) == (2, 2, 2, 2)
+    assert [ck.experts.members(e) for e in (0, 1)] == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("fixture", BOTH)
+def test_universal_holds_deepspeeds_own_consolidation(fixture, tmp_path):
     """Every fp32 master and Adam moment of reshard's universal checkpoint, bit for bit; no folding record."""
-    out = convert(FIXTURES / NAME, tmp_path, fmt="universal").out_dir
+    out = convert(FIXTURES / fixture, tmp_path, fmt="universal").out_dir
 
     def read(name: str, state: str) -> torch.Tensor:
         obj = load(out / "zero" / name / f"{state}.pt", mmap=False)
         return obj["param"] if isinstance(obj, dict) else obj
 
-    got = {n: {s: read(n, s) for s in STATES} for n in _oracle()}
-    assert differences(_oracle(), _digests(got)) == []
-    assert {d.name for d in (out / "zero").iterdir() if d.is_dir()} == set(_oracle())
+    got = {n: {s: read(n, s) for s in STATES} for n in _oracle(fixture=fixture)}
+    assert differences(_oracle(fixture=fixture), _digests(got)) == []
+    assert {d.name for d in (out / "zero").iterdir() if d.is_dir()} == set(_oracle(fixture=fixture))
     models = sorted(out.glob("*model_states.pt"))
-    assert models and all("folding" not in load(m) for m in models)
+    assert len(models) == len(list(tag_dir(fixture).glob("*model_states.pt")))
+    assert all("folding" not in load(m) for m in models)
 
 
 def test_dcp_holds_deepspeeds_own_consolidation(tmp_path):
@@ -156,6 +177,19 @@ def test_written_at_tp1_is_deepspeeds_layout_and_holds_the_source(ep, stage, the
         assert differences(_oracle(("module",), weights), _digests(weights)) == []
 
 
+@pytest.mark.parametrize("fixture,ep,stage", [(WORLD4, 2, 3), (WORLD4, 4, 1)])
+def test_world_4_written_at_tp1_holds_deepspeeds_consolidation(fixture, ep, stage, tmp_path):
+    """``--tp 1`` from TP 2 x DP 2: at ZeRO-3 (EP 2 x EDP 2 over 4 DP ranks) and at ZeRO-1 EP 4, every
+    master and moment the oracle's."""
+    out = reshard(FIXTURES / fixture, tmp_path / "out", tp=1, ep=ep, zero_stage=stage).out_dir
+    new = DeepSpeedCheckpoint.open(out)
+    assert (new.tp, new.dp, new.zero_stage, new.experts.ep, new.experts.folded) == (1, 4, stage, ep, False)
+    assert not any("folding" in load(p) for p in out.glob("*.pt"))
+    oracle = _oracle(fixture=fixture)
+    got = {n: {s: full_state(new, n, s) for s in STATES} for n in oracle}
+    assert differences(oracle, _digests(got)) == []
+
+
 @pytest.mark.parametrize("options", [{}, {"tp": 2, "ep": 2, "zero_stage": 3}, {"tp": 2, "ep": 2, "zero_stage": 1}])
 def test_a_folded_target_from_it_is_refused_by_name(options, tmp_path):
     """Written folded again (at ZeRO-3 or ZeRO-1/2): not built; asked nothing, it keeps its TP 2."""
@@ -201,10 +235,27 @@ PLANTED = [
 ]
 
 
-@pytest.mark.parametrize("fname,edit,match", PLANTED, ids=[f"{i}-{p[0]}" for i, p in enumerate(PLANTED)])
-def test_a_wrong_folded_zero3_record_is_refused_naming_it(fname, edit, match, tmp_path):
+PLANTED_WORLD4 = [
+    # EP 1's EDP group in DeepSpeed's order is [1, 3]; recorded in DP order instead
+    ("zero_pp_rank_1_mp_rank_01_optim_states.pt", _zpg(1, 1, partition_ranks=[2, 3]),
+     r"zero_pp_rank_1_mp_rank_01_optim_states.pt: ds_zero_partition_groups\[1\] is .*\[2, 3\].*, but global rank 3 "
+     r"\(TP rank 1, DP rank 1\) \(EP rank 1, EDP groups in DeepSpeed's expert before data order\) should have .*"
+     r"'partition_ranks': \[1, 3\]"),
+    ("zero_pp_rank_1_mp_rank_00_model_states.pt", lambda sd: sd["folding"].update(zero_partition_rank=0),
+     r"zero_pp_rank_1_mp_rank_00_model_states.pt: folding.zero_partition_rank is 0, DeepSpeed's folded load "
+     r"expects 1"),
+    ("zero_pp_rank_1_mp_rank_01_model_states.pt",  # both copies DeepSpeed writes of the layer entry
+     lambda sd: [x["ds_autoep_layers"][1].update(ep_rank=0) for x in (sd, sd["universal_checkpoint_info"])],
+     r"zero_pp_rank_1_mp_rank_01_model_states.pt: ds_autoep_layers records EP rank\(s\) \[0, 1\], the partition "
+     r"groups say global rank 3 is EP rank 1"),
+]
+CASES = [(NAME, *p) for p in PLANTED] + [(WORLD4, *p) for p in PLANTED_WORLD4]
+
+
+@pytest.mark.parametrize("fixture,fname,edit,match", CASES, ids=[f"{i}-{c[1]}" for i, c in enumerate(CASES)])
+def test_a_wrong_folded_zero3_record_is_refused_naming_it(fixture, fname, edit, match, tmp_path):
     root = tmp_path / "src"
-    shutil.copytree(FIXTURES / NAME, root)
+    shutil.copytree(FIXTURES / fixture, root)
     _plant(root / "global_step3" / fname, edit)
     with pytest.raises(CheckpointError, match=match):
         convert(root, tmp_path / "out")
@@ -214,29 +265,31 @@ def test_a_wrong_folded_zero3_record_is_refused_naming_it(fname, edit, match, tm
 # -- DeepSpeed itself: its native folded ZeRO-3 load (the oracle) ------------------------------------------
 
 
-def _native_loads(work: Path, outs: dict[tuple[int, int], Path]) -> dict[str, dict]:
-    """One world-2 job: DeepSpeed loads each TP 1 output (``{(ep, zero stage): tag folder}``) at its EP
-    and stage, then the fixture folded (TP 2 x EP 2, ZeRO-3; TP 1 loads first, as its groups allow)."""
+def _native_loads(work: Path, outs: dict[tuple[int, int], Path], fixture: str = NAME) -> dict[str, dict]:
+    """One job at the fixture's world: DeepSpeed loads each TP 1 output (``{(ep, zero stage): tag
+    folder}``) at its EP and stage, then the fixture folded (TP 2 x EP 2, ZeRO-3; TP 1 loads first,
+    as its groups allow)."""
     from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
 
     def tp1(ep: int) -> dict:
-        spec = model_spec_from_fixture(FIXTURES / NAME)
+        spec = model_spec_from_fixture(FIXTURES / fixture)
         spec["ds_config"]["expert_parallel"]["autoep_size"] = ep
         spec["ds_config"].pop("tensor_parallel")
         return spec
 
-    loads = [resume_load(f"ep{ep}_z{stage}", out.parent, model_spec=tp1(ep), tp=1, dp=2, universal=False,
+    world = json.loads((FIXTURES / fixture / "fixture.json").read_text())["world_size"]
+    loads = [resume_load(f"ep{ep}_z{stage}", out.parent, model_spec=tp1(ep), tp=1, dp=world, universal=False,
                          zero_stage=stage, save_dir=work / f"native_ep{ep}_z{stage}")
              for (ep, stage), out in outs.items()]
-    loads.append(resume_load("folded", FIXTURES / NAME, model_spec=model_spec_from_fixture(FIXTURES / NAME), tp=2,
-                             dp=1, universal=False, zero_stage=3))
-    return resume_many(loads, world_size=2, workdir=work / "job")
+    loads.append(resume_load("folded", FIXTURES / fixture, model_spec=model_spec_from_fixture(FIXTURES / fixture),
+                             tp=2, dp=world // 2, universal=False, zero_stage=3))
+    return resume_many(loads, world_size=world, workdir=work / "job")
 
 
-def write_oracle(work: Path) -> None:
+def write_oracle(work: Path, fixture: str) -> None:
     """The committed oracle, from DeepSpeed's native folded ZeRO-3 load of the fixture."""
-    report = _native_loads(work, {})["folded"]
-    ORACLE.write_text(json.dumps({"fixture": NAME, "how": "DeepSpeed 0.19.8's native folded ZeRO-3 load "
+    report = _native_loads(work, {}, fixture)["folded"]
+    (FIXTURES / fixture / "oracle.json").write_text(json.dumps({"fixture": fixture, "how": "DeepSpeed 0.19.8's native folded ZeRO-3 load "
                                   "(tests/e2e/resume_train.py), whole states digested",
                                   "topology": report["topology"],
                                   "global_steps_after_load": report["global_steps_after_load"],
@@ -257,7 +310,7 @@ def test_deepspeed_loads_the_fixture_and_the_tp1_outputs_natively(tmp_path):
     outs = {(2, stage): reshard(FIXTURES / NAME, tmp_path / f"ours_z{stage}", tp=1, ep=2,
                                 zero_stage=stage).out_dir for stage in (3, 1)}
     reports = _native_loads(tmp_path, outs)
-    oracle = json.loads(ORACLE.read_text())
+    oracle = json.loads((FIXTURES / NAME / "oracle.json").read_text())
     assert differences(oracle["digests"], reports["folded"]["digests"]["after_load"]) == []
     assert reports["folded"]["global_steps_after_load"] == 3
     for (ep, stage), out in outs.items():
@@ -271,5 +324,6 @@ def test_deepspeed_loads_the_fixture_and_the_tp1_outputs_natively(tmp_path):
 if __name__ == "__main__":  # re-write the oracle (a DeepSpeed job, minutes)
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
-        write_oracle(Path(tmp))
+    for fixture in BOTH:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_oracle(Path(tmp), fixture)
