@@ -300,17 +300,19 @@ def write_oracle(work: Path, fixture: str) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_deepspeed_loads_the_fixture_and_the_tp1_outputs_natively(tmp_path):
+@pytest.mark.parametrize("fixture", BOTH)
+def test_deepspeed_loads_the_fixture_and_the_tp1_outputs_natively(fixture, tmp_path):
     """DeepSpeed's folded ZeRO-3 load of the fixture gives the committed oracle; its native loads of
-    reshard's ``--tp 1`` (ZeRO-3) and ``--tp 1 --zero-stage 1`` outputs give the same digests (masters,
-    moments, weights) and step 3; its save right after each load equals reshard's files (but ds_config)."""
+    reshard's ``--tp 1`` (ZeRO-3) and ``--tp 1 --zero-stage 1`` outputs (EP 2, the world kept) give the
+    same digests (masters, moments, weights) and step 3; its save right after each load equals
+    reshard's files (but ds_config)."""
     pytest.importorskip("deepspeed")
     from tests.support.compare import diff_files
 
-    outs = {(2, stage): reshard(FIXTURES / NAME, tmp_path / f"ours_z{stage}", tp=1, ep=2,
+    outs = {(2, stage): reshard(FIXTURES / fixture, tmp_path / f"ours_z{stage}", tp=1, ep=2,
                                 zero_stage=stage).out_dir for stage in (3, 1)}
-    reports = _native_loads(tmp_path, outs)
-    oracle = json.loads((FIXTURES / NAME / "oracle.json").read_text())
+    reports = _native_loads(tmp_path, outs, fixture)
+    oracle = json.loads((FIXTURES / fixture / "oracle.json").read_text())
     assert differences(oracle["digests"], reports["folded"]["digests"]["after_load"]) == []
     assert reports["folded"]["global_steps_after_load"] == 3
     for (ep, stage), out in outs.items():
