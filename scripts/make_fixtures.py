@@ -354,6 +354,19 @@ FIXTURES = [
                  expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
             world_size=2, tp=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),
+    # ... and the same fold at ZeRO-3: every rank's sub-groups partition its own TP lane's parameters over
+    # DP=1; DeepSpeed still writes per-expert files and a "folding" record in every file
+    Fixture("mixtral_autoep_ep2_tp2_zero3", "mixtral", MIXTRAL,
+            dict(ds_config(3), tensor_parallel={"autotp_size": 2, "preset_model": "mixtral"},
+                 expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
+            world_size=2, tp=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
+    # ... and at world 4: TP 2 x DP 2, EP 2 x EDP 2 (EDP groups {0, 2}, {1, 3} of global ranks dp * 2 + tp)
+    Fixture("mixtral_autoep_ep2_tp2_dp2_zero3", "mixtral", MIXTRAL,
+            dict(ds_config(3), tensor_parallel={"autotp_size": 2, "preset_model": "mixtral"},
+                 expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
+            world_size=4, tp=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
     # classic deepspeed.moe.layer.MoE: 4 experts over EP=2 (layer_L_expert_E files, per-EP-rank local names)
     Fixture("moe_ep2", "moe", MOE, ds_config(1), world_size=2, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),
     # the same classic MoE recipe in bf16 under ZeRO-2 (bf16_ optimizer files, bf16 module and expert weights)

@@ -449,7 +449,7 @@ REFUSALS = [
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 1, "dp": 3, "ep": 2}, r"ep=2 must divide the target world size dp=3"),
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 1, "dp": 3, "ep": 3}, r"4 experts do not split evenly over ep=3"),
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 2, "dp": 2, "ep": 2},
-     r"AutoEP ZeRO-3 checkpoints are resharded at TP = PP = 1 only"),
+     r"AutoEP folded over TP \(AutoEP x AutoTP\) is not written at ZeRO-3 \(asked tp=2, zero stage 3\)"),
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 0},
      r"written at ZeRO stage 1, 2 or 3 \(asked 0\)"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 3, "ep": 3},
@@ -463,7 +463,8 @@ REFUSALS = [
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 2}, r"keeps the source's ZeRO stage 1"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 3},
      r"classic MoE .* is not written at ZeRO stage 3: DeepSpeed 0.19.8 does not train it there"),
-    ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 2, "ep": 2, "zero_stage": 3}, r"TP = PP = 1 only"),
+    ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 2, "ep": 2, "zero_stage": 3},
+     r"AutoEP folded over TP \(AutoEP x AutoTP\) is not written at ZeRO-3"),
     ("deepspeed-autoep", "deepspeed", {"tp": 1, "dp": 3, "ep": 2, "zero_stage": 3},
      r"ep=2 must divide the target world size dp=3"),
 ]

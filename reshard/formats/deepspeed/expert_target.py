@@ -24,7 +24,7 @@ from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
 from .layout import Group, Layout, Part, Unit
 from .placement import EXPERT_FILE, AutoEPPlacement, split_local, uniform_placement
-from .target import DeepSpeedTarget, PlaceholderFiles, autoep_sub_layout
+from .target import DeepSpeedTarget, PlaceholderFiles, autoep_sub_layout, tp1_view, unfolded
 from .templates import Templates, ds_id_notes, placeholder_dtype
 
 
@@ -76,20 +76,6 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=optim, ds_config=ds_config, uc_info=None,
                            models=models, group_names=group_names, notes=[note])
-
-
-# what DeepSpeed's AutoEP save at TP = 1 records in universal_checkpoint_info (AutoTP's categories go)
-UNFOLDED_UC = ("universal_checkpoint_version", "expert_parameter_patterns", dse.LAYERS_KEY)
-
-
-def unfolded(state: Mapping[str, Any]) -> dict:
-    """A folded (AutoEP x AutoTP) file's state as DeepSpeed writes it at TP = 1: no ``folding``
-    record, ``universal_checkpoint_info`` without AutoTP's entries (its tensors replaced later)."""
-    out = {k: v for k, v in state.items() if k != folding.KEY}
-    uc = out.get("universal_checkpoint_info")
-    if isinstance(uc, Mapping):
-        out["universal_checkpoint_info"] = {k: uc[k] for k in UNFOLDED_UC if k in uc}
-    return out
 
 
 def autoep_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_files: list[Path]) -> DeepSpeedTarget:
@@ -235,8 +221,7 @@ def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: i
     masters -- the module's and each per-expert file's -- cast from them (:class:`ExpertWeightFiles`)."""
     group_names, expert_groups, _ = z3.autoep_groups(ck)
     names = [n for g in group_names for n in g]
-    shapes = {n: s for sg in ck.groups(0) for n, s in sg.items()}
-    template = ck.model_state(0)
+    template, optim, shapes = tp1_view(ck)
     placement = AutoEPPlacement(z3.autoep(ck), ep, dp)
     outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
     shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
@@ -259,7 +244,7 @@ def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: i
                                dtype=dtype, names=names, outer=outer, aliases=aliases)
     clip = cfg.get("gradient_clipping", 0.0)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=lambda: z3.optim_source_from_zero3(ck.optim_state(0, 0), clip_grad=clip),
+                           optim_template=lambda: z3.optim_source_from_zero3(optim(), clip_grad=clip),
                            ds_config=ds_config, uc_info=None, models=models, placement=None,
                            group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"),
                            notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3 -> "

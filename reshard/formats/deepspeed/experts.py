@@ -21,7 +21,7 @@ parameter partitioned on its own over ``e``'s EDP group (``zero3(local shape, ed
 optimizer sub-group of its own whose ``ds_zero_partition_groups`` entry records the partition
 count, rank and the global ranks of the group (docs/deepspeed-checkpoints.md §11.1).
 
-With AutoTP (DeepSpeed's "folding", ZeRO-1/2, PP = 1) the EP groups span the TP lanes: the same
+With AutoTP (DeepSpeed's "folding", any ZeRO stage, PP = 1) the EP groups span the TP lanes: the same
 EDP groups over global ranks ``dp_rank * tp + tp_rank`` (``AutoEP.tp`` > 1), every TP rank's model
 state records the experts of its own EP rank, and every file a ``folding`` record
 (``folding.py``; docs/deepspeed-checkpoints.md §11.2).
@@ -107,8 +107,8 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
     if layers is None:
         return None
     where = f"{path}: {LAYERS_KEY}"
-    if ck.mp != 1 and (ck.pp != 1 or ck.zero_stage == 3 or folding.KEY not in state):
-        raise CheckpointError(f"{where}: AutoEP experts at TP > 1 are read only from DeepSpeed's folded ZeRO-1/2 "
+    if ck.mp != 1 and (ck.pp != 1 or folding.KEY not in state):
+        raise CheckpointError(f"{where}: AutoEP experts at TP > 1 are read only from DeepSpeed's folded "
                               f"checkpoints (PP = 1, a '{folding.KEY}' record; this one: ZeRO-{ck.zero_stage}, "
                               f"TP={ck.tp}, PP={ck.pp})")
     if not isinstance(layers, list) or not layers:
@@ -166,44 +166,46 @@ def _check_z3_format(layers: list, where: str) -> None:
 
 
 def _check_z3_partitions(ck: DeepSpeedCheckpoint, ax: AutoEP, n_sub: int) -> None:
-    """Each DP rank's ``ds_zero_partition_groups`` (one entry per sub-group) must say what the
-    layout says: dense sub-groups cut over all DP ranks, expert sub-groups over the rank's EDP
-    group, in the EDP order ``ax.members`` gives; and the model-state files must agree."""
-    for d in range(ck.dp):
-        path = ck.optim_files[(0, d)]
-        recorded = ck.osd(0, d).get("ds_zero_partition_groups")
+    """Each rank's ``ds_zero_partition_groups`` (one entry per sub-group) must say what the layout
+    says: dense sub-groups cut over the DP ranks of its TP rank, expert sub-groups over the rank's
+    EDP group, in the EDP order ``ax.members`` gives, as global ranks (``dp_rank * tp + tp_rank``;
+    TP = 1: DP ranks); and the model-state files must agree."""
+    for t, d in ((t, d) for t in range(ck.mp) for d in range(ck.dp)):
+        path, g = ck.optim_files[(t, d)], d * ck.mp + t
+        recorded = ck.osd(t, d).get("ds_zero_partition_groups")
         if not isinstance(recorded, list) or len(recorded) != n_sub:
             raise CheckpointError(f"{path}: ds_zero_partition_groups should list the {n_sub} sub-groups of "
                                   f"param_shapes (DeepSpeed's AutoEP ZeRO-3 metadata), got {recorded!r:.200}")
-        e = next(e for e in range(ax.ep) if d in ax.members(e))
+        e = next(e for e in range(ax.ep) if g in ax.members(e))
         for k, entry in enumerate(recorded):
             if k in ax.groups:
                 members = ax.members(e)
-                want = {"sub_group": k, "partition_count": ax.edp, "partition_rank": members.index(d),
+                want = {"sub_group": k, "partition_count": ax.edp, "partition_rank": members.index(g),
                         "partition_ranks": members, "families": ["autoep_expert"]}
             else:
                 want = {"sub_group": k, "partition_count": ck.dp, "partition_rank": d,
-                        "partition_ranks": list(range(ck.dp)), "families": ["replicated"]}
+                        "partition_ranks": [x * ck.mp + t for x in range(ck.dp)], "families": ["replicated"]}
             got = {key: entry.get(key) for key in want} if isinstance(entry, Mapping) else entry
             if got != want:
                 order = "use_data_before_expert_parallelism" if ax.data_before_expert else "expert before data"
-                raise CheckpointError(f"{path}: ds_zero_partition_groups[{k}] is {got!r}, but DP rank {d} (EP rank "
+                rank = f"DP rank {d}" if ck.mp == 1 else f"global rank {g} (TP rank {t}, DP rank {d})"
+                raise CheckpointError(f"{path}: ds_zero_partition_groups[{k}] is {got!r}, but {rank} (EP rank "
                                       f"{e}, EDP groups in DeepSpeed's {order} order) should have {want!r}")
-        if d:  # every rank's model states: the same parameters and shapes, its own EP rank
-            ms = load(ck.z3_model_files[(0, d)])
-            if [list(g.items()) for g in param_groups(ms, ck.z3_model_files[(0, d)])] != \
-                    [list(g.items()) for g in ck.groups(0)]:
-                raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: param_shapes differ from DP rank 0's")
-            _same_copies(ms, ck.z3_model_files[(0, d)])
+        if g:  # every rank's model states: the same parameters and shapes as its TP rank's, its own EP rank
+            mpath = ck.z3_model_files[(t, d)]
+            ms = ck.model_state(t) if d == 0 else load(mpath)
+            if d and [list(x.items()) for x in param_groups(ms, mpath)] != [list(x.items()) for x in ck.groups(t)]:
+                raise CheckpointError(f"{mpath}: param_shapes differ from DP rank 0's")
+            _same_copies(ms, mpath)
             for i, (x, y) in enumerate(zip(ck.model_state(0)[LAYERS_KEY], ms.get(LAYERS_KEY) or [])):
                 at = first_difference(x.get("affine_maps"), y.get("affine_maps") if isinstance(y, Mapping) else None,
                                       f"{LAYERS_KEY}[{i}].affine_maps")
                 if at is not None:
-                    raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: {at} disagrees with DP rank 0's")
+                    raise CheckpointError(f"{mpath}: {at} disagrees with global rank 0's")
             ranks = {entry.get("ep_rank") for entry in ms.get(LAYERS_KEY) or []}
             if ranks != {e}:
-                raise CheckpointError(f"{ck.z3_model_files[(0, d)]}: {LAYERS_KEY} records EP rank(s) {sorted(ranks)}, "
-                                      f"the partition groups say DP rank {d} is EP rank {e}")
+                raise CheckpointError(f"{mpath}: {LAYERS_KEY} records EP rank(s) {sorted(ranks)}, the partition "
+                                      f"groups say global rank {g} is EP rank {e}")
 
 
 def _layer_params(layer: Any, groups: list[dict], where: str) -> list[ExpertParam]:
@@ -295,10 +297,12 @@ UCP_Z3_EXPERT_PATTERNS = [r".*\.experts\.w[123]$"]  # what its ZeRO-3 path write
 
 
 def universal_model_state_z3(path: Any) -> dict:
-    """A ZeRO-3 DP rank's model state as ``ds_to_universal`` rewrites it under AutoEP:
+    """A ZeRO-3 rank's model state as ``ds_to_universal`` rewrites it under AutoEP (folded: its
+    ``folding`` record dropped):
     ``universal_checkpoint_info`` (created if missing) gets the expert pattern and, as the very
     same object, the file's own ``ds_autoep_layers``; the rest is the file's, as loaded."""
     state = load(path, mmap=False)
+    state.pop(folding.KEY, None)  # as universal_model_state: a universal checkpoint has no topology
     info = state.setdefault("universal_checkpoint_info", {})
     info["expert_parameter_patterns"] = list(UCP_Z3_EXPERT_PATTERNS)
     info[LAYERS_KEY] = state.get(LAYERS_KEY)

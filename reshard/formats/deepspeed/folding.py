@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ...errors import CheckpointError
+from ...storage.safe_load import load
 from .checks import first_difference
 
 KEY = "folding"
@@ -40,20 +41,24 @@ def family(name: str) -> str:
     return "shared_expert" if ".shared_experts" in name else "dense"
 
 
-def model_record(tp: int, t: int, ep: int, e: int, dp: int, module: Iterable[str]) -> dict[str, Any]:
-    """``mp_rank_TT_model_states.pt``'s record: written by DP rank 0 of TP rank ``t`` (EP rank
-    ``e``); ``module``: its module's keys (the router alias ``.gate.gate.`` counts as dense)."""
-    out = _base(tp, t, ep, e, "dense_dp", 0, dp, "dense")
+def model_record(tp: int, t: int, ep: int, e: int, dp: int, module: Iterable[str], d: int = 0) -> dict[str, Any]:
+    """``mp_rank_TT_model_states.pt``'s record: written by DP rank ``d`` (ZeRO-1/2: 0; ZeRO-3: every
+    one, ``zero_pp_rank_D_mp_rank_TT``) of TP rank ``t`` (EP rank ``e``); ``module``: its module's
+    keys (the router alias ``.gate.gate.`` counts as dense)."""
+    out = _base(tp, t, ep, e, "dense_dp", d, dp, "dense")
     out["param_families"] = {n: "router_gate_replicated" if ".router." in n else
                              "shared_expert" if ".shared_experts" in n else "dense" for n in module}
     return out
 
 
 def optim_record(tp: int, t: int, ep: int, e: int, dp: int, d: int, edp: int, q: int,
-                 groups: Iterable[Iterable[str]]) -> dict[str, Any]:
-    """``zero_pp_rank_D_mp_rank_TT_optim_states.pt``'s record (ZeRO-1/2): DP rank ``d`` of TP rank
-    ``t``, EP rank ``e``, EDP rank ``q``; ``groups``: ``param_shapes``' names per group."""
+                 groups: Iterable[Iterable[str]] | None) -> dict[str, Any]:
+    """``zero_pp_rank_D_mp_rank_TT_optim_states.pt``'s record: DP rank ``d`` of TP rank ``t``, EP
+    rank ``e``, EDP rank ``q``; ``groups``: ``param_shapes``' names per group, ``None`` under ZeRO-3
+    (DeepSpeed records no ``param_families`` there: ``ds_zero_partition_groups`` says it)."""
     out = _base(tp, t, ep, e, "per_family", d, dp, "zero_optimizer_state")  # its dense DP group's rank, size
+    if groups is None:
+        return out
     fams: dict[str, Any] = {}
     for names in groups:
         for n in names:
@@ -119,10 +124,13 @@ def check(ck: Any, ax: Any) -> None:
     """Every file's record equals what DeepSpeed writes at this topology (``ck.tp``, ``ck.dp``,
     ``ax``'s EP placement): the model states, the optimizer files and the per-expert files."""
     tp, dp, ep, edp = ck.tp, ck.dp, ax.ep, ax.edp
-    for t in range(tp):
-        state = ck.model_state(t)
-        _same(ck.model_files[t], state.get(KEY), model_record(tp, t, ep, t % ep, dp, state.get("module") or {}))
-    names = [list(g) for g in ck.groups(0)]
+    z3 = ck.zero_stage == 3  # every (TP, DP) rank writes its model states, its optimizer record has no families
+    for t, d in ((t, d) for t in range(tp) for d in range(dp if z3 else 1)):
+        path = ck.z3_model_files[(t, d)] if z3 else ck.model_files[t]
+        state = ck.model_state(t) if d == 0 else load(path)
+        want = model_record(tp, t, ep, (d * tp + t) % ep, dp, state.get("module") or {}, d)
+        _same(path, state.get(KEY), want)
+    names = None if z3 else [list(g) for g in ck.groups(0)]
     for (t, d), path in sorted(ck.optim_files.items()):
         g = d * tp + t
         e = g % ep

@@ -114,6 +114,7 @@ def check_autoep_to_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp
     """What an AutoEP ZeRO-1/2 checkpoint written at ZeRO-3 refuses, before anything is written."""
     if ck.experts is None:
         raise ReshardError(f"{ck.model_files[0]}: not an AutoEP checkpoint (ds_autoep_layers)")
+    no_folded_zero3(ck, tp, pp, 3)
     if tp != 1 or pp != 1 or ck.layer_files:
         raise ReshardError(f"{ck.tag_dir}: AutoEP checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, "
                            f"pp={pp})")
@@ -154,8 +155,21 @@ def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage
     ck.check_steps()
 
 
+def no_folded_zero3(ck: DeepSpeedCheckpoint, tp: int, pp: int, stage: int) -> None:
+    """A folded (AutoEP x AutoTP) ZeRO-3 target is not written (docs/deepspeed-checkpoints.md §11.2)."""
+    if tp > 1 and pp == 1 and ck.zero_stage == 3 and ck.experts is not None and ck.experts.folded:
+        raise ReshardError(f"{ck.tag_dir}: a folded (AutoEP x AutoTP) ZeRO-3 checkpoint is written at TP 1 only "
+                           f"(asked tp={tp}, zero stage {stage}): reshard writes folded checkpoints at ZeRO-1/2 "
+                           "from a folded ZeRO-1/2 source or with --layout; --tp 1 writes it unfolded")
+    if stage == 3 and tp > 1 and pp == 1:
+        raise ReshardError(f"{ck.tag_dir}: AutoEP folded over TP (AutoEP x AutoTP) is not written at ZeRO-3 (asked "
+                           f"tp={tp}, zero stage 3): reshard writes folded checkpoints at ZeRO-1/2 only; --tp 1 "
+                           "writes the experts unfolded at ZeRO-3, --zero-stage 1 or 2 keeps them folded")
+
+
 def check_autoep_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
     """What an AutoEP ZeRO-3 target refuses, before anything is written."""
+    no_folded_zero3(ck, tp, pp, stage)
     if tp != 1 or pp != 1:
         raise ReshardError(f"{ck.tag_dir}: AutoEP ZeRO-3 checkpoints are resharded at TP = PP = 1 only "
                            f"(asked tp={tp}, pp={pp})")

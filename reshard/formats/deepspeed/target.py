@@ -306,8 +306,7 @@ def autoep_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedT
     by DeepSpeed's rule over each group's own partition sizes."""
     group_names, expert_groups, size = z3.autoep_groups(ck)
     ids, exact = z3.autoep_ds_ids(ck, [n for g in group_names for n in g])
-    template = ck.model_state(0)
-    shapes = {n: s for sg in ck.groups(0) for n, s in sg.items()}
+    template, optim, shapes = tp1_view(ck)
     placement = AutoEPPlacement(z3.autoep(ck), ep, dp)
     layout = autoep_sub_layout(placement, group_names, shapes, expert_groups, size)
     ds_config = placement.ds_config(dsw.target_ds_config(template.get("ds_config"), tp=1, dp=dp, zero_stage=3))
@@ -316,9 +315,35 @@ def autoep_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedT
     models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
                               size=ck.model_files[0].stat().st_size, placement=placement)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
+                           optim_template=optim, ds_config=ds_config, uc_info=None,
                            models=models, ds_ids=ids, placement=placement, notes=notes,
                            group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"))
+
+
+# what DeepSpeed's AutoEP save at TP = 1 records in universal_checkpoint_info (AutoTP's categories go)
+UNFOLDED_UC = ("universal_checkpoint_version", "expert_parameter_patterns", dse.LAYERS_KEY)
+
+
+def unfolded(state: Mapping[str, Any]) -> dict:
+    """A folded (AutoEP x AutoTP) file's state as DeepSpeed writes it at TP = 1: no ``folding``
+    record, ``universal_checkpoint_info`` without AutoTP's entries (its tensors replaced later)."""
+    out = {k: v for k, v in state.items() if k != "folding"}
+    uc = out.get("universal_checkpoint_info")
+    if isinstance(uc, Mapping):
+        out["universal_checkpoint_info"] = {k: uc[k] for k in UNFOLDED_UC if k in uc}
+    return out
+
+
+def tp1_view(ck: DeepSpeedCheckpoint) -> tuple[dict, Callable[[], dict], dict[str, tuple[int, ...]]]:
+    """An AutoEP ZeRO-3 source as a TP 1 target is built on it: rank 0's model state, its optimizer
+    file (read when the target asks) and every parameter's ``param_shapes`` shape; folded (AutoEP x
+    AutoTP) its TP 1 view: no ``folding`` records, AutoTP's ``universal_checkpoint_info`` entries
+    dropped, a dense parameter's shape whole (its TP map's), an expert's its EP-local one."""
+    shapes = {n: tuple(s) for sg in ck.groups(0) for n, s in sg.items()}
+    if ck.experts is None or not ck.experts.folded:
+        return ck.model_state(0), lambda: ck.optim_state(0, 0), shapes
+    whole = {n: s if n in ck.experts.params else tuple(ck.tp_map(n).map.valid_shape) for n, s in shapes.items()}
+    return unfolded(ck.model_state(0)), lambda: unfolded(ck.optim_state(0, 0)), whole
 
 
 def autoep_sub_layout(placement: AutoEPPlacement, group_names: Sequence[Sequence[str]],

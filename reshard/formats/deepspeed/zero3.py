@@ -320,7 +320,9 @@ def check_partitions(ck: Recorded, units: Mapping[tuple[int, int], Sequence[SubG
         path = ck.optim_files[(t, d)]
         top = ck.optim_state(t, d)
         osd = ck.osd(t, d)
-        unknown = [k for k in top if k not in OPTIM_FILE_KEYS] + [k for k in osd if k not in known]
+        folded = ck.experts is not None and ck.experts.folded  # its "folding" record: folding.check
+        unknown = [k for k in top if k not in OPTIM_FILE_KEYS and not (folded and k == "folding")] + \
+            [k for k in osd if k not in known]
         if unknown:
             raise CheckpointError(f"{path}: unknown entries {unknown[:3]} (AutoEP or another layout); "
                                   "not supported")
