@@ -141,7 +141,7 @@ def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture, opt
                         assert v.dtype == a["state"][i][k].dtype and torch.equal(v, a["state"][i][k]), (f, i, k)
 
 
-@pytest.mark.parametrize("fixture", ["legacy_dp2_distopt", "legacy_dp2_distopt_buckets",
+@pytest.mark.parametrize("fixture", ["legacy_dp2_distopt", "legacy_dp2_distopt_buckets", "legacy_pp2_dp2_mtp1_distopt",
                                      "legacy_moe_tp2_ep2_shared_distopt"])
 def test_legacy_distributed_optimizer_at_the_source_topology_is_megatrons_files(tmp_path, fixture):
     """The distributed optimizer's legacy files at the source's topology (the default: the source's
