@@ -324,6 +324,10 @@ FIXTURES = {f.name: f for f in [
             "TP=1, DP=1; two multi-token-prediction layers (--mtp-num-layers 2: mtp.layers.{0,1}.{enorm,hnorm,eh_proj,"
             "mtp_model_layer.*,final_layernorm}, each its own layer); plain Adam; torch_dist",
             extra_argv=["--mtp-num-layers", "2"]),
+    Fixture("torch_dist_mtp2_repeated",
+            "TP=1, DP=1; two multi-token-prediction depths through one repeated layer (--mtp-num-layers 2 "
+            "--mtp-use-repeated-layer: mtp.layers.0 only, used at both depths); plain Adam; torch_dist",
+            extra_argv=["--mtp-num-layers", "2", "--mtp-use-repeated-layer"]),
     Fixture("legacy_pp2_dp2_mtp1_distopt",
             "PP=2 x DP=2 with one multi-token-prediction layer (--mtp-num-layers 1, on the last stage, whose model "
             "and distrib_optim.pt also hold the embedding copy); distributed optimizer; legacy --ckpt-format torch",

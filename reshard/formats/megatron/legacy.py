@@ -337,23 +337,24 @@ class LegacyBackend:
             if not isinstance(copy, torch.Tensor) or tuple(copy.shape) != lp.shape:
                 raise CheckpointError(f"{f}: model has no tensor {EMBED!r} of shape {list(lp.shape)} (the last "
                                       f"stage's embedding copy for the MTP block, TP rank {lp.tp})")
-            pairs = [("weight", copy, self.tensor(lp))]
+            first = self.files[self._key_of(lp)]
+            pairs = [("weight", copy, self.tensor(lp), f, first)]
             if self.optim and self.distopt:  # the copy's own bucket in the last stage's distrib_optim.pt
                 buf, where = self._buffers[(lp.tp, a.pp - 1)]
                 s, e = where[(EMBED, lp.label)]
-                pairs += [(st, buf["param" if st == "fp32" else st].narrow(0, s, e - s), self._flat(lp, st))
-                          for st in ("fp32", "exp_avg", "exp_avg_sq")]
+                pairs += [(st, buf["param" if st == "fp32" else st].narrow(0, s, e - s), self._flat(lp, st),
+                           f.parent / OPTIM_FILE, first.parent / OPTIM_FILE) for st in ("fp32", "exp_avg", "exp_avg_sq")]
             elif self.optim:
                 i = self._state_index(key, False)[(a.vpp - 1, EMBED)]
                 st = (self._optimizer(key, False).get("state") or {}).get(i) or {}
-                pairs += [(s, st.get(s), self._adam(lp, s)) for s in ("exp_avg", "exp_avg_sq")]
-            for what, got, want in pairs:
+                pairs += [(s, st.get(s), self._adam(lp, s), f, first) for s in ("exp_avg", "exp_avg_sq")]
+            for what, got, want, there, here in pairs:
                 if isinstance(got, torch.Tensor):  # read outside the engine's fills: their records checked now
-                    verified.ensure(got, f"{f}: {EMBED} ({what})")
-                    verified.ensure(want, f"{self.files[self._key_of(lp)]}: {EMBED} ({what})")
+                    verified.ensure(got, f"{there}: {EMBED} ({what})")
+                    verified.ensure(want, f"{here}: {EMBED} ({what})")
                 if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
-                    raise CheckpointError(f"{f}: {EMBED} ({what}, TP rank {lp.tp}): the last stage's copy for the MTP "
-                                          f"block differs from the first stage's ({self.files[self._key_of(lp)]})")
+                    raise CheckpointError(f"{there}: {EMBED} ({what}, TP rank {lp.tp}): the last stage's copy for the "
+                                          f"MTP block differs from the first stage's ({here})")
 
     def check(self) -> None:
         if self.embedding_copy(self.arch.pp - 1):

@@ -72,6 +72,9 @@ DISTRIBUTED = [  # the distributed optimizer (distrib_optim.pt beside each file;
     ("torch_dist_tp2_dp2_distopt", dict(tp=1, dp=2), ["mp_rank_00"]),  # dp_reshardable buckets -> distrib_optim.pt
     ("torch_dist_dp2_distopt_bf16", dict(tp=2, dp=1), ["mp_rank_00", "mp_rank_01"]),  # bf16 weights, fp32 masters
     ("torch_dist_mtp1", dict(tp=1, dp=2, optimizer="distributed"), ["mp_rank_00"]),  # MTP after the final norm
+    # MTP over several stages: the last stage's buffer holds the embedding copy (a shared_embedding bucket)
+    ("torch_dist_mtp1", dict(tp=1, pp=2, dp=2, optimizer="distributed"), ["mp_rank_00_000", "mp_rank_00_001"]),
+    ("legacy_pp2_dp2_mtp1_distopt", dict(tp=2, pp=1, dp=1), ["mp_rank_00", "mp_rank_01"]),  # the copy merged away
 ]
 
 
