@@ -320,6 +320,18 @@ FIXTURES = {f.name: f for f in [
             "TP=2 x PP=2, DP=1 with one multi-token-prediction layer (--mtp-num-layers 1, on the last stage: "
             "mp_rank_TT_001's model); plain Adam; legacy --ckpt-format torch",
             tp=2, pp=2, layers=2, ckpt_format="torch", extra_argv=["--mtp-num-layers", "1"]),
+    Fixture("torch_dist_mtp2",
+            "TP=1, DP=1; two multi-token-prediction layers (--mtp-num-layers 2: mtp.layers.{0,1}.{enorm,hnorm,eh_proj,"
+            "mtp_model_layer.*,final_layernorm}, each its own layer); plain Adam; torch_dist",
+            extra_argv=["--mtp-num-layers", "2"]),
+    Fixture("torch_dist_mtp2_repeated",
+            "TP=1, DP=1; two multi-token-prediction depths through one repeated layer (--mtp-num-layers 2 "
+            "--mtp-use-repeated-layer: mtp.layers.0 only, used at both depths); plain Adam; torch_dist",
+            extra_argv=["--mtp-num-layers", "2", "--mtp-use-repeated-layer"]),
+    Fixture("legacy_pp2_dp2_mtp1_distopt",
+            "PP=2 x DP=2 with one multi-token-prediction layer (--mtp-num-layers 1, on the last stage, whose model "
+            "and distrib_optim.pt also hold the embedding copy); distributed optimizer; legacy --ckpt-format torch",
+            pp=2, dp=2, distopt=True, ckpt_format="torch", extra_argv=["--mtp-num-layers", "1"]),
     Fixture("torch_dist_tp2_qk_layernorm",
             "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
             "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),

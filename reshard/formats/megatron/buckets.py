@@ -20,13 +20,15 @@ unpadded parts back to back (:func:`flat_layout`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CheckpointError
-from .model import Arch, LocalParam, pad
+from .model import EMBED, Arch, LocalParam, pad
 
-__all__ = ["FULLY_RESHARDABLE_SHIFTED", "BucketLayout", "bucket_layouts", "bucket_size", "flat_layout", "several_buckets"]
+__all__ = ["FULLY_RESHARDABLE_SHIFTED", "BucketLayout", "bucket_layouts", "bucket_size", "dense_buffer_params", "embedding_copy",
+           "shared_embedding", "flat_layout", "several_buckets"]
 
 _DEFAULT_MIN = 40_000_000
 
@@ -41,21 +43,50 @@ class BucketLayout:
     numel: int
 
 
-def bucket_layouts(params: list[LocalParam], dp: int, size: int | None) -> list[BucketLayout]:
-    """One DDP buffer's buckets (``size`` None: one bucket), as Megatron lays them out."""
+def bucket_layouts(params: list[LocalParam], dp: int, size: int | None,
+                   apart: Callable[[LocalParam], bool] = lambda lp: False) -> list[BucketLayout]:
+    """One DDP buffer's buckets (``size`` None: one bucket), as Megatron lays them out; a parameter
+    ``apart`` says is a ``shared_embedding`` one gets a bucket of its own (the one before it closed
+    at its 64-aligned start)."""
     out: list[BucketLayout] = []
     cur: list[tuple[LocalParam, int, int]] = []
     pos = 0
     for p in reversed(params):
         pos = pad(pos, 64)
+        if apart(p) and cur:
+            out.append(BucketLayout(tuple(cur), pos, pad(pos, math.lcm(dp, 128))))
+            cur, pos = [], 0
         cur.append((p, pos, pos + p.numel))
         pos += p.numel
-        if size is not None and pos >= size:
+        if (size is not None and pos >= size) or apart(p):
             out.append(BucketLayout(tuple(cur), pos, pad(pos, math.lcm(dp, 128))))
             cur, pos = [], 0
     if cur:
         out.append(BucketLayout(tuple(cur), pos, pad(pos, math.lcm(dp, 128))))
     return out
+
+
+def embedding_copy(arch: Arch, pp: int) -> bool:
+    """Whether stage ``pp`` keeps a copy of the word embeddings: the last one, for the MTP block,
+    over several stages (GPTModel registers it first in the last model chunk; its gradient is
+    all-reduced with the first stage's, so it stays equal to it)."""
+    return bool(arch.mtp) and arch.pp > 1 and pp == arch.pp - 1
+
+
+def dense_buffer_params(arch: Arch, pp: int, t: int) -> list[LocalParam]:
+    """Stage ``pp``'s dense DDP buffer's parameters (TP rank ``t``, every model chunk): the
+    embedding copy first where the stage keeps one, then :meth:`Arch.stage_params`."""
+    copy = [arch.local(arch.spec(EMBED), (), t)] if embedding_copy(arch, pp) else []
+    return copy + arch.stage_params(pp, t)
+
+
+def shared_embedding(arch: Arch) -> Callable[[LocalParam], bool]:
+    """Which parameters Megatron marks ``shared_embedding`` (``setup_embeddings_and_output_layer``):
+    with MTP over several stages, the first stage's embedding and the last stage's copy. The
+    distributed optimizer gives each a bucket of its own. (Tied embeddings over several stages mark
+    them too; no fixture holds that case, so it is left to the refusals that name it.)"""
+    on = bool(arch.mtp) and arch.pp > 1
+    return lambda lp: on and lp.spec.key == EMBED
 
 
 def flat_layout(buckets: list[BucketLayout]) -> tuple[list[tuple[LocalParam, int, int]], int]:

@@ -25,7 +25,14 @@ import torch
 from ...errors import CheckpointError
 from ...storage import verified
 from . import safe
-from .buckets import bucket_layouts, bucket_size, flat_layout
+from .buckets import (
+    bucket_layouts,
+    bucket_size,
+    dense_buffer_params,
+    embedding_copy,
+    flat_layout,
+    shared_embedding,
+)
 from .files import LEGACY_RANK
 from .grouped import TE_GROUPED, te_grouped
 from .lowering import Lowered, local_map
@@ -59,10 +66,6 @@ class LegacyBackend:
         self.distopt = bool(getattr(self.args, "use_distributed_optimizer", False))
         # --no-save-optim (and reshard's weights-only legacy target): no optimizer entry, the weights alone
         self.optim = self.first.get("optimizer") is not None
-        if self.arch.mtp and self.arch.pp > 1 and self.distopt:  # the embedding copy's DDP buffer: no fixture
-            raise CheckpointError(f"{first}: args.mtp_num_layers = {self.arch.mtp} over {self.arch.pp} pipeline stages "
-                                  "with the distributed optimizer: legacy distrib_optim.pt of the last stage's "
-                                  "embedding copy is not read by reshard")
         if te_grouped(self.args):  # linear_fc1.weight<i> per local expert, not local_experts.<i>.linear_fc1.weight
             raise CheckpointError(f"{first}: args.moe_grouped_gemm = True (transformer_impl "
                                   f"{getattr(self.args, 'transformer_impl', None)!r}): legacy files of {TE_GROUPED} "
@@ -252,7 +255,7 @@ class LegacyBackend:
         loaded: dict[Path, Any] = {}
         for pp in range(a.pp):
             for tp in range(a.tp):
-                out[(tp, pp)] = self._buffer(self._dense_key(tp, pp), 0, a.stage_params(pp, tp), a.dp, loaded)
+                out[(tp, pp)] = self._buffer(self._dense_key(tp, pp), 0, dense_buffer_params(a, pp, tp), a.dp, loaded)
             for x in range(a.etp if a.expert_apart else 0):
                 for e in range(a.ep):
                     out[(x, e, pp)] = self._buffer(self._expert_key(x, e, pp), 1, a.stage_params(pp, x, expert_rank=e),
@@ -280,7 +283,7 @@ class LegacyBackend:
                                   "reshard)") from None
         tp, pp, ep = key
         size = bucket_size(self.args, self.arch, pp, 0, f"{f}: args")
-        layout, unpadded = flat_layout(bucket_layouts(params, dp, size))
+        layout, unpadded = flat_layout(bucket_layouts(params, dp, size, shared_embedding(self.arch)))
         for k in ("param", "exp_avg", "exp_avg_sq"):
             t = buf.get(k) if isinstance(buf, dict) else None
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != unpadded:
@@ -320,7 +323,7 @@ class LegacyBackend:
         one, for the MTP block, over several stages (GPTModel registers it first in the last model
         chunk, a parameter of that stage's optimizer; its gradient all-reduced with the first
         stage's, so equal to it)."""
-        return bool(self.arch.mtp) and self.arch.pp > 1 and pp == self.arch.pp - 1
+        return embedding_copy(self.arch, pp)
 
     def _check_embedding_copy(self) -> None:
         """The last stage's embedding copy (weights and moments) equals the first stage's, bit for
@@ -334,18 +337,24 @@ class LegacyBackend:
             if not isinstance(copy, torch.Tensor) or tuple(copy.shape) != lp.shape:
                 raise CheckpointError(f"{f}: model has no tensor {EMBED!r} of shape {list(lp.shape)} (the last "
                                       f"stage's embedding copy for the MTP block, TP rank {lp.tp})")
-            pairs = [("weight", copy, self.tensor(lp))]
-            if self.optim:
+            first = self.files[self._key_of(lp)]
+            pairs = [("weight", copy, self.tensor(lp), f, first)]
+            if self.optim and self.distopt:  # the copy's own bucket in the last stage's distrib_optim.pt
+                buf, where = self._buffers[(lp.tp, a.pp - 1)]
+                s, e = where[(EMBED, lp.label)]
+                pairs += [(st, buf["param" if st == "fp32" else st].narrow(0, s, e - s), self._flat(lp, st),
+                           f.parent / OPTIM_FILE, first.parent / OPTIM_FILE) for st in ("fp32", "exp_avg", "exp_avg_sq")]
+            elif self.optim:
                 i = self._state_index(key, False)[(a.vpp - 1, EMBED)]
                 st = (self._optimizer(key, False).get("state") or {}).get(i) or {}
-                pairs += [(s, st.get(s), self._adam(lp, s)) for s in ("exp_avg", "exp_avg_sq")]
-            for what, got, want in pairs:
+                pairs += [(s, st.get(s), self._adam(lp, s), f, first) for s in ("exp_avg", "exp_avg_sq")]
+            for what, got, want, there, here in pairs:
                 if isinstance(got, torch.Tensor):  # read outside the engine's fills: their records checked now
-                    verified.ensure(got, f"{f}: {EMBED} ({what})")
-                    verified.ensure(want, f"{self.files[self._key_of(lp)]}: {EMBED} ({what})")
+                    verified.ensure(got, f"{there}: {EMBED} ({what})")
+                    verified.ensure(want, f"{here}: {EMBED} ({what})")
                 if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
-                    raise CheckpointError(f"{f}: {EMBED} ({what}, TP rank {lp.tp}): the last stage's copy for the MTP "
-                                          f"block differs from the first stage's ({self.files[self._key_of(lp)]})")
+                    raise CheckpointError(f"{there}: {EMBED} ({what}, TP rank {lp.tp}): the last stage's copy for the "
+                                          f"MTP block differs from the first stage's ({here})")
 
     def check(self) -> None:
         if self.embedding_copy(self.arch.pp - 1):

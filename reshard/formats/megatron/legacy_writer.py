@@ -43,7 +43,7 @@ from ...ir.param_map import ParamMap
 from ...storage import torch_zip, verified
 from ..contract import Buffer, Held, Reader, Writer
 from . import safe
-from .buckets import bucket_layouts, bucket_size, flat_layout
+from .buckets import bucket_layouts, bucket_size, dense_buffer_params, flat_layout, shared_embedding
 from .common import buffer_dtype
 from .files import TRACKER
 from .legacy import MODEL_FILE, OPTIM_FILE, LegacyBackend, _rank_dir
@@ -69,6 +69,8 @@ class MegatronLegacyWriter(MegatronWriter):
     """The torch_dist writer's target (args, topology, names, vocabulary rows), laid out as legacy files."""
 
     keeps_replicas = False  # each file's copy of a replicated block is filled from the one merged copy
+    # MTP over several stages: the embedding and its copy each in a bucket of their own (buckets.shared_embedding)
+    shared_embedding_buckets = True
 
     def __init__(self, reader: Reader, *, optimizer: str | None = None, **options: Any) -> None:
         kind = self._kind(reader, optimizer)
@@ -289,9 +291,9 @@ class MegatronLegacyWriter(MegatronWriter):
                 if w is None:
                     entries.append(None)
                     continue
-                params = a.stage_params(pp, w[0], expert_rank=w[1]) if o else a.stage_params(pp, w[0])
+                params = a.stage_params(pp, w[0], expert_rank=w[1]) if o else dense_buffer_params(a, pp, w[0])
                 size = bucket_size(self.args, a, pp, 0, "target args")
-                layout, unpadded = flat_layout(bucket_layouts(params, a.edp if o else a.dp, size))
+                layout, unpadded = flat_layout(bucket_layouts(params, a.edp if o else a.dp, size, shared_embedding(a)))
                 entries.append({state: Buffer(f"{rel}:{o}.{state}", torch.float32, unpadded, tuple(
                     dataclasses.replace(sl, offset=sl.offset + start) for lp, start, _ in layout
                     for sl in self._slots[(lp.spec.key, state)].get(lp.label, []))) for state in self.states})

@@ -108,7 +108,6 @@ def _refuse_unsupported(args: Any, where: str) -> None:
         ("moe_single_grouped_bias", bool, "grouped-GEMM expert biases held as one grouped parameter"),
         ("add_bias_linear", bool, "linear-layer biases (add_bias_linear)"),
         ("context_parallel_size", lambda v: v not in (None, 1), "context parallelism"),
-        ("mtp_use_repeated_layer", bool, "one multi-token prediction layer repeated"),
     ]
     for field, bad, what in checks:
         if bad(_get(args, field)):
@@ -193,7 +192,7 @@ class Arch:
     moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: every one, with experts)
     per_layer: bool = False  # keys per layer (mixed layers), not stacked over layers
     mla: MLA | None = None  # multi-latent attention's widths (--multi-latent-attention)
-    mtp: int = 0  # multi-token prediction layers (mtp_num_layers): ``mtp.layers.<k>.…`` on the last stage
+    mtp: int = 0  # MTP layers built (mtp_num_layers; 1 when repeated): ``mtp.layers.<k>.…`` on the last stage
 
     @classmethod
     def from_args(cls, args: Any, where: str) -> Arch:
@@ -226,7 +225,7 @@ class Arch:
                 shared_gate=bool(experts and _get(args, "moe_shared_expert_intermediate_size")
                                  and _get(args, "moe_shared_expert_gate")),
                 expert_bias=bool(experts and _get(args, "moe_router_enable_expert_bias")),
-                moe_layers=pattern, per_layer=per_layer, mla=mla, mtp=int(_get(args, "mtp_num_layers") or 0))
+                moe_layers=pattern, per_layer=per_layer, mla=mla, mtp=_mtp_modules(args))
         except (AttributeError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: args lack what the model shape needs ({type(e).__name__}: {e})") from None
         arch.check(where)
@@ -564,6 +563,13 @@ class Arch:
     @property
     def edp(self) -> int:
         return self.tp * self.dp // (self.etp * self.ep)
+
+
+def _mtp_modules(args: Any) -> int:
+    """The MTP layers Megatron builds: ``mtp_num_layers``, or one with ``mtp_use_repeated_layer``
+    (``get_gpt_mtp_block_spec``: one layer spec, the layer run at every depth; ``mtp.layers.0`` only)."""
+    n = int(_get(args, "mtp_num_layers") or 0)
+    return min(n, 1) if _get(args, "mtp_use_repeated_layer") else n
 
 
 def _opt_int(v: Any) -> int | None:

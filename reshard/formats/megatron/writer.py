@@ -84,6 +84,8 @@ class MegatronWriter(Writer):
     format = "megatron"
     latest = None  # the tracker is inside the committed save folder
     keeps_replicas = False  # torch_dist keeps one copy of each replicated block
+    # the buckets of Megatron's shared_embedding parameters (MTP over several stages): written by the legacy writer only
+    shared_embedding_buckets = False
 
     def __init__(self, reader: Reader, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
                  ep: int | None = None, etp: int | None = None, optimizer: str | None = None,
@@ -122,7 +124,7 @@ class MegatronWriter(Writer):
             self._from_megatron(self.ref, tp, pp, dp, ep, etp, optimizer, dtype, data=reader)
         else:
             self._from_hf(reader, tp, pp, dp, ep, etp, optimizer, dtype, hf_config)
-        if self.kind == "dp_reshardable" and self.arch.mtp and self.arch.pp > 1:
+        if self.kind == "dp_reshardable" and self.arch.mtp and self.arch.pp > 1 and not self.shared_embedding_buckets:
             raise ReshardError("--optimizer dp_reshardable with multi-token prediction layers over several pipeline "
                                "stages (the last stage's bucket holds a copy of the embedding, which Megatron buckets "
                                "apart): not written by reshard")

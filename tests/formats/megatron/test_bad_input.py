@@ -249,6 +249,20 @@ def test_mla_args_the_files_do_not_hold_are_refused_by_name(tmp_path, field, val
     _refused(src, tmp_path, needle, fmt="dcp")
 
 
+@pytest.mark.parametrize("fixture,repeated,needle", [
+    ("torch_dist_mtp2", True, "mtp.layers.1"),  # the second layer's tensors: no key of one repeated layer
+    ("torch_dist_mtp2_repeated", False, "no tensor 'mtp.layers.1.enorm.weight', which args imply"),
+])
+def test_a_repeated_mtp_layer_the_files_contradict_is_refused_by_name(tmp_path, fixture, repeated, needle):
+    src = _copy(tmp_path, fixture)
+    it = src / "iter_0000003"
+    common = _common(it)
+    args = argparse.Namespace(**vars(common["args"]))
+    args.mtp_use_repeated_layer = repeated
+    _plant(it, "common_state/shard_0_1", dict(common, args=args))
+    _refused(src, tmp_path, needle, fmt="dcp")
+
+
 @pytest.mark.parametrize("field,value,needle", [
     ("layernorm_epsilon", 1e-5, "fixes its latent norms' eps at 1e-6"),
     ("rope_type", "yarn", "MLA with YaRN RoPE"),

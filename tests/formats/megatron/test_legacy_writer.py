@@ -72,6 +72,9 @@ DISTRIBUTED = [  # the distributed optimizer (distrib_optim.pt beside each file;
     ("torch_dist_tp2_dp2_distopt", dict(tp=1, dp=2), ["mp_rank_00"]),  # dp_reshardable buckets -> distrib_optim.pt
     ("torch_dist_dp2_distopt_bf16", dict(tp=2, dp=1), ["mp_rank_00", "mp_rank_01"]),  # bf16 weights, fp32 masters
     ("torch_dist_mtp1", dict(tp=1, dp=2, optimizer="distributed"), ["mp_rank_00"]),  # MTP after the final norm
+    # MTP over several stages: the last stage's buffer holds the embedding copy (a shared_embedding bucket)
+    ("torch_dist_mtp1", dict(tp=1, pp=2, dp=2, optimizer="distributed"), ["mp_rank_00_000", "mp_rank_00_001"]),
+    ("legacy_pp2_dp2_mtp1_distopt", dict(tp=2, pp=1, dp=1), ["mp_rank_00", "mp_rank_01"]),  # the copy merged away
 ]
 
 
@@ -141,7 +144,7 @@ def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture, opt
                         assert v.dtype == a["state"][i][k].dtype and torch.equal(v, a["state"][i][k]), (f, i, k)
 
 
-@pytest.mark.parametrize("fixture", ["legacy_dp2_distopt", "legacy_dp2_distopt_buckets",
+@pytest.mark.parametrize("fixture", ["legacy_dp2_distopt", "legacy_dp2_distopt_buckets", "legacy_pp2_dp2_mtp1_distopt",
                                      "legacy_moe_tp2_ep2_shared_distopt"])
 def test_legacy_distributed_optimizer_at_the_source_topology_is_megatrons_files(tmp_path, fixture):
     """The distributed optimizer's legacy files at the source's topology (the default: the source's

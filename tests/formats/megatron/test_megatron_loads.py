@@ -90,6 +90,10 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_pp2_vpp2_mtp1", dict(tp=2, pp=2, dp=1), True),
     # legacy files with MTP (the last stage's embedding copy) written as torch_dist
     ("legacy_tp2_pp2_mtp1", dict(tp=1, pp=1, dp=1), True),
+    # two MTP layers, and one repeated at two depths; legacy MTP over two stages with the distributed optimizer
+    ("torch_dist_mtp2", dict(tp=2, pp=2, dp=1), True),
+    ("torch_dist_mtp2_repeated", dict(tp=2, pp=1, dp=1), True),
+    ("legacy_pp2_dp2_mtp1_distopt", dict(tp=2, pp=1, dp=2), True),
     # --vpp: plain stages -> PP 2 x virtual PP 2 (the oracle reloads at the output's recorded virtual stages), a
     # buffer per model chunk; virtual stages -> plain ones at the same PP
     ("torch_dist_tp2_pp2", dict(tp=1, pp=2, dp=1, vpp=2), True),
@@ -302,6 +306,10 @@ LEGACY_TARGETS = [  # (source, target topology): legacy files (--ckpt-format tor
     ("torch_dist_deepseek_v3_mtp_tp2_ep2", dict(tp=1, pp=1, dp=1, ep=1, optimizer="adam")),
     ("torch_dist_mtp1", dict(tp=1, pp=1, dp=2, optimizer="distributed")),  # one stage: no embedding copy
     ("legacy_tp2_pp2", dict(tp=1, pp=2, dp=1, vpp=2, optimizer="adam")),  # --vpp: model0 / model1 per file
+    # MTP over two stages with the distributed optimizer: the embedding copy in a shared_embedding bucket
+    ("torch_dist_mtp1", dict(tp=1, pp=2, dp=2, optimizer="distributed")),
+    ("legacy_pp2_dp2_mtp1_distopt", dict(tp=2, pp=2, dp=1, optimizer="distributed")),
+    ("torch_dist_mtp2", dict(tp=1, pp=2, dp=2, optimizer="distributed")),
 ]
 
 

@@ -136,6 +136,33 @@ def test_legacy_mtp_keeps_the_last_stages_embedding_copy(tmp_path):
         MegatronReader.open(bad).check()
 
 
+def test_legacy_mtp_with_the_distributed_optimizer_checks_the_copys_bucket(tmp_path):
+    """``legacy_pp2_dp2_mtp1_distopt``: each stage's ``distrib_optim.pt`` ends with the embedding (the
+    first stage's, and the last stage's copy: registered first, so last in the reversed buffer, a
+    ``shared_embedding`` bucket of its own); the copy's fp32 master and moments equal the first
+    stage's, and a drifted one is refused naming the file."""
+    name = "legacy_pp2_dp2_mtp1_distopt"
+    r = MegatronReader.open(FIXTURES / name)
+    r.check()
+    assert (r.arch.pp, r.arch.dp, r.arch.mtp, r.src.sharding) == (2, 2, 1, "dp_reshardable")
+    assert not [h for h in r.unlowered() if h.what == "weights"]
+    it = FIXTURES / name / "iter_0000003"
+    n = r.arch.spec("embedding.word_embeddings.weight").shape
+    numel = n[0] * n[1]
+    bufs = [next(iter(safe.load_file(it / f / "distrib_optim.pt")[0].values())) for f in ("mp_rank_00_000", "mp_rank_00_001")]
+    for k in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(bufs[0][k][-numel:], bufs[1][k][-numel:]), k
+    bad = tmp_path / "bad"
+    shutil.copytree(FIXTURES / name, bad)
+    d = safe.load_file(it / "mp_rank_00_001" / "distrib_optim.pt")
+    next(iter(d[0].values()))["exp_avg"][-1] += 1
+    with open(bad / "iter_0000003" / "mp_rank_00_001" / "distrib_optim.pt", "wb") as f:
+        torch_zip.save(d, f, pickler=safe.PICKLER)
+    with pytest.raises(CheckpointError, match="mp_rank_00_001/distrib_optim.pt: embedding.word_embeddings.weight "
+                                              "\\(exp_avg, TP rank 0\\): the last stage's copy for the MTP block differs"):
+        MegatronReader.open(bad).check()
+
+
 def test_a_planted_tensor_in_megatron_names_is_refused_by_name_or_dropped_and_recorded(tmp_path):
     """Every source tensor accounted for on this route: a tensor no key of the model takes is refused
     naming it before any output, and with ``--drop`` left out, listed in the report and the manifest."""

@@ -67,6 +67,8 @@ CASES = [
     # a multi-token-prediction layer (on the last stage, after the final norm; keys per MTP layer)
     ("torch_dist_mtp1", dict(tp=2, pp=2, dp=1), "adam"),
     ("torch_dist_mtp1", dict(tp=2, pp=1, dp=2, optimizer="dp_reshardable"), "dp_reshardable"),
+    # legacy MTP over two stages with the distributed optimizer (the embedding copy read, checked, merged)
+    ("legacy_pp2_dp2_mtp1_distopt", dict(tp=2, pp=1, dp=2), "dp_reshardable"),
     # DeepSeek-V3 shaped with an MTP layer of MLA + MoE: TP1 x EP1 (its experts join the dense optimizer and
     # buffer); PP2 (the MTP layer, experts too, on the last stage); its experts in the expert buckets, after
     # the decoder's
