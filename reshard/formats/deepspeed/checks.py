@@ -27,6 +27,8 @@ import torch
 
 from ...errors import CheckpointError
 from ...storage.safe_load import load
+from .folding import KEY, check_expert_file, expert_writers
+from .recorded import first_difference
 
 __all__ = ["check_expert_files", "check_keys", "check_module_weights", "check_partitions", "check_recorded_maps",
            "check_step", "first_difference"]
@@ -120,25 +122,6 @@ def check_recorded_maps(ck: Any, names: list[str]) -> None:
 def _affine_map(state: Mapping) -> Any:
     info = state.get("universal_checkpoint_info")
     return info.get("affine_map") if isinstance(info, Mapping) else None
-
-
-def first_difference(a: Any, b: Any, at: str) -> str | None:
-    """The JSON path of the first place ``a`` and ``b`` differ (``None`` when equal)."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        for k in [*a, *(k for k in b if k not in a)]:
-            if k not in a or k not in b:
-                return f"{at}.{k}"
-            got = first_difference(a[k], b[k], f"{at}.{k}")
-            if got is not None:
-                return got
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):  # docs/spec.md §5: ``pieces.0``, ``source[0]``
-            got = first_difference(x, y, f"{at}.{i}" if at.endswith(".pieces") else f"{at}[{i}]")
-            if got is not None:
-                return got
-        return None
-    return None if type(a) is type(b) and a == b else at
 
 
 def check_keys(ck: Any, osd_keys: tuple[str, ...]) -> None:
@@ -273,8 +256,6 @@ def check_expert_files(ck: Any, dtype: torch.dtype) -> None:
             want.setdefault(ck.moe.files[(p.layer, p.expert)].name, {})[p.name] = tuple(p.shape)
     elif ck.experts is not None and ck.zero_stage != 3:
         ax = ck.experts
-        from .folding import expert_writers  # (folding imports this module)
-
         tps = {e: sorted(t for (e2, t) in expert_writers(ck.tp, ax.ep, ck.tp * ck.dp) if e2 == e)
                for e in range(ax.ep)} if ax.folded else dict.fromkeys(range(ax.ep), [0])
         for p in ax.params.values():
@@ -292,7 +273,6 @@ def check_expert_files(ck: Any, dtype: torch.dtype) -> None:
         path = ck.tag_dir / fname
         sd = load(path)
         if ck.experts is not None and ck.experts.folded and isinstance(sd, dict):
-            from .folding import KEY, check_expert_file  # (folding imports this module)
             check_expert_file(path, sd, ck, ck.experts, *ep_of[fname])
             sd = {k: v for k, v in sd.items() if k != KEY}
         if not isinstance(sd, dict) or set(sd) != set(keys):

@@ -18,7 +18,7 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ...storage.safe_load import load
-from .checks import first_difference
+from .recorded import first_difference
 
 KEY = "folding"
 VERSION = 1

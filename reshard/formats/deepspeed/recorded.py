@@ -1,11 +1,14 @@
 """What the layout and ZeRO-stage checks read of a DeepSpeed checkpoint (``layout``, ``zero12``,
 ``zero3``): its files as ``checkpoint.DeepSpeedCheckpoint`` loads them, and what it derives from
-them. A protocol, so that the modules the checkpoint builds its layout on need not import it."""
+them. A protocol, so that the modules the checkpoint builds its layout on need not import it; and
+``first_difference``, how every check compares two of its records (here, so that ``checks`` and
+``folding`` share it without importing each other)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # annotations only: neither module imports a check
     import torch
@@ -14,7 +17,7 @@ if TYPE_CHECKING:  # annotations only: neither module imports a check
     from .experts import AutoEP
     from .moe import ClassicMoE
 
-__all__ = ["Recorded"]
+__all__ = ["Recorded", "first_difference"]
 
 
 class Recorded(Protocol):
@@ -57,3 +60,22 @@ class Recorded(Protocol):
     def check_steps(self) -> None: ...
 
     def check_layer_files(self) -> None: ...
+
+
+def first_difference(a: Any, b: Any, at: str) -> str | None:
+    """The JSON path of the first place ``a`` and ``b`` differ (``None`` when equal)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for k in [*a, *(k for k in b if k not in a)]:
+            if k not in a or k not in b:
+                return f"{at}.{k}"
+            got = first_difference(a[k], b[k], f"{at}.{k}")
+            if got is not None:
+                return got
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):  # docs/spec.md §5: ``pieces.0``, ``source[0]``
+            got = first_difference(x, y, f"{at}.{i}" if at.endswith(".pieces") else f"{at}[{i}]")
+            if got is not None:
+                return got
+        return None
+    return None if type(a) is type(b) and a == b else at
