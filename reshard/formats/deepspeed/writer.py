@@ -141,10 +141,10 @@ class DeepSpeedWriter(Writer):
         self._notes += self.target.notes
 
     def _autoep_folded(self, ck: Any, tp: int, dp: int, stage: int, ep: int, layout: TargetLayout) -> None:
-        """AutoEP at TP > 1, folded as DeepSpeed saves it (``expert_target.autoep_folded_target``): the
+        """AutoEP at TP > 1, folded as DeepSpeed saves it (``expert_folded.autoep_folded_target``): the
         dense TP maps the source's at its own folded TP, else a DeepSpeed checkpoint's at ``tp``
         (``--layout``), whose ``universal_checkpoint_info`` DeepSpeed records at that topology."""
-        from .expert_target import autoep_folded_target
+        from .expert_folded import autoep_folded_target
         from .placement import check_autoep
 
         check_autoep(ck, ep, tp * dp, 1, 1, stage)  # the placement, stage and steps (at TP 1's rules)
