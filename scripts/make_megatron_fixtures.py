@@ -201,6 +201,9 @@ for _flag, _value in (("--num-query-groups", None), ("--kv-channels", "5"), ("--
     MLA_MODEL_ARGV[_i:_i + 2] = [] if _value is None else [_flag, _value]
 MLA_MODEL_ARGV += ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "14", "--qk-head-dim", "6",
                    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "5", "--rope-type", "rope", "--qk-layernorm"]
+# Tied embeddings (the output layer reuses the word embeddings; over several stages the last one
+# keeps a copy as output_layer.weight, which Megatron all-reduces with the first stage's).
+TIED_MODEL_ARGV = [a for a in MODEL_ARGV if a != "--untie-embeddings-and-output-weights"]
 # Several DDP buckets per buffer: Megatron buckets only with --overlap-grad-reduce; 3000 elements
 # cut the 17208 parameters of the 2-layer model into buckets of one to four parameters.
 BUCKETS_ARGV = ["--overlap-grad-reduce", "--ddp-bucket-size", "3000"]
@@ -332,6 +335,21 @@ FIXTURES = {f.name: f for f in [
             "PP=2 x DP=2 with one multi-token-prediction layer (--mtp-num-layers 1, on the last stage, whose model "
             "and distrib_optim.pt also hold the embedding copy); distributed optimizer; legacy --ckpt-format torch",
             pp=2, dp=2, distopt=True, ckpt_format="torch", extra_argv=["--mtp-num-layers", "1"]),
+    Fixture("torch_dist_pp2_dp2_mtp1_distopt",
+            "PP=2 x DP=2 with one multi-token-prediction layer (--mtp-num-layers 1, on the last stage, whose DDP buffer "
+            "also holds the embedding copy, first registered, in a bucket of its own); distributed optimizer, "
+            "dp_reshardable; torch_dist",
+            pp=2, dp=2, distopt=True, extra_argv=["--mtp-num-layers", "1"], cross_checks=[(1, 2, 2, 1)]),
+    Fixture("torch_dist_pp2_dp2_tied_distopt",
+            "PP=2 x DP=2 with tied embeddings (no --untie-embeddings-and-output-weights: the last stage keeps "
+            "output_layer.weight, a copy of the word embeddings, in a bucket of its own); distributed optimizer, "
+            "dp_reshardable; torch_dist",
+            pp=2, dp=2, distopt=True, model_argv=TIED_MODEL_ARGV, cross_checks=[(1, 2, 2, 1)]),
+    Fixture("legacy_pp2_dp2_tied_distopt",
+            "PP=2 x DP=2 with tied embeddings as torch_dist_pp2_dp2_tied_distopt (the last stage's model and "
+            "distrib_optim.pt hold output_layer.weight, the embedding copy); distributed optimizer; legacy "
+            "--ckpt-format torch",
+            pp=2, dp=2, distopt=True, ckpt_format="torch", model_argv=TIED_MODEL_ARGV),
     Fixture("torch_dist_tp2_qk_layernorm",
             "TP=2, DP=1; --qk-layernorm (RMSNorm q_layernorm / k_layernorm over the head dim, replicated over "
             "TP); plain Adam; torch_dist", tp=2, extra_argv=["--qk-layernorm"]),

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CheckpointError
-from .model import EMBED, Arch, LocalParam, pad
+from .model import EMBED, OUTPUT, Arch, LocalParam, pad
 
-__all__ = ["FULLY_RESHARDABLE_SHIFTED", "BucketLayout", "bucket_layouts", "bucket_size", "dense_buffer_params", "embedding_copy",
-           "shared_embedding", "flat_layout", "several_buckets"]
+__all__ = ["FULLY_RESHARDABLE_SHIFTED", "BucketLayout", "bucket_layouts", "bucket_size", "copy_first", "copy_name",
+           "dense_buffer_params", "embedding_copy", "flat_layout", "is_copy", "several_buckets", "shared_embedding"]
 
 _DEFAULT_MIN = 40_000_000
 
@@ -67,25 +67,49 @@ def bucket_layouts(params: list[LocalParam], dp: int, size: int | None,
 
 
 def embedding_copy(arch: Arch, pp: int) -> bool:
-    """Whether stage ``pp`` keeps a copy of the word embeddings: the last one, for the MTP block,
-    over several stages (GPTModel registers it first in the last model chunk; its gradient is
-    all-reduced with the first stage's, so it stays equal to it)."""
-    return bool(arch.mtp) and arch.pp > 1 and pp == arch.pp - 1
+    """Whether stage ``pp`` keeps a copy of the word embeddings: the last one, over several stages,
+    for the MTP block or for tied embeddings (its gradient is all-reduced with the first stage's,
+    so it stays equal to it)."""
+    return (bool(arch.mtp) or arch.tied) and arch.pp > 1 and pp == arch.pp - 1
 
 
-def dense_buffer_params(arch: Arch, pp: int, t: int) -> list[LocalParam]:
-    """Stage ``pp``'s dense DDP buffer's parameters (TP rank ``t``, every model chunk): the
-    embedding copy first where the stage keeps one, then :meth:`Arch.stage_params`."""
-    copy = [arch.local(arch.spec(EMBED), (), t)] if embedding_copy(arch, pp) else []
-    return copy + arch.stage_params(pp, t)
+def copy_first(arch: Arch) -> bool:
+    """Where the last stage registers its embedding copy: first with MTP (GPTModel builds the
+    MTP block's embedding before the decoder), else last (tied: ``output_layer.weight``, after the
+    final norm)."""
+    return bool(arch.mtp)
+
+
+def copy_name(arch: Arch) -> str:
+    """The copy's name in the last stage's model: the MTP block's embedding (with MTP the output
+    layer holds no weight of its own, tied or not), else the tied ``output_layer.weight``."""
+    return EMBED if arch.mtp else OUTPUT
+
+
+def dense_buffer_params(arch: Arch, pp: int, t: int, vp: int | None = None) -> list[LocalParam]:
+    """Stage ``pp``'s dense DDP buffer's parameters (TP rank ``t``; model chunk ``vp``, or every
+    chunk): :meth:`Arch.stage_params` with the embedding copy where the stage keeps one (in its
+    last model chunk), first (MTP) or last (tied)."""
+    params = arch.stage_params(pp, t, vp=vp)
+    if not embedding_copy(arch, pp) or vp not in (None, arch.vpp - 1):
+        return params
+    copy = arch.local(arch.spec(EMBED), (), t)
+    if not copy_first(arch):
+        return params + [copy]
+    at = len(params) - len(arch.stage_params(pp, t, vp=arch.vpp - 1)) if vp is None else 0
+    return params[:at] + [copy] + params[at:]
+
+
+def is_copy(arch: Arch, pp: int, lp: LocalParam) -> bool:
+    """Whether ``lp`` of a stage ``pp`` dense buffer is the last stage's embedding copy."""
+    return lp.spec.key == EMBED and embedding_copy(arch, pp)
 
 
 def shared_embedding(arch: Arch) -> Callable[[LocalParam], bool]:
     """Which parameters Megatron marks ``shared_embedding`` (``setup_embeddings_and_output_layer``):
-    with MTP over several stages, the first stage's embedding and the last stage's copy. The
-    distributed optimizer gives each a bucket of its own. (Tied embeddings over several stages mark
-    them too; no fixture holds that case, so it is left to the refusals that name it.)"""
-    on = bool(arch.mtp) and arch.pp > 1
+    with MTP or tied embeddings over several stages, the first stage's embedding and the last
+    stage's copy. The distributed optimizer gives each a bucket of its own."""
+    on = (bool(arch.mtp) or arch.tied) and arch.pp > 1
     return lambda lp: on and lp.spec.key == EMBED
 
 

@@ -16,12 +16,23 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
+from ...storage import verified
 from ..dcp import checkpoint as dcp
 from . import safe
-from .buckets import FULLY_RESHARDABLE_SHIFTED, bucket_layouts, bucket_size, several_buckets
+from .buckets import (
+    FULLY_RESHARDABLE_SHIFTED,
+    bucket_layouts,
+    bucket_size,
+    copy_name,
+    dense_buffer_params,
+    embedding_copy,
+    is_copy,
+    several_buckets,
+    shared_embedding,
+)
 from .grouped import TE_GROUPED, te_grouped
 from .lowering import Lowered, chunk_map, composite, local_map
-from .model import Arch, KeySpec, LocalParam
+from .model import EMBED, Arch, KeySpec, LocalParam
 
 __all__ = ["TorchDistBackend"]
 
@@ -207,6 +218,7 @@ class TorchDistBackend:
         the local parameter)}}``
         for every parameter range of every bucket chunk (gaps skipped)."""
         out: dict[str, dict] = {}
+        self.copies: dict[tuple[int, str], list[tuple[str, int, int, int, int]]] = {}
         counters: dict[tuple[str, str], int] = {}
         groups: dict[tuple, dict[str, str]] = {}
         for key in self.ck.tensors:
@@ -222,12 +234,10 @@ class TorchDistBackend:
             if gbuf >= self.arch.vpp:
                 raise CheckpointError(f"{where}: several DDP buffers per model chunk (several dtypes): not read by "
                                       "reshard")
-            if (self.arch.tied or self.arch.mtp) and self.arch.pp > 1:  # the shared embedding's own buckets
-                what = "tied embeddings" if self.arch.tied else "multi-token prediction (the last stage's embedding)"
-                raise CheckpointError(f"{where}: {what} over {self.arch.pp} pipeline stages with the distributed "
-                                      "optimizer (the shared embedding's own buckets): not read by reshard")
             params, dp, pp = self._group_params(prefix or "", mp, where, gbuf)
-            layouts = bucket_layouts(params, dp, bucket_size(self.args, self.arch, pp, gbuf, where))
+            layouts = bucket_layouts(params, dp, bucket_size(self.args, self.arch, pp, gbuf, where),
+                                     shared_embedding(self.arch))
+            dense = prefix in (None, "", "chained_0.")
             if sorted(by_bucket) != list(range(len(layouts))):
                 raise CheckpointError(f"{where}: its buffer holds buckets {sorted(by_bucket)}, the args (overlap_grad_"
                                       f"reduce, ddp_bucket_size, ddp_num_buckets) imply {len(layouts)}")
@@ -253,11 +263,53 @@ class TorchDistBackend:
                         a, b = c.offsets[0], c.offsets[0] + c.sizes[0]
                         for lp, s, t in layout:
                             lo, hi = max(a, s), min(b, t)
-                            if lo < hi:
+                            if lo < hi and dense and is_copy(self.arch, pp, lp):  # checked, not read (check_copy)
+                                self.copies.setdefault((lp.tp, state), []).append((key, ci, lo - a, hi - lo, lo - s))
+                            elif lo < hi:
                                 n = counters.get((lp.spec.key, state), 0)
                                 counters[(lp.spec.key, state)] = n + 1
                                 out.setdefault(lp.spec.key, {})[(n, state)] = (lp, key, ci, lo - a, hi - lo, lo - s)
         return out
+
+    def check_copy(self) -> None:
+        """The last stage's embedding copy (MTP or tied embeddings over several stages) in its own
+        buckets: its fp32 master and both moments equal the first stage's, bit for bit, range for
+        range. ``torch_dist`` stores the copy's weights once (the first stage's, replica 0), but
+        each stage's distributed optimizer saves its own buckets; reshard reads the first stage's."""
+        a = self.arch
+        if self.sharding != "dp_reshardable" or not embedding_copy(a, a.pp - 1):
+            return
+        ours = self.buckets.get(EMBED, {})
+        for lp in a.locals_of(a.spec(EMBED)):
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                mine = sorted((at, n, key, ci, start) for key, ci, start, n, at in self.copies.get((lp.tp, state), []))
+                first = sorted((at, n, key, ci, start) for (_, s), (p, key, ci, start, n, at) in ours.items()
+                               if s == state and p.tp == lp.tp)
+                what = f"{copy_name(a)} ({state}, TP rank {lp.tp})"
+                if sum(x[1] for x in mine) != lp.numel:
+                    raise CheckpointError(f"{self.dir / dcp.METADATA}: the last stage's buckets hold "
+                                          f"{sum(x[1] for x in mine)} elements of the embedding copy {what}, its "
+                                          f"parameter {lp.numel}")
+                self._equal_ranges(mine, first, what)
+
+    def _equal_ranges(self, mine: list, first: list, what: str) -> None:
+        """The copy's ranges (``(at, n, key, chunk, start)``) hold what the first stage's do."""
+        def pieces(ranges: list) -> list[tuple[int, int, torch.Tensor, str]]:
+            out = []
+            for at, n, key, ci, start in ranges:
+                t = self.ck.chunk(key, ci).reshape(-1)
+                verified.ensure(t, f"{key} chunk {ci}")  # read outside the engine's fills: checked now
+                out.append((at, at + n, t.narrow(0, start, n), key))
+            return out
+
+        mp, fp = pieces(mine), pieces(first)
+        for lo, hi, t, key in mp:
+            for flo, fhi, f, fkey in fp:
+                a, b = max(lo, flo), min(hi, fhi)
+                if a < b and not torch.equal(t.narrow(0, a - lo, b - a), f.narrow(0, a - flo, b - a)):
+                    raise CheckpointError(f"{self.dir / dcp.METADATA}: {key!r}: the last stage's embedding copy "
+                                          f"{what} differs from the first stage's ({fkey!r}) at elements "
+                                          f"[{a}, {b}) of the local parameter")
 
     def _group_params(self, prefix: str, m: int, where: str, vp: int = 0) -> tuple[list[LocalParam], int, int]:
         a = self.arch
@@ -265,7 +317,7 @@ class TorchDistBackend:
             t, pp = m % a.tp, m // a.tp
             if pp >= a.pp:
                 raise CheckpointError(f"{where}: dp_group_idx {m} is outside TP x PP = {a.tp} x {a.pp}")
-            return a.stage_params(pp, t, vp=vp), a.dp, pp
+            return dense_buffer_params(a, pp, t, vp), a.dp, pp
         if prefix == "chained_1." and a.expert_apart:
             t, ep, pp = m % a.etp, (m // a.etp) % a.ep, m // (a.etp * a.ep)
             if pp >= a.pp:

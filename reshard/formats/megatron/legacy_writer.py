@@ -69,8 +69,6 @@ class MegatronLegacyWriter(MegatronWriter):
     """The torch_dist writer's target (args, topology, names, vocabulary rows), laid out as legacy files."""
 
     keeps_replicas = False  # each file's copy of a replicated block is filled from the one merged copy
-    # MTP over several stages: the embedding and its copy each in a bucket of their own (buckets.shared_embedding)
-    shared_embedding_buckets = True
 
     def __init__(self, reader: Reader, *, optimizer: str | None = None, **options: Any) -> None:
         kind = self._kind(reader, optimizer)

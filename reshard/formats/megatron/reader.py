@@ -121,6 +121,7 @@ class MegatronReader(Reader):
         if isinstance(self.src, TorchDistBackend):
             self.src.check_objects()
             self.src.ck.check_records()  # each record holds the dtype and shape .metadata says
+            self.src.check_copy()  # the last stage's embedding copy in its own buckets: equal to the first stage's
         else:
             self.src.check()
         for name in self.names:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...ir.param_map import ParamMap
-from .buckets import bucket_layouts
+from .buckets import bucket_layouts, dense_buffer_params, is_copy, shared_embedding
 from .lowering import chunk_map, composite, local_map
 from .model import EMBED, OUTPUT, Arch, KeySpec, LocalParam
 
@@ -39,8 +39,9 @@ class BucketChunk:
     end: int
     rank: int
     param: LocalParam | None  # None: a gap
-    label: int  # its shard in the parameter's bucket map (-1 for a gap)
+    label: int  # its shard in the parameter's bucket map (-1 for a gap or the embedding copy)
     at: int  # where it starts in the local parameter
+    copy: bool = False  # the last stage's embedding copy: written as the first stage's range at ``at``
 
 
 @dataclass(slots=True)
@@ -92,7 +93,7 @@ class TargetLayout:
         each DP shard): a buffer per model chunk."""
         a = self.arch
         dense = "chained_0." if a.expert_apart else ""
-        out = [(dense, t + a.tp * pp, pp, vp, a.stage_params(pp, t, vp=vp), a.dp,
+        out = [(dense, t + a.tp * pp, pp, vp, dense_buffer_params(a, pp, t, vp), a.dp,
                 [a.rank(t, pp, d) for d in range(a.dp)])
                for pp in range(a.pp) for t in range(a.tp) for vp in range(a.vpp)]
         if a.expert_apart:
@@ -105,14 +106,15 @@ class TargetLayout:
         out: list[Bucket] = []
         counters: dict[str, int] = {}
         for prefix, m, pp, vp, params, dp, ranks in self._groups():
-            for idx, bl in enumerate(bucket_layouts(params, dp, self._bucket_size(pp, vp))):
+            copy = (lambda lp, pp=pp: is_copy(self.arch, pp, lp)) if prefix != "chained_1." else (lambda lp: False)
+            for idx, bl in enumerate(bucket_layouts(params, dp, self._bucket_size(pp, vp), shared_embedding(self.arch))):
                 out.append(self._bucket(Bucket(prefix, m, bl.numel, bl.unpadded, gbuf=vp, idx=idx), bl.params,
-                                        dp, ranks, counters))
+                                        dp, ranks, counters, copy))
         return out
 
     @staticmethod
     def _bucket(b: Bucket, layout: tuple[tuple[LocalParam, int, int], ...], dp: int, ranks: list[int],
-                counters: dict[str, int]) -> Bucket:
+                counters: dict[str, int], copy: Callable[[LocalParam], bool] = lambda lp: False) -> Bucket:
         """``b`` cut into its parameters' ranges and gaps within each DP rank's shard."""
         shard = b.numel // dp
         cuts = sorted({0, b.unpadded} | {x for _, s, e in layout for x in (s, e)} |
@@ -123,6 +125,9 @@ class TargetLayout:
                 b.chunks.append(BucketChunk(lo, hi, ranks[lo // shard], None, -1, 0))
                 continue
             lp, s = owner
+            if copy(lp):  # no label of its own: the embedding's map tiles the first stage's ranges
+                b.chunks.append(BucketChunk(lo, hi, ranks[lo // shard], lp, -1, lo - s, copy=True))
+                continue
             n = counters.get(lp.spec.key, 0)
             counters[lp.spec.key] = n + 1
             b.chunks.append(BucketChunk(lo, hi, ranks[lo // shard], lp, n, lo - s))
@@ -132,7 +137,7 @@ class TargetLayout:
         frags: dict[str, dict[int, list[tuple[int, int, int]]]] = {}
         for b in self.buckets:
             for c in b.chunks:
-                if c.param is not None:
+                if c.param is not None and not c.copy:
                     frags.setdefault(c.param.spec.key, {}).setdefault(c.param.label, []).append(
                         (c.label, c.at, c.at + c.end - c.start))
         out = {}

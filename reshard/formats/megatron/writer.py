@@ -84,8 +84,6 @@ class MegatronWriter(Writer):
     format = "megatron"
     latest = None  # the tracker is inside the committed save folder
     keeps_replicas = False  # torch_dist keeps one copy of each replicated block
-    # the buckets of Megatron's shared_embedding parameters (MTP over several stages): written by the legacy writer only
-    shared_embedding_buckets = False
 
     def __init__(self, reader: Reader, *, tp: int | None = None, pp: int | None = None, dp: int | None = None,
                  ep: int | None = None, etp: int | None = None, optimizer: str | None = None,
@@ -124,13 +122,6 @@ class MegatronWriter(Writer):
             self._from_megatron(self.ref, tp, pp, dp, ep, etp, optimizer, dtype, data=reader)
         else:
             self._from_hf(reader, tp, pp, dp, ep, etp, optimizer, dtype, hf_config)
-        if self.kind == "dp_reshardable" and self.arch.mtp and self.arch.pp > 1 and not self.shared_embedding_buckets:
-            raise ReshardError("--optimizer dp_reshardable with multi-token prediction layers over several pipeline "
-                               "stages (the last stage's bucket holds a copy of the embedding, which Megatron buckets "
-                               "apart): not written by reshard")
-        if self.kind == "dp_reshardable" and self.arch.tied and self.arch.pp > 1:
-            raise ReshardError("--optimizer dp_reshardable with tied embeddings over several pipeline stages (the "
-                               "last stage's bucket holds a copy of the embedding): not written by reshard")
         if self.kind == "dp_reshardable" and te_grouped(self.args):
             raise ReshardError(f"--optimizer dp_reshardable from a source of {TE_GROUPED}: its buckets (every expert's "
                                "fc1, then fc2) are not written by reshard; --optimizer fully_reshardable or adam")
@@ -397,11 +388,16 @@ class MegatronWriter(Writer):
                 for c in chunks:
                     put(c.rank, self._tensor_key(key, state), c.offsets, c.sizes, self._dtype(state, key),
                         self._slots[(key, state)].get(c.label, []), self.layout.maps[key].logical_shape)
+        # the last stage's embedding copy: each range written as the first stage's range of the same
+        # local parameter (both alone in their buckets, so cut alike)
+        first = {(bc.param.label, bc.at, bc.end - bc.start): bc.label for b in self.layout.buckets for bc in b.chunks
+                 if bc.param is not None and bc.param.spec.key == EMBED and not bc.copy}
         for b in self.layout.buckets:
             for state in self.states:
                 bkey = self._bucket_key(b.prefix, b.m, state, b.gbuf, b.idx)
                 for bc in b.chunks:
-                    slots = [] if bc.param is None else self._slots[(bc.param.spec.key, state)].get(bc.label, [])
+                    label = first[(bc.param.label, bc.at, bc.end - bc.start)] if bc.copy and bc.param else bc.label
+                    slots = [] if bc.param is None else self._slots[(bc.param.spec.key, state)].get(label, [])
                     put(bc.rank, bkey, (bc.start,), (bc.end - bc.start,), torch.float32, slots, (b.unpadded,))
         return out
 
