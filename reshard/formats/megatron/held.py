@@ -14,9 +14,9 @@ from typing import Any
 
 from ..contract import Held
 from ..dcp import checkpoint as dcp
+from .buckets import copy_name
 from .dist import _BUCKET, _STATE_KINDS, TorchDistBackend
 from .legacy import LegacyBackend
-from .model import EMBED
 
 __all__ = ["carried", "held"]
 
@@ -79,8 +79,8 @@ def _legacy(src: LegacyBackend) -> list[Held]:
             # buffers read as keys (a router's expert_bias): no parameter, so not in stage_params
             local |= {src._local_name(lp) for s in a.keys() if s.buffer for lp in a.locals_of(s)
                       if lp.tp == tp and a.stage_of(s, lp.index) == pp and src._chunk_of(lp) == v}
-            if src.embedding_copy(pp) and v == a.vpp - 1:  # the MTP block's copy: checked equal to the first stage's
-                local.add(EMBED)
+            if src.embedding_copy(pp) and v == a.vpp - 1:  # the embedding copy: checked equal to the first stage's
+                local.add(copy_name(a))
             for name in sd[mk]:
                 if name in local:
                     continue

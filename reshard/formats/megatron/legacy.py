@@ -28,6 +28,7 @@ from . import safe
 from .buckets import (
     bucket_layouts,
     bucket_size,
+    copy_name,
     dense_buffer_params,
     embedding_copy,
     flat_layout,
@@ -212,8 +213,8 @@ class LegacyBackend:
         specs: dict[tuple[int, str], KeySpec] = {}
         if not experts:
             specs = {(v, self._local_name(lp)): lp.spec for v in range(a.vpp) for lp in a.stage_params(pp, tp, vp=v)}
-            if self.embedding_copy(pp):  # a parameter of the last stage's optimizer too (its first)
-                specs[(a.vpp - 1, EMBED)] = a.spec(EMBED)
+            if self.embedding_copy(pp):  # a parameter of the last stage's optimizer too (MTP: its first; tied: last)
+                specs[(a.vpp - 1, copy_name(a))] = a.spec(EMBED)
         if a.experts and (experts or not a.expert_apart):  # the experts' names depend on their local number only
             specs |= {(v, self._local_name(lp)): lp.spec for v in range(a.vpp)
                       for lp in a.stage_params(pp, 0, expert_rank=ep if a.expert_apart else 0, vp=v)}
@@ -320,23 +321,27 @@ class LegacyBackend:
 
     def embedding_copy(self, pp: int) -> bool:
         """Whether stage ``pp`` keeps a copy of the word embeddings beside the first stage's: the last
-        one, for the MTP block, over several stages (GPTModel registers it first in the last model
-        chunk, a parameter of that stage's optimizer; its gradient all-reduced with the first
-        stage's, so equal to it)."""
+        one, over several stages, for the MTP block (GPTModel registers it first in the last model
+        chunk) or tied embeddings (``output_layer.weight``, registered last); a parameter of that
+        stage's optimizer, its gradient all-reduced with the first stage's, so equal to it."""
         return embedding_copy(self.arch, pp)
+
+    @property
+    def _copy_for(self) -> str:
+        return "the MTP block" if self.arch.mtp else "the tied output layer"
 
     def _check_embedding_copy(self) -> None:
         """The last stage's embedding copy (weights and moments) equals the first stage's, bit for
         bit: reshard reads the first stage's (as ``torch_dist`` stores one copy)."""
         a = self.arch
-        spec = a.spec(EMBED)
+        spec, name = a.spec(EMBED), copy_name(a)
         for lp in a.locals_of(spec):
             key = self._dense_key(lp.tp, a.pp - 1)
             f = self.files[key]
-            copy = self.state_dict(key)[self._model_keys[-1]].get(EMBED)
+            copy = self.state_dict(key)[self._model_keys[-1]].get(name)
             if not isinstance(copy, torch.Tensor) or tuple(copy.shape) != lp.shape:
-                raise CheckpointError(f"{f}: model has no tensor {EMBED!r} of shape {list(lp.shape)} (the last "
-                                      f"stage's embedding copy for the MTP block, TP rank {lp.tp})")
+                raise CheckpointError(f"{f}: model has no tensor {name!r} of shape {list(lp.shape)} (the last "
+                                      f"stage's embedding copy for {self._copy_for}, TP rank {lp.tp})")
             first = self.files[self._key_of(lp)]
             pairs = [("weight", copy, self.tensor(lp), f, first)]
             if self.optim and self.distopt:  # the copy's own bucket in the last stage's distrib_optim.pt
@@ -345,16 +350,16 @@ class LegacyBackend:
                 pairs += [(st, buf["param" if st == "fp32" else st].narrow(0, s, e - s), self._flat(lp, st),
                            f.parent / OPTIM_FILE, first.parent / OPTIM_FILE) for st in ("fp32", "exp_avg", "exp_avg_sq")]
             elif self.optim:
-                i = self._state_index(key, False)[(a.vpp - 1, EMBED)]
+                i = self._state_index(key, False)[(a.vpp - 1, name)]
                 st = (self._optimizer(key, False).get("state") or {}).get(i) or {}
                 pairs += [(s, st.get(s), self._adam(lp, s), f, first) for s in ("exp_avg", "exp_avg_sq")]
             for what, got, want, there, here in pairs:
                 if isinstance(got, torch.Tensor):  # read outside the engine's fills: their records checked now
-                    verified.ensure(got, f"{there}: {EMBED} ({what})")
+                    verified.ensure(got, f"{there}: {name} ({what})")
                     verified.ensure(want, f"{here}: {EMBED} ({what})")
                 if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
-                    raise CheckpointError(f"{there}: {EMBED} ({what}, TP rank {lp.tp}): the last stage's copy for the "
-                                          f"MTP block differs from the first stage's ({here})")
+                    raise CheckpointError(f"{there}: {name} ({what}, TP rank {lp.tp}): the last stage's copy for "
+                                          f"{self._copy_for} differs from the first stage's {EMBED} ({here})")
 
     def check(self) -> None:
         if self.embedding_copy(self.arch.pp - 1):
