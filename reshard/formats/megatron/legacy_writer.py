@@ -43,7 +43,16 @@ from ...ir.param_map import ParamMap
 from ...storage import torch_zip, verified
 from ..contract import Buffer, Held, Reader, Writer
 from . import safe
-from .buckets import bucket_layouts, bucket_size, dense_buffer_params, flat_layout, shared_embedding
+from .buckets import (
+    bucket_layouts,
+    bucket_size,
+    copy_first,
+    copy_name,
+    dense_buffer_params,
+    embedding_copy,
+    flat_layout,
+    shared_embedding,
+)
 from .common import buffer_dtype
 from .files import TRACKER
 from .legacy import MODEL_FILE, OPTIM_FILE, LegacyBackend, _rank_dir
@@ -193,7 +202,7 @@ class MegatronLegacyWriter(MegatronWriter):
         a, out, keys = self.arch, [], self.arch.keys()
         if pp == 0 and vp == 0:
             out.append(a.local(keys[0], (), t))
-        elif a.mtp and pp == a.pp - 1 and vp == a.vpp - 1:  # the MTP block's copy of the embedding, registered first
+        elif embedding_copy(a, pp) and copy_first(a) and vp == a.vpp - 1:  # the MTP block's copy, registered first
             out.append(a.local(keys[0], (), t))
         per = a.experts // a.ep if a.experts else 0
 
@@ -209,6 +218,8 @@ class MegatronLegacyWriter(MegatronWriter):
             block(a.layer_keys(i), i)
         if pp == a.pp - 1 and vp == a.vpp - 1:  # final norm, the MTP layers (an MoE one's experts too), output
             block([s for s in keys if not s.layered and s.key != EMBED], 0)
+            if embedding_copy(a, pp) and not copy_first(a):  # tied: the output layer's copy, registered last
+                out.append(a.local(dataclasses.replace(keys[0], local=copy_name(a)), (), t))
         return out
 
     def _file_buffers(self, key: tuple[int, int, int], x: int) -> list[list[tuple[str, Buffer | None, LocalParam | None]]]:

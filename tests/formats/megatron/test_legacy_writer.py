@@ -145,7 +145,7 @@ def test_legacy_at_the_source_topology_is_megatrons_files(tmp_path, fixture, opt
 
 
 @pytest.mark.parametrize("fixture", ["legacy_dp2_distopt", "legacy_dp2_distopt_buckets", "legacy_pp2_dp2_mtp1_distopt",
-                                     "legacy_moe_tp2_ep2_shared_distopt"])
+                                     "legacy_moe_tp2_ep2_shared_distopt", "legacy_pp2_dp2_tied_distopt"])
 def test_legacy_distributed_optimizer_at_the_source_topology_is_megatrons_files(tmp_path, fixture):
     """The distributed optimizer's legacy files at the source's topology (the default: the source's
     format and optimizer) are Megatron's: every ``model_optim_rng.pt`` and ``distrib_optim.pt``

@@ -223,12 +223,3 @@ def test_te_grouped_gemm_buckets_are_not_written(tmp_path):
     out = reshard(src, tmp_path / "adam", to="megatron", tp=1, pp=1, dp=2, ep=1).out_dir
     r = MegatronReader.open(out)
     assert r.args.moe_grouped_gemm and compare_megatron(r, "torch_dist_moe_ep2") > 0
-
-
-def test_mtp_buckets_over_several_stages_are_refused(tmp_path):
-    """With MTP over several pipeline stages Megatron's last stage holds an embedding copy in a bucket of its
-    own (shared_embedding, as tied embeddings): dp_reshardable is refused there, plain Adam is written."""
-    with pytest.raises(ReshardError, match="dp_reshardable with multi-token prediction layers over several"):
-        reshard(FIXTURES / "torch_dist_mtp1", tmp_path / "out", to="megatron", tp=1, pp=2, dp=1,
-                optimizer="dp_reshardable")
-    assert not (tmp_path / "out").exists()
