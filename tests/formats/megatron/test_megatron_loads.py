@@ -76,8 +76,7 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("legacy_moe_tp2_dp2_ep2", dict(tp=1, pp=1, dp=1, ep=1), True),
     # --moe-grouped-gemm under the local spec (SequentialMLP; the oracle reload keeps the flag)
     ("torch_dist_moe_ep2_grouped_gemm_local", dict(tp=1, pp=1, dp=2, ep=1), True),
-    # a multi-token-prediction layer: on the last stage, in its bucket after the final norm (dp_reshardable at PP 1:
-    # over several stages the last one holds an embedding copy Megatron buckets apart, refused)
+    # a multi-token-prediction layer: on the last stage, in its bucket after the final norm
     ("torch_dist_mtp1", dict(tp=2, pp=2, dp=1), True),
     ("torch_dist_mtp1", dict(tp=2, pp=1, dp=2, optimizer="dp_reshardable"), True),
     # DeepSeek-V3 shaped with an MLA + MoE MTP layer: TP1 x EP1, PP2 (MTP on the last stage), and its experts in
@@ -99,6 +98,13 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_tp2_pp2", dict(tp=1, pp=2, dp=1, vpp=2), True),
     ("torch_dist_tp2_pp2", dict(tp=1, pp=2, dp=1, vpp=2, optimizer="dp_reshardable"), True),
     ("torch_dist_pp2_vpp2_distopt", dict(tp=1, pp=2, dp=1, vpp=1), True),
+    # the last stage's embedding copy (MTP, tied) in a dp_reshardable bucket of its own: made, kept, merged away
+    ("torch_dist_mtp1", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),
+    ("torch_dist_pp2_dp2_mtp1_distopt", dict(tp=1, pp=2, dp=1), True),
+    ("torch_dist_pp2_dp2_mtp1_distopt", dict(tp=2, pp=1, dp=1), True),
+    ("torch_dist_pp2_dp2_tied_distopt", dict(tp=2, pp=2, dp=1, optimizer="fully_reshardable"), True),
+    ("torch_dist_pp2_dp2_tied_distopt", dict(tp=2, pp=1, dp=2), True),
+    ("legacy_pp2_dp2_tied_distopt", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),
 ]
 
 
@@ -310,6 +316,10 @@ LEGACY_TARGETS = [  # (source, target topology): legacy files (--ckpt-format tor
     ("torch_dist_mtp1", dict(tp=1, pp=2, dp=2, optimizer="distributed")),
     ("legacy_pp2_dp2_mtp1_distopt", dict(tp=2, pp=2, dp=1, optimizer="distributed")),
     ("torch_dist_mtp2", dict(tp=1, pp=2, dp=2, optimizer="distributed")),
+    # tied embeddings over two stages: output_layer.weight, the last stage's copy, last in its model, first in its buffer
+    ("torch_dist_pp2_dp2_tied_distopt", dict(tp=1, pp=2, dp=2, optimizer="distributed")),
+    ("legacy_pp2_dp2_tied_distopt", dict(tp=2, pp=2, dp=1, optimizer="distributed")),
+    ("torch_dist_pp2_dp2_mtp1_distopt", dict(tp=1, pp=2, dp=1, optimizer="distributed")),
 ]
 
 
