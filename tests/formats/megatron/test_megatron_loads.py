@@ -105,6 +105,7 @@ CASES = [  # (source, target topology, what Megatron loads)
     ("torch_dist_pp2_dp2_tied_distopt", dict(tp=2, pp=2, dp=1, optimizer="fully_reshardable"), True),
     ("torch_dist_pp2_dp2_tied_distopt", dict(tp=2, pp=1, dp=2), True),
     ("legacy_pp2_dp2_tied_distopt", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),
+    ("torch_dist_pp2_vpp2_mtp1", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable"), True),  # in model chunk 1's buffer
 ]
 
 

@@ -105,6 +105,8 @@ def test_written_at_its_own_topology_is_megatrons_files(tmp_path, fixture):
     (TIED, "torch", dict(tp=1, pp=2, dp=2, optimizer="distributed")),  # legacy: output_layer.weight, its bucket
     (LEGACY_TIED, "torch_dist", dict(tp=1, pp=2, dp=2)),  # legacy -> torch_dist, the copy's bucket made again
     ("torch_dist_mtp1", "torch_dist", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable")),  # the copy made
+    # virtual stages: the copy first in the last stage's last model chunk's buffer (gbuf_idx_1)
+    ("torch_dist_pp2_vpp2_mtp1", "torch_dist", dict(tp=1, pp=2, dp=2, optimizer="dp_reshardable")),
 ])
 def test_resharded_from_and_to_the_copys_buckets_equals_the_oracle(tmp_path, fixture, fmt, topology):
     out = reshard(FIXTURES / fixture, tmp_path, to="megatron", ckpt_format=fmt, **topology).out_dir
