@@ -36,7 +36,8 @@ def _export(fixture: str, out) -> tuple:
 
 @pytest.mark.parametrize("fixture", ["torch_dist_tp2_pp2", "legacy_tp2_pp2", "torch_dist_tp2_dp2_distopt",
                                      "torch_dist_moe_ep2", "torch_dist_pp2_vpp2", "torch_dist_pp2_uneven",
-                                     "legacy_pp2_vpp2", "torch_dist_tp2_qk_layernorm", "torch_dist_tp2_mla"])
+                                     "legacy_pp2_vpp2", "torch_dist_tp2_qk_layernorm", "torch_dist_tp2_mla",
+                                     "torch_dist_pp2_dp2_tied_distopt"])  # tied: no lm_head.weight written
 def test_hf_export_loads_and_gives_megatron_logits(tmp_path, fixture):
     folder, reader = _export(fixture, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -45,7 +46,11 @@ def test_hf_export_loads_and_gives_megatron_logits(tmp_path, fixture):
     assert type(model).__name__ == want
     sd = model.state_dict()
     written = load_file(str(folder / "model.safetensors"))
-    assert set(written) == {k for k in sd if "rotary" not in k}
+    tied = bool(model.config.tie_word_embeddings)
+    assert tied == reader.arch.tied
+    assert set(written) == {k for k in sd if "rotary" not in k and not (tied and k == "lm_head.weight")}
+    if tied:
+        assert torch.equal(sd["lm_head.weight"], written["model.embed_tokens.weight"])
     for k, v in written.items():
         assert torch.equal(sd[k], v), k
     _, _, fwd, _ = oracle(fixture)

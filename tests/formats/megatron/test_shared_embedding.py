@@ -24,7 +24,8 @@ import torch
 from reshard.errors import CheckpointError
 from reshard.formats.megatron import safe
 from reshard.formats.megatron.reader import MegatronReader
-from reshard.jobs.convert import reshard
+from reshard.formats.registry import open_reader
+from reshard.jobs.convert import convert, reshard
 
 from .support import FIXTURES, compare_megatron
 
@@ -182,3 +183,19 @@ def test_a_drifted_copy_is_refused_naming_the_tensor(tmp_path, fixture, bucket):
     with pytest.raises(CheckpointError, match="differs from the first stage's"):
         reshard(bad, tmp_path / "out", to="megatron", tp=2, pp=1, dp=2)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fixture,via", [(MTP, "dcp"), (TIED, "universal"), (LEGACY_TIED, "dcp")])
+def test_through_dcp_or_universal_and_back_to_the_copys_buckets(tmp_path, fixture, via):
+    """The first stage's embedding (its master and moments) is what DCP / universal get -- every
+    tensor equal to Megatron's reload -- and back at PP 2 x DP 2 ``dp_reshardable`` the copy's bucket
+    is made again from it (``--megatron-args`` the fixture: its args and run state)."""
+    mid = convert(FIXTURES / fixture, tmp_path / via, fmt=via)
+    assert not mid.dropped
+    assert compare_megatron(open_reader(mid.out_dir), fixture) > 0
+    back = reshard(mid.out_dir, tmp_path / "back", to="megatron", megatron_args=FIXTURES / fixture, tp=1, pp=2, dp=2,
+                   optimizer="dp_reshardable").out_dir
+    r = MegatronReader.open(back)
+    r.check()
+    assert r.src.sharding == "dp_reshardable" and r.src.copies
+    assert compare_megatron(r, fixture) > 0
