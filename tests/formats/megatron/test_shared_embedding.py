@@ -199,3 +199,31 @@ def test_through_dcp_or_universal_and_back_to_the_copys_buckets(tmp_path, fixtur
     r.check()
     assert r.src.sharding == "dp_reshardable" and r.src.copies
     assert compare_megatron(r, fixture) > 0
+
+
+@pytest.mark.parametrize("what", ["weight", "exp_avg"])
+def test_legacy_tied_copy_is_checked_and_accounted_for(tmp_path, what):
+    """``legacy_pp2_dp2_tied_distopt``: the last stage's ``output_layer.weight`` is the copy (read as
+    the first stage's embedding, so no tensor is left unaccounted for); a drifted copy -- its weight
+    in the model, or its ``exp_avg`` at the head of that stage's ``distrib_optim.pt`` -- is refused
+    naming the file and ``output_layer.weight``."""
+    from reshard.storage import torch_zip
+
+    r = MegatronReader.open(FIXTURES / LEGACY_TIED)
+    r.check()
+    assert "output_layer.weight" not in r.names and r.arch.tied
+    assert not [h for h in r.unlowered() if h.what == "weights"]
+    bad = tmp_path / "bad"
+    shutil.copytree(FIXTURES / LEGACY_TIED, bad, ignore=shutil.ignore_patterns("oracle"))
+    rank = bad / "iter_0000003" / "mp_rank_00_001"
+    f = rank / ("model_optim_rng.pt" if what == "weight" else "distrib_optim.pt")
+    d = safe.load_file(FIXTURES / LEGACY_TIED / "iter_0000003" / "mp_rank_00_001" / f.name)  # mapped: not the one rewritten
+    if what == "weight":
+        d["model"]["output_layer.weight"][0, 0] += 1
+    else:
+        next(iter(d[0].values()))["exp_avg"][0] += 1
+    with open(f, "wb") as out:
+        torch_zip.save(d, out, pickler=safe.PICKLER)
+    with pytest.raises(CheckpointError, match=f"mp_rank_00_001/{f.name}: output_layer.weight \\({what}, TP rank 0\\): "
+                                              "the last stage's copy for the tied output layer differs"):
+        MegatronReader.open(bad).check()
