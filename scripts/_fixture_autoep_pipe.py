@@ -30,11 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 import _fixture_autoep  # noqa: E402,F401  (registers transformers_can_record_registry_default)
 import _fixture_train  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 
 def build(model_config: dict, seed: int):

@@ -369,7 +369,7 @@ FIXTURES = [
             world_size=4, tp=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),
     # AutoEP under pipeline parallelism (TP 1): PP 2 x DP 2, EP 2 in each stage; one mp_rank_0S model state and
-    # per-expert files per stage, no layer_XX files (reshard refuses it by name, docs/deepspeed-checkpoints.md §11.3)
+    # per-expert files per stage, no layer_XX files (reshard refuses it by name, docs/deepspeed-checkpoints.md §11.4)
     Fixture("mixtral_autoep_ep2_pp2", "mixtral", dict(MIXTRAL, pipeline_stages=2),
             dict(ds_config(1), gradient_accumulation_steps=2,
                  expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral",

@@ -101,7 +101,7 @@ class AutoEP:
 
 def _under_pipeline(ck: DeepSpeedCheckpoint, where: str) -> str:
     """Why AutoEP under pipeline parallelism is not read, in DeepSpeed 0.19.8's terms
-    (docs/deepspeed-checkpoints.md §11.3, fixture ``mixtral_autoep_ep2_pp2``)."""
+    (docs/deepspeed-checkpoints.md §11.4, fixture ``mixtral_autoep_ep2_pp2``)."""
     topo = f"ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp}, DP={ck.dp}"
     if ck.tp > 1:  # DeepSpeed refuses to train it: no DeepSpeed 0.19.8 job wrote these files
         return (f"{where}: AutoEP folded over TP under pipeline parallelism ({topo}) is not a DeepSpeed 0.19.8 "

@@ -105,7 +105,7 @@ def check_target(ck: DeepSpeedCheckpoint, what: str, ep: int, dp: int, tp: int, 
     """The refusals every expert checkpoint shares (``what``: "AutoEP", "classic MoE")."""
     if tp != 1 or pp != 1 or ck.layer_files:
         why = ("; a pipeline target keeps a pipeline (deepspeed.pipe) source's stages, and AutoEP under pipeline "
-               "parallelism is not read yet (docs/deepspeed-checkpoints.md §11.3)" if pp != 1 and what == "AutoEP" else "")
+               "parallelism is not read yet (docs/deepspeed-checkpoints.md §11.4)" if pp != 1 and what == "AutoEP" else "")
         raise ReshardError(f"{ck.tag_dir}: {what} checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, "
                            f"pp={pp}){why}")
     if stage not in (1, 2) or stage != ck.zero_stage:

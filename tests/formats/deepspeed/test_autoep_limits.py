@@ -1,4 +1,4 @@
-"""AutoEP layouts at DeepSpeed 0.19.8's own limits (docs/deepspeed-checkpoints.md §11.2 and §11.3).
+"""AutoEP layouts at DeepSpeed 0.19.8's own limits (docs/deepspeed-checkpoints.md §11.2 and §11.4).
 
 * **A folded (AutoEP x AutoTP) target at EP 1, or under pipeline parallelism**: DeepSpeed itself refuses to
   train it (``validate_folding_global``, run by ``deepspeed.initialize``), so no DeepSpeed job could load such
