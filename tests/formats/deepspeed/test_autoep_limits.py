@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -119,3 +120,24 @@ def test_a_pipeline_target_from_autoep_says_why(tmp_path):
                                            r"stages, and AutoEP under pipeline parallelism is not read yet"):
         reshard(FIXTURES / "mixtral_autoep_ep2", tmp_path / "out", tp=1, dp=1, pp=2, ep=2)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_deepspeed_reloads_the_pipeline_fixture_and_saves_it_back_unchanged(tmp_path):
+    """The claim of the refusal: DeepSpeed itself reloads this layout. Its pipeline job (the fixture's
+    recipe, ``scripts/_fixture_autoep_pipe.py``) loads the fixture natively and saves at once: every file
+    equals the fixture's, tensor for tensor, but ``ds_config``."""
+    pytest.importorskip("deepspeed")
+    from tests.e2e.launch import REPO, launch
+    from tests.support.compare import diff_files
+
+    fx = json.loads((FIXTURES / PIPE / "fixture.json").read_text())
+    spec = {"model_type": fx["model_type"], "model_config": fx["model_config"], "ds_config": fx["ds_config"],
+            "steps": 0, "seed": fx["seed"], "seq_len": fx["data"]["seq_len"], "micro_batch": fx["data"]["micro_batch"],
+            "save_dir": str(tmp_path / "native"), "tag": fx["tag"], "report_dir": str(tmp_path / "report"),
+            "patches": fx["patches"], "load_dir": str(FIXTURES / PIPE)}
+    launch(REPO / "scripts" / "_fixture_autoep_pipe.py", spec, world_size=fx["world_size"], workdir=tmp_path)
+    report = json.loads((tmp_path / "report" / "rank_0.json").read_text())
+    assert report["global_steps"] == 3
+    diff_files(tag_dir(PIPE), tmp_path / "native" / fx["tag"])
