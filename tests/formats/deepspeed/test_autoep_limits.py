@@ -141,3 +141,14 @@ def test_deepspeed_reloads_the_pipeline_fixture_and_saves_it_back_unchanged(tmp_
     report = json.loads((tmp_path / "report" / "rank_0.json").read_text())
     assert report["global_steps"] == 3
     diff_files(tag_dir(PIPE), tmp_path / "native" / fx["tag"])
+
+
+def test_deepspeeds_own_consolidation_refuses_the_pipeline_fixture():
+    """The refusal's second claim: DeepSpeed's ds_to_universal cannot consolidate these files either; it
+    stops where it looks up an expert's file (the function and line the message quotes)."""
+    au = pytest.importorskip("deepspeed.checkpoint.autoep_universal")
+    lines, _ = inspect.findsource(au)
+    assert "Multiple expert checkpoint files found" in lines[153 - 1]
+    with pytest.raises(NotImplementedError, match=r"Multiple expert checkpoint files found for layer_0 expert_0: "
+                                                  r".*Multi-mp_rank expert files are not yet supported"):
+        au.resolve_expert_ckpt_path(str(tag_dir(PIPE)), 0, 0)
