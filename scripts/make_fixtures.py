@@ -59,6 +59,7 @@ TRAIN_SCRIPT = Path(__file__).resolve().parent / "_fixture_train.py"
 PIPE_SCRIPT = Path(__file__).resolve().parent / "_fixture_pipe.py"  # deepspeed.pipe.PipelineModule
 TP_PIPE_SCRIPT = Path(__file__).resolve().parent / "_fixture_tp_pipe.py"  # Megatron-style TP x PP
 AUTOEP_SCRIPT = Path(__file__).resolve().parent / "_fixture_autoep.py"  # AutoEP MoE (expert parallel)
+AUTOEP_PIPE_SCRIPT = Path(__file__).resolve().parent / "_fixture_autoep_pipe.py"  # AutoEP in a PipelineModule
 MOE_SCRIPT = Path(__file__).resolve().parent / "_fixture_moe.py"  # classic deepspeed.moe.layer.MoE
 DCP_SCRIPT = Path(__file__).resolve().parent / "_fixture_dcp.py"  # FSDP2 (x TP) jobs saving DCP
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "deepspeed"
@@ -367,6 +368,16 @@ FIXTURES = [
                  expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}),
             world_size=4, tp=2, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),
+    # AutoEP under pipeline parallelism (TP 1): PP 2 x DP 2, EP 2 in each stage; one mp_rank_0S model state and
+    # per-expert files per stage, no layer_XX files (reshard refuses it by name, docs/deepspeed-checkpoints.md §11.4)
+    Fixture("mixtral_autoep_ep2_pp2", "mixtral", dict(MIXTRAL, pipeline_stages=2),
+            dict(ds_config(1), gradient_accumulation_steps=2,
+                 expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral",
+                                  "moe_layer_pattern": r"\d+\.mlp"}),
+            world_size=4, pp=2, train_script=AUTOEP_PIPE_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE, "scripts/_fixture_autoep_pipe.py: a PipelineModule of an embedding, 2 blocks "
+                   "(LayerNorm + transformers' MixtralSparseMoeBlock) and a head, 2 stages; AutoEP finds the blocks "
+                   "by moe_layer_pattern '\\d+\\.mlp'"]),
     # classic deepspeed.moe.layer.MoE: 4 experts over EP=2 (layer_L_expert_E files, per-EP-rank local names)
     Fixture("moe_ep2", "moe", MOE, ds_config(1), world_size=2, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),
     # the same classic MoE recipe in bf16 under ZeRO-2 (bf16_ optimizer files, bf16 module and expert weights)

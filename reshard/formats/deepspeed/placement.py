@@ -64,10 +64,50 @@ def ds_affine_entry(desc: dict, full_shape: tuple[int, ...]) -> dict:
     return {"logical_shape": list(full_shape), "ranks": ranks}
 
 
+# DeepSpeed 0.19.8's own refusals of an AutoEP x AutoTP ("folded") job, quoted: deepspeed.initialize runs
+# validate_folding_global (deepspeed/module_inject/auto_ep_folding.py) from DeepSpeedEngine._configure_expert_parallel
+# (runtime/engine.py:842, validate_autoep_config), before any step, so DeepSpeed neither trains nor saves such a job
+# and a checkpoint written in that layout would be one no DeepSpeed job can load.
+_FOLDING = "deepspeed/module_inject/auto_ep_folding.py"
+DEEPSPEED_FOLDING_REFUSALS = {
+    "ep1": (f"{_FOLDING}:241", "AutoEP+AutoTP folding requires expert_parallel.autoep_size > 1. The ep=1 "
+            "local-computation path would duplicate routed-token gradients across TP lanes."),
+    "pp": (f"{_FOLDING}:207", "AutoEP+AutoTP folding currently supports pp_size=1 only; got pp_size={pp}. "
+           "Pipeline-parallel validation is planned separately."),
+    "data_before_expert": (f"{_FOLDING}:245", "expert_parallel with use_data_before_expert_parallel_ is not "
+                           "supported with AutoEP+AutoTP folding. Disable use_data_before_expert_parallel_."),
+}
+
+
+def deepspeed_refuses_folding(where: Any, why: str, asked: str, **values: Any) -> ReshardError:
+    """The refusal of a folded (AutoEP x AutoTP) target DeepSpeed 0.19.8 itself refuses to train,
+    in its own words (``DEEPSPEED_FOLDING_REFUSALS``)."""
+    line, text = DEEPSPEED_FOLDING_REFUSALS[why]
+    return ReshardError(f"{where}: an AutoEP target folded over TP ({asked}) is refused: DeepSpeed 0.19.8 does not "
+                        f"train it, so it could never load it. deepspeed.initialize raises in validate_folding_global "
+                        f"({line}): \"{text.format(**values)}\"")
+
+
+def check_folding(where: Any, tp: int, ep: int, pp: int = 1, data_before_expert: bool = False) -> None:
+    """An AutoEP target at TP > 1 is one DeepSpeed's folding admits (``validate_folding_global``)."""
+    if tp <= 1:
+        return
+    asked = f"asked tp={tp}, ep={ep}" + (f", pp={pp}" if pp != 1 else "")
+    if pp > 1:
+        raise deepspeed_refuses_folding(where, "pp", asked, pp=pp)
+    if ep == 1:
+        raise deepspeed_refuses_folding(where, "ep1", asked)
+    if data_before_expert:
+        raise deepspeed_refuses_folding(where, "data_before_expert", asked)
+
+
 def check_target(ck: DeepSpeedCheckpoint, what: str, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
     """The refusals every expert checkpoint shares (``what``: "AutoEP", "classic MoE")."""
     if tp != 1 or pp != 1 or ck.layer_files:
-        raise ReshardError(f"{ck.tag_dir}: {what} checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, pp={pp})")
+        why = ("; a pipeline target keeps a pipeline (deepspeed.pipe) source's stages, and AutoEP under pipeline "
+               "parallelism is not read yet (docs/deepspeed-checkpoints.md §11.4)" if pp != 1 and what == "AutoEP" else "")
+        raise ReshardError(f"{ck.tag_dir}: {what} checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, "
+                           f"pp={pp}){why}")
     if stage not in (1, 2) or stage != ck.zero_stage:
         raise ReshardError(f"{ck.tag_dir}: {what} resharding keeps the source's ZeRO stage {ck.zero_stage} "
                            f"(asked {stage})")

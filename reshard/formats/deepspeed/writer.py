@@ -89,6 +89,9 @@ class DeepSpeedWriter(Writer):
             dp = ck.mp * ck.dp // tp  # AutoEP folded or not: the job's world kept
         dp = ck.dp if dp is None else dp
         source = {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage}
+        if ck.experts is not None:  # a target DeepSpeed's own folding refuses, whatever else is asked
+            from .placement import check_folding
+            check_folding(ck.tag_dir, tp, ep if ep is not None else ck.experts.ep, pp, ck.experts.data_before_expert)
         if ck.zero_stage == 3 and ck.experts is not None:
             self._autoep_zero3(ck, tp, dp, pp, stage, ep if ep is not None else ck.experts.ep)
         elif ep is not None or (ck.zero_stage != 3 and (ck.experts is not None or ck.moe is not None)):
@@ -147,11 +150,8 @@ class DeepSpeedWriter(Writer):
         from .expert_folded import autoep_folded_target
         from .placement import check_autoep
 
+        ax, where = ck.experts, ck.tag_dir  # DeepSpeed's own folding limits: _from_deepspeed's check_folding
         check_autoep(ck, ep, tp * dp, 1, 1, stage)  # the placement, stage and steps (at TP 1's rules)
-        ax, where = ck.experts, ck.tag_dir
-        if ep < 2 or ax.data_before_expert:
-            raise ReshardError(f"{where}: DeepSpeed folds AutoEP over TP only with autoep_size > 1 and without "
-                               f"use_data_before_expert_parallelism (validate_folding_global; asked tp={tp}, ep={ep})")
         dense = [n for g, grp in enumerate(ck.groups(0)) if g not in ax.groups for n in grp]
         if layout is None and ax.folded and tp == ck.tp:
             maps, info = {n: ck.tp_map(n).map for n in dense}, ck.model_state(0).get("universal_checkpoint_info")
@@ -299,6 +299,7 @@ class DeepSpeedWriter(Writer):
         AutoEP's (``autoep_view``: its router renamed and aliased, gate/up cut into w1/w3)."""
         from .autoep_view import AutoEPView, autoep_view
         from .expert_target import autoep_fresh_target, autoep_fresh_zero3_target
+        from .placement import check_folding
 
         where, noun = reader.sources[-1], noun_of(reader)
         if not reader.expert_layers():
@@ -319,6 +320,7 @@ class DeepSpeedWriter(Writer):
                                f"{view.how}")
         layers = reader.expert_layers()
         stage = 1 if stage is None else stage
+        check_folding(where, tp, ep, pp)
         if tp != 1 or pp != 1:
             raise ReshardError(f"{where}: an AutoEP target is written at TP = PP = 1 only (asked tp={tp}, pp={pp})")
         if stage not in (1, 2, 3):
