@@ -107,4 +107,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check reshard tests tests_vllm tests_sglang benchmarks scripts
 
 clean:
-	rm -rf $(VENV) $(VVENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VVENV) $(SVENV) .pytest_cache .ruff_cache .hypothesis

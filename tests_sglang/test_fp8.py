@@ -111,14 +111,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-@pytest.mark.parametrize(("name", "tp", "quantize"), [("fp8_qwen2", 2, "fp8"), ("fp8_qwen2_ue8m0", 1, "fp8-ue8m0")])
+@pytest.mark.parametrize(("name", "tp", "quantize"), [
+    ("fp8_qwen2", 2, "fp8"), ("fp8_qwen2_sharded", 2, "fp8"), ("fp8_qwen2_ue8m0", 1, "fp8-ue8m0")])
 def test_fp8_ranks_are_what_sglang_loads(tmp_path: Path, name: str, tp: int, quantize: str) -> None:
     """16 x 32 float32 blocks at TP 2 (every split on a block edge: q 32, k/v 16, gate/up 64 rows, o 32 and
-    down 64 columns a rank); 32 x 32 E8M0 blocks at TP 1, which SGLang's float32 scale parameter takes."""
+    down 64 columns a rank), from one file and from two with an index; 32 x 32 E8M0 blocks at TP 1, which
+    SGLang's float32 scale parameter takes."""
     src = _source(tmp_path, name)
     done = _reshard("convert", src, tmp_path / "reshard", "--format", "vllm", "--tp", tp, "--quantize", quantize)
     assert done.returncode == 0, done.stderr
     engine = sglang_ranks(src, tp)
+    # the ranks hold different rows: a rank's files compared with the other's would fail
+    assert all(not torch.equal(_bits(engine[0][k]), _bits(engine[r][k])) for r in range(1, tp) for k in engine[0]
+               if k.endswith(".weight"))
     for rank, held in enumerate(engine):
         assert held["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
         assert held["model.layers.0.mlp.down_proj.weight_scale_inv"].dtype == torch.float32
