@@ -422,27 +422,17 @@ def _with_partition_groups(optim: dict) -> dict:
     return {**optim, "optimizer_state_dict": out}
 
 
-def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedTarget:
-    """An AutoEP ZeRO-1/2 checkpoint written at ZeRO-3, EP ``ep`` x world ``dp``: the layout of
-    ``target.autoep_zero3_target`` (a dense parameter split over all ``dp`` ranks, a fused expert
-    parameter of EP rank ``e`` over ``e``'s EDP group, sub-groups by DeepSpeed's rule), one
-    model-state and one optimizer file per DP rank and no per-expert files, as DeepSpeed's AutoEP
-    ZeRO-3 save writes them: the module's parameters and router aliases 0-element placeholders of
-    the training dtype (buffers whole), the layer entries ``checkpoint_format:
-    "zero3_partitioned"`` (version 1) each rank's view, the optimizer file the source's recast
-    (``zero3.optim_source_from_zero12``) with ``ds_zero_partition_groups``."""
+def zero3_template_from_zero12(ck: DeepSpeedCheckpoint) -> tuple[dict, list[list[str]], dict[str, int], bool]:
+    """An AutoEP ZeRO-1/2 checkpoint's model state as DeepSpeed's AutoEP ZeRO-3 save writes it (its
+    TP 1 view where folded): the module's parameters and router aliases 0-element placeholders of
+    the training dtype (buffers whole), no frozen parameters, the layer entries ``checkpoint_format:
+    "zero3_partitioned"`` (version 1); with its optimizer groups' names and each parameter's
+    ``ds_id`` (``experts.module_ds_ids``, and whether that order holds every parameter)."""
     ax, ms0, path = ck.experts, ck.model_state(0), ck.model_files[0]
-    if ax.folded:  # AutoEP x AutoTP: its TP-1 view (whole dense shapes, no folding records)
+    if ax.folded:  # AutoEP x AutoTP: its TP-1 view (no folding records)
         ms0 = unfolded(ms0)
-    placement = AutoEPPlacement(ax, ep, dp)
-    src_groups = ck.groups(0)
-    group_names = [list(g) for g in src_groups]
+    group_names = [list(g) for g in ck.groups(0)]
     names = [n for g in group_names for n in g]
-    shapes = {n: (tuple(ax.params[n].full_shape) if n in ax.params else
-                  tuple(ck.tp_map(n).map.valid_shape) if ax.folded else tuple(s))
-              for g in src_groups for n, s in g.items()}
-    cfg = ms0.get("ds_config") if isinstance(ms0.get("ds_config"), dict) else None
-    layout = autoep_sub_layout(placement, group_names, shapes, ax.groups, z3.sub_group_size(cfg, str(path)))
     module = ms0.get("module") or {}
     dtypes = {module[n].dtype for n in names if isinstance(module.get(n), torch.Tensor)}
     if len(dtypes) != 1:
@@ -457,8 +447,33 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
                 "frozen_param_shapes": OrderedDict(), "frozen_param_fragments": OrderedDict(),
                 dse.LAYERS_KEY: [{**entry, "checkpoint_format": "zero3_partitioned", "checkpoint_format_version": 1}
                                  for entry in ms0[dse.LAYERS_KEY]]}
-    ds_config = placement.ds_config(dsw.target_ds_config(cfg, tp=1, dp=dp, zero_stage=3))
     ids, exact = dse.module_ds_ids(list(module), ax, names)
+    return template, group_names, ids, exact
+
+
+def optim_zero3_from_zero12(ck: DeepSpeedCheckpoint) -> dict:
+    """An AutoEP ZeRO-1/2 checkpoint's optimizer file recast for ZeRO-3, with AutoEP's
+    ``ds_zero_partition_groups`` slot (its TP 1 view where folded)."""
+    return _with_partition_groups(z3.optim_source_from_zero12(unfolded(ck.optim_state(0, 0))))
+
+
+def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedTarget:
+    """An AutoEP ZeRO-1/2 checkpoint written at ZeRO-3, EP ``ep`` x world ``dp``: the layout of
+    ``target.autoep_zero3_target`` (a dense parameter split over all ``dp`` ranks, a fused expert
+    parameter of EP rank ``e`` over ``e``'s EDP group, sub-groups by DeepSpeed's rule), one
+    model-state and one optimizer file per DP rank and no per-expert files, as DeepSpeed's AutoEP
+    ZeRO-3 save writes them (:func:`zero3_template_from_zero12`): each rank's view of the placement
+    in the layer entries, the optimizer file the source's recast (``zero3.optim_source_from_zero12``)
+    with ``ds_zero_partition_groups``."""
+    ax, path = ck.experts, ck.model_files[0]
+    template, group_names, ids, exact = zero3_template_from_zero12(ck)
+    placement = AutoEPPlacement(ax, ep, dp)
+    shapes = {n: (tuple(ax.params[n].full_shape) if n in ax.params else
+                  tuple(ck.tp_map(n).map.valid_shape) if ax.folded else tuple(s))
+              for g in ck.groups(0) for n, s in g.items()}
+    cfg = template.get("ds_config") if isinstance(template.get("ds_config"), dict) else None
+    layout = autoep_sub_layout(placement, group_names, shapes, ax.groups, z3.sub_group_size(cfg, str(path)))
+    ds_config = placement.ds_config(dsw.target_ds_config(cfg, tp=1, dp=dp, zero_stage=3))
     notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-{ck.zero_stage} -> ZeRO-3: "
              "one model-state and one optimizer file per DP rank, the per-expert files' weights not written (a "
              "ZeRO-3 engine loads the fp32 masters)"]
@@ -466,8 +481,7 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
     models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
                               size=path.stat().st_size, placement=placement)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=lambda: _with_partition_groups(z3.optim_source_from_zero12(
-                               unfolded(ck.optim_state(0, 0)))),
+                           optim_template=lambda: optim_zero3_from_zero12(ck),
                            ds_config=ds_config, uc_info=None, models=models, ds_ids=ids, placement=placement,
                            notes=notes, group_names=dict.fromkeys(ax.groups, f"ep_size_{ep}"))
 

@@ -105,6 +105,8 @@ class DeepSpeedTarget:
                     self.placement.partition_groups(self.layout, rank)
             torch_osd = obj["optimizer_state_dict"]["optimizer_state_dict"]
             torch_osd["param_groups"] = self._named(torch_osd["param_groups"])
+            if self.per_rank is not None:
+                obj.update(self.per_rank(rank))
             return obj
         obj = dsw.optim_states(self.optim_template(), groups=[p.unit for _, p, _ in units], d=[q for _, _, q in units],
                                fp32=fp32, moments=moments, zero_stage=self.stage, ds_config=self.ds_config,
@@ -367,12 +369,15 @@ def autoep_sub_layout(placement: AutoEPPlacement, group_names: Sequence[Sequence
 
 class PlaceholderFiles:
     """ZeRO-3 model states: per (TP, DP) rank the template's keys with placeholders, the rank's
-    sub-groups in ``param_shapes``, and under AutoEP its view of the placement."""
+    sub-groups in ``param_shapes``, and under AutoEP its view of the placement (that of its global
+    rank ``d * tp + t``: folded over TP, its EP rank); ``record(t, d, module)``: entries a file adds
+    last (a folded AutoEP target's ``folding`` record)."""
 
     def __init__(self, template: Callable[[], dict], *, tp: int, dp: int, ds_config: dict | None,
-                 uc_info: dict | None, size: int, placement: AutoEPPlacement | None = None) -> None:
+                 uc_info: dict | None, size: int, placement: AutoEPPlacement | None = None,
+                 record: Callable[[int, int, Mapping[str, Any]], dict] | None = None) -> None:
         self.template, self.tp, self.dp, self.ds_config, self.uc_info = template, tp, dp, ds_config, uc_info
-        self.size, self.placement = size, placement
+        self.size, self.placement, self.record = size, placement, record
 
     def before(self) -> list[Buffer]:
         return []
@@ -387,13 +392,17 @@ class PlaceholderFiles:
             obj = z3.model_states(template, subs=subs, d=d, dp=self.dp, ds_config=self.ds_config, t=t, tp=self.tp,
                                   uc_info=self.uc_info)
         else:
-            layers = [self.placement.layer(entry, d, copied=True) for entry in template[dse.LAYERS_KEY]]
+            g = d * self.tp + t
+            layers = [self.placement.layer(entry, g, copied=True) for entry in template[dse.LAYERS_KEY]]
             uc = copy.deepcopy(dict(template.get("universal_checkpoint_info") or {}))
             uc[dse.LAYERS_KEY] = copy.deepcopy(layers)  # its own copy, as DeepSpeed's save clones the state
-            obj = z3.model_states(template, subs=subs, d=d, dp=self.dp, ds_config=self.ds_config, uc_info=uc)
+            obj = z3.model_states(template, subs=subs, d=d, dp=self.dp, ds_config=self.ds_config, t=t, tp=self.tp,
+                                  uc_info=uc)
             # plain tuples: DeepSpeed's AutoEP save passes the state through clone_tensors_for_torch_save
             obj["param_shapes"] = [OrderedDict((n, tuple(s)) for n, s in zip(sg.names, sg.shapes)) for sg in subs]
             obj[dse.LAYERS_KEY] = layers
+        if self.record is not None:
+            obj.update(self.record(t, d, obj.get("module") or {}))
         with staging.open(z3.model_file(d, t)) as f:
             save(obj, f)
 
