@@ -28,7 +28,11 @@ REFUSAL_TESTS = ("tests/formats/deepspeed/test_recorded_maps.py", "tests/formats
                  "tests/formats/test_routes.py::test_targets_a_source_cannot_give_are_refused_before_anything_exists",
                  "tests/formats/deepspeed/test_experts_folded.py::test_a_wrong_folding_record_is_refused_naming_it",
                  "tests/formats/deepspeed/test_experts_folded_zero3.py::"
-                 "test_a_wrong_folded_zero3_record_is_refused_naming_it")
+                 "test_a_wrong_folded_zero3_record_is_refused_naming_it",
+                 "tests/formats/deepspeed/test_experts_folded_zero3_target.py::"
+                 "test_what_a_folded_zero3_target_cannot_be_is_refused",
+                 "tests/formats/deepspeed/test_experts_folded_zero3_target.py::"
+                 "test_a_wrong_source_record_is_refused_naming_it_before_a_folded_target")
 
 
 def test_no_assert_statement_in_reshard():
