@@ -1,5 +1,6 @@
-"""DeepSpeed AutoEP x AutoTP ("folding") targets: AutoEP ZeRO-1/2 at TP > 1, as DeepSpeed 0.19.8 lays
-it out (folding.py), built on the unfolded AutoEP target's per-expert model files."""
+"""DeepSpeed AutoEP x AutoTP ("folding") targets: AutoEP at TP > 1, as DeepSpeed 0.19.8 lays it out
+(folding.py): at ZeRO-1/2 built on the unfolded AutoEP target's per-expert model files, at ZeRO-3 on
+the ZeRO-3 placeholder model states (``target.PlaceholderFiles``), both on the one layout."""
 
 from __future__ import annotations
 

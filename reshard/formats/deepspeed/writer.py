@@ -9,7 +9,8 @@ folder exists, what it cannot write:
 * ZeRO-3 at TP x DP;
 * AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``), an
   AutoEP ZeRO-3 checkpoint at ZeRO-1/2 (its weights the fp32 masters cast), and an AutoEP
-  ZeRO-1/2 checkpoint at ZeRO-3.
+  ZeRO-1/2 checkpoint at ZeRO-3;
+* AutoEP folded over TP > 1 (AutoEP x AutoTP) at ZeRO-1/2 and at ZeRO-3 (``expert_folded``).
 
 Every kind is one :class:`~reshard.formats.deepspeed.target.DeepSpeedTarget` over a
 :class:`~reshard.formats.deepspeed.layout.Layout` (outer maps, partition groups, flat groups or
