@@ -22,7 +22,7 @@ import torch
 from reshard import ReshardError
 from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
-from reshard.jobs.convert import reshard
+from reshard.jobs.convert import convert, reshard
 from reshard.storage.safe_load import load
 from tests.e2e.digest import differences, digest
 from tests.formats.deepspeed.test_experts_folded_zero3 import CASES
@@ -109,7 +109,8 @@ def test_written_folded_at_zero3_has_deepspeeds_layout_and_holds_the_source(rout
 
 def test_written_at_world_4_with_ep_4_lays_the_experts_across_tp_lanes_and_dp_ranks(tmp_path):
     """``--ep 4`` at TP 2 x DP 2: every global rank its own EP rank (EDP 1); each rank's partition
-    groups and folding records say so; the states the source's."""
+    groups and folding records say so; the states the source's; read back, every check a folded
+    ZeRO-3 source gets passes (``convert``)."""
     out = reshard(FIXTURES / W2, tmp_path / "out", tp=2, ep=4, dp=2).out_dir
     for t in (0, 1):
         for d in (0, 1):
@@ -126,6 +127,7 @@ def test_written_at_world_4_with_ep_4_lays_the_experts_across_tp_lanes_and_dp_ra
     for n in (n for g in src.groups(0) for n in g):
         for s in STATES:
             assert torch.equal(full_state(new, n, s), full_state(src, n, s)), (n, s)
+    convert(out.parent, tmp_path / "back")
 
 
 @pytest.mark.parametrize("source,options,match", [
