@@ -10,19 +10,16 @@ from typing import Any
 
 import torch
 
-from ...errors import ReshardError
 from ...ir.param_map import ParamMap
-from ...ir.piece import prod
 from ..contract import MODULE, OPTIMIZER, Buffer, Slot
 from . import experts as dse
 from . import folding
-from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
 from .expert_target import ExpertWeightFiles, router_aliases
 from .layout import Group, Layout, Part, Unit
 from .placement import AutoEPPlacement
-from .target import DeepSpeedTarget, PlaceholderFiles, unfolded
+from .target import DeepSpeedTarget, PlaceholderFiles, autoep_sub_layout, unfolded
 
 __all__ = ["FoldedFiles", "autoep_folded_target", "autoep_folded_zero3_target", "folded_info"]
 
@@ -109,26 +106,8 @@ def autoep_folded_zero3_target(ax: dse.AutoEP, group_names: Sequence[Sequence[st
     ``universal_checkpoint_info`` at ``tp``) and a ``folding`` record; the optimizer file
     ``optim()``'s with ``ds_zero_partition_groups`` over global ranks and its ``folding`` record
     (no ``param_families`` under ZeRO-3)."""
-    world = tp * dp
-    placement = AutoEPPlacement(ax, ep, world)
-    outer: dict[str, ParamMap] = {**maps, **placement.maps}
-    parts = [placement.edp if g in expert_groups else dp for g in range(len(group_names))]
-    subs = []
-    for t in range(tp):  # each TP rank cuts its own shards (the experts are alike on every one)
-        shape = {n: tuple(outer[n].shards[t if n in maps else 0].shape) for g in group_names for n in g}
-        empty = next((n for n, s in shape.items() if not prod(s)), None)
-        if empty is not None:
-            raise ReshardError(f"parameter {empty!r} has no elements on TP rank {t} at TP={tp}: an uneven split is "
-                               "not written with ZeRO-3")
-        subs.append(z3.sub_groups([[(n, shape[n]) for n in g] for g in group_names], parts, size))
-    if len({len(s) for s in subs}) != 1 or any([sg.group for sg in s] != [sg.group for sg in subs[0]] for s in subs):
-        raise ReshardError(f"the TP shards at TP={tp} cut into other sub-groups on different TP ranks "
-                           f"(sub_group_size {size}): one layout has one list of sub-groups, not written")
-    dense, experts = Group.dense(tp, dp), placement.group()
-    units = [Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if sg.group in expert_groups
-             else Unit(dense, {t: Part(subs[t][k], subs[t][k].names) for t in range(tp)})
-             for k, sg in enumerate(subs[0])]
-    layout = Layout("sub", outer, units, [d * tp + t for t in range(tp) for d in range(dp)])
+    placement = AutoEPPlacement(ax, ep, tp * dp)
+    layout = autoep_sub_layout(placement, group_names, {}, expert_groups, size, tp=tp, maps=maps)
     cfg = template.get("ds_config")
     ds_config = placement.ds_config(dsw.target_ds_config(cfg if isinstance(cfg, dict) else None, tp=tp, dp=dp,
                                                          zero_stage=3))
@@ -149,7 +128,7 @@ def autoep_folded_zero3_target(ax: dse.AutoEP, group_names: Sequence[Sequence[st
                            ds_ids=ds_ids, placement=placement, per_rank=optim_record,
                            group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"),
                            notes=[f"AutoEP experts at EP {ep} folded over TP {tp} (DP {dp}, EDP {edp}), uniform "
-                                  f"placement, ZeRO-3: {len(subs[0])} sub-group(s) per rank, a folding record in "
+                                  f"placement, ZeRO-3: {len(layout.units)} sub-group(s) per rank, a folding record in "
                                   "every file", *notes])
 
 

@@ -349,22 +349,34 @@ def tp1_view(ck: DeepSpeedCheckpoint) -> tuple[dict, Callable[[], dict], dict[st
 
 
 def autoep_sub_layout(placement: AutoEPPlacement, group_names: Sequence[Sequence[str]],
-                      shapes: Mapping[str, tuple[int, ...]], expert_groups: Set[int], size: int) -> Layout:
-    """AutoEP under ZeRO-3 at ``placement``: a dense parameter (``shapes``: whole) split over all DP
-    ranks, a fused expert parameter of EP rank ``e`` (its EP-local shape) over ``e``'s EDP group;
-    sub-groups cut by DeepSpeed's rule over each group's own partition sizes (``size``:
-    ``sub_group_size``)."""
-    dp, ep = placement.dp, placement.ep
+                      shapes: Mapping[str, tuple[int, ...]], expert_groups: Set[int], size: int, *,
+                      tp: int = 1, maps: Mapping[str, ParamMap] | None = None) -> Layout:
+    """AutoEP under ZeRO-3 at ``placement`` (over ``tp * dp`` global ranks): a dense parameter
+    (``shapes``: whole; folded over ``tp`` > 1 its TP map in ``maps``) split over its TP rank's DP
+    ranks (global ranks ``d * tp + t``), a fused expert parameter of EP rank ``e`` (its EP-local
+    shape) over ``e``'s EDP group; sub-groups cut per TP rank by DeepSpeed's rule over each group's
+    own partition size (``size``: ``sub_group_size``), every TP rank the same number of them."""
+    ep, dp = placement.ep, placement.dp // tp
     names = [n for g in group_names for n in g]
-    outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
-    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
-    dense, experts = Group.dense(1, dp), placement.group()
+    dense = dict(maps) if maps is not None else {n: replicated(shapes[n], 1) for n in names if n not in placement.maps}
+    outer = {n: placement.maps[n] if n in placement.maps else dense[n] for n in names}
     parts = [placement.edp if g in expert_groups else dp for g in range(len(group_names))]
-    units = []
-    for sg in z3.sub_groups([[(n, shape[n]) for n in g] for g in group_names], parts, size):
-        units.append(Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if sg.group in expert_groups
-                     else Unit(dense, {0: Part(sg, sg.names)}))
-    return Layout("sub", outer, units, range(dp))
+    subs = []
+    for t in range(tp):  # each TP rank cuts its own shards (the experts are alike on every one)
+        shape = {n: tuple(outer[n].shards[t if n in dense else 0].shape) for n in names}
+        empty = next((n for n, s in shape.items() if not prod(s)), None) if tp > 1 else None
+        if empty is not None:
+            raise ReshardError(f"parameter {empty!r} has no elements on TP rank {t} at TP={tp}: an uneven split is "
+                               "not written with ZeRO-3")
+        subs.append(z3.sub_groups([[(n, shape[n]) for n in g] for g in group_names], parts, size))
+    if any([sg.group for sg in s] != [sg.group for sg in subs[0]] for s in subs):
+        raise ReshardError(f"the TP shards at TP={tp} cut into other sub-groups on different TP ranks "
+                           f"(sub_group_size {size}): one layout has one list of sub-groups, not written")
+    group, experts = Group.dense(tp, dp), placement.group()
+    units = [Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if sg.group in expert_groups
+             else Unit(group, {t: Part(subs[t][k], subs[t][k].names) for t in range(tp)})
+             for k, sg in enumerate(subs[0])]
+    return Layout("sub", outer, units, [d * tp + t for t in range(tp) for d in range(dp)])
 
 
 class PlaceholderFiles:
