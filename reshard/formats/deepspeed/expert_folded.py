@@ -1,11 +1,10 @@
-"""DeepSpeed AutoEP x AutoTP ("folding") targets: AutoEP at TP > 1, as DeepSpeed 0.19.8 lays it out
-(folding.py): at ZeRO-1/2 built on the unfolded AutoEP target's per-expert model files, at ZeRO-3 on
-the ZeRO-3 placeholder model states (``target.PlaceholderFiles``), both on the one layout."""
+"""DeepSpeed AutoEP x AutoTP ("folding") at ZeRO-1/2: AutoEP at TP > 1, as DeepSpeed 0.19.8 lays it
+out (folding.py), built on the unfolded AutoEP target's per-expert model files (at ZeRO-3 it is
+``target.autoep_zero3`` at TP > 1)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,9 +18,9 @@ from .checkpoint import DeepSpeedCheckpoint
 from .expert_target import ExpertWeightFiles, router_aliases
 from .layout import Group, Layout, Part, Unit
 from .placement import AutoEPPlacement
-from .target import DeepSpeedTarget, PlaceholderFiles, autoep_sub_layout, unfolded
+from .target import DeepSpeedTarget, unfolded
 
-__all__ = ["FoldedFiles", "autoep_folded_target", "autoep_folded_zero3_target", "folded_info"]
+__all__ = ["FoldedFiles", "autoep_folded_target"]
 
 
 def autoep_folded_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, stage: int, maps: Mapping[str, ParamMap],
@@ -77,61 +76,6 @@ def autoep_folded_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, sta
                                   "placement, a folding record in every file"])
 
 
-def folded_info(info: Mapping[str, Any] | None, placement: AutoEPPlacement, tp: int) -> dict:
-    """The ``universal_checkpoint_info`` DeepSpeed records at TP ``tp`` (``info``: AutoTP's, from a
-    folded checkpoint at that TP) with each fused expert's ``affine_map`` entry at the target's
-    EP-local shape, TP-replicated (as AutoTP records it)."""
-    uc = dict(info or {})
-    affine = uc.get("affine_map")
-    if isinstance(affine, Mapping) and isinstance(affine.get("params"), Mapping):
-        params = dict(affine["params"])
-        for n, m in placement.maps.items():
-            if f"^{re.escape(n)}$" in params:
-                params[f"^{re.escape(n)}$"] = folding.replicated_entry(m.shards[0].shape, tp)
-        uc["affine_map"] = {**affine, "params": params}
-    return uc
-
-
-def autoep_folded_zero3_target(ax: dse.AutoEP, group_names: Sequence[Sequence[str]], expert_groups: Set[int], *,
-                               tp: int, ep: int, dp: int, maps: Mapping[str, ParamMap], info: dict | None,
-                               template: dict, optim: Callable[[], dict], ds_ids: Mapping[str, int],
-                               size: int, bf16: bool, model_size: int, notes: Sequence[str] = ()) -> DeepSpeedTarget:
-    """AutoEP at ZeRO-3 folded over TP ``tp`` > 1, as DeepSpeed 0.19.8 saves it (folding.py): world
-    ``tp * dp``; each dense parameter's TP shard (``maps``) split over its TP rank's ``dp`` DP ranks
-    (global ranks ``d * tp + t``), each fused expert of EP rank ``e`` (global rank ``g``: ``g % ep``)
-    over its EDP group, sub-groups cut per TP rank by DeepSpeed's rule over each group's partition
-    size (``size``: ``sub_group_size``); one model-state and one optimizer file per (TP, DP) rank,
-    no per-expert files: ``template``'s keys (placeholders, layer entries ``zero3_partitioned``)
-    with the rank's sub-groups, its view of the placement, ``info`` (AutoTP's
-    ``universal_checkpoint_info`` at ``tp``) and a ``folding`` record; the optimizer file
-    ``optim()``'s with ``ds_zero_partition_groups`` over global ranks and its ``folding`` record
-    (no ``param_families`` under ZeRO-3)."""
-    placement = AutoEPPlacement(ax, ep, tp * dp)
-    layout = autoep_sub_layout(placement, group_names, {}, expert_groups, size, tp=tp, maps=maps)
-    cfg = template.get("ds_config")
-    ds_config = placement.ds_config(dsw.target_ds_config(cfg if isinstance(cfg, dict) else None, tp=tp, dp=dp,
-                                                         zero_stage=3))
-    base = {**unfolded(template), "universal_checkpoint_info": folded_info(info, placement, tp)}
-    edp = placement.edp
-
-    def model_record(t: int, d: int, module: Mapping[str, Any]) -> dict:
-        return {folding.KEY: folding.model_record(tp, t, ep, placement.ep_of[d * tp + t], dp, module, d)}
-
-    def optim_record(rank: int) -> dict:
-        t, d, e = rank % tp, rank // tp, placement.ep_of[rank]
-        return {folding.KEY: folding.optim_record(tp, t, ep, e, dp, d, edp, placement.ax.members(e).index(rank), None)}
-
-    models = PlaceholderFiles(lambda: base, tp=tp, dp=dp, ds_config=ds_config, uc_info=None, size=model_size,
-                              placement=placement, record=model_record)
-    return DeepSpeedTarget(layout, tp=tp, dp=dp, stage=3, bf16=bf16, states=OPTIMIZER,
-                           optim_template=lambda: unfolded(optim()), ds_config=ds_config, uc_info=None, models=models,
-                           ds_ids=ds_ids, placement=placement, per_rank=optim_record,
-                           group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"),
-                           notes=[f"AutoEP experts at EP {ep} folded over TP {tp} (DP {dp}, EDP {edp}), uniform "
-                                  f"placement, ZeRO-3: {len(layout.units)} sub-group(s) per rank, a folding record in "
-                                  "every file", *notes])
-
-
 class FoldedFiles(ExpertWeightFiles):
     """The model states of a folded AutoEP target, one per TP rank (its module's TP shards, buffers
     whole, a router alias its router's), and the per-expert files (weights from the masters), each
@@ -167,7 +111,7 @@ class FoldedFiles(ExpertWeightFiles):
     def model_state(self, tgt: DeepSpeedTarget, engine: Any, t: int) -> dict:
         module, shapes = self._module(tgt, engine, t, lambda m: m.shards[t].shape)
         pl = self.placement
-        uc = folded_info(self.info, pl, self.tp)
+        uc = folding.folded_info(self.info, pl.maps, self.tp)
         if dse.LAYERS_KEY in uc:
             uc[dse.LAYERS_KEY] = [pl.layer(entry, t, copied=False) for entry in uc[dse.LAYERS_KEY]]
         obj = dsw.model_states(self.template, module=module, param_shapes=shapes, tp=self.tp, dp=self.dp, tp_rank=t,

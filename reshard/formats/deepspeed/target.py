@@ -38,6 +38,7 @@ from ...layouts import replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, MOMENTS, OPTIMIZER, Buffer, Slot
 from . import experts as dse
+from . import folding
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
@@ -45,7 +46,8 @@ from .layout import Group, Layout, Part, Unit
 from .placement import AutoEPPlacement
 from .templates import Templates, ds_id_notes
 
-__all__ = ["DeepSpeedTarget", "autoep_sub_layout", "autoep_zero3_target", "zero3_target", "zero12_target"]
+__all__ = ["DeepSpeedTarget", "autoep_sub_layout", "autoep_zero3", "autoep_zero3_target", "zero3_target",
+           "zero12_target"]
 
 
 class DeepSpeedTarget:
@@ -302,24 +304,54 @@ def zero3_target(tpl: Templates, maps: dict[str, ParamMap], *, tp: int, dp: int,
                            ds_ids=tpl.ds_ids, notes=notes)
 
 
+def autoep_zero3(ax: dse.AutoEP, group_names: Sequence[Sequence[str]], expert_groups: Set[int], *, ep: int,
+                 dp: int, template: dict, optim: Callable[[], dict], cfg: Any, ds_ids: Mapping[str, int], size: int,
+                 bf16: bool, model_size: int, notes: Sequence[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 tp: int = 1, maps: Mapping[str, ParamMap] | None = None, info: dict | None = None) -> DeepSpeedTarget:
+    """AutoEP at ZeRO-3, EP ``ep`` x TP ``tp`` x DP ``dp``, as DeepSpeed 0.19.8 saves it: the layout of
+    :func:`autoep_sub_layout` (dense parameters ``shapes`` whole, or folded over ``tp`` > 1 their TP
+    maps ``maps``), one model-state and one optimizer file per (TP, DP) rank and no per-expert files:
+    ``template``'s keys (placeholders, layer entries ``zero3_partitioned``) with each rank's
+    sub-groups and view of the placement, ``optim()``'s with ``ds_zero_partition_groups``. Folded
+    (AutoEP x AutoTP, ``tp`` > 1; folding.py): AutoTP's ``universal_checkpoint_info`` (``info``, its
+    experts' ``affine_map`` entries at the target's EP-local shape) and a ``folding`` record in every
+    file (the optimizer's without ``param_families``), DeepSpeed's EP groups laid over global ranks."""
+    placement = AutoEPPlacement(ax, ep, tp * dp)
+    layout = autoep_sub_layout(placement, group_names, shapes or {}, expert_groups, size, tp=tp, maps=maps)
+    ds_config = placement.ds_config(dsw.target_ds_config(cfg, tp=tp, dp=dp, zero_stage=3))
+    record: Callable[[int, int, Mapping[str, Any]], dict] | None = None
+    per_rank: Callable[[int], dict] | None = None
+    if tp > 1:
+        template = {**unfolded(template), "universal_checkpoint_info": folding.folded_info(info, placement.maps, tp)}
+        optim = (lambda inner=optim: unfolded(inner()))
+
+        def record(t: int, d: int, module: Mapping[str, Any]) -> dict:
+            return {folding.KEY: folding.model_record(tp, t, ep, placement.ep_of[d * tp + t], dp, module, d)}
+
+        def per_rank(rank: int) -> dict:
+            e = placement.ep_of[rank]
+            return {folding.KEY: folding.optim_record(tp, rank % tp, ep, e, dp, rank // tp, placement.edp,
+                                                      placement.ax.members(e).index(rank), None)}
+
+    models = PlaceholderFiles(lambda: template, tp=tp, dp=dp, ds_config=ds_config, uc_info=None, size=model_size,
+                              placement=placement, record=record)
+    return DeepSpeedTarget(layout, tp=tp, dp=dp, stage=3, bf16=bf16, states=OPTIMIZER, optim_template=optim,
+                           ds_config=ds_config, uc_info=None, models=models, ds_ids=ds_ids, placement=placement,
+                           notes=notes, per_rank=per_rank, group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"))
+
+
 def autoep_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedTarget:
-    """An AutoEP ZeRO-3 checkpoint at EP ``ep`` x world ``dp``: a dense parameter split over all
-    ``dp`` ranks, a fused expert parameter of EP rank ``e`` over ``e``'s EDP group; sub-groups cut
-    by DeepSpeed's rule over each group's own partition sizes."""
+    """An AutoEP ZeRO-3 checkpoint at EP ``ep`` x world ``dp`` (TP 1; a folded source its TP 1 view):
+    a dense parameter split over all ``dp`` ranks, a fused expert parameter of EP rank ``e`` over
+    ``e``'s EDP group; sub-groups cut by DeepSpeed's rule over each group's own partition sizes."""
     group_names, expert_groups, size = z3.autoep_groups(ck)
     ids, exact = z3.autoep_ds_ids(ck, [n for g in group_names for n in g])
     template, optim, shapes = tp1_view(ck)
-    placement = AutoEPPlacement(z3.autoep(ck), ep, dp)
-    layout = autoep_sub_layout(placement, group_names, shapes, expert_groups, size)
-    ds_config = placement.ds_config(dsw.target_ds_config(template.get("ds_config"), tp=1, dp=dp, zero_stage=3))
-    notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3"]
+    notes = [f"AutoEP experts at EP {ep} (EDP {dp // ep}), uniform placement, ZeRO-3"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
-    models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
-                              size=ck.model_files[0].stat().st_size, placement=placement)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=optim, ds_config=ds_config, uc_info=None,
-                           models=models, ds_ids=ids, placement=placement, notes=notes,
-                           group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"))
+    return autoep_zero3(z3.autoep(ck), group_names, expert_groups, ep=ep, dp=dp, template=template, optim=optim,
+                        cfg=template.get("ds_config"), ds_ids=ids, size=size, bf16=ck.bf16,
+                        model_size=ck.model_files[0].stat().st_size, notes=notes, shapes=shapes)
 
 
 # what DeepSpeed's AutoEP save at TP = 1 records in universal_checkpoint_info (AutoTP's categories go)

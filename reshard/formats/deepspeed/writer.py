@@ -174,13 +174,13 @@ class DeepSpeedWriter(Writer):
 
     def _autoep_folded_zero3(self, ck: Any, tp: int, dp: int, ep: int, layout: TargetLayout) -> None:
         """AutoEP at ZeRO-3 folded over TP > 1, as DeepSpeed saves it
-        (``expert_folded.autoep_folded_zero3_target``), from an AutoEP ZeRO-3 source (its model
+        (``target.autoep_zero3`` at TP > 1), from an AutoEP ZeRO-3 source (its model
         state and optimizer file the templates) or a ZeRO-1/2 one (recast for ZeRO-3); the dense
         TP maps as for a folded ZeRO-1/2 target."""
         from . import zero3 as z3
-        from .expert_folded import autoep_folded_zero3_target
         from .expert_target import optim_zero3_from_zero12, zero3_template_from_zero12
         from .placement import check_folded_zero3
+        from .target import autoep_zero3
 
         check_folded_zero3(ck, ep, tp * dp, tp, 1)
         ax, path = ck.experts, ck.model_files[0]
@@ -195,11 +195,13 @@ class DeepSpeedWriter(Writer):
             optim = (lambda: optim_zero3_from_zero12(ck))
         dense = [n for g, grp in enumerate(group_names) if g not in expert_groups for n in grp]
         maps, info = self._folded_maps(ck, dense, tp, layout)
-        notes = templates.ds_id_notes(exact, "do not match the parameter order reshard derives")
-        self.target = autoep_folded_zero3_target(
-            ax, group_names, expert_groups, tp=tp, ep=ep, dp=dp, maps=maps, info=info, template=template, optim=optim,
-            ds_ids=ids, size=z3.sub_group_size(template.get("ds_config"), str(path)), bf16=ck.bf16,
-            model_size=path.stat().st_size, notes=notes)
+        cfg = template.get("ds_config") if isinstance(template.get("ds_config"), dict) else None
+        notes = [f"AutoEP experts at EP {ep} folded over TP {tp} (DP {dp}, EDP {tp * dp // ep}), uniform placement, "
+                 "ZeRO-3: one model-state and one optimizer file per (TP, DP) rank, a folding record in every file"]
+        notes += templates.ds_id_notes(exact, "do not match the parameter order reshard derives")
+        self.target = autoep_zero3(ax, group_names, expert_groups, ep=ep, dp=dp, template=template, optim=optim,
+                                   cfg=cfg, ds_ids=ids, size=z3.sub_group_size(cfg, str(path)), bf16=ck.bf16,
+                                   model_size=path.stat().st_size, notes=notes, tp=tp, maps=maps, info=info)
         self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ax.ep}
         self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
         self._notes += self.target.notes
