@@ -29,7 +29,11 @@ REFUSAL_TESTS = ("tests/formats/deepspeed/test_recorded_maps.py", "tests/formats
                  "tests/formats/deepspeed/test_experts_folded.py::test_a_wrong_folding_record_is_refused_naming_it",
                  "tests/formats/deepspeed/test_autoep_limits.py",
                  "tests/formats/deepspeed/test_experts_folded_zero3.py::"
-                 "test_a_wrong_folded_zero3_record_is_refused_naming_it")
+                 "test_a_wrong_folded_zero3_record_is_refused_naming_it",
+                 "tests/formats/deepspeed/test_experts_folded_zero3_target.py::"
+                 "test_what_a_folded_zero3_target_cannot_be_is_refused",
+                 "tests/formats/deepspeed/test_experts_folded_zero3_target.py::"
+                 "test_a_wrong_source_record_is_refused_naming_it_before_a_folded_target")
 
 
 def test_no_assert_statement_in_reshard():

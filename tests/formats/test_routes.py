@@ -449,7 +449,10 @@ REFUSALS = [
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 1, "dp": 3, "ep": 2}, r"ep=2 must divide the target world size dp=3"),
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 1, "dp": 3, "ep": 3}, r"4 experts do not split evenly over ep=3"),
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 2, "dp": 2, "ep": 2},
-     r"AutoEP folded over TP \(AutoEP x AutoTP\) is not written at ZeRO-3 \(asked tp=2, zero stage 3\)"),
+     r"an AutoEP target at TP=2 takes its dense TP maps .* saved folded at TP=2 \(--layout\)"),
+    ("deepspeed-autoep-zero3", "deepspeed", {"tp": 2, "dp": 2, "ep": 2, "zero_stage": 1},
+     r"an AutoEP ZeRO-3 checkpoint is written folded over TP \(AutoEP x AutoTP\) at ZeRO-3 only \(asked tp=2, "
+     r"zero stage 1\)"),
     ("deepspeed-autoep-zero3", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 0},
      r"written at ZeRO stage 1, 2 or 3 \(asked 0\)"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 3, "ep": 3},
@@ -464,7 +467,10 @@ REFUSALS = [
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 3},
      r"classic MoE .* is not written at ZeRO stage 3: DeepSpeed 0.19.8 does not train it there"),
     ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 2, "ep": 2, "zero_stage": 3},
-     r"AutoEP folded over TP \(AutoEP x AutoTP\) is not written at ZeRO-3"),
+     r"an AutoEP target at TP=2 takes its dense TP maps .* saved folded at TP=2 \(--layout\)"),
+    ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 1, "ep": 1, "zero_stage": 3,
+                                       "layout": DEEPSPEED / "mixtral_autoep_ep2_tp2_zero3"},
+     r"DeepSpeed folds AutoEP over TP only with autoep_size > 1"),
     ("deepspeed-autoep", "deepspeed", {"tp": 1, "dp": 3, "ep": 2, "zero_stage": 3},
      r"ep=2 must divide the target world size dp=3"),
 ]

@@ -1,9 +1,9 @@
-"""DeepSpeed AutoEP x AutoTP ("folding") targets: AutoEP ZeRO-1/2 at TP > 1, as DeepSpeed 0.19.8 lays
-it out (folding.py), built on the unfolded AutoEP target's per-expert model files."""
+"""DeepSpeed AutoEP x AutoTP ("folding") at ZeRO-1/2: AutoEP at TP > 1, as DeepSpeed 0.19.8 lays it
+out (folding.py), built on the unfolded AutoEP target's per-expert model files (at ZeRO-3 it is
+``target.autoep_zero3`` at TP > 1)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -111,14 +111,7 @@ class FoldedFiles(ExpertWeightFiles):
     def model_state(self, tgt: DeepSpeedTarget, engine: Any, t: int) -> dict:
         module, shapes = self._module(tgt, engine, t, lambda m: m.shards[t].shape)
         pl = self.placement
-        uc = dict(self.info or {})
-        affine = uc.get("affine_map")
-        if isinstance(affine, Mapping) and isinstance(affine.get("params"), Mapping):  # experts at the EP-local shape
-            params = dict(affine["params"])
-            for n, m in pl.maps.items():
-                if f"^{re.escape(n)}$" in params:
-                    params[f"^{re.escape(n)}$"] = folding.replicated_entry(m.shards[0].shape, self.tp)
-            uc["affine_map"] = {**affine, "params": params}
+        uc = folding.folded_info(self.info, pl.maps, self.tp)
         if dse.LAYERS_KEY in uc:
             uc[dse.LAYERS_KEY] = [pl.layer(entry, t, copied=False) for entry in uc[dse.LAYERS_KEY]]
         obj = dsw.model_states(self.template, module=module, param_shapes=shapes, tp=self.tp, dp=self.dp, tp_rank=t,

@@ -22,7 +22,7 @@ from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
 from .layout import Group, Layout, Part, Unit
 from .placement import EXPERT_FILE, AutoEPPlacement, split_local, uniform_placement
-from .target import DeepSpeedTarget, PlaceholderFiles, autoep_sub_layout, tp1_view, unfolded
+from .target import DeepSpeedTarget, autoep_zero3, tp1_view, unfolded
 from .templates import Templates, ds_id_notes, placeholder_dtype
 
 
@@ -422,27 +422,17 @@ def _with_partition_groups(optim: dict) -> dict:
     return {**optim, "optimizer_state_dict": out}
 
 
-def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedTarget:
-    """An AutoEP ZeRO-1/2 checkpoint written at ZeRO-3, EP ``ep`` x world ``dp``: the layout of
-    ``target.autoep_zero3_target`` (a dense parameter split over all ``dp`` ranks, a fused expert
-    parameter of EP rank ``e`` over ``e``'s EDP group, sub-groups by DeepSpeed's rule), one
-    model-state and one optimizer file per DP rank and no per-expert files, as DeepSpeed's AutoEP
-    ZeRO-3 save writes them: the module's parameters and router aliases 0-element placeholders of
-    the training dtype (buffers whole), the layer entries ``checkpoint_format:
-    "zero3_partitioned"`` (version 1) each rank's view, the optimizer file the source's recast
-    (``zero3.optim_source_from_zero12``) with ``ds_zero_partition_groups``."""
+def zero3_template_from_zero12(ck: DeepSpeedCheckpoint) -> tuple[dict, list[list[str]], dict[str, int], bool]:
+    """An AutoEP ZeRO-1/2 checkpoint's model state as DeepSpeed's AutoEP ZeRO-3 save writes it (its
+    TP 1 view where folded): the module's parameters and router aliases 0-element placeholders of
+    the training dtype (buffers whole), no frozen parameters, the layer entries ``checkpoint_format:
+    "zero3_partitioned"`` (version 1); with its optimizer groups' names and each parameter's
+    ``ds_id`` (``experts.module_ds_ids``, and whether that order holds every parameter)."""
     ax, ms0, path = ck.experts, ck.model_state(0), ck.model_files[0]
-    if ax.folded:  # AutoEP x AutoTP: its TP-1 view (whole dense shapes, no folding records)
+    if ax.folded:  # AutoEP x AutoTP: its TP-1 view (no folding records)
         ms0 = unfolded(ms0)
-    placement = AutoEPPlacement(ax, ep, dp)
-    src_groups = ck.groups(0)
-    group_names = [list(g) for g in src_groups]
+    group_names = [list(g) for g in ck.groups(0)]
     names = [n for g in group_names for n in g]
-    shapes = {n: (tuple(ax.params[n].full_shape) if n in ax.params else
-                  tuple(ck.tp_map(n).map.valid_shape) if ax.folded else tuple(s))
-              for g in src_groups for n, s in g.items()}
-    cfg = ms0.get("ds_config") if isinstance(ms0.get("ds_config"), dict) else None
-    layout = autoep_sub_layout(placement, group_names, shapes, ax.groups, z3.sub_group_size(cfg, str(path)))
     module = ms0.get("module") or {}
     dtypes = {module[n].dtype for n in names if isinstance(module.get(n), torch.Tensor)}
     if len(dtypes) != 1:
@@ -457,19 +447,38 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
                 "frozen_param_shapes": OrderedDict(), "frozen_param_fragments": OrderedDict(),
                 dse.LAYERS_KEY: [{**entry, "checkpoint_format": "zero3_partitioned", "checkpoint_format_version": 1}
                                  for entry in ms0[dse.LAYERS_KEY]]}
-    ds_config = placement.ds_config(dsw.target_ds_config(cfg, tp=1, dp=dp, zero_stage=3))
     ids, exact = dse.module_ds_ids(list(module), ax, names)
-    notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-{ck.zero_stage} -> ZeRO-3: "
+    return template, group_names, ids, exact
+
+
+def optim_zero3_from_zero12(ck: DeepSpeedCheckpoint) -> dict:
+    """An AutoEP ZeRO-1/2 checkpoint's optimizer file recast for ZeRO-3, with AutoEP's
+    ``ds_zero_partition_groups`` slot (its TP 1 view where folded)."""
+    return _with_partition_groups(z3.optim_source_from_zero12(unfolded(ck.optim_state(0, 0))))
+
+
+def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedTarget:
+    """An AutoEP ZeRO-1/2 checkpoint written at ZeRO-3, EP ``ep`` x world ``dp``: the layout of
+    ``target.autoep_zero3_target`` (a dense parameter split over all ``dp`` ranks, a fused expert
+    parameter of EP rank ``e`` over ``e``'s EDP group, sub-groups by DeepSpeed's rule), one
+    model-state and one optimizer file per DP rank and no per-expert files, as DeepSpeed's AutoEP
+    ZeRO-3 save writes them (:func:`zero3_template_from_zero12`): each rank's view of the placement
+    in the layer entries, the optimizer file the source's recast (``zero3.optim_source_from_zero12``)
+    with ``ds_zero_partition_groups``."""
+    ax, path = ck.experts, ck.model_files[0]
+    template, group_names, ids, exact = zero3_template_from_zero12(ck)
+    shapes = {n: (tuple(ax.params[n].full_shape) if n in ax.params else
+                  tuple(ck.tp_map(n).map.valid_shape) if ax.folded else tuple(s))
+              for g in ck.groups(0) for n, s in g.items()}
+    cfg = template.get("ds_config") if isinstance(template.get("ds_config"), dict) else None
+    notes = [f"AutoEP experts at EP {ep} (EDP {dp // ep}), uniform placement, ZeRO-{ck.zero_stage} -> ZeRO-3: "
              "one model-state and one optimizer file per DP rank, the per-expert files' weights not written (a "
              "ZeRO-3 engine loads the fp32 masters)"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
-    models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
-                              size=path.stat().st_size, placement=placement)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=lambda: _with_partition_groups(z3.optim_source_from_zero12(
-                               unfolded(ck.optim_state(0, 0)))),
-                           ds_config=ds_config, uc_info=None, models=models, ds_ids=ids, placement=placement,
-                           notes=notes, group_names=dict.fromkeys(ax.groups, f"ep_size_{ep}"))
+    return autoep_zero3(ax, group_names, ax.groups, ep=ep, dp=dp, template=template,
+                        optim=lambda: optim_zero3_from_zero12(ck), cfg=cfg, ds_ids=ids,
+                        size=z3.sub_group_size(cfg, str(path)), bf16=ck.bf16, model_size=path.stat().st_size,
+                        notes=notes, shapes=shapes)
 
 
 def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], ep: int,
@@ -481,8 +490,8 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
     aliases 0-element placeholders, each rank's view of the placement in ``ds_autoep_layers``
     (``checkpoint_format: "zero3_partitioned"``), ``ds_zero_partition_groups``. EDP groups in
     DeepSpeed's default order (expert before data)."""
-    groups, ax, placement = _fresh_placement(tpl, layers, shapes, ep, dp, aliases)
-    layout = autoep_sub_layout(placement, tpl.group_names, shapes, groups, z3.sub_group_size(tpl.cfg, where))
+    groups, ax, _ = _fresh_placement(tpl, layers, shapes, ep, dp, aliases)
+    size = z3.sub_group_size(tpl.cfg, where)
     # a module without the experts (the AutoEP layer keeps them out of its state dict), each router
     # alias after its router, every entry a placeholder of its own
     module = OrderedDict()
@@ -499,14 +508,10 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
                 # layer entries are added per rank
                 "universal_checkpoint_info": {"universal_checkpoint_version": 0.4,
                                               "expert_parameter_patterns": [r".*\.experts\.w[123]$"]}}
-    ds_config = placement.ds_config(dsw.target_ds_config(tpl.cfg, tp=1, dp=dp, zero_stage=3))
     ids, exact = dse.module_ds_ids(list(module), ax, tpl.names)
-    notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3, EDP groups in DeepSpeed's "
+    notes = [f"AutoEP experts at EP {ep} (EDP {dp // ep}), uniform placement, ZeRO-3, EDP groups in DeepSpeed's "
              "default order (expert before data)"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
-    models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None, size=1 << 16,
-                              placement=placement)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=tpl.bf16, states=OPTIMIZER,
-                           optim_template=lambda: _with_partition_groups(tpl.optim), ds_config=ds_config,
-                           uc_info=None, models=models, ds_ids=ids, placement=placement, notes=notes,
-                           group_names=dict.fromkeys(groups, f"ep_size_{ep}"))
+    return autoep_zero3(ax, tpl.group_names, groups, ep=ep, dp=dp, template=template,
+                        optim=lambda: _with_partition_groups(tpl.optim), cfg=tpl.cfg, ds_ids=ids, size=size,
+                        bf16=tpl.bf16, model_size=1 << 16, notes=notes, shapes=shapes)

@@ -13,10 +13,12 @@ compares every file's with them (docs/deepspeed-checkpoints.md §11.2).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ...errors import CheckpointError
+from ...ir.param_map import ParamMap
 from ...storage.safe_load import load
 from .recorded import first_difference
 
@@ -106,6 +108,21 @@ def replicated_entry(shape: Iterable[int], tp: int) -> dict[str, Any]:
     return {"logical_shape": shape, "ranks": {t: {"shard_shape": list(shape), "pieces": [
         {"shape": list(shape), "source": [0, list(strides)], "dest": [0, list(strides)], "locations": list(range(tp))}]}
         for t in range(tp)}}
+
+
+def folded_info(info: Mapping[str, Any] | None, experts: Mapping[str, ParamMap], tp: int) -> dict:
+    """The ``universal_checkpoint_info`` DeepSpeed records at TP ``tp`` (``info``: AutoTP's, from a
+    folded checkpoint at that TP) with each fused expert's ``affine_map`` entry (``experts``: their
+    placement maps) at the target's EP-local shape, TP-replicated, as AutoTP records it."""
+    uc = dict(info or {})
+    affine = uc.get("affine_map")
+    if isinstance(affine, Mapping) and isinstance(affine.get("params"), Mapping):
+        params = dict(affine["params"])
+        for n, m in experts.items():
+            if f"^{re.escape(n)}$" in params:
+                params[f"^{re.escape(n)}$"] = replicated_entry(m.shards[0].shape, tp)
+        uc["affine_map"] = {**affine, "params": params}
+    return uc
 
 
 def expert_writers(tp: int, ep: int, world: int) -> dict[tuple[int, int], list[int]]:

@@ -26,8 +26,9 @@ from .checkpoint import DeepSpeedCheckpoint
 from .layout import Group, Layout
 from .moe import LOCAL_RE
 
-__all__ = ["EXPERT_FILE", "AutoEPPlacement", "check_autoep", "check_autoep_to_zero3", "check_autoep_zero3", "check_moe", "ds_affine_entry",
-           "split_local", "uniform_placement"]
+__all__ = ["EXPERT_FILE", "AutoEPPlacement", "check_autoep", "check_autoep_to_zero3", "check_autoep_zero3",
+           "check_folded_target", "check_folded_zero3", "check_moe", "ds_affine_entry", "split_local",
+           "uniform_placement"]
 
 EXPERT_FILE = "layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
 
@@ -196,15 +197,33 @@ def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage
 
 
 def no_folded_zero3(ck: DeepSpeedCheckpoint, tp: int, pp: int, stage: int) -> None:
-    """A folded (AutoEP x AutoTP) ZeRO-3 target is not written (docs/deepspeed-checkpoints.md §11.2)."""
-    if tp > 1 and pp == 1 and ck.zero_stage == 3 and ck.experts is not None and ck.experts.folded:
-        raise ReshardError(f"{ck.tag_dir}: a folded (AutoEP x AutoTP) ZeRO-3 checkpoint is written at TP 1 only "
-                           f"(asked tp={tp}, zero stage {stage}): reshard writes folded checkpoints at ZeRO-1/2 "
-                           "from a folded ZeRO-1/2 source or with --layout; --tp 1 writes it unfolded")
-    if stage == 3 and tp > 1 and pp == 1:
-        raise ReshardError(f"{ck.tag_dir}: AutoEP folded over TP (AutoEP x AutoTP) is not written at ZeRO-3 (asked "
-                           f"tp={tp}, zero stage 3): reshard writes folded checkpoints at ZeRO-1/2 only; --tp 1 "
-                           "writes the experts unfolded at ZeRO-3, --zero-stage 1 or 2 keeps them folded")
+    """A folded (AutoEP x AutoTP) ZeRO-3 source is written folded at ZeRO-3 or at TP 1; folded at
+    ZeRO-1/2 it is not (docs/deepspeed-checkpoints.md §11.2)."""
+    if tp > 1 and pp == 1 and stage != 3 and ck.zero_stage == 3 and ck.experts is not None:
+        raise ReshardError(f"{ck.tag_dir}: an AutoEP ZeRO-3 checkpoint is written folded over TP (AutoEP x AutoTP) "
+                           f"at ZeRO-3 only (asked tp={tp}, zero stage {stage}): reshard writes folded ZeRO-1/2 "
+                           "checkpoints from a ZeRO-1/2 source; --zero-stage 3 keeps it at ZeRO-3, --tp 1 writes it "
+                           "unfolded at any stage")
+
+
+def check_folded_target(ck: DeepSpeedCheckpoint, ep: int, tp: int) -> None:
+    """What DeepSpeed folds AutoEP over TP with (``validate_folding_global``: :func:`check_folding`)."""
+    if ck.experts is None:
+        raise ReshardError(f"{ck.model_files[0]}: not an AutoEP checkpoint (ds_autoep_layers)")
+    check_folding(ck.tag_dir, tp, ep, 1, ck.experts.data_before_expert)
+
+
+def check_folded_zero3(ck: DeepSpeedCheckpoint, ep: int, world: int, tp: int, pp: int) -> None:
+    """What a folded (AutoEP x AutoTP) ZeRO-3 target refuses, before anything is written: PP, EP 1
+    and the placement, frozen parameters and steps every AutoEP ZeRO-3 target checks (``world``:
+    TP x DP global ranks, which the EP groups are laid over)."""
+    if ck.experts is None:
+        raise ReshardError(f"{ck.model_files[0]}: not an AutoEP checkpoint (ds_autoep_layers)")
+    if pp != 1 or ck.layer_files:
+        raise ReshardError(f"{ck.tag_dir}: AutoEP checkpoints are resharded without pipeline stages only (asked "
+                           f"tp={tp}, pp={pp})")
+    check_folded_target(ck, ep, tp)
+    _check_zero3_placement(ck, ep, world)
 
 
 def check_autoep_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
@@ -258,17 +277,16 @@ class AutoEPPlacement:
             out["affine_maps"] = {**maps, "params": params}
         return out
 
-    def partition_groups(self, layout: Layout, d: int) -> list[dict]:
-        """DP rank ``d``'s ``ds_zero_partition_groups`` (``_zero3_partition_group_metadata``)."""
+    def partition_groups(self, layout: Layout, rank: int) -> list[dict]:
+        """Global rank ``rank``'s ``ds_zero_partition_groups`` (``_zero3_partition_group_metadata``):
+        each sub-group's partition group in global ranks (folded over TP: a dense one its TP rank's
+        DP ranks ``d * tp + t``, an expert one its EP rank's EDP group)."""
         out: list[dict[str, Any]] = []
         for k, u in enumerate(layout.units):
-            h, q = u.group.place(d)
-            if any(n in self.maps for p in u.parts.values() for n in p.names):
-                out.append({"sub_group": k, "partition_count": self.edp, "partition_rank": q,
-                            "partition_ranks": list(u.group.members[h]), "families": ["autoep_expert"],
-                            "group_names": [f"ep_size_{self.ep}"]})
-            else:
-                out.append({"sub_group": k, "partition_count": self.dp, "partition_rank": d,
-                            "partition_ranks": list(range(self.dp)), "families": ["replicated"],
-                            "group_names": ["replicated"]})
+            h, q = u.group.place(rank)
+            expert = any(n in self.maps for p in u.parts.values() for n in p.names)
+            out.append({"sub_group": k, "partition_count": u.group.size, "partition_rank": q,
+                        "partition_ranks": list(u.group.members[h]),
+                        "families": ["autoep_expert" if expert else "replicated"],
+                        "group_names": [f"ep_size_{self.ep}" if expert else "replicated"]})
         return out

@@ -38,6 +38,7 @@ from ...layouts import replicated
 from ...storage.torch_zip import save
 from ..contract import MODULE, MOMENTS, OPTIMIZER, Buffer, Slot
 from . import experts as dse
+from . import folding
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
@@ -45,7 +46,8 @@ from .layout import Group, Layout, Part, Unit
 from .placement import AutoEPPlacement
 from .templates import Templates, ds_id_notes
 
-__all__ = ["DeepSpeedTarget", "autoep_sub_layout", "autoep_zero3_target", "zero3_target", "zero12_target"]
+__all__ = ["DeepSpeedTarget", "autoep_sub_layout", "autoep_zero3", "autoep_zero3_target", "zero3_target",
+           "zero12_target"]
 
 
 class DeepSpeedTarget:
@@ -105,6 +107,8 @@ class DeepSpeedTarget:
                     self.placement.partition_groups(self.layout, rank)
             torch_osd = obj["optimizer_state_dict"]["optimizer_state_dict"]
             torch_osd["param_groups"] = self._named(torch_osd["param_groups"])
+            if self.per_rank is not None:
+                obj.update(self.per_rank(rank))
             return obj
         obj = dsw.optim_states(self.optim_template(), groups=[p.unit for _, p, _ in units], d=[q for _, _, q in units],
                                fp32=fp32, moments=moments, zero_stage=self.stage, ds_config=self.ds_config,
@@ -300,24 +304,54 @@ def zero3_target(tpl: Templates, maps: dict[str, ParamMap], *, tp: int, dp: int,
                            ds_ids=tpl.ds_ids, notes=notes)
 
 
+def autoep_zero3(ax: dse.AutoEP, group_names: Sequence[Sequence[str]], expert_groups: Set[int], *, ep: int,
+                 dp: int, template: dict, optim: Callable[[], dict], cfg: Any, ds_ids: Mapping[str, int], size: int,
+                 bf16: bool, model_size: int, notes: Sequence[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 tp: int = 1, maps: Mapping[str, ParamMap] | None = None, info: dict | None = None) -> DeepSpeedTarget:
+    """AutoEP at ZeRO-3, EP ``ep`` x TP ``tp`` x DP ``dp``, as DeepSpeed 0.19.8 saves it: the layout of
+    :func:`autoep_sub_layout` (dense parameters ``shapes`` whole, or folded over ``tp`` > 1 their TP
+    maps ``maps``), one model-state and one optimizer file per (TP, DP) rank and no per-expert files:
+    ``template``'s keys (placeholders, layer entries ``zero3_partitioned``) with each rank's
+    sub-groups and view of the placement, ``optim()``'s with ``ds_zero_partition_groups``. Folded
+    (AutoEP x AutoTP, ``tp`` > 1; folding.py): AutoTP's ``universal_checkpoint_info`` (``info``, its
+    experts' ``affine_map`` entries at the target's EP-local shape) and a ``folding`` record in every
+    file (the optimizer's without ``param_families``), DeepSpeed's EP groups laid over global ranks."""
+    placement = AutoEPPlacement(ax, ep, tp * dp)
+    layout = autoep_sub_layout(placement, group_names, shapes or {}, expert_groups, size, tp=tp, maps=maps)
+    ds_config = placement.ds_config(dsw.target_ds_config(cfg, tp=tp, dp=dp, zero_stage=3))
+    record: Callable[[int, int, Mapping[str, Any]], dict] | None = None
+    per_rank: Callable[[int], dict] | None = None
+    if tp > 1:
+        template = {**unfolded(template), "universal_checkpoint_info": folding.folded_info(info, placement.maps, tp)}
+        optim = (lambda inner=optim: unfolded(inner()))
+
+        def record(t: int, d: int, module: Mapping[str, Any]) -> dict:
+            return {folding.KEY: folding.model_record(tp, t, ep, placement.ep_of[d * tp + t], dp, module, d)}
+
+        def per_rank(rank: int) -> dict:
+            e = placement.ep_of[rank]
+            return {folding.KEY: folding.optim_record(tp, rank % tp, ep, e, dp, rank // tp, placement.edp,
+                                                      placement.ax.members(e).index(rank), None)}
+
+    models = PlaceholderFiles(lambda: template, tp=tp, dp=dp, ds_config=ds_config, uc_info=None, size=model_size,
+                              placement=placement, record=record)
+    return DeepSpeedTarget(layout, tp=tp, dp=dp, stage=3, bf16=bf16, states=OPTIMIZER, optim_template=optim,
+                           ds_config=ds_config, uc_info=None, models=models, ds_ids=ds_ids, placement=placement,
+                           notes=notes, per_rank=per_rank, group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"))
+
+
 def autoep_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpeedTarget:
-    """An AutoEP ZeRO-3 checkpoint at EP ``ep`` x world ``dp``: a dense parameter split over all
-    ``dp`` ranks, a fused expert parameter of EP rank ``e`` over ``e``'s EDP group; sub-groups cut
-    by DeepSpeed's rule over each group's own partition sizes."""
+    """An AutoEP ZeRO-3 checkpoint at EP ``ep`` x world ``dp`` (TP 1; a folded source its TP 1 view):
+    a dense parameter split over all ``dp`` ranks, a fused expert parameter of EP rank ``e`` over
+    ``e``'s EDP group; sub-groups cut by DeepSpeed's rule over each group's own partition sizes."""
     group_names, expert_groups, size = z3.autoep_groups(ck)
     ids, exact = z3.autoep_ds_ids(ck, [n for g in group_names for n in g])
     template, optim, shapes = tp1_view(ck)
-    placement = AutoEPPlacement(z3.autoep(ck), ep, dp)
-    layout = autoep_sub_layout(placement, group_names, shapes, expert_groups, size)
-    ds_config = placement.ds_config(dsw.target_ds_config(template.get("ds_config"), tp=1, dp=dp, zero_stage=3))
-    notes = [f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, ZeRO-3"]
+    notes = [f"AutoEP experts at EP {ep} (EDP {dp // ep}), uniform placement, ZeRO-3"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
-    models = PlaceholderFiles(lambda: template, tp=1, dp=dp, ds_config=ds_config, uc_info=None,
-                              size=ck.model_files[0].stat().st_size, placement=placement)
-    return DeepSpeedTarget(layout, tp=1, dp=dp, stage=3, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=optim, ds_config=ds_config, uc_info=None,
-                           models=models, ds_ids=ids, placement=placement, notes=notes,
-                           group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"))
+    return autoep_zero3(z3.autoep(ck), group_names, expert_groups, ep=ep, dp=dp, template=template, optim=optim,
+                        cfg=template.get("ds_config"), ds_ids=ids, size=size, bf16=ck.bf16,
+                        model_size=ck.model_files[0].stat().st_size, notes=notes, shapes=shapes)
 
 
 # what DeepSpeed's AutoEP save at TP = 1 records in universal_checkpoint_info (AutoTP's categories go)
@@ -347,32 +381,47 @@ def tp1_view(ck: DeepSpeedCheckpoint) -> tuple[dict, Callable[[], dict], dict[st
 
 
 def autoep_sub_layout(placement: AutoEPPlacement, group_names: Sequence[Sequence[str]],
-                      shapes: Mapping[str, tuple[int, ...]], expert_groups: Set[int], size: int) -> Layout:
-    """AutoEP under ZeRO-3 at ``placement``: a dense parameter (``shapes``: whole) split over all DP
-    ranks, a fused expert parameter of EP rank ``e`` (its EP-local shape) over ``e``'s EDP group;
-    sub-groups cut by DeepSpeed's rule over each group's own partition sizes (``size``:
-    ``sub_group_size``)."""
-    dp, ep = placement.dp, placement.ep
+                      shapes: Mapping[str, tuple[int, ...]], expert_groups: Set[int], size: int, *,
+                      tp: int = 1, maps: Mapping[str, ParamMap] | None = None) -> Layout:
+    """AutoEP under ZeRO-3 at ``placement`` (over ``tp * dp`` global ranks): a dense parameter
+    (``shapes``: whole; folded over ``tp`` > 1 its TP map in ``maps``) split over its TP rank's DP
+    ranks (global ranks ``d * tp + t``), a fused expert parameter of EP rank ``e`` (its EP-local
+    shape) over ``e``'s EDP group; sub-groups cut per TP rank by DeepSpeed's rule over each group's
+    own partition size (``size``: ``sub_group_size``), every TP rank the same number of them."""
+    ep, dp = placement.ep, placement.dp // tp
     names = [n for g in group_names for n in g]
-    outer = {n: placement.maps[n] if n in placement.maps else replicated(shapes[n], 1) for n in names}
-    shape = {n: (placement.maps[n].shards[0].shape if n in placement.maps else shapes[n]) for n in names}
-    dense, experts = Group.dense(1, dp), placement.group()
+    dense = dict(maps) if maps is not None else {n: replicated(shapes[n], 1) for n in names if n not in placement.maps}
+    outer = {n: placement.maps[n] if n in placement.maps else dense[n] for n in names}
     parts = [placement.edp if g in expert_groups else dp for g in range(len(group_names))]
-    units = []
-    for sg in z3.sub_groups([[(n, shape[n]) for n in g] for g in group_names], parts, size):
-        units.append(Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if sg.group in expert_groups
-                     else Unit(dense, {0: Part(sg, sg.names)}))
-    return Layout("sub", outer, units, range(dp))
+    subs = []
+    for t in range(tp):  # each TP rank cuts its own shards (the experts are alike on every one)
+        shape = {n: tuple(outer[n].shards[t if n in dense else 0].shape) for n in names}
+        empty = next((n for n, s in shape.items() if not prod(s)), None) if tp > 1 else None
+        if empty is not None:
+            raise ReshardError(f"parameter {empty!r} has no elements on TP rank {t} at TP={tp}: an uneven split is "
+                               "not written with ZeRO-3")
+        subs.append(z3.sub_groups([[(n, shape[n]) for n in g] for g in group_names], parts, size))
+    if any([sg.group for sg in s] != [sg.group for sg in subs[0]] for s in subs):
+        raise ReshardError(f"the TP shards at TP={tp} cut into other sub-groups on different TP ranks "
+                           f"(sub_group_size {size}): one layout has one list of sub-groups, not written")
+    group, experts = Group.dense(tp, dp), placement.group()
+    units = [Unit(experts, dict.fromkeys(range(ep), Part(sg, sg.names))) if sg.group in expert_groups
+             else Unit(group, {t: Part(subs[t][k], subs[t][k].names) for t in range(tp)})
+             for k, sg in enumerate(subs[0])]
+    return Layout("sub", outer, units, [d * tp + t for t in range(tp) for d in range(dp)])
 
 
 class PlaceholderFiles:
     """ZeRO-3 model states: per (TP, DP) rank the template's keys with placeholders, the rank's
-    sub-groups in ``param_shapes``, and under AutoEP its view of the placement."""
+    sub-groups in ``param_shapes``, and under AutoEP its view of the placement (that of its global
+    rank ``d * tp + t``: folded over TP, its EP rank); ``record(t, d, module)``: entries a file adds
+    last (a folded AutoEP target's ``folding`` record)."""
 
     def __init__(self, template: Callable[[], dict], *, tp: int, dp: int, ds_config: dict | None,
-                 uc_info: dict | None, size: int, placement: AutoEPPlacement | None = None) -> None:
+                 uc_info: dict | None, size: int, placement: AutoEPPlacement | None = None,
+                 record: Callable[[int, int, Mapping[str, Any]], dict] | None = None) -> None:
         self.template, self.tp, self.dp, self.ds_config, self.uc_info = template, tp, dp, ds_config, uc_info
-        self.size, self.placement = size, placement
+        self.size, self.placement, self.record = size, placement, record
 
     def before(self) -> list[Buffer]:
         return []
@@ -387,13 +436,17 @@ class PlaceholderFiles:
             obj = z3.model_states(template, subs=subs, d=d, dp=self.dp, ds_config=self.ds_config, t=t, tp=self.tp,
                                   uc_info=self.uc_info)
         else:
-            layers = [self.placement.layer(entry, d, copied=True) for entry in template[dse.LAYERS_KEY]]
+            g = d * self.tp + t
+            layers = [self.placement.layer(entry, g, copied=True) for entry in template[dse.LAYERS_KEY]]
             uc = copy.deepcopy(dict(template.get("universal_checkpoint_info") or {}))
             uc[dse.LAYERS_KEY] = copy.deepcopy(layers)  # its own copy, as DeepSpeed's save clones the state
-            obj = z3.model_states(template, subs=subs, d=d, dp=self.dp, ds_config=self.ds_config, uc_info=uc)
+            obj = z3.model_states(template, subs=subs, d=d, dp=self.dp, ds_config=self.ds_config, t=t, tp=self.tp,
+                                  uc_info=uc)
             # plain tuples: DeepSpeed's AutoEP save passes the state through clone_tensors_for_torch_save
             obj["param_shapes"] = [OrderedDict((n, tuple(s)) for n, s in zip(sg.names, sg.shapes)) for sg in subs]
             obj[dse.LAYERS_KEY] = layers
+        if self.record is not None:
+            obj.update(self.record(t, d, obj.get("module") or {}))
         with staging.open(z3.model_file(d, t)) as f:
             save(obj, f)
 

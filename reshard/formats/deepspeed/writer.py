@@ -9,7 +9,8 @@ folder exists, what it cannot write:
 * ZeRO-3 at TP x DP;
 * AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``), an
   AutoEP ZeRO-3 checkpoint at ZeRO-1/2 (its weights the fp32 masters cast), and an AutoEP
-  ZeRO-1/2 checkpoint at ZeRO-3.
+  ZeRO-1/2 checkpoint at ZeRO-3;
+* AutoEP folded over TP > 1 (AutoEP x AutoTP) at ZeRO-1/2 and at ZeRO-3 (``expert_folded``).
 
 Every kind is one :class:`~reshard.formats.deepspeed.target.DeepSpeedTarget` over a
 :class:`~reshard.formats.deepspeed.layout.Layout` (outer maps, partition groups, flat groups or
@@ -92,7 +93,9 @@ class DeepSpeedWriter(Writer):
         if ck.experts is not None:  # a target DeepSpeed's own folding refuses, whatever else is asked
             from .placement import check_folding
             check_folding(ck.tag_dir, tp, ep if ep is not None else ck.experts.ep, pp, ck.experts.data_before_expert)
-        if ck.zero_stage == 3 and ck.experts is not None:
+        if ck.experts is not None and tp > 1 and pp == 1 and (stage == 3 or (stage is None and ck.zero_stage == 3)):
+            self._autoep_folded_zero3(ck, tp, dp, ep if ep is not None else ck.experts.ep, layout)
+        elif ck.zero_stage == 3 and ck.experts is not None:
             self._autoep_zero3(ck, tp, dp, pp, stage, ep if ep is not None else ck.experts.ep)
         elif ep is not None or (ck.zero_stage != 3 and (ck.experts is not None or ck.moe is not None)):
             self._experts(ck, tp, dp, pp, stage, ep if ep is not None else (ck.experts or ck.moe).ep, layout)
@@ -148,22 +151,62 @@ class DeepSpeedWriter(Writer):
         dense TP maps the source's at its own folded TP, else a DeepSpeed checkpoint's at ``tp``
         (``--layout``), whose ``universal_checkpoint_info`` DeepSpeed records at that topology."""
         from .expert_folded import autoep_folded_target
-        from .placement import check_autoep
+        from .placement import check_autoep, check_folded_target
 
-        ax, where = ck.experts, ck.tag_dir  # DeepSpeed's own folding limits: _from_deepspeed's check_folding
         check_autoep(ck, ep, tp * dp, 1, 1, stage)  # the placement, stage and steps (at TP 1's rules)
-        dense = [n for g, grp in enumerate(ck.groups(0)) if g not in ax.groups for n in grp]
-        if layout is None and ax.folded and tp == ck.tp:
-            maps, info = {n: ck.tp_map(n).map for n in dense}, ck.model_state(0).get("universal_checkpoint_info")
-        elif isinstance(layout, (str, Path)) and Path(layout).is_dir():
-            maps, info, _ = target_tp_maps(ck, dense, tp, layout)
-        else:
-            raise ReshardError(f"{where}: an AutoEP target at TP={tp} takes its dense TP maps and the "
-                               "universal_checkpoint_info DeepSpeed records with them from a DeepSpeed checkpoint of "
-                               f"this model saved folded at TP={tp} (--layout), or from a folded source at its own TP")
+        check_folded_target(ck, ep, tp)
+        dense = [n for g, grp in enumerate(ck.groups(0)) if g not in ck.experts.groups for n in grp]
+        maps, info = self._folded_maps(ck, dense, tp, layout)
         self.target = autoep_folded_target(ck, tp, ep, dp, stage, maps, info)
-        self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ax.ep}
+        self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ck.experts.ep}
         self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
+        self._notes += self.target.notes
+
+    @staticmethod
+    def _folded_maps(ck: Any, dense: list[str], tp: int, layout: TargetLayout) -> tuple[dict, dict | None]:
+        """A folded target's dense TP maps and the ``universal_checkpoint_info`` DeepSpeed records with
+        them: the source's at its own folded TP, else a DeepSpeed checkpoint's at ``tp`` (``--layout``)."""
+        if layout is None and ck.experts.folded and tp == ck.tp:
+            return {n: ck.tp_map(n).map for n in dense}, ck.model_state(0).get("universal_checkpoint_info")
+        if isinstance(layout, (str, Path)) and Path(layout).is_dir():
+            maps, info, _ = target_tp_maps(ck, dense, tp, layout)
+            return maps, info
+        raise ReshardError(f"{ck.tag_dir}: an AutoEP target at TP={tp} takes its dense TP maps and the "
+                           "universal_checkpoint_info DeepSpeed records with them from a DeepSpeed checkpoint of "
+                           f"this model saved folded at TP={tp} (--layout), or from a folded source at its own TP")
+
+    def _autoep_folded_zero3(self, ck: Any, tp: int, dp: int, ep: int, layout: TargetLayout) -> None:
+        """AutoEP at ZeRO-3 folded over TP > 1, as DeepSpeed saves it
+        (``target.autoep_zero3`` at TP > 1), from an AutoEP ZeRO-3 source (its model
+        state and optimizer file the templates) or a ZeRO-1/2 one (recast for ZeRO-3); the dense
+        TP maps as for a folded ZeRO-1/2 target."""
+        from . import zero3 as z3
+        from .expert_target import optim_zero3_from_zero12, zero3_template_from_zero12
+        from .placement import check_folded_zero3
+        from .target import autoep_zero3
+
+        check_folded_zero3(ck, ep, tp * dp, tp, 1)
+        ax, path = ck.experts, ck.model_files[0]
+        if ck.zero_stage == 3:
+            group_names, expert_groups, _ = z3.autoep_groups(ck)
+            ids, exact = z3.autoep_ds_ids(ck, [n for g in group_names for n in g])
+            template: dict = ck.model_state(0)
+            optim = (lambda: ck.optim_state(0, 0))
+        else:
+            template, group_names, ids, exact = zero3_template_from_zero12(ck)
+            expert_groups = set(ax.groups)
+            optim = (lambda: optim_zero3_from_zero12(ck))
+        dense = [n for g, grp in enumerate(group_names) if g not in expert_groups for n in grp]
+        maps, info = self._folded_maps(ck, dense, tp, layout)
+        cfg = template.get("ds_config") if isinstance(template.get("ds_config"), dict) else None
+        notes = [f"AutoEP experts at EP {ep} folded over TP {tp} (DP {dp}, EDP {tp * dp // ep}), uniform placement, "
+                 "ZeRO-3: one model-state and one optimizer file per (TP, DP) rank, a folding record in every file"]
+        notes += templates.ds_id_notes(exact, "do not match the parameter order reshard derives")
+        self.target = autoep_zero3(ax, group_names, expert_groups, ep=ep, dp=dp, template=template, optim=optim,
+                                   cfg=cfg, ds_ids=ids, size=z3.sub_group_size(cfg, str(path)), bf16=ck.bf16,
+                                   model_size=path.stat().st_size, notes=notes, tp=tp, maps=maps, info=info)
+        self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ax.ep}
+        self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
         self._notes += self.target.notes
 
     def _autoep_to_zero3(self, ck: Any, tp: int, dp: int, pp: int, ep: int) -> None:

@@ -190,12 +190,13 @@ def test_world_4_written_at_tp1_holds_deepspeeds_consolidation(fixture, ep, stag
     assert differences(oracle, _digests(got)) == []
 
 
-@pytest.mark.parametrize("options", [{}, {"tp": 2, "ep": 2, "zero_stage": 3}, {"tp": 2, "ep": 2, "zero_stage": 1}])
-def test_a_folded_target_from_it_is_refused_by_name(options, tmp_path):
-    """Written folded again (at ZeRO-3 or ZeRO-1/2): not built; asked nothing, it keeps its TP 2."""
-    stage = options.get("zero_stage", 3)
-    with pytest.raises(ReshardError, match=r"a folded \(AutoEP x AutoTP\) ZeRO-3 checkpoint is written at TP 1 only "
-                                          rf"\(asked tp=2, zero stage {stage}\).* --tp 1 writes it unfolded"):
+@pytest.mark.parametrize("options", [{"tp": 2, "ep": 2, "zero_stage": 1}, {"tp": 2, "ep": 2, "zero_stage": 2}])
+def test_a_folded_zero12_target_from_it_is_refused_by_name(options, tmp_path):
+    """Written folded at ZeRO-1/2: not built (folded at ZeRO-3 it is: test_experts_folded_zero3_target.py)."""
+    stage = options["zero_stage"]
+    with pytest.raises(ReshardError, match=r"an AutoEP ZeRO-3 checkpoint is written folded over TP \(AutoEP x AutoTP\) "
+                                          rf"at ZeRO-3 only \(asked tp=2, zero stage {stage}\).* --tp 1 writes it "
+                                          "unfolded"):
         reshard(FIXTURES / NAME, tmp_path / "out", **options)
     assert not (tmp_path / "out").exists()
 
