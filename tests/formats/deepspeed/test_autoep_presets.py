@@ -101,10 +101,46 @@ def test_deepspeeds_autoep_files_convert_as_ds_to_universal_does(preset, tmp_pat
             assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
         else:
             same(load(ours / rel), load(theirs / rel), rel)
-    if preset == "deepseek_v3":  # --ep from it: its buffer (the router bias) has no param_shapes entry
-        with pytest.raises(ReshardError, match=r"does not record the model's parameter order"):
-            reshard(theirs.parent, tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2)
-        assert not (tmp_path / "out").exists()
+
+
+def _universal(kind: str, tmp_path: Path) -> Path:
+    """The universal checkpoint of DeepSpeed's DeepSeek-V3 AutoEP job: ``ds_to_universal``'s or reshard's."""
+    if kind == "ds_to_universal":
+        from tests.support.dsconv import ds_to_universal_folder
+
+        return ds_to_universal_folder(_native("deepseek_v3").parent, tmp_path / "ucp").parent
+    return convert(_native("deepseek_v3").parent, tmp_path / "ucp").out_dir.parent
+
+
+@pytest.mark.parametrize("kind", ["ds_to_universal", "reshard"])
+def test_ep_from_deepseek_v3s_universal_writes_deepspeeds_own_files(kind, tmp_path):
+    """``--ep 2 --dp 2`` from the universal checkpoint of DeepSpeed's DeepSeek-V3 AutoEP job (its
+    router's ``e_score_correction_bias`` a module buffer: ``Reader.buffers``, placed where the module
+    holds it, in no optimizer group): DeepSpeed's own files, every file and no other, each key in
+    the same order and every value equal (weights, masters, moments, steps, partition layout,
+    ``buffer_names``) but what a fresh job's files record otherwise (``ds_config``,
+    ``global_samples``, ``universal_checkpoint_info``)."""
+    if kind == "ds_to_universal":
+        pytest.importorskip("deepspeed")
+    ours = reshard(_universal(kind, tmp_path), tmp_path / "ours", to="deepspeed", tp=1, dp=2, ep=2).out_dir
+    theirs = _native("deepseek_v3")
+    assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for p in sorted(theirs.glob("*.pt")):
+        mine, native = load(ours / p.name), load(p)
+        out: list[str] = []
+        _differences(mine, native, "", out)
+        assert all(x in FRESH or x.startswith(tuple(f"{f}/" for f in FRESH)) for x in out), (p.name, sorted(out))
+        assert _key_order(_comparable(mine)) == _key_order(_comparable(native)), p.name
+    model = load(ours / "mp_rank_00_model_states.pt")
+    assert model["buffer_names"] == ["model.layers.1.mlp.router.e_score_correction_bias"]
+
+
+def test_ep_at_zero3_from_a_universal_with_buffers_is_refused(tmp_path):
+    """AutoEP at ZeRO-3 from DeepSeek-V3's universal checkpoint: refused naming the buffer, before
+    anything exists (no DeepSpeed AutoEP ZeRO-3 checkpoint with buffers shows where they go)."""
+    with pytest.raises(ReshardError, match=r"ZeRO stage 3 .*router\.e_score_correction_bias: buffer_names"):
+        reshard(_universal("reshard", tmp_path), tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2, zero_stage=3)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -183,6 +219,29 @@ def test_deepspeed_loads_autoep_written_from_the_hf_folder_and_trains(preset, tm
     experts = next(n for n in mine["layouts"] if n.endswith(".mlp.experts.w1"))
     assert mine["layouts"][experts] == "autoep"
     assert len(mine["losses"]) == 2 and all(math.isfinite(x) for x in mine["losses"])
+    for p in sorted(ours.glob("*.pt")):
+        out: list[str] = []
+        _differences(load(p), load(native / ours.name / p.name), "", out)
+        assert all(x in FRESH or x.startswith(tuple(f"{f}/" for f in FRESH)) for x in out), (p.name, sorted(out))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # make test-all; make test keeps the file-for-file check of the same route above
+def test_deepspeed_loads_autoep_written_from_deepseek_v3s_universal_and_trains(tmp_path):
+    """DeepSpeed 0.19.8 loads the ``--ep 2`` files written from ``ds_to_universal``'s checkpoint of
+    its own DeepSeek-V3 job natively, saves them straight back (only what a fresh job records
+    otherwise differs) and trains two steps with finite losses."""
+    pytest.importorskip("deepspeed")
+    from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
+
+    spec = model_spec_from_fixture(_native("deepseek_v3").parent)
+    ours = reshard(_universal("ds_to_universal", tmp_path), tmp_path / "ours", to="deepspeed", tp=1, dp=2,
+                   ep=2).out_dir
+    native = tmp_path / "native"
+    reports = resume_many([resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=2, universal=False,
+                                       save_dir=native)], world_size=2, workdir=tmp_path / "job")
+    mine = reports["reshard"]
+    assert mine["ranks_agree"] and len(mine["losses"]) == 2 and all(math.isfinite(x) for x in mine["losses"])
     for p in sorted(ours.glob("*.pt")):
         out: list[str] = []
         _differences(load(p), load(native / ours.name / p.name), "", out)
