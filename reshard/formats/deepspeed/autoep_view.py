@@ -168,6 +168,7 @@ class AutoEPView(ReaderView):
                     self._before[names[0]] = entry["buffer"]["before"].replace("{module}", module)
                 if "alias" in entry:
                     self._aliases[entry["alias"].replace("{module}", module)] = names[0]
+                if "alias" in entry and "buffer" not in entry:  # the router's weight (a buffer: not in memory)
                     self._memory[preset["memory"]["router"].replace("{module}", module)] = names
                 if entry.get("experts"):
                     expert_names += names

@@ -171,6 +171,7 @@ class UniversalReader(Reader):
     def _router_aliases(self, found: set[str]) -> dict[str, str]:
         """AutoEP's router aliases among the folders (``{alias: router}``): a module entry no optimizer
         group holds, ``<module_path>.<alias>.<rest>`` for a recorded ``<module_path>.router.<rest>``
+        (a parameter, or a buffer: MiniMax-M3's router bias)
         (DeepSpeed's AutoEP layer sets its router a second time under that name), whose folder
         ds_to_universal gives its fp32 value alone."""
         paths = [str(e.get("module_path", "")) for e in self._autoep_entries]
@@ -181,7 +182,8 @@ class UniversalReader(Reader):
             path = next((p for p in paths if p and key.startswith(p + ".")), None)
             rest = key[len(path) + 1:].split(".", 1) if path is not None else []
             router = f"{path}.router.{rest[1]}" if len(rest) == 2 else None
-            if router is not None and router in self._recorded and router in found:
+            if router not in (None, key) and (router in self._recorded or router in self._buffer_names) \
+                    and router in found:
                 out[key] = router
         return out
 

@@ -30,9 +30,11 @@ from tests.formats.deepspeed.test_experts_from_hf_names import (
 from tests.support.compare import same
 from tests.support.paths import DEEPSPEED, HF
 
-PRESETS = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "qwen3_5_moe"]
+PRESETS = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "qwen3_5_moe", "minimax_m3"]
 # presets whose HF model holds a shared expert and its gate (shared_expert, shared_expert_gate: AutoEP renames them)
 SHARED_GATE = ("qwen2_moe", "qwen3_5_moe")
+# presets whose model's order a source without config.json cannot tell (per-layer kinds in the config)
+NO_ORDER_WITHOUT_CONFIG = ("qwen3_5_moe", "minimax_m3")
 # presets whose AutoEP layer keeps no router alias (DeepSpeed captures no router logits from the router)
 NO_ALIAS = ("deepseek_v3", "deepseek_v2")
 
@@ -103,27 +105,29 @@ def test_deepspeeds_autoep_files_convert_as_ds_to_universal_does(preset, tmp_pat
             same(load(ours / rel), load(theirs / rel), rel)
 
 
-def _universal(kind: str, tmp_path: Path) -> Path:
-    """The universal checkpoint of DeepSpeed's DeepSeek-V3 AutoEP job: ``ds_to_universal``'s or reshard's."""
+def _universal(kind: str, tmp_path: Path, preset: str = "deepseek_v3") -> Path:
+    """The universal checkpoint of DeepSpeed's AutoEP job of the preset: ``ds_to_universal``'s or reshard's."""
     if kind == "ds_to_universal":
         from tests.support.dsconv import ds_to_universal_folder
 
-        return ds_to_universal_folder(_native("deepseek_v3").parent, tmp_path / "ucp").parent
-    return convert(_native("deepseek_v3").parent, tmp_path / "ucp").out_dir.parent
+        return ds_to_universal_folder(_native(preset).parent, tmp_path / "ucp").parent
+    return convert(_native(preset).parent, tmp_path / "ucp").out_dir.parent
 
 
 @pytest.mark.parametrize("kind", ["ds_to_universal", "reshard"])
-def test_ep_from_deepseek_v3s_universal_writes_deepspeeds_own_files(kind, tmp_path):
-    """``--ep 2 --dp 2`` from the universal checkpoint of DeepSpeed's DeepSeek-V3 AutoEP job (its
-    router's ``e_score_correction_bias`` a module buffer: ``Reader.buffers``, placed where the module
-    holds it, in no optimizer group): DeepSpeed's own files, every file and no other, each key in
+@pytest.mark.parametrize("preset", ["deepseek_v3", "minimax_m3"])
+def test_ep_from_a_universal_with_buffers_writes_deepspeeds_own_files(preset, kind, tmp_path):
+    """``--ep 2 --dp 2`` from the universal checkpoint of DeepSpeed's DeepSeek-V3 or MiniMax-M3 AutoEP
+    job (its router's ``e_score_correction_bias`` a module buffer: ``Reader.buffers``, placed where
+    the module holds it, in no optimizer group; MiniMax-M3's router alias holds the buffer too):
+    DeepSpeed's own files, every file and no other, each key in
     the same order and every value equal (weights, masters, moments, steps, partition layout,
     ``buffer_names``) but what a fresh job's files record otherwise (``ds_config``,
     ``global_samples``, ``universal_checkpoint_info``)."""
     if kind == "ds_to_universal":
         pytest.importorskip("deepspeed")
-    ours = reshard(_universal(kind, tmp_path), tmp_path / "ours", to="deepspeed", tp=1, dp=2, ep=2).out_dir
-    theirs = _native("deepseek_v3")
+    ours = reshard(_universal(kind, tmp_path, preset), tmp_path / "ours", to="deepspeed", tp=1, dp=2, ep=2).out_dir
+    theirs = _native(preset)
     assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
     for p in sorted(theirs.glob("*.pt")):
         mine, native = load(ours / p.name), load(p)
@@ -133,6 +137,7 @@ def test_ep_from_deepseek_v3s_universal_writes_deepspeeds_own_files(kind, tmp_pa
         assert _key_order(_comparable(mine)) == _key_order(_comparable(native)), p.name
     model = load(ours / "mp_rank_00_model_states.pt")
     assert model["buffer_names"] == ["model.layers.1.mlp.router.e_score_correction_bias"]
+    assert not any(n in g for g in model["param_shapes"] for n in model["buffer_names"])
 
 
 def test_ep_at_zero3_from_a_universal_with_buffers_is_refused(tmp_path):
@@ -171,6 +176,8 @@ def test_hf_folder_to_autoep_holds_what_transformers_loads(preset, tmp_path):
     want = _autoep_names(model)
     for n in [k for k in got if k.endswith(".mlp.gate.gate.weight")]:  # AutoEP's router alias
         assert torch.equal(got.pop(n), model[n[len("weight."):].replace("gate.gate", "gate")])
+    for n in [k for k in got if k.startswith("weight.") and k.endswith(".mlp.gate.e_score_correction_bias")]:
+        assert torch.equal(got.pop(n), model[n[len("weight."):]])  # the alias of the router's bias (MiniMax-M3)
     assert {k.split(".", 1)[1] for k in got if k.startswith("weight.")} == set(want)
     for n, t in want.items():
         assert torch.equal(got[f"weight.{n}"], t), n
@@ -180,11 +187,12 @@ def test_hf_folder_to_autoep_holds_what_transformers_loads(preset, tmp_path):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_dcp_of_the_hf_folder_to_autoep_writes_the_same_files(preset, tmp_path):
     """A DCP checkpoint of the same model (reshard's, its experts held apart as the folder holds
-    them): ``--ep 2`` from it writes the HF folder's files exactly. Qwen3.5-MoE's is refused, before
-    anything exists: without a config.json the model's order is the preset's architecture's at the
-    source's layer count, and which layers are linear attention (``layer_types``) no preset says."""
+    them): ``--ep 2`` from it writes the HF folder's files exactly. Qwen3.5-MoE's and MiniMax-M3's are
+    refused, before anything exists: without a config.json the model's order is the preset's
+    architecture's at the source's layer count, and which layers are linear attention or dense
+    (``layer_types``, ``mlp_layer_types``) no preset says."""
     dcp = convert(_pretrained(preset), tmp_path / "dcp", fmt="dcp").out_dir
-    if preset == "qwen3_5_moe":
+    if preset in NO_ORDER_WITHOUT_CONFIG:
         with pytest.raises(ReshardError, match=r"does not record the model's parameter order"):
             reshard(dcp, tmp_path / "a", to="deepspeed", tp=1, dp=2, ep=2)
         assert not (tmp_path / "a").exists()
@@ -249,17 +257,19 @@ def test_deepspeed_loads_autoep_written_from_deepseek_v3s_universal_and_trains(t
 
 
 def test_a_model_type_without_a_preset_entry_is_refused_naming_it(tmp_path):
-    """A model type DeepSpeed has a preset for but ``autoep.json`` no entry (MiniMax-M3: no fixture
-    here checks it): refused by its config's model_type, before anything exists."""
+    """A model type no preset entry lists: Qwen3.5-MoE's composite (vision + text) ``qwen3_5_moe``,
+    which DeepSpeed's AutoEP refuses too (its preset takes the text backbone, ``qwen3_5_moe_text``):
+    refused by its config's model_type, before anything exists."""
     import json
     import shutil
 
     src = tmp_path / "src"
     shutil.copytree(_pretrained("qwen3_moe"), src)
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "minimax_m3"}))
-    with pytest.raises(ReshardError, match=r"model_type 'minimax_m3': DeepSpeed AutoEP is written for mixtral, "
-                                           r"qwen3_moe, qwen2_moe, deepseek_v3 \(autoep.json"):
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5_moe"}))
+    with pytest.raises(ReshardError, match=r"model_type 'qwen3_5_moe': DeepSpeed AutoEP is written for mixtral, "
+                                           r"qwen3_moe, qwen2_moe, qwen3_5_moe_text, deepseek_v2, deepseek_v3, "
+                                           r"minimax_m3_vl_text \(autoep.json"):
         reshard(src, tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2)
     assert not (tmp_path / "out").exists()
 
@@ -277,7 +287,8 @@ def _hf_names(ucp: Path, qwen2: bool = False) -> dict[str, torch.Tensor]:
         m = n.rpartition(".w1")[0]
         out[f"{m}.gate_up_proj"] = torch.cat([out.pop(f"{m}.w1"), out.pop(f"{m}.w3")], dim=1)
         out[f"{m}.down_proj"] = out.pop(f"{m}.w2")
-    out = {n: t for n, t in out.items() if not n.endswith(".mlp.gate.gate.weight")}  # AutoEP's router alias
+    out = {n: t for n, t in out.items() if not n.endswith(".mlp.gate.gate.weight")  # AutoEP's router aliases
+           and not (n.endswith(".mlp.gate.e_score_correction_bias") and n.replace(".gate.", ".router.") in out)}
     if qwen2:  # Qwen2-MoE's shared expert and gate (AutoEPMoELayer's shared_experts/shared_experts_gate)
         out = {n.replace(".mlp.shared_experts", ".mlp.shared_expert"): t for n, t in out.items()}
     return {n.replace(".router.gate.weight", ".gate.weight").replace(".router.", ".gate."): t for n, t in out.items()}
