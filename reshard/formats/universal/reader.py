@@ -206,7 +206,11 @@ class UniversalReader(Reader):
 
     def buffers(self) -> tuple[str, ...]:
         """The module buffers the model states beside ``zero/`` name (``buffer_names``) whose folder
-        holds their value (``fp32.pt`` alone, as ``ds_to_universal`` writes it), in module order."""
+        holds their value (``fp32.pt`` alone, as ``ds_to_universal`` writes it), in module order;
+        none where they record no ``param_shapes`` (reshard's universal checkpoint of a source
+        without optimizer groups names every entry in ``buffer_names``: it cannot tell)."""
+        if not self._recorded:
+            return ()
         held = set(self.names) & self._buffer_names
         module = [k for k in self._model_state.get("module") or {} if k in held]
         return tuple(module + sorted(held - set(module)))
