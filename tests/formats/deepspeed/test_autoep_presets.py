@@ -356,3 +356,24 @@ def test_a_megatron_moe_with_shared_experts_to_autoep_holds_its_hf_names_values(
     bias = list(model["buffer_names"])
     assert all(n.endswith(".mlp.router.e_score_correction_bias") for n in bias) and bool(bias) == ("deepseek" in fixture)
     assert not any(n in g for g in model["param_shapes"] for n in bias)
+
+
+def test_a_source_buffer_the_preset_does_not_write_as_one_is_refused():
+    """The HF folder reports DeepSeek-V3's router bias as a module buffer (``Reader.buffers``: a
+    persistent buffer of the model its config.json describes); a preset entry without ``buffer``
+    would write it as a trained parameter, so the view refuses it, naming it."""
+    import json
+
+    from reshard.formats.deepspeed.autoep_view import AUTOEP_DOC, AutoEPView
+    from reshard.formats.registry import open_reader
+
+    reader = open_reader(_pretrained("deepseek_v3"))
+    assert reader.buffers() == ("model.layers.1.mlp.gate.e_score_correction_bias",)
+    doc = json.loads(AUTOEP_DOC.read_text())
+    for p in doc["presets"]:
+        for spec in p["sources"]:
+            for e in spec["params"]:
+                e.pop("buffer", None)
+    with pytest.raises(ReshardError, match=r"router\.e_score_correction_bias: a module buffer of the source, which "
+                                           r"DeepSpeed AutoEP's deepseek_v3 preset"):
+        AutoEPView(reader, reader.expert_layers(), 2, doc)
