@@ -137,12 +137,72 @@ DEEPSEEK_V3_MOE = dict(DEEPSEEK_V3, first_k_dense_replace=1, n_routed_experts=4,
 # head_dim, a shared expert of ffn 40 and its gate
 QWEN2_MOE = dict({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"}, shared_expert_intermediate_size=40)
 
+# DeepSeek-V2, the DeepSpeed AutoEP fixture's shape (../deepspeed/deepseek_v2_autoep_ep2): DEEPSEEK_V3_MOE's sizes,
+# softmax router without a bias, head_dim the rope head
+DEEPSEEK_V2 = dict({k: v for k, v in DEEPSEEK_V3_MOE.items() if k not in ("n_group", "topk_group", "rope_interleave")},
+                   head_dim=4)
+
+# Qwen3.5-MoE's text backbone (model_type qwen3_5_moe_text), the DeepSpeed AutoEP fixture's shape
+# (../deepspeed/qwen3_5_moe_autoep_ep2): a linear-attention layer, then a full-attention one, both MoE with a shared
+# expert and its gate
+QWEN3_5_MOE = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "full_attention"],
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 40,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 96,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# MiniMax-M3's text backbone (model_type minimax_m3_vl_text), the DeepSpeed AutoEP fixture's shape
+# (../deepspeed/minimax_m3_autoep_ep2): a dense layer, then 4 experts top-2, a shared expert, the router's bias
+MINIMAX_M3 = {
+    "hidden_size": 32,
+    "intermediate_size": 24,
+    "dense_intermediate_size": 72,
+    "shared_intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "rotary_dim": 4,
+    "mlp_layer_types": ["dense", "sparse"],
+    "layer_types": ["full_attention", "full_attention"],
+    "index_n_heads": 2,
+    "index_head_dim": 8,
+    "index_block_size": 4,
+    "index_topk_blocks": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 96,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 MODELS = {"llama": LLAMA, "qwen2_tied": QWEN2_TIED, "deepseek_v3": DEEPSEEK_V3, "mixtral": MIXTRAL,
           "qwen3_moe": QWEN3_MOE, "deepseek_v3_moe": DEEPSEEK_V3_MOE,
-          "qwen2_moe": QWEN2_MOE}
+          "qwen2_moe": QWEN2_MOE, "deepseek_v2": DEEPSEEK_V2, "qwen3_5_moe": QWEN3_5_MOE, "minimax_m3": MINIMAX_M3}
 MODEL_TYPES = {"llama": "llama", "qwen2_tied": "qwen2", "deepseek_v3": "deepseek_v3", "mixtral": "mixtral",
                "qwen3_moe": "qwen3_moe", "deepseek_v3_moe": "deepseek_v3",
-               "qwen2_moe": "qwen2_moe"}
+               "qwen2_moe": "qwen2_moe", "deepseek_v2": "deepseek_v2", "qwen3_5_moe": "qwen3_5_moe_text",
+               "minimax_m3": "minimax_m3_vl_text"}
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CORPUS = [

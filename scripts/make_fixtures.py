@@ -164,6 +164,58 @@ DEEPSEEK_V3_MOE = {
 # AutoEP's qwen3_moe preset on Qwen2-MoE (its hf_model_types): QWEN3_MOE's sizes without head_dim/q-k norms, a
 # shared expert (ffn 40) and its sigmoid gate
 QWEN2_MOE = dict({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"}, shared_expert_intermediate_size=40)
+# AutoEP's deepseek_v2 preset: DEEPSEEK_V3_MOE's sizes on DeepSeek-V2 (MLA, softmax router, greedy top-k, no
+# router bias); head_dim the rope head (transformers' DeepSeek-V2 rotary takes it)
+DEEPSEEK_V2_MOE = dict({k: v for k, v in DEEPSEEK_V3_MOE.items() if k not in ("n_group", "topk_group", "rope_interleave")},
+                       head_dim=4)
+# AutoEP's qwen3_5_moe preset (model_type qwen3_5_moe_text, the text backbone): layer 0 linear attention (gated
+# delta rule: transformers' PyTorch fallback on CPU), layer 1 full attention; both MoE, 4 experts top-2 (ffn 24), a
+# shared expert (ffn 40) and its gate
+QWEN3_5_MOE = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "full_attention"],
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 40,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 96,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+# AutoEP's minimax_m3 preset (model_type minimax_m3_vl_text, the text backbone): layer 0 dense, layer 1 MoE: 4
+# experts top-2 (ffn 24, GPT-OSS's clamped SwiGLU), a shared expert, a sigmoid router with e_score_correction_bias
+MINIMAX_M3 = {
+    "hidden_size": 32,
+    "intermediate_size": 24,
+    "dense_intermediate_size": 72,
+    "shared_intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "rotary_dim": 4,
+    "mlp_layer_types": ["dense", "sparse"],
+    "layer_types": ["full_attention", "full_attention"],
+    "index_n_heads": 2,
+    "index_head_dim": 8,
+    "index_block_size": 4,
+    "index_topk_blocks": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 96,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 AUTOEP_NOTE = (
     "Trained through scripts/_fixture_autoep.py, which patches transformers' _CanRecordRegistry.get to "
     "accept DeepSpeed AutoEP's (key, default) call (string keys: a plain dict lookup); without it "
@@ -346,6 +398,19 @@ FIXTURES = [
     # AutoEP's deepseek_v3 preset: a tiny DeepSeek-V3 (a dense layer, then shared + routed experts), one step
     Fixture("deepseek_v3_autoep_ep2", "deepseek_v3", DEEPSEEK_V3_MOE,
             dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "deepseek_v3"}),
+            world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
+    # AutoEP's deepseek_v2, qwen3_5_moe and minimax_m3 presets (DeepSpeed 0.19.8), each one step at EP 2, world 2
+    Fixture("deepseek_v2_autoep_ep2", "deepseek_v2", DEEPSEEK_V2_MOE,
+            dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "deepseek_v2"}),
+            world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
+    Fixture("qwen3_5_moe_autoep_ep2", "qwen3_5_moe_text", QWEN3_5_MOE,
+            dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "qwen3_5_moe"}),
+            world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE]),
+    Fixture("minimax_m3_autoep_ep2", "minimax_m3_vl_text", MINIMAX_M3,
+            dict(ds_config(1), expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "minimax_m3"}),
             world_size=2, steps=1, train_script=AUTOEP_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE]),
     # AutoEP x AutoTP ("folding"): TP=2 x EP=2 on the same 2 ranks (EP rank g % 2 of global rank g),

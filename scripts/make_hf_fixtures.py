@@ -95,6 +95,9 @@ FIXTURES = [
     HfFixture("pretrained_qwen3_moe", "pretrained", R.pretrained_recipe("qwen3_moe")),  # AutoEP's qwen3_moe preset
     HfFixture("pretrained_deepseek_v3_moe", "pretrained", R.pretrained_recipe("deepseek_v3_moe")),  # AutoEP deepseek_v3
     HfFixture("pretrained_qwen2_moe", "pretrained", R.pretrained_recipe("qwen2_moe")),  # AutoEP's qwen3_moe on Qwen2-MoE
+    HfFixture("pretrained_deepseek_v2", "pretrained", R.pretrained_recipe("deepseek_v2")),  # AutoEP's deepseek_v2
+    HfFixture("pretrained_qwen3_5_moe", "pretrained", R.pretrained_recipe("qwen3_5_moe")),  # AutoEP's qwen3_5_moe
+    HfFixture("pretrained_minimax_m3", "pretrained", R.pretrained_recipe("minimax_m3")),  # AutoEP's minimax_m3
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 

@@ -200,6 +200,14 @@ class Reader(ABC):
         """Aliases the model holds beside their weight but the source does not: ``{alias: weight}``."""
         return {}
 
+    def buffers(self) -> tuple[str, ...]:
+        """The module buffers the source holds (tensors the model computes with but does not train:
+        DeepSpeed's ``buffer_names``, a router's ``e_score_correction_bias``), in the source's order,
+        where it can tell them from parameters. Those among :attr:`names` are lowered (a weight with
+        no optimizer state, in no optimizer group: a target that writes a module places them there,
+        outside its optimizer's groups); the others are held (:meth:`unlowered`). By default none."""
+        return ()
+
     def hf_config(self) -> dict[str, Any] | None:
         """A transformers ``config.json`` for the model, where the source records its architecture."""
         return None

@@ -31,6 +31,7 @@ class HfKeys:
     aliases: frozenset[str] = frozenset()
     may_lack: tuple[str, ...] = ()
     may_hold: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()  # persistent buffers (state_dict keys no parameter is), in state_dict order
 
     def missing(self, names: Sequence[str]) -> list[str]:
         """The keys ``from_pretrained`` would leave at their initial value given ``names``."""
@@ -72,10 +73,13 @@ def _keys(text: str) -> HfKeys | None:
     except Exception:  # noqa: BLE001 -- an architecture transformers cannot build: keys unknown
         return None
     order = tuple(n for n, _ in model.named_parameters())
-    aliases = frozenset(n for n, _ in model.named_parameters(remove_duplicate=False)) - set(order)
-    return HfKeys(order, frozenset(model.state_dict()), aliases,
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    aliases = frozenset(params) - set(order)
+    keys = list(model.state_dict())
+    return HfKeys(order, frozenset(keys), aliases,
                   tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
-                  tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))
+                  tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
+                  tuple(k for k in keys if k not in params))
 
 
 def hf_model_order(cfg: dict[str, Any] | None) -> list[str] | None:

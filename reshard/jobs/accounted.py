@@ -218,6 +218,9 @@ class Without(ReaderView):
     def tied(self) -> dict[str, str]:
         return {a: w for a, w in self.inner.tied().items() if w not in self.gone and a not in self.gone}
 
+    def buffers(self) -> tuple[str, ...]:
+        return tuple(n for n in self.inner.buffers() if n not in self.gone)
+
     def expert_layers(self) -> tuple[ExpertLayer, ...]:
         return self.inner.expert_layers()
 

@@ -128,8 +128,8 @@ class AutoEPView(ReaderView):
         self._layers: list[ExpertLayer] = []
         self._memory: dict[str, list[str]] = {}  # the names transformers builds the model with -> the view's
         # module buffers (DeepSeek-V3's router.e_score_correction_bias): no parameter, no optimizer state;
-        # each placed in the model's order before the name the document says
-        self.buffers: dict[str, str] = {}
+        # each placed in the model's order before the name the document says (buffer -> that name)
+        self._before: dict[str, str] = {}
         num_attr = preset.get("num_experts")
         cfg = inner.hf_config() or {}
         for lay in layers:
@@ -165,9 +165,10 @@ class AutoEPView(ReaderView):
                 else:
                     parts[hf] = self._split(hf, names, entry.get("split"), where)
                 if "buffer" in entry:
-                    self.buffers[names[0]] = entry["buffer"]["before"].replace("{module}", module)
+                    self._before[names[0]] = entry["buffer"]["before"].replace("{module}", module)
                 if "alias" in entry:
                     self._aliases[entry["alias"].replace("{module}", module)] = names[0]
+                if "alias" in entry and "buffer" not in entry:  # the router's weight (a buffer: not in memory)
                     self._memory[preset["memory"]["router"].replace("{module}", module)] = names
                 if entry.get("experts"):
                     expert_names += names
@@ -196,6 +197,12 @@ class AutoEPView(ReaderView):
                               *(["each expert's tensors, held apart, stacked into experts.w1, w2 and w3 in expert "
                                  "order"] if stacked else [])])
         self._check_parts(where)
+        # a buffer of the source that the preset does not write as one would become a trained parameter
+        loose = [v for n in inner.buffers() if n in held for v in self.renamed.get(n, [n]) if v not in self._before]
+        if loose:
+            raise ReshardError(f"{where}: {loose[0]}: a module buffer of the source, which DeepSpeed AutoEP's "
+                               f"{self.preset} preset ({AUTOEP_DOC.name}) does not write as a buffer (buffer_names): "
+                               "it would be written as a trained parameter")
         layer_of = [re.match(preset["layer"], n) for n in self.names]
         # "first_moe_layer": the model layer of the first MoE block (DeepSeek-V3's first_k_dense_replace)
         moe = [re.match(preset["layer"], lay.module_path + ".") for lay in layers]
@@ -312,7 +319,7 @@ class AutoEPView(ReaderView):
         and weight decay of the source group that holds most of them, where the source has groups
         (torch's implementation flags are the resuming job's, not the source's)."""
         experts = {n for lay in self._layers for n in lay.params}
-        dense = [n for n in self.names if n not in experts and n not in self.buffers]
+        dense = [n for n in self.names if n not in experts and n not in self._before]
         moe = [n for n in self.names if n in experts]
         src = self.inner.param_groups()
 
@@ -340,14 +347,19 @@ class AutoEPView(ReaderView):
         for n in order:
             names = self._memory.get(n) or self.renamed.get(n) or [n]
             out.update((v, None) for v in names if v in self._parts)
-        got = [n for n in out if n not in self.buffers]
-        for b, before in self.buffers.items():  # transformers' named_parameters() holds no buffer
+        got = [n for n in out if n not in self._before]
+        for b, before in self._before.items():  # transformers' named_parameters() holds no buffer
             if before in got:
                 got.insert(got.index(before), b)
         return got if len(set(got)) == len(got) == len(self.names) else None
 
     def tied(self) -> dict[str, str]:
         return {**self.inner.tied(), **self._aliases}
+
+    def buffers(self) -> tuple[str, ...]:
+        """The module buffers the document's ``buffer`` entries name (DeepSeek-V3's router
+        ``e_score_correction_bias``), in the view's order."""
+        return tuple(n for n in self.names if n in self._before)
 
     def expert_layers(self) -> tuple[ExpertLayer, ...]:
         return tuple(self._layers)

@@ -386,10 +386,12 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
     # the experts per layer and each layer's record
     # a module without the experts (they are the per-expert files'), each router alias after its router
     module = OrderedDict()
-    for n in [k for k in tpl.model["module"] if k not in aliases]:  # the model's order, buffers in place
+    keys = [k for k in tpl.model["module"] if k not in aliases]  # the model's order, buffers in place
+    after = _alias_places(keys, aliases, layers)
+    for n in keys:
         if not any(n in lay.params for lay in layers):
             module[n] = tpl.model["module"][n]
-            module.update((a, module[n]) for a, r in aliases.items() if r == n)
+            module.update((a, module[aliases[a]]) for a in after.get(n, ()))
     template = {**tpl.model, "module": module, "shared_params": {}, "num_experts": [lay.num_experts for lay in layers],
                 dse.LAYERS_KEY: [dict(lay.record) for lay in layers]}
     models = ExpertWeightFiles(None, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
@@ -399,6 +401,24 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
                            uc_info=None, models=models, group_names=dict.fromkeys(groups, f"ep_size_{ep}"),
                            notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, EDP groups in "
                                   "DeepSpeed's default order (expert before data)"])
+
+
+def _alias_places(keys: Sequence[str], aliases: Mapping[str, str], layers: Sequence[Any]) -> dict[str, list[str]]:
+    """Where the module holds each router alias: AutoEP's layer holds its router module a second
+    time under the model's name, so a layer's aliases follow the last of their routers' entries in
+    ``keys`` (the router's bias buffer, then its weight: MiniMax-M3), in the order of those entries.
+    ``{entry: the aliases after it}``; an alias whose router is not in ``keys`` has no place."""
+    pos = {k: i for i, k in enumerate(keys)}
+    groups: dict[str, list[str]] = {}
+    for a in aliases:
+        if aliases[a] in pos:
+            path = next((lay.module_path for lay in layers if a.startswith(lay.module_path + ".")), a)
+            groups.setdefault(path, []).append(a)
+    out: dict[str, list[str]] = {}
+    for group in groups.values():
+        group.sort(key=lambda a: pos[aliases[a]])
+        out.setdefault(aliases[group[-1]], []).extend(group)
+    return out
 
 
 def _with_clip(optim: dict, clip_grad: float | None) -> dict:
@@ -495,10 +515,11 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
     # a module without the experts (the AutoEP layer keeps them out of its state dict), each router
     # alias after its router, every entry a placeholder of its own
     module = OrderedDict()
+    after = _alias_places(tpl.names, aliases, layers)
     for n in tpl.names:
         if not any(n in lay.params for lay in layers):
             module[n] = torch.empty(0, dtype=tpl.dtype)
-            module.update((a, torch.empty(0, dtype=tpl.dtype)) for a, r in aliases.items() if r == n)
+            module.update((a, torch.empty(0, dtype=tpl.dtype)) for a in after.get(n, ()))
     template = {**tpl.model, "module": module, "frozen_param_shapes": OrderedDict(),
                 "frozen_param_fragments": OrderedDict(), "shared_params": {},
                 "num_experts": [lay.num_experts for lay in layers],

@@ -144,6 +144,16 @@ class DeepSpeedReader(Reader):
             for state in self.states(name):
                 self.map(name, state)
 
+    def buffers(self) -> tuple[str, ...]:
+        """The module buffers the model-state files name (``buffer_names``, every model-parallel
+        rank's, in module order): held, not lowered (a DeepSpeed target copies them from the files)."""
+        out: dict[str, None] = {}
+        for m in range(self.ck.mp):
+            state = self.ck.model_state(m)
+            names = set(state.get("buffer_names") or ())
+            out.update((k, None) for k in state.get("module") or {} if k in names)
+        return tuple(out)
+
     def unlowered(self) -> list[Held]:
         """What the model-state files hold beside the parameters (:func:`model_state_held`, each
         model-parallel rank's), files of the tag folder no DeepSpeed file pattern names, and with

@@ -37,6 +37,7 @@ from ...ir.piece import prod
 from ...layouts import replicated
 from ..contract import ExpertLayer, Held, Reader, Stored
 from ..fused_experts import fused_expert_layers
+from ..hf_order import hf_model_keys
 from .io import DTYPES
 from .quantized import Codec, Coded, open_codec, release_decoded
 
@@ -335,6 +336,14 @@ class SafetensorsReader(Reader):
             return None
         names, held = [n for n, _ in model.named_parameters()], set(self.names)
         return [n for n in names if n in held] + [n for n in self.names if n not in set(names)]
+
+    def buffers(self) -> tuple[str, ...]:
+        """The folder's tensors that the model its ``config.json`` describes holds as persistent
+        buffers (``hf_order.HfKeys.buffers``: DeepSeek-V3's router ``e_score_correction_bias``),
+        in the folder's order; none without a config transformers can build."""
+        keys = hf_model_keys(self.config)
+        held = set(keys.buffers) if keys is not None else set()
+        return tuple(n for n in self.names if n in held)
 
     def expert_layers(self) -> tuple[ExpertLayer, ...]:
         """Each MoE block whose experts the folder holds fused (``<module>.experts.gate_up_proj``

@@ -171,6 +171,7 @@ class UniversalReader(Reader):
     def _router_aliases(self, found: set[str]) -> dict[str, str]:
         """AutoEP's router aliases among the folders (``{alias: router}``): a module entry no optimizer
         group holds, ``<module_path>.<alias>.<rest>`` for a recorded ``<module_path>.router.<rest>``
+        (a parameter, or a buffer: MiniMax-M3's router bias)
         (DeepSpeed's AutoEP layer sets its router a second time under that name), whose folder
         ds_to_universal gives its fp32 value alone."""
         paths = [str(e.get("module_path", "")) for e in self._autoep_entries]
@@ -181,17 +182,38 @@ class UniversalReader(Reader):
             path = next((p for p in paths if p and key.startswith(p + ".")), None)
             rest = key[len(path) + 1:].split(".", 1) if path is not None else []
             router = f"{path}.router.{rest[1]}" if len(rest) == 2 else None
-            if router is not None and router in self._recorded and router in found:
+            if router not in (None, key) and (router in self._recorded or router in self._buffer_names) \
+                    and router in found:
                 out[key] = router
         return out
 
     def model_order(self) -> list[str] | None:
         """The model's order where the model states beside ``zero/`` record every parameter in
-        ``param_shapes`` (DeepSpeed's, and reshard's from a source with optimizer groups); ``None``
-        where they do not (the folders' names sorted are no model's order: a DeepSpeed target
-        flattened in it would load each state into another parameter)."""
-        recorded = self._recorded
-        return list(self.names) if all(n in recorded for n in self.names) else None
+        ``param_shapes`` (DeepSpeed's, and reshard's from a source with optimizer groups), each
+        buffer (:meth:`buffers`) where the module holds it: before the first recorded parameter
+        that follows it there; ``None`` where they do not (the folders' names sorted are no model's
+        order: a DeepSpeed target flattened in it would load each state into another parameter)."""
+        recorded, buffers = self._recorded, self.buffers()
+        if not all(n in recorded or n in buffers for n in self.names):
+            return None
+        order = [n for n in self.names if n not in buffers]
+        module = list(self._model_state.get("module") or {})
+        for b in buffers:
+            after = module[module.index(b) + 1:] if b in module else []
+            nxt = next((n for n in after if n in order), None)
+            order.insert(order.index(nxt) if nxt is not None else len(order), b)
+        return order
+
+    def buffers(self) -> tuple[str, ...]:
+        """The module buffers the model states beside ``zero/`` name (``buffer_names``) whose folder
+        holds their value (``fp32.pt`` alone, as ``ds_to_universal`` writes it), in module order;
+        none where they record no ``param_shapes`` (reshard's universal checkpoint of a source
+        without optimizer groups names every entry in ``buffer_names``: it cannot tell)."""
+        if not self._recorded:
+            return ()
+        held = set(self.names) & self._buffer_names
+        module = [k for k in self._model_state.get("module") or {} if k in held]
+        return tuple(module + sorted(held - set(module)))
 
     def tied(self) -> dict[str, str]:
         return dict(self._alias)

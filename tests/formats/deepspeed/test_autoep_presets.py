@@ -30,7 +30,13 @@ from tests.formats.deepspeed.test_experts_from_hf_names import (
 from tests.support.compare import same
 from tests.support.paths import DEEPSPEED, HF
 
-PRESETS = ["qwen3_moe", "qwen2_moe", "deepseek_v3"]
+PRESETS = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "qwen3_5_moe", "minimax_m3"]
+# presets whose HF model holds a shared expert and its gate (shared_expert, shared_expert_gate: AutoEP renames them)
+SHARED_GATE = ("qwen2_moe", "qwen3_5_moe")
+# presets whose model's order a source without config.json cannot tell (per-layer kinds in the config)
+NO_ORDER_WITHOUT_CONFIG = ("qwen3_5_moe", "minimax_m3")
+# presets whose AutoEP layer keeps no router alias (DeepSpeed captures no router logits from the router)
+NO_ALIAS = ("deepseek_v3", "deepseek_v2")
 
 
 def _native(preset: str) -> Path:
@@ -97,10 +103,49 @@ def test_deepspeeds_autoep_files_convert_as_ds_to_universal_does(preset, tmp_pat
             assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
         else:
             same(load(ours / rel), load(theirs / rel), rel)
-    if preset == "deepseek_v3":  # --ep from it: its buffer (the router bias) has no param_shapes entry
-        with pytest.raises(ReshardError, match=r"does not record the model's parameter order"):
-            reshard(theirs.parent, tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2)
-        assert not (tmp_path / "out").exists()
+
+
+def _universal(kind: str, tmp_path: Path, preset: str = "deepseek_v3") -> Path:
+    """The universal checkpoint of DeepSpeed's AutoEP job of the preset: ``ds_to_universal``'s or reshard's."""
+    if kind == "ds_to_universal":
+        from tests.support.dsconv import ds_to_universal_folder
+
+        return ds_to_universal_folder(_native(preset).parent, tmp_path / "ucp").parent
+    return convert(_native(preset).parent, tmp_path / "ucp").out_dir.parent
+
+
+@pytest.mark.parametrize("kind", ["ds_to_universal", "reshard"])
+@pytest.mark.parametrize("preset", ["deepseek_v3", "minimax_m3"])
+def test_ep_from_a_universal_with_buffers_writes_deepspeeds_own_files(preset, kind, tmp_path):
+    """``--ep 2 --dp 2`` from the universal checkpoint of DeepSpeed's DeepSeek-V3 or MiniMax-M3 AutoEP
+    job (its router's ``e_score_correction_bias`` a module buffer: ``Reader.buffers``, placed where
+    the module holds it, in no optimizer group; MiniMax-M3's router alias holds the buffer too):
+    DeepSpeed's own files, every file and no other, each key in
+    the same order and every value equal (weights, masters, moments, steps, partition layout,
+    ``buffer_names``) but what a fresh job's files record otherwise (``ds_config``,
+    ``global_samples``, ``universal_checkpoint_info``)."""
+    if kind == "ds_to_universal":
+        pytest.importorskip("deepspeed")
+    ours = reshard(_universal(kind, tmp_path, preset), tmp_path / "ours", to="deepspeed", tp=1, dp=2, ep=2).out_dir
+    theirs = _native(preset)
+    assert sorted(p.name for p in ours.glob("*.pt")) == sorted(p.name for p in theirs.glob("*.pt"))
+    for p in sorted(theirs.glob("*.pt")):
+        mine, native = load(ours / p.name), load(p)
+        out: list[str] = []
+        _differences(mine, native, "", out)
+        assert all(x in FRESH or x.startswith(tuple(f"{f}/" for f in FRESH)) for x in out), (p.name, sorted(out))
+        assert _key_order(_comparable(mine)) == _key_order(_comparable(native)), p.name
+    model = load(ours / "mp_rank_00_model_states.pt")
+    assert model["buffer_names"] == ["model.layers.1.mlp.router.e_score_correction_bias"]
+    assert not any(n in g for g in model["param_shapes"] for n in model["buffer_names"])
+
+
+def test_ep_at_zero3_from_a_universal_with_buffers_is_refused(tmp_path):
+    """AutoEP at ZeRO-3 from DeepSeek-V3's universal checkpoint: refused naming the buffer, before
+    anything exists (no DeepSpeed AutoEP ZeRO-3 checkpoint with buffers shows where they go)."""
+    with pytest.raises(ReshardError, match=r"ZeRO stage 3 .*router\.e_score_correction_bias: buffer_names"):
+        reshard(_universal("reshard", tmp_path), tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2, zero_stage=3)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -131,6 +176,8 @@ def test_hf_folder_to_autoep_holds_what_transformers_loads(preset, tmp_path):
     want = _autoep_names(model)
     for n in [k for k in got if k.endswith(".mlp.gate.gate.weight")]:  # AutoEP's router alias
         assert torch.equal(got.pop(n), model[n[len("weight."):].replace("gate.gate", "gate")])
+    for n in [k for k in got if k.startswith("weight.") and k.endswith(".mlp.gate.e_score_correction_bias")]:
+        assert torch.equal(got.pop(n), model[n[len("weight."):]])  # the alias of the router's bias (MiniMax-M3)
     assert {k.split(".", 1)[1] for k in got if k.startswith("weight.")} == set(want)
     for n, t in want.items():
         assert torch.equal(got[f"weight.{n}"], t), n
@@ -140,8 +187,16 @@ def test_hf_folder_to_autoep_holds_what_transformers_loads(preset, tmp_path):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_dcp_of_the_hf_folder_to_autoep_writes_the_same_files(preset, tmp_path):
     """A DCP checkpoint of the same model (reshard's, its experts held apart as the folder holds
-    them): ``--ep 2`` from it writes the HF folder's files exactly."""
+    them): ``--ep 2`` from it writes the HF folder's files exactly. Qwen3.5-MoE's and MiniMax-M3's are
+    refused, before anything exists: without a config.json the model's order is the preset's
+    architecture's at the source's layer count, and which layers are linear attention or dense
+    (``layer_types``, ``mlp_layer_types``) no preset says."""
     dcp = convert(_pretrained(preset), tmp_path / "dcp", fmt="dcp").out_dir
+    if preset in NO_ORDER_WITHOUT_CONFIG:
+        with pytest.raises(ReshardError, match=r"does not record the model's parameter order"):
+            reshard(dcp, tmp_path / "a", to="deepspeed", tp=1, dp=2, ep=2)
+        assert not (tmp_path / "a").exists()
+        return
     a = reshard(dcp, tmp_path / "a", to="deepspeed", tp=1, dp=2, ep=2).out_dir
     b = reshard(_pretrained(preset), tmp_path / "b", to="deepspeed", tp=1, dp=2, ep=2).out_dir
     assert sorted(p.name for p in a.glob("*.pt")) == sorted(p.name for p in b.glob("*.pt"))
@@ -178,18 +233,43 @@ def test_deepspeed_loads_autoep_written_from_the_hf_folder_and_trains(preset, tm
         assert all(x in FRESH or x.startswith(tuple(f"{f}/" for f in FRESH)) for x in out), (p.name, sorted(out))
 
 
+@pytest.mark.e2e
+@pytest.mark.slow  # make test-all; make test keeps the file-for-file check of the same route above
+def test_deepspeed_loads_autoep_written_from_deepseek_v3s_universal_and_trains(tmp_path):
+    """DeepSpeed 0.19.8 loads the ``--ep 2`` files written from ``ds_to_universal``'s checkpoint of
+    its own DeepSeek-V3 job natively, saves them straight back (only what a fresh job records
+    otherwise differs) and trains two steps with finite losses."""
+    pytest.importorskip("deepspeed")
+    from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
+
+    spec = model_spec_from_fixture(_native("deepseek_v3").parent)
+    ours = reshard(_universal("ds_to_universal", tmp_path), tmp_path / "ours", to="deepspeed", tp=1, dp=2,
+                   ep=2).out_dir
+    native = tmp_path / "native"
+    reports = resume_many([resume_load("reshard", ours.parent, model_spec=spec, tp=1, dp=2, universal=False,
+                                       save_dir=native)], world_size=2, workdir=tmp_path / "job")
+    mine = reports["reshard"]
+    assert mine["ranks_agree"] and len(mine["losses"]) == 2 and all(math.isfinite(x) for x in mine["losses"])
+    for p in sorted(ours.glob("*.pt")):
+        out: list[str] = []
+        _differences(load(p), load(native / ours.name / p.name), "", out)
+        assert all(x in FRESH or x.startswith(tuple(f"{f}/" for f in FRESH)) for x in out), (p.name, sorted(out))
+
+
 def test_a_model_type_without_a_preset_entry_is_refused_naming_it(tmp_path):
-    """A model type DeepSpeed has a preset for but ``autoep.json`` no entry (MiniMax-M3: no fixture
-    here checks it): refused by its config's model_type, before anything exists."""
+    """A model type no preset entry lists: Qwen3.5-MoE's composite (vision + text) ``qwen3_5_moe``,
+    which DeepSpeed's AutoEP refuses too (its preset takes the text backbone, ``qwen3_5_moe_text``):
+    refused by its config's model_type, before anything exists."""
     import json
     import shutil
 
     src = tmp_path / "src"
     shutil.copytree(_pretrained("qwen3_moe"), src)
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "minimax_m3"}))
-    with pytest.raises(ReshardError, match=r"model_type 'minimax_m3': DeepSpeed AutoEP is written for mixtral, "
-                                           r"qwen3_moe, qwen2_moe, deepseek_v3 \(autoep.json"):
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5_moe"}))
+    with pytest.raises(ReshardError, match=r"model_type 'qwen3_5_moe': DeepSpeed AutoEP is written for mixtral, "
+                                           r"qwen3_moe, qwen2_moe, qwen3_5_moe_text, deepseek_v2, deepseek_v3, "
+                                           r"minimax_m3_vl_text \(autoep.json"):
         reshard(src, tmp_path / "out", to="deepspeed", tp=1, dp=2, ep=2)
     assert not (tmp_path / "out").exists()
 
@@ -207,7 +287,8 @@ def _hf_names(ucp: Path, qwen2: bool = False) -> dict[str, torch.Tensor]:
         m = n.rpartition(".w1")[0]
         out[f"{m}.gate_up_proj"] = torch.cat([out.pop(f"{m}.w1"), out.pop(f"{m}.w3")], dim=1)
         out[f"{m}.down_proj"] = out.pop(f"{m}.w2")
-    out = {n: t for n, t in out.items() if not n.endswith(".mlp.gate.gate.weight")}  # AutoEP's router alias
+    out = {n: t for n, t in out.items() if not n.endswith(".mlp.gate.gate.weight")  # AutoEP's router aliases
+           and not (n.endswith(".mlp.gate.e_score_correction_bias") and n.replace(".gate.", ".router.") in out)}
     if qwen2:  # Qwen2-MoE's shared expert and gate (AutoEPMoELayer's shared_experts/shared_experts_gate)
         out = {n.replace(".mlp.shared_experts", ".mlp.shared_expert"): t for n, t in out.items()}
     return {n.replace(".router.gate.weight", ".gate.weight").replace(".router.", ".gate."): t for n, t in out.items()}
@@ -225,10 +306,10 @@ def test_deepspeeds_autoep_files_export_to_a_folder_from_pretrained_loads(preset
 
     ucp = ds_to_universal_folder(_native(preset).parent, tmp_path / "ds")
     r = convert(_native(preset).parent, tmp_path / "hf", fmt="hf", hf_config=_pretrained(preset))
-    assert any("AutoEP's router alias" in n for n in r.notes) or preset == "deepseek_v3"
+    assert any("AutoEP's router alias" in n for n in r.notes) == (preset not in NO_ALIAS)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(r.out_dir, output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}
-    got, want = model.state_dict(), _hf_names(ucp, qwen2=preset == "qwen2_moe")
+    got, want = model.state_dict(), _hf_names(ucp, qwen2=preset in SHARED_GATE)
     assert sorted(got) == sorted(want)
     for n, t in want.items():
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
@@ -275,3 +356,24 @@ def test_a_megatron_moe_with_shared_experts_to_autoep_holds_its_hf_names_values(
     bias = list(model["buffer_names"])
     assert all(n.endswith(".mlp.router.e_score_correction_bias") for n in bias) and bool(bias) == ("deepseek" in fixture)
     assert not any(n in g for g in model["param_shapes"] for n in bias)
+
+
+def test_a_source_buffer_the_preset_does_not_write_as_one_is_refused():
+    """The HF folder reports DeepSeek-V3's router bias as a module buffer (``Reader.buffers``: a
+    persistent buffer of the model its config.json describes); a preset entry without ``buffer``
+    would write it as a trained parameter, so the view refuses it, naming it."""
+    import json
+
+    from reshard.formats.deepspeed.autoep_view import AUTOEP_DOC, AutoEPView
+    from reshard.formats.registry import open_reader
+
+    reader = open_reader(_pretrained("deepseek_v3"))
+    assert reader.buffers() == ("model.layers.1.mlp.gate.e_score_correction_bias",)
+    doc = json.loads(AUTOEP_DOC.read_text())
+    for p in doc["presets"]:
+        for spec in p["sources"]:
+            for e in spec["params"]:
+                e.pop("buffer", None)
+    with pytest.raises(ReshardError, match=r"router\.e_score_correction_bias: a module buffer of the source, which "
+                                           r"DeepSpeed AutoEP's deepseek_v3 preset"):
+        AutoEPView(reader, reader.expert_layers(), 2, doc)
