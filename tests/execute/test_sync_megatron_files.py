@@ -121,3 +121,22 @@ def test_a_legacy_files_saver_is_the_rank_that_saved_it():
     layer0, layer3 = "model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight"
     assert {reader.saver(layer0, "weight", k) for k in reader.map(layer0, "weight").ranks} == {0, 1}
     assert {reader.saver(layer3, "weight", k) for k in reader.map(layer3, "weight").ranks} == {2, 3}
+
+
+def test_storage_ranks_on_fewer_live_ranks_only_as_asked():
+    """``torch_dist_tp2_pp2_qwen2_vllm`` was saved by 4 ranks: 2 live ranks without ``ranks=`` are
+    refused (storage ranks 2 and 3 would have no reader: the first parameter of stage 1 is named); ``ranks=[0, 1, 0, 1]`` puts stage 1's files
+    on the stage 0 ranks of the same TP rank, each live rank's runs of a parameter one shard."""
+    from reshard.errors import MapError
+
+    reader = reshard.open(str(MEGATRON / "torch_dist_tp2_pp2_qwen2_vllm"), names="hf")
+    with pytest.raises(MapError, match=r"has storage ranks \[2\], but only 2 live ranks read it"):
+        reader_sources(reader, 0, ranks=[0, 1])
+    maps, mine = {}, {}
+    for r in (0, 1):
+        maps, mine[r] = reader_sources(reader, r, ranks=[0, 1, 0, 1], lazy=False)
+    assert {m.ranks for m in maps.values()} <= {(0,), (1,), (0, 1)}
+    for n, m in maps.items():
+        ref = reader.map(n, "weight")
+        want = ref.rebuild({k: reader.fragment(n, "weight", k) for k in ref.ranks})
+        assert torch.equal(m.rebuild({r: mine[r][n] for r in m.ranks}), want), n
