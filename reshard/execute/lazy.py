@@ -28,14 +28,28 @@ from ..errors import ReshardError
 from ..ir.piece import View, prod
 from .bands import Banded, bounded
 
-__all__ = ["LazyShards", "lazy_copy"]
+__all__ = ["LazyShards", "lazy_copy", "read_labels"]
+
+Labels = int | tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
     state: str
-    rank: int  # the storage rank whose fragment this is
+    rank: Labels  # the map key whose fragment this is, or several whose fragments lie back to back
     shape: tuple[int, ...]  # the shard's (its map's ``shard(rank)``)
+
+
+def read_labels(reader, name: str, state: str, labels: Labels) -> torch.Tensor:
+    """The fragment of map key ``labels`` (flat), or several keys' fragments back to back: the runs
+    of one storage rank's files that a live rank holds as one shard (``sources.reader_sources``)."""
+    if isinstance(labels, int):
+        return reader.fragment(name, state, labels)
+    return torch.cat([reader.fragment(name, state, k).reshape(-1) for k in labels])
+
+
+def _labels(labels: Labels) -> tuple[int, ...]:
+    return (labels,) if isinstance(labels, int) else labels
 
 
 class LazyShards(Mapping[str, torch.Tensor]):
@@ -43,14 +57,14 @@ class LazyShards(Mapping[str, torch.Tensor]):
     read when read (module docstring). ``lazy[name]`` is the whole shard (a view of the reader's
     fragment); :meth:`open` the shard a band at a time, one parameter open at once."""
 
-    def __init__(self, reader, entries: Mapping[str, tuple[str, int, tuple[int, ...]]]) -> None:
+    def __init__(self, reader, entries: Mapping[str, tuple[str, Labels, tuple[int, ...]]]) -> None:
         self.reader = reader
         self._entries = {n: _Entry(s, k, tuple(shape)) for n, (s, k, shape) in entries.items()}
         self._open: tuple[str, Banded] | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         e = self._entries[name]
-        return self.reader.fragment(name, e.state, e.rank).view(e.shape)
+        return read_labels(self.reader, name, e.state, e.rank).view(e.shape)
 
     def __contains__(self, name: object) -> bool:  # Mapping's own would read the shard
         return name in self._entries
@@ -74,7 +88,8 @@ class LazyShards(Mapping[str, torch.Tensor]):
         for n in names:
             e = self._entries[n]
             try:
-                self.reader.check_fragment(n, e.state, e.rank)
+                for k in _labels(e.rank):
+                    self.reader.check_fragment(n, e.state, k)
             except ReshardError as err:
                 out.append(f"{type(err).__name__}: {err}")
         return out
@@ -85,7 +100,8 @@ class LazyShards(Mapping[str, torch.Tensor]):
             return self._open[1]
         self.close()
         e = self._entries[name]
-        banded = self.reader.banded(name, e.state, e.rank)
+        # several keys' runs (one storage rank's, joined): read whole, one parameter at a time
+        banded = self.reader.banded(name, e.state, e.rank) if isinstance(e.rank, int) else None
         if banded is None:  # stored as it is read: the reader's own fragment (memory-mapped), read when a band is
             banded = _Stored(self.reader, name, e).banded()
         self._open = (name, banded)
@@ -111,7 +127,7 @@ class _Stored:
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         if self.flat is None:
-            self.flat = self.reader.fragment(self.name, self.e.state, self.e.rank).reshape(-1)
+            self.flat = read_labels(self.reader, self.name, self.e.state, self.e.rank).reshape(-1)
         row = self.e.shape[-1] if self.e.shape and self.e.shape[-1] else 1
         return self.flat[r0 * row:r1 * row]
 

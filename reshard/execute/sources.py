@@ -20,11 +20,11 @@ import torch
 
 from ..errors import MapError
 from ..ir.param_map import ParamMap
-from ..ir.piece import prod
+from ..ir.piece import Piece, View, prod
 from ..layouts._core import box_piece, finish, global_ranks
 from ..layouts.tp import replicated
 from ..layouts.zero import zero3, zero3_partition_numel
-from .lazy import LazyShards
+from .lazy import LazyShards, read_labels
 
 __all__ = ["dtensor_map", "fsdp2_sources", "reader_sources", "zero3_shard", "zero3_sources"]
 
@@ -132,9 +132,12 @@ def reader_sources(reader, rank: int, *, states: Iterable[str] = ("fp32", "weigh
                    ) -> tuple[dict[str, ParamMap], Mapping[str, torch.Tensor]]:
     """Source maps and shards from a checkpoint on disk (any reader of ``reshard.open``): storage rank
     ``k`` of the checkpoint is read by live rank ``ranks[k]`` (default ``k``), which gets its
-    fragments. Each parameter takes the first of ``states`` the checkpoint holds (the fp32 master,
-    else the module weights). The one place that knows the reader interface (``names``, ``states``,
-    ``map``, ``fragment``).
+    fragments -- only from the files storage rank ``k`` saved. Where a map's keys are not saving
+    ranks (``Reader.labels``: a Megatron checkpoint's runs under HF names), ``Reader.saver`` says
+    whose files hold each, and a live rank's several keys of one parameter become one shard, their
+    fragments back to back. Each parameter takes the first of ``states`` the checkpoint holds (the
+    fp32 master, else the module weights). The one place that knows the reader interface
+    (``names``, ``states``, ``map``, ``saver``, ``fragment``).
 
     ``lazy`` (default): the shards are a :class:`~reshard.execute.lazy.LazyShards`, nothing read
     until a push reads it, a band at a time (a quantized weight decoded band by band), so a push
@@ -148,14 +151,43 @@ def reader_sources(reader, rank: int, *, states: Iterable[str] = ("fp32", "weigh
         if state is None:
             raise MapError(f"{name!r}: the checkpoint holds states {list(held)}, none of {list(wanted)}")
         m = reader.map(name, state)
-        if ranks is not None and any(k >= len(ranks) for k in m.ranks):
-            raise MapError(f"{name!r}: the checkpoint has storage ranks {list(m.ranks)}, but only {len(ranks)} live "
-                           f"ranks read it")
-        relabel = {k: (k if ranks is None else ranks[k]) for k in m.ranks}
-        maps[name] = m.with_ranks(relabel)
-        for k, live in relabel.items():
-            if live == rank:
-                entries[name] = (state, k, tuple(m.shard(k).shape))
-                if not lazy:
-                    shards[name] = reader.fragment(name, state, k).view(m.shard(k).shape)
+        store = {k: _storage(reader, name, state, k) for k in m.ranks}
+        if ranks is not None and any(s >= len(ranks) for s in store.values()):
+            raise MapError(f"{name!r}: the checkpoint has storage ranks {sorted(set(store.values()))}, but only "
+                           f"{len(ranks)} live ranks read it")
+        maps[name], held = _on_live_ranks(m, {k: (s if ranks is None else ranks[s]) for k, s in store.items()})
+        mine = held.get(rank)
+        if mine:
+            labels = mine[0] if len(mine) == 1 else tuple(mine)
+            shape = tuple(maps[name].shard(rank).shape)
+            entries[name] = (state, labels, shape)
+            if not lazy:
+                shards[name] = read_labels(reader, name, state, labels).view(shape)
     return maps, (LazyShards(reader, entries) if lazy else shards)
+
+
+def _storage(reader, name: str, state: str, label: int) -> int:
+    """The storage rank whose files hold map key ``label``: the key itself where keys are saving ranks."""
+    saver = reader.saver(name, state, label)
+    return label if saver is None else saver
+
+
+def _on_live_ranks(m: ParamMap, live: Mapping[int, int]) -> tuple[ParamMap, dict[int, list[int]]]:
+    """``m`` over live ranks (``live[key]``) and each live rank's keys: a key per rank relabeled;
+    several keys of one rank (runs of its files) joined into one flat shard, their fragments back
+    to back in key order, each piece's holders relabeled."""
+    held: dict[int, list[int]] = {}
+    for k in sorted(m.ranks):
+        held.setdefault(live[k], []).append(k)
+    if all(len(ks) == 1 for ks in held.values()):
+        return m.with_ranks(live), held
+    shards = {}
+    for q, keys in held.items():
+        pieces, at = [], 0
+        for k in keys:
+            s = m.shard(k)
+            pieces += [Piece(p.shape, p.source, View(p.dest.offset + at, p.dest.strides),
+                             frozenset(live[x] for x in p.locations), p.scale) for p in s.pieces]
+            at += s.numel
+        shards[q] = ((at,), pieces)
+    return finish(m.logical_shape, shards, m.valid_shape), held

@@ -260,7 +260,8 @@ class Reader(ABC):
 
     def saver(self, name: str, state: str, rank: int) -> int | None:
         """Where the maps' keys are not saving ranks (:meth:`labels`): the storage rank whose files
-        hold shard ``rank`` of ``name``'s ``state`` map, where the source tells; else ``None``."""
+        hold shard ``rank`` of ``name``'s ``state`` map, where the source tells; else ``None``. A
+        weight sync reads each shard on the live rank of its storage rank (``reader_sources``)."""
         return None
 
     def native(self, fmt: str) -> object | None:

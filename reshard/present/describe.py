@@ -177,9 +177,11 @@ def _units_line(src: Inspected, ranks: list[int]) -> str:
     world = f"; saved by {src.world} rank(s)" if src.world is not None else ""
     if src.unit == "rank":
         return f"ranks {ranks_label(ranks)}{world}"
+    if src.unit == "storage rank" and src.savers:  # the reader named each label's writer (Reader.saver)
+        return (f"storage ranks {ranks_label(ranks)} (the rank that wrote each shard's file: each parameter's shards "
+                f"summed on it){world}")
     if src.unit == "storage rank":
-        summed = ": each parameter's chunks summed on the rank that wrote them" if src.savers else ""
-        return f"storage ranks {ranks_label(ranks)} (the R of __R_N.distcp{summed}){world}"
+        return f"storage ranks {ranks_label(ranks)} (the R of __R_N.distcp){world}"
     return f"{src.unit}s {ranks_label(ranks)} (each names one shard as it lies in the files, not a process){world}"
 
 

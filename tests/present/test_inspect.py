@@ -520,7 +520,7 @@ def test_inspect_megatron_weights_only_bf16_says_so(capsys):
     first = text.splitlines()[0]
     assert "no optimizer state" in first and "optimizer adam" not in first
     assert _header(text) == [
-        "storage ranks 0-1 (the R of __R_N.distcp: each parameter's chunks summed on the rank that wrote them); "
+        "storage ranks 0-1 (the rank that wrote each shard's file: each parameter's shards summed on it); "
         "saved by 2 rank(s)",
         "element size 2 bytes (bfloat16)",
         "stored: weight bfloat16; no optimizer state (the table shows weight)",
@@ -550,10 +550,9 @@ def test_inspect_megatron_headers(capsys, name, optimizer, held):
     assert f", {optimizer}, " in text.splitlines()[0]
     head = _header(text)
     world = _fixture_world(name)
-    if name.startswith("legacy"):  # a local parameter's label: its file's, no storage rank recorded
-        assert head[0].startswith("rank labels 0-") and head[0].endswith(f"; saved by {world} rank(s)")
-    else:  # fully parallel save: every rank of the world writes some chunks
-        assert head[0].startswith(f"storage ranks 0-{world - 1} (") and head[0].endswith(f"; saved by {world} rank(s)")
+    # fully parallel save: every rank of the world writes some chunks; legacy: each file's saving rank (args.rank)
+    assert head[0].startswith(f"storage ranks 0-{world - 1} (") and head[0].endswith(f"; saved by {world} rank(s)")
+    if not name.startswith("legacy"):
         assert _storage_ranks(name) == set(range(world))
     size = 2 if "bf16" in name else 4
     assert head[1] == f"element size {size} bytes ({'bfloat16' if size == 2 else 'float32'})"

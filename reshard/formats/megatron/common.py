@@ -46,8 +46,7 @@ def args_for(args: Any, arch: Arch, kind: str) -> Any:
         updates.pop("dist_ckpt_optim_fully_reshardable")
     for k, v in updates.items():
         setattr(out, k, v)
-    if arch.tp == 1 and getattr(out, "sequence_parallel", False):
-        out.sequence_parallel = False  # validate_args turns it off without TP, so a TP=1 run saves it so
+    _derived_args(out, args, arch, world)
     if arch.even:  # a target over even, non-virtual stages says so (fields the source may lack stay unset)
         for k in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                   "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
@@ -56,6 +55,33 @@ def args_for(args: Any, arch: Arch, kind: str) -> Any:
                 setattr(out, k, None)
     _virtual_args(out, args, arch)
     return out
+
+
+def _derived_args(out: Any, args: Any, arch: Arch, world: int) -> None:
+    """The fields ``validate_args`` derives from the parallel sizes, as it would at the target: the
+    weight shards of TP and expert TP (``tp * gtp_weight_remat_size``; GTP sources are refused, so
+    the remat size is 1), the transformer's pipeline size, sequence parallelism (off without TP),
+    and the fields whose argparse default is the run's size: the in-process restart's active world
+    and a global batch that was not given (``micro_batch_size * dp``). A value the source set
+    apart from its own topology is the user's and is kept."""
+    updates: dict[str, Any] = dict(
+        transformer_pipeline_model_parallel_size=arch.pp, tensor_parallel_num_weight_shards=arch.tp,
+        gtp_weight_remat_size=1, expert_tensor_parallel_num_weight_shards=arch.etp, expert_gtp_weight_remat_size=1)
+    old_world = getattr(args, "world_size", None)
+    if getattr(args, "inprocess_active_world_size", old_world) == old_world:  # argparse default: WORLD_SIZE
+        updates["inprocess_active_world_size"] = world
+    if getattr(args, "_is_global_batch_size_explicitly_specified", True) is False and \
+            getattr(args, "micro_batch_size", None):
+        old = getattr(args, "global_batch_size", None)
+        updates["global_batch_size"] = args.micro_batch_size * arch.dp
+        if getattr(args, "eval_global_batch_size", None) == old:  # its default is the global batch
+            updates["eval_global_batch_size"] = updates["global_batch_size"]
+    if arch.tp == 1:  # validate_args turns it off without TP (and TP comm overlap needs it)
+        for k in ("sequence_parallel", "tp_comm_overlap"):
+            if getattr(out, k, False):
+                updates[k] = False
+    for k, v in updates.items():
+        setattr(out, k, v)
 
 
 def _virtual_args(out: Any, args: Any, arch: Arch) -> None:

@@ -201,7 +201,8 @@ class TorchDistBackend:
                 raise CheckpointError(f"{self.dir / dcp.METADATA}: {key!r} is {list(e.shape)}, its parameter "
                                       f"{list(self.arch.full_shape(spec))}")
             m = chunk_map(tuple(e.shape), [(c.offsets, c.sizes) for c in e.chunks], f"{self.dir / dcp.METADATA}: {key!r}")
-            return Lowered(m, lambda i, key=key: self._chunk(key, i), lambda i: None)
+            return Lowered(m, lambda i, key=key: self._chunk(key, i), lambda i: None,
+                           lambda i, key=key: self.chunk_rank(key, i))
         return self._bucket_lowered(spec, state)
 
     def chunk_rank(self, key: str, i: int) -> int:
@@ -337,7 +338,8 @@ class TorchDistBackend:
             _, key, ci, start, count, _ = entries[n]
             return self.ck.chunk(key, ci).reshape(-1).narrow(0, start, count)
 
-        return Lowered(m, fragment, lambda n: entries[n][0].tp)
+        return Lowered(m, fragment, lambda n: entries[n][0].tp,
+                       lambda n: self.chunk_rank(entries[n][1], entries[n][2]))  # the bucket chunk's writer
 
     # -- progress ----------------------------------------------------------------------------------
     def _optimizers(self) -> list[dict]:

@@ -317,7 +317,8 @@ class LegacyBackend:
                 return self.tensor(lp).reshape(-1)
             return (self._flat(lp, state) if self.distopt else self._adam(lp, state).reshape(-1))
 
-        return Lowered(m, fragment, lambda label: lps[label].tp)
+        return Lowered(m, fragment, lambda label: lps[label].tp,
+                       lambda label: self.state_dict(self._key_of(lps[label]))["args"].rank)  # checked: _saved_by
 
     def embedding_copy(self, pp: int) -> bool:
         """Whether stage ``pp`` keeps a copy of the word embeddings beside the first stage's: the last

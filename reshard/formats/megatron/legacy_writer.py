@@ -107,7 +107,8 @@ class MegatronLegacyWriter(MegatronWriter):
                                        "their legacy indices are not written by reshard")
         self.args = copy.copy(self.args)
         self._savers = self._saving_ranks()
-        for k, v in dict(ckpt_format="torch", no_save_optim=kind == "none", no_save_rng=not self._same_ranks(),
+        for k, v in dict(ckpt_format="torch", no_save_optim=_flag(self.args, "no_save_optim", kind == "none"),
+                         no_save_rng=_flag(self.args, "no_save_rng", not self._same_ranks()),
                          use_distributed_optimizer=kind == "dp_reshardable",
                          dist_ckpt_optim_fully_reshardable=False).items():
             setattr(self.args, k, v)
@@ -459,3 +460,12 @@ def megatron_writer(reader: Reader, *, ckpt_format: str | None = None, **options
     if ckpt_format != "torch_dist":
         raise ReshardError(f"--ckpt-format must be torch_dist or torch, got {ckpt_format!r}")
     return MegatronWriter(reader, **options)
+
+
+def _flag(args: Any, name: str, on: bool) -> Any:
+    """A ``store_true`` flag as Megatron saves it: ``True`` where the output needs it, else the
+    source's own unset value (argparse's default ``None``), never a ``False`` Megatron would not write."""
+    if on:
+        return True
+    was = getattr(args, name, None)
+    return was if not was else None

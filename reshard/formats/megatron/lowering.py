@@ -33,11 +33,13 @@ __all__ = ["Lowered", "chunk_map", "composite", "local_map", "part_pieces"]
 @dataclass(frozen=True, slots=True)
 class Lowered:
     """One key's state: its map over rank labels, each label's shard (flat, as it lies in the
-    file) and the TP rank a label's copy belongs to (``None`` where nothing is replicated)."""
+    file), the TP rank a label's copy belongs to (``None`` where nothing is replicated) and the
+    storage rank whose file holds it (``None`` where the files do not say)."""
 
     map: ParamMap
     fragment: Callable[[int], torch.Tensor]
     tp: Callable[[int], int | None]
+    saver: Callable[[int], int | None] = lambda label: None
 
 
 def part_pieces(full: tuple[int, ...], lp: LocalParam, locations: frozenset[int]) -> list[Piece]:

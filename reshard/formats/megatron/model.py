@@ -108,6 +108,11 @@ def _refuse_unsupported(args: Any, where: str) -> None:
         ("moe_single_grouped_bias", bool, "grouped-GEMM expert biases held as one grouped parameter"),
         ("add_bias_linear", bool, "linear-layer biases (add_bias_linear)"),
         ("context_parallel_size", lambda v: v not in (None, 1), "context parallelism"),
+        # GTP shards each weight over TP x gtp_remat ranks (--tensor-parallel-num-weight-shards): padded TE shards
+        ("gtp_weight_remat_size", lambda v: v not in (None, 1), "weights sharded beyond TP (generalized tensor "
+         "parallelism)"),
+        ("expert_gtp_weight_remat_size", lambda v: v not in (None, 1), "expert weights sharded beyond expert TP "
+         "(generalized tensor parallelism)"),
     ]
     for field, bad, what in checks:
         if bad(_get(args, field)):

@@ -152,11 +152,10 @@ class MegatronReader(Reader):
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else a.tp * a.pp * a.dp
 
     def saver(self, name: str, state: str, rank: int) -> int | None:
-        """A torch_dist model chunk's storage rank (Megatron names: a label is a chunk); None for
-        legacy files, bucket ranges and HF-named runs."""
-        if self.naming != "megatron" or state != "weight" or not isinstance(self.src, TorchDistBackend):
-            return None
-        return self.src.chunk_rank(self._spec(name).key, rank)
+        """The storage rank whose file holds label ``rank``: a torch_dist chunk's or bucket chunk's
+        writer (the R of ``__R_0.distcp``), a legacy file's saving rank (its ``args.rank``); under HF
+        names, that of the shard the run is cut from."""
+        return self.lowered(name, state).saver(rank)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.map(name, "weight").valid_shape)
@@ -190,11 +189,12 @@ class MegatronReader(Reader):
                 r, lo, hi = origin[label]
                 return base.fragment(r).narrow(0, lo, hi - lo)
 
-            return Lowered(m, fragment, lambda label: base.tp(origin[label][0]))
+            return Lowered(m, fragment, lambda label: base.tp(origin[label][0]),
+                           lambda label: base.saver(origin[label][0]))  # a run lies in its base shard's file
         if spec.key in (EMBED, OUTPUT) and self._vocab_rows != base.map.valid_shape[0]:
             m = base.map
             return Lowered(ParamMap(m.logical_shape, m.shards, (self._vocab_rows, *m.logical_shape[1:])),
-                           base.fragment, base.tp)
+                           base.fragment, base.tp, base.saver)
         return base
 
     def map(self, name: str, state: str) -> ParamMap:
