@@ -84,13 +84,17 @@ def first_difference(a: Any, b: Any, at: str) -> str | None:
     return None if type(a) is type(b) and a == b else at
 
 
-def check_module_entries(path: Path, state: Mapping[str, Any], params: Any) -> None:
+def check_module_entries(path: Path, state: Mapping[str, Any], params: Any, rank0: Mapping[str, Any] | None = None
+                         ) -> None:
     """Every entry of a model-state file's ``module`` is an optimized parameter (``params``), a
     module buffer (``buffer_names``), a tied alias (``shared_params``) or a frozen parameter
-    (``frozen_param_shapes``): any other would be carried into every output as if it were a weight,
-    so it is refused, naming the file and the entries."""
-    known = set(params) | set(state.get("buffer_names") or ()) | set(state.get("shared_params") or {})
-    known |= set(state.get("frozen_param_shapes") or {})
+    (``frozen_param_shapes``) -- as the file records them, or as model-parallel rank 0's does
+    (``rank0``: DeepSpeed records a TP-replicated tied alias there alone) -- any other would be
+    carried into every output as if it were a weight, so it is refused, naming the file and entries."""
+    known = set(params)
+    for s in (state, rank0 or {}):
+        known |= set(s.get("buffer_names") or ()) | set(s.get("shared_params") or {})
+        known |= set(s.get("frozen_param_shapes") or {})
     unknown = [k for k in (state.get("module") or {}) if k not in known]
     if unknown:
         raise UnplacedError(f"{path}: module entries {unknown[:3]} are neither optimized parameters, buffers, "

@@ -325,5 +325,5 @@ def _check_rest(ck: Recorded, ms0: dict, group_of: Mapping[str, int]) -> None:
     if ck.pipe and any(ck.model_state(t).get(k) for t in range(ck.mp) for k in ("buffer_names", "shared_params")):
         raise CheckpointError(f"{ck.tag_dir}: pipeline checkpoints with buffers or tied weights are not supported")
     for t in range(ck.mp):
-        check_module_entries(ck.model_files[t], ck.model_state(t), group_of)
+        check_module_entries(ck.model_files[t], ck.model_state(t), group_of, rank0=ms0)
     ck.check_steps()

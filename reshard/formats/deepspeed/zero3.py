@@ -372,7 +372,7 @@ def _check_length(path: Any, rank: str, sg: SubGroup, k: int, state: str, x: Any
 
 def _check_module(ck: Recorded, names: Sequence[str]) -> None:
     for t in range(ck.tp):
-        check_module_entries(ck.model_files[t], ck.model_state(t), names)
+        check_module_entries(ck.model_files[t], ck.model_state(t), names, rank0=ck.model_state(0))
 
 
 def _as_dict(x: Any, path: Any) -> dict:
