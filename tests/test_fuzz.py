@@ -4,7 +4,10 @@ silent wrong output or refusal naming no file (``tests/fuzz``, docs/robustness.m
 
 from __future__ import annotations
 
+import pytest
+
 from tests.fuzz.harness import FAILURES, generate, run_cases, sources, table
+from tests.fuzz.mutations import Mutation
 
 SEED, BUDGET = 20261201, 12
 
@@ -86,3 +89,23 @@ def test_the_quantized_families_damage_a_kept_dcp_and_each_is_refused(tmp_path):
         assert not out.exists(), what
         seen.add(what)
     assert len(seen) == len(QUANT_FAMILIES), seen
+
+
+@pytest.mark.parametrize("source, mutation", [
+    # a module entry no optimizer group owns, beside a real one (classic MoE, AutoEP: were carried as weights)
+    ("moe_ep2", Mutation("resave_keys", "global_step3/mp_rank_00_model_states.pt", 3574157925)),
+    ("mixtral_autoep_ep2", Mutation("resave_keys", "global_step3/mp_rank_00_model_states.pt", 3574157925)),
+    # reshard's manifest beside a DCP made a link to junk (its entry order was taken as unknown)
+    ("mxfp4_gpt_oss_dcp", Mutation("symlink_junk", "reshard-manifest.json", 3753139486)),
+    # a save_pretrained folder without its config.json (its order and tied embeddings were taken as unknown)
+    ("pretrained_qwen2_tied", Mutation("delete", "config.json", 1038305411)),
+], ids=["moe-module-entry", "autoep-module-entry", "dcp-manifest-junk", "hf-config-deleted"])
+def test_the_silent_outputs_make_fuzz_found_are_refused(tmp_path, source, mutation):
+    """``make fuzz`` of f3b94ba (seed 20261201, cases 64, 320, 439, 494): each of these damaged copies was
+    converted without a word into an output unlike the undamaged one; now each command refuses it, naming a
+    file of the checkpoint."""
+    from tests.fuzz.harness import Case, Runner
+
+    src = next(s for s in sources(tmp_path / "cache") if s.name == source)
+    outcomes = Runner(tmp_path).run(Case(0, src, mutation, lazy=False))
+    assert {o.cls for o in outcomes} == {"refused"}, table(outcomes)

@@ -144,6 +144,7 @@ class DcpReader(Reader):
             ck.check_records()  # and each record holds what the metadata says
         if self.codec is not None:  # every scale finite and positive
             self.codec.check(self._tensor, lambda n: self.ck.path / ".metadata")
+        _ = self._manifest  # readable where it is there (it tells the entries' order)
 
     def unlowered(self) -> list[Held]:
         """Entries beside the model's parameters and their Adam states: tensors outside the model
@@ -331,16 +332,25 @@ class DcpReader(Reader):
         does reshard's DCP writer where its manifest says ``entry_order``; ``None`` for a DCP that
         reshard wrote without it (an earlier reshard sorted the entries by key; a source that does
         not tell its model's order, such as a safetensors folder without config.json, keeps its own)."""
-        f = self.ck.path / MANIFEST
-        if not f.is_file():
-            return list(self.names)
-        try:
-            manifest = json.loads(f.read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
-            return None
-        if isinstance(manifest, dict) and manifest.get("entry_order") == ENTRY_ORDER:
+        manifest = self._manifest
+        if manifest is None or manifest.get("entry_order") == ENTRY_ORDER:
             return list(self.names)
         return None
+
+    @cached_property
+    def _manifest(self) -> dict[str, Any] | None:
+        """reshard's manifest beside the entries (``None``: a DCP reshard did not write). One that is
+        there but unreadable is refused: what it says (the entries' order) changes the output."""
+        f = self.ck.path / MANIFEST
+        if not f.is_file():
+            return None
+        try:
+            manifest = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable manifest ({str(e)[:80]}); a damaged reshard output?") from None
+        if not isinstance(manifest, dict):
+            raise CheckpointError(f"{f}: not a reshard manifest (a JSON {type(manifest).__name__}, not an object)")
+        return manifest
 
     def labels(self) -> str:
         return "storage rank"  # a chunk lies on the rank that wrote its __R_N.distcp (docs/spec.md §7, DCP)

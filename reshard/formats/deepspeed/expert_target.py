@@ -20,6 +20,7 @@ from . import experts as dse
 from . import zero3 as z3
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
+from .experts import router_aliases
 from .layout import Group, Layout, Part, Unit
 from .placement import EXPERT_FILE, AutoEPPlacement, split_local, uniform_placement
 from .target import DeepSpeedTarget, autoep_zero3, tp1_view, unfolded
@@ -186,29 +187,6 @@ class ExpertModelFile:
 
 
 # -- AutoEP ZeRO-3 -> ZeRO-1/2 ---------------------------------------------------------------------
-
-
-def router_aliases(template: Mapping[str, Any], params: Sequence[str], where: str, *,
-                   why: str = "its value is not in a ZeRO-3 checkpoint, so it cannot be written at ZeRO-1/2"
-                   ) -> dict[str, str]:
-    """The module entries of an AutoEP template that are no parameter: each the router's
-    alias (DeepSpeed's AutoEP layer sets its router a second time under the name transformers'
-    OutputRecorder captures, ``<module_path>.<alias>.<rest>`` for ``<module_path>.router.<rest>``),
-    mapped to that router parameter. A buffer (``buffer_names``, held whole) is kept as it is;
-    anything else is refused (``why``: what the target cannot tell of it)."""
-    owned, out = set(params) | set(template.get("buffer_names") or []), {}
-    paths = [str(e.get("module_path", "")) for e in template.get(dse.LAYERS_KEY) or []]
-    for key in template.get("module") or {}:
-        if key in owned:
-            continue
-        path = next((p for p in paths if key.startswith(p + ".")), None)
-        rest = key[len(path) + 1:].split(".", 1) if path is not None else []
-        router = f"{path}.router.{rest[1]}" if len(rest) == 2 else None
-        if router is None or router not in owned:
-            raise CheckpointError(f"{where}: module entry {key!r} is neither a parameter nor an AutoEP router alias; "
-                                  f"{why}")
-        out[key] = router
-    return out
 
 
 def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int) -> DeepSpeedTarget:

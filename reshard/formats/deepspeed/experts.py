@@ -166,7 +166,7 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
     owned = {n for g in groups for n in g}
     # under ZeRO-3 the router alias is a 0-element placeholder: nothing to convert (ds_to_universal
     # writes nothing for it either); the module placeholders are carried as they are
-    aliases = () if ck.zero_stage == 3 else tuple(n for n in (state.get("module") or {}) if n not in owned)
+    aliases = () if ck.zero_stage == 3 else _unowned(state, owned, str(path))
     ax = AutoEP(params, expert_groups, ep, edp, bool(cfg.get("use_data_before_expert_parallelism", False)), aliases,
                 ck.tp)
     if ax.folded:
@@ -175,6 +175,40 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
         _check_z3_partitions(ck, ax, len(groups))
     return ax
 
+
+def router_aliases(template: Mapping[str, Any], params: Sequence[str], where: str, *,
+                   why: str = "its value is not in a ZeRO-3 checkpoint, so it cannot be written at ZeRO-1/2"
+                   ) -> dict[str, str]:
+    """The module entries of an AutoEP template that are no parameter: each the router's
+    alias (DeepSpeed's AutoEP layer sets its router a second time under the name transformers'
+    OutputRecorder captures, ``<module_path>.<alias>.<rest>`` for ``<module_path>.router.<rest>``),
+    mapped to that router parameter. A buffer (``buffer_names``, held whole) is kept as it is;
+    anything else is refused (``why``: what the target cannot tell of it)."""
+    owned, out = set(params) | set(template.get("buffer_names") or []), {}
+    paths = [str(e.get("module_path", "")) for e in template.get(LAYERS_KEY) or []]
+    for key in template.get("module") or {}:
+        if key in owned:
+            continue
+        path = next((p for p in paths if key.startswith(p + ".")), None)
+        rest = key[len(path) + 1:].split(".", 1) if path is not None else []
+        router = f"{path}.router.{rest[1]}" if len(rest) == 2 else None
+        if router is None or router not in owned:
+            raise CheckpointError(f"{where}: module entry {key!r} is neither a parameter nor an AutoEP router alias; "
+                                  f"{why}")
+        out[key] = router
+    return out
+
+
+
+def _unowned(state: Mapping[str, Any], owned: set[str], where: str) -> tuple[str, ...]:
+    """The module entries no optimizer group owns: module buffers (``buffer_names``) and the
+    router's aliases (:func:`router_aliases`); any other entry is refused, naming it (it would be
+    carried into every output as if it were a weight)."""
+    module = state.get("module") or {}
+    buffers = [n for n in module if n not in owned and n in set(state.get("buffer_names") or ())]
+    aliases = router_aliases(state, sorted(owned), where, why="no optimizer group owns it and DeepSpeed's "
+                             "AutoEP writes no other module entry")
+    return tuple(n for n in module if n in set(buffers) or n in aliases)
 
 def _check_z3_format(layers: list, where: str) -> None:
     """Every layer entry must be DeepSpeed's partition-native ZeRO-3 format, version 1."""

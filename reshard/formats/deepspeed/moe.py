@@ -34,6 +34,7 @@ from ...errors import CheckpointError
 from ...layouts import replicated
 from ...storage.safe_load import load
 from .lowering import Lowered
+from .recorded import check_module_entries
 
 # a ``formats.deepspeed.DeepSpeedCheckpoint``, which imports this module (its hooks call these)
 DeepSpeedCheckpoint = Any
@@ -106,6 +107,7 @@ def read(ck: DeepSpeedCheckpoint) -> ClassicMoE | None:
         strays = [n for n in groups[g] if n not in local_names]
         if strays:
             raise CheckpointError(f"{path}: optimizer group {g} holds experts and also {strays[:3]}")
+    check_module_entries(path, state, {n for g in groups for n in g})
     return ClassicMoE(params, local_names, expert_groups, ep, ck.dp // ep,
                       bool(cfg.get("use_data_before_expert_parallelism", False)), files)
 

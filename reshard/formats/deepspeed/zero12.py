@@ -45,13 +45,13 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError, UnplacedError
+from ...errors import CheckpointError
 from ...ir.param_map import ParamMap, map_to_dict
 from ...ir.piece import prod
 from ...layouts.zero import FlatGroup, zero12_group_layout
 from ...storage.safe_load import FragmentAddress, ZeroStageEnum
 from ...storage.torch_zip import Storage, TensorRef
-from .recorded import Recorded
+from .recorded import Recorded, check_module_entries
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: "4-byte alignment/sizeof(fp16) = 2"
 
@@ -322,15 +322,8 @@ def _check_rest(ck: Recorded, ms0: dict, group_of: Mapping[str, int]) -> None:
         if real:
             raise CheckpointError(f"{ck.model_files[t]}: frozen (non-optimized) parameters such as {real[0]!r} "
                                   "are not supported")
-    shared = dict(ms0.get("shared_params") or {})
-    buffers = set(ms0.get("buffer_names") or [])
     if ck.pipe and any(ck.model_state(t).get(k) for t in range(ck.mp) for k in ("buffer_names", "shared_params")):
         raise CheckpointError(f"{ck.tag_dir}: pipeline checkpoints with buffers or tied weights are not supported")
     for t in range(ck.mp):
-        module = ck.model_state(t).get("module") or {}
-        unknown = [k for k in module if k not in group_of and k not in buffers and k not in shared]
-        if unknown:
-            raise UnplacedError(f"{ck.model_files[t]}: module entries {unknown[:3]} are neither optimized "
-                                "parameters, buffers nor tied aliases (frozen parameters?): model weights no "
-                                "DeepSpeed target has a place for (not supported)", entries=tuple(unknown))
+        check_module_entries(ck.model_files[t], ck.model_state(t), group_of, rank0=ms0)
     ck.check_steps()

@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError, UnplacedError
+from ...errors import CheckpointError
 from ...ir.piece import prod
 from ...layouts.zero import zero3_partition_numel
 from ...storage.safe_load import ZeroStageEnum, load
 from ...storage.torch_zip import Storage, TensorRef
 from .experts import AutoEP, module_ds_ids
-from .recorded import Recorded
+from .recorded import Recorded, check_module_entries
 from .zero12 import with_config
 
 __all__ = ["AttrTensorRef", "SubGroup", "autoep", "autoep_ds_ids", "autoep_groups", "check", "check_partitions",
@@ -372,14 +372,7 @@ def _check_length(path: Any, rank: str, sg: SubGroup, k: int, state: str, x: Any
 
 def _check_module(ck: Recorded, names: Sequence[str]) -> None:
     for t in range(ck.tp):
-        ms = ck.model_state(t)
-        known = set(names) | set(ms.get("buffer_names") or []) | set(ms.get("shared_params") or {})
-        known |= set(ms.get("frozen_param_shapes") or {})
-        unknown = [k for k in (ms.get("module") or {}) if k not in known]
-        if unknown:
-            raise UnplacedError(f"{ck.model_files[t]}: module entries {unknown[:3]} are neither optimized "
-                                "parameters, buffers nor tied aliases: model weights no DeepSpeed target has a "
-                                "place for (not supported)", entries=tuple(unknown))
+        check_module_entries(ck.model_files[t], ck.model_state(t), names, rank0=ck.model_state(0))
 
 
 def _as_dict(x: Any, path: Any) -> dict:

@@ -370,6 +370,10 @@ class SafetensorsReader(Reader):
             if not f.is_file():
                 if f.exists() or f.is_symlink():  # a folder, a device, a broken link: never "no config"
                     raise CheckpointError(f"{f}: not a regular file")
+                if (self.folder / "generation_config.json").is_file():  # a model folder that lost its config
+                    raise CheckpointError(f"{f}: missing, though the folder holds generation_config.json, which "
+                                          "save_pretrained writes only beside it: the model's config (its parameter "
+                                          "order, tied embeddings, quantization) is lost; restore config.json")
                 return None
             return json.loads(f.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
