@@ -15,32 +15,62 @@ from . import experts as dse
 from . import folding
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
-from .expert_target import ExpertWeightFiles, router_aliases
+from .expert_target import ExpertWeightFiles, _fresh_placement, _with_clip, fresh_model_template, router_aliases
 from .layout import Group, Layout, Part, Unit
 from .placement import AutoEPPlacement
 from .target import DeepSpeedTarget, unfolded
+from .templates import Templates
 
-__all__ = ["FoldedFiles", "autoep_folded_target"]
+__all__ = ["FoldedFiles", "autoep_folded_fresh_target", "autoep_folded_target", "folded_target"]
 
 
 def autoep_folded_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, stage: int, maps: Mapping[str, ParamMap],
                          info: dict | None) -> DeepSpeedTarget:
+    """AutoEP ZeRO-1/2 at TP ``tp`` > 1, folded as DeepSpeed 0.19.8 lays it (folding.py), built on a
+    DeepSpeed AutoEP source's own files (:func:`folded_target`)."""
+    template = unfolded(ck.model_state(0))
+    names = [n for grp in ck.groups(0) for n in grp]
+    return folded_target(ck.experts, [list(grp) for grp in ck.groups(0)], template,
+                         lambda: unfolded(ck.optim_state(0, 0)), tp=tp, ep=ep, dp=dp, stage=stage, maps=maps,
+                         info=info, dtype=ck.module_dtype, bf16=ck.bf16,
+                         aliases=router_aliases(template, names, str(ck.model_files[0])))
+
+
+def autoep_folded_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], *,
+                               tp: int, ep: int, dp: int, stage: int, aliases: Mapping[str, str],
+                               maps: Mapping[str, ParamMap], info: dict | None,
+                               clip_grad: float | None) -> DeepSpeedTarget:
+    """AutoEP ZeRO-1/2 folded over TP ``tp`` > 1 from a source that is no DeepSpeed checkpoint (a
+    universal or DCP checkpoint, an HF folder read through ``autoep_view``): the files of a fresh
+    ZeRO job (``tpl``) as ``expert_target.autoep_fresh_target`` builds them at TP 1, laid out by
+    :func:`folded_target` with the dense TP maps and ``universal_checkpoint_info`` of a folded
+    DeepSpeed checkpoint (``--layout``)."""
+    groups, ax, _ = _fresh_placement(tpl, layers, shapes, ep, tp * dp, aliases)
+    return folded_target(ax, tpl.group_names, fresh_model_template(tpl, layers, aliases),
+                         lambda: _with_clip(tpl.optim_z12(), clip_grad), tp=tp, ep=ep, dp=dp, stage=stage, maps=maps,
+                         info=info, dtype=tpl.dtype, bf16=tpl.bf16, aliases=aliases,
+                         group_names=dict.fromkeys(groups, f"ep_size_{ep}"))
+
+
+def folded_target(ax: dse.AutoEP, groups: Sequence[Sequence[str]], template: dict, optim: Callable[[], dict], *,
+                  tp: int, ep: int, dp: int, stage: int, maps: Mapping[str, ParamMap], info: dict | None,
+                  dtype: torch.dtype, bf16: bool, aliases: Mapping[str, str],
+                  group_names: Mapping[int, str] | None = None) -> DeepSpeedTarget:
     """AutoEP ZeRO-1/2 at TP ``tp`` > 1, folded as DeepSpeed 0.19.8 lays it (folding.py): world
     ``tp * dp``; each dense parameter's TP map (``maps``) with its TP rank's shard flat over that
     rank's ``dp`` DP ranks, each fused expert at EP rank ``e`` (global rank ``g``: ``g % ep``) flat
-    over its EDP group; one model state per TP rank (its shards, its EP rank's view of the layers,
-    ``info`` with the layers placed), per-expert files named by their writer's TP rank, a ``folding``
-    record in every file."""
-    ax, ms0 = ck.experts, ck.model_state(0)
+    over its EDP group; one model state per TP rank (``template``'s keys: its shards, its EP rank's
+    view of the layers, ``info`` with the layers placed), per-expert files named by their writer's
+    TP rank, a ``folding`` record in every file (``optim()``'s keys). ``groups``: the optimizer
+    groups' names, the experts' those of ``ax.groups``."""
     world = tp * dp
     placement = AutoEPPlacement(ax, ep, world)
-    zo = (ms0.get("ds_config") or {}).get("zero_optimization") or {}
-    dtype = ck.module_dtype
+    zo = (template.get("ds_config") or {}).get("zero_optimization") or {}
     align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
     dense = Group.dense(tp, dp)
     outer: dict[str, ParamMap] = {**maps, **placement.maps}
     units = []
-    for g, grp in enumerate(ck.groups(0)):
+    for g, grp in enumerate(groups):
         if g in ax.groups:
             names = list(grp)
             fg = dsw.flat_group(names, [placement.maps[n].shards[0].shape for n in names], placement.edp,
@@ -54,24 +84,23 @@ def autoep_folded_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, sta
             parts[t] = Part(fg, fg.names)
         units.append(Unit(dense, parts))
     layout = Layout("flat", outer, units, [d * tp + t for t in range(tp) for d in range(dp)])
-    cfg = dsw.target_ds_config(ms0.get("ds_config"), tp=tp, dp=dp, zero_stage=stage)
+    cfg = dsw.target_ds_config(template.get("ds_config"), tp=tp, dp=dp, zero_stage=stage)
     ds_config = placement.ds_config(cfg)
-    template = unfolded(ms0)
-    names = [n for grp in ck.groups(0) for n in grp]
-    models = FoldedFiles(ck, template, tp=tp, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
-                         dtype=dtype, names=names, outer=outer, info=info,
-                         aliases=router_aliases(template, names, str(ck.model_files[0])))
+    names = [n for grp in groups for n in grp]
+    models = FoldedFiles(None, template, tp=tp, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
+                         dtype=dtype, names=names, outer=outer, info=info, aliases=aliases)
     edp = placement.edp
+    plain = [list(grp) for grp in groups]
 
     def record(rank: int) -> dict:
         t, d = rank % tp, rank // tp
         e = placement.ep_of[rank]
         return {folding.KEY: folding.optim_record(tp, t, ep, e, dp, d, edp, placement.ax.members(e).index(rank),
-                                                  [list(grp) for grp in ck.groups(0)])}
+                                                  plain)}
 
-    return DeepSpeedTarget(layout, tp=tp, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=lambda: unfolded(ck.optim_state(0, 0)), ds_config=ds_config, uc_info=None,
-                           models=models, per_rank=record,
+    return DeepSpeedTarget(layout, tp=tp, dp=dp, stage=stage, bf16=bf16, states=OPTIMIZER,
+                           optim_template=optim, ds_config=ds_config, uc_info=None,
+                           models=models, per_rank=record, group_names=group_names,
                            notes=[f"AutoEP experts at EP {ep} folded over TP {tp} (DP {dp}, EDP {edp}), uniform "
                                   "placement, a folding record in every file"])
 
@@ -81,7 +110,7 @@ class FoldedFiles(ExpertWeightFiles):
     whole, a router alias its router's), and the per-expert files (weights from the masters), each
     with its ``folding`` record."""
 
-    def __init__(self, ck: DeepSpeedCheckpoint, template: dict, *, tp: int, dp: int, stage: int,
+    def __init__(self, ck: DeepSpeedCheckpoint | None, template: dict, *, tp: int, dp: int, stage: int,
                  ds_config: dict | None, placement: AutoEPPlacement, dtype: torch.dtype, names: Sequence[str],
                  outer: Mapping[str, ParamMap], aliases: Mapping[str, str], info: dict | None) -> None:
         super().__init__(ck, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement, dtype=dtype,

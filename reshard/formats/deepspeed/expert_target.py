@@ -360,18 +360,7 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
                      else Unit(dense, {0: Part(fg, fg.names)}))
     layout = Layout("flat", outer, units, range(dp))
     ds_config = placement.ds_config(dsw.target_ds_config(tpl.cfg, tp=1, dp=dp, zero_stage=stage))
-    # DeepSpeed's AutoEP model states: no tied weights (the router alias is the module's own entry),
-    # the experts per layer and each layer's record
-    # a module without the experts (they are the per-expert files'), each router alias after its router
-    module = OrderedDict()
-    keys = [k for k in tpl.model["module"] if k not in aliases]  # the model's order, buffers in place
-    after = _alias_places(keys, aliases, layers)
-    for n in keys:
-        if not any(n in lay.params for lay in layers):
-            module[n] = tpl.model["module"][n]
-            module.update((a, module[aliases[a]]) for a in after.get(n, ()))
-    template = {**tpl.model, "module": module, "shared_params": {}, "num_experts": [lay.num_experts for lay in layers],
-                dse.LAYERS_KEY: [dict(lay.record) for lay in layers]}
+    template = fresh_model_template(tpl, layers, aliases)
     models = ExpertWeightFiles(None, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
                                dtype=tpl.dtype, names=[*names, *buffers], outer=outer, aliases=aliases)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=tpl.bf16, states=OPTIMIZER,
@@ -379,6 +368,21 @@ def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[s
                            uc_info=None, models=models, group_names=dict.fromkeys(groups, f"ep_size_{ep}"),
                            notes=[f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement, EDP groups in "
                                   "DeepSpeed's default order (expert before data)"])
+
+
+def fresh_model_template(tpl: Templates, layers: Sequence[Any], aliases: Mapping[str, str]) -> dict:
+    """A fresh job's AutoEP ZeRO-1/2 model states: no tied weights (the router alias is the module's
+    own entry), the experts per layer and each layer's record; a module without the experts (they
+    are the per-expert files'), each router alias after its router."""
+    module = OrderedDict()
+    keys = [k for k in tpl.model["module"] if k not in aliases]  # the model's order, buffers in place
+    after = _alias_places(keys, aliases, layers)
+    for n in keys:
+        if not any(n in lay.params for lay in layers):
+            module[n] = tpl.model["module"][n]
+            module.update((a, module[aliases[a]]) for a in after.get(n, ()))
+    return {**tpl.model, "module": module, "shared_params": {}, "num_experts": [lay.num_experts for lay in layers],
+            dse.LAYERS_KEY: [dict(lay.record) for lay in layers]}
 
 
 def _alias_places(keys: Sequence[str], aliases: Mapping[str, str], layers: Sequence[Any]) -> dict[str, list[str]]:
@@ -480,7 +484,8 @@ def autoep_to_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int) -> DeepSpe
 
 
 def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], ep: int,
-                              dp: int, aliases: Mapping[str, str], where: str) -> DeepSpeedTarget:
+                              dp: int, aliases: Mapping[str, str], where: str, *, tp: int = 1,
+                              maps: Mapping[str, ParamMap] | None = None, info: dict | None = None) -> DeepSpeedTarget:
     """AutoEP's fused experts at ZeRO-3, EP ``ep`` x world ``dp``, from a source that is no DeepSpeed
     checkpoint (a universal one): the layout of ``target.autoep_zero3_target`` on the files of a
     fresh ZeRO-3 job (``tpl``, ``templates.fresh`` at stage 3) as DeepSpeed's AutoEP ZeRO-3 save
@@ -488,7 +493,7 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
     aliases 0-element placeholders, each rank's view of the placement in ``ds_autoep_layers``
     (``checkpoint_format: "zero3_partitioned"``), ``ds_zero_partition_groups``. EDP groups in
     DeepSpeed's default order (expert before data)."""
-    groups, ax, _ = _fresh_placement(tpl, layers, shapes, ep, dp, aliases)
+    groups, ax, _ = _fresh_placement(tpl, layers, shapes, ep, tp * dp, aliases)
     size = z3.sub_group_size(tpl.cfg, where)
     # a module without the experts (the AutoEP layer keeps them out of its state dict), each router
     # alias after its router, every entry a placeholder of its own
@@ -509,8 +514,10 @@ def autoep_fresh_zero3_target(tpl: Templates, layers: Sequence[Any], shapes: Map
                                               "expert_parameter_patterns": [r".*\.experts\.w[123]$"]}}
     ids, exact = dse.module_ds_ids(list(module), ax, tpl.names)
     notes = [f"AutoEP experts at EP {ep} (EDP {dp // ep}), uniform placement, ZeRO-3, EDP groups in DeepSpeed's "
-             "default order (expert before data)"]
+             "default order (expert before data)" if tp == 1 else
+             f"AutoEP experts at EP {ep} folded over TP {tp} (DP {dp}, EDP {tp * dp // ep}), uniform placement, "
+             "ZeRO-3: one model-state and one optimizer file per (TP, DP) rank, a folding record in every file"]
     notes += ds_id_notes(exact, "do not match the parameter order reshard derives")
     return autoep_zero3(ax, tpl.group_names, groups, ep=ep, dp=dp, template=template,
                         optim=lambda: _with_partition_groups(tpl.optim), cfg=tpl.cfg, ds_ids=ids, size=size,
-                        bf16=tpl.bf16, model_size=1 << 16, notes=notes, shapes=shapes)
+                        bf16=tpl.bf16, model_size=1 << 16, notes=notes, shapes=shapes, tp=tp, maps=maps, info=info)

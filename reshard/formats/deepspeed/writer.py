@@ -278,7 +278,7 @@ class DeepSpeedWriter(Writer):
         """A non-DeepSpeed source: the files of a fresh ZeRO job over its parameters."""
         where = reader.sources[-1]
         if ep is not None:
-            self._autoep_from_any(reader, tp, dp, pp, stage, ep, dtype)
+            self._autoep_from_any(reader, tp, dp, pp, stage, ep, dtype, layout)
             return
         if any(lay.record for lay in reader.expert_layers()):
             # its optimizer groups are AutoEP's (the experts' marked moe, named by their EP group),
@@ -336,11 +336,12 @@ class DeepSpeedWriter(Writer):
                            + (f"; {' and '.join(missing)} zero, as a fresh optimizer holds them" if missing else ""))
 
     def _autoep_from_any(self, reader: Reader, tp: int, dp: int, pp: int, stage: int | None, ep: int,
-                         dtype: torch.dtype | None) -> None:
+                         dtype: torch.dtype | None, layout: TargetLayout = None) -> None:
         """AutoEP at EP ``ep`` from a source that holds its experts fused (``Reader.expert_layers``):
         the files of a fresh ZeRO job, AutoEP's uniform placement; a source in HF names is read in
         AutoEP's (``autoep_view``: its router renamed and aliased, gate/up cut into w1/w3)."""
         from .autoep_view import AutoEPView, autoep_view
+        from .expert_folded import autoep_folded_fresh_target
         from .expert_target import autoep_fresh_target, autoep_fresh_zero3_target
         from .placement import check_folding
 
@@ -362,16 +363,20 @@ class DeepSpeedWriter(Writer):
         layers = reader.expert_layers()
         stage = 1 if stage is None else stage
         check_folding(where, tp, ep, pp)
-        if tp != 1 or pp != 1:
+        if pp != 1:
             raise ReshardError(f"{where}: an AutoEP target is written at TP = PP = 1 only (asked tp={tp}, pp={pp})")
+        if tp > 1 and not (isinstance(layout, (str, Path)) and Path(layout).is_dir()):
+            raise ReshardError(f"{where}: an AutoEP target at TP={tp} from {noun} takes its dense TP maps and the "
+                               "universal_checkpoint_info DeepSpeed records with them from a DeepSpeed checkpoint of "
+                               f"this model saved folded at TP={tp} (--layout)")
         if stage not in (1, 2, 3):
             raise ReshardError(f"{where}: an AutoEP target from {noun} is written at ZeRO stage 1, 2 or 3 (asked "
                                f"{stage})")
         if stage == 3 and self._view is not None:  # ZeRO-3 AutoEP is checked against DeepSpeed from a universal only
             raise ReshardError(f"{where}: an AutoEP target from {noun} read in HF names is written at ZeRO stage 1 "
                                "or 2 (asked 3); write ZeRO-1/2 here, then --zero-stage 3 from that checkpoint")
-        if dp % ep:
-            raise ReshardError(f"ep={ep} must divide the target world size dp={dp} (EDP = dp / ep)")
+        if (tp * dp) % ep:
+            raise ReshardError(f"ep={ep} must divide the target world size tp x dp={tp * dp} (EDP = world / ep)")
         for lay in layers:
             if lay.num_experts % ep:
                 raise ReshardError(f"{where}: {lay.module_path}: {lay.num_experts} experts do not split evenly over "
@@ -379,6 +384,10 @@ class DeepSpeedWriter(Writer):
         order = _model_order(reader)
         held = set(reader.names)
         buffers = [n for n in reader.buffers() if n in held]  # lowered module buffers: in no optimizer group
+        if tp > 1 and buffers:  # where DeepSpeed's folded AutoEP keeps a buffer: no fixture here shows it
+            raise ReshardError(f"{where}: an AutoEP target folded over TP={tp} from {noun} holding module buffers "
+                               f"({buffers[0]}: buffer_names) is not written (no folded DeepSpeed checkpoint with "
+                               "buffers checks where they go); write it at TP 1")
         if stage == 3 and buffers:  # where DeepSpeed's AutoEP ZeRO-3 keeps a buffer: no fixture here shows it
             raise ReshardError(f"{where}: an AutoEP target at ZeRO stage 3 from {noun} holding module buffers "
                                f"({buffers[0]}: buffer_names) is not written (no DeepSpeed AutoEP ZeRO-3 checkpoint "
@@ -400,14 +409,25 @@ class DeepSpeedWriter(Writer):
                                f"{[n for n in mixed[0] if n not in experts][:3]}; AutoEP partitions the experts' "
                                "group over EDP groups, so it holds experts only")
         shapes = {n: reader.shape(n) for n in reader.names}
-        if stage == 3:
+        if tp > 1:  # folded (AutoEP x AutoTP): the dense TP maps a folded DeepSpeed checkpoint's (--layout)
+            dense = [n for g in tpl.group_names for n in g if n not in experts]
+            maps, info, _ = target_tp_maps(None, dense, tp, layout,
+                                           source_maps={n: replicated(shapes[n], 1) for n in dense})
+            if stage == 3:
+                self.target = autoep_fresh_zero3_target(tpl, layers, shapes, ep, dp, reader.tied(), str(where), tp=tp,
+                                                        maps=maps, info=info)
+            else:
+                self.target = autoep_folded_fresh_target(tpl, layers, shapes, tp=tp, ep=ep, dp=dp, stage=stage,
+                                                         aliases=reader.tied(), maps=maps, info=info,
+                                                         clip_grad=reader.grad_clip())
+        elif stage == 3:
             self.target = autoep_fresh_zero3_target(tpl, layers, shapes, ep, dp, reader.tied(), str(where))
         else:
             self.target = autoep_fresh_target(tpl, layers, shapes, ep, dp, stage, reader.tied(),
                                               clip_grad=reader.grad_clip())
         self._written_aliases = set(reader.tied())
         self._source = dict(reader.topology)
-        self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
+        self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
         self._notes += self.target.notes
         self._notes.append(f"the files of a fresh DeepSpeed ZeRO-{stage} job (DeepSpeed 0.19.8) over the source's "
                            f"parameters, training dtype {tpl.dtype}, Adam step {int(step)}")
