@@ -376,7 +376,8 @@ class DeepSpeedWriter(Writer):
             raise ReshardError(f"{where}: an AutoEP target from {noun} read in HF names is written at ZeRO stage 1 "
                                "or 2 (asked 3); write ZeRO-1/2 here, then --zero-stage 3 from that checkpoint")
         if (tp * dp) % ep:
-            raise ReshardError(f"ep={ep} must divide the target world size tp x dp={tp * dp} (EDP = world / ep)")
+            world = f"dp={dp} (EDP = dp / ep)" if tp == 1 else f"tp x dp={tp * dp} (EDP = tp x dp / ep)"
+            raise ReshardError(f"ep={ep} must divide the target world size {world}")
         for lay in layers:
             if lay.num_experts % ep:
                 raise ReshardError(f"{where}: {lay.module_path}: {lay.num_experts} experts do not split evenly over "
