@@ -155,7 +155,6 @@ def check_autoep_to_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp
     """What an AutoEP ZeRO-1/2 checkpoint written at ZeRO-3 refuses, before anything is written."""
     if ck.experts is None:
         raise ReshardError(f"{ck.model_files[0]}: not an AutoEP checkpoint (ds_autoep_layers)")
-    no_folded_zero3(ck, tp, pp, 3)
     if tp != 1 or pp != 1 or ck.layer_files:
         raise ReshardError(f"{ck.tag_dir}: AutoEP checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, "
                            f"pp={pp})")
@@ -196,16 +195,6 @@ def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage
     ck.check_steps()
 
 
-def no_folded_zero3(ck: DeepSpeedCheckpoint, tp: int, pp: int, stage: int) -> None:
-    """A folded (AutoEP x AutoTP) ZeRO-3 source is written folded at ZeRO-3 or at TP 1; folded at
-    ZeRO-1/2 it is not (docs/deepspeed-checkpoints.md §11.2)."""
-    if tp > 1 and pp == 1 and stage != 3 and ck.zero_stage == 3 and ck.experts is not None:
-        raise ReshardError(f"{ck.tag_dir}: an AutoEP ZeRO-3 checkpoint is written folded over TP (AutoEP x AutoTP) "
-                           f"at ZeRO-3 only (asked tp={tp}, zero stage {stage}): reshard writes folded ZeRO-1/2 "
-                           "checkpoints from a ZeRO-1/2 source; --zero-stage 3 keeps it at ZeRO-3, --tp 1 writes it "
-                           "unfolded at any stage")
-
-
 def check_folded_target(ck: DeepSpeedCheckpoint, ep: int, tp: int) -> None:
     """What DeepSpeed folds AutoEP over TP with (``validate_folding_global``: :func:`check_folding`)."""
     if ck.experts is None:
@@ -228,13 +217,12 @@ def check_folded_zero3(ck: DeepSpeedCheckpoint, ep: int, world: int, tp: int, pp
 
 def check_autoep_zero3(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
     """What an AutoEP ZeRO-3 target refuses, before anything is written."""
-    no_folded_zero3(ck, tp, pp, stage)
-    if tp != 1 or pp != 1:
-        raise ReshardError(f"{ck.tag_dir}: AutoEP ZeRO-3 checkpoints are resharded at TP = PP = 1 only "
-                           f"(asked tp={tp}, pp={pp})")
     if stage not in (1, 2, 3):
         raise ReshardError(f"{ck.tag_dir}: an AutoEP ZeRO-3 checkpoint is written at ZeRO stage 1, 2 or 3 (asked "
                            f"{stage})")
+    if tp != 1 or pp != 1:  # folded at TP > 1 (PP 1): writer._autoep_folded_zero3 / _autoep_folded_from_zero3
+        raise ReshardError(f"{ck.tag_dir}: AutoEP ZeRO-3 checkpoints are resharded at TP = PP = 1 only "
+                           f"(asked tp={tp}, pp={pp})")
     _check_zero3_placement(ck, ep, dp)
 
 

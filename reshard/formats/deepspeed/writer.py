@@ -36,6 +36,7 @@ from ...layouts import replicated
 from ...storage.staging import ArchiveJob
 from ..contract import BEST, Buffer, Held, Reader, Writer
 from ..table import noun_of
+from . import experts as dse
 from . import templates
 from .expert_target import autoep_from_zero3_target, autoep_target, moe_target
 from .reader import DeepSpeedNative
@@ -95,6 +96,8 @@ class DeepSpeedWriter(Writer):
             check_folding(ck.tag_dir, tp, ep if ep is not None else ck.experts.ep, pp, ck.experts.data_before_expert)
         if ck.experts is not None and tp > 1 and pp == 1 and (stage == 3 or (stage is None and ck.zero_stage == 3)):
             self._autoep_folded_zero3(ck, tp, dp, ep if ep is not None else ck.experts.ep, layout)
+        elif ck.zero_stage == 3 and ck.experts is not None and tp > 1 and pp == 1 and stage in (1, 2):
+            self._autoep_folded_from_zero3(ck, tp, dp, stage, ep if ep is not None else ck.experts.ep, layout)
         elif ck.zero_stage == 3 and ck.experts is not None:
             self._autoep_zero3(ck, tp, dp, pp, stage, ep if ep is not None else ck.experts.ep)
         elif ep is not None or (ck.zero_stage != 3 and (ck.experts is not None or ck.moe is not None)):
@@ -208,6 +211,45 @@ class DeepSpeedWriter(Writer):
         self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ax.ep}
         self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": 3, "ep": ep}
         self._notes += self.target.notes
+
+    def _autoep_folded_from_zero3(self, ck: Any, tp: int, dp: int, stage: int, ep: int, layout: TargetLayout) -> None:
+        """An AutoEP ZeRO-3 checkpoint (folded or not) written folded over TP > 1 at ZeRO-1/2
+        (``expert_folded.folded_target``) on its TP 1 view (``target.tp1_view``: the optimizer file
+        recast for ZeRO-1/2, the module's and each per-expert file's weights the fp32 masters cast,
+        as the ZeRO-3 checkpoint keeps no other copy); the dense TP maps as for every folded target."""
+        from . import zero3 as z3
+        from .expert_folded import folded_target
+        from .expert_target import router_aliases
+        from .placement import check_folded_zero3
+        from .target import tp1_view
+
+        check_folded_zero3(ck, ep, tp * dp, tp, 1)
+        group_names, expert_groups, _ = z3.autoep_groups(ck)
+        names = [n for g in group_names for n in g]
+        template, optim, _ = tp1_view(ck)
+        def per_expert_files(state: dict) -> dict:
+            """The ZeRO-1/2 expert format in ``state``'s layer entries, as DeepSpeed's AutoEP ZeRO-1/2
+            save records it."""
+            return {**state, dse.LAYERS_KEY: [{**entry, "checkpoint_format": "per_expert_files",
+                                               "checkpoint_format_version": None} for entry in state[dse.LAYERS_KEY]]}
+
+        template = per_expert_files(template)
+        dense = [n for g, grp in enumerate(group_names) if g not in expert_groups for n in grp]
+        maps, info = self._folded_maps(ck, dense, tp, layout)
+        info = per_expert_files(info) if isinstance(info, dict) and dse.LAYERS_KEY in info else info
+        cfg = template.get("ds_config")
+        clip = cfg.get("gradient_clipping", 0.0) if isinstance(cfg, dict) else 0.0
+        dtype = templates.placeholder_dtype(ck, names)
+        self.target = folded_target(z3.autoep(ck), group_names, template,
+                                    lambda: z3.optim_source_from_zero3(optim(), clip_grad=clip), tp=tp, ep=ep, dp=dp,
+                                    stage=stage, maps=maps, info=info, dtype=dtype, bf16=ck.bf16,
+                                    aliases=router_aliases(template, names, str(ck.model_files[0])),
+                                    group_names=dict.fromkeys(expert_groups, f"ep_size_{ep}"))
+        self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": 3, "ep": ck.experts.ep}
+        self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
+        self._notes += self.target.notes
+        self._notes.append(f"ZeRO-3 -> ZeRO-{stage}: the module's and the per-expert files' weights are the fp32 "
+                           f"masters cast to {dtype}, as the ZeRO-3 checkpoint keeps no other copy")
 
     def _autoep_to_zero3(self, ck: Any, tp: int, dp: int, pp: int, ep: int) -> None:
         """An AutoEP ZeRO-1/2 checkpoint at ZeRO-3 (``--zero-stage 3``)."""

@@ -190,15 +190,44 @@ def test_world_4_written_at_tp1_holds_deepspeeds_consolidation(fixture, ep, stag
     assert differences(oracle, _digests(got)) == []
 
 
-@pytest.mark.parametrize("options", [{"tp": 2, "ep": 2, "zero_stage": 1}, {"tp": 2, "ep": 2, "zero_stage": 2}])
-def test_a_folded_zero12_target_from_it_is_refused_by_name(options, tmp_path):
-    """Written folded at ZeRO-1/2: not built (folded at ZeRO-3 it is: test_experts_folded_zero3_target.py)."""
-    stage = options["zero_stage"]
-    with pytest.raises(ReshardError, match=r"an AutoEP ZeRO-3 checkpoint is written folded over TP \(AutoEP x AutoTP\) "
-                                          rf"at ZeRO-3 only \(asked tp=2, zero stage {stage}\).* --tp 1 writes it "
-                                          "unfolded"):
-        reshard(FIXTURES / NAME, tmp_path / "out", **options)
-    assert not (tmp_path / "out").exists()
+def test_written_folded_at_zero1_is_deepspeeds_folded_layout_and_holds_the_source(tmp_path):
+    """``--tp 2 --ep 2 --zero-stage 1`` (its own TP maps and ``universal_checkpoint_info``): every file
+    DeepSpeed's own folded ZeRO-1 save of this recipe (``mixtral_autoep_ep2_tp2``) has (keys, order,
+    dtypes, shapes, every non-tensor value but ds_config, the folding records); every master and
+    moment DeepSpeed's consolidation of the source."""
+    from tests.formats.deepspeed.test_experts_folded import _shaped
+
+    out = reshard(FIXTURES / NAME, tmp_path / "out", tp=2, ep=2, zero_stage=1).out_dir
+    ref = tag_dir("mixtral_autoep_ep2_tp2")
+    assert sorted(p.name for p in out.glob("*.pt")) == sorted(p.name for p in ref.glob("*.pt"))
+    for p in sorted(ref.glob("*.pt")):
+        assert _shaped(load(out / p.name)) == _shaped(load(p)), p.name
+    new = DeepSpeedCheckpoint.open(out)
+    assert (new.tp, new.dp, new.zero_stage, new.experts.ep, new.experts.folded) == (2, 1, 1, 2, True)
+    got = {n: {s: full_state(new, n, s) for s in STATES} for n in _oracle()}
+    assert differences(_oracle(), _digests(got)) == []
+
+
+@pytest.mark.parametrize("fixture,options", [(NAME, {"ep": 2, "zero_stage": 1}), (NAME, {"ep": 2, "zero_stage": 2}),
+                                             (WORLD4, {"ep": 4, "dp": 2, "zero_stage": 1})])
+def test_written_folded_at_zero12_is_the_route_through_tp1(fixture, options, tmp_path):
+    """Folded at ZeRO-1/2 directly: the files of ``--tp 1 --zero-stage S`` (DeepSpeed's own TP 1 layout,
+    checked above) written folded again (``--layout`` the folded ZeRO-1 fixture, the route from a
+    ZeRO-1/2 source), object for object (keys in order, every value and bit, ds_config too); every
+    master and moment the source's oracle."""
+    from tests.formats.deepspeed.test_experts_folded_from_any import _same_files
+
+    out = reshard(FIXTURES / fixture, tmp_path / "out", tp=2, **options).out_dir
+    world = {**options, "dp": 2 * options.get("dp", 1)}  # the same world at TP 1
+    tp1 = reshard(FIXTURES / fixture, tmp_path / "tp1", tp=1, **world)
+    via = reshard(tp1.out_dir.parent, tmp_path / "via", tp=2, layout=FIXTURES / "mixtral_autoep_ep2_tp2",
+                  **options).out_dir
+    _same_files(out, via, ())
+    new = DeepSpeedCheckpoint.open(out)
+    assert (new.tp, new.zero_stage, new.experts.folded) == (2, options["zero_stage"], True)
+    oracle = _oracle(fixture=fixture)
+    got = {n: {s: full_state(new, n, s) for s in STATES} for n in oracle}
+    assert differences(oracle, _digests(got)) == []
 
 
 # -- planted defects: the checks a folded ZeRO-3 source adds ------------------------------------------------
