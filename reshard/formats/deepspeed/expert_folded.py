@@ -15,7 +15,13 @@ from . import experts as dse
 from . import folding
 from . import zero12 as dsw
 from .checkpoint import DeepSpeedCheckpoint
-from .expert_target import ExpertWeightFiles, _fresh_placement, _with_clip, fresh_model_template, router_aliases
+from .expert_target import (
+    ExpertWeightFiles,
+    _fresh_placement,
+    _with_clip,
+    fresh_model_template,
+    router_aliases,
+)
 from .layout import Group, Layout, Part, Unit
 from .placement import AutoEPPlacement
 from .target import DeepSpeedTarget, unfolded

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-from reshard import ReshardError
 from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
 from reshard.jobs.convert import convert, reshard
