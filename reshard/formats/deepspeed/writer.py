@@ -10,7 +10,8 @@ folder exists, what it cannot write:
 * AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``), an
   AutoEP ZeRO-3 checkpoint at ZeRO-1/2 (its weights the fp32 masters cast), and an AutoEP
   ZeRO-1/2 checkpoint at ZeRO-3;
-* AutoEP folded over TP > 1 (AutoEP x AutoTP) at ZeRO-1/2 and at ZeRO-3 (``expert_folded``).
+* AutoEP folded over TP > 1 (AutoEP x AutoTP) at ZeRO-1/2 and at ZeRO-3 (``expert_folded``), from
+  an AutoEP ZeRO-1/2 or ZeRO-3 source and, with ``--layout``, from a universal, DCP or HF one.
 
 Every kind is one :class:`~reshard.formats.deepspeed.target.DeepSpeedTarget` over a
 :class:`~reshard.formats.deepspeed.layout.Layout` (outer maps, partition groups, flat groups or
