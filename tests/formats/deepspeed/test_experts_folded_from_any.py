@@ -119,3 +119,38 @@ def test_folded_from_a_universal_without_layout_is_refused(tmp_path):
     with pytest.raises(ReshardError, match=r"an AutoEP target at TP=2 from .* saved folded at TP=2 \(--layout\)"):
         reshard(ucp, tmp_path / "out", to="deepspeed", tp=2, ep=2)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_deepspeed_loads_the_folded_outputs_natively(tmp_path):
+    """One world-2 job: DeepSpeed loads, folded at TP 2 x EP 2, reshard's output from the universal
+    checkpoint of ``mixtral_autoep_ep2`` (its digests those of DeepSpeed's own TP 1 load of that
+    checkpoint) and from the folded ZeRO-3 fixture written at ZeRO-1 (its digests that fixture's
+    ``oracle.json``); step 3, ranks agree, and its save right after each load is our files but
+    ``ds_config`` (and ``global_samples``, which the fresh job's files lack)."""
+    pytest.importorskip("deepspeed")
+    import json
+
+    from tests.e2e.digest import differences
+    from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
+
+    zero3 = FIXTURES / "mixtral_autoep_ep2_tp2_zero3"
+    ucp = convert(FIXTURES / SOURCE, tmp_path / "u", fmt="universal").out_dir.parent
+    outs = {"from_universal": reshard(ucp, tmp_path / "a", to="deepspeed", tp=2, ep=2, layout=LAYOUT).out_dir,
+            "from_zero3": reshard(zero3, tmp_path / "b", tp=2, ep=2, zero_stage=1).out_dir}
+    spec = model_spec_from_fixture(LAYOUT)
+    tp1 = model_spec_from_fixture(LAYOUT)
+    tp1["ds_config"].pop("tensor_parallel")
+    loads = [resume_load("unfolded", FIXTURES / SOURCE, model_spec=tp1, tp=1, dp=2, universal=False)]
+    loads += [resume_load(k, out.parent, model_spec=spec, tp=2, dp=1, universal=False, save_dir=tmp_path / f"n_{k}")
+              for k, out in outs.items()]
+    reports = resume_many(loads, world_size=2, workdir=tmp_path / "job")
+    want = {"from_universal": reports["unfolded"]["digests"]["after_load"],
+            "from_zero3": json.loads((zero3 / "oracle.json").read_text())["digests"]}
+    for k, out in outs.items():
+        r = reports[k]
+        assert differences(want[k], r["digests"]["after_load"]) == [], k
+        assert r["global_steps_after_load"] == 3 and r["optimizer_step_after_load"] == [3.0], k
+        assert r["ranks_agree"] and r["layouts"]["model.layers.0.mlp.experts.w1"] == "autoep", k
+        _same_files(out, tmp_path / f"n_{k}" / out.name, FRESH)
