@@ -1,0 +1,66 @@
+"""DeepSpeed AutoEP under pipeline parallelism at TP 1 (docs/deepspeed-checkpoints.md §11.4): the
+``mixtral_autoep_ep2_pp2`` fixture (PP 2 x DP 2, EP 2 per stage, ZeRO-1, saved by DeepSpeed 0.19.8) read.
+
+The oracle is DeepSpeed's own consolidation of the fixture (``oracle.json`` beside it): the fixture's
+pipeline job (``scripts/_fixture_autoep_pipe.py``) loads it natively and digests every parameter's whole
+fp32 master, Adam moments and module weight on its stage (experts gathered over the stage's EP group).
+DeepSpeed's ``ds_to_universal`` refuses this layout (``autoep_universal.py:153``). The slow test re-runs
+that load and checks the committed oracle. Re-write the oracle with
+``python -m tests.formats.deepspeed.test_autoep_pipe``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.support.dsconv import FIXTURES
+
+NAME = "mixtral_autoep_ep2_pp2"
+ORACLE = FIXTURES / NAME / "oracle.json"
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def native_digests(work: Path) -> dict:
+    """DeepSpeed's pipeline job loads the fixture (no step) and digests every stage's parameters."""
+    from tests.e2e.launch import REPO, launch
+
+    fx = json.loads((FIXTURES / NAME / "fixture.json").read_text())
+    spec = {"model_type": fx["model_type"], "model_config": fx["model_config"], "ds_config": fx["ds_config"],
+            "steps": 0, "seed": fx["seed"], "seq_len": fx["data"]["seq_len"], "micro_batch": fx["data"]["micro_batch"],
+            "save_dir": str(work / "native"), "tag": fx["tag"], "report_dir": str(work / "report"),
+            "patches": fx["patches"], "load_dir": str(FIXTURES / NAME), "digests_out": str(work / "digests.json")}
+    launch(REPO / "scripts" / "_fixture_autoep_pipe.py", spec, world_size=fx["world_size"], workdir=work)
+    return json.loads((work / "digests.json").read_text())
+
+
+def write_oracle(work: Path) -> None:
+    got = native_digests(work)
+    ORACLE.write_text(json.dumps({
+        "what": "DeepSpeed 0.19.8's own consolidation of this checkpoint: its pipeline job "
+                "(scripts/_fixture_autoep_pipe.py, PP 2 x DP 2, EP 2 per stage) loads it natively "
+                "(engine.load_checkpoint) and each stage digests every parameter's fp32 master, Adam moments and "
+                "module weight, whole (tests/e2e/resume_train.collect: experts gathered over the stage's EP "
+                "group); written by `python -m tests.formats.deepspeed.test_autoep_pipe`",
+        "global_steps_after_load": got["global_steps"], "digests": got["digests"]}, indent=1) + "\n")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_deepspeeds_pipeline_load_gives_the_committed_oracle(tmp_path):
+    pytest.importorskip("deepspeed")
+    from tests.e2e.digest import differences
+
+    got = native_digests(tmp_path)
+    oracle = json.loads(ORACLE.read_text())
+    assert got["global_steps"] == oracle["global_steps_after_load"] == 3
+    assert differences(oracle["digests"], got["digests"]) == []
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as d:
+        write_oracle(Path(d))
+    print(f"wrote {ORACLE}", file=sys.stderr)
