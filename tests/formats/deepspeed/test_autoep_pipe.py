@@ -64,3 +64,67 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         write_oracle(Path(d))
     print(f"wrote {ORACLE}", file=sys.stderr)
+
+
+# -- read: universal / DCP / HF equal DeepSpeed's own consolidation ------------------------------------------
+
+
+def _oracle(kinds: tuple[str, ...] = STATES) -> dict:
+    digests = json.loads(ORACLE.read_text())["digests"]
+    return {n: {k: d[k] for k in kinds if k in d} for n, d in digests.items()}
+
+
+def _digests(tensors: dict) -> dict:
+    from tests.e2e.digest import digest
+
+    return {n: {k: digest(n, t) for k, t in states.items()} for n, states in tensors.items()}
+
+
+EXPERTS = [f"{layer}.mlp.experts.{w}" for layer in (1, 2) for w in ("w1", "w2", "w3")]
+ALIASES = {"1.mlp.gate.gate.weight", "2.mlp.gate.gate.weight"}
+
+
+def test_reads_each_stages_experts():
+    from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+
+    ck = DeepSpeedCheckpoint.open(FIXTURES / NAME)
+    ax = ck.experts
+    assert (ck.tp, ck.pp, ck.dp, ax.ep, ax.edp, ax.pp) == (1, 2, 2, 2, 1, 2)
+    assert {n: ax.stage(n) for n in EXPERTS} == {n: int(n[0]) - 1 for n in EXPERTS}
+    assert [ax.holder_ranks(h) for h in range(4)] == [[0], [2], [1], [3]]  # global rank dp * 2 + stage
+    assert ck.layout.composite("2.mlp.experts.w1").ranks == (1, 3)
+    assert set(ax.aliases) == ALIASES
+
+
+def test_universal_holds_deepspeeds_own_consolidation(tmp_path):
+    import torch
+
+    from reshard.jobs.convert import convert
+    from reshard.storage.safe_load import load
+    from tests.e2e.digest import differences
+
+    out = convert(FIXTURES / NAME, tmp_path, fmt="universal").out_dir
+
+    def read(name: str, state: str) -> torch.Tensor:
+        obj = load(out / "zero" / name / f"{state}.pt", mmap=False)
+        return obj["param"] if isinstance(obj, dict) else obj
+
+    got = {n: {s: read(n, s) for s in STATES} for n in _oracle()}
+    assert differences(_oracle(), _digests(got)) == []
+    assert {d.name for d in (out / "zero").iterdir() if d.is_dir()} == set(_oracle()) | ALIASES
+
+
+def test_dcp_holds_deepspeeds_own_consolidation(tmp_path):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from reshard.jobs.convert import convert
+    from tests.e2e.digest import differences
+
+    out = convert(FIXTURES / NAME, tmp_path / "dcp", fmt="dcp").out_dir
+    dcp_to_torch_save(out, tmp_path / "whole.pt")
+    sd = torch.load(tmp_path / "whole.pt", weights_only=True)
+    model, state = sd["model"], sd["optim"]["state"]
+    got = {n: {"module": w, **{m: state[n][m] for m in STATES[1:]}} for n, w in model.items() if n in state}
+    assert set(got) == set(_oracle())
+    assert differences(_oracle(("module", "exp_avg", "exp_avg_sq")), _digests(got)) == []
