@@ -128,3 +128,44 @@ def test_dcp_holds_deepspeeds_own_consolidation(tmp_path):
     got = {n: {"module": w, **{m: state[n][m] for m in STATES[1:]}} for n, w in model.items() if n in state}
     assert set(got) == set(_oracle())
     assert differences(_oracle(("module", "exp_avg", "exp_avg_sq")), _digests(got)) == []
+
+
+def test_safetensors_holds_deepspeeds_module_weights(tmp_path):
+    """The whole weights in the pipeline's own names (experts fused ``[num_experts, ...]``); the router
+    alias written once, as the router."""
+    from safetensors.torch import load_file
+
+    from reshard.jobs.convert import convert
+    from tests.e2e.digest import differences
+
+    out = convert(FIXTURES / NAME, tmp_path / "st", fmt="safetensors").out_dir
+    weights = load_file(out / "model.safetensors")
+    got = {n: {"module": t} for n, t in weights.items() if n not in ALIASES}
+    assert set(got) == set(_oracle())
+    assert differences(_oracle(("module",)), _digests(got)) == []
+
+
+def test_hf_names_are_refused_for_a_pipeline_module(tmp_path):
+    """A PipelineModule names its layers by index (``1.mlp``): a model of the user's own, with no
+    transformers names, so an HF export is refused by name, before any output."""
+    from reshard import ReshardError
+    from reshard.jobs.convert import convert
+
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    full = json.loads((FIXTURES / NAME / "fixture.json").read_text())["model_config_full"]
+    (cfg / "config.json").write_text(json.dumps(dict(full, architectures=["MixtralForCausalLM"])))
+    with pytest.raises(ReshardError, match=r"1\.mlp: an AutoEP MoE module .* a pipeline \(deepspeed\.pipe\) module "
+                                           r"names its layers by their index"):
+        convert(FIXTURES / NAME, tmp_path / "hf", fmt="hf", hf_config=cfg)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_inspect_shows_the_stages_experts(capsys):
+    from reshard.cli import main
+
+    assert main(["inspect", str(FIXTURES / NAME)]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSpeed TP=1 DP=2 PP=2 ZeRO-1" in out and "EP=2" in out
+    for name in EXPERTS:
+        assert name in out
