@@ -111,7 +111,7 @@ class AutoEP:
 
 
 def _under_pipeline(ck: DeepSpeedCheckpoint, where: str) -> str:
-    """Why AutoEP under pipeline parallelism is not read, in DeepSpeed 0.19.8's terms
+    """Why this AutoEP checkpoint under pipeline parallelism is not read, in DeepSpeed 0.19.8's terms
     (docs/deepspeed-checkpoints.md §11.4, fixture ``mixtral_autoep_ep2_pp2``)."""
     topo = f"ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp}, DP={ck.dp}"
     if ck.tp > 1:  # DeepSpeed refuses to train it: no DeepSpeed 0.19.8 job wrote these files
@@ -119,14 +119,9 @@ def _under_pipeline(ck: DeepSpeedCheckpoint, where: str) -> str:
                 "checkpoint: deepspeed.initialize refuses that job in validate_folding_global "
                 "(deepspeed/module_inject/auto_ep_folding.py:207: \"AutoEP+AutoTP folding currently supports "
                 f"pp_size=1 only; got pp_size={ck.pp}. Pipeline-parallel validation is planned separately.\")")
-    return (f"{where}: AutoEP under pipeline parallelism ({topo}) is not read yet. DeepSpeed 0.19.8 trains, saves "
-            "and reloads it at TP 1, in a layout of its own: _save_moe_checkpoint bypasses the pipeline's per-layer "
-            "files, so each stage S writes mp_rank_0S_model_states.pt with its own ds_autoep_layers (moe_layer_id "
-            "counted from 0 on every stage) and per-expert files layer_<id>_expert_<e>_mp_rank_0S; reshard lays out "
-            "neither the stages' expert groups nor those files, and DeepSpeed's own ds_to_universal refuses them too "
-            "(deepspeed/checkpoint/autoep_universal.py:153: \"Multiple expert checkpoint files found for layer_0 "
-            "expert_0 ... Multi-mp_rank expert files are not yet supported.\"). Load it with a DeepSpeed pipeline "
-            "job of the same topology")
+    return (f"{where}: AutoEP under pipeline parallelism ({topo}) is read at ZeRO-1 only: DeepSpeed 0.19.8's "
+            "pipeline engine refuses ZeRO-2 and ZeRO-3 (PipelineEngine: \"ZeRO-2 and ZeRO-3 are incompatible with "
+            "pipeline parallelism\"), so no DeepSpeed job wrote these files")
 
 
 def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
@@ -145,7 +140,7 @@ def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
         raise CheckpointError(f"{where}: AutoEP experts at TP > 1 are read only from DeepSpeed's folded "
                               f"checkpoints (PP = 1, a '{folding.KEY}' record; this one: ZeRO-{ck.zero_stage}, "
                               f"TP={ck.tp}, PP={ck.pp})")
-    if ck.pp != 1 and ck.zero_stage == 3:  # DeepSpeed's pipeline engine refuses ZeRO-3
+    if ck.pp != 1 and ck.zero_stage >= 2:  # DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3
         raise CheckpointError(_under_pipeline(ck, where))
     params: dict[str, ExpertParam] = {}
     stages: dict[str, int] = {}

@@ -169,3 +169,69 @@ def test_inspect_shows_the_stages_experts(capsys):
     assert "DeepSpeed TP=1 DP=2 PP=2 ZeRO-1" in out and "EP=2" in out
     for name in EXPERTS:
         assert name in out
+
+
+# -- planted defects: refused naming the file, before any output ---------------------------------------------
+
+
+def _copy(tmp_path: Path) -> Path:
+    import shutil
+
+    root = tmp_path / "src"
+    shutil.copytree(FIXTURES / NAME, root)
+    return root
+
+
+def _plant_layers(root: Path, change) -> None:
+    import torch
+
+    path = root / "global_step3" / "mp_rank_01_model_states.pt"
+    state = torch.load(path, weights_only=False)
+    for key in ("ds_autoep_layers",):
+        change(state[key][0])
+    change(state["universal_checkpoint_info"]["ds_autoep_layers"][0])
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda e: e.update(num_experts=8), r"mp_rank_01_model_states.pt: ds_autoep_layers\[0\]"),
+    (lambda e: e["expert_placement"]["ranks"][1].update(experts=[3, 2]), r"mp_rank_01_model_states.pt: ds_autoep_layers"),
+    (lambda e: e.update(expert_key_prefix="2.mlp.moe"), r"mp_rank_01_model_states.pt: ds_autoep_layers\[0\]"),
+    (lambda e: e.update(expert_data_parallel_world_size=2), r"mp_rank_01_model_states.pt: ds_autoep_layers\[0\]: "
+                                                            r"expert_data_parallel_world_size is 2"),
+], ids=["num_experts", "placement", "prefix", "edp"])
+def test_a_stages_wrong_layer_record_is_refused_naming_its_file(change, match, tmp_path):
+    from reshard import ReshardError
+    from reshard.jobs.convert import convert
+
+    root = _copy(tmp_path)
+    _plant_layers(root, change)
+    with pytest.raises(ReshardError, match=match):
+        convert(root, tmp_path / "out", fmt="universal")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stages_record_differing_from_its_copy_is_refused(tmp_path):
+    import torch
+
+    from reshard import ReshardError
+    from reshard.jobs.convert import convert
+
+    root = _copy(tmp_path)
+    path = root / "global_step3" / "mp_rank_01_model_states.pt"
+    state = torch.load(path, weights_only=False)
+    state["ds_autoep_layers"][0]["moe_layer_id"] = 1
+    torch.save(state, path)
+    with pytest.raises(ReshardError, match=r"mp_rank_01_model_states.pt: universal_checkpoint_info.ds_autoep_layers"):
+        convert(root, tmp_path / "out", fmt="universal")
+
+
+def test_a_missing_expert_file_is_refused_naming_it(tmp_path):
+    from reshard import ReshardError
+    from reshard.jobs.convert import convert
+
+    root = _copy(tmp_path)
+    (root / "global_step3" / "layer_0_expert_3_mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(ReshardError, match=r"per-expert files missing: \['layer_0_expert_3_mp_rank_01_model_states.pt"):
+        convert(root, tmp_path / "out", fmt="universal")
+    assert not (tmp_path / "out").exists()
