@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from reshard import ReshardError
-from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.placement import DEEPSPEED_FOLDING_REFUSALS
-from reshard.jobs.convert import convert, reshard
+from reshard.jobs.convert import reshard
 from reshard.storage.safe_load import load
 from tests.support.dsconv import FIXTURES, tag_dir
 
