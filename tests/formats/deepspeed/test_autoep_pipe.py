@@ -169,6 +169,8 @@ def test_inspect_shows_the_stages_experts(capsys):
     assert "DeepSpeed TP=1 DP=2 PP=2 ZeRO-1" in out and "EP=2" in out
     for name in EXPERTS:
         assert name in out
+    assert "EP rank of DP rank d in its stage: d % 2; global rank g = d * 2 + stage" in out
+    assert "EDP groups: stage 0 EP 0: rank 0; stage 0 EP 1: rank 2; stage 1 EP 0: rank 1; stage 1 EP 1: rank 3" in out
 
 
 # -- planted defects: refused naming the file, before any output ---------------------------------------------
