@@ -237,3 +237,24 @@ def test_a_missing_expert_file_is_refused_naming_it(tmp_path):
     with pytest.raises(ReshardError, match=r"per-expert files missing: \['layer_0_expert_3_mp_rank_01_model_states.pt"):
         convert(root, tmp_path / "out", fmt="universal")
     assert not (tmp_path / "out").exists()
+
+
+def test_its_universal_checkpoint_reads_back_as_the_oracle(tmp_path):
+    """reshard's universal checkpoint of it (each stage's model state beside ``zero/``, every stage's
+    router alias a folder) is a source again: its DCP equals the oracle."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from reshard.jobs.convert import convert
+    from tests.e2e.digest import differences
+
+    ucp = convert(FIXTURES / NAME, tmp_path / "ucp", fmt="universal").out_dir
+    # the router aliases: dropped, as from a non-pipeline AutoEP universal checkpoint (DCP holds no alias)
+    out = convert(ucp, tmp_path / "dcp", fmt="dcp", drop=[r"\.gate\.gate\.weight$"]).out_dir
+    dcp_to_torch_save(out, tmp_path / "whole.pt")
+    sd = torch.load(tmp_path / "whole.pt", weights_only=True)
+    model, state = sd["model"], sd["optim"]["state"]
+    # a universal checkpoint holds no module weight: DCP's model weight is the fp32 master
+    got = {n: {"fp32": w, **{m: state[n][m] for m in STATES[1:]}} for n, w in model.items() if n in state}
+    assert set(got) == set(_oracle())
+    assert differences(_oracle(), _digests(got)) == []
