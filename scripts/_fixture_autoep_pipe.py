@@ -87,6 +87,30 @@ def build(model_config: dict, seed: int):
     return model
 
 
+def _write_digests(engine, out: str) -> None:
+    """The oracle: right after the native load, every stage digests each of its parameters' whole fp32
+    master, Adam moments and module weight (``tests/e2e/resume_train.collect``: experts gathered over
+    their EP group and put back with the placement's affine map); rank 0 merges the stages and writes
+    ``{"digests": ..., "global_steps": ...}``, after checking that the DP replicas of a stage agree."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
+    from resume_train import TPGather, collect, link_optimizer_state_views
+
+    link_optimizer_state_views(engine)
+    mine = collect(engine, TPGather({}))
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, (int(engine.stage_id), mine))
+    if torch.distributed.get_rank() != 0:
+        return
+    merged: dict = {}
+    for stage, digests in every:
+        for name, entry in digests.items():
+            if name in merged and merged[name] != entry:
+                raise RuntimeError(f"stage {stage}: the replicas of {name} differ")
+            merged[name] = entry
+    with open(out, "w") as f:
+        json.dump({"global_steps": int(engine.global_steps), "digests": merged}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
@@ -113,6 +137,8 @@ def main() -> None:
         load_path, _ = engine.load_checkpoint(spec["load_dir"])
         if load_path is None:
             raise RuntimeError(f"load_checkpoint({spec['load_dir']!r}) loaded nothing")
+        if spec.get("digests_out"):
+            _write_digests(engine, spec["digests_out"])
     ids = _fixture_train.fixed_batch(spec, model.config.vocab_size, dp_rank, dp_world)
     batch = (ids, ids.roll(-1, dims=1))
 

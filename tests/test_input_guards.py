@@ -28,6 +28,8 @@ REFUSAL_TESTS = ("tests/formats/deepspeed/test_recorded_maps.py", "tests/formats
                  "tests/formats/test_routes.py::test_targets_a_source_cannot_give_are_refused_before_anything_exists",
                  "tests/formats/deepspeed/test_experts_folded.py::test_a_wrong_folding_record_is_refused_naming_it",
                  "tests/formats/deepspeed/test_autoep_limits.py",
+                 "tests/formats/deepspeed/test_autoep_pipe.py::test_a_stages_wrong_layer_record_is_refused_naming_its_file",
+                 "tests/formats/deepspeed/test_autoep_pipe.py::test_a_missing_expert_file_is_refused_naming_it",
                  "tests/formats/deepspeed/test_experts_folded_zero3.py::"
                  "test_a_wrong_folded_zero3_record_is_refused_naming_it",
                  "tests/formats/deepspeed/test_experts_folded_zero3_target.py::"

@@ -260,10 +260,16 @@ def _expert_lines(src: Inspected) -> list[str]:
     if ax.folded:
         which = f"g % {ax.ep}, folded over TP={ax.tp}: g = dp * {ax.tp} + tp"
     groups = "; ".join(f"EP {e}: {r} {', '.join(str(d) for d in ax.members(e))}" for e in range(ax.ep))
+    of = f"{rank} {'g' if ax.folded else 'd'}"
+    if ax.pp > 1:  # each stage its own experts over its own EP groups: holder stage * EP + e, global ranks
+        rank, r, of = "global rank", "rank", "DP rank d in its stage"
+        which += f"; global rank g = d * {ax.pp} + stage"
+        groups = "; ".join(f"stage {h // ax.ep} EP {h % ax.ep}: {r} {', '.join(str(g) for g in ax.holder_ranks(h))}"
+                           for h in range(ax.pp * ax.ep))
     per = edp_elements(ck)
     return ["", f"AutoEP experts: {len(ax.params)} fused parameter(s) over EP={ax.ep} (in the TP view their maps' ranks "
                 f"are EP ranks); their optimizer group is cut over each EP rank's expert-data-parallel group, EDP={ax.edp} "
-                f"(EP rank of {rank} {'g' if ax.folded else 'd'}: {which})",
+                f"(EP rank of {of}: {which})",
             f"  EDP groups: {groups}",
             f"  expert elements per {rank}: " + ", ".join(f"{r} {d} {n}" for d, n in sorted(per.items()))]
 

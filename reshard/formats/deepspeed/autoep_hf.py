@@ -72,6 +72,13 @@ def _modules(doc: dict, names: Sequence[str]) -> tuple[list[str], str | None]:
     return list(found), shown
 
 
+# a deepspeed.pipe PipelineModule names its layers by index ("1.mlp"): a model of the user's own, not
+# a transformers class, so its weights have no transformers names (docs/deepspeed-checkpoints.md §11.4)
+PIPELINE_NAMES = ("; a pipeline (deepspeed.pipe) module names its layers by their index in the PipelineModule, "
+                  "so its weights have no transformers names: convert it to safetensors, universal or DCP, which "
+                  "keep its own names")
+
+
 class AutoEPHfView(ReaderView):
     """``inner`` (in AutoEP's names) in the HF names of ``config``'s model (module doc)."""
 
@@ -89,7 +96,7 @@ class AutoEPHfView(ReaderView):
             if re.fullmatch(spec["source"], module) is None:
                 raise ReshardError(f"{where}: {module}: an AutoEP MoE module that DeepSpeed's {self.preset} preset "
                                    f"does not place in Hugging Face names ({AUTOEP_DOC.name}: "
-                                   f"{spec['source']!r})")
+                                   f"{spec['source']!r})" + (PIPELINE_NAMES if module.split(".")[0].isdigit() else ""))
             for entry in spec["params"]:
                 hf = entry["hf"].replace("{source}", module)
                 names = [n.replace("{module}", module) for n in _autoep_names(entry)]

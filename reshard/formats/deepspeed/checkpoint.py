@@ -200,6 +200,8 @@ class DeepSpeedCheckpoint:
         for m, shapes in enumerate(self.param_shapes):
             for n in shapes:
                 out.setdefault(n, m // self.tp)
+        if self.experts is not None:  # AutoEP's router aliases: their stage's model state
+            out.update({n: s for n, s in self.experts.stages.items() if n not in out})
         return out
 
     def stage_of(self, name: str) -> int:
@@ -258,7 +260,7 @@ class DeepSpeedCheckpoint:
         if (q := self.moe_param(name)) is not None:
             return deepspeed_moe.lowered(q)
         if self._alias(name):  # a module weight the optimizer does not own: as ds_to_universal, no extra keys
-            shape = tuple(self.model_state(0)["module"][name].shape)
+            shape = tuple(self.model_state(self.mp_rank(name, 0))["module"][name].shape)
             return lowering.Lowered(lowering.lower_replicated([shape]), "module only")
         key = ("tp_map", name)  # lowered (and a recorded map checked) once per parameter
         if key in self._cache:
@@ -275,7 +277,8 @@ class DeepSpeedCheckpoint:
         """``name``'s outer map: its TP map (an AutoEP expert's placement over EP ranks, a classic
         MoE expert's EP rank) on its stage's model-parallel ranks ``stage * tp + t``."""
         m = self.tp_map(name).map
-        base = self.stage_of(name) * self.tp
+        # a stage's holders: its TP ranks, or for an AutoEP expert its EP ranks (holder stage * ep + e)
+        base = self.stage_of(name) * (self.experts.ep if self.expert(name) is not None else self.tp)
         return m if base == 0 else m.with_ranks({t: base + t for t in m.ranks})
 
     @cached_property

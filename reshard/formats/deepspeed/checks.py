@@ -261,7 +261,7 @@ def check_expert_files(ck: Any, dtype: torch.dtype) -> None:
         for p in ax.params.values():
             for e, xs in enumerate(p.experts_by_rank):  # folded: one file per TP rank of its writers
                 for x in xs:
-                    for t in tps[e]:
+                    for t in (tps[e] if ax.folded else [ax.stage(p.name)]):  # PP: named by the stage (TP 1)
                         fname = f"layer_{p.layer}_expert_{x}_mp_rank_{t:02d}_model_states.pt"
                         want.setdefault(fname, {})[f"{p.name}.{x}"] = tuple(p.full_shape[1:])
                         ep_of[fname] = (e, t)

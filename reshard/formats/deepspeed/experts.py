@@ -30,7 +30,7 @@ state records the experts of its own EP rank, and every file a ``folding`` recor
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import CheckpointError, ReshardError
@@ -82,6 +82,8 @@ class AutoEP:
     data_before_expert: bool
     aliases: tuple[str, ...]  # module entries the optimizer does not own (router aliases)
     tp: int = 1  # > 1: DeepSpeed's folding, the EP groups laid over the TP lanes (global ranks)
+    pp: int = 1  # > 1: pipeline stages (TP 1), each with its own experts over its own EP groups
+    stages: Mapping[str, int] = field(default_factory=dict)  # PP > 1: the stage of each expert and alias
 
     @property
     def folded(self) -> bool:
@@ -98,9 +100,18 @@ class AutoEP:
     def global_rank(self, e: int, k: int) -> int:
         return self.members(e)[k]
 
+    def holder_ranks(self, h: int) -> list[int]:
+        """Expert holder ``h``'s partition group, as global ranks ``dp_rank * pp + stage``: holder
+        ``stage * ep + e`` is stage ``stage``'s EP rank ``e`` (PP 1: holder ``e``, :meth:`members`)."""
+        s, e = divmod(h, self.ep)
+        return [g * self.pp + s for g in self.members(e)]
+
+    def stage(self, name: str) -> int:
+        return self.stages.get(name, 0)
+
 
 def _under_pipeline(ck: DeepSpeedCheckpoint, where: str) -> str:
-    """Why AutoEP under pipeline parallelism is not read, in DeepSpeed 0.19.8's terms
+    """Why this AutoEP checkpoint under pipeline parallelism is not read, in DeepSpeed 0.19.8's terms
     (docs/deepspeed-checkpoints.md §11.4, fixture ``mixtral_autoep_ep2_pp2``)."""
     topo = f"ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp}, DP={ck.dp}"
     if ck.tp > 1:  # DeepSpeed refuses to train it: no DeepSpeed 0.19.8 job wrote these files
@@ -108,71 +119,90 @@ def _under_pipeline(ck: DeepSpeedCheckpoint, where: str) -> str:
                 "checkpoint: deepspeed.initialize refuses that job in validate_folding_global "
                 "(deepspeed/module_inject/auto_ep_folding.py:207: \"AutoEP+AutoTP folding currently supports "
                 f"pp_size=1 only; got pp_size={ck.pp}. Pipeline-parallel validation is planned separately.\")")
-    return (f"{where}: AutoEP under pipeline parallelism ({topo}) is not read yet. DeepSpeed 0.19.8 trains, saves "
-            "and reloads it at TP 1, in a layout of its own: _save_moe_checkpoint bypasses the pipeline's per-layer "
-            "files, so each stage S writes mp_rank_0S_model_states.pt with its own ds_autoep_layers (moe_layer_id "
-            "counted from 0 on every stage) and per-expert files layer_<id>_expert_<e>_mp_rank_0S; reshard lays out "
-            "neither the stages' expert groups nor those files, and DeepSpeed's own ds_to_universal refuses them too "
-            "(deepspeed/checkpoint/autoep_universal.py:153: \"Multiple expert checkpoint files found for layer_0 "
-            "expert_0 ... Multi-mp_rank expert files are not yet supported.\"). Load it with a DeepSpeed pipeline "
-            "job of the same topology")
+    return (f"{where}: AutoEP under pipeline parallelism ({topo}) is read at ZeRO-1 only: DeepSpeed 0.19.8's "
+            "pipeline engine refuses ZeRO-2 and ZeRO-3 (PipelineEngine: \"ZeRO-2 and ZeRO-3 are incompatible with "
+            "pipeline parallelism\"), so no DeepSpeed job wrote these files")
 
 
 def read(ck: DeepSpeedCheckpoint) -> AutoEP | None:
     """The experts ``ck`` records in ``ds_autoep_layers``, checked against the optimizer files;
-    ``None`` without AutoEP."""
+    ``None`` without AutoEP. Under pipeline parallelism (TP 1) every stage's model state records its
+    own layers (``moe_layer_id`` from 0 on each stage, ``module_path`` the pipeline's global layer
+    index): they are merged, each parameter with its stage."""
     state, path = ck.model_state(0), ck.model_files[0]
     layers = state.get(LAYERS_KEY)
     if layers is None:
         return None
     where = f"{path}: {LAYERS_KEY}"
-    if ck.pp != 1:
+    if ck.pp != 1 and ck.tp != 1:
         raise CheckpointError(_under_pipeline(ck, where))
-    if ck.mp != 1 and folding.KEY not in state:
+    if ck.tp != 1 and folding.KEY not in state:
         raise CheckpointError(f"{where}: AutoEP experts at TP > 1 are read only from DeepSpeed's folded "
                               f"checkpoints (PP = 1, a '{folding.KEY}' record; this one: ZeRO-{ck.zero_stage}, "
                               f"TP={ck.tp}, PP={ck.pp})")
-    if not isinstance(layers, list) or not layers:
-        raise CheckpointError(f"{where}: expected a non-empty list of layer entries, got {type(layers).__name__}")
-    if ck.zero_stage == 3:
-        _check_z3_format(layers, where)
-    groups = ck.groups(0)
+    if ck.pp != 1 and ck.zero_stage >= 2:  # DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3
+        raise CheckpointError(_under_pipeline(ck, where))
     params: dict[str, ExpertParam] = {}
-    for i, layer in enumerate(layers):
-        for p in _layer_params(layer, groups, f"{where}[{i}]"):
-            if p.name in params:
-                raise CheckpointError(f"{where}: expert parameter {p.name!r} is described twice")
-            params[p.name] = p
-    _same_copies(state, path)
+    stages: dict[str, int] = {}
+    aliases: list[str] = []
+    expert_groups: set[int] = set()
+    all_layers: list = []
+    for s in range(ck.pp):  # the stage's model-parallel rank (TP 1 under PP): its own record
+        state, path = ck.model_state(s * ck.tp), ck.model_files[s * ck.tp]
+        layers, where = state.get(LAYERS_KEY), f"{path}: {LAYERS_KEY}"
+        if not isinstance(layers, list) or not layers:
+            raise CheckpointError(f"{where}: expected a non-empty list of layer entries, got {type(layers).__name__}"
+                                  + (f" (stage {s} of {ck.pp}: every stage records its own MoE layers)" if s else ""))
+        if ck.zero_stage == 3:
+            _check_z3_format(layers, where)
+        groups = ck.groups(s * ck.tp)
+        stage_params: dict[str, ExpertParam] = {}
+        for i, layer in enumerate(layers):
+            for p in _layer_params(layer, groups, f"{where}[{i}]"):
+                if p.name in params or p.name in stage_params:
+                    raise CheckpointError(f"{where}: expert parameter {p.name!r} is described twice")
+                stage_params[p.name] = p
+                stages[p.name] = s
+        _same_copies(state, path)
+        stage_groups = frozenset(p.group for p in stage_params.values())
+        for g in stage_groups:
+            strays = [n for n in groups[g] if n not in stage_params]
+            if strays:
+                raise CheckpointError(f"{path}: optimizer group {g} holds experts and also {strays[:3]}, which "
+                                      f"{LAYERS_KEY} does not describe")
+        if s and stage_groups != frozenset(expert_groups):
+            raise CheckpointError(f"{path}: stage {s}'s experts are in optimizer group(s) {sorted(stage_groups)}, "
+                                  f"stage 0's in {sorted(expert_groups)}: DeepSpeed puts them in the same group")
+        expert_groups |= stage_groups
+        params.update(stage_params)
+        all_layers += [(layer, f"{where}[{i}]") for i, layer in enumerate(layers)]
+        owned = {n for g in groups for n in g}
+        # under ZeRO-3 the router alias is a 0-element placeholder: nothing to convert (ds_to_universal
+        # writes nothing for it either); the module placeholders are carried as they are
+        stage_aliases = () if ck.zero_stage == 3 else _unowned(state, owned, str(path))
+        aliases += stage_aliases
+        stages.update(dict.fromkeys(stage_aliases, s))
     eps = {p.ep for p in params.values()}
-    world = ck.mp * ck.dp  # folded (TP > 1): the EP groups span the TP lanes of all ranks
+    world = ck.tp * ck.dp  # folded (TP > 1): the EP groups span the TP lanes of all ranks; PP: of one stage
+    where = f"{ck.model_files[0]}: {LAYERS_KEY}"
     if len(eps) != 1 or world % next(iter(eps)):
         raise CheckpointError(f"{where}: EP sizes {sorted(eps)} do not divide the world size {world} (TP={ck.tp}, "
-                              f"DP={ck.dp}) as one EP group")
+                              f"DP={ck.dp}{f', per stage of PP={ck.pp}' if ck.pp > 1 else ''}) as one EP group")
     ep = eps.pop()
     edp = world // ep
-    for i, layer in enumerate(layers):  # what DeepSpeed records of the writing rank's EDP group
+    for layer, at in all_layers:  # what DeepSpeed records of the writing rank's EDP group
         size = layer.get("expert_data_parallel_world_size")
         if size is not None and size != edp:
-            raise CheckpointError(f"{where}[{i}]: expert_data_parallel_world_size is {size}, but world size {world} "
+            raise CheckpointError(f"{at}: expert_data_parallel_world_size is {size}, but world size {world} "
                                   f"over EP={ep} leaves EDP={edp}")
-    expert_groups = frozenset(p.group for p in params.values())
-    for g in expert_groups:
-        strays = [n for n in groups[g] if n not in params]
-        if strays:
-            raise CheckpointError(f"{path}: optimizer group {g} holds experts and also {strays[:3]}, which "
-                                  f"{LAYERS_KEY} does not describe")
-    cfg = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
-    owned = {n for g in groups for n in g}
-    # under ZeRO-3 the router alias is a 0-element placeholder: nothing to convert (ds_to_universal
-    # writes nothing for it either); the module placeholders are carried as they are
-    aliases = () if ck.zero_stage == 3 else _unowned(state, owned, str(path))
-    ax = AutoEP(params, expert_groups, ep, edp, bool(cfg.get("use_data_before_expert_parallelism", False)), aliases,
-                ck.tp)
+    cfg = ck.model_state(0).get("ds_config")
+    cfg = cfg if isinstance(cfg, dict) else {}
+    ax = AutoEP(params, frozenset(expert_groups), ep, edp, bool(cfg.get("use_data_before_expert_parallelism", False)),
+                tuple(aliases), ck.tp, ck.pp, stages if ck.pp > 1 else {})
     if ax.folded:
         folding.check_layers(ck, ax)
     if ck.zero_stage == 3:
-        _check_z3_partitions(ck, ax, len(groups))
+        _check_z3_partitions(ck, ax, len(ck.groups(0)))
     return ax
 
 

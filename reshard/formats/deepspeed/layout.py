@@ -237,7 +237,11 @@ def source(ck: Recorded, align: int, outer: Callable[[str], ParamMap] | None = N
     rule = "sub" if ck.zero_stage == 3 else "flat"
     units = []
     for k in range(len(ck.groups(0))):
-        if experts is not None and k in experts.groups:
+        if ck.experts is not None and k in ck.experts.groups:  # holder s * ep + e: stage s's EP rank e
+            ax = ck.experts
+            edp = Group(tuple(tuple(ax.holder_ranks(h)) for h in range(ax.pp * ax.ep)))
+            units.append(Unit(edp, {h: _part(ck, rule, k, h, edp.size, align) for h in range(ax.pp * ax.ep)}))
+        elif experts is not None and k in experts.groups:
             edp = Group(tuple(tuple(experts.members(e)) for e in range(experts.ep)))
             units.append(Unit(edp, {e: _part(ck, rule, k, e, edp.size, align) for e in range(experts.ep)}))
         else:
@@ -251,8 +255,9 @@ def _part(ck: Recorded, rule: str, k: int, h: int, size: int, align: int) -> Par
     partitions: a dense holder's shapes are its own ``param_shapes``; an AutoEP holder's its EP
     rank's shards of the fused experts; a classic MoE holder's EP rank 0's (the local experts'),
     named as its global experts."""
-    if ck.experts is not None and k in ck.experts.groups:
-        grp = {n: ck.experts.params[n].shard_shape(h) for n in ck.groups(0)[k]}
+    if ck.experts is not None and k in ck.experts.groups:  # holder h: stage h // ep's EP rank h % ep
+        s, e = divmod(h, ck.experts.ep)
+        grp = {n: ck.experts.params[n].shard_shape(e) for n in ck.groups(s * ck.tp)[k]}
     else:
         grp = ck.groups(0 if ck.moe is not None and k in ck.moe.groups else h)[k]
     names = list(grp)

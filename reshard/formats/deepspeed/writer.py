@@ -93,8 +93,9 @@ class DeepSpeedWriter(Writer):
         dp = ck.dp if dp is None else dp
         source = {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage}
         if ck.experts is not None:  # a target DeepSpeed's own folding refuses, whatever else is asked
-            from .placement import check_folding
+            from .placement import check_folding, check_pipeline_source
             check_folding(ck.tag_dir, tp, ep if ep is not None else ck.experts.ep, pp, ck.experts.data_before_expert)
+            check_pipeline_source(ck)
         if ck.experts is not None and tp > 1 and pp == 1 and (stage == 3 or (stage is None and ck.zero_stage == 3)):
             self._autoep_folded_zero3(ck, tp, dp, ep if ep is not None else ck.experts.ep, layout)
         elif ck.zero_stage == 3 and ck.experts is not None and tp > 1 and pp == 1 and stage in (1, 2):

@@ -164,6 +164,10 @@ class UniversalReader(Reader):
         entries = self._model_state.get("ds_autoep_layers")
         if entries is None:
             return []
+        info = self._model_state.get("universal_checkpoint_info")
+        merged = info.get("ds_autoep_layers") if isinstance(info, dict) else None
+        if isinstance(merged, list) and len(merged) > len(entries):  # every stage's layers (PP), as written
+            entries = merged
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise CheckpointError(f"{self.tag_dir}: the model states' ds_autoep_layers is not a list of layer entries")
         return entries
@@ -175,16 +179,28 @@ class UniversalReader(Reader):
         (DeepSpeed's AutoEP layer sets its router a second time under that name), whose folder
         ds_to_universal gives its fp32 value alone."""
         paths = [str(e.get("module_path", "")) for e in self._autoep_entries]
+        states = self._stage_states if paths else []
+        # a pipeline source's stages each copy their own model state: their aliases and routers too
+        recorded = {n for st in states for g in _groups(st) for n in g} | set(self._recorded)
         out = {}
-        for key in self._model_state.get("module") or {} if paths else ():
-            if key in self._recorded or key not in found or (self.root / key / "exp_avg.pt").exists():
+        for key in (k for st in states for k in st.get("module") or {}):
+            if key in recorded or key not in found or (self.root / key / "exp_avg.pt").exists():
                 continue
             path = next((p for p in paths if p and key.startswith(p + ".")), None)
             rest = key[len(path) + 1:].split(".", 1) if path is not None else []
             router = f"{path}.router.{rest[1]}" if len(rest) == 2 else None
-            if router not in (None, key) and (router in self._recorded or router in self._buffer_names) \
+            if router not in (None, key) and (router in recorded or router in self._buffer_names) \
                     and router in found:
                 out[key] = router
+        return out
+
+    @cached_property
+    def _stage_states(self) -> list[dict]:
+        """Every model-state file beside ``zero/`` (one per pipeline stage of an AutoEP pipeline source)."""
+        out = []
+        for f in sorted(self.tag_dir.glob("*model_states.pt")):
+            state = load(f)
+            out.append(state if isinstance(state, dict) else {})
         return out
 
     def model_order(self) -> list[str] | None:
@@ -359,3 +375,10 @@ class UniversalReader(Reader):
                                   "model states beside zero/ do not record which parameter belongs to which "
                                   "(param_shapes: one group per optimizer group, every parameter once)")
         return [{**groups[0], "params": list(self.names)}] if groups else []
+
+
+def _groups(state: dict) -> list[dict]:
+    """A model state's ``param_shapes`` as a list of groups."""
+    groups = state.get("param_shapes")
+    groups = groups if isinstance(groups, list) else [groups] if isinstance(groups, dict) else []
+    return [g for g in groups if isinstance(g, dict)]

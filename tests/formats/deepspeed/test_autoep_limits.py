@@ -5,8 +5,9 @@
   files. reshard refuses the target in DeepSpeed's words, from every source kind, before any output exists.
   The quoted text and its file:line are checked against the installed DeepSpeed.
 * **AutoEP under pipeline parallelism at TP 1**: DeepSpeed trains, saves and reloads it (fixture
-  ``mixtral_autoep_ep2_pp2``, written by DeepSpeed), in a layout of its own that reshard does not read yet
-  (nor does DeepSpeed's ``ds_to_universal``): it is refused by name on every route, leaving no output.
+  ``mixtral_autoep_ep2_pp2``, written by DeepSpeed), in a layout of its own that DeepSpeed's
+  ``ds_to_universal`` refuses. reshard reads it (``test_autoep_pipe.py``) but does not write it as DeepSpeed
+  files yet: that is refused by name, leaving no output.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from reshard import ReshardError
-from reshard.errors import CheckpointError
 from reshard.formats.deepspeed.placement import DEEPSPEED_FOLDING_REFUSALS
-from reshard.jobs.convert import convert, reshard
+from reshard.jobs.convert import reshard
 from reshard.storage.safe_load import load
 from tests.support.dsconv import FIXTURES, tag_dir
 
@@ -94,30 +94,21 @@ def test_the_pipeline_fixture_is_deepspeeds_autoep_pipeline_layout():
             assert sorted(expert) == [f"{block}.mlp.experts.w{i}.{e}" for i in (1, 2, 3)]
 
 
-@pytest.mark.parametrize("route", ["inspect", "universal", "dcp", "hf", "deepspeed"])
-def test_autoep_under_pipeline_is_refused_by_name_leaving_nothing(route, tmp_path, capsys):
-    match = (r"mp_rank_00_model_states.pt: ds_autoep_layers: AutoEP under pipeline parallelism \(ZeRO-1, TP=1, "
-             r"PP=2, DP=2\) is not read yet\. DeepSpeed 0\.19\.8 trains, saves and reloads it at TP 1.*"
-             r"autoep_universal.py:153")
+@pytest.mark.parametrize("options", [{}, {"pp": 1, "ep": 2}, {"pp": 2, "ep": 2}, {"zero_stage": 3}],
+                         ids=["as-is", "pp1", "pp2", "zero3"])
+def test_autoep_under_pipeline_is_not_written_as_deepspeed_leaving_nothing(options, tmp_path):
+    """Read since h32pipe (test_autoep_pipe.py), not yet written as DeepSpeed files: refused by name."""
     out = tmp_path / "out"
-    if route == "inspect":
-        from reshard.cli import main
-
-        assert main(["inspect", str(FIXTURES / PIPE)]) != 0
-        assert re.search(match, capsys.readouterr().err)
-        return
-    with pytest.raises(CheckpointError, match=match):
-        if route == "deepspeed":
-            reshard(FIXTURES / PIPE, out, tp=1, dp=2, ep=2)
-        else:
-            convert(FIXTURES / PIPE, out, fmt=route)
+    with pytest.raises(ReshardError, match=r"AutoEP under pipeline parallelism \(PP=2\) is read but not written as a "
+                                           r"DeepSpeed checkpoint yet"):
+        reshard(FIXTURES / PIPE, out, tp=1, **options)
     assert not out.exists()
 
 
 def test_a_pipeline_target_from_autoep_says_why(tmp_path):
     with pytest.raises(ReshardError, match=r"AutoEP checkpoints are resharded at TP = PP = 1 only \(asked tp=1, "
                                            r"pp=2\); a pipeline target keeps a pipeline \(deepspeed.pipe\) source's "
-                                           r"stages, and AutoEP under pipeline parallelism is not read yet"):
+                                           r"stages, and AutoEP under pipeline parallelism is read but not written yet"):
         reshard(FIXTURES / "mixtral_autoep_ep2", tmp_path / "out", tp=1, dp=1, pp=2, ep=2)
     assert not (tmp_path / "out").exists()
 
