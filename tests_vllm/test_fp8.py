@@ -18,8 +18,6 @@ from safetensors.torch import load_file
 
 from .conftest import HERE, ROOT, run
 
-pytest.importorskip("vllm")
-
 
 def _same(ours: dict[str, torch.Tensor], engine: dict[str, torch.Tensor], what: str) -> None:
     assert sorted(ours) == sorted(engine), what

@@ -38,8 +38,6 @@ import pytest
 
 from .conftest import HERE, run
 
-pytest.importorskip("vllm")
-
 STEPS = 3
 BENCH = 2  # updates by each path before training starts (live_run.bench)
 RUN_S = 600  # one engine start, 2 trainer ranks, 3 steps (about 1.5 minutes here)

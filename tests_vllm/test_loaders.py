@@ -26,8 +26,6 @@ from reshard.layouts.learned import learn_placed, markers
 
 from .conftest import HERE, reshard_convert, run
 
-pytest.importorskip("vllm")
-
 
 def same_state(ours: dict, engine: dict, rank: int) -> None:
     """reshard's file for ``rank`` holds exactly the engine's tensors, bit for bit (float32)."""

@@ -15,7 +15,6 @@ from safetensors import safe_open
 
 from .conftest import HERE, reshard_convert, run, sharded_engine
 
-pytest.importorskip("vllm")
 
 @pytest.fixture(scope="module")
 def engines(qwen2: Path, hf_engine: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
