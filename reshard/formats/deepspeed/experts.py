@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ...errors import CheckpointError, ReshardError
 from ...ir.canonical import canonicalize
 from ...ir.param_map import ParamMap, map_from_dict
@@ -238,7 +240,15 @@ def _unowned(state: Mapping[str, Any], owned: set[str], where: str) -> tuple[str
     buffers = [n for n in module if n not in owned and n in set(state.get("buffer_names") or ())]
     aliases = router_aliases(state, sorted(owned), where, why="no optimizer group owns it and DeepSpeed's "
                              "AutoEP writes no other module entry")
+    for alias, router in aliases.items():  # one tensor under two names: they cannot differ
+        a, r = module.get(alias), module.get(router)
+        if isinstance(a, torch.Tensor) and isinstance(r, torch.Tensor) and not (
+                a.shape == r.shape and a.dtype == r.dtype and torch.equal(a, r)):
+            raise CheckpointError(f"{where}: {alias} (weight) differs from {router}, the router it aliases "
+                                  f"(DeepSpeed's AutoEP saves one tensor under both names): {a.dtype} "
+                                  f"{list(a.shape)} against {r.dtype} {list(r.shape)}")
     return tuple(n for n in module if n in set(buffers) or n in aliases)
+
 
 def _check_z3_format(layers: list, where: str) -> None:
     """Every layer entry must be DeepSpeed's partition-native ZeRO-3 format, version 1."""

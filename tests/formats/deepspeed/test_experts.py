@@ -167,3 +167,28 @@ def test_reshard_refuses_a_missing_expert_file_and_leaves_nothing(tmp_path: Path
     with pytest.raises(CheckpointError, match=r"per-expert files missing: \['layer_1_expert_2_mp_rank_00"):
         reshard(root, tmp_path / "out", tp=1, dp=1, ep=1)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("damage", ["reshaped", "changed", "extra entry"])
+def test_a_module_entry_that_is_no_router_alias_or_differs_from_its_router_is_refused(tmp_path, damage):
+    """AutoEP's module holds the router under a second name (``gate.gate.weight``): the same tensor, so an
+    alias re-saved in another shape (fuzz case 117 of an earlier run: carried as it was) or with other
+    values, or an entry that is no alias at all (fuzz case 64 of f3b94ba: carried as a weight), is refused
+    when the checkpoint is opened, naming the file, before any output."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / NAME, src)
+    f = tag_dir(src) / "mp_rank_00_model_states.pt"
+    sd = load(f, mmap=False)
+    alias = "model.layers.0.mlp.gate.gate.weight"
+    if damage == "reshaped":
+        sd["module"][alias] = sd["module"][alias].reshape(-1, 1).clone()
+    elif damage == "changed":
+        sd["module"][alias] = sd["module"][alias] * 2
+    else:
+        sd["module"]["model.layers.0.mlp.gate.extra"] = torch.zeros(3)
+    save(sd, f)
+    match = "neither a parameter nor an AutoEP router alias" if damage == "extra entry" else "differs from"
+    with pytest.raises(CheckpointError, match=match) as e:
+        reshard(src, tmp_path / "out", to="deepspeed", dp=2, ep=2)
+    assert str(f) in str(e.value)
+    assert not (tmp_path / "out").exists()
