@@ -34,7 +34,7 @@ from ...errors import CheckpointError
 from ...layouts import replicated
 from ...storage.safe_load import load
 from .lowering import Lowered
-from .recorded import check_module_entries
+from .module_entries import check_module_entries
 
 # a ``formats.deepspeed.DeepSpeedCheckpoint``, which imports this module (its hooks call these)
 DeepSpeedCheckpoint = Any

@@ -1,17 +1,14 @@
 """What the layout and ZeRO-stage checks read of a DeepSpeed checkpoint (``layout``, ``zero12``,
 ``zero3``): its files as ``checkpoint.DeepSpeedCheckpoint`` loads them, and what it derives from
 them. A protocol, so that the modules the checkpoint builds its layout on need not import it; and
-``first_difference``, how every check compares two of its records, and ``check_module_entries``, which
-every kind's reader runs on its model-state files (here, so that the kinds share them without
-importing each other)."""
+``first_difference``, how every check compares two of its records (here, so that ``checks`` and
+``folding`` share it without importing each other)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-
-from ...errors import UnplacedError
 
 if TYPE_CHECKING:  # annotations only: neither module imports a check
     import torch
@@ -20,7 +17,7 @@ if TYPE_CHECKING:  # annotations only: neither module imports a check
     from .experts import AutoEP
     from .moe import ClassicMoE
 
-__all__ = ["Recorded", "check_module_entries", "first_difference"]
+__all__ = ["Recorded", "first_difference"]
 
 
 class Recorded(Protocol):
@@ -83,20 +80,3 @@ def first_difference(a: Any, b: Any, at: str) -> str | None:
         return None
     return None if type(a) is type(b) and a == b else at
 
-
-def check_module_entries(path: Path, state: Mapping[str, Any], params: Any, rank0: Mapping[str, Any] | None = None
-                         ) -> None:
-    """Every entry of a model-state file's ``module`` is an optimized parameter (``params``), a
-    module buffer (``buffer_names``), a tied alias (``shared_params``) or a frozen parameter
-    (``frozen_param_shapes``) -- as the file records them, or as model-parallel rank 0's does
-    (``rank0``: DeepSpeed records a TP-replicated tied alias there alone) -- any other would be
-    carried into every output as if it were a weight, so it is refused, naming the file and entries."""
-    known = set(params)
-    for s in (state, rank0 or {}):
-        known |= set(s.get("buffer_names") or ()) | set(s.get("shared_params") or {})
-        known |= set(s.get("frozen_param_shapes") or {})
-    unknown = [k for k in (state.get("module") or {}) if k not in known]
-    if unknown:
-        raise UnplacedError(f"{path}: module entries {unknown[:3]} are neither optimized parameters, buffers, "
-                            "tied aliases nor frozen parameters: model weights no DeepSpeed target has a place "
-                            "for (not supported)", entries=tuple(unknown))

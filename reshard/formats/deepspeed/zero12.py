@@ -51,7 +51,8 @@ from ...ir.piece import prod
 from ...layouts.zero import FlatGroup, zero12_group_layout
 from ...storage.safe_load import FragmentAddress, ZeroStageEnum
 from ...storage.torch_zip import Storage, TensorRef
-from .recorded import Recorded, check_module_entries
+from .module_entries import check_module_entries
+from .recorded import Recorded
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: "4-byte alignment/sizeof(fp16) = 2"
 

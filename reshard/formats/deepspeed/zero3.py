@@ -45,7 +45,8 @@ from ...layouts.zero import zero3_partition_numel
 from ...storage.safe_load import ZeroStageEnum, load
 from ...storage.torch_zip import Storage, TensorRef
 from .experts import AutoEP, module_ds_ids
-from .recorded import Recorded, check_module_entries
+from .module_entries import check_module_entries
+from .recorded import Recorded
 from .zero12 import with_config
 
 __all__ = ["AttrTensorRef", "SubGroup", "autoep", "autoep_ds_ids", "autoep_groups", "check", "check_partitions",
