@@ -99,9 +99,13 @@ def test_the_quantized_families_damage_a_kept_dcp_and_each_is_refused(tmp_path):
     ("mxfp4_gpt_oss_dcp", Mutation("symlink_junk", "reshard-manifest.json", 3753139486)),
     # a save_pretrained folder without its config.json (its order and tied embeddings were taken as unknown)
     ("pretrained_qwen2_tied", Mutation("delete", "config.json", 1038305411)),
-], ids=["moe-module-entry", "autoep-module-entry", "dcp-manifest-junk", "hf-config-deleted"])
+    # TP rank 1's ZeRO-3 model state without num_experts (folded AutoEP; the universal output copied it as it was)
+    ("mixtral_autoep_ep2_tp2_zero3", Mutation("resave_keys", "global_step3/zero_pp_rank_0_mp_rank_01_model_states.pt",
+                                              3256318980)),
+], ids=["moe-module-entry", "autoep-module-entry", "dcp-manifest-junk", "hf-config-deleted", "autoep-tp1-num-experts"])
 def test_the_silent_outputs_make_fuzz_found_are_refused(tmp_path, source, mutation):
-    """``make fuzz`` of f3b94ba (seed 20261201, cases 64, 320, 439, 494): each of these damaged copies was
+    """``make fuzz`` of f3b94ba (seed 20261201, cases 64, 320, 439, 494) and of 2dbedaf with the folded and
+    pipeline AutoEP fixtures among its sources (case 212): each of these damaged copies was
     converted without a word into an output unlike the undamaged one; now each command refuses it, naming a
     file of the checkpoint."""
     from tests.fuzz.harness import Case, Runner

@@ -130,13 +130,20 @@ def check_keys(ck: Any, osd_keys: tuple[str, ...]) -> None:
     or holding another, is not one DeepSpeed wrote, and some routes copy or rewrite it: refused by
     all)."""
     # with experts (classic MoE, AutoEP) DeepSpeed 0.19.8 also writes ds_autoep_layers (None for classic MoE)
-    want = MODEL_KEYS + (("ds_autoep_layers",) if ck.moe is not None or ck.experts is not None else ())
+    experts = ck.moe is not None or ck.experts is not None
+    want = MODEL_KEYS + (("ds_autoep_layers", "num_experts") if experts else ())
+    base: tuple[Any, Any] | None = None  # (file, num_experts): one stage's files all hold the same
     for path in sorted({*ck.model_files.values(), *ck.z3_model_files.values()}):
         state = ck.model_state_at(path)
         missing = [k for k in want if k not in state]
         if missing:
             raise CheckpointError(f"{path}: missing {missing[:3]}, which DeepSpeed 0.19.8 writes into every "
                                   "model-state file: not a DeepSpeed 0.19.8 file, or damaged")
+        if experts and ck.pp == 1:  # under PP each stage counts its own layers (experts.read checks those)
+            base = base or (path, state["num_experts"])
+            if state["num_experts"] != base[1]:
+                raise CheckpointError(f"{path}: num_experts is {state['num_experts']!r}, {base[0].name} records "
+                                      f"{base[1]!r}: every model-state file of a one-stage job holds the same")
     for (m, d), path in sorted(ck.optim_files.items()):
         top, osd = ck.optim_state(m, d), ck.osd(m, d)
         want = osd_keys
