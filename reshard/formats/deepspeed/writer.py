@@ -93,10 +93,11 @@ class DeepSpeedWriter(Writer):
         dp = ck.dp if dp is None else dp
         source = {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage}
         if ck.experts is not None:  # a target DeepSpeed's own folding refuses, whatever else is asked
-            from .placement import check_folding, check_pipeline_source
+            from .placement import check_folding
             check_folding(ck.tag_dir, tp, ep if ep is not None else ck.experts.ep, pp, ck.experts.data_before_expert)
-            check_pipeline_source(ck)
-        if ck.experts is not None and tp > 1 and pp == 1 and (stage == 3 or (stage is None and ck.zero_stage == 3)):
+        if ck.experts is not None and ck.pp > 1:
+            self._autoep_pipe(ck, tp, dp, pp, stage, ep if ep is not None else ck.experts.ep)
+        elif ck.experts is not None and tp > 1 and pp == 1 and (stage == 3 or (stage is None and ck.zero_stage == 3)):
             self._autoep_folded_zero3(ck, tp, dp, ep if ep is not None else ck.experts.ep, layout)
         elif ck.zero_stage == 3 and ck.experts is not None and tp > 1 and pp == 1 and stage in (1, 2):
             self._autoep_folded_from_zero3(ck, tp, dp, stage, ep if ep is not None else ck.experts.ep, layout)
@@ -111,6 +112,18 @@ class DeepSpeedWriter(Writer):
         if "ep" not in self._source:
             self._source = source
         self.keeps_replicas = self._target["tp"] == ck.tp
+
+    def _autoep_pipe(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
+        """AutoEP under pipeline parallelism: the same PipelineModule job at ``pp`` stages (kept or merged
+        into one), EP ``ep``, DP ``dp`` (``expert_pipe``)."""
+        from .expert_pipe import autoep_pipe_target, check_autoep_pipe
+
+        stage = ck.zero_stage if stage is None else stage
+        check_autoep_pipe(ck, ep, dp, tp, pp, stage)
+        self.target = autoep_pipe_target(ck, pp=pp, ep=ep, dp=dp)
+        self._source = {"tp": 1, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage, "ep": ck.experts.ep}
+        self._target = {"tp": 1, "dp": dp, "pp": pp, "zero_stage": stage, "ep": ep}
+        self._notes += self.target.notes
 
     def _autoep_zero3(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
         from .placement import check_autoep_zero3

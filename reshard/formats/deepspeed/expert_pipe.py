@@ -1,0 +1,258 @@
+"""AutoEP under pipeline parallelism (TP 1, ZeRO-1) as a DeepSpeed *target*: the same
+``deepspeed.pipe.PipelineModule`` job at ``pp`` stages, EP ``ep`` and DP ``dp``
+(docs/deepspeed-checkpoints.md §11.4).
+
+A PipelineModule names its layers by their global index (``1.mlp``) whatever the stage count, so
+its stages can be merged into one (``--pp 1``) or kept (``--pp`` the source's) with nothing
+renamed. What a stage count changes is what each stage's files hold, as DeepSpeed 0.19.8 writes them:
+
+* ``mp_rank_0S_model_states.pt`` per stage ``S``: the module of its layers, in layer order;
+  ``param_shapes`` per optimizer group; its ``ds_autoep_layers`` (also in
+  ``universal_checkpoint_info``) with ``moe_layer_id`` counted from 0 on each stage, as the job
+  counts its AutoEP layers, each entry at the target's placement; ``num_experts`` per layer;
+* ``layer_<moe_layer_id>_expert_<x>_mp_rank_0S_model_states.pt``: expert ``x`` of a layer, named
+  by the stage-local id (the file's content, keyed by the global parameter names, is the same);
+* ``zero_pp_rank_<d>_mp_rank_0S_optim_states.pt``: per stage a dense group flat over its DP ranks
+  (global ranks ``d * pp + S``) and the expert group flat over each EP rank's EDP group.
+
+The dense group's order is the one DeepSpeed records: the stage's parameters in layer order,
+those of the AutoEP layers (their routers) last, since AutoEP registers them again when it replaces
+the block. Merged stages keep that rule: every stage's other parameters, then every stage's
+AutoEP-layer parameters (what ``mixtral_autoep_ep2_pipe1``, DeepSpeed's own one-stage save, shows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ...errors import CheckpointError, ReshardError
+from ...ir.param_map import ParamMap
+from ...layouts import replicated
+from ...storage.torch_zip import save
+from ..contract import OPTIMIZER
+from . import experts as dse
+from . import zero12 as dsw
+from .checkpoint import DeepSpeedCheckpoint
+from .layout import Group, Layout, Part, Unit
+from .placement import AutoEPPlacement, uniform_placement
+from .target import DeepSpeedTarget
+
+__all__ = ["autoep_pipe_target", "check_autoep_pipe"]
+
+EXPERT_FILE = "layer_{layer}_expert_{expert}_mp_rank_{stage:02d}_model_states.pt"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Layer:
+    """One AutoEP layer of the pipeline: its entry, source stage and id there, and its global id
+    (its rank among every stage's layers, in layer order)."""
+
+    entry: Mapping[str, Any]
+    stage: int
+    local: int
+    glob: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Stage:
+    """What one target stage holds: the source stages it merges (in order), its module, its
+    optimizer groups' names and its AutoEP layers."""
+
+    sources: tuple[int, ...]
+    module: Mapping[str, Any]
+    groups: tuple[tuple[str, ...], ...]
+    layers: tuple[_Layer, ...]
+
+
+def check_autoep_pipe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
+    """What an AutoEP-under-PP target refuses, before anything is written."""
+    where = ck.tag_dir
+    if tp != 1:
+        raise ReshardError(f"{where}: AutoEP under pipeline parallelism is written at TP 1 only (asked tp={tp}): "
+                           "DeepSpeed 0.19.8 refuses AutoEP folded over TP under a pipeline (validate_folding_global, "
+                           "auto_ep_folding.py:207)")
+    if stage != 1:
+        raise ReshardError(f"{where}: AutoEP under pipeline parallelism is written at ZeRO stage 1 only (asked "
+                           f"{stage}): DeepSpeed 0.19.8's PipelineEngine refuses ZeRO-2 and ZeRO-3")
+    if pp not in (1, ck.pp):
+        raise ReshardError(f"{where}: PP={ck.pp} can be kept or merged into PP=1; which layers form each of {pp} "
+                           "stages depends on the training script's partition_method, not recorded in the checkpoint")
+    if dp % ep:
+        raise ReshardError(f"ep={ep} must divide the target DP size dp={dp} (EDP = dp / ep, per stage)")
+    for name, p in ck.experts.params.items():
+        if p.full_shape[0] % ep:
+            raise ReshardError(f"{ck.model_files[ck.experts.stage(name)]}: {name}: {p.full_shape[0]} experts do not "
+                               f"split evenly over ep={ep} (AutoEP's uniform placement)")
+        if [list(x) for x in p.experts_by_rank] != [r["experts"] for r in uniform_placement(p.full_shape[0], p.ep)["ranks"]]:
+            raise CheckpointError(f"{ck.model_files[ck.experts.stage(name)]}: {name}: a non-uniform source placement "
+                                  f"{[list(x) for x in p.experts_by_rank]} is not supported yet")
+    ck.check_steps()
+
+
+def _layers(ck: DeepSpeedCheckpoint) -> list[_Layer]:
+    out: list[_Layer] = []
+    for s in range(ck.pp):
+        entries = sorted(ck.model_state(s).get(dse.LAYERS_KEY) or [], key=lambda e: int(e["moe_layer_id"]))
+        out += [_Layer(e, s, int(e["moe_layer_id"]), len(out) + i) for i, e in enumerate(entries)]
+    return out
+
+
+def _dense_order(names: Sequence[str], prefixes: Sequence[str], where: Path) -> tuple[list[str], list[str]]:
+    """A stage's dense group split into its other parameters and its AutoEP layers' (the last ones)."""
+    owned = [n for n in names if any(n.startswith(p + ".") for p in prefixes)]
+    if list(names[len(names) - len(owned):]) != owned:
+        raise CheckpointError(f"{where}: param_shapes lists the AutoEP layers' parameters {owned} among the others, "
+                              "not last as DeepSpeed's AutoEP registers them; the merged order cannot be told")
+    return list(names[:len(names) - len(owned)]), owned
+
+
+def _stages(ck: DeepSpeedCheckpoint, pp: int, layers: Sequence[_Layer]) -> list[_Stage]:
+    """The target's stages: the source's kept (``pp == ck.pp``) or all merged into one."""
+    ax = ck.experts
+    n_groups = {len(ck.groups(s)) for s in range(ck.pp)}
+    if len(n_groups) != 1:
+        raise CheckpointError(f"{ck.tag_dir}: the stages' model states record {sorted(n_groups)} optimizer groups; "
+                              "every stage of a pipeline job has the same")
+    n = n_groups.pop()
+    out = []
+    for sources in ([tuple(range(ck.pp))] if pp == 1 else [(s,) for s in range(ck.pp)]):
+        module: OrderedDict[str, Any] = OrderedDict()
+        groups: list[tuple[str, ...]] = []
+        for s in sources:
+            module.update(ck.model_state(s).get("module") or {})
+        for g in range(n):
+            if g in ax.groups:
+                groups.append(tuple(n for s in sources for n in ck.groups(s)[g]))
+                continue
+            rest, owned = [], []
+            for s in sources:
+                prefixes = [str(lay.entry["module_path"]) for lay in layers if lay.stage == s]
+                r, o = _dense_order(list(ck.groups(s)[g]), prefixes, ck.model_files[s])
+                rest, owned = rest + r, owned + o
+            groups.append(tuple(rest + owned))
+        out.append(_Stage(sources, module, tuple(groups), tuple(lay for lay in layers if lay.stage in sources)))
+    return out
+
+
+def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int) -> DeepSpeedTarget:
+    """The pipeline job of ``ck`` (AutoEP, ZeRO-1, TP 1) at ``pp`` stages (1 or ``ck.pp``), EP ``ep``
+    and DP ``dp``: see the module's docstring."""
+    ax = ck.experts
+    layers = _layers(ck)
+    glob = {p.name: next(lay.glob for lay in layers if p.name.startswith(str(lay.entry["expert_key_prefix"]) + "."))
+            for p in ax.params.values()}
+    # layer ids unique over the pipeline: the placement is keyed by them
+    merged = dataclasses.replace(ax, params={n: dataclasses.replace(p, layer=glob[n]) for n, p in ax.params.items()},
+                                 pp=1, stages={})
+    placement = AutoEPPlacement(merged, ep, dp)
+    stages = _stages(ck, pp, layers)
+    ms0 = ck.model_state(0)
+    zo = (ms0.get("ds_config") or {}).get("zero_optimization") or {}
+    dtype = next(iter((ms0.get("module") or {}).values())).dtype
+    align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
+    shapes = {n: tuple(shape) for s in range(ck.pp) for grp in ck.groups(s) for n, shape in grp.items()}
+    maps: dict[str, ParamMap] = {}
+    units = []
+    for g in range(len(stages[0].groups)):
+        if g in ax.groups:  # holder t * ep + e: stage t's EP rank e, over its EDP ranks d * pp + t
+            members = tuple(tuple(d * pp + t for d in placement.ax.members(e)) for t in range(pp) for e in range(ep))
+            parts = {}
+            for t, st in enumerate(stages):
+                names = st.groups[g]
+                fg = dsw.flat_group(names, [placement.maps[n].shards[0].shape for n in names], placement.edp,
+                                    param_align=align)
+                parts.update({t * ep + e: Part(fg, fg.names) for e in range(ep)})
+                maps.update((n, placement.maps[n].with_ranks({e: t * ep + e for e in range(ep)})) for n in names)
+            units.append(Unit(Group(members), parts))
+        else:  # stage t's dense group over its DP ranks d * pp + t
+            parts = {}
+            for t, st in enumerate(stages):
+                fg = dsw.flat_group(st.groups[g], [shapes[n] for n in st.groups[g]], dp, param_align=align)
+                parts[t] = Part(fg, fg.names)
+                maps.update((n, replicated(shapes[n], 1).with_ranks({0: t})) for n in st.groups[g])
+            units.append(Unit(Group.dense(pp, dp), parts))
+    layout = Layout("flat", maps, units, [d * pp + t for t in range(pp) for d in range(dp)])
+    ds_config = placement.ds_config(dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=1))
+    models = PipeModelFiles(ck, stages, placement, dp=dp, ds_config=ds_config)
+    how = "stages kept" if pp == ck.pp else f"its {ck.pp} stages merged into one"
+    return DeepSpeedTarget(layout, tp=1, pp=pp, dp=dp, stage=1, bf16=ck.bf16, states=OPTIMIZER,
+                           optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
+                           models=models, group_names=dict.fromkeys(ax.groups, f"ep_size_{ep}"),
+                           notes=[f"AutoEP under pipeline parallelism: the PipelineModule job at PP {pp} ({how}), EP "
+                                  f"{ep} (EDP {placement.edp}) per stage, uniform placement; moe_layer_id and the "
+                                  "per-expert files counted per stage as DeepSpeed counts them"])
+
+
+class PipeModelFiles:
+    """Every target stage's model state and per-expert files (see the module's docstring): the
+    source's model-state keys, topology and placement replaced; the per-expert files copied under
+    their target names."""
+
+    def __init__(self, ck: DeepSpeedCheckpoint, stages: Sequence[_Stage], placement: AutoEPPlacement, *, dp: int,
+                 ds_config: dict | None) -> None:
+        self.ck, self.stages, self.placement, self.dp, self.ds_config = ck, list(stages), placement, dp, ds_config
+
+    def before(self) -> list:
+        return []
+
+    def after(self) -> list:
+        return []
+
+    def _entries(self, st: _Stage) -> list[dict]:
+        """The stage's ``ds_autoep_layers`` at the target's placement, ids counted from 0."""
+        out = []
+        for i, lay in enumerate(st.layers):
+            entry = dict(lay.entry)
+            entry["moe_layer_id"] = lay.glob  # the placement is keyed by the global id
+            entry = self.placement.layer(entry, 0, copied=False)
+            entry["moe_layer_id"] = i
+            out.append(entry)
+        return out
+
+    def model(self, tgt: DeepSpeedTarget, t: int) -> dict:
+        st = self.stages[t]
+        ms0 = self.ck.model_state(st.sources[0])
+        # plain tuples, as DeepSpeed's expert save path (clone_tensors_for_torch_save) leaves them
+        shapes = [OrderedDict((n, tuple(s)) for n, s in zip(p.unit.names, p.unit.shapes))
+                  for _, p, _ in tgt.layout.rank_units(t)]
+        uc = None
+        if isinstance(ms0.get("universal_checkpoint_info"), dict):
+            uc = dict(ms0["universal_checkpoint_info"])
+            if dse.LAYERS_KEY in uc:  # the reader checked each copy equals its entry
+                uc[dse.LAYERS_KEY] = self._entries(st)
+        shared: dict = {}
+        for s in st.sources:
+            shared.update(self.ck.model_state(s).get("shared_params") or {})
+        obj = dsw.model_states(ms0, module=OrderedDict(st.module), param_shapes=shapes, tp=1, dp=self.dp, tp_rank=0,
+                               zero_stage=1, shared_params=shared, uc_info=uc, ds_config=self.ds_config,
+                               pp=len(self.stages))
+        if "num_experts" in ms0:
+            obj["num_experts"] = [n for s in st.sources for n in self.ck.model_state(s)["num_experts"]]
+        obj[dse.LAYERS_KEY] = self._entries(st)
+        return obj
+
+    def _write_model(self, tgt: DeepSpeedTarget, staging: Any, t: int) -> None:
+        obj = self.model(tgt, t)
+        with staging.open(dsw.model_file(t)) as f:
+            save(obj, f)
+
+    def expert_files(self) -> list[tuple[Path, str]]:
+        """(source file, target name) of every per-expert file."""
+        out = []
+        for t, st in enumerate(self.stages):
+            for i, lay in enumerate(st.layers):
+                for x in range(int(lay.entry["num_experts"])):
+                    src = self.ck.tag_dir / EXPERT_FILE.format(layer=lay.local, expert=x, stage=lay.stage)
+                    out.append((src, EXPERT_FILE.format(layer=i, expert=x, stage=t)))
+        return out
+
+    def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
+        before = [(sum(self.ck.model_files[s].stat().st_size for s in st.sources),
+                   lambda t=t: self._write_model(tgt, staging, t)) for t, st in enumerate(self.stages)]
+        after = [(src.stat().st_size, lambda src=src, name=name: staging.copy(src, name))
+                 for src, name in self.expert_files()]
+        return before, after
