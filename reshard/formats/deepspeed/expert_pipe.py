@@ -41,7 +41,7 @@ from .layout import Group, Layout, Part, Unit
 from .placement import AutoEPPlacement, uniform_placement
 from .target import DeepSpeedTarget
 
-__all__ = ["autoep_pipe_target", "check_autoep_pipe"]
+__all__ = ["autoep_pipe_target", "check_autoep_pipe", "is_pipeline_module", "stage_split"]
 
 EXPERT_FILE = "layer_{layer}_expert_{expert}_mp_rank_{stage:02d}_model_states.pt"
 
@@ -78,9 +78,9 @@ def check_autoep_pipe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: in
     if stage != 1:
         raise ReshardError(f"{where}: AutoEP under pipeline parallelism is written at ZeRO stage 1 only (asked "
                            f"{stage}): DeepSpeed 0.19.8's PipelineEngine refuses ZeRO-2 and ZeRO-3")
-    if pp not in (1, ck.pp):
-        raise ReshardError(f"{where}: PP={ck.pp} can be kept or merged into PP=1; which layers form each of {pp} "
-                           "stages depends on the training script's partition_method, not recorded in the checkpoint")
+    if not is_pipeline_module(ck):
+        raise CheckpointError(f"{where}: not a PipelineModule's AutoEP checkpoint: some parameter is not named by a "
+                              "layer index (N.mlp...)")
     if dp % ep:
         raise ReshardError(f"ep={ep} must divide the target DP size dp={dp} (EDP = dp / ep, per stage)")
     for name, p in ck.experts.params.items():
@@ -110,37 +110,99 @@ def _dense_order(names: Sequence[str], prefixes: Sequence[str], where: Path) -> 
     return list(names[:len(names) - len(owned)]), owned
 
 
-def _stages(ck: DeepSpeedCheckpoint, pp: int, layers: Sequence[_Layer]) -> list[_Stage]:
-    """The target's stages: the source's kept (``pp == ck.pp``) or all merged into one."""
+def _index(name: str) -> int | None:
+    """The PipelineModule layer index a name starts with (``1.mlp.router.gate.weight``: 1)."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def is_pipeline_module(ck: DeepSpeedCheckpoint) -> bool:
+    """Whether an AutoEP checkpoint is a PipelineModule's (every parameter named by its layer index),
+    whatever its stage count."""
+    return ck.experts is not None and all(_index(n) is not None for s in range(ck.pp) for grp in ck.groups(s)
+                                          for n in grp)
+
+
+def stage_split(ck: DeepSpeedCheckpoint, pp: int, layout: Any) -> list[frozenset[int]] | None:
+    """Which layer indices form each of ``pp`` target stages: ``None`` where the source's stages are
+    kept or merged into one; else taken from ``layout``, a DeepSpeed checkpoint of this PipelineModule
+    saved at ``pp`` stages (the split depends on the job's ``partition_method``, which no checkpoint
+    records)."""
+    if pp == 1 or pp == ck.pp:
+        return None
+    why = (f"which layers form each of {pp} stages depends on the training script's partition_method (DeepSpeed's "
+           "default 'parameters' balances parameter counts), which the checkpoint does not record")
+    if not (isinstance(layout, (str, Path)) and Path(layout).is_dir()):
+        raise ReshardError(f"{ck.tag_dir}: PP={ck.pp} -> {pp}: {why}; pass --layout, a DeepSpeed checkpoint of this "
+                           f"PipelineModule saved at PP={pp} (its stages' layer indices are taken)")
+    lck = DeepSpeedCheckpoint.open(layout)
+    if lck.pp != pp or lck.tp != 1:
+        raise ReshardError(f"layout checkpoint {lck.tag_dir} is at PP={lck.pp}, TP={lck.tp}; the target is PP={pp}, "
+                           "TP=1")
+    split = []
+    for s in range(pp):
+        names = [n for grp in lck.groups(s) for n in grp]
+        idx = {_index(n) for n in names}
+        if None in idx:
+            raise ReshardError(f"layout checkpoint {lck.model_files[s]}: {next(n for n in names if _index(n) is None)!r} "
+                               "is not named by a PipelineModule layer index")
+        split.append(frozenset(i for i in idx if i is not None))
+    if any(max(split[s]) >= min(split[s + 1]) for s in range(pp - 1) if split[s] and split[s + 1]):
+        raise ReshardError(f"layout checkpoint {lck.tag_dir}: its stages' layer indices {[sorted(x) for x in split]} "
+                           "are not consecutive ranges")
+    held = {_index(n) for s in range(ck.pp) for grp in ck.groups(s) for n in grp}
+    if held != set().union(*split):
+        raise ReshardError(f"layout checkpoint {lck.tag_dir}: its stages hold layers {sorted(set().union(*split))}, "
+                           f"the source {sorted(i for i in held if i is not None)}: not the same PipelineModule")
+    return split
+
+
+def _stages(ck: DeepSpeedCheckpoint, pp: int, layers: Sequence[_Layer],
+            split: Sequence[frozenset[int]] | None) -> list[_Stage]:
+    """The target's stages: the source's kept (``pp == ck.pp``), all merged into one, or every source
+    stage cut into ``split``'s layer indices."""
     ax = ck.experts
-    n_groups = {len(ck.groups(s)) for s in range(ck.pp)}
-    if len(n_groups) != 1:
-        raise CheckpointError(f"{ck.tag_dir}: the stages' model states record {sorted(n_groups)} optimizer groups; "
+    counts = {len(ck.groups(s)) for s in range(ck.pp)}
+    if len(counts) != 1:
+        raise CheckpointError(f"{ck.tag_dir}: the stages' model states record {sorted(counts)} optimizer groups; "
                               "every stage of a pipeline job has the same")
-    n = n_groups.pop()
+    n_groups = counts.pop()
+    plan = ([tuple(range(ck.pp))] * len(split) if split is not None else
+            [tuple(range(ck.pp))] if pp == 1 else [(s,) for s in range(ck.pp)])
     out = []
-    for sources in ([tuple(range(ck.pp))] if pp == 1 else [(s,) for s in range(ck.pp)]):
+    for t, sources in enumerate(plan):
+        def mine(name: str, t: int = t) -> bool:
+            return split is None or _index(name) in split[t]
+
         module: OrderedDict[str, Any] = OrderedDict()
-        groups: list[tuple[str, ...]] = []
         for s in sources:
-            module.update(ck.model_state(s).get("module") or {})
-        for g in range(n):
+            for k, v in (ck.model_state(s).get("module") or {}).items():
+                if split is not None and _index(k) is None:
+                    raise CheckpointError(f"{ck.model_files[s]}: module entry {k!r} is not named by a PipelineModule "
+                                          "layer index: its stage cannot be told")
+                if mine(k):
+                    module[k] = v
+        groups: list[tuple[str, ...]] = []
+        for g in range(n_groups):
             if g in ax.groups:
-                groups.append(tuple(n for s in sources for n in ck.groups(s)[g]))
+                groups.append(tuple(n for s in sources for n in ck.groups(s)[g] if mine(n)))
                 continue
-            rest, owned = [], []
+            rest: list[str] = []
+            owned: list[str] = []
             for s in sources:
                 prefixes = [str(lay.entry["module_path"]) for lay in layers if lay.stage == s]
                 r, o = _dense_order(list(ck.groups(s)[g]), prefixes, ck.model_files[s])
-                rest, owned = rest + r, owned + o
+                rest, owned = rest + [n for n in r if mine(n)], owned + [n for n in o if mine(n)]
             groups.append(tuple(rest + owned))
-        out.append(_Stage(sources, module, tuple(groups), tuple(lay for lay in layers if lay.stage in sources)))
+        held = tuple(lay for lay in layers if lay.stage in sources and mine(str(lay.entry["module_path"])))
+        out.append(_Stage(sources, module, tuple(groups), held))
     return out
 
 
-def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int) -> DeepSpeedTarget:
-    """The pipeline job of ``ck`` (AutoEP, ZeRO-1, TP 1) at ``pp`` stages (1 or ``ck.pp``), EP ``ep``
-    and DP ``dp``: see the module's docstring."""
+def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int, split_from: Any = None) -> DeepSpeedTarget:
+    """The pipeline job of ``ck`` (a PipelineModule's AutoEP, ZeRO-1, TP 1) at ``pp`` stages (1, ``ck.pp``,
+    or another count with the split the checkpoint ``split_from`` shows: :func:`stage_split`), EP ``ep`` and DP ``dp``: see
+    the module's docstring."""
     ax = ck.experts
     layers = _layers(ck)
     glob = {p.name: next(lay.glob for lay in layers if p.name.startswith(str(lay.entry["expert_key_prefix"]) + "."))
@@ -149,7 +211,7 @@ def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int) ->
     merged = dataclasses.replace(ax, params={n: dataclasses.replace(p, layer=glob[n]) for n, p in ax.params.items()},
                                  pp=1, stages={})
     placement = AutoEPPlacement(merged, ep, dp)
-    stages = _stages(ck, pp, layers)
+    stages = _stages(ck, pp, layers, stage_split(ck, pp, split_from))
     ms0 = ck.model_state(0)
     zo = (ms0.get("ds_config") or {}).get("zero_optimization") or {}
     dtype = next(iter((ms0.get("module") or {}).values())).dtype
@@ -178,7 +240,8 @@ def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int) ->
     layout = Layout("flat", maps, units, [d * pp + t for t in range(pp) for d in range(dp)])
     ds_config = placement.ds_config(dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=1))
     models = PipeModelFiles(ck, stages, placement, dp=dp, ds_config=ds_config)
-    how = "stages kept" if pp == ck.pp else f"its {ck.pp} stages merged into one"
+    how = ("stages kept" if pp == ck.pp else f"its {ck.pp} stages merged into one" if pp == 1 else
+           f"its layers split into {pp} stages as {split_from} holds them")
     return DeepSpeedTarget(layout, tp=1, pp=pp, dp=dp, stage=1, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
                            models=models, group_names=dict.fromkeys(ax.groups, f"ep_size_{ep}"),
@@ -231,7 +294,7 @@ class PipeModelFiles:
                                zero_stage=1, shared_params=shared, uc_info=uc, ds_config=self.ds_config,
                                pp=len(self.stages))
         if "num_experts" in ms0:
-            obj["num_experts"] = [n for s in st.sources for n in self.ck.model_state(s)["num_experts"]]
+            obj["num_experts"] = [int(lay.entry["num_experts"]) for lay in st.layers]
         obj[dse.LAYERS_KEY] = self._entries(st)
         return obj
 

@@ -39,6 +39,7 @@ from ..contract import BEST, Buffer, Held, Reader, Writer
 from ..table import noun_of
 from . import experts as dse
 from . import templates
+from .expert_pipe import is_pipeline_module as pipeline_autoep
 from .expert_target import autoep_from_zero3_target, autoep_target, moe_target
 from .reader import DeepSpeedNative
 from .target import (
@@ -95,8 +96,8 @@ class DeepSpeedWriter(Writer):
         if ck.experts is not None:  # a target DeepSpeed's own folding refuses, whatever else is asked
             from .placement import check_folding
             check_folding(ck.tag_dir, tp, ep if ep is not None else ck.experts.ep, pp, ck.experts.data_before_expert)
-        if ck.experts is not None and ck.pp > 1:
-            self._autoep_pipe(ck, tp, dp, pp, stage, ep if ep is not None else ck.experts.ep)
+        if ck.experts is not None and (ck.pp > 1 or pp > 1) and pipeline_autoep(ck):
+            self._autoep_pipe(ck, tp, dp, pp, stage, ep if ep is not None else ck.experts.ep, layout)
         elif ck.experts is not None and tp > 1 and pp == 1 and (stage == 3 or (stage is None and ck.zero_stage == 3)):
             self._autoep_folded_zero3(ck, tp, dp, ep if ep is not None else ck.experts.ep, layout)
         elif ck.zero_stage == 3 and ck.experts is not None and tp > 1 and pp == 1 and stage in (1, 2):
@@ -113,14 +114,15 @@ class DeepSpeedWriter(Writer):
             self._source = source
         self.keeps_replicas = self._target["tp"] == ck.tp
 
-    def _autoep_pipe(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
+    def _autoep_pipe(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int,
+                     layout: TargetLayout) -> None:
         """AutoEP under pipeline parallelism: the same PipelineModule job at ``pp`` stages (kept or merged
         into one), EP ``ep``, DP ``dp`` (``expert_pipe``)."""
         from .expert_pipe import autoep_pipe_target, check_autoep_pipe
 
         stage = ck.zero_stage if stage is None else stage
         check_autoep_pipe(ck, ep, dp, tp, pp, stage)
-        self.target = autoep_pipe_target(ck, pp=pp, ep=ep, dp=dp)
+        self.target = autoep_pipe_target(ck, pp=pp, ep=ep, dp=dp, split_from=layout)
         self._source = {"tp": 1, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage, "ep": ck.experts.ep}
         self._target = {"tp": 1, "dp": dp, "pp": pp, "zero_stage": stage, "ep": ep}
         self._notes += self.target.notes

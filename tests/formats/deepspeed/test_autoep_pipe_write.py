@@ -10,6 +10,7 @@ parameter (= the oracle), and trains a step."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -101,24 +102,59 @@ def _reshard(tmp_path: Path, name: str, **kw) -> Path:
 
 def test_pp1_is_deepspeeds_one_stage_job_object_for_object_with_the_oracles_values(tmp_path):
     """Every file DeepSpeed's one-stage job writes, with the same keys in the same order, types, shapes and
-    scalars (``ds_config`` included: nothing a fresh job writes differs here), and every value the oracle's."""
-    out = _reshard(tmp_path, "pp1", pp=1)
-    _same_structure(out, PIPE1)
-    _equals_oracle(out)
-
-
-def test_pp1_renumbers_the_layers_as_a_one_stage_job_counts_them(tmp_path):
+    scalars (``ds_config`` included: nothing a fresh job writes differs here), and every value the oracle's;
+    the layers renumbered as a one-stage job counts them, stage 1's per-expert files renamed, not changed."""
     from reshard.storage.safe_load import load
 
     out = _reshard(tmp_path, "pp1", pp=1)
+    _same_structure(out, PIPE1)
+    _equals_oracle(out)
     ms = load(out / TAG / "mp_rank_00_model_states.pt")
     assert [(e["moe_layer_id"], e["module_path"]) for e in ms["ds_autoep_layers"]] == [(0, "1.mlp"), (1, "2.mlp")]
     assert ms["universal_checkpoint_info"]["ds_autoep_layers"] == ms["ds_autoep_layers"]
     assert list(ms["param_shapes"][0])[-2:] == ["1.mlp.router.gate.weight", "2.mlp.router.gate.weight"]
-    # stage 1's layer_0 files are layer_1's now, the same bytes
     for x in range(4):
         assert (out / TAG / f"layer_1_expert_{x}_mp_rank_00_model_states.pt").read_bytes() == \
             (SOURCE / TAG / f"layer_0_expert_{x}_mp_rank_01_model_states.pt").read_bytes()
+
+
+def test_deepspeeds_one_stage_save_holds_the_oracles_values():
+    """The reference's own values: DeepSpeed's one-stage job trained to the same bits as the PP 2 job."""
+    _equals_oracle(PIPE1)
+
+
+# -- PP 1 -> PP 2 ---------------------------------------------------------------------------------------------------
+
+
+def test_pp1_to_pp2_takes_the_stages_from_layout_and_round_trips_to_the_fixture(tmp_path):
+    """PP 2 -> 1 -> 2 (the split from ``--layout``, the fixture itself): the fixture, tensor for tensor."""
+    from reshard import reshard
+    from reshard.storage.safe_load import load
+
+    one = _reshard(tmp_path, "pp1", pp=1)
+    back = tmp_path / "pp2"
+    reshard(one, back, pp=2, layout=SOURCE)
+    _same_structure(back, SOURCE)
+    for name in _files(SOURCE):
+        assert _same_tensors(load(back / TAG / name), load(SOURCE / TAG / name)), name
+
+
+def test_deepspeeds_one_stage_save_at_pp2_is_the_pp2_layout_with_the_oracles_values(tmp_path):
+    from reshard import reshard
+
+    out = tmp_path / "pp2"
+    reshard(PIPE1, out, pp=2, layout=SOURCE)
+    _same_structure(out, SOURCE)
+    _equals_oracle(out)
+
+
+def test_pp1_to_pp2_without_a_layout_is_refused_naming_partition_method(tmp_path):
+    from reshard import ReshardError, reshard
+
+    with pytest.raises(ReshardError, match=r"partition_method .*pass --layout, a DeepSpeed checkpoint of this "
+                                           r"PipelineModule saved at PP=2"):
+        reshard(PIPE1, tmp_path / "out", pp=2)
+    assert not (tmp_path / "out").exists()
 
 
 # -- PP 2 kept ------------------------------------------------------------------------------------------------------
@@ -132,12 +168,13 @@ def test_pp2_kept_rewrites_the_fixture_itself(tmp_path):
     _same_structure(out, SOURCE)
     for name in _files(SOURCE):
         a, b = load(out / TAG / name), load(SOURCE / TAG / name)
-        assert _tensors(a) == _tensors(b), name
+        assert _same_tensors(a, b), name
 
 
-def _tensors(obj, path=""):
+def _tensors(obj, path: str = "") -> dict:
+    """Every tensor in ``obj`` by its path, as raw bytes."""
     if isinstance(obj, torch.Tensor):
-        return {path: obj.flatten().view(torch.uint8).tolist() if obj.numel() else []}
+        return {path: obj.detach().reshape(-1).view(torch.uint8)}
     out = {}
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
     for k, v in items:
@@ -145,7 +182,12 @@ def _tensors(obj, path=""):
     return out
 
 
-@pytest.mark.parametrize("kw", [{"ep": 1}, {"dp": 1, "ep": 1}, {"dp": 4, "ep": 4}], ids=["ep1", "dp1", "dp4-ep4"])
+def _same_tensors(a, b) -> bool:
+    ta, tb = _tensors(a), _tensors(b)
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.parametrize("kw", [{"ep": 1}, {"dp": 4, "ep": 4}], ids=["ep1", "dp4-ep4"])
 def test_pp2_at_another_ep_or_dp_holds_the_oracles_values(kw, tmp_path):
     from reshard.storage.safe_load import load
 
@@ -166,10 +208,11 @@ def test_pp2_at_another_ep_or_dp_holds_the_oracles_values(kw, tmp_path):
 
 @pytest.mark.parametrize("kw, match", [
     ({"pp": 3}, "partition_method"),
+    ({"pp": 3, "layout": FIXTURES / "mixtral_autoep_ep2_pipe1"}, r"is at PP=1, TP=1; the target is PP=3"),
     ({"pp": 1, "tp": 2}, "folding"),
     ({"pp": 1, "ep": 3}, "must divide"),
     ({"pp": 1, "zero_stage": 2}, "ZeRO-2 and ZeRO-3"),
-], ids=["pp3", "tp2", "ep3", "zero2"])
+], ids=["pp3", "pp3-layout", "tp2", "ep3", "zero2"])
 def test_what_a_pipeline_target_cannot_be_is_refused_leaving_nothing(kw, match, tmp_path):
     from reshard import ReshardError, reshard
 
@@ -185,3 +228,25 @@ def test_a_non_pipeline_autoep_source_is_not_written_into_pipeline_stages(tmp_pa
     with pytest.raises(ReshardError, match="model.layers"):
         reshard(FIXTURES / "mixtral_autoep_ep2", tmp_path / "out", pp=2)
     assert not (tmp_path / "out").exists()
+
+
+# -- DeepSpeed loads it --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("pp, dp, ep", [(1, 2, 2), (2, 2, 1)], ids=["pp1", "pp2-ep1"])
+def test_deepspeeds_pipeline_job_loads_it_natively_with_the_oracles_values_and_trains(pp, dp, ep, tmp_path):
+    """DeepSpeed's own pipeline job at the target's topology ``engine.load_checkpoint``s reshard's output, digests
+    every stage's parameters right after the load (= the oracle), trains a step (a finite loss) and saves."""
+    pytest.importorskip("deepspeed")
+    from tests.e2e.digest import differences
+    from tests.formats.deepspeed.autoep_pipe_native import run
+
+    out = _reshard(tmp_path, "out", pp=pp, dp=dp, ep=ep)
+    got = run(tmp_path / "job", pp=pp, world=pp * dp, ep=ep, steps=1, load_dir=out, tag="global_step4")
+    assert got["digests"]["global_steps"] == 3
+    assert differences(json.loads(ORACLE.read_text())["digests"], got["digests"]["digests"]) == []
+    report = json.loads((tmp_path / "job" / "report" / "rank_0.json").read_text())
+    assert report["global_steps"] == 4 and all(map(math.isfinite, report["losses"])), report["losses"]
+    assert (got["native"] / "global_step4" / "mp_rank_00_model_states.pt").is_file()
