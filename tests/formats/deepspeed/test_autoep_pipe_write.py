@@ -235,15 +235,19 @@ def test_a_non_pipeline_autoep_source_is_not_written_into_pipeline_stages(tmp_pa
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("pp, dp, ep", [(1, 2, 2), (2, 2, 1)], ids=["pp1", "pp2-ep1"])
-def test_deepspeeds_pipeline_job_loads_it_natively_with_the_oracles_values_and_trains(pp, dp, ep, tmp_path):
-    """DeepSpeed's own pipeline job at the target's topology ``engine.load_checkpoint``s reshard's output, digests
-    every stage's parameters right after the load (= the oracle), trains a step (a finite loss) and saves."""
+@pytest.mark.parametrize("source, pp, dp, ep", [(SOURCE, 1, 2, 2), (SOURCE, 2, 2, 1), (PIPE1, 2, 2, 2)],
+                         ids=["pp1", "pp2-ep1", "from-pipe1-pp2"])
+def test_deepspeeds_pipeline_job_loads_it_natively_with_the_oracles_values_and_trains(source, pp, dp, ep, tmp_path):
+    """DeepSpeed's own pipeline job at the target's topology ``engine.load_checkpoint``s reshard's output (of the
+    PP 2 fixture, or of DeepSpeed's one-stage save split as the fixture's stages), digests every stage's parameters
+    right after the load (= the oracle), trains a step (a finite loss) and saves."""
     pytest.importorskip("deepspeed")
+    from reshard import reshard
     from tests.e2e.digest import differences
     from tests.formats.deepspeed.autoep_pipe_native import run
 
-    out = _reshard(tmp_path, "out", pp=pp, dp=dp, ep=ep)
+    out = tmp_path / "out"
+    reshard(source, out, pp=pp, dp=dp, ep=ep, layout=SOURCE if source == PIPE1 else None)
     got = run(tmp_path / "job", pp=pp, world=pp * dp, ep=ep, steps=1, load_dir=out, tag="global_step4")
     assert got["digests"]["global_steps"] == 3
     assert differences(json.loads(ORACLE.read_text())["digests"], got["digests"]["digests"]) == []
