@@ -184,7 +184,7 @@ def _stages(ck: DeepSpeedCheckpoint, pp: int, layers: Sequence[_Layer],
                     module[k] = v
         groups: list[tuple[str, ...]] = []
         for g in range(n_groups):
-            if g in ax.groups:
+            if g in ax.groups or (split is None and len(sources) == 1):  # a kept stage keeps its order
                 groups.append(tuple(n for s in sources for n in ck.groups(s)[g] if mine(n)))
                 continue
             rest: list[str] = []
@@ -265,11 +265,15 @@ class PipeModelFiles:
     def after(self) -> list:
         return []
 
-    def _entries(self, st: _Stage) -> list[dict]:
-        """The stage's ``ds_autoep_layers`` at the target's placement, ids counted from 0."""
+    def _entries(self, st: _Stage, copies: bool = False) -> list[dict]:
+        """The stage's ``ds_autoep_layers`` at the target's placement, ids counted from 0 (``copies``:
+        from each source stage's ``universal_checkpoint_info`` copy of them, as DeepSpeed writes both)."""
         out = []
         for i, lay in enumerate(st.layers):
             entry = dict(lay.entry)
+            if copies:
+                uc = (self.ck.model_state(lay.stage).get("universal_checkpoint_info") or {}).get(dse.LAYERS_KEY) or []
+                entry = dict(next((e for e in uc if int(e["moe_layer_id"]) == lay.local), lay.entry))
             entry["moe_layer_id"] = lay.glob  # the placement is keyed by the global id
             entry = self.placement.layer(entry, 0, copied=False)
             entry["moe_layer_id"] = i
@@ -285,8 +289,8 @@ class PipeModelFiles:
         uc = None
         if isinstance(ms0.get("universal_checkpoint_info"), dict):
             uc = dict(ms0["universal_checkpoint_info"])
-            if dse.LAYERS_KEY in uc:  # the reader checked each copy equals its entry
-                uc[dse.LAYERS_KEY] = self._entries(st)
+            if dse.LAYERS_KEY in uc:
+                uc[dse.LAYERS_KEY] = self._entries(st, copies=True)
         shared: dict = {}
         for s in st.sources:
             shared.update(self.ck.model_state(s).get("shared_params") or {})
