@@ -199,10 +199,13 @@ def _stages(ck: DeepSpeedCheckpoint, pp: int, layers: Sequence[_Layer],
     return out
 
 
-def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int, split_from: Any = None) -> DeepSpeedTarget:
+def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int, split_from: Any = None, zero_stage: int = 1,
+                       strays: Sequence[Path] = ()) -> DeepSpeedTarget:
     """The pipeline job of ``ck`` (a PipelineModule's AutoEP, ZeRO-1, TP 1) at ``pp`` stages (1, ``ck.pp``,
     or another count with the split the checkpoint ``split_from`` shows: :func:`stage_split`), EP ``ep`` and DP ``dp``: see
-    the module's docstring."""
+    the module's docstring. Without stages (``ck.pp == pp == 1``) this is every unfolded AutoEP ZeRO-1/2
+    target (stage ``zero_stage``), a non-pipeline model's included; ``strays``: per-expert files no layer
+    records, copied as they are (as the AutoEP target always has)."""
     ax = ck.experts
     layers = _layers(ck)
     glob = {p.name: next(lay.glob for lay in layers if p.name.startswith(str(lay.entry["expert_key_prefix"]) + "."))
@@ -238,16 +241,19 @@ def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int, sp
                 maps.update((n, replicated(shapes[n], 1).with_ranks({0: t})) for n in st.groups[g])
             units.append(Unit(Group.dense(pp, dp), parts))
     layout = Layout("flat", maps, units, [d * pp + t for t in range(pp) for d in range(dp)])
-    ds_config = placement.ds_config(dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=1))
-    models = PipeModelFiles(ck, stages, placement, dp=dp, ds_config=ds_config)
+    ds_config = placement.ds_config(dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=zero_stage))
+    models = PipeModelFiles(ck, stages, placement, dp=dp, ds_config=ds_config, zero_stage=zero_stage, strays=strays)
     how = ("stages kept" if pp == ck.pp else f"its {ck.pp} stages merged into one" if pp == 1 else
            f"its layers split into {pp} stages as {split_from} holds them")
-    return DeepSpeedTarget(layout, tp=1, pp=pp, dp=dp, stage=1, bf16=ck.bf16, states=OPTIMIZER,
+    note = f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement"
+    if ck.pp > 1 or pp > 1:
+        note = (f"AutoEP under pipeline parallelism: the PipelineModule job at PP {pp} ({how}), EP {ep} (EDP "
+                f"{placement.edp}) per stage, uniform placement; moe_layer_id and the per-expert files counted per "
+                "stage as DeepSpeed counts them")
+    return DeepSpeedTarget(layout, tp=1, pp=pp, dp=dp, stage=zero_stage, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
                            models=models, group_names=dict.fromkeys(ax.groups, f"ep_size_{ep}"),
-                           notes=[f"AutoEP under pipeline parallelism: the PipelineModule job at PP {pp} ({how}), EP "
-                                  f"{ep} (EDP {placement.edp}) per stage, uniform placement; moe_layer_id and the "
-                                  "per-expert files counted per stage as DeepSpeed counts them"])
+                           notes=[note])
 
 
 class PipeModelFiles:
@@ -256,8 +262,9 @@ class PipeModelFiles:
     their target names."""
 
     def __init__(self, ck: DeepSpeedCheckpoint, stages: Sequence[_Stage], placement: AutoEPPlacement, *, dp: int,
-                 ds_config: dict | None) -> None:
+                 ds_config: dict | None, zero_stage: int = 1, strays: Sequence[Path] = ()) -> None:
         self.ck, self.stages, self.placement, self.dp, self.ds_config = ck, list(stages), placement, dp, ds_config
+        self.zero_stage, self.strays = zero_stage, list(strays)
 
     def before(self) -> list:
         return []
@@ -295,7 +302,7 @@ class PipeModelFiles:
         for s in st.sources:
             shared.update(self.ck.model_state(s).get("shared_params") or {})
         obj = dsw.model_states(ms0, module=OrderedDict(st.module), param_shapes=shapes, tp=1, dp=self.dp, tp_rank=0,
-                               zero_stage=1, shared_params=shared, uc_info=uc, ds_config=self.ds_config,
+                               zero_stage=self.zero_stage, shared_params=shared, uc_info=uc, ds_config=self.ds_config,
                                pp=len(self.stages))
         if "num_experts" in ms0:
             obj["num_experts"] = [int(lay.entry["num_experts"]) for lay in st.layers]
@@ -315,7 +322,7 @@ class PipeModelFiles:
                 for x in range(int(lay.entry["num_experts"])):
                     src = self.ck.tag_dir / EXPERT_FILE.format(layer=lay.local, expert=x, stage=lay.stage)
                     out.append((src, EXPERT_FILE.format(layer=i, expert=x, stage=t)))
-        return out
+        return sorted(out + [(p, p.name) for p in self.strays], key=lambda f: f[0].name)
 
     def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
         before = [(sum(self.ck.model_files[s].stat().st_size for s in st.sources),

@@ -79,7 +79,9 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
 
 def autoep_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_files: list[Path]) -> DeepSpeedTarget:
     """AutoEP's fused experts, placed uniformly at EP ``ep``: each fused parameter's EP-local shape
-    in the expert group."""
+    in the expert group. The writer takes this one for a folded (AutoEP x AutoTP) source written at
+    TP 1 (unfolded); every unfolded AutoEP ZeRO-1/2 source, with or without pipeline stages, is
+    ``expert_pipe.autoep_pipe_target`` (the same files at PP 1)."""
     placement = AutoEPPlacement(ck.experts, ep, dp)
     src_groups = ck.groups(0)
 
