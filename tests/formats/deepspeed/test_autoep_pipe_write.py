@@ -148,12 +148,16 @@ def test_deepspeeds_one_stage_save_at_pp2_is_the_pp2_layout_with_the_oracles_val
     _equals_oracle(out)
 
 
-def test_pp1_to_pp2_without_a_layout_is_refused_naming_partition_method(tmp_path):
+@pytest.mark.parametrize("layout, match", [
+    (None, r"partition_method .*pass --layout, a DeepSpeed checkpoint of this PipelineModule saved at PP=2"),
+    ("pipe_pp2_dp2", r"its stages hold layers \[0, 1, 2, 3, 4, 5\], the source \[0, 1, 2, 3\]: not the same "
+                     r"PipelineModule"),
+], ids=["no-layout", "another-model"])
+def test_pp1_to_pp2_without_a_layout_is_refused_naming_partition_method(layout, match, tmp_path):
     from reshard import ReshardError, reshard
 
-    with pytest.raises(ReshardError, match=r"partition_method .*pass --layout, a DeepSpeed checkpoint of this "
-                                           r"PipelineModule saved at PP=2"):
-        reshard(PIPE1, tmp_path / "out", pp=2)
+    with pytest.raises(ReshardError, match=match):
+        reshard(PIPE1, tmp_path / "out", pp=2, layout=FIXTURES / layout if layout else None)
     assert not (tmp_path / "out").exists()
 
 
