@@ -220,6 +220,8 @@ def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int, sp
     dtype = next(iter((ms0.get("module") or {}).values())).dtype
     align = dsw.param_alignment(dtype, bool(zo.get("parameter_alignment", False)))
     shapes = {n: tuple(shape) for s in range(ck.pp) for grp in ck.groups(s) for n, shape in grp.items()}
+    if ax.folded:  # AutoEP x AutoTP written at TP 1: a dense parameter whole (its TP map's shape)
+        shapes.update((n, tuple(ck.tp_map(n).map.valid_shape)) for n in shapes if n not in ax.params)
     maps: dict[str, ParamMap] = {}
     units = []
     for g in range(len(stages[0].groups)):
@@ -242,7 +244,9 @@ def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int, sp
             units.append(Unit(Group.dense(pp, dp), parts))
     layout = Layout("flat", maps, units, [d * pp + t for t in range(pp) for d in range(dp)])
     ds_config = placement.ds_config(dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=zero_stage))
-    models = PipeModelFiles(ck, stages, placement, dp=dp, ds_config=ds_config, zero_stage=zero_stage, strays=strays)
+    models: Any = PipeModelFiles(ck, stages, placement, dp=dp, ds_config=ds_config, zero_stage=zero_stage,
+                                 strays=strays)
+    optim: Callable[[], dict] = lambda: ck.optim_state(0, 0)  # noqa: E731
     how = ("stages kept" if pp == ck.pp else f"its {ck.pp} stages merged into one" if pp == 1 else
            f"its layers split into {pp} stages as {split_from} holds them")
     note = f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement"
@@ -250,10 +254,32 @@ def autoep_pipe_target(ck: DeepSpeedCheckpoint, *, pp: int, ep: int, dp: int, sp
         note = (f"AutoEP under pipeline parallelism: the PipelineModule job at PP {pp} ({how}), EP {ep} (EDP "
                 f"{placement.edp}) per stage, uniform placement; moe_layer_id and the per-expert files counted per "
                 "stage as DeepSpeed counts them")
+    if ax.folded:  # unfolded: the module's and per-expert files' weights from the masters, no folding records
+        if pp != 1 or ck.pp != 1:
+            raise CheckpointError(f"internal: a folded AutoEP source under pipeline parallelism ({ck.tag_dir})")
+        models, optim = _unfolded_files(ck, stages[0], placement, maps, dp=dp, zero_stage=zero_stage,
+                                        ds_config=ds_config, dtype=dtype)
+        note += (f"; unfolded from TP {ck.tp}: the module's weights gathered from their TP shards, the per-expert "
+                 "files' from the experts' fp32 masters (the same bits at fp32), no folding records")
     return DeepSpeedTarget(layout, tp=1, pp=pp, dp=dp, stage=zero_stage, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
+                           optim_template=optim, ds_config=ds_config, uc_info=None,
                            models=models, group_names=dict.fromkeys(ax.groups, f"ep_size_{ep}"),
                            notes=[note])
+
+
+def _unfolded_files(ck: DeepSpeedCheckpoint, st: _Stage, placement: AutoEPPlacement, maps: Mapping[str, ParamMap], *,
+                    dp: int, zero_stage: int, ds_config: dict | None, dtype: Any) -> tuple[Any, Callable[[], dict]]:
+    """A folded (AutoEP x AutoTP) source's model files at TP 1 (``expert_target.ExpertWeightFiles`` on its
+    TP 1 view, ``target.unfolded``) and its optimizer template."""
+    from .expert_target import ExpertWeightFiles
+    from .target import unfolded
+
+    template = unfolded(ck.model_state(0))
+    names = [n for grp in st.groups for n in grp]
+    models = ExpertWeightFiles(ck, template, dp=dp, stage=zero_stage, ds_config=ds_config, placement=placement,
+                               dtype=dtype, names=names, outer=maps,
+                               aliases=dse.router_aliases(template, names, str(ck.model_files[0])))
+    return models, lambda: unfolded(ck.optim_state(0, 0))
 
 
 class PipeModelFiles:

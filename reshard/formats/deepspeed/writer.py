@@ -41,7 +41,7 @@ from . import experts as dse
 from . import templates
 from .expert_pipe import autoep_pipe_target
 from .expert_pipe import is_pipeline_module as pipeline_autoep
-from .expert_target import autoep_from_zero3_target, autoep_target, moe_target
+from .expert_target import autoep_from_zero3_target, moe_target
 from .reader import DeepSpeedNative
 from .target import (
     DeepSpeedTarget,
@@ -161,11 +161,9 @@ class DeepSpeedWriter(Writer):
             missing = [] if ck.experts.folded else sorted(want - {p.name for p in files})
             if missing:
                 raise CheckpointError(f"{ck.tag_dir}: AutoEP per-expert files missing: {missing[:3]}")
-            if ck.experts.folded:  # AutoEP x AutoTP at TP 1: unfolded from the TP shards (expert_target)
-                self.target = autoep_target(ck, ep, dp, stage, files)
-            else:  # the one AutoEP target, without pipeline stages here (expert_pipe)
-                self.target = autoep_pipe_target(ck, pp=1, ep=ep, dp=dp, zero_stage=stage,
-                                                 strays=[f for f in files if f.name not in want])
+            # the one AutoEP target, without pipeline stages here (expert_pipe); a folded source unfolded
+            self.target = autoep_pipe_target(ck, pp=1, ep=ep, dp=dp, zero_stage=stage,
+                                             strays=[] if ck.experts.folded else [f for f in files if f.name not in want])
             source_ep = ck.experts.ep
         self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": source_ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
