@@ -7,7 +7,8 @@ folder exists, what it cannot write:
 
 * ZeRO-1/2 at TP x DP (x PP), from a ZeRO-1/2, ZeRO-3 or non-DeepSpeed source;
 * ZeRO-3 at TP x DP;
-* AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``), an
+* AutoEP or classic MoE experts at another EP x DP, AutoEP under pipeline parallelism at another
+  PP x EP x DP (``expert_pipe``), AutoEP under ZeRO-3 (``placement``), an
   AutoEP ZeRO-3 checkpoint at ZeRO-1/2 (its weights the fp32 masters cast), and an AutoEP
   ZeRO-1/2 checkpoint at ZeRO-3;
 * AutoEP folded over TP > 1 (AutoEP x AutoTP) at ZeRO-1/2 and at ZeRO-3 (``expert_folded``), from
