@@ -443,6 +443,15 @@ FIXTURES = [
             notes=[AUTOEP_NOTE, "scripts/_fixture_autoep_pipe.py: a PipelineModule of an embedding, 2 blocks "
                    "(LayerNorm + transformers' MixtralSparseMoeBlock) and a head, 2 stages; AutoEP finds the blocks "
                    "by moe_layer_pattern '\\d+\\.mlp'"]),
+    # ... the same PipelineModule run at pipeline_stages 1 (world 2, EP 2): what DeepSpeed writes at the topology
+    # reshard's `--pp 1` target of mixtral_autoep_ep2_pp2 takes (the reference for its structure)
+    Fixture("mixtral_autoep_ep2_pipe1", "mixtral", dict(MIXTRAL, pipeline_stages=1),
+            dict(ds_config(1), gradient_accumulation_steps=2,
+                 expert_parallel={"enabled": True, "autoep_size": 2, "preset_model": "mixtral",
+                                  "moe_layer_pattern": r"\d+\.mlp"}),
+            world_size=2, pp=1, train_script=AUTOEP_PIPE_SCRIPT, patches=["transformers_can_record_registry_default"],
+            notes=[AUTOEP_NOTE, "scripts/_fixture_autoep_pipe.py: the PipelineModule of mixtral_autoep_ep2_pp2 at one "
+                   "stage (world 2, EP 2); AutoEP finds the blocks by moe_layer_pattern '\\d+\\.mlp'"]),
     # classic deepspeed.moe.layer.MoE: 4 experts over EP=2 (layer_L_expert_E files, per-EP-rank local names)
     Fixture("moe_ep2", "moe", MOE, ds_config(1), world_size=2, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),
     # the same classic MoE recipe in bf16 under ZeRO-2 (bf16_ optimizer files, bf16 module and expert weights)

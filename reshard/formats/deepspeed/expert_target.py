@@ -43,7 +43,6 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
     edp = dp // ep
     target_ax = dataclasses.replace(ax, ep=ep, edp=edp)  # same EDP order, new sizes (members: not of TP)
     dense, experts = Group.dense(1, dp), Group(tuple(tuple(target_ax.members(e)) for e in range(ep)))
-    folded = getattr(ax, "folded", False)  # AutoEP x AutoTP: the dense weights gathered from their TP shards
     maps, units = dict(outer), []
     for g, grp in enumerate(src_groups):
         if g in ax.groups:
@@ -51,46 +50,17 @@ def _expert_target(ck: DeepSpeedCheckpoint, ax: Any, ep: int, dp: int, stage: in
             fg = dsw.flat_group(names, shapes, edp, param_align=align)
             units.append(Unit(experts, {e: Part(fg, holder_names(g, fg, e)) for e in range(ep)}))
         else:
-            whole = [tuple(ck.tp_map(n).map.valid_shape) for n in grp] if folded else list(grp.values())
-            fg = dsw.flat_group(list(grp), whole, dp, param_align=align)
+            fg = dsw.flat_group(list(grp), list(grp.values()), dp, param_align=align)
             units.append(Unit(dense, {0: Part(fg, fg.names)}))
-            # dense, TP = 1: whole on one rank
-            maps.update((n, replicated(s, 1) if folded else ck.tp_map(n).map) for n, s in zip(fg.names, whole))
+            maps.update((n, ck.tp_map(n).map) for n in fg.names)  # dense, TP = 1: whole on one rank
     layout = Layout("flat", maps, units, range(dp))
     cfg = dsw.target_ds_config(ms0.get("ds_config"), tp=1, dp=dp, zero_stage=stage)
     ds_config = placement.ds_config(cfg) if placement is not None else cfg
-    optim = (lambda: ck.optim_state(0, 0))
-    if folded and placement is not None:
-        template = unfolded(ms0)
-        names = [n for grp in src_groups for n in grp]
-        models: ExpertModelFile = ExpertWeightFiles(
-            ck, template, dp=dp, stage=stage, ds_config=ds_config, placement=placement, dtype=dtype, names=names,
-            outer=maps, aliases=router_aliases(template, names, str(ck.model_files[0])))
-        optim = (lambda: unfolded(ck.optim_state(0, 0)))
-        note += (f"; unfolded from TP {ck.tp}: the module's weights gathered from their TP shards, the per-expert "
-                 "files' from the experts' fp32 masters (the same bits at fp32), no folding records")
-    else:
-        models = ExpertModelFile(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
-                                 expert_files=expert_files)
+    models = ExpertModelFile(ck, dp=dp, stage=stage, ds_config=ds_config, placement=placement,
+                             expert_files=expert_files)
     return DeepSpeedTarget(layout, tp=1, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
-                           optim_template=optim, ds_config=ds_config, uc_info=None,
+                           optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
                            models=models, group_names=group_names, notes=[note])
-
-
-def autoep_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_files: list[Path]) -> DeepSpeedTarget:
-    """AutoEP's fused experts, placed uniformly at EP ``ep``: each fused parameter's EP-local shape
-    in the expert group."""
-    placement = AutoEPPlacement(ck.experts, ep, dp)
-    src_groups = ck.groups(0)
-
-    def expert_group(g: int) -> tuple[list[str], list[tuple[int, ...]]]:
-        names = list(src_groups[g])
-        return names, [placement.maps[n].shards[0].shape for n in names]
-
-    return _expert_target(ck, ck.experts, ep, dp, stage, expert_files, expert_group=expert_group,
-                          holder_names=lambda g, fg, e: fg.names, outer=placement.maps, placement=placement,
-                          group_names=dict.fromkeys(ck.experts.groups, f"ep_size_{ep}"),
-                          note=f"AutoEP experts at EP {ep} (EDP {placement.edp}), uniform placement")
 
 
 def moe_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int, expert_files: list[Path]) -> DeepSpeedTarget:
@@ -191,7 +161,7 @@ class ExpertModelFile:
 
 def autoep_from_zero3_target(ck: DeepSpeedCheckpoint, ep: int, dp: int, stage: int) -> DeepSpeedTarget:
     """An AutoEP ZeRO-3 checkpoint written at ZeRO stage ``stage`` (1 or 2), EP ``ep`` x world
-    ``dp``: the layout of :func:`autoep_target` (a dense group flat over all ``dp`` ranks, an expert
+    ``dp``: the layout of ``expert_pipe.autoep_pipe_target`` (a dense group flat over all ``dp`` ranks, an expert
     group flat over each EP rank's EDP group), the optimizer file built on the source's recast
     (``zero3.optim_source_from_zero3``) and the weights a ZeRO-3 checkpoint keeps only as fp32
     masters -- the module's and each per-expert file's -- cast from them (:class:`ExpertWeightFiles`)."""
@@ -339,7 +309,7 @@ def _fresh_placement(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str,
 def autoep_fresh_target(tpl: Templates, layers: Sequence[Any], shapes: Mapping[str, tuple[int, ...]], ep: int, dp: int,
                         stage: int, aliases: Mapping[str, str], clip_grad: float | None = None) -> DeepSpeedTarget:
     """AutoEP's fused experts at EP ``ep`` x world ``dp``, ZeRO stage ``stage`` (1 or 2), from a
-    source that is no DeepSpeed checkpoint (a universal one): the layout of :func:`autoep_target`
+    source that is no DeepSpeed checkpoint (a universal one): the layout of ``expert_pipe.autoep_pipe_target``
     (a dense group flat over all ``dp`` ranks, the expert group flat over each EP rank's EDP group,
     AutoEP's uniform placement), the files of a fresh ZeRO job (``tpl``, ``templates.fresh``), the
     module's and each per-expert file's weights cast from the source (:class:`ExpertWeightFiles`),

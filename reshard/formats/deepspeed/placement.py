@@ -102,23 +102,14 @@ def check_folding(where: Any, tp: int, ep: int, pp: int = 1, data_before_expert:
         raise deepspeed_refuses_folding(where, "data_before_expert", asked)
 
 
-def check_pipeline_source(ck: DeepSpeedCheckpoint) -> None:
-    """An AutoEP source under pipeline parallelism is read (universal, DCP, safetensors) but not written
-    as DeepSpeed files: its stages' layer ids and per-expert files (named by stage) would need a target
-    layout of their own, and the pipeline's layer names (``1.mlp``) are not a non-pipeline model's."""
-    if ck.experts is not None and ck.pp > 1:
-        raise ReshardError(f"{ck.tag_dir}: AutoEP under pipeline parallelism (PP={ck.pp}) is read but not written as a "
-                           "DeepSpeed checkpoint yet: its stages' per-expert files and layer ids have no DeepSpeed "
-                           "target here, at any PP (docs/deepspeed-checkpoints.md §11.4); convert it to universal, "
-                           "DCP or safetensors")
-
-
 def check_target(ck: DeepSpeedCheckpoint, what: str, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
     """The refusals every expert checkpoint shares (``what``: "AutoEP", "classic MoE")."""
     if tp != 1 or pp != 1 or ck.layer_files:
-        why = ("; a pipeline target keeps a pipeline (deepspeed.pipe) source's stages, and AutoEP under pipeline "
-               "parallelism is read but not written yet (docs/deepspeed-checkpoints.md §11.4)"
-               if pp != 1 and what == "AutoEP" else "")
+        example = next(iter(ck.experts.params), "") if ck.experts is not None else ""
+        why = ("; an AutoEP pipeline (deepspeed.pipe) target is written from a PipelineModule's AutoEP checkpoint "
+               f"only, whose layers are named by their index (N.mlp): this one names them as its model does "
+               f"({example}, model.layers.N...), and nothing maps those names to a PipelineModule's layer indices "
+               "(docs/deepspeed-checkpoints.md §11.4)" if pp != 1 and what == "AutoEP" else "")
         raise ReshardError(f"{ck.tag_dir}: {what} checkpoints are resharded at TP = PP = 1 only (asked tp={tp}, "
                            f"pp={pp}){why}")
     if stage not in (1, 2) or stage != ck.zero_stage:

@@ -17,9 +17,11 @@ hold depends on the rule and the outer maps, and is the one part a kind says its
 * :class:`PlaceholderFiles` (ZeRO-3): per (TP, DP) rank the source's model states with
   placeholders (the fp32 master is what a ZeRO-3 engine loads), and under AutoEP that rank's view
   of the placement (``ds_autoep_layers``);
-* :class:`ExpertModelFile` (ZeRO-1/2 with experts): one ``mp_rank_00_model_states.pt`` (the expert
-  group's EP-local shapes, EP rank 0's view of the placement), the per-expert files copied (they
-  do not depend on EP).
+* ``expert_target.ExpertModelFile`` (classic MoE, ZeRO-1/2): one ``mp_rank_00_model_states.pt`` (the
+  expert group's EP-local shapes), the per-expert files copied (they do not depend on EP);
+* ``expert_pipe.PipeModelFiles`` (AutoEP, ZeRO-1/2, with or without pipeline stages): per stage its
+  model state (EP rank 0's view of the placement) and its per-expert files, copied under their
+  stage-local names.
 """
 
 from __future__ import annotations

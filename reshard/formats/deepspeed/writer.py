@@ -7,7 +7,8 @@ folder exists, what it cannot write:
 
 * ZeRO-1/2 at TP x DP (x PP), from a ZeRO-1/2, ZeRO-3 or non-DeepSpeed source;
 * ZeRO-3 at TP x DP;
-* AutoEP or classic MoE experts at another EP x DP, AutoEP under ZeRO-3 (``placement``), an
+* AutoEP or classic MoE experts at another EP x DP, AutoEP under pipeline parallelism at another
+  PP x EP x DP (``expert_pipe``), AutoEP under ZeRO-3 (``placement``), an
   AutoEP ZeRO-3 checkpoint at ZeRO-1/2 (its weights the fp32 masters cast), and an AutoEP
   ZeRO-1/2 checkpoint at ZeRO-3;
 * AutoEP folded over TP > 1 (AutoEP x AutoTP) at ZeRO-1/2 and at ZeRO-3 (``expert_folded``), from
@@ -39,7 +40,9 @@ from ..contract import BEST, Buffer, Held, Reader, Writer
 from ..table import noun_of
 from . import experts as dse
 from . import templates
-from .expert_target import autoep_from_zero3_target, autoep_target, moe_target
+from .expert_pipe import autoep_pipe_target
+from .expert_pipe import is_pipeline_module as pipeline_autoep
+from .expert_target import autoep_from_zero3_target, moe_target
 from .reader import DeepSpeedNative
 from .target import (
     DeepSpeedTarget,
@@ -93,10 +96,11 @@ class DeepSpeedWriter(Writer):
         dp = ck.dp if dp is None else dp
         source = {"tp": ck.tp, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage}
         if ck.experts is not None:  # a target DeepSpeed's own folding refuses, whatever else is asked
-            from .placement import check_folding, check_pipeline_source
+            from .placement import check_folding
             check_folding(ck.tag_dir, tp, ep if ep is not None else ck.experts.ep, pp, ck.experts.data_before_expert)
-            check_pipeline_source(ck)
-        if ck.experts is not None and tp > 1 and pp == 1 and (stage == 3 or (stage is None and ck.zero_stage == 3)):
+        if ck.experts is not None and (ck.pp > 1 or pp > 1) and pipeline_autoep(ck):
+            self._autoep_pipe(ck, tp, dp, pp, stage, ep if ep is not None else ck.experts.ep, layout)
+        elif ck.experts is not None and tp > 1 and pp == 1 and (stage == 3 or (stage is None and ck.zero_stage == 3)):
             self._autoep_folded_zero3(ck, tp, dp, ep if ep is not None else ck.experts.ep, layout)
         elif ck.zero_stage == 3 and ck.experts is not None and tp > 1 and pp == 1 and stage in (1, 2):
             self._autoep_folded_from_zero3(ck, tp, dp, stage, ep if ep is not None else ck.experts.ep, layout)
@@ -111,6 +115,19 @@ class DeepSpeedWriter(Writer):
         if "ep" not in self._source:
             self._source = source
         self.keeps_replicas = self._target["tp"] == ck.tp
+
+    def _autoep_pipe(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int,
+                     layout: TargetLayout) -> None:
+        """AutoEP under pipeline parallelism: the same PipelineModule job at ``pp`` stages (kept or merged
+        into one), EP ``ep``, DP ``dp`` (``expert_pipe``)."""
+        from .expert_pipe import check_autoep_pipe
+
+        stage = ck.zero_stage if stage is None else stage
+        check_autoep_pipe(ck, ep, dp, tp, pp, stage)
+        self.target = autoep_pipe_target(ck, pp=pp, ep=ep, dp=dp, split_from=layout)
+        self._source = {"tp": 1, "dp": ck.dp, "pp": ck.pp, "zero_stage": ck.zero_stage, "ep": ck.experts.ep}
+        self._target = {"tp": 1, "dp": dp, "pp": pp, "zero_stage": stage, "ep": ep}
+        self._notes += self.target.notes
 
     def _autoep_zero3(self, ck: Any, tp: int, dp: int, pp: int, stage: int | None, ep: int) -> None:
         from .placement import check_autoep_zero3
@@ -145,7 +162,9 @@ class DeepSpeedWriter(Writer):
             missing = [] if ck.experts.folded else sorted(want - {p.name for p in files})
             if missing:
                 raise CheckpointError(f"{ck.tag_dir}: AutoEP per-expert files missing: {missing[:3]}")
-            self.target = autoep_target(ck, ep, dp, stage, files)
+            # the one AutoEP target, without pipeline stages here (expert_pipe); a folded source unfolded
+            self.target = autoep_pipe_target(ck, pp=1, ep=ep, dp=dp, zero_stage=stage,
+                                             strays=[] if ck.experts.folded else [f for f in files if f.name not in want])
             source_ep = ck.experts.ep
         self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": source_ep}
         self._target = {"tp": 1, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}

@@ -6,8 +6,8 @@
   The quoted text and its file:line are checked against the installed DeepSpeed.
 * **AutoEP under pipeline parallelism at TP 1**: DeepSpeed trains, saves and reloads it (fixture
   ``mixtral_autoep_ep2_pp2``, written by DeepSpeed), in a layout of its own that DeepSpeed's
-  ``ds_to_universal`` refuses. reshard reads it (``test_autoep_pipe.py``) but does not write it as DeepSpeed
-  files yet: that is refused by name, leaving no output.
+  ``ds_to_universal`` refuses. reshard reads it (``test_autoep_pipe.py``) and writes it as DeepSpeed files at
+  ZeRO-1, PP 1 or the source's PP (``test_autoep_pipe_write.py``); ZeRO-3 is refused by name, leaving no output.
 """
 
 from __future__ import annotations
@@ -94,21 +94,20 @@ def test_the_pipeline_fixture_is_deepspeeds_autoep_pipeline_layout():
             assert sorted(expert) == [f"{block}.mlp.experts.w{i}.{e}" for i in (1, 2, 3)]
 
 
-@pytest.mark.parametrize("options", [{}, {"pp": 1, "ep": 2}, {"pp": 2, "ep": 2}, {"zero_stage": 3}],
-                         ids=["as-is", "pp1", "pp2", "zero3"])
-def test_autoep_under_pipeline_is_not_written_as_deepspeed_leaving_nothing(options, tmp_path):
-    """Read since h32pipe (test_autoep_pipe.py), not yet written as DeepSpeed files: refused by name."""
+def test_autoep_under_pipeline_at_zero3_is_refused_leaving_nothing(tmp_path):
+    """Written as DeepSpeed files since h32pipew (test_autoep_pipe_write.py) at ZeRO-1 only: DeepSpeed's
+    PipelineEngine refuses ZeRO-2 and ZeRO-3."""
     out = tmp_path / "out"
-    with pytest.raises(ReshardError, match=r"AutoEP under pipeline parallelism \(PP=2\) is read but not written as a "
-                                           r"DeepSpeed checkpoint yet"):
-        reshard(FIXTURES / PIPE, out, tp=1, **options)
+    with pytest.raises(ReshardError, match=r"AutoEP under pipeline parallelism is written at ZeRO stage 1 only "
+                                           r"\(asked 3\).*PipelineEngine refuses ZeRO-2 and ZeRO-3"):
+        reshard(FIXTURES / PIPE, out, tp=1, zero_stage=3)
     assert not out.exists()
 
 
 def test_a_pipeline_target_from_autoep_says_why(tmp_path):
     with pytest.raises(ReshardError, match=r"AutoEP checkpoints are resharded at TP = PP = 1 only \(asked tp=1, "
-                                           r"pp=2\); a pipeline target keeps a pipeline \(deepspeed.pipe\) source's "
-                                           r"stages, and AutoEP under pipeline parallelism is read but not written yet"):
+                                           r"pp=2\); an AutoEP pipeline \(deepspeed.pipe\) target is written from a "
+                                           r"PipelineModule's AutoEP checkpoint only.*model.layers.0.mlp.experts"):
         reshard(FIXTURES / "mixtral_autoep_ep2", tmp_path / "out", tp=1, dp=1, pp=2, ep=2)
     assert not (tmp_path / "out").exists()
 
