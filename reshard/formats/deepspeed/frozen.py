@@ -49,10 +49,10 @@ class Frozen:
 
     def map(self, name: str) -> ParamMap:
         """A frozen parameter's weight map: whole on model-parallel rank 0, or at ZeRO-3 DeepSpeed's
-        partition of it over the DP ranks (each shard the whole padded partition)."""
+        partition of it over the DP ranks (each shard the rank's elements, its padding left out)."""
         shape = self.shapes[name]
         if self.partitioned:
-            return zero3_map(shape, self.dp, shard="partition")
+            return zero3_map(shape, self.dp, shard="fragment")
         return replicated(shape, 1)
 
 
@@ -180,5 +180,6 @@ def fragment(ck: Any, frozen: Frozen, name: str, rank: int) -> torch.Tensor:
     if frozen.partitioned:
         path = ck.z3_model_files[(0, rank)] if ck.z3_model_files else ck.model_files[0]
         state = ck.model_state(0) if rank == 0 else ck.model_state_at(path)
-        return state["frozen_param_fragments"][name].detach().reshape(-1)
+        n = frozen.map(name).shard(rank).numel
+        return state["frozen_param_fragments"][name].detach().reshape(-1)[:n]
     return ck.model_state(0)["module"][name].detach().reshape(-1)

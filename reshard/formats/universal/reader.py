@@ -396,14 +396,14 @@ class UniversalReader(Reader):
     def map(self, name: str, state: str) -> ParamMap:
         m = self._maps.get(name)
         if m is None and name in self._partitioned:  # DeepSpeed's ZeRO-3 partition over the source's DP ranks
-            m = self._maps[name] = zero3_map(self.shape(name), len(self._dp_files), shard="partition")
+            m = self._maps[name] = zero3_map(self.shape(name), len(self._dp_files), shard="fragment")
         if m is None:
             m = self._maps[name] = replicated(self.shape(name), 1)
         return m
 
     def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
         if name in self._partitioned:
-            return self._frozen_fragment(name, rank).detach().reshape(-1)
+            return self._frozen_fragment(name, rank).detach().reshape(-1)[:self.map(name, state).shard(rank).numel]
         t = self._tensor(name, state)
         if t.numel() != self.map(name, state).numel:
             raise CheckpointError(f"{self.root / name / (state + '.pt')}: {t.numel()} elements, fp32.pt has "
