@@ -216,14 +216,16 @@ def model_states(reader: Reader, module: dict[str, Any]) -> dict[str, Any]:
     elif order:
         groups = [{**g, "params": in_model_order(g.get("params", []), order) or g.get("params", [])} for g in groups]
     # DeepSpeed's param_shapes: one OrderedDict name -> torch.Size per parameter group, in the
-    # optimizer's order; entries no group lists are buffers (or frozen/tied weights: the source
-    # may not tell them apart), which DeepSpeed keeps in module alone and names in buffer_names.
+    # optimizer's order; entries no group lists are buffers (or tied weights, or frozen ones the source
+    # cannot tell apart), which DeepSpeed keeps in module alone and names in buffer_names; frozen
+    # parameters the source names (Reader.frozen) are in module alone, as DeepSpeed's ZeRO-1 keeps them.
     param_shapes = [OrderedDict((n, torch.Size(reader.shape(n))) for n in g.get("params", []) if n in names)
                     for g in groups]
     optimized = {n for shapes in param_shapes for n in shapes}
+    frozen = set(reader.frozen())  # a module entry in no group and not a buffer: how DeepSpeed's ZeRO-1 keeps them
     return {
         "module": OrderedDict((n, module[n]) for n in reader.names),  # fp32 (never loaded by a universal resume)
-        "buffer_names": [n for n in reader.names if n not in optimized],
+        "buffer_names": [n for n in reader.names if n not in optimized and n not in frozen],
         "optimizer": None,  # ZeRO keeps the optimizer state elsewhere (here: zero/)
         "param_shapes": param_shapes,
         "frozen_param_shapes": None,  # ZeRO-1 records none (ZeRO-2 would: {} without frozen ones)
