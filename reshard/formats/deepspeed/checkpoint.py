@@ -26,9 +26,9 @@ from ...errors import CheckpointError, ReshardError, UnplacedError, in_context
 from ...ir.param_map import ParamMap
 from ...storage.safe_load import load
 from . import experts as deepspeed_experts
+from . import frozen as deepspeed_frozen
 from . import layout as ds_layout
 from . import lowering
-from . import frozen as deepspeed_frozen
 from . import moe as deepspeed_moe
 from .checks import check_step, param_groups
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE, resolve_tag_dir

@@ -31,9 +31,9 @@ from ...storage import verified
 from ..contract import Held, Reader
 from ..hf.trainer_files import trainer_held
 from . import checks, folding, zero3, zero12
-from .frozen import fragment as frozen_fragment
 from .checkpoint import DeepSpeedCheckpoint
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE
+from .frozen import fragment as frozen_fragment
 from .layout import check_flat, check_sub
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS

@@ -47,7 +47,6 @@ import torch
 
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap, map_to_dict
-from ...ir.piece import prod
 from ...layouts.zero import FlatGroup, zero12_group_layout
 from ...storage.safe_load import FragmentAddress, ZeroStageEnum
 from ...storage.torch_zip import Storage, TensorRef
