@@ -469,13 +469,14 @@ class UniversalReader(Reader):
         if len(groups) > 1:  # which parameter belongs to which: the model states' param_shapes, where they say
             recorded = self._recorded_groups
             placed = [n for g in recorded for n in g]
-            optimized = set(self.names) - self._buffer_names  # buffers (a router's expert bias) in no group
+            # buffers (a router's expert bias) and frozen parameters in no group
+            optimized = set(self.names) - self._buffer_names - set(self._frozen)
             if len(recorded) == len(groups) and len(placed) == len(set(placed)) and set(placed) == optimized:
                 return [{**g, "params": [n for n in names if n in self.names]} for g, names in zip(groups, recorded)]
             raise CheckpointError(f"{self.root / 'optimizer_state.pt'}: {len(groups)} parameter groups, and the "
                                   "model states beside zero/ do not record which parameter belongs to which "
                                   "(param_shapes: one group per optimizer group, every parameter once)")
-        return [{**groups[0], "params": list(self.names)}] if groups else []
+        return [{**groups[0], "params": [n for n in self.names if n not in self._frozen]}] if groups else []
 
 
 def _groups(state: dict) -> list[dict]:

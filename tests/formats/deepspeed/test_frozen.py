@@ -166,7 +166,7 @@ def _whole(r, name: str) -> torch.Tensor:
     return torch.cat([r.fragment(name, state, k) for k in sorted(m.ranks)])[:m.numel].view(r.shape(name))
 
 
-@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_universal_holds_them_as_ds_to_universal_and_reads_back(stage, tmp_path):
     """As ``ds_to_universal`` writes them: ZeRO-1/2 ``zero/<name>/fp32.pt`` alone (no moments, no
     step), ZeRO-3 nothing in ``zero/`` (the partitions stay in the copied model states); read back,
@@ -188,6 +188,7 @@ def test_universal_from_a_non_deepspeed_reader_keeps_them_out_of_buffer_names(tm
     universal checkpoint): a frozen parameter is a module entry in no group and not a buffer, as
     DeepSpeed's ZeRO-1 keeps it, and reads back frozen."""
     ucp = convert(FIXTURES / _name(1), tmp_path / "ucp").out_dir
+    assert [sorted(p.name for p in (ucp / "zero" / n).iterdir()) for n in FROZEN] == [["fp32.pt"]] * 2
     again = convert(ucp, tmp_path / "again").out_dir
     ms = load(again / "mp_rank_00_model_states.pt")
     assert ms["buffer_names"] == [] and list(ms["module"])[:1] == [FROZEN[0]]
