@@ -72,6 +72,9 @@ def test_read_as_module_weights_without_optimizer_state(stage):
         assert r.states(n) == ("weight",) and r.step(n) is None
     # the frozen weights are the same in all three fixtures (never trained) and equal the LayerNorm's init
     assert torch.equal(_frozen_values(stage)[FROZEN[1]], torch.ones(32))
+    from reshard.present.inspected import open_source
+
+    assert open_source(FIXTURES / _name(stage)).names == r.names  # inspect shows them, in the same order
 
 
 def test_zero_stages_hold_the_same_frozen_weights():
