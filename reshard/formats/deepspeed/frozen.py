@@ -115,6 +115,9 @@ def read(ck: Any, dense: bool) -> Frozen:
         w = module[n]
         if not isinstance(w, torch.Tensor):
             raise CheckpointError(f"{path}: module entry {n!r} (a frozen parameter) is a {type(w).__name__}")
+        if w.dtype != ck.module_dtype:  # what the reader offers as the weight state: the training dtype
+            raise CheckpointError(f"{path}: frozen parameter {n!r} is {w.dtype}, the other weights "
+                                  f"{ck.module_dtype}: mixed training dtypes are not supported")
         shapes[n] = tuple(w.shape)
         if recorded is not None:
             _check_zero2(path, ms, n, w, recorded[n])
