@@ -18,7 +18,8 @@ Not meant to be run by hand.  Usage (through the ``deepspeed`` launcher)::
       "save_dir": "/tmp/.../ckpt",        # engine.save_checkpoint(save_dir, tag=tag)
       "tag": "global_step3",
       "report_dir": "/tmp/.../report",    # each rank writes rank_<r>.json here
-      "load_dir": null                    # or: engine.load_checkpoint(load_dir) before the steps
+      "load_dir": null,                   # or: engine.load_checkpoint(load_dir) before the steps
+      "frozen": []                        # parameter names set requires_grad_(False) before initialize
     }                                     # (a universal one with ds_config checkpoint.load_universal)
 
 The batch is synthetic and fixed: a global batch of ``micro_batch * dp_world_size``
@@ -105,6 +106,10 @@ def setup(spec: dict) -> torch.nn.Module:
     config = AutoConfig.for_model(spec["model_type"], **spec["model_config"])
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.train()
+    # frozen parameters (a fine-tuning job's): DeepSpeed keeps them out of the optimizer and records
+    # them apart (frozen_param_shapes / frozen_param_fragments at ZeRO-2/3)
+    for name in spec.get("frozen", []):
+        model.get_parameter(name).requires_grad_(False)
     return model
 
 

@@ -93,6 +93,8 @@ LLAMA = {
     "pad_token_id": 0,
 }
 
+FROZEN = ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"]
+
 QWEN2 = dict(LLAMA)  # the same sizes; Qwen2's q/k/v projections carry a bias
 
 PIPE = {"vocab": 64, "hidden": 32, "layers": 4, "stages": 2}  # see _fixture_pipe.py
@@ -326,6 +328,7 @@ class Fixture:
     # load_universal at this fixture's topology and saved natively at once (steps = 0).
     derived_from: str | None = None
     tag_name: str | None = None  # default global_step<steps>
+    frozen: list = field(default_factory=list)  # parameter names frozen (requires_grad_(False)) before initialize
 
     @property
     def dp(self) -> int:
@@ -452,6 +455,11 @@ FIXTURES = [
             world_size=2, pp=1, train_script=AUTOEP_PIPE_SCRIPT, patches=["transformers_can_record_registry_default"],
             notes=[AUTOEP_NOTE, "scripts/_fixture_autoep_pipe.py: the PipelineModule of mixtral_autoep_ep2_pp2 at one "
                    "stage (world 2, EP 2); AutoEP finds the blocks by moe_layer_pattern '\\d+\\.mlp'"]),
+    # a fine-tuning job's frozen parameters (the embedding and one LayerNorm): kept out of the optimizer;
+    # ZeRO-2/3 record them as frozen_param_shapes / frozen_param_fragments (ZeRO-3: each rank its partition),
+    # ZeRO-1 writes None there (the module state dict holds them)
+    *[Fixture(f"llama_frozen_zero{stage}_dp2", "llama", LLAMA, ds_config(stage), world_size=2, frozen=FROZEN)
+      for stage in (1, 2, 3)],
     # classic deepspeed.moe.layer.MoE: 4 experts over EP=2 (layer_L_expert_E files, per-EP-rank local names)
     Fixture("moe_ep2", "moe", MOE, ds_config(1), world_size=2, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),
     # the same classic MoE recipe in bf16 under ZeRO-2 (bf16_ optimizer files, bf16 module and expert weights)
@@ -685,6 +693,7 @@ def run_launch(fx: Fixture, work: Path, port: int, timeout_s: int, log_path: Pat
         "report_dir": str(work / "report"),
         "patches": fx.patches,
         "load_dir": None if load_dir is None else str(load_dir),
+        "frozen": fx.frozen,
     }
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
@@ -769,6 +778,7 @@ def build_fixture_json(fx: Fixture, ckpt: Path, files: list[str], reports: list[
         "files": file_info,
         "notes": fx.notes,
         **({"derived_from": fx.derived_from} if fx.derived_from else {}),
+        **({"frozen": fx.frozen} if fx.frozen else {}),
     }
 
 

@@ -208,6 +208,14 @@ class Reader(ABC):
         outside its optimizer's groups); the others are held (:meth:`unlowered`). By default none."""
         return ()
 
+    def frozen(self) -> tuple[str, ...]:
+        """The frozen parameters among :attr:`names` (``requires_grad=False`` in the job that saved
+        the source: DeepSpeed's ``frozen_param_shapes``, a ZeRO-1 module entry no optimizer group
+        owns), in the source's order, where it can tell them from buffers: model weights with no
+        optimizer state, which a target writes as weights (never as buffers, never with a master or
+        moments). By default none."""
+        return ()
+
     def hf_config(self) -> dict[str, Any] | None:
         """A transformers ``config.json`` for the model, where the source records its architecture."""
         return None

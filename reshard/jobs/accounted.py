@@ -221,6 +221,9 @@ class Without(ReaderView):
     def buffers(self) -> tuple[str, ...]:
         return tuple(n for n in self.inner.buffers() if n not in self.gone)
 
+    def frozen(self) -> tuple[str, ...]:
+        return tuple(n for n in self.inner.frozen() if n not in self.gone)
+
     def expert_layers(self) -> tuple[ExpertLayer, ...]:
         return self.inner.expert_layers()
 

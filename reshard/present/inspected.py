@@ -35,6 +35,7 @@ from ..ir.blocks import coarsen
 from ..ir.canonical import canonicalize
 from ..ir.codec import SCALE_FORMATS
 from ..ir.param_map import ParamMap, map_from_dict, maps_from_document
+from ..layouts import replicated
 
 __all__ = ["Inspected", "hf_plan_targets", "open_source", "select"]
 
@@ -104,7 +105,7 @@ def open_source(path: str | Path) -> Inspected:
     reader = open_reader(p)
     own, dcp = reader.native("deepspeed"), reader.native("dcp")
     if isinstance(own, DeepSpeedNative):
-        return _stored(_open_deepspeed(own.ck, p), reader)
+        return _stored(_open_deepspeed(own.ck, p, reader.names), reader)
     if isinstance(dcp, DcpCheckpoint):
         ck = dcp
         scales = _dcp_scales(reader, ck)
@@ -214,9 +215,14 @@ def _open_maps(p: Path) -> Inspected:
     return Inspected(str(p), "maps", {n: canonicalize(m) for n, m in maps.items()}, "map document")
 
 
-def _open_deepspeed(ck: DeepSpeedCheckpoint, path: Path) -> Inspected:
+def _open_deepspeed(ck: DeepSpeedCheckpoint, path: Path, names: list[str] | None = None) -> Inspected:
     maps, families = {}, {}
-    for name in ck.names:
+    frozen = ck.frozen.shapes
+    for name in names or ck.names:
+        if name in frozen:  # a frozen parameter: whole at TP 1, no optimizer state (no ZeRO split)
+            maps[name] = canonicalize(replicated(frozen[name], 1))
+            families[name] = "frozen (module weight only)"
+            continue
         low = ck.tp_map(name)
         _checked(low.map, f"{ck.tag_dir}: parameter {name!r}")
         maps[name] = canonicalize(low.map)

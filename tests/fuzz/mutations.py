@@ -349,7 +349,13 @@ def _resave_keys(root, path, rng, m, pristine, scratch) -> str:
     else:
         box["unexpected_key"] = torch.zeros(3)
     _resave(path, obj)
-    return f"{m.file}: key {at} {how}{'ped' if how == 'drop' else 'd' if how == 'rename' else 'ed beside'}"
+    # a tensor added to a dense ZeRO-1 model state's module: how DeepSpeed records a frozen parameter (a
+    # module entry no group lists; ZeRO-1 writes no frozen_param_shapes), read as one
+    frozen = how == "add" and isinstance(obj, dict) and box is obj.get("module") and \
+        obj.get("frozen_param_shapes") is None and isinstance(obj.get("param_shapes"), list) and \
+        not obj.get("num_experts") and not obj.get("ds_autoep_layers")
+    unseen = f" {UNSEEN}: a frozen parameter, as ZeRO-1 records one" if frozen else ""
+    return f"{m.file}: key {at} {how}{'ped' if how == 'drop' else 'd' if how == 'rename' else 'ed beside'}{unseen}"
 
 
 def _planted_pickle(root, path, rng, m, pristine, scratch) -> str:

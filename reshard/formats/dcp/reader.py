@@ -337,6 +337,19 @@ class DcpReader(Reader):
             return list(self.names)
         return None
 
+    def frozen(self) -> tuple[str, ...]:
+        """The frozen parameters reshard's manifest names (``frozen``: written from a source that told
+        them); a DCP's own files cannot tell a weight no optimizer state follows from a buffer."""
+        names = (self._manifest or {}).get("frozen") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CheckpointError(f"{self.ck.path / MANIFEST}: 'frozen' is not a list of parameter names")
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise CheckpointError(f"{self.ck.path / MANIFEST}: names {unknown[0]!r} frozen, which the checkpoint does "
+                                  "not hold")
+        held = set(names)
+        return tuple(n for n in self.names if n in held)
+
     @cached_property
     def _manifest(self) -> dict[str, Any] | None:
         """reshard's manifest beside the entries (``None``: a DCP reshard did not write). One that is

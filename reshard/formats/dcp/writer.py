@@ -224,8 +224,10 @@ class DcpWriter(Writer):
     def meta(self) -> dict[str, Any]:
         # a DCP laid out again keeps its source's entries, in its order: the model's where it was
         ordered = self.ordered is not None or (self.native and self.reader.model_order() is not None)
+        # the source's frozen parameters: DCP's files cannot tell a weight no optimizer state follows from a buffer
+        frozen = list(self.reader.frozen())
         return {"target": "PyTorch DCP checkpoint", **({"entry_order": ENTRY_ORDER} if ordered else {}),
-                **({"files": self.files} if self.files is not None else {})}
+                **({"files": self.files} if self.files is not None else {}), **({"frozen": frozen} if frozen else {})}
 
     def notes(self) -> list[str]:
         if not self.kept:

@@ -26,6 +26,7 @@ from ...errors import CheckpointError, ReshardError, UnplacedError, in_context
 from ...ir.param_map import ParamMap
 from ...storage.safe_load import load
 from . import experts as deepspeed_experts
+from . import frozen as deepspeed_frozen
 from . import layout as ds_layout
 from . import lowering
 from . import moe as deepspeed_moe
@@ -243,6 +244,12 @@ class DeepSpeedCheckpoint:
 
     def moe_param(self, name: str) -> deepspeed_moe.MoEParam | None:
         return None if self.moe is None else self.moe.params.get(name)
+
+    @cached_property
+    def frozen(self) -> deepspeed_frozen.Frozen:
+        """The frozen parameters (module weights no optimizer group owns), checked against every
+        record of them (``frozen.read``); refused where they cannot be read."""
+        return deepspeed_frozen.read(self, dense=self.experts is None and self.moe is None)
 
     def module_held(self, name: str) -> bool:
         """Whether the model-state (or layer) files hold ``name``'s module weight: not under ZeRO-3

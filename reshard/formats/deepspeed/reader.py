@@ -33,6 +33,7 @@ from ..hf.trainer_files import trainer_held
 from . import checks, folding, zero3, zero12
 from .checkpoint import DeepSpeedCheckpoint
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE
+from .frozen import fragment as frozen_fragment
 from .layout import check_flat, check_sub
 from .zero3 import OSD_KEYS as Z3_OSD_KEYS
 from .zero12 import OSD_KEYS as Z12_OSD_KEYS
@@ -102,7 +103,17 @@ class DeepSpeedReader(Reader):
     # -- what the engine reads -------------------------------------------------------------------
     @cached_property  # the contract's attribute, computed once
     def names(self) -> list[str]:  # type: ignore[override]
-        return self.ck.names
+        """Every parameter; frozen ones (module weights no optimizer group owns) at their place in
+        the module's order."""
+        frozen = self.ck.frozen.shapes
+        if not frozen:
+            return self.ck.names
+        held = set(self.ck.names) | set(frozen)
+        module = self.ck.model_state(0).get("module") or {}
+        return [n for n in module if n in held] + [n for n in self.ck.names if n not in module]
+
+    def frozen(self) -> tuple[str, ...]:
+        return tuple(n for n in self.names if n in self.ck.frozen.shapes)
 
     @property
     def _kind(self) -> str:
@@ -119,6 +130,7 @@ class DeepSpeedReader(Reader):
         ``convert``, ``reshard``): the files' tensors (``checks``), then each kind's layout rule."""
         ck = self.ck
         checks.check_keys(ck, Z3_OSD_KEYS if ck.zero_stage == 3 else Z12_OSD_KEYS)
+        _ = ck.frozen  # frozen parameters: every record of them agrees, or a refusal by name
         if ck.zero_stage != 3:  # first: the layout rules below take the partitions' types on trust
             checks.check_partitions(ck, sizes=False)
         if self._kind == "zero12":
@@ -139,7 +151,7 @@ class DeepSpeedReader(Reader):
                 check_flat(ck, layout_alignment(ck, self.module_dtype))
         if ck.experts is not None and ck.experts.folded:  # every file's record, as DeepSpeed's folded load checks it
             folding.check(ck, ck.experts)
-        checks.check_recorded_maps(ck, self.names)
+        checks.check_recorded_maps(ck, ck.names)
         for name in self.names:  # every map lowers and composes
             for state in self.states(name):
                 self.map(name, state)
@@ -169,10 +181,14 @@ class DeepSpeedReader(Reader):
         return out
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.ck.frozen.shapes:
+            return self.ck.frozen.shapes[name]
         return tuple(self.ck.tp_map(name).map.valid_shape)
 
     def states(self, name: str) -> tuple[str, ...]:
         ck = self.ck
+        if name in ck.frozen.shapes:  # a module weight alone: no master, no moments
+            return ("weight",)
         optim = OPTIMIZER if ck.has_optimizer_state(name) else ()
         if self._kind == "zero3" and not self.own.zero3_moments:
             optim = ("fp32",)
@@ -192,6 +208,8 @@ class DeepSpeedReader(Reader):
         kind = "weight" if state == "weight" else "optimizer"
         key = (name, kind)
         m = self._maps.get(key)
+        if m is None and name in self.ck.frozen.shapes:
+            m = self._maps[key] = self.ck.frozen.map(name)
         if m is None:
             stage = self.ck.stage_map(name)
             m = stage if kind == "weight" else self.ck.composite_map(name, stage, stages=True)
@@ -199,6 +217,8 @@ class DeepSpeedReader(Reader):
         return m
 
     def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
+        if state == "weight" and name in self.ck.frozen.shapes:
+            return frozen_fragment(self.ck, self.ck.frozen, name, rank)
         if state == "weight":
             return self._module(name, rank)
         return self._partition(name, state, rank)
@@ -214,6 +234,8 @@ class DeepSpeedReader(Reader):
         return step
 
     def extras(self, name: str) -> dict[str, Any]:
+        if name in self.ck.frozen.shapes:
+            return {}
         return dict(self.ck.tp_map(name).extra)
 
     def param_groups(self) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # annotations only: neither module imports a check
 
     from ...ir.param_map import ParamMap
     from .experts import AutoEP
+    from .frozen import Frozen
     from .moe import ClassicMoE
 
 __all__ = ["Recorded", "first_difference"]
@@ -44,6 +45,9 @@ class Recorded(Protocol):
 
     @property
     def moe(self) -> ClassicMoE | None: ...
+
+    @property
+    def frozen(self) -> Frozen: ...
 
     def model_state(self, tp: int) -> dict: ...
 

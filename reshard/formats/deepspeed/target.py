@@ -37,6 +37,8 @@ from ...errors import CheckpointError, ReshardError
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
+from ...layouts.zero import zero3 as zero3_map
+from ...layouts.zero import zero3_partition_numel
 from ...storage.torch_zip import save
 from ..contract import MODULE, MOMENTS, OPTIMIZER, Buffer, Slot
 from . import experts as dse
@@ -186,15 +188,20 @@ class ModuleFiles:
         self.layer_files = layer_files  # the source's (layer, TP rank) -> file
         self.source_ck = source_ck
         self.empty = [[n for n in tpl.names if not _holds(maps[n], t)] for t in range(self.mp)]
+        # frozen parameters (TP = PP = 1): whole on the one model-parallel rank, a tensor each
+        self.frozen = {n: replicated(s, 1) for n, s in tpl.frozen.items()}
 
     def before(self) -> list[Buffer]:
-        """Each model-parallel rank's module weights: per group one flat buffer."""
+        """Each model-parallel rank's module weights: per group one flat buffer; a frozen
+        parameter in a buffer of its own (DeepSpeed flattens only the optimizer's parameters)."""
         out = []
         if not self.pipe:
             for t in range(self.mp):
                 for g, grp in enumerate(self.groups[t]):
                     slots = tuple(Slot(off, n, MODULE, self.maps[n], t) for n, off in zip(grp.names, grp.offsets))
                     out.append(Buffer(f"{dsw.model_file(t)}:{g}", self.tpl.dtype, grp.total, slots))
+        out += [Buffer(_frozen_key(dsw.model_file(0), n), self.tpl.dtype, m.shard(0).numel, (Slot(0, n, MODULE, m, 0),))
+                for n, m in self.frozen.items()]
         return out
 
     def after(self) -> list[Buffer]:
@@ -220,6 +227,8 @@ class ModuleFiles:
                 views[name] = flat.view(shape, offset=off)
         for name in self.empty[t]:
             views[name] = torch.empty(self.maps[name].shard(t).shape, dtype=self.tpl.dtype)
+        for name, m in self.frozen.items():
+            views[name] = engine.storage(declared[_frozen_key(dsw.model_file(t), name)]).view(m.shard(t).shape)
         return views
 
     def model(self, engine: Any, declared: Mapping[str, Buffer], t: int) -> dict:
@@ -244,7 +253,10 @@ class ModuleFiles:
                 module[key] = views.get(canonical, module.get(canonical))
                 if module[key] is None:
                     raise CheckpointError(f"{key!r} is tied to {canonical!r}, which the module does not hold")
-        empty = OrderedDict((n, views[n]) for n in tpl.names if n in self.empty[t])
+        # ZeRO-2 records the parameters outside the optimizer, frozen ones (the module entry's tensor) and
+        # zero-element shards, in model.parameters() order
+        empty = OrderedDict((n, views[n]) for n in module if n in self.frozen)
+        empty.update((n, views[n]) for n in tpl.names if n in self.empty[t])
         return dsw.model_states(tpl.model, module=module, param_shapes=self._param_shapes(t), tp=self.mp, dp=self.dp,
                                 tp_rank=t, zero_stage=self.stage, shared_params=tpl.shared, uc_info=self.uc_info,
                                 ds_config=self.ds_config, empty_params=empty)
@@ -300,7 +312,8 @@ def zero3_target(tpl: Templates, maps: dict[str, ParamMap], *, tp: int, dp: int,
     ds_config = dsw.target_ds_config(tpl.cfg, tp=tp, dp=dp, zero_stage=3)
     notes = [f"{len(subs[0])} sub-group(s) per rank (sub_group_size {size})"]
     notes += ds_id_notes(tpl.ds_ids_exact, "do not number its parameters consecutively")
-    models = PlaceholderFiles(tpl.model_z3, tp=tp, dp=dp, ds_config=ds_config, uc_info=uc_info, size=model_size)
+    models = PlaceholderFiles(tpl.model_z3, tp=tp, dp=dp, ds_config=ds_config, uc_info=uc_info, size=model_size,
+                              frozen=tpl.frozen, dtype=tpl.dtype)
     return DeepSpeedTarget(layout, tp=tp, dp=dp, stage=3, bf16=tpl.bf16, states=_states(tpl),
                            optim_template=tpl.optim_z3, ds_config=ds_config, uc_info=uc_info, models=models,
                            ds_ids=tpl.ds_ids, notes=notes)
@@ -421,22 +434,45 @@ class PlaceholderFiles:
 
     def __init__(self, template: Callable[[], dict], *, tp: int, dp: int, ds_config: dict | None,
                  uc_info: dict | None, size: int, placement: AutoEPPlacement | None = None,
-                 record: Callable[[int, int, Mapping[str, Any]], dict] | None = None) -> None:
+                 record: Callable[[int, int, Mapping[str, Any]], dict] | None = None,
+                 frozen: Mapping[str, tuple[int, ...]] | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.template, self.tp, self.dp, self.ds_config, self.uc_info = template, tp, dp, ds_config, uc_info
         self.size, self.placement, self.record = size, placement, record
+        # frozen parameters (TP = 1): each DP rank's file holds its ZeRO-3 partition (``param.ds_tensor``)
+        self.frozen = {n: zero3_map(s, dp, shard="fragment") for n, s in (frozen or {}).items()}
+        self.shapes, self.dtype = dict(frozen or {}), dtype
 
     def before(self) -> list[Buffer]:
-        return []
+        """Each DP rank's partition of each frozen parameter, a tensor of its own (the padding of
+        the last partitions zeros, where DeepSpeed leaves ``torch.empty``'s bytes)."""
+        return [Buffer(_frozen_key(z3.model_file(d, 0), n), self.dtype, self._part(n), (Slot(0, n, MODULE, m, d),))
+                for n, m in self.frozen.items() for d in range(self.dp) if d in m.shards]
+
+    def _part(self, name: str) -> int:
+        return zero3_partition_numel(prod(self.shapes[name]), self.dp)
+
+    def _fragment(self, engine: Any, declared: Mapping[str, Buffer], name: str, d: int) -> Any:
+        """DP rank ``d``'s partition of frozen parameter ``name``: its buffer, or zeros where the rank
+        holds only padding."""
+        key = _frozen_key(z3.model_file(d, 0), name)
+        if key not in declared:
+            return torch.zeros(self._part(name), dtype=self.dtype)
+        return engine.storage(declared[key]).view((self._part(name),))
 
     def after(self) -> list[Buffer]:
         return []
 
-    def model(self, tgt: DeepSpeedTarget, staging: Any, t: int, d: int) -> None:
+    def model(self, tgt: DeepSpeedTarget, staging: Any, t: int, d: int, engine: Any = None) -> None:
         subs = [p.unit for _, p, _ in tgt.layout.rank_units(d * self.tp + t)]
         template = self.template()
         if self.placement is None:
             obj = z3.model_states(template, subs=subs, d=d, dp=self.dp, ds_config=self.ds_config, t=t, tp=self.tp,
                                   uc_info=self.uc_info)
+            if self.frozen or template.get("frozen_param_shapes"):  # the target's, never the source's partitions
+                declared = tgt.by_key()
+                obj["frozen_param_shapes"] = OrderedDict((n, torch.Size(s)) for n, s in self.shapes.items())
+                obj["frozen_param_fragments"] = OrderedDict((n, self._fragment(engine, declared, n, d))
+                                                            for n in self.frozen)
         else:
             g = d * self.tp + t
             layers = [self.placement.layer(entry, g, copied=True) for entry in template[dse.LAYERS_KEY]]
@@ -453,8 +489,13 @@ class PlaceholderFiles:
             save(obj, f)
 
     def jobs(self, tgt: DeepSpeedTarget, engine: Any, staging: Any, archive: Callable[..., Any]) -> tuple[list, list]:
-        return [], [(self.size, lambda t=t, d=d: self.model(tgt, staging, t, d))
+        return [], [(self.size, lambda t=t, d=d: self.model(tgt, staging, t, d, engine))
                     for t in range(self.tp) for d in range(self.dp)]
 
 
 # -- ZeRO-1/2 with experts -------------------------------------------------------------------------
+
+
+def _frozen_key(file: str, name: str) -> str:
+    """The buffer of a frozen parameter's tensor in model-state file ``file``."""
+    return f"{file}:frozen:{name}"

@@ -53,6 +53,8 @@ class Templates:
     buffers: Mapping[str, Any] = field(default_factory=dict)  # per source TP rank: buffer rule (native)
     source_tp: int = 1
     buffer_source: Any = None  # a DeepSpeedCheckpoint whose TP ranks' buffers a ZeRO-1/2 target copies
+    # frozen parameters (module weights in no optimizer group) -> whole shape, in the module's order
+    frozen: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -81,7 +83,8 @@ class Templates:
         """The model states a ZeRO-3 file is built on."""
         if self.stage == 3:
             return self.model
-        return z3.model_template_from_zero12(self.model, params=self.names, shared=self.shared, dtype=self.dtype)
+        return z3.model_template_from_zero12(self.model, params=[*self.names, *self.frozen], shared=self.shared,
+                                             dtype=self.dtype)
 
     def optim_z3(self) -> dict:
         return self.optim if self.stage == 3 else z3.optim_source_from_zero12(self.optim)
@@ -111,7 +114,14 @@ class Templates:
 
 def from_deepspeed(own: DeepSpeedNative) -> Templates:
     """A DeepSpeed source's own dictionaries (ZeRO-1/2 or ZeRO-3, no experts), read from its
-    files (checked by ``DeepSpeedReader.check`` before any writer reads them)."""
+    files (checked by ``DeepSpeedReader.check`` before any writer reads them), and its frozen
+    parameters (``frozen.read``)."""
+    tpl = _from_deepspeed(own)
+    tpl.frozen = dict(own.ck.frozen.shapes)
+    return tpl
+
+
+def _from_deepspeed(own: DeepSpeedNative) -> Templates:
     ck = own.ck
     ms0 = ck.model_state(0)
     shared = dict(ms0.get("shared_params") or {})
@@ -128,7 +138,8 @@ def from_deepspeed(own: DeepSpeedNative) -> Templates:
     groups = [ck.groups(t) for t in range(ck.mp)]  # every model-parallel rank's, in the same groups
     order = [list(dict.fromkeys(n for t in range(ck.mp) for n in groups[t][g])) for g in range(len(groups[0]))]
     names = [n for g in order for n in g]
-    ids, exact = module_ds_ids(list(ms0.get("module") or {}), None, names)  # ZeRO-3's ds_id: model order
+    # ZeRO-3's ds_id: the index in model.parameters(), frozen parameters included
+    ids, exact = module_ds_ids(list(ms0.get("module") or {}), None, [*names, *ck.frozen.shapes])
     return Templates(ck.zero_stage, ms0, ck.optim_state(0, 0), order, ck.module_dtype, ms0.get("ds_config"),
                      shared, ck.bf16, ids, exact, source_tp=ck.tp, buffer_source=ck)
 
@@ -162,21 +173,24 @@ def fresh(reader: Reader, *, stage: int, dtype: torch.dtype, step: float, order:
           clip_grad: float | None = None, buffers: Sequence[str] = ()) -> Templates:
     """The dictionaries DeepSpeed 0.19.8 saves for a fresh ZeRO job over ``reader``'s parameters
     (``order``: the model's), after ``step`` optimizer steps; ``buffers``: names of ``order`` that
-    are module buffers (``buffer_names``: in the module, in no optimizer group)."""
+    are module buffers (``buffer_names``: in the module, in no optimizer group); the source's
+    frozen parameters (``Reader.frozen``) in the module, in no optimizer group, recorded as frozen
+    from ZeRO-2 on (filled by the target)."""
     kept = set(buffers)
-    names = [n for n in order if n not in kept]
+    frozen = {n: tuple(reader.shape(n)) for n in order if n in set(reader.frozen())}
+    names = [n for n in order if n not in kept and n not in frozen]
     group_names, hyper = _groups(reader, names)
     tied = dict(reader.tied())  # aliases the module holds beside their weight
     step_t = torch.tensor(float(step))
     shapes = [OrderedDict((n, torch.Size(reader.shape(n))) for n in g) for g in group_names]
     module = OrderedDict((n, torch.empty(0, dtype=dtype)) for n in order)
     module.update((alias, module[weight]) for alias, weight in tied.items())
-    # DeepSpeed records the frozen parameters (none here) from ZeRO-2 on (engine._save_checkpoint:
-    # save_frozen_param is zero_optimization_partition_gradients()), else None
-    frozen = stage >= 2
+    # DeepSpeed records the frozen parameters from ZeRO-2 on (engine._save_checkpoint: save_frozen_param is
+    # zero_optimization_partition_gradients()), else None; the target fills them in
+    records = stage >= 2
     model = {"module": module, "buffer_names": [n for n in order if n in kept],
-             "optimizer": None, "param_shapes": shapes, "frozen_param_shapes": OrderedDict() if frozen else None,
-             "shared_params": tied, "frozen_param_fragments": OrderedDict() if frozen else None,
+             "optimizer": None, "param_shapes": shapes, "frozen_param_shapes": OrderedDict() if records else None,
+             "shared_params": tied, "frozen_param_fragments": OrderedDict() if records else None,
              "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
              "skipped_steps": 0, "global_steps": int(step), "dp_world_size": 1,
              "mp_world_size": 1, "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
@@ -202,9 +216,9 @@ def fresh(reader: Reader, *, stage: int, dtype: torch.dtype, step: float, order:
                "param_alignment_paddings": [], "partition_count": [], "ds_version": DS_VERSION,
                "param_slice_mappings": []}
     optim = {"optimizer_state_dict": osd, "ds_config": {}, "ds_version": DS_VERSION}
-    ids = {n: i for i, n in enumerate(names)}
+    ids = {n: i for i, n in enumerate(n for n in order if n not in kept)}  # model.parameters(), frozen ones too
     return Templates(stage, model, optim, group_names, dtype, {}, tied, dtype == torch.bfloat16, ids, True,
-                     native=False)
+                     native=False, frozen=frozen)
 
 
 def ds_id_notes(exact: bool, why: str) -> list[str]:

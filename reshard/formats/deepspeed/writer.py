@@ -80,6 +80,12 @@ class DeepSpeedWriter(Writer):
         self._view: Reader | None = None  # the source as an AutoEP target names it (autoep_view)
         self.keeps_replicas = False
         self.target: DeepSpeedTarget
+        frozen = reader.frozen()
+        if frozen and (tp > 1 or pp > 1 or ep is not None):  # no DeepSpeed-written checkpoint shows where they go
+            what = f"TP={tp}" if tp > 1 else f"PP={pp}" if pp > 1 else f"EP={ep}"
+            raise ReshardError(f"{reader.sources[-1]}: frozen parameter {frozen[0]!r} ({len(frozen)} frozen): a "
+                               f"DeepSpeed target at {what} is not written with frozen parameters (only at TP = PP = 1 "
+                               "without experts, where DeepSpeed's own saves show their records)")
         own = reader.native("deepspeed")
         self.own = own if isinstance(own, DeepSpeedNative) else None  # a DeepSpeed source's files and layout
         if self.own is not None:

@@ -47,7 +47,6 @@ import torch
 
 from ...errors import CheckpointError
 from ...ir.param_map import ParamMap, map_to_dict
-from ...ir.piece import prod
 from ...layouts.zero import FlatGroup, zero12_group_layout
 from ...storage.safe_load import FragmentAddress, ZeroStageEnum
 from ...storage.torch_zip import Storage, TensorRef
@@ -317,14 +316,9 @@ def _check_groups(ck: Recorded, n_groups: int, check_flat: Callable[[Recorded, i
 
 
 def _check_rest(ck: Recorded, ms0: dict, group_of: Mapping[str, int]) -> None:
-    for t in range(ck.mp):
-        frozen = ck.model_state(t).get("frozen_param_shapes") or {}
-        real = [n for n, s in frozen.items() if prod(tuple(s))]
-        if real:
-            raise CheckpointError(f"{ck.model_files[t]}: frozen (non-optimized) parameters such as {real[0]!r} "
-                                  "are not supported")
+    frozen = ck.frozen.shapes  # read and checked by frozen.read (refused where it cannot be read)
     if ck.pipe and any(ck.model_state(t).get(k) for t in range(ck.mp) for k in ("buffer_names", "shared_params")):
         raise CheckpointError(f"{ck.tag_dir}: pipeline checkpoints with buffers or tied weights are not supported")
     for t in range(ck.mp):
-        check_module_entries(ck.model_files[t], ck.model_state(t), group_of, rank0=ms0)
+        check_module_entries(ck.model_files[t], ck.model_state(t), {**group_of, **frozen}, rank0=ms0)
     ck.check_steps()

@@ -271,7 +271,7 @@ def check(ck: Recorded,
     for t in range(ck.tp):
         _recorded_sub_groups(ck, t)
     has_moments = check_partitions(ck, check_sub(ck))
-    _check_module(ck, [n for sg in ck.groups(0) for n in sg])
+    _check_module(ck, [n for sg in ck.groups(0) for n in sg] + list(ck.frozen.shapes))
     ck.check_steps()
     return has_moments
 
@@ -292,11 +292,6 @@ def _recorded_sub_groups(ck: Recorded, t: int) -> list[OrderedDict]:
             out = groups
         elif groups != out:
             raise CheckpointError(f"{path}: param_shapes differ from DP rank 0's")
-        frozen = ms.get("frozen_param_shapes") or {}
-        real = [n for n, s in frozen.items() if prod(tuple(s))]
-        if real:
-            raise CheckpointError(f"{path}: frozen (non-optimized) parameters such as {real[0]!r} are "
-                                  "not supported")
     if out is None:  # a check, not an assert: it must hold under python -O too
         raise CheckpointError(f"{ck.model_files[t]}: no DP rank's model states at TP rank {t}")
     seen: set[str] = set()

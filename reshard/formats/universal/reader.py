@@ -16,6 +16,8 @@ from ...errors import CheckpointError
 from ...ir.param_map import ParamMap
 from ...ir.piece import prod
 from ...layouts import replicated
+from ...layouts.zero import zero3 as zero3_map
+from ...layouts.zero import zero3_partition_numel
 from ...storage import verified
 from ...storage.safe_load import load
 from ..contract import ExpertLayer, Held, Reader
@@ -62,7 +64,14 @@ class UniversalReader(Reader):
         # the model's order (what a DeepSpeed target flattens in): the model states' param_shapes
         ordered = [n for n in self._recorded if n in found]
         self._alias = self._router_aliases(found)  # a folder each, but the router's tensor: no parameter
-        self.names = ordered + sorted(found - set(ordered) - set(self._alias))
+        self._frozen = self._frozen_params(found)
+        rest = sorted(found - set(ordered) - set(self._alias))
+        if self._frozen:  # frozen parameters at their place in the module's order
+            module = [k for k in self._model_state.get("module") or {}]
+            held = set(ordered) | set(rest) | set(self._frozen)
+            ordered = [k for k in module if k in held]
+            rest = sorted(held - set(ordered))
+        self.names = ordered + rest
         if not self.names:
             raise CheckpointError(f"{tag_dir}: no zero/<param>/fp32.pt files: not a universal checkpoint")
         self.tag = tag_dir.name
@@ -84,6 +93,8 @@ class UniversalReader(Reader):
             held = (self.states(name), (self.root / name / "step.pt").is_file())
             if held == (("fp32",), False) and name in self._buffer_names:
                 continue  # a buffer the model states name (an expert bias): no optimizer state, as recorded
+            if name in self._frozen:
+                continue  # a frozen parameter: its weight alone (fp32.pt, or a ZeRO-3 source's partitions)
             kinds.setdefault(held, name)
         if len(kinds) > 1:
             (a, na), (b, nb) = list(kinds.items())[:2]
@@ -95,6 +106,9 @@ class UniversalReader(Reader):
                 raise CheckpointError(f"{self.root / alias / 'fp32.pt'}: differs from the fp32 master of {router!r}, "
                                       "whose AutoEP router alias the model states make it")
         for name in self.names:
+            if name in self._partitioned:
+                self._check_partitions(name)
+                continue
             n = prod(self.shape(name))
             stored = tuple(self._tensor(name, "fp32").shape)
             self.step(name)
@@ -129,6 +143,79 @@ class UniversalReader(Reader):
             elif d.name != "optimizer_state.pt" and not d.is_dir():
                 out.append(Held(d.name, str(d), "state", "a file of zero/ reshard does not read"))
         return out
+
+    def _frozen_params(self, found: set[str]) -> dict[str, tuple[int, ...]]:
+        """Frozen parameters (module weights no optimizer group owns) the model states beside
+        ``zero/`` record: ``frozen_param_shapes`` (ZeRO-2/3), and where they record ``param_shapes``,
+        a module entry of its own folder that no group, ``buffer_names``, ``shared_params`` or
+        router alias accounts for (ZeRO-1: ``ds_to_universal`` writes its ``fp32.pt`` alone)."""
+        out: dict[str, tuple[int, ...]] = {}
+        state = self._model_state
+        shapes = state.get("frozen_param_shapes")
+        if isinstance(shapes, dict):
+            for n, sh in shapes.items():
+                try:
+                    shape = tuple(int(x) for x in sh)
+                except (TypeError, ValueError):
+                    raise CheckpointError(f"{self.tag_dir}: the model states' frozen_param_shapes[{n!r}] is {sh!r}, "
+                                          "not a shape") from None
+                if prod(shape):
+                    out[str(n)] = shape
+        if self._recorded:
+            known = set(self._recorded) | self._buffer_names | set(state.get("shared_params") or {}) | set(self._alias)
+            for k, v in (state.get("module") or {}).items():
+                if k in found and k not in known and k not in out and isinstance(v, torch.Tensor) and v.numel():
+                    out[k] = tuple(v.shape)
+        return out
+
+    @cached_property
+    def _partitioned(self) -> dict[str, tuple[int, ...]]:
+        """Frozen parameters without a folder: a ZeRO-3 source's, whose partitions stay in the copied
+        model-state files' ``frozen_param_fragments`` (``ds_to_universal`` writes no ``fp32.pt`` for them)."""
+        return {n: s for n, s in self._frozen.items() if not (self.root / n).is_dir()}
+
+    @cached_property
+    def _dp_files(self) -> list[Path]:
+        """The copied ZeRO-3 model-state files, one per DP rank of the source, in DP order."""
+        files = sorted(self.tag_dir.glob("zero_pp_rank_*_mp_rank_*_model_states.pt"))
+        by_rank: dict[int, Path] = {}
+        for f in files:
+            parts = f.name.split("_")
+            if parts[6] != "00":
+                raise CheckpointError(f"{f}: frozen parameters of a ZeRO-3 source at TP > 1 are not supported")
+            by_rank[int(parts[3])] = f
+        if sorted(by_rank) != list(range(len(by_rank))) or not by_rank:
+            raise CheckpointError(f"{self.tag_dir}: the ZeRO-3 model-state files that hold the frozen parameters' "
+                                  f"partitions are not one per DP rank 0..D-1 ({[f.name for f in files]})")
+        return [by_rank[d] for d in range(len(by_rank))]
+
+    def _frozen_fragment(self, name: str, d: int) -> torch.Tensor:
+        f = self._dp_files[d]
+        state = load(f)
+        frag = (state.get("frozen_param_fragments") or {}).get(name) if isinstance(state, dict) else None
+        if not isinstance(frag, torch.Tensor):
+            raise CheckpointError(f"{f}: frozen_param_fragments has no tensor for frozen parameter {name!r}")
+        return frag
+
+    def _check_partitions(self, name: str) -> None:
+        """A ZeRO-3 frozen parameter's partitions: one per DP rank, each DeepSpeed's (1-D, of
+        ``ceil(numel / dp)`` elements), all of one dtype."""
+        shape, dp = self._partitioned[name], len(self._dp_files)
+        part = zero3_partition_numel(prod(shape), dp)
+        dtypes = set()
+        for d, f in enumerate(self._dp_files):
+            frag = self._frozen_fragment(name, d)
+            if frag.dim() != 1 or frag.numel() != part:
+                raise CheckpointError(f"{f}: frozen_param_fragments[{name!r}] (DP rank {d}) has shape "
+                                      f"{list(frag.shape)}; DeepSpeed's ZeRO-3 partition of {list(shape)} over "
+                                      f"DP={dp} is 1-D of {part}")
+            dtypes.add(frag.dtype)
+        if len(dtypes) != 1:
+            raise CheckpointError(f"{self.tag_dir}: frozen parameter {name!r} has partitions of dtypes "
+                                  f"{sorted(map(str, dtypes))}")
+
+    def frozen(self) -> tuple[str, ...]:
+        return tuple(n for n in self.names if n in self._frozen)
 
     @cached_property
     def _recorded(self) -> dict[str, tuple[int, ...]]:
@@ -209,12 +296,12 @@ class UniversalReader(Reader):
         buffer (:meth:`buffers`) where the module holds it: before the first recorded parameter
         that follows it there; ``None`` where they do not (the folders' names sorted are no model's
         order: a DeepSpeed target flattened in it would load each state into another parameter)."""
-        recorded, buffers = self._recorded, self.buffers()
+        recorded, buffers = self._recorded, self.buffers() + self.frozen()
         if not all(n in recorded or n in buffers for n in self.names):
             return None
         order = [n for n in self.names if n not in buffers]
         module = list(self._model_state.get("module") or {})
-        for b in buffers:
+        for b in sorted(buffers, key=lambda k: module.index(k) if k in module else len(module)):
             after = module[module.index(b) + 1:] if b in module else []
             nxt = next((n for n in after if n in order), None)
             order.insert(order.index(nxt) if nxt is not None else len(order), b)
@@ -281,6 +368,8 @@ class UniversalReader(Reader):
         return t
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._partitioned:
+            return self._partitioned[name]
         stored = tuple(self._tensor(name, "fp32").shape)  # memory-mapped: the shape costs no read of the data
         recorded = self._recorded.get(name)
         if len(stored) == 1 and recorded is not None and prod(recorded) == stored[0]:
@@ -288,6 +377,8 @@ class UniversalReader(Reader):
         return stored
 
     def states(self, name: str) -> tuple[str, ...]:
+        if name in self._partitioned:  # the module weight's partitions, in the training dtype
+            return ("weight",)
         out = []
         for s in STATE_FILES:
             f = self.root / name / f"{s}.pt"
@@ -298,15 +389,21 @@ class UniversalReader(Reader):
         return tuple(out)
 
     def dtype(self, name: str, state: str) -> torch.dtype:
+        if name in self._partitioned:
+            return self._frozen_fragment(name, 0).dtype
         return self._tensor(name, state).dtype
 
     def map(self, name: str, state: str) -> ParamMap:
         m = self._maps.get(name)
+        if m is None and name in self._partitioned:  # DeepSpeed's ZeRO-3 partition over the source's DP ranks
+            m = self._maps[name] = zero3_map(self.shape(name), len(self._dp_files), shard="fragment")
         if m is None:
             m = self._maps[name] = replicated(self.shape(name), 1)
         return m
 
     def fragment(self, name: str, state: str, rank: int) -> torch.Tensor:
+        if name in self._partitioned:
+            return self._frozen_fragment(name, rank).detach().reshape(-1)[:self.map(name, state).shard(rank).numel]
         t = self._tensor(name, state)
         if t.numel() != self.map(name, state).numel:
             raise CheckpointError(f"{self.root / name / (state + '.pt')}: {t.numel()} elements, fp32.pt has "
@@ -317,6 +414,8 @@ class UniversalReader(Reader):
         return None
 
     def step(self, name: str) -> Any:
+        if name in self._frozen:
+            return None
         f = self.root / name / "step.pt"
         if not f.is_file():
             if f.exists() or f.is_symlink():
@@ -329,6 +428,8 @@ class UniversalReader(Reader):
         return step
 
     def extras(self, name: str) -> dict[str, Any]:
+        if name in self._partitioned:
+            return {}
         obj = load(self.root / name / "fp32.pt")
         return {k: v for k, v in obj.items() if k != "param"} if isinstance(obj, dict) else {}
 
@@ -368,13 +469,14 @@ class UniversalReader(Reader):
         if len(groups) > 1:  # which parameter belongs to which: the model states' param_shapes, where they say
             recorded = self._recorded_groups
             placed = [n for g in recorded for n in g]
-            optimized = set(self.names) - self._buffer_names  # buffers (a router's expert bias) in no group
+            # buffers (a router's expert bias) and frozen parameters in no group
+            optimized = set(self.names) - self._buffer_names - set(self._frozen)
             if len(recorded) == len(groups) and len(placed) == len(set(placed)) and set(placed) == optimized:
                 return [{**g, "params": [n for n in names if n in self.names]} for g, names in zip(groups, recorded)]
             raise CheckpointError(f"{self.root / 'optimizer_state.pt'}: {len(groups)} parameter groups, and the "
                                   "model states beside zero/ do not record which parameter belongs to which "
                                   "(param_shapes: one group per optimizer group, every parameter once)")
-        return [{**groups[0], "params": list(self.names)}] if groups else []
+        return [{**groups[0], "params": [n for n in self.names if n not in self._frozen]}] if groups else []
 
 
 def _groups(state: dict) -> list[dict]:

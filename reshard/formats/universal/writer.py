@@ -53,9 +53,14 @@ class UniversalWriter(Writer):
 
     def carries(self, held: Held) -> bool:
         """From a DeepSpeed source, what its model-state files hold beside the parameters (copied as
-        ds_to_universal copies them)."""
+        ds_to_universal copies them), a ZeRO-3 source's frozen parameters among them."""
+        if self.own is None:
+            return False
+        ck = self.own.ck
+        if ck.zero_stage == 3 and held.what == "weights" and held.key in ck.frozen.shapes:
+            return True  # a ZeRO-3 frozen parameter: its partitions stay in the copied model-state files
         f = Path(held.file)
-        return self.own is not None and f.parent == self.own.ck.tag_dir and f.name.endswith("model_states.pt")
+        return f.parent == ck.tag_dir and f.name.endswith("model_states.pt")
 
     # -- what each parameter's files hold -----------------------------------------------------
     def _states(self, name: str) -> list[tuple[str, tuple[str, ...]]]:
@@ -63,8 +68,13 @@ class UniversalWriter(Writer):
         have = self.reader.states(name)
         if self.own is not None:
             ck = self.own.ck
-            # a module weight without optimizer state (AutoEP's router aliases) has fp32 only, as in ds_to_universal
-            states = ("fp32",) + MOMENTS if ck.experts is None or ck.has_optimizer_state(name) else ("fp32",)
+            # a module weight without optimizer state (AutoEP's router aliases, a frozen parameter) has fp32
+            # only, as in ds_to_universal, which copies ZeRO-1/2 module entries it has no fragments of; at
+            # ZeRO-3 it reads no module (placeholders): a frozen parameter stays in the model-state files
+            if name in ck.frozen.shapes:
+                states = () if ck.zero_stage == 3 else ("fp32",)
+            else:
+                states = ("fp32",) + MOMENTS if ck.experts is None or ck.has_optimizer_state(name) else ("fp32",)
         else:
             states = ("fp32",) + tuple(m for m in MOMENTS if m in have)
         if self.moments_only:
@@ -206,14 +216,16 @@ def model_states(reader: Reader, module: dict[str, Any]) -> dict[str, Any]:
     elif order:
         groups = [{**g, "params": in_model_order(g.get("params", []), order) or g.get("params", [])} for g in groups]
     # DeepSpeed's param_shapes: one OrderedDict name -> torch.Size per parameter group, in the
-    # optimizer's order; entries no group lists are buffers (or frozen/tied weights: the source
-    # may not tell them apart), which DeepSpeed keeps in module alone and names in buffer_names.
+    # optimizer's order; entries no group lists are buffers (or tied weights, or frozen ones the source
+    # cannot tell apart), which DeepSpeed keeps in module alone and names in buffer_names; frozen
+    # parameters the source names (Reader.frozen) are in module alone, as DeepSpeed's ZeRO-1 keeps them.
     param_shapes = [OrderedDict((n, torch.Size(reader.shape(n))) for n in g.get("params", []) if n in names)
                     for g in groups]
     optimized = {n for shapes in param_shapes for n in shapes}
+    frozen = set(reader.frozen())  # a module entry in no group and not a buffer: how DeepSpeed's ZeRO-1 keeps them
     return {
         "module": OrderedDict((n, module[n]) for n in reader.names),  # fp32 (never loaded by a universal resume)
-        "buffer_names": [n for n in reader.names if n not in optimized],
+        "buffer_names": [n for n in reader.names if n not in optimized and n not in frozen],
         "optimizer": None,  # ZeRO keeps the optimizer state elsewhere (here: zero/)
         "param_shapes": param_shapes,
         "frozen_param_shapes": None,  # ZeRO-1 records none (ZeRO-2 would: {} without frozen ones)
