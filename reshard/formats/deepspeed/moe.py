@@ -13,6 +13,16 @@ the same name means a different expert on each EP rank. DeepSpeed writes:
   names. EP rank ``e`` of DP rank ``d`` is ``d % ep`` (``d // edp`` with
   ``use_data_before_expert_parallelism``), as for AutoEP.
 
+At TP > 1 (a Megatron-style ``mpu`` handed to ``deepspeed.initialize``) with
+``enable_expert_tensor_parallelism=False``, DeepSpeed 0.19.8 builds the expert groups as without TP,
+over *global* ranks ``g = dp_rank * tp + tp_rank`` (``groups._create_expert_and_data_parallel``: EP
+groups of consecutive global ranks, EDP groups strided by ``ep``): EP rank ``g % ep``, EDP size
+``world / ep``, the EDP group spanning TP ranks where ``ep < tp``. No expert is split or
+replicated over TP: EP rank ``e``'s experts are written once, by its first EDP member ``g0``, as
+``layer_L_expert_E_mp_rank_{g0 % tp}``; every model-state file lists the same local expert names.
+Experts split over TP (``enable_expert_tensor_parallelism=True``: one file per expert and TP rank)
+are refused by name.
+
 The universal form (docs/deepspeed-checkpoints.md §12): one tensor per *global* expert parameter,
 under the name the per-expert file gives it (whose shape must be ``param_shapes``' for its local
 name). Its map (docs/spec.md §7.2) is one piece located on
@@ -70,10 +80,17 @@ class ClassicMoE:
     files: Mapping[tuple[int, int], Path]  # (layer, global expert) -> per-expert file
 
     def members(self, e: int) -> list[int]:
-        """EP rank ``e``'s EDP group: its DP ranks in EDP rank order."""
+        """EP rank ``e``'s EDP group in EDP rank order: global ranks ``dp_rank * tp + tp_rank`` (the
+        DP ranks at TP 1)."""
         if self.data_before_expert:
             return [e * self.edp + k for k in range(self.edp)]
         return [e + k * self.ep for k in range(self.edp)]
+
+
+def writer_mp(ax_members: list[int], tp: int) -> int:
+    """The model-parallel rank in an EP rank's per-expert file names: its first EDP member's TP rank
+    (DeepSpeed's ``checkpoint_mp_rank`` of the rank that saves them)."""
+    return ax_members[0] % tp
 
 
 def read(ck: DeepSpeedCheckpoint) -> ClassicMoE | None:
@@ -82,10 +99,14 @@ def read(ck: DeepSpeedCheckpoint) -> ClassicMoE | None:
     counts = state.get("num_experts")
     if state.get("ds_autoep_layers") or not isinstance(counts, list) or not counts:
         return None
-    if ck.zero_stage == 3 or ck.mp != 1:
-        raise CheckpointError(f"{path}: classic MoE experts are read only from ZeRO-1/2 checkpoints without tensor "
-                              f"or pipeline parallelism (this one: ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp})")
+    if ck.zero_stage == 3 or ck.pp != 1:
+        raise CheckpointError(f"{path}: classic MoE experts are read only from ZeRO-1/2 checkpoints without "
+                              f"pipeline parallelism (this one: ZeRO-{ck.zero_stage}, TP={ck.tp}, PP={ck.pp})")
     groups = ck.groups(0)
+    for t in range(1, ck.tp):  # every TP rank's saver lists the same counts (its own EP rank's local names)
+        if ck.model_state(t).get("num_experts") != counts:
+            raise CheckpointError(f"{ck.model_files[t]}: num_experts {ck.model_state(t).get('num_experts')} differs "
+                                  f"from {counts} in {path.name}")
     layers = _local_layers(groups, path)
     if len(layers) != len(counts):
         raise CheckpointError(f"{path}: num_experts lists {len(counts)} MoE layers, param_shapes has expert "
@@ -95,11 +116,14 @@ def read(ck: DeepSpeedCheckpoint) -> ClassicMoE | None:
         raise CheckpointError(f"{path}: local expert counts {sorted(locals_)} do not divide num_experts {counts}")
     local = locals_.pop()
     ep = counts[0] // local
-    if any(n // local != ep for n in counts) or ck.dp % ep:
+    world = ck.dp * ck.tp  # without TP the DP size
+    if any(n // local != ep for n in counts) or world % ep:
         raise CheckpointError(f"{path}: num_experts {counts} with {local} local experts give EP sizes that do not "
-                              f"divide the DP size {ck.dp} as one EP group")
+                              f"divide the {'world' if ck.tp > 1 else 'DP'} size {world} as one EP group")
     cfg = state.get("ds_config") if isinstance(state.get("ds_config"), dict) else {}
-    files = _expert_files(ck.tag_dir, counts)
+    before = bool(cfg.get("use_data_before_expert_parallelism", False))
+    members = ClassicMoE({}, frozenset(), frozenset(), ep, world // ep, before, {}).members
+    files = _expert_files(ck.tag_dir, counts, local, {e: writer_mp(members(e), ck.tp) for e in range(ep)}, ck.tp)
     params = _global_params(layers, groups, local, ep, files)
     expert_groups = frozenset(p.group for p in params.values())
     local_names = frozenset(p.local for p in params.values())
@@ -107,9 +131,14 @@ def read(ck: DeepSpeedCheckpoint) -> ClassicMoE | None:
         strays = [n for n in groups[g] if n not in local_names]
         if strays:
             raise CheckpointError(f"{path}: optimizer group {g} holds experts and also {strays[:3]}")
+    for t in range(1, ck.tp):
+        other = ck.groups(t)
+        for g in expert_groups:
+            if len(other) <= g or other[g] != groups[g]:
+                raise CheckpointError(f"{ck.model_files[t]}: param_shapes of expert group {g} differ from "
+                                      f"{path.name}'s (every saver lists its EP rank's local experts, alike)")
     check_module_entries(path, state, {n for g in groups for n in g})
-    return ClassicMoE(params, local_names, expert_groups, ep, ck.dp // ep,
-                      bool(cfg.get("use_data_before_expert_parallelism", False)), files)
+    return ClassicMoE(params, local_names, expert_groups, ep, world // ep, before, files)
 
 
 def _local_layers(groups: list[dict], path: Path) -> dict[str, list[tuple[int, str]]]:
@@ -126,14 +155,29 @@ def _local_layers(groups: list[dict], path: Path) -> dict[str, list[tuple[int, s
     return out
 
 
-def _expert_files(tag: Path, counts: list[int]) -> dict[tuple[int, int], Path]:
-    files = {(int(m[1]), int(m[2])): tag / f.name for f in tag.iterdir() if (m := FILE_RE.match(f.name))}
-    missing = [(L, e) for L, n in enumerate(counts) for e in range(n) if (L, e) not in files]
+def _expert_files(tag: Path, counts: list[int], local: int, mp_of: Mapping[int, int],
+                  tp: int) -> dict[tuple[int, int], Path]:
+    """``(layer, global expert) -> file``: expert ``x`` in the file named by its EP rank's saver
+    (``mp_of``), every such file present and no other per-expert file beside them."""
+    found = {(int(m[1]), int(m[2]), int(m[3])): tag / f.name for f in tag.iterdir() if (m := FILE_RE.match(f.name))}
+    want = {(L, x, mp_of[x // local]) for L, n in enumerate(counts) for x in range(n)}
+    missing = sorted(want - set(found))
     if missing:
-        L, e = missing[0]
-        raise CheckpointError(f"{tag}: layer_{L}_expert_{e}_mp_rank_00_model_states.pt is missing "
+        L, x, m = missing[0]
+        raise CheckpointError(f"{tag}: layer_{L}_expert_{x}_mp_rank_{m:02d}_model_states.pt is missing "
                               f"({len(missing)} per-expert files missing in all)")
-    return files
+    extra = sorted(set(found) - want)
+    if extra:
+        every_tp = tp > 1 and all((L, x, t) in found for L, x, _ in want for t in range(tp))
+        if every_tp:  # one file per expert and TP rank: DeepSpeed's expert tensor parallelism
+            raise CheckpointError(f"{tag}: every expert has a file per TP rank (layer_L_expert_E_mp_rank_00.."
+                                  f"{tp - 1:02d}): experts split over TP (enable_expert_tensor_parallelism=True) "
+                                  "are not read; classic MoE at TP > 1 is read where each expert is one EP rank's, "
+                                  "unsplit")
+        raise CheckpointError(f"{found[extra[0]]}: a per-expert file DeepSpeed does not write for this layout (EP "
+                              f"rank {extra[0][1] // local}'s experts are saved by model-parallel rank "
+                              f"{mp_of.get(extra[0][1] // local, 0)} only)")
+    return {(L, x): found[(L, x, m)] for L, x, m in sorted(want)}
 
 
 def _global_params(layers: dict, groups: list[dict], local: int, ep: int,
