@@ -287,7 +287,8 @@ def _oracle(engine, cfg: dict, mpu: Mpu | None) -> dict:
                 tensors[key] = safe_get_full_optimizer_state(p, key)
             except ValueError as e:
                 raise RuntimeError(f"{name}: {e} (rank {dist.get_rank()})") from None
-        dim = getattr(p, "tp_dim", None)
+        # by name: DeepSpeed's Experts deep-copies the expert module, and the copies lose tp_dim
+        dim = 0 if ".fc_in_" in name else 1 if name.endswith(".fc_out_weight") else None
         if dim is not None and TP.size > 1:  # join the TP shards (a collective of the TP group)
             for kind, t in tensors.items():
                 parts = [torch.empty_like(t) for _ in range(TP.size)]

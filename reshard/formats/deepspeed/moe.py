@@ -131,6 +131,7 @@ def read(ck: DeepSpeedCheckpoint) -> ClassicMoE | None:
         strays = [n for n in groups[g] if n not in local_names]
         if strays:
             raise CheckpointError(f"{path}: optimizer group {g} holds experts and also {strays[:3]}")
+    _check_group_names(ck, expert_groups, ep)
     for t in range(1, ck.tp):
         other = ck.groups(t)
         for g in expert_groups:
@@ -139,6 +140,21 @@ def read(ck: DeepSpeedCheckpoint) -> ClassicMoE | None:
                                       f"{path.name}'s (every saver lists its EP rank's local experts, alike)")
     check_module_entries(path, state, {n for g in groups for n in g})
     return ClassicMoE(params, local_names, expert_groups, ep, world // ep, before, files)
+
+
+def _check_group_names(ck: DeepSpeedCheckpoint, expert_groups: frozenset[int], ep: int) -> None:
+    """Every rank's optimizer names its expert group DeepSpeed's way for this EP size: ``ep_size_<ep>``
+    (``split_params_into_different_moe_groups_for_optimizer``), the size ``num_experts`` implies."""
+    for (t, d), path in sorted(ck.optim_files.items()):
+        base = ck.osd(t, d).get("base_optimizer_state")
+        groups = base.get("param_groups") if isinstance(base, dict) else None
+        if not isinstance(groups, list):
+            continue  # an optimizer layout without param groups: the flat checks name it
+        for g in sorted(expert_groups):
+            name = groups[g].get("name") if g < len(groups) and isinstance(groups[g], dict) else None
+            if isinstance(name, str) and name.startswith("ep_size_") and name != f"ep_size_{ep}":
+                raise CheckpointError(f"{path}: optimizer group {g} is named {name!r}, but num_experts and the local "
+                                      f"experts of param_shapes give EP size {ep} ('ep_size_{ep}')")
 
 
 def _local_layers(groups: list[dict], path: Path) -> dict[str, list[tuple[int, str]]]:

@@ -188,6 +188,11 @@ def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage
                            "stage 3: DeepSpeed 0.19.8 does not train it there (engine._validate_zero3_moe_compatibility: "
                            "'Native DeepSpeed MoE is not supported with ZeRO Stage 3'); it keeps its ZeRO stage "
                            f"{ck.zero_stage}")
+    if ck.tp > 1:  # read (moe.py), not yet written: no DeepSpeed load of such a target proves its files
+        raise ReshardError(f"{ck.tag_dir}: a classic MoE checkpoint saved at TP={ck.tp} (through an mpu) is read, "
+                           "but not written as DeepSpeed files: its dense TP shards and its experts' EP placement "
+                           "over global ranks would both have to be re-cut, and no DeepSpeed job here has loaded "
+                           "such a target; --format universal, dcp, safetensors or hf are offered")
     check_target(ck, "classic MoE", ep, dp, tp, pp, stage)
     counts = ck.model_state(0)["num_experts"]
     for p in ax.params.values():
