@@ -1,0 +1,168 @@
+"""Classic ``deepspeed.moe.layer.MoE`` at TP 2 (issue #32 item 5): ``moe_ep2_tp2``, saved by DeepSpeed 0.19.8
+at world 4 (TP 2 x DP 2, EP 2, ZeRO-1) through a Megatron-style ``mpu`` (``scripts/_fixture_moe.py``), its
+dense MLP tensor-parallel, ``enable_expert_tensor_parallelism=False``.
+
+What DeepSpeed writes there (``groups._create_expert_and_data_parallel`` ignores the mpu's TP): EP groups of
+consecutive *global* ranks ``[0, 1], [2, 3]`` (so EP rank = TP rank here), EDP groups ``[0, 2], [1, 3]``;
+EP rank ``e``'s experts saved once, by its first EDP member, as ``layer_L_expert_E_mp_rank_0<its TP rank>``
+(experts 0, 1 under ``mp_rank_00``, experts 2, 3 under ``mp_rank_01``): no expert is split or replicated
+over TP. The oracle (``oracle.json``) is the saving job's own digests of every whole master, moment and
+module weight (TP shards joined, experts under their global index)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.errors import CheckpointError, ReshardError
+from reshard.formats.deepspeed.checkpoint import DeepSpeedCheckpoint
+from reshard.jobs.convert import convert
+from reshard.storage.safe_load import load
+from tests.e2e.digest import differences, digest
+from tests.support.dsconv import FIXTURES, ds_to_universal
+
+NAME = "moe_ep2_tp2"
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+EXPERT = "blocks.{L}.moe.deepspeed_moe.experts.deepspeed_experts.{x}.{s}"
+
+
+def _oracle(kinds: tuple[str, ...]) -> dict:
+    digests = json.loads((FIXTURES / NAME / "oracle.json").read_text())["digests"]
+    return {n: {k: d[k] for k in kinds} for n, d in digests.items()}
+
+
+def _digests(tensors: dict) -> dict:
+    return {n: {k: digest(n, t) for k, t in states.items()} for n, states in tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def universal(tmp_path_factory) -> Path:
+    return convert(FIXTURES / NAME, tmp_path_factory.mktemp("u") / "out", fmt="universal").out_dir
+
+
+def _read(out: Path, name: str, state: str) -> torch.Tensor:
+    obj = load(out / "zero" / name / f"{state}.pt", mmap=False)
+    return obj["param"] if isinstance(obj, dict) else obj
+
+
+def test_reads_the_layout_deepspeed_writes():
+    ck = DeepSpeedCheckpoint.open(FIXTURES / NAME)
+    ax = ck.moe
+    assert (ck.tp, ck.dp, ck.pp, ax.ep, ax.edp) == (2, 2, 1, 2, 2)
+    assert [ax.members(e) for e in range(2)] == [[0, 2], [1, 3]]  # global ranks dp * 2 + tp, as the job's groups
+    groups = json.loads((FIXTURES / NAME / "oracle.json").read_text())["groups"]
+    assert [g["edp_group"] for g in groups] == [ax.members(g["rank"] % 2) for g in groups]
+    assert {(L, x): f.name for (L, x), f in ax.files.items() if L == 0} == {
+        (0, x): f"layer_0_expert_{x}_mp_rank_0{x // 2}_model_states.pt" for x in range(4)}
+    assert ck.tp_map("blocks.0.mlp.fc_out_weight").family == "split dim 1"
+    assert ck.tp_map("head.weight").family == "replicated"
+
+
+def test_universal_holds_the_jobs_own_masters_and_moments(universal):
+    oracle = _oracle(STATES)
+    got = {n: {s: _read(universal, n, s) for s in STATES} for n in oracle}
+    assert differences(oracle, _digests(got)) == []
+    assert {d.name for d in (universal / "zero").iterdir() if d.is_dir()} == set(oracle)
+
+
+def test_safetensors_and_dcp_hold_the_jobs_own_weights_and_moments(tmp_path):
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = convert(FIXTURES / NAME, tmp_path / "st", fmt="safetensors").out_dir
+    weights = load_file(out / "model.safetensors")
+    assert differences(_oracle(("module",)), _digests({n: {"module": t} for n, t in weights.items()})) == []
+    out = convert(FIXTURES / NAME, tmp_path / "dcp", fmt="dcp").out_dir
+    dcp_to_torch_save(out, tmp_path / "whole.pt")
+    sd = torch.load(tmp_path / "whole.pt", weights_only=True)
+    state = sd["optim"]["state"]
+    got = {n: {"module": w, **{m: state[n][m] for m in STATES[1:]}} for n, w in sd["model"].items()}
+    assert differences(_oracle(("module", "exp_avg", "exp_avg_sq")), _digests(got)) == []
+
+
+def test_ds_to_universal_agrees_on_the_dense_part_and_merges_the_experts_wrongly(universal, tmp_path):
+    """DeepSpeed's own converter accepts the checkpoint: every dense parameter equals ours (and the oracle);
+    but it knows only the local expert names, so its ``experts.<j>`` folders hold TP rank 0's local expert j
+    and TP rank 1's (global experts j and 2 + j) concatenated on dim 0 as if TP shards, and global experts
+    2, 3 have no folder."""
+    pytest.importorskip("deepspeed")
+    theirs = ds_to_universal(NAME, tmp_path) / "zero"
+    ck = DeepSpeedCheckpoint.open(FIXTURES / NAME)
+    dense = [n for n in ck.names if ck.moe_param(n) is None]
+    for n in dense:
+        for s in STATES:
+            assert torch.equal(_read(universal, n, s), _read(theirs.parent, n, s)), (n, s)
+    for s in STATES:
+        got = _read(theirs.parent, EXPERT.format(L=1, x=0, s="fc1.weight"), s)
+        ours = [_read(universal, EXPERT.format(L=1, x=x, s="fc1.weight"), s) for x in (0, 2)]
+        assert torch.equal(got, torch.cat(ours))
+    assert not (theirs / EXPERT.format(L=0, x=2, s="fc1.weight")).exists()
+
+
+def _copy(tmp_path: Path) -> Path:
+    root = tmp_path / NAME
+    shutil.copytree(FIXTURES / NAME, root)
+    return root
+
+
+def test_a_missing_expert_file_of_tp_rank_1_is_named(tmp_path):
+    root = _copy(tmp_path)
+    (root / "global_step3" / "layer_1_expert_3_mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"layer_1_expert_3_mp_rank_01_model_states.pt is missing"):
+        _ = DeepSpeedCheckpoint.open(root).moe
+
+
+def test_an_expert_file_under_the_other_tp_rank_is_refused(tmp_path):
+    """Expert 2 is EP rank 1's, saved by TP rank 1 only: a copy under TP rank 0 (even a differing one) is a
+    file DeepSpeed does not write for this layout, refused naming it, never one of the two picked."""
+    root = _copy(tmp_path)
+    tag = root / "global_step3"
+    sd = torch.load(tag / "layer_0_expert_2_mp_rank_01_model_states.pt", weights_only=True)
+    torch.save({k: v + 1 for k, v in sd.items()}, tag / "layer_0_expert_2_mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match=r"layer_0_expert_2_mp_rank_00_model_states.pt: a per-expert file "
+                                              r"DeepSpeed does not write"):
+        _ = DeepSpeedCheckpoint.open(root).moe
+
+
+def test_experts_split_over_tp_are_refused_by_name(tmp_path):
+    """One file per expert and TP rank (enable_expert_tensor_parallelism=True's naming) is not read."""
+    root = _copy(tmp_path)
+    tag = root / "global_step3"
+    for f in list(tag.glob("layer_*_expert_*_mp_rank_0*_model_states.pt")):
+        other = f.name[:-len("0_model_states.pt") - 1] + ("1" if f.name.endswith("00_model_states.pt") else "0")
+        shutil.copy(f, tag / (other + "_model_states.pt"))
+    with pytest.raises(CheckpointError, match=r"enable_expert_tensor_parallelism=True\) are not read"):
+        _ = DeepSpeedCheckpoint.open(root).moe
+
+
+def test_a_wrong_ep_size_record_is_named(tmp_path):
+    root = _copy(tmp_path)
+    path = root / "global_step3" / "zero_pp_rank_1_mp_rank_01_optim_states.pt"
+    sd = torch.load(path, weights_only=False)
+    sd["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][1]["name"] = "ep_size_4"
+    torch.save(sd, path)
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_01_optim_states.pt: optimizer group 1 is "
+                                              r"named 'ep_size_4'.*EP size 2"):
+        _ = DeepSpeedCheckpoint.open(root).moe
+
+
+def test_num_experts_differing_between_tp_ranks_is_named(tmp_path):
+    root = _copy(tmp_path)
+    path = root / "global_step3" / "mp_rank_01_model_states.pt"
+    sd = torch.load(path, weights_only=False)
+    sd["num_experts"] = [4, 8]
+    torch.save(sd, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_01_model_states.pt: num_experts \[4, 8\] differs"):
+        _ = DeepSpeedCheckpoint.open(root).moe
+
+
+def test_writing_deepspeed_files_is_refused_before_any_output(tmp_path):
+    from reshard.jobs.convert import reshard
+
+    with pytest.raises(ReshardError, match=r"saved at TP=2 \(through an mpu\) is read, but not written"):
+        reshard(FIXTURES / NAME, tmp_path / "out", tp=1, ep=2, dp=2)
+    assert not (tmp_path / "out").exists()
