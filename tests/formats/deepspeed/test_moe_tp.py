@@ -128,15 +128,17 @@ def test_an_expert_file_under_the_other_tp_rank_is_refused(tmp_path):
         _ = DeepSpeedCheckpoint.open(root).moe
 
 
-def test_experts_split_over_tp_are_refused_by_name(tmp_path):
-    """One file per expert and TP rank (enable_expert_tensor_parallelism=True's naming) is not read."""
-    root = _copy(tmp_path)
-    tag = root / "global_step3"
-    for f in list(tag.glob("layer_*_expert_*_mp_rank_0*_model_states.pt")):
-        other = f.name[:-len("0_model_states.pt") - 1] + ("1" if f.name.endswith("00_model_states.pt") else "0")
-        shutil.copy(f, tag / (other + "_model_states.pt"))
-    with pytest.raises(CheckpointError, match=r"enable_expert_tensor_parallelism=True\) are not read"):
-        _ = DeepSpeedCheckpoint.open(root).moe
+def test_experts_split_over_tp_are_refused_by_name():
+    """``moe_ep2_tp2_etp`` (the same job with ``enable_expert_tensor_parallelism=True``, its experts Megatron-style
+    column/row-parallel): DeepSpeed writes one file per expert and TP rank, each that rank's shard, under EP
+    groups ``[0, 2], [1, 3]`` and EDP groups of one rank (``groups._get_expert_parallel_ranks``). Not read yet:
+    refused by name."""
+    with pytest.raises(CheckpointError, match=r"every expert has a file per TP rank.*experts split over TP "
+                                              r"\(enable_expert_tensor_parallelism=True\) are not read"):
+        _ = DeepSpeedCheckpoint.open(FIXTURES / "moe_ep2_tp2_etp").moe
+    groups = json.loads((FIXTURES / "moe_ep2_tp2_etp" / "oracle.json").read_text())["groups"]
+    assert [(g["ep_group"], g["edp_group"]) for g in groups] == [([0, 2], [0]), ([1, 3], [1]), ([0, 2], [2]),
+                                                                  ([1, 3], [3])]
 
 
 def test_a_wrong_ep_size_record_is_named(tmp_path):
