@@ -84,6 +84,7 @@ def test_safetensors_and_dcp_hold_the_jobs_own_weights_and_moments(tmp_path):
     assert differences(_oracle(("module", "exp_avg", "exp_avg_sq")), _digests(got)) == []
 
 
+@pytest.mark.slow  # ~11 s (DeepSpeed's converter in a subprocess); the oracle tests above prove our side
 def test_ds_to_universal_agrees_on_the_dense_part_and_merges_the_experts_wrongly(universal, tmp_path):
     """DeepSpeed's own converter accepts the checkpoint: every dense parameter equals ours (and the oracle);
     but it knows only the local expert names, so its ``experts.<j>`` folders hold TP rank 0's local expert j
