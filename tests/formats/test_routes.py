@@ -467,8 +467,8 @@ REFUSALS = [
     # classic MoE saved at TP 2 through an mpu: read (universal / DCP / safetensors), not written as DeepSpeed files
     (DEEPSPEED / "moe_ep2_tp2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2},
      r"a classic MoE checkpoint saved at TP=2 \(through an mpu\) is read, but not written as DeepSpeed files"),
-    (DEEPSPEED / "moe_ep2_tp2_etp", "ucp", {},
-     r"experts split over TP \(enable_expert_tensor_parallelism=True\) are not read"),
+    (DEEPSPEED / "moe_ep2_tp2_etp", "deepspeed", {"tp": 2, "dp": 2, "ep": 2},
+     r"a classic MoE checkpoint saved at TP=2 \(through an mpu\) is read, but not written as DeepSpeed files"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 3},
      r"classic MoE .* is not written at ZeRO stage 3: DeepSpeed 0.19.8 does not train it there"),
     ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 2, "ep": 2, "zero_stage": 3},

@@ -1,6 +1,7 @@
 """Classic ``deepspeed.moe.layer.MoE`` at TP 2 (issue #32 item 5): ``moe_ep2_tp2``, saved by DeepSpeed 0.19.8
 at world 4 (TP 2 x DP 2, EP 2, ZeRO-1) through a Megatron-style ``mpu`` (``scripts/_fixture_moe.py``), its
-dense MLP tensor-parallel, ``enable_expert_tensor_parallelism=False``.
+dense MLP tensor-parallel, ``enable_expert_tensor_parallelism=False``; and ``moe_ep2_tp2_etp``, the same job
+with ``enable_expert_tensor_parallelism=True`` (the experts column/row-parallel).
 
 What DeepSpeed writes there (``groups._create_expert_and_data_parallel`` ignores the mpu's TP): EP groups of
 consecutive *global* ranks ``[0, 1], [2, 3]`` (so EP rank = TP rank here), EDP groups ``[0, 2], [1, 3]``;
@@ -26,12 +27,14 @@ from tests.e2e.digest import differences, digest
 from tests.support.dsconv import FIXTURES, ds_to_universal
 
 NAME = "moe_ep2_tp2"
+ETP = "moe_ep2_tp2_etp"
+BOTH = pytest.mark.parametrize("fixture", [NAME, ETP])
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 EXPERT = "blocks.{L}.moe.deepspeed_moe.experts.deepspeed_experts.{x}.{s}"
 
 
-def _oracle(kinds: tuple[str, ...]) -> dict:
-    digests = json.loads((FIXTURES / NAME / "oracle.json").read_text())["digests"]
+def _oracle(kinds: tuple[str, ...], fixture: str = NAME) -> dict:
+    digests = json.loads((FIXTURES / fixture / "oracle.json").read_text())["digests"]
     return {n: {k: d[k] for k in kinds} for n, d in digests.items()}
 
 
@@ -42,6 +45,11 @@ def _digests(tensors: dict) -> dict:
 @pytest.fixture(scope="module")
 def universal(tmp_path_factory) -> Path:
     return convert(FIXTURES / NAME, tmp_path_factory.mktemp("u") / "out", fmt="universal").out_dir
+
+
+@pytest.fixture(scope="module")
+def universal_etp(tmp_path_factory) -> Path:
+    return convert(FIXTURES / ETP, tmp_path_factory.mktemp("u") / "out", fmt="universal").out_dir
 
 
 def _read(out: Path, name: str, state: str) -> torch.Tensor:
@@ -62,6 +70,20 @@ def test_reads_the_layout_deepspeed_writes():
     assert ck.tp_map("head.weight").family == "replicated"
 
 
+def test_reads_the_expert_tp_layout_deepspeed_writes():
+    """Expert TP: EP groups inside each TP rank's DP group ({0, 2}, {1, 3}), EDP groups of one rank; an expert
+    parameter's map is its TP split (fc_in by rows, fc_out by columns) on holders ep_rank * 2 + t."""
+    ck = DeepSpeedCheckpoint.open(FIXTURES / ETP)
+    ax = ck.moe
+    assert (ck.tp, ck.dp, ax.ep, ax.etp, ax.edp) == (2, 2, 2, 2, 1)
+    groups = json.loads((FIXTURES / ETP / "oracle.json").read_text())["groups"]
+    assert [(g["ep_group"], g["edp_group"]) for g in groups] == [([0, 2], [0]), ([1, 3], [1]), ([0, 2], [2]),
+                                                                  ([1, 3], [3])]
+    assert [ax.members(g["ep_rank"] * 2 + g["tp_rank"]) for g in groups] == [g["edp_group"] for g in groups]
+    m = ck.tp_map(EXPERT.format(L=1, x=3, s="fc_out_weight")).map
+    assert (m.valid_shape, sorted(m.ranks), m.shard(2).shape) == ((16, 24), [2, 3], (16, 12))
+
+
 def test_universal_holds_the_jobs_own_masters_and_moments(universal):
     oracle = _oracle(STATES)
     got = {n: {s: _read(universal, n, s) for s in STATES} for n in oracle}
@@ -69,19 +91,27 @@ def test_universal_holds_the_jobs_own_masters_and_moments(universal):
     assert {d.name for d in (universal / "zero").iterdir() if d.is_dir()} == set(oracle)
 
 
-def test_safetensors_and_dcp_hold_the_jobs_own_weights_and_moments(tmp_path):
+def test_universal_of_the_expert_tp_fixture_holds_the_jobs_own_state(universal_etp):
+    oracle = _oracle(STATES, ETP)
+    got = {n: {s: _read(universal_etp, n, s) for s in STATES} for n in oracle}
+    assert differences(oracle, _digests(got)) == []
+    assert {d.name for d in (universal_etp / "zero").iterdir() if d.is_dir()} == set(oracle)
+
+
+@BOTH
+def test_safetensors_and_dcp_hold_the_jobs_own_weights_and_moments(fixture, tmp_path):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = convert(FIXTURES / NAME, tmp_path / "st", fmt="safetensors").out_dir
+    out = convert(FIXTURES / fixture, tmp_path / "st", fmt="safetensors").out_dir
     weights = load_file(out / "model.safetensors")
-    assert differences(_oracle(("module",)), _digests({n: {"module": t} for n, t in weights.items()})) == []
-    out = convert(FIXTURES / NAME, tmp_path / "dcp", fmt="dcp").out_dir
+    assert differences(_oracle(("module",), fixture), _digests({n: {"module": t} for n, t in weights.items()})) == []
+    out = convert(FIXTURES / fixture, tmp_path / "dcp", fmt="dcp").out_dir
     dcp_to_torch_save(out, tmp_path / "whole.pt")
     sd = torch.load(tmp_path / "whole.pt", weights_only=True)
     state = sd["optim"]["state"]
     got = {n: {"module": w, **{m: state[n][m] for m in STATES[1:]}} for n, w in sd["model"].items()}
-    assert differences(_oracle(("module", "exp_avg", "exp_avg_sq")), _digests(got)) == []
+    assert differences(_oracle(("module", "exp_avg", "exp_avg_sq"), fixture), _digests(got)) == []
 
 
 @pytest.mark.slow  # ~11 s (DeepSpeed's converter in a subprocess); the oracle tests above prove our side
@@ -129,17 +159,27 @@ def test_an_expert_file_under_the_other_tp_rank_is_refused(tmp_path):
         _ = DeepSpeedCheckpoint.open(root).moe
 
 
-def test_experts_split_over_tp_are_refused_by_name():
-    """``moe_ep2_tp2_etp`` (the same job with ``enable_expert_tensor_parallelism=True``, its experts Megatron-style
-    column/row-parallel): DeepSpeed writes one file per expert and TP rank, each that rank's shard, under EP
-    groups ``[0, 2], [1, 3]`` and EDP groups of one rank (``groups._get_expert_parallel_ranks``). Not read yet:
-    refused by name."""
-    with pytest.raises(CheckpointError, match=r"every expert has a file per TP rank.*experts split over TP "
-                                              r"\(enable_expert_tensor_parallelism=True\) are not read"):
-        _ = DeepSpeedCheckpoint.open(FIXTURES / "moe_ep2_tp2_etp").moe
-    groups = json.loads((FIXTURES / "moe_ep2_tp2_etp" / "oracle.json").read_text())["groups"]
-    assert [(g["ep_group"], g["edp_group"]) for g in groups] == [([0, 2], [0]), ([1, 3], [1]), ([0, 2], [2]),
-                                                                  ([1, 3], [3])]
+def test_a_missing_expert_shard_of_tp_rank_1_is_named(tmp_path):
+    root = tmp_path / ETP
+    shutil.copytree(FIXTURES / ETP, root)
+    (root / "global_step3" / "layer_0_expert_1_mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"layer_0_expert_1_mp_rank_01_model_states.pt is missing \(TP rank 1's "
+                                              r"shard of expert 1"):
+        _ = DeepSpeedCheckpoint.open(root).moe
+
+
+def test_an_expert_shard_unlike_param_shapes_is_named(tmp_path):
+    """TP rank 1's shard of expert 2 saved whole (as an unsplit expert would be): refused naming the file."""
+    root = tmp_path / ETP
+    shutil.copytree(FIXTURES / ETP, root)
+    f = root / "global_step3" / "layer_1_expert_2_mp_rank_01_model_states.pt"
+    sd = torch.load(f, weights_only=True)
+    key = EXPERT.format(L=1, x=2, s="fc_out_weight")
+    sd[key] = torch.cat([sd[key], sd[key]], dim=1)
+    torch.save(sd, f)
+    with pytest.raises(CheckpointError, match=r"layer_1_expert_2_mp_rank_01_model_states.pt: .*fc_out_weight' has "
+                                              r"shape \[16, 24\], TP rank 1's param_shapes give .* \[16, 12\]"):
+        _ = DeepSpeedCheckpoint.open(root).moe
 
 
 def test_a_wrong_ep_size_record_is_named(tmp_path):
@@ -163,9 +203,10 @@ def test_num_experts_differing_between_tp_ranks_is_named(tmp_path):
         _ = DeepSpeedCheckpoint.open(root).moe
 
 
-def test_writing_deepspeed_files_is_refused_before_any_output(tmp_path):
+@BOTH
+def test_writing_deepspeed_files_is_refused_before_any_output(fixture, tmp_path):
     from reshard.jobs.convert import reshard
 
     with pytest.raises(ReshardError, match=r"saved at TP=2 \(through an mpu\) is read, but not written"):
-        reshard(FIXTURES / NAME, tmp_path / "out", tp=1, ep=2, dp=2)
+        reshard(FIXTURES / fixture, tmp_path / "out", tp=1, ep=2, dp=2)
     assert not (tmp_path / "out").exists()
