@@ -134,6 +134,17 @@ def test_ds_to_universal_agrees_on_the_dense_part_and_merges_the_experts_wrongly
     assert not (theirs / EXPERT.format(L=0, x=2, s="fc1.weight")).exists()
 
 
+@pytest.mark.slow  # ~10 s (DeepSpeed's converter in a subprocess)
+def test_ds_to_universal_fails_on_the_expert_tp_fixture(tmp_path):
+    """Its local expert names of both EP ranks are merged as ZeRO shards of one parameter, whose shape then
+    does not fit (which parameter fails first depends on the order of its work list, so the shapes are not
+    pinned); ours equals the saving job's oracle (above)."""
+    pytest.importorskip("deepspeed")
+    with pytest.raises(RuntimeError, match=r"(?s)_merge_zero_shards.*shape '\[[\d, ]+\]' is invalid for input of "
+                                           r"size \d+"):
+        ds_to_universal(ETP, tmp_path)
+
+
 def _copy(tmp_path: Path) -> Path:
     root = tmp_path / NAME
     shutil.copytree(FIXTURES / NAME, root)
