@@ -131,6 +131,13 @@ class DeepSpeedWriter(Writer):
             return
         if ck.experts is None and ck.zero_stage != 3 and ck.moe is not None:
             check_moe(ck, ep, dp, tp, pp, stage)
+            if ck.tp > 1:  # saved through an mpu: written at its own TP or at TP 1
+                from .moe_tp_target import moe_tp_target
+                self.target = moe_tp_target(ck, tp, ep, dp, stage)
+                self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ck.moe.ep}
+                self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
+                self._notes += self.target.notes
+                return
             self.target = moe_target(ck, ep, dp, stage, [ck.moe.files[k] for k in sorted(ck.moe.files)])
             source_ep = ck.moe.ep
         elif ck.experts is not None and ck.zero_stage in (1, 2) and stage == 3:
