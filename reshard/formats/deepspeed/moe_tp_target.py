@@ -108,7 +108,10 @@ def moe_tp_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, stage: int
             parts[t] = Part(fg, fg.names)
         units.append(Unit(dense, parts))
     layout = Layout("flat", outer, units, [d * tp + t for t in range(tp) for d in range(dp)])
-    ds_config = dsw.target_ds_config(ms0.get("ds_config"), tp=tp, dp=dp, zero_stage=stage)
+    # the TP degree is the mpu's, not the config's: no AutoTP section where the source's config has none
+    cfg = ms0.get("ds_config")
+    ds_config = dsw.target_ds_config(cfg, tp=tp if isinstance(cfg, dict) and "tensor_parallel" in cfg else 1, dp=dp,
+                                     zero_stage=stage)
     models = MoETPFiles(ck, tp=tp, dp=dp, stage=stage, etp=etp, target=target, ds_config=ds_config, outer=outer,
                         dtype=dtype)
     mode = "split over TP (expert TP)" if etp > 1 else "whole, EP groups over global ranks"
