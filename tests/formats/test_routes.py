@@ -464,11 +464,11 @@ REFUSALS = [
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 2, "dp": 2, "ep": 2},
      r"classic MoE checkpoints are resharded at TP = PP = 1 only"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 2}, r"keeps the source's ZeRO stage 1"),
-    # classic MoE saved at TP 2 through an mpu: read (universal / DCP / safetensors), not written as DeepSpeed files
-    (DEEPSPEED / "moe_ep2_tp2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2},
-     r"a classic MoE checkpoint saved at TP=2 \(through an mpu\) is read, but not written as DeepSpeed files"),
-    (DEEPSPEED / "moe_ep2_tp2_etp", "deepspeed", {"tp": 2, "dp": 2, "ep": 2},
-     r"a classic MoE checkpoint saved at TP=2 \(through an mpu\) is read, but not written as DeepSpeed files"),
+    # classic MoE saved at TP 2 through an mpu: written as DeepSpeed files at its own TP or at TP 1 only
+    (DEEPSPEED / "moe_ep2_tp2", "deepspeed", {"tp": 4, "dp": 1, "ep": 2},
+     r"saved at TP=2 \(through an mpu\) is written as DeepSpeed files at its own TP=2 or at TP=1 \(PP=1\) only"),
+    (DEEPSPEED / "moe_ep2_tp2_etp", "deepspeed", {"tp": 2, "dp": 2, "ep": 4},
+     r"ep=4 must divide the DP size dp=2 with the experts split over TP"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 3},
      r"classic MoE .* is not written at ZeRO stage 3: DeepSpeed 0.19.8 does not train it there"),
     ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 2, "ep": 2, "zero_stage": 3},

@@ -214,10 +214,97 @@ def test_num_experts_differing_between_tp_ranks_is_named(tmp_path):
         _ = DeepSpeedCheckpoint.open(root).moe
 
 
+def _same(a, b, where: str) -> None:
+    """``a`` and ``b`` alike object for object: types, key order, values, tensors' dtype, shape and bits
+    (a loss scaler by its attributes: it defines no equality)."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__"):
+        _same(vars(a), vars(b), where)
+    else:
+        assert a == b, (where, a, b)
+
+
 @BOTH
-def test_writing_deepspeed_files_is_refused_before_any_output(fixture, tmp_path):
+def test_written_at_its_own_topology_as_deepspeed_saves_it(fixture, tmp_path):
+    """``--tp 2 --ep 2`` (world 4): DeepSpeed's own files, object for object -- per-TP model states (dense TP
+    shards, local expert names in ``param_shapes``), the per-expert files under the names and saver TP ranks
+    DeepSpeed uses in each mode, every rank's optimizer file with its ``param_slice_mappings`` -- and nothing
+    else but the manifest. ds_config included: the TP degree is the mpu's, so no AutoTP section is added."""
     from reshard.jobs.convert import reshard
 
-    with pytest.raises(ReshardError, match=r"saved at TP=2 \(through an mpu\) is read, but not written"):
-        reshard(FIXTURES / fixture, tmp_path / "out", tp=1, ep=2, dp=2)
+    out = reshard(FIXTURES / fixture, tmp_path / "out", tp=2, ep=2, dp=2).out_dir
+    src = FIXTURES / fixture / "global_step3"
+    assert sorted(p.name for p in out.iterdir()) == sorted([p.name for p in src.iterdir()] + ["reshard-manifest.json"])
+    for p in sorted(src.iterdir()):
+        _same(torch.load(p, weights_only=False), torch.load(out / p.name, weights_only=False), p.name)
+
+
+def _universal_equals_oracle(ckpt: Path, tmp_path: Path, fixture: str) -> None:
+    u = convert(ckpt, tmp_path / "u", fmt="universal").out_dir
+    oracle = _oracle(STATES, fixture)
+    assert differences(oracle, _digests({n: {s: _read(u, n, s) for s in STATES} for n in oracle})) == []
+
+
+def test_expert_tp_fixture_written_at_tp1_holds_the_jobs_own_state(tmp_path):
+    """TP 2 -> TP 1 (``--tp 1 --ep 2``, world 2), experts split over TP at the source: one model state with
+    the dense weights whole, every expert whole in ``layer_L_expert_X_mp_rank_00``, the experts' optimizer
+    group over EDP groups of one rank; read back, every master and moment is the saving job's (oracle)."""
+    from reshard.jobs.convert import reshard
+
+    out = reshard(FIXTURES / ETP, tmp_path / "out", tp=1, ep=2, dp=2).out_dir
+    assert sorted(p.name for p in out.glob("*.pt")) == sorted(
+        [f"layer_{L}_expert_{x}_mp_rank_00_model_states.pt" for L in range(2) for x in range(4)]
+        + ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+           "zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+    ms = torch.load(out / "mp_rank_00_model_states.pt", weights_only=False)
+    assert (ms["mp_world_size"], ms["dp_world_size"], ms["checkpoint_parallel_dimensions"]["tp_degree"]) == (1, 2, 1)
+    assert "tensor_parallel" not in ms["ds_config"]
+    assert ms["module"]["blocks.0.mlp.fc_in_weight"].shape == (24, 16)
+    assert ms["param_shapes"][1]["blocks.1.moe.deepspeed_moe.experts.deepspeed_experts.1.fc_out_weight"] == (16, 24)
+    expert = torch.load(out / "layer_1_expert_3_mp_rank_00_model_states.pt", weights_only=False)
+    assert {k: tuple(v.shape) for k, v in expert.items()} == {
+        EXPERT.format(L=1, x=3, s="fc_in_weight"): (24, 16), EXPERT.format(L=1, x=3, s="fc_in_bias"): (24,),
+        EXPERT.format(L=1, x=3, s="fc_out_weight"): (16, 24)}
+    _universal_equals_oracle(out.parent, tmp_path, ETP)
+
+
+@pytest.mark.slow  # ~6 s: the same at TP 1 for the unsplit-expert fixture, and at TP 2 EP 4
+@pytest.mark.parametrize("tp, ep, dp", [(1, 2, 2), (1, 4, 4), (2, 4, 2)])
+def test_unsplit_expert_fixture_at_other_topologies_holds_the_jobs_own_state(tp, ep, dp, tmp_path):
+    from reshard.jobs.convert import reshard
+
+    out = reshard(FIXTURES / NAME, tmp_path / "out", tp=tp, ep=ep, dp=dp).out_dir
+    if (tp, ep) == (2, 4):  # EP groups [0..3]: EP rank g's experts saved by global rank g, named by its TP rank
+        assert sorted(p.name for p in out.glob("layer_0_*")) == [
+            f"layer_0_expert_{x}_mp_rank_0{x % 2}_model_states.pt" for x in range(4)]
+    _universal_equals_oracle(out.parent, tmp_path, NAME)
+
+
+@BOTH
+@pytest.mark.parametrize("tp, pp, why", [(4, 1, r"at its own TP=2 or at TP=1 \(PP=1\) only \(asked tp=4"),
+                                         (2, 2, r"at its own TP=2 or at TP=1 \(PP=1\) only \(asked tp=2, pp=2")])
+def test_another_tp_or_pp_is_refused_before_any_output(fixture, tp, pp, why, tmp_path):
+    from reshard.jobs.convert import reshard
+
+    with pytest.raises(ReshardError, match=why):
+        reshard(FIXTURES / fixture, tmp_path / "out", tp=tp, pp=pp, ep=2, dp=2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_ep_size_the_expert_tp_groups_cannot_take_is_refused_before_any_output(tmp_path):
+    from reshard.jobs.convert import reshard
+
+    with pytest.raises(ReshardError, match=r"ep=4 must divide the DP size dp=2 with the experts split over TP"):
+        reshard(FIXTURES / ETP, tmp_path / "out", tp=2, ep=4, dp=2)
     assert not (tmp_path / "out").exists()
