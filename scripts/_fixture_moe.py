@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -210,6 +211,8 @@ def build(cfg: dict, seed: int = 0) -> nn.Module:
 
     vocab, hidden, ffn = cfg["vocab"], cfg["hidden"], cfg["ffn"]
     tp, expert_tp = int(cfg.get("tp", 1)), bool(cfg.get("expert_tp", False))
+    # the TP model's dense MLP also at TP 1 ("mpu": the TP model run through an mpu of TP 1)
+    dense = tp > 1 or bool(cfg.get("mpu", False))
 
     class Expert(nn.Module):
         def __init__(self):
@@ -224,7 +227,7 @@ def build(cfg: dict, seed: int = 0) -> nn.Module:
         def __init__(self, i: int):
             super().__init__()
             self.ln = nn.LayerNorm(hidden)
-            if tp > 1:  # a dense tensor-parallel MLP before the MoE, as a Megatron user's block has
+            if dense:  # a dense tensor-parallel MLP before the MoE, as a Megatron user's block has
                 self.mlp = ParallelMLP(hidden, ffn, seed, f"blocks.{i}.mlp")
                 self.ln2 = nn.LayerNorm(hidden)
             expert = ParallelMLP(hidden, ffn, seed, f"blocks.{i}.expert", out_bias=False) if expert_tp else Expert()
@@ -234,7 +237,7 @@ def build(cfg: dict, seed: int = 0) -> nn.Module:
                            drop_tokens=True, enable_expert_tensor_parallelism=expert_tp)
 
         def forward(self, x):
-            if tp > 1:
+            if dense:
                 x = x + self.mlp(self.ln(x))
                 out, aux, _ = self.moe(self.ln2(x))
             else:
@@ -334,8 +337,8 @@ def main() -> None:
     cfg = spec["model_config"]
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     mpu = None
-    if int(cfg.get("tp", 1)) > 1:
-        mpu = Mpu(int(cfg["tp"]))
+    if int(cfg.get("tp", 1)) > 1 or cfg.get("mpu"):
+        mpu = Mpu(int(cfg.get("tp", 1)))
         TP.size, TP.rank, TP.group = mpu.tp, mpu.tp_rank, mpu.tp_group
     dp_rank, dp_world = (mpu.dp_rank, mpu.dp) if mpu else (rank, world)
     model = build(cfg, seed)
@@ -347,6 +350,15 @@ def main() -> None:
         {"params": [p for p in model.parameters() if p.requires_grad], "name": "dense"})
     t0 = time.time()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=spec["ds_config"], mpu=mpu)
+    if spec.get("load_dir"):  # a resume (tests/formats/deepspeed/test_moe_tp.py): digests right after the load
+        load_path, _ = engine.load_checkpoint(spec["load_dir"], tag=spec.get("load_tag"))
+        if load_path is None:
+            raise RuntimeError(f"load_checkpoint({spec['load_dir']!r}) loaded nothing")
+        loaded = _oracle(engine, cfg, mpu)
+        if rank == 0:
+            os.makedirs(spec["report_dir"], exist_ok=True)
+            with open(Path(spec["report_dir"]) / "loaded.json", "w") as f:
+                json.dump({"load_path": load_path, **loaded}, f, indent=1)
     micro = int(spec["micro_batch"])
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, cfg["vocab"], (micro * dp_world, spec["seq_len"]), generator=gen)
@@ -358,9 +370,10 @@ def main() -> None:
         engine.step()
         losses.append(float(loss))
         print(f"[fixture-moe] rank={rank} step={step + 1} loss={float(loss):.8f}", flush=True)
-    engine.save_checkpoint(spec["save_dir"], tag=spec["tag"])
+    if spec.get("save_dir"):
+        engine.save_checkpoint(spec["save_dir"], tag=spec["tag"])
     torch.distributed.barrier()
-    if mpu is not None:  # the oracle, written by the job that saved (TP fixtures only: older ones have none)
+    if mpu is not None and spec.get("save_dir"):  # the oracle, written by the job that saved (TP fixtures only: older ones have none)
         oracle = _oracle(engine, cfg, mpu)
         if rank == 0:
             with open(Path(spec["save_dir"]) / "oracle.json", "w") as f:

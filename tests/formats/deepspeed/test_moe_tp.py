@@ -308,3 +308,39 @@ def test_an_ep_size_the_expert_tp_groups_cannot_take_is_refused_before_any_outpu
     with pytest.raises(ReshardError, match=r"ep=4 must divide the DP size dp=2 with the experts split over TP"):
         reshard(FIXTURES / ETP, tmp_path / "out", tp=2, ep=4, dp=2)
     assert not (tmp_path / "out").exists()
+
+
+LOSS_RTOL = 1e-5  # TP 1 sums the dense MLP's products in one matmul where TP 2 all-reduces two halves
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # two DeepSpeed jobs per fixture (world 4 and world 2, gloo): ~1-2 min each on 2 cores
+@BOTH
+def test_deepspeed_resumes_the_written_files_natively_at_tp2_and_tp1(fixture, tmp_path):
+    """DeepSpeed's own job (``scripts/_fixture_moe.py``: the fixture's model, its mpu) loads reshard's output with
+    its ordinary ``load_checkpoint`` at TP 2 x DP 2 (the source's topology) and at TP 1 x DP 2 (the same model
+    through an mpu of TP 1): right after the load every whole master, moment and module weight equals the saving
+    job's oracle bit for bit, then it trains 2 steps; each DP rank's losses at TP 1 equal TP 2's within
+    ``LOSS_RTOL`` (the dense MLP's TP all-reduce sums in another order)."""
+    pytest.importorskip("deepspeed")
+    from reshard.jobs.convert import reshard
+    from tests.e2e.launch import launch
+
+    fx = json.loads((FIXTURES / fixture / "fixture.json").read_text())
+    script = Path(__file__).resolve().parents[3] / "scripts" / "_fixture_moe.py"
+    oracle = json.loads((FIXTURES / fixture / "oracle.json").read_text())["digests"]
+    reports = {}
+    for tp in (2, 1):
+        out = reshard(FIXTURES / fixture, tmp_path / f"tp{tp}", tp=tp, ep=2, dp=2).out_dir
+        spec = {"model_config": {**fx["model_config"], "tp": tp, "mpu": True}, "ds_config": fx["ds_config"],
+                "seed": fx["seed"], "seq_len": fx["data"]["seq_len"], "micro_batch": fx["data"]["micro_batch"],
+                "steps": 2, "load_dir": str(out.parent), "save_dir": None, "tag": None,
+                "report_dir": str(tmp_path / f"report{tp}")}
+        launch(script, spec, world_size=2 * tp, workdir=tmp_path / f"job{tp}", timeout_s=400)
+        loaded = json.loads((tmp_path / f"report{tp}" / "loaded.json").read_text())
+        assert loaded["global_steps"] == 3
+        assert differences(oracle, loaded["digests"]) == [], tp
+        reports[tp] = {r: json.loads((tmp_path / f"report{tp}" / f"rank_{r}.json").read_text()) for r in range(2 * tp)}
+    for r, rep in reports[1].items():
+        want = reports[2][2 * r]["losses"]  # TP 2's rank of DP rank r (TP rank 0)
+        assert rep["losses"] == pytest.approx(want, rel=LOSS_RTOL, abs=0), (r, rep["losses"], want)
