@@ -42,7 +42,7 @@ def _expert_file(layer: int, x: int, t: int) -> str:
 def moe_tp_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, stage: int) -> DeepSpeedTarget:
     """A classic MoE checkpoint saved at TP ``ck.tp`` > 1 written at TP ``tp`` (``ck.tp`` or 1), EP
     ``ep``, DP ``dp`` (world ``tp * dp``), ZeRO stage ``stage`` (1 or 2); the experts split over TP
-    at the target where the source's are and ``tp`` > 1 (placement.check_moe_tp refuses the rest)."""
+    at the target where the source's are and ``tp`` > 1 (placement.check_moe refuses the rest)."""
     ax = ck.moe
     ms0 = ck.model_state(0)
     counts = ms0["num_experts"]

@@ -12,6 +12,7 @@ folder exists, what it cannot write:
   ZeRO-1/2 checkpoint at ZeRO-3;
 * AutoEP folded over TP > 1 (AutoEP x AutoTP) at ZeRO-1/2 and at ZeRO-3 (``expert_folded``), from
   an AutoEP ZeRO-1/2 or ZeRO-3 source and, with ``--layout``, from a universal, DCP or HF one.
+* classic MoE saved at TP > 1 through an ``mpu`` at its own TP or at TP 1 (``moe_tp_target``).
 
 Every kind is one :class:`~reshard.formats.deepspeed.target.DeepSpeedTarget` over a
 :class:`~reshard.formats.deepspeed.layout.Layout` (outer maps, partition groups, flat groups or
