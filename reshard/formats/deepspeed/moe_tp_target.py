@@ -39,10 +39,13 @@ def _expert_file(layer: int, x: int, t: int) -> str:
     return f"layer_{layer}_expert_{x}_mp_rank_{t:02d}_model_states.pt"
 
 
-def moe_tp_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, stage: int) -> DeepSpeedTarget:
+def moe_tp_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, stage: int,
+                  maps: Mapping[str, ParamMap] | None = None, info: dict | None = None) -> DeepSpeedTarget:
     """A classic MoE checkpoint saved at TP ``ck.tp`` > 1 written at TP ``tp`` (``ck.tp`` or 1), EP
     ``ep``, DP ``dp`` (world ``tp * dp``), ZeRO stage ``stage`` (1 or 2); the experts split over TP
-    at the target where the source's are and ``tp`` > 1 (placement.check_moe refuses the rest)."""
+    at the target where the source's are and ``tp`` > 1 (placement.check_moe refuses the rest). A
+    TP-1 source at TP ``tp`` > 1: the dense TP ``maps`` and ``universal_checkpoint_info`` ``info`` of a
+    DeepSpeed checkpoint of the model saved there (``--layout``), the experts unsplit."""
     ax = ck.moe
     ms0 = ck.model_state(0)
     counts = ms0["num_experts"]
@@ -100,7 +103,7 @@ def moe_tp_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, stage: int
             continue
         for n in grp:
             m = ck.tp_map(n).map
-            outer[n] = m if tp == ck.tp else replicated(tuple(m.valid_shape), 1)
+            outer[n] = maps[n] if maps is not None else m if tp == ck.tp else replicated(tuple(m.valid_shape), 1)
         parts = {}
         for t in range(tp):
             names = [n for n in grp if t in outer[n].shards and outer[n].shards[t].numel > 0]
@@ -113,7 +116,7 @@ def moe_tp_target(ck: DeepSpeedCheckpoint, tp: int, ep: int, dp: int, stage: int
     ds_config = dsw.target_ds_config(cfg, tp=tp if isinstance(cfg, dict) and "tensor_parallel" in cfg else 1, dp=dp,
                                      zero_stage=stage)
     models = MoETPFiles(ck, tp=tp, dp=dp, stage=stage, etp=etp, target=target, ds_config=ds_config, outer=outer,
-                        dtype=dtype)
+                        dtype=dtype, info=info if maps is not None else ms0.get("universal_checkpoint_info"))
     mode = "split over TP (expert TP)" if etp > 1 else "whole, EP groups over global ranks"
     return DeepSpeedTarget(layout, tp=tp, dp=dp, stage=stage, bf16=ck.bf16, states=OPTIMIZER,
                            optim_template=lambda: ck.optim_state(0, 0), ds_config=ds_config, uc_info=None,
@@ -132,8 +135,9 @@ class MoETPFiles:
     weight a buffer of its own filled from the source's weights."""
 
     def __init__(self, ck: DeepSpeedCheckpoint, *, tp: int, dp: int, stage: int, etp: int, target: ClassicMoE,
-                 ds_config: dict | None, outer: Mapping[str, ParamMap], dtype: torch.dtype) -> None:
+                 ds_config: dict | None, outer: Mapping[str, ParamMap], dtype: torch.dtype, info: dict | None) -> None:
         self.ck, self.tp, self.dp, self.stage, self.etp, self.target = ck, tp, dp, stage, etp, target
+        self.info = info  # universal_checkpoint_info: the source's, or the --layout checkpoint's
         self.ds_config, self.outer, self.dtype = ds_config, outer, dtype
         self.template = ck.model_state(0)
         self.weights = [k for k in self.template.get("module") or {} if k in outer]
@@ -178,7 +182,7 @@ class MoETPFiles:
                   for _, p, _ in tgt.layout.rank_units(t)]
         return dsw.model_states(src, module=module, param_shapes=shapes, tp=self.tp, dp=self.dp, tp_rank=t,
                                 zero_stage=self.stage, shared_params=src.get("shared_params") or {},
-                                uc_info=src.get("universal_checkpoint_info"), ds_config=self.ds_config)
+                                uc_info=self.info, ds_config=self.ds_config)
 
     def expert(self, tgt: DeepSpeedTarget, engine: Any, f: str, names: list[str], h: int) -> dict:
         declared = tgt.by_key()

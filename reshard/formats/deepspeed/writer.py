@@ -131,10 +131,14 @@ class DeepSpeedWriter(Writer):
             self._autoep_folded(ck, tp, dp, stage, ep, layout)
             return
         if ck.experts is None and ck.zero_stage != 3 and ck.moe is not None:
-            check_moe(ck, ep, dp, tp, pp, stage)
-            if ck.tp > 1:  # saved through an mpu: written at its own TP or at TP 1
+            check_moe(ck, ep, dp, tp, pp, stage, layout=layout)
+            if ck.tp > 1 or tp > 1:  # saved through an mpu (its own TP or 1), or a TP-1 one at a --layout's TP
                 from .moe_tp_target import moe_tp_target
-                self.target = moe_tp_target(ck, tp, ep, dp, stage)
+                maps, info = None, None
+                if tp != ck.tp and tp > 1:
+                    dense = [n for g, grp in enumerate(ck.groups(0)) if g not in ck.moe.groups for n in grp]
+                    maps, info, _ = target_tp_maps(ck, dense, tp, layout)
+                self.target = moe_tp_target(ck, tp, ep, dp, stage, maps, info)
                 self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ck.moe.ep}
                 self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
                 self._notes += self.target.notes

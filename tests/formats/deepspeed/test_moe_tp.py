@@ -279,6 +279,25 @@ def test_expert_tp_fixture_written_at_tp1_holds_the_jobs_own_state(tmp_path):
     _universal_equals_oracle(out.parent, tmp_path, ETP)
 
 
+def test_tp2_to_tp1_and_back_at_a_layouts_tp_gives_deepspeeds_own_files(tmp_path):
+    """TP 2 -> TP 1 -> TP 2: the TP-1 output (a TP-1 classic MoE source) written at TP 2 with the fixture as
+    ``--layout`` (its dense TP maps and ``universal_checkpoint_info``) is the fixture's own files again, object for
+    object; without a layout TP 2 stays refused, as does an expert-TP layout (a TP-1 source's experts are whole)."""
+    from reshard.jobs.convert import reshard
+
+    tp1 = reshard(FIXTURES / NAME, tmp_path / "tp1", tp=1, ep=2, dp=2).out_dir
+    out = reshard(tp1.parent, tmp_path / "tp2", tp=2, ep=2, dp=2, layout=FIXTURES / NAME).out_dir
+    src = FIXTURES / NAME / "global_step3"
+    assert sorted(p.name for p in out.iterdir()) == sorted([p.name for p in src.iterdir()] + ["reshard-manifest.json"])
+    for p in sorted(src.iterdir()):
+        _same(torch.load(p, weights_only=False), torch.load(out / p.name, weights_only=False), p.name)
+    with pytest.raises(ReshardError, match=r"classic MoE checkpoints are resharded at TP = PP = 1 only"):
+        reshard(tp1.parent, tmp_path / "no_layout", tp=2, ep=2, dp=2)
+    with pytest.raises(ReshardError, match=r"its experts are split over TP .*written unsplit only"):
+        reshard(tp1.parent, tmp_path / "etp_layout", tp=2, ep=2, dp=2, layout=FIXTURES / ETP)
+    assert not (tmp_path / "no_layout").exists() and not (tmp_path / "etp_layout").exists()
+
+
 @pytest.mark.slow  # ~6 s: the same at TP 1 for the unsplit-expert fixture, and at TP 2 EP 4
 @pytest.mark.parametrize("tp, ep, dp", [(1, 2, 2), (1, 4, 4), (2, 4, 2)])
 def test_unsplit_expert_fixture_at_other_topologies_holds_the_jobs_own_state(tp, ep, dp, tmp_path):
