@@ -231,6 +231,11 @@ MOE_NOTE = (
     "optimizer groups from split_params_into_different_moe_groups_for_optimizer. ds_to_universal cannot convert "
     "it (docs/deepspeed-checkpoints.md)."
 )
+MOE_TP_NOTE = (
+    "TP 2 through scripts/_fixture_moe.py's Mpu (a Megatron-style mpu over gloo handed to deepspeed.initialize: "
+    "TP groups [0, 1], [2, 3], DP groups [0, 2], [1, 3]); each block a dense column/row-parallel MLP before its "
+    "MoE. oracle.json: the saving job's own digests of every whole master, moment and module weight."
+)
 GPT_BIGCODE = {
     "n_embd": 32,
     "n_head": 4,
@@ -467,6 +472,12 @@ FIXTURES = [
             notes=[MOE_NOTE]),
     # ... and at world 4: EP=2 x EDP=2, each EP rank's expert group cut over DP ranks {e, e + 2}
     Fixture("moe_ep2_dp4", "moe", MOE, ds_config(1), world_size=4, train_script=MOE_SCRIPT, notes=[MOE_NOTE]),
+    # classic MoE at TP 2 x DP 2 (EP 2) through a hand-written Megatron-style mpu: the dense MLP tensor-parallel,
+    # the experts replicated modules (enable_expert_tensor_parallelism=False) or split over TP (True)
+    Fixture("moe_ep2_tp2", "moe", dict(MOE, tp=2), ds_config(1), world_size=4, tp=2, train_script=MOE_SCRIPT,
+            notes=[MOE_NOTE, MOE_TP_NOTE]),
+    Fixture("moe_ep2_tp2_etp", "moe", dict(MOE, tp=2, expert_tp=True), ds_config(1), world_size=4, tp=2,
+            train_script=MOE_SCRIPT, notes=[MOE_NOTE, MOE_TP_NOTE]),
 ]
 BY_NAME = {f.name: f for f in FIXTURES}
 

@@ -42,7 +42,9 @@ REFUSAL_TESTS = ("tests/formats/deepspeed/test_recorded_maps.py", "tests/formats
                  "test_a_wrong_source_record_is_refused_naming_it_before_a_folded_target",
                  "tests/formats/deepspeed/test_experts_folded_from_any.py::"
                  "test_folded_from_a_universal_without_layout_is_refused",
-                 "tests/formats/deepspeed/test_frozen.py::test_planted_defects_are_refused_by_file_and_tensor")
+                 "tests/formats/deepspeed/test_frozen.py::test_planted_defects_are_refused_by_file_and_tensor",
+                 "tests/formats/deepspeed/test_moe_tp.py::test_a_wrong_ep_size_record_is_named",
+                 "tests/formats/deepspeed/test_moe_tp.py::test_a_missing_expert_shard_of_tp_rank_1_is_named")
 
 
 def test_no_assert_statement_in_reshard():

@@ -416,7 +416,8 @@ def test_megatron_names_in_safetensors_are_megatrons_reload(tmp_path: Path):
 
 
 # (source, target, options, message): a SOURCES name, or a fixture (classic MoE: ds_to_universal does not
-# read it, so it is no route's source here; tests/formats/deepspeed/test_moe*.py compare it otherwise)
+# read it, or at TP 2 merges its experts wrongly, so it is no route's source here; tests/formats/deepspeed/
+# test_moe*.py compare it with DeepSpeed's own consolidation otherwise)
 REFUSALS = [
     ("dcp-fsdp2", "deepspeed", {"tp": 2}, r"does not record how its parameters split over TP ranks.*--layout"),
     ("hf-sharded", "deepspeed", {"pp": 2}, r"--pp 2 is refused from a Hugging Face .*: a DeepSpeed pipeline "
@@ -463,6 +464,11 @@ REFUSALS = [
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 2, "dp": 2, "ep": 2},
      r"classic MoE checkpoints are resharded at TP = PP = 1 only"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 2}, r"keeps the source's ZeRO stage 1"),
+    # classic MoE saved at TP 2 through an mpu: written as DeepSpeed files at its own TP or at TP 1 only
+    (DEEPSPEED / "moe_ep2_tp2", "deepspeed", {"tp": 4, "dp": 1, "ep": 2},
+     r"saved at TP=2 \(through an mpu\) is written as DeepSpeed files at its own TP=2 or at TP=1 \(PP=1\) only"),
+    (DEEPSPEED / "moe_ep2_tp2_etp", "deepspeed", {"tp": 2, "dp": 2, "ep": 4},
+     r"ep=4 must divide the DP size dp=2 with the experts split over TP"),
     (DEEPSPEED / "moe_ep2", "deepspeed", {"tp": 1, "dp": 2, "ep": 2, "zero_stage": 3},
      r"classic MoE .* is not written at ZeRO stage 3: DeepSpeed 0.19.8 does not train it there"),
     ("deepspeed-autoep", "deepspeed", {"tp": 2, "dp": 2, "ep": 2, "zero_stage": 3},

@@ -265,7 +265,7 @@ class DeepSpeedCheckpoint:
         if (p := self.expert(name)) is not None:
             return deepspeed_experts.lowered(p)
         if (q := self.moe_param(name)) is not None:
-            return deepspeed_moe.lowered(q)
+            return deepspeed_moe.lowered(q, self.moe.etp)
         if self._alias(name):  # a module weight the optimizer does not own: as ds_to_universal, no extra keys
             shape = tuple(self.model_state(self.mp_rank(name, 0))["module"][name].shape)
             return lowering.Lowered(lowering.lower_replicated([shape]), "module only")
@@ -314,9 +314,9 @@ class DeepSpeedCheckpoint:
         if k is None or (self.experts is not None and k in self.experts.groups):
             return None
         moe = self.moe is not None and k in self.moe.groups
-        if moe and tp:
+        if moe and tp >= self.moe.etp:  # unsplit: one holder, its EP rank (read as TP rank 0's)
             return None
-        h = lay.holders[name][0] if moe else self.mp_rank(name, tp)
+        h = lay.holders[name][tp] if moe else self.mp_rank(name, tp)
         split = lay.inner(name, h)
         if split is None:
             return None

@@ -258,7 +258,12 @@ def check_expert_files(ck: Any, dtype: torch.dtype) -> None:
     """Each per-expert file holds its expert's parameters, of the recorded shapes and dtype."""
     want: dict[str, dict[str, tuple[int, ...]]] = {}
     ep_of: dict[str, tuple[int, int]] = {}  # AutoEP: a file's EP rank and TP rank
-    if ck.moe is not None:
+    if ck.moe is not None and ck.moe.etp > 1:  # one file per expert and TP rank, each that rank's shard
+        for p in ck.moe.params.values():
+            for t in range(ck.moe.etp):
+                shard = p.tp_map.shard(t).shape if p.tp_map is not None else p.shape
+                want.setdefault(ck.moe.tp_files[(p.layer, p.expert, t)].name, {})[p.name] = tuple(shard)
+    elif ck.moe is not None:
         for p in ck.moe.params.values():
             want.setdefault(ck.moe.files[(p.layer, p.expert)].name, {})[p.name] = tuple(p.shape)
     elif ck.experts is not None and ck.zero_stage != 3:

@@ -232,7 +232,6 @@ def source(ck: Recorded, align: int, outer: Callable[[str], ParamMap] | None = N
     records, each parameter split on its own. ``outer(name)``: the outer map (a stage map, an
     expert placement), lowered on first use; without it only the partitions are known (enough to
     check what the files record)."""
-    experts = ck.experts if ck.experts is not None else ck.moe
     dense = Group.dense(ck.mp, ck.dp)
     rule = "sub" if ck.zero_stage == 3 else "flat"
     units = []
@@ -241,9 +240,10 @@ def source(ck: Recorded, align: int, outer: Callable[[str], ParamMap] | None = N
             ax = ck.experts
             edp = Group(tuple(tuple(ax.holder_ranks(h)) for h in range(ax.pp * ax.ep)))
             units.append(Unit(edp, {h: _part(ck, rule, k, h, edp.size, align) for h in range(ax.pp * ax.ep)}))
-        elif experts is not None and k in experts.groups:
-            edp = Group(tuple(tuple(experts.members(e)) for e in range(experts.ep)))
-            units.append(Unit(edp, {e: _part(ck, rule, k, e, edp.size, align) for e in range(experts.ep)}))
+        elif ck.moe is not None and k in ck.moe.groups:  # holder: EP rank (expert TP: e * etp + t)
+            hs = range(ck.moe.holders)
+            edp = Group(tuple(tuple(ck.moe.members(h)) for h in hs))
+            units.append(Unit(edp, {h: _part(ck, rule, k, h, edp.size, align) for h in hs}))
         else:
             units.append(Unit(dense, {t: _part(ck, rule, k, t, ck.dp, align) for t in range(ck.mp)}))
     ranks = [d * ck.mp + t for t in range(ck.mp) for d in range(ck.dp)]
@@ -258,11 +258,13 @@ def _part(ck: Recorded, rule: str, k: int, h: int, size: int, align: int) -> Par
     if ck.experts is not None and k in ck.experts.groups:  # holder h: stage h // ep's EP rank h % ep
         s, e = divmod(h, ck.experts.ep)
         grp = {n: ck.experts.params[n].shard_shape(e) for n in ck.groups(s * ck.tp)[k]}
-    else:
-        grp = ck.groups(0 if ck.moe is not None and k in ck.moe.groups else h)[k]
+    else:  # a classic MoE holder: its TP rank's local expert shapes (unsplit: rank 0's, alike)
+        moe = ck.moe is not None and k in ck.moe.groups
+        grp = ck.groups(h % ck.moe.etp if moe else h)[k]
     names = list(grp)
     if ck.moe is not None and k in ck.moe.groups:
-        local = {q.local: q.name for q in ck.moe.params.values() if q.ep_rank == h and q.group == k}
+        e = h // ck.moe.etp
+        local = {q.local: q.name for q in ck.moe.params.values() if q.ep_rank == e and q.group == k}
         names = [local[n] for n in grp]
     if rule == "sub":
         return Part(SubGroup(k, tuple(grp), tuple(tuple(s) for s in grp.values()), size), tuple(names))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError, ReshardError
@@ -172,19 +173,81 @@ def split_local(name: str) -> tuple[str, int, str]:
     return m["prefix"], int(m["local"]), m["sub"]
 
 
-def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int) -> None:
+def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int, layout: Any = None) -> None:
     ax, path = ck.moe, ck.model_files[0]
     if stage == 3:
         raise ReshardError(f"{ck.tag_dir}: a classic MoE (deepspeed.moe.layer.MoE) checkpoint is not written at ZeRO "
                            "stage 3: DeepSpeed 0.19.8 does not train it there (engine._validate_zero3_moe_compatibility: "
                            "'Native DeepSpeed MoE is not supported with ZeRO Stage 3'); it keeps its ZeRO stage "
                            f"{ck.zero_stage}")
+    if ck.tp > 1:  # written at its own TP or at TP 1 (moe_tp_target); the rest has no DeepSpeed layout proven here
+        _check_moe_tp(ck, ep, dp, tp, pp, stage)
+        return
+    if tp > 1 and pp == 1 and isinstance(layout, (str, Path)) and Path(layout).is_dir():
+        _check_moe_layout(ck, tp, Path(layout))  # a TP-1 source at the TP of a DeepSpeed checkpoint saved there
+        _check_moe_tp(ck, ep, dp, tp, pp, stage, layout_tp=tp)
+        return
     check_target(ck, "classic MoE", ep, dp, tp, pp, stage)
     counts = ck.model_state(0)["num_experts"]
     for p in ax.params.values():
         if counts[p.layer] % ep:
             raise ReshardError(f"{path}: MoE layer {p.layer} ({split_local(p.name)[0]}): {counts[p.layer]} experts do not "
                                f"split evenly over ep={ep}")
+    _check_moe_groups(ck)
+    ck.check_steps()
+
+
+def _check_moe_layout(ck: DeepSpeedCheckpoint, tp: int, layout: Path) -> None:
+    """A TP-1 classic MoE source's ``--layout`` checkpoint: a classic MoE one at ``tp`` whose experts
+    are not split over TP (a TP-1 source's experts are whole; DeepSpeed's expert-TP split of them is
+    not derived here)."""
+    lck = DeepSpeedCheckpoint.open(layout)
+    if lck.moe is None or lck.tp != tp:
+        raise ReshardError(f"layout checkpoint {lck.tag_dir}: a classic MoE target at TP={tp} from a TP-1 source takes "
+                           f"its dense TP maps from a classic MoE checkpoint of this model saved at TP={tp} (this one: "
+                           f"TP={lck.tp}, {'classic MoE' if lck.moe is not None else 'no classic MoE experts'})")
+    if lck.moe.etp > 1:
+        raise ReshardError(f"layout checkpoint {lck.tag_dir}: its experts are split over TP "
+                           "(enable_expert_tensor_parallelism=True); a TP-1 source's experts are written unsplit "
+                           "only")
+
+
+def _check_moe_tp(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int,
+                  layout_tp: int | None = None) -> None:
+    """What a classic MoE source saved at TP > 1 (through an mpu) refuses as a DeepSpeed target,
+    before anything is written: another TP than its own or 1, PP, another ZeRO stage, EP sizes its
+    expert groups cannot be cut into (moe_tp_target)."""
+    ax, path = ck.moe, ck.model_files[0]
+    if pp != 1 or tp not in (1, ck.tp, layout_tp):
+        raise ReshardError(f"{ck.tag_dir}: a classic MoE checkpoint saved at TP={ck.tp} (through an mpu) is written "
+                           f"as DeepSpeed files at its own TP={ck.tp} or at TP=1 (PP=1) only (asked tp={tp}, pp={pp}): "
+                           f"another TP degree re-cuts the dense shards to a split no DeepSpeed job here has saved "
+                           f"(--layout is not offered for it); --format universal, dcp, safetensors or hf are offered")
+    if stage not in (1, 2) or stage != ck.zero_stage:
+        raise ReshardError(f"{ck.tag_dir}: classic MoE resharding keeps the source's ZeRO stage {ck.zero_stage} "
+                           f"(asked {stage})")
+    etp = ax.etp > 1 and tp > 1
+    if etp and dp % ep:  # expert TP cuts each TP rank's DP group into EP groups
+        raise ReshardError(f"ep={ep} must divide the DP size dp={dp} with the experts split over TP (DeepSpeed's "
+                           "groups._get_expert_parallel_ranks cuts each TP rank's DP group into EP groups)")
+    if not etp and (tp * dp) % ep:
+        raise ReshardError(f"ep={ep} must divide the target world size tp*dp={tp * dp} (DeepSpeed builds the EP "
+                           "groups over global ranks)")
+    if ax.data_before_expert and tp > 1:
+        raise ReshardError(f"{ck.tag_dir}: use_data_before_expert_parallelism at TP > 1 is not written (no DeepSpeed "
+                           "checkpoint of that layout here)")
+    counts = ck.model_state(0)["num_experts"]
+    for p in ax.params.values():
+        if counts[p.layer] % ep:
+            raise ReshardError(f"{path}: MoE layer {p.layer} ({split_local(p.name)[0]}): {counts[p.layer]} experts do not "
+                               f"split evenly over ep={ep}")
+    _check_moe_groups(ck)
+    ck.check_steps()
+
+
+def _check_moe_groups(ck: DeepSpeedCheckpoint) -> None:
+    """The expert optimizer groups are DeepSpeed's MoE groups for the source's EP size."""
+    ax = ck.moe
     try:
         groups = ck.optim_state(0, 0)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
     except (KeyError, TypeError) as e:
@@ -195,7 +258,6 @@ def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage
             raise CheckpointError(f"{ck.optim_files[(0, 0)]}: optimizer group {g} holds the experts but is not "
                                   f"DeepSpeed's MoE group (moe: True, name 'ep_size_{ax.ep}'): "
                                   f"{ {k: group.get(k) for k in ('name', 'moe')} }")
-    ck.check_steps()
 
 
 def check_folded_target(ck: DeepSpeedCheckpoint, ep: int, tp: int) -> None:

@@ -13,6 +13,7 @@ folder exists, what it cannot write:
   ZeRO-1/2 checkpoint at ZeRO-3;
 * AutoEP folded over TP > 1 (AutoEP x AutoTP) at ZeRO-1/2 and at ZeRO-3 (``expert_folded``), from
   an AutoEP ZeRO-1/2 or ZeRO-3 source and, with ``--layout``, from a universal, DCP or HF one.
+* classic MoE saved at TP > 1 through an ``mpu`` at its own TP or at TP 1 (``moe_tp_target``).
 
 Every kind is one :class:`~reshard.formats.deepspeed.target.DeepSpeedTarget` over a
 :class:`~reshard.formats.deepspeed.layout.Layout` (outer maps, partition groups, flat groups or
@@ -153,7 +154,18 @@ class DeepSpeedWriter(Writer):
             self._autoep_folded(ck, tp, dp, stage, ep, layout)
             return
         if ck.experts is None and ck.zero_stage != 3 and ck.moe is not None:
-            check_moe(ck, ep, dp, tp, pp, stage)
+            check_moe(ck, ep, dp, tp, pp, stage, layout=layout)
+            if ck.tp > 1 or tp > 1:  # saved through an mpu (its own TP or 1), or a TP-1 one at a --layout's TP
+                from .moe_tp_target import moe_tp_target
+                maps, info = None, None
+                if tp != ck.tp and tp > 1:
+                    dense = [n for g, grp in enumerate(ck.groups(0)) if g not in ck.moe.groups for n in grp]
+                    maps, info, _ = target_tp_maps(ck, dense, tp, layout)
+                self.target = moe_tp_target(ck, tp, ep, dp, stage, maps, info)
+                self._source = {"tp": ck.tp, "dp": ck.dp, "pp": 1, "zero_stage": ck.zero_stage, "ep": ck.moe.ep}
+                self._target = {"tp": tp, "dp": dp, "pp": 1, "zero_stage": stage, "ep": ep}
+                self._notes += self.target.notes
+                return
             self.target = moe_target(ck, ep, dp, stage, [ck.moe.files[k] for k in sorted(ck.moe.files)])
             source_ep = ck.moe.ep
         elif ck.experts is not None and ck.zero_stage in (1, 2) and stage == 3:
