@@ -102,10 +102,14 @@ def test_the_quantized_families_damage_a_kept_dcp_and_each_is_refused(tmp_path):
     # TP rank 1's ZeRO-3 model state without num_experts (folded AutoEP; the universal output copied it as it was)
     ("mixtral_autoep_ep2_tp2_zero3", Mutation("resave_keys", "global_step3/zero_pp_rank_0_mp_rank_01_model_states.pt",
                                               3256318980)),
-], ids=["moe-module-entry", "autoep-module-entry", "dcp-manifest-junk", "hf-config-deleted", "autoep-tp1-num-experts"])
+    # Adam's step dropped from DP rank 0's ZeRO-3 optimizer state (the output took another rank's, or none)
+    ("llama_zero3_dp2", Mutation("resave_keys", "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", 2071141439)),
+], ids=["moe-module-entry", "autoep-module-entry", "dcp-manifest-junk", "hf-config-deleted", "autoep-tp1-num-experts",
+        "zero3-step-dropped"])
 def test_the_silent_outputs_make_fuzz_found_are_refused(tmp_path, source, mutation):
     """``make fuzz`` of f3b94ba (seed 20261201, cases 64, 320, 439, 494) and of 2dbedaf with the folded and
-    pipeline AutoEP fixtures among its sources (case 212): each of these damaged copies was
+    pipeline AutoEP fixtures among its sources (case 212), and
+    of 19b28a6 with classic MoE at TP 2 and frozen parameters among them (case 493): each of these damaged copies was
     converted without a word into an output unlike the undamaged one; now each command refuses it, naming a
     file of the checkpoint."""
     from tests.fuzz.harness import Case, Runner

@@ -90,11 +90,10 @@ def sources(cache: Path) -> list[Source]:
                                        "llama_tp2", "qwen2_tp2", "llama_zero3_tp2_dp2",
                                        # AutoEP folded over AutoTP (ZeRO-1 and ZeRO-3), under PP, with a buffer
                                        "mixtral_autoep_ep2_tp2", "mixtral_autoep_ep2_tp2_zero3",
-                                       "deepseek_v3_autoep_ep2")]
+                                       "mixtral_autoep_ep2_pp2", "deepseek_v3_autoep_ep2",
+                                       # classic MoE saved at TP 2 through an mpu; frozen parameters (ZeRO-1, 3)
+                                       "moe_ep2_tp2", "llama_frozen_zero1_dp2", "llama_frozen_zero3_dp2")]
     out = [Source(n, "deepspeed", p, (CONVERT_UCP, CONVERT_ST, _reshard(), INSPECT)) for n, p in ds]
-    # AutoEP under PP: read (written as DeepSpeed files only by a one-stage pipeline job's layout)
-    out.append(Source("mixtral_autoep_ep2_pp2", "deepspeed", DEEPSPEED / "mixtral_autoep_ep2_pp2",
-                      (CONVERT_UCP, CONVERT_ST, INSPECT)))
     out.append(Source("trainer_llama_zero2", "trainer", HF / "trainer_llama_zero2" / "checkpoint-3",
                       (CONVERT_UCP, CONVERT_ST, _reshard("--dp", "1", out="{out}/checkpoint-3"), INSPECT)))
     out.append(Source("llama_fsdp2_ws2", "dcp", DCP / "llama_fsdp2_ws2",

@@ -30,7 +30,7 @@ from . import frozen as deepspeed_frozen
 from . import layout as ds_layout
 from . import lowering
 from . import moe as deepspeed_moe
-from .checks import check_step, param_groups
+from .checks import MOMENTS, check_step, param_groups
 from .files import LAYER_RE, MODEL_RE, OPTIM_RE, Z3_MODEL_RE, resolve_tag_dir
 from .zero12 import layout_alignment
 
@@ -343,19 +343,25 @@ class DeepSpeedCheckpoint:
         return m.with_ranks({g: g // self.mp * self.tp + g % self.mp % self.tp for g in m.ranks})
 
     def check_steps(self) -> None:
-        """Every rank's optimizer must be at the same step (DeepSpeed asserts the same)."""
+        """Every rank's optimizer must be at the same step (DeepSpeed asserts the same), and every
+        state with Adam moments has its step (torch's Adam keeps them together)."""
         steps = set()
         for (t, d), path in self.optim_files.items():
             osd = self.osd(t, d)
             try:
                 outer = osd["optimizer_state_dict"] if self.zero_stage == 3 else osd["base_optimizer_state"]
-                for s in outer["state"].values():
-                    if "step" in s:
-                        check_step(s["step"], path)
-                        steps.add(float(s["step"]))
-            except (KeyError, TypeError, AttributeError, ValueError):
+                states = list(outer["state"].items())
+            except (KeyError, TypeError, AttributeError):
                 raise CheckpointError(f"{path}: optimizer state has an unknown layout (no per-group 'state')") \
                     from None
+            for k, s in states:
+                if not isinstance(s, dict):
+                    raise CheckpointError(f"{path}: the optimizer state of group {k} is {type(s).__name__}, not a dict")
+                if "step" in s:
+                    check_step(s["step"], path)
+                    steps.add(float(s["step"]))
+                elif any(m in s for m in MOMENTS):
+                    raise CheckpointError(f"{path}: the optimizer state of group {k} has Adam moments but no step")
         if len(steps) > 1:
             raise CheckpointError(f"{self.tag_dir}: optimizer ranks are at different steps {sorted(steps)}")
 
