@@ -57,7 +57,8 @@ EXTRA = [
     ("meg-fully-reshardable", "reshard", MEGATRON / "torch_dist_dp2_fully_reshardable", {"to": "megatron", "dp": 1}),
     ("meg-to-fully-reshardable", "reshard", MEGATRON / "torch_dist_tp2_dp2_distopt",
      {"to": "megatron", "optimizer": "fully_reshardable"}),
-    ("meg-moe-shared", "reshard", MEGATRON / "torch_dist_moe_tp2_ep2_shared_distopt", {"to": "megatron", "tp": 1}),
+    ("meg-moe-shared", "reshard", MEGATRON / "torch_dist_moe_tp2_ep2_shared_distopt",
+     {"to": "megatron", "tp": 1, "dp": 2}),  # its EP 2 needs 2 ranks at TP 1
     ("meg-vpp", "reshard", MEGATRON / "torch_dist_pp2_vpp2_distopt", {"to": "megatron", "pp": 1}),
     ("meg-legacy-distopt", "reshard", MEGATRON / "legacy_dp2_distopt", {"to": "megatron"}),
     ("meg-from-hf-adam", "reshard", HF / "pretrained_llama_sharded", {"to": "megatron", "optimizer": "adam"}),
