@@ -238,7 +238,9 @@ def _diff_files(ours: Path, theirs: Path, ep: int) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("world,ep", [(2, 1), pytest.param(1, 1, marks=pytest.mark.slow)])
+# both in the slow tier (~25 s each); make test keeps the file-for-file checks of the same routes
+@pytest.mark.parametrize("world,ep", [pytest.param(2, 1, marks=pytest.mark.slow),
+                                      pytest.param(1, 1, marks=pytest.mark.slow)])
 def test_deepspeed_resumes_the_resharded_experts_as_its_own_checkpoint(world, ep, ucp, tmp_path):
     """One real job at ``world`` ranks: DeepSpeed resumes ds_to_universal's output at the target EP
     (ZeRO-3) and saves it natively, then resumes reshard's output natively: the files are DeepSpeed's

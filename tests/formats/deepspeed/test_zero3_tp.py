@@ -234,6 +234,7 @@ def test_tp_ranks_recording_other_parameters_are_refused(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~30 s; make test keeps ds_to_universal parity and the universal-tensor checks of each route
 def test_deepspeed_loads_it_natively_at_tp2_dp1_and_trains_as_from_its_own_save(tmp_path):
     """reshard's TP=2 x DP=1 ZeRO-3 files of the TP=2 x DP=2 fixture, loaded with DeepSpeed's
     ordinary ``load_checkpoint``, against DeepSpeed's own native checkpoint there (its save right
