@@ -174,7 +174,6 @@ def split_local(name: str) -> tuple[str, int, str]:
 
 
 def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage: int, layout: Any = None) -> None:
-    ax, path = ck.moe, ck.model_files[0]
     if stage == 3:
         raise ReshardError(f"{ck.tag_dir}: a classic MoE (deepspeed.moe.layer.MoE) checkpoint is not written at ZeRO "
                            "stage 3: DeepSpeed 0.19.8 does not train it there (engine._validate_zero3_moe_compatibility: "
@@ -188,13 +187,7 @@ def check_moe(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, stage
         _check_moe_tp(ck, ep, dp, tp, pp, stage, layout_tp=tp)
         return
     check_target(ck, "classic MoE", ep, dp, tp, pp, stage)
-    counts = ck.model_state(0)["num_experts"]
-    for p in ax.params.values():
-        if counts[p.layer] % ep:
-            raise ReshardError(f"{path}: MoE layer {p.layer} ({split_local(p.name)[0]}): {counts[p.layer]} experts do not "
-                               f"split evenly over ep={ep}")
-    _check_moe_groups(ck)
-    ck.check_steps()
+    _check_moe_split(ck, ep)
 
 
 def _check_moe_layout(ck: DeepSpeedCheckpoint, tp: int, layout: Path) -> None:
@@ -217,7 +210,7 @@ def _check_moe_tp(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, s
     """What a classic MoE source saved at TP > 1 (through an mpu) refuses as a DeepSpeed target,
     before anything is written: another TP than its own or 1, PP, another ZeRO stage, EP sizes its
     expert groups cannot be cut into (moe_tp_target)."""
-    ax, path = ck.moe, ck.model_files[0]
+    ax = ck.moe
     if pp != 1 or tp not in (1, ck.tp, layout_tp):
         raise ReshardError(f"{ck.tag_dir}: a classic MoE checkpoint saved at TP={ck.tp} (through an mpu) is written "
                            f"as DeepSpeed files at its own TP={ck.tp} or at TP=1 (PP=1) only (asked tp={tp}, pp={pp}): "
@@ -236,8 +229,13 @@ def _check_moe_tp(ck: DeepSpeedCheckpoint, ep: int, dp: int, tp: int, pp: int, s
     if ax.data_before_expert and tp > 1:
         raise ReshardError(f"{ck.tag_dir}: use_data_before_expert_parallelism at TP > 1 is not written (no DeepSpeed "
                            "checkpoint of that layout here)")
-    counts = ck.model_state(0)["num_experts"]
-    for p in ax.params.values():
+    _check_moe_split(ck, ep)
+
+
+def _check_moe_split(ck: DeepSpeedCheckpoint, ep: int) -> None:
+    """Every MoE layer's experts split evenly over ``ep``; the expert groups' names; one step."""
+    counts, path = ck.model_state(0)["num_experts"], ck.model_files[0]
+    for p in ck.moe.params.values() if ck.moe is not None else ():
         if counts[p.layer] % ep:
             raise ReshardError(f"{path}: MoE layer {p.layer} ({split_local(p.name)[0]}): {counts[p.layer]} experts do not "
                                f"split evenly over ep={ep}")
