@@ -39,7 +39,9 @@ from tests.e2e.launch import model_spec_from_fixture, resume_load, resume_many
 from tests.support.dcp_jobs import FIXTURES, run_fsdp_job
 from tests.support.paths import DEEPSPEED
 
-pytestmark = pytest.mark.e2e
+# the slow tier (one FSDP2 and three DeepSpeed launches, ~65 s): make test keeps the DCP -> DeepSpeed routes of
+# tests/formats/test_routes.py, read back against DeepSpeed's own consolidation bit for bit
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FIXTURE = FIXTURES / "llama_fsdp2_ws2"
 DS_FIXTURE = DEEPSPEED / "llama_zero1_dp2"

@@ -32,7 +32,8 @@ def universal(tmp_path_factory):
 
 
 # ZeRO-3 down to one rank, and a tied ZeRO-2 model up to four (each pair of launches ~40-50 s here)
-@pytest.mark.parametrize("name,world", [("trainer_llama_zero3", 1),
+# both in the slow tier (~30 s and ~50 s): make test keeps the Trainer routes of tests/formats/test_routes.py
+@pytest.mark.parametrize("name,world", [pytest.param("trainer_llama_zero3", 1, marks=pytest.mark.slow),
                                         pytest.param("trainer_qwen2_tied_zero2", 4, marks=pytest.mark.slow)])
 def test_a_resharded_trainer_checkpoint_resumes_as_deepspeeds_universal_route(name, world, universal, tmp_path):
     from tests.e2e.hf_launch import resume
