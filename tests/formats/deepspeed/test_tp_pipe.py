@@ -289,6 +289,7 @@ def e2e_reports(work, ds_ucp) -> dict:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # one DeepSpeed launch per world size (~35 s); make test keeps the universal-tensor checks
 @pytest.mark.parametrize("tp,pp,dp", E2E_TARGETS, ids=[f"tp{t}pp{p}dp{d}" for t, p, d in E2E_TARGETS])
 def test_deepspeed_loads_it_natively_and_trains_as_from_its_own_checkpoint(tp, pp, dp, work, e2e_reports):
     key = f"tp{tp}pp{pp}dp{dp}"

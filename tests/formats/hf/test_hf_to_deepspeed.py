@@ -45,6 +45,7 @@ def loaded(tmp_path_factory) -> dict:
     return {"jobs": resume_many(loads, world_size=2), "reports": reports}
 
 
+@pytest.mark.slow  # one 2-rank DeepSpeed launch (~40 s); make test keeps the HF -> DeepSpeed routes of test_routes
 @pytest.mark.parametrize("name", FOLDERS)
 def test_deepspeed_loads_pretrained_weights_as_a_fresh_run(loaded, name):
     from safetensors.torch import load_file
